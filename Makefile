@@ -1,0 +1,37 @@
+# One entry point. `make demo` runs the main job; `make test` installs everything and runs
+# the whole suite (lint, types, tests). Both create ./.venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test lint typecheck unit integration clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU wheel available here; install it first so nothing pulls CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,torch,interop]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/mtc demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check replicator client tests scripts
+	$(VENV)/bin/ruff format --check replicator client tests scripts
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+test: $(STAMP) lint typecheck
+	$(PY) -m pytest -q -ra tests
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,359 @@
+"""The workload contract: names in CHECKPOINT_DIR and the ``replicator.yaml`` handshake.
+
+Pure: no I/O, no gRPC, no cloud SDKs, so ``client/`` imports it too. PROTOCOL.md in the
+project's shared docs is the specification; every rule here cites its behaviour, not a wish.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+# --- File names owned by one side of the contract ------------------------------------------
+
+CONFIG_FILE = "replicator.yaml"
+CONFIG_TMP_FILE = "replicator.yaml.tmp"
+PRERESTORE_FILE = "replicator.prerestore"
+ERRORS_FILE = "replicator.errors"
+FAILED_FILE = "replicator.failed"
+JAX_INIT_INFO_FILE = "jax-init-info.txt"
+STORE_DIR = ".mtc"
+
+MAX_CONFIG_BYTES = 64 * 1024
+"""A handshake is a few hundred bytes; anything this large is not one."""
+
+JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
+STEP_DIR_RE = re.compile(r"[0-9]+")
+_MARKER_BODY = r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
+SAVE_FILE_RE = re.compile(_MARKER_BODY + r"\.save")
+RESTORE_MARKER_RE = re.compile(_MARKER_BODY + r"\.restore")
+
+
+class Framework(enum.StrEnum):
+    """How the workload hands over a checkpoint."""
+
+    ORBAX = "orbax"
+    PYTORCH_DISTRIBUTED = "pytorch.distributed"
+    PYTORCH = "pytorch"
+
+    @property
+    def item_is_file(self) -> bool:
+        """``pytorch`` hands one ``.save`` file per worker; the others hand ``<N>/`` dirs."""
+        return self is Framework.PYTORCH
+
+
+@dataclass(frozen=True)
+class BackupInterval:
+    """When to back up: every ``minutes`` or every ``steps`` (exactly one is set)."""
+
+    minutes: int | None = 30
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.minutes is None) == (self.steps is None):
+            raise ValueError("exactly one of minutes or steps must be set")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One accepted ``replicator.yaml``: the job as this node sees it for one incarnation."""
+
+    job_name: str
+    """Safe name used in marker names, store paths and backup keys."""
+    framework: Framework
+    node_rank: int
+    """This node's rank, ``0 <= node_rank < nodes``."""
+    nodes: int
+    peer_ranks: tuple[int, ...] = ()
+    """Explicit peers (Orbax: the data-parallel equivalents); may be empty."""
+    peers_per_node: int = 0
+    """How many peers to choose when ``peer_ranks`` is empty."""
+    data_parallelism: int | None = None
+    """``D`` identical replicas of ``nodes // D`` nodes each, or None when not declared."""
+    workers_per_node: int = 1
+    backup_interval: BackupInterval = field(default_factory=BackupInterval)
+    unknown_keys: tuple[str, ...] = ()
+    """Keys we ignored; the daemon logs them at warning level."""
+
+    @property
+    def nodes_per_replica(self) -> int:
+        """Ranks per data-parallel replica; ``nodes`` when no parallelism is declared."""
+        return self.nodes // (self.data_parallelism or 1)
+
+    def equivalent_ranks(self, rank: int) -> tuple[int, ...]:
+        """Ranks holding a data-parallel equivalent of ``rank``'s checkpoint (rank excluded)."""
+        stride = self.nodes_per_replica
+        return tuple(r for r in range(rank % stride, self.nodes, stride) if r != rank)
+
+    def cluster_view(self) -> dict[str, Any]:
+        """The keys every rank of one job must agree on."""
+        return {
+            "job-name": self.job_name,
+            "framework": self.framework.value,
+            "nodes": self.nodes,
+            "assume-data-parallelism": self.data_parallelism,
+            "workers-per-node": self.workers_per_node,
+            "backup-interval-minutes": self.backup_interval.minutes,
+            "backup-interval-steps": self.backup_interval.steps,
+        }
+
+
+class ConfigError(ValueError):
+    """``replicator.yaml`` is invalid; the message names the key, the value and the rule."""
+
+    def __init__(self, key: str, value: object, rule: str) -> None:
+        self.key = key
+        self.value = value
+        self.rule = rule
+        shown = _shorten(repr(value))
+        super().__init__(f"replicator.yaml: {key!r} = {shown} is invalid: {rule}")
+
+
+class IncompleteConfigError(ConfigError):
+    """The text does not (yet) parse to a mapping with every required key.
+
+    A writer that does not publish atomically (the PyTorch reference client) can leave the
+    daemon reading a partial file, so this error means "maybe not finished": re-read it.
+    """
+
+
+_REQUIRED = ("job-name", "framework", "node-rank", "nodes")
+_KNOWN = {
+    *_REQUIRED,
+    "peer-ranks",
+    "peers-per-node",
+    "assume-data-parallelism",
+    "workers-per-node",
+    "backup-interval-minutes",
+    "backup-interval-steps",
+}
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_VAR_RE = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def expand_vars(value: str, env: Mapping[str, str]) -> str:
+    """Expand ``$VAR`` and ``${VAR}`` from ``env``; unknown variables stay as written."""
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group("braced") or match.group("bare")
+        return env.get(name, match.group(0))
+
+    return _VAR_RE.sub(sub, value)
+
+
+def _load_mapping(text: str) -> dict[str, Any]:
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
+        raise ConfigError("<file>", f"{len(text)} characters", f"at most {MAX_CONFIG_BYTES} bytes")
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError) as exc:
+        raise IncompleteConfigError("<file>", _shorten(text), f"not valid YAML ({exc})") from None
+    if data is None:
+        raise IncompleteConfigError("<file>", text, "empty; expected a mapping of keys")
+    if not isinstance(data, dict):
+        raise IncompleteConfigError("<file>", data, "expected a YAML mapping of keys")
+    missing = [k for k in _REQUIRED if k not in data or data[k] is None]
+    if missing:
+        raise IncompleteConfigError(missing[0], None, "required key is missing")
+    return {str(k): v for k, v in data.items()}
+
+
+def _expand(value: object, env: Mapping[str, str]) -> object:
+    if isinstance(value, str):
+        return expand_vars(value, env).strip()
+    if isinstance(value, list):
+        return [_expand(v, env) for v in value]
+    return value
+
+
+def _as_int(key: str, value: object) -> int:
+    # bool is an int subclass in Python; "true" is never a rank or a count.
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _INT_RE.fullmatch(value):
+        return int(value)
+    raise ConfigError(key, value, "must be an integer (a number or a string of digits)")
+
+
+def _opt_int(data: Mapping[str, object], key: str) -> int | None:
+    value = data.get(key)
+    return None if value is None or value == "" else _as_int(key, value)
+
+
+def _int_list(key: str, value: object) -> list[int]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        # `peer-ranks: "1, 2"` or a single `3` after $VAR expansion.
+        parts = [p for p in re.split(r"[\s,\[\]]+", value) if p]
+        return [_as_int(key, p) for p in parts]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if not isinstance(value, list):
+        raise ConfigError(key, value, "must be a list of integers, e.g. [1, 2]")
+    return [_as_int(key, v) for v in value]
+
+
+def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
+    """Parse and validate one ``replicator.yaml``.
+
+    Raises ``IncompleteConfigError`` when the text may be a partial write and
+    ``ConfigError`` for every other problem; never any other exception.
+    """
+    env = env if env is not None else {}
+    raw = _load_mapping(text)
+    data = {k: _expand(v, env) for k, v in raw.items()}
+
+    job = data["job-name"]
+    if not isinstance(job, str | int) or isinstance(job, bool):
+        raise ConfigError("job-name", job, "must be a string")
+    job = str(job)
+    if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+        raise ConfigError(
+            "job-name",
+            job,
+            "must match [A-Za-z0-9][A-Za-z0-9._-]{0,126} (no '/', no '..')",
+        )
+
+    fw_raw = data["framework"]
+    try:
+        framework = Framework(fw_raw)
+    except ValueError:
+        allowed = ", ".join(f.value for f in Framework)
+        raise ConfigError("framework", fw_raw, f"must be one of: {allowed}") from None
+
+    nodes = _as_int("nodes", data["nodes"])
+    if nodes < 1:
+        raise ConfigError("nodes", nodes, "must be >= 1")
+    rank = _as_int("node-rank", data["node-rank"])
+    if not 0 <= rank < nodes:
+        raise ConfigError("node-rank", rank, f"must satisfy 0 <= node-rank < nodes ({nodes})")
+
+    peers = _int_list("peer-ranks", data.get("peer-ranks"))
+    for p in peers:
+        if not 0 <= p < nodes:
+            raise ConfigError("peer-ranks", peers, f"every rank must be in [0, {nodes})")
+    if rank in peers:
+        raise ConfigError("peer-ranks", peers, f"must not contain this node's rank {rank}")
+    if len(set(peers)) != len(peers):
+        raise ConfigError("peer-ranks", peers, "ranks must be unique")
+
+    ppn = _opt_int(data, "peers-per-node")
+    if ppn is None:
+        ppn = len(peers)
+    if ppn < 0:
+        raise ConfigError("peers-per-node", ppn, "must be >= 0")
+    if not peers and ppn > nodes - 1:
+        raise ConfigError("peers-per-node", ppn, f"must be <= nodes - 1 ({nodes - 1})")
+
+    dp = _opt_int(data, "assume-data-parallelism")
+    if dp is not None and (dp < 1 or nodes % dp != 0):
+        raise ConfigError(
+            "assume-data-parallelism", dp, f"must be >= 1 and divide nodes ({nodes})"
+        )
+
+    workers = _opt_int(data, "workers-per-node")
+    workers = 1 if workers is None else workers
+    if workers < 1:
+        raise ConfigError("workers-per-node", workers, "must be >= 1")
+
+    minutes = _opt_int(data, "backup-interval-minutes")
+    steps = _opt_int(data, "backup-interval-steps")
+    if minutes is not None and steps is not None:
+        raise ConfigError(
+            "backup-interval-steps",
+            steps,
+            "give at most one of backup-interval-minutes and backup-interval-steps",
+        )
+    if minutes is not None and minutes <= 0:
+        raise ConfigError("backup-interval-minutes", minutes, "must be > 0")
+    if steps is not None and steps <= 0:
+        raise ConfigError("backup-interval-steps", steps, "must be > 0")
+    interval = BackupInterval(minutes=None, steps=steps) if steps else BackupInterval(minutes or 30)
+
+    return JobConfig(
+        job_name=job,
+        framework=framework,
+        node_rank=rank,
+        nodes=nodes,
+        peer_ranks=tuple(peers),
+        peers_per_node=ppn,
+        data_parallelism=dp,
+        workers_per_node=workers,
+        backup_interval=interval,
+        unknown_keys=tuple(sorted(k for k in data if k not in _KNOWN)),
+    )
+
+
+def render_config(config: JobConfig) -> str:
+    """The ``replicator.yaml`` text for ``config`` (what our client writes)."""
+    data: dict[str, Any] = {
+        "job-name": config.job_name,
+        "framework": config.framework.value,
+        "node-rank": config.node_rank,
+        "nodes": config.nodes,
+        "peer-ranks": list(config.peer_ranks),
+        "peers-per-node": config.peers_per_node,
+        "workers-per-node": config.workers_per_node,
+    }
+    if config.data_parallelism is not None:
+        data["assume-data-parallelism"] = config.data_parallelism
+    if config.backup_interval.steps is not None:
+        data["backup-interval-steps"] = config.backup_interval.steps
+    else:
+        data["backup-interval-minutes"] = config.backup_interval.minutes
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
+
+
+# --- Names -----------------------------------------------------------------------------------
+
+
+def marker_name(job: str, step: int, rank: int, worker: int) -> str:
+    """The restore marker for one worker: ``<job>-s<N>-n<rank>-w<worker>.restore``."""
+    return f"{job}-s{step}-n{rank}-w{worker}.restore"
+
+
+def save_file_name(job: str, step: int, rank: int, worker: int) -> str:
+    """The finished checkpoint file of one worker (framework ``pytorch``)."""
+    return f"{job}-s{step}-n{rank}-w{worker}.save"
+
+
+@dataclass(frozen=True)
+class NameParts:
+    """The fields of a marker or ``.save`` name."""
+
+    job: str
+    step: int
+    rank: int
+    worker: int
+
+
+def parse_save_name(name: str) -> NameParts | None:
+    """Fields of a ``.save`` file name, or None when ``name`` is not one."""
+    return _parse(SAVE_FILE_RE, name)
+
+
+def parse_marker_name(name: str) -> NameParts | None:
+    """Fields of a ``.restore`` marker name, or None when ``name`` is not one."""
+    return _parse(RESTORE_MARKER_RE, name)
+
+
+def _parse(pattern: re.Pattern[str], name: str) -> NameParts | None:
+    m = pattern.fullmatch(name)
+    if m is None:
+        return None
+    return NameParts(m["job"], int(m["step"]), int(m["rank"]), int(m["worker"]))
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``<N>`` directory name (decimal digits only), or None."""
+    return int(name) if STEP_DIR_RE.fullmatch(name) else None

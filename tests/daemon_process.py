@@ -1,0 +1,92 @@
+"""Start and stop a real ``mtc-replicator`` daemon process for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+READY_LINE = "daemon ready"
+
+
+class DaemonProcess:
+    """One real daemon process on ``checkpoint_dir``; its log goes to ``log_path``."""
+
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        *,
+        backup: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+    ) -> None:
+        self.checkpoint_dir = checkpoint_dir
+        self.backup = backup
+        self.extra_args = extra_args
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = log_path or checkpoint_dir.parent / f"{checkpoint_dir.name}.daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> DaemonProcess:
+        args = [
+            sys.executable,
+            "-m",
+            "replicator.daemon",
+            "--checkpoint-dir",
+            str(self.checkpoint_dir),
+            "--listen",
+            "127.0.0.1:0",
+            *(["--backup", self.backup] if self.backup else []),
+            *self.extra_args,
+        ]
+        start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            with self.log_path.open("rb") as f:
+                f.seek(start_offset)
+                if READY_LINE.encode() in f.read():
+                    return self
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, then wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL: the crash case."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running:
+            self.stop()
