@@ -10,7 +10,7 @@ import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -29,7 +29,10 @@ MAX_CONFIG_BYTES = 64 * 1024
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 STEP_DIR_RE = re.compile(r"[0-9]+")
-_MARKER_BODY = r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
+_MARKER_BODY = (
+    r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})"
+    r"-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
+)
 SAVE_FILE_RE = re.compile(_MARKER_BODY + r"\.save")
 RESTORE_MARKER_RE = re.compile(_MARKER_BODY + r"\.restore")
 
@@ -51,11 +54,16 @@ class Framework(enum.StrEnum):
 class BackupInterval:
     """When to back up: every ``minutes`` or every ``steps`` (exactly one is set)."""
 
-    minutes: int | None = 30
+    minutes: int | None = None
+    """Back up every this many minutes; 30 when neither field is given."""
     steps: int | None = None
+    """Back up every this many steps (newer Orbax writes this instead of minutes)."""
 
     def __post_init__(self) -> None:
-        if (self.minutes is None) == (self.steps is None):
+        if self.minutes is None and self.steps is None:
+            # The protocol's default, so that ``BackupInterval(steps=100)`` means what it says.
+            object.__setattr__(self, "minutes", 30)
+        elif self.minutes is not None and self.steps is not None:
             raise ValueError("exactly one of minutes or steps must be set")
 
 
@@ -110,7 +118,7 @@ class ConfigError(ValueError):
         self.key = key
         self.value = value
         self.rule = rule
-        shown = _shorten(repr(value))
+        shown = _shorten(_repr(value))
         super().__init__(f"replicator.yaml: {key!r} = {shown} is invalid: {rule}")
 
 
@@ -133,11 +141,26 @@ _KNOWN = {
     "backup-interval-steps",
 }
 _INT_RE = re.compile(r"[+-]?[0-9]+")
-_VAR_RE = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_INT_LIMIT = 2**63 - 1
+"""Every count, rank and interval fits a signed 64-bit integer; larger is a typo or an attack."""
+_INT_RANGE_RULE = f"must be an integer from -{_INT_LIMIT} to {_INT_LIMIT}"
+_MAX_NESTING = 16
+"""A handshake nests three deep (mapping, list, int); this is generous and keeps parsing O(n)."""
+_VAR_RE = re.compile(
+    r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))"
+)
 
 
 def _shorten(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _repr(value: object) -> str:
+    try:
+        return repr(value)
+    except ValueError:
+        # int -> str refuses more than 4300 digits; an error message must never raise.
+        return f"<{type(value).__name__} too large to show>"
 
 
 def expand_vars(value: str, env: Mapping[str, str]) -> str:
@@ -150,13 +173,73 @@ def expand_vars(value: str, env: Mapping[str, str]) -> str:
     return _VAR_RE.sub(sub, value)
 
 
+class _HandshakeLoader(yaml.SafeLoader):
+    """A YAML loader that keeps every scalar as the text the client wrote.
+
+    Clients write values unquoted (``job-name: {run_name}``), and YAML 1.1 typing would turn
+    the job name ``0123`` into 83, ``2024-01-01`` into a date and ``on`` into True, so the
+    daemon's marker names would not match the client's. Only null is typed (an empty value
+    is what a partial write leaves); we parse integers ourselves. Tags other than str, seq,
+    map and null, aliases and deep nesting are refused: no client writes them, PyYAML's
+    other constructors leak KeyError/AttributeError on bad input, and aliases let a 64 KiB
+    file expand exponentially.
+    """
+
+    yaml_implicit_resolvers: dict[Any, Any] = {}  # noqa: RUF012 (PyYAML's class registry)
+    yaml_constructors: ClassVar[dict[str | None, Any]] = {
+        tag: yaml.SafeLoader.yaml_constructors[tag]
+        for tag in (
+            "tag:yaml.org,2002:null",
+            "tag:yaml.org,2002:str",
+            "tag:yaml.org,2002:seq",
+            "tag:yaml.org,2002:map",
+            None,
+        )
+    }
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            raise ConfigError("<file>", "*alias", "YAML aliases (*name) are not supported")
+        self._depth += 1
+        try:
+            if self._depth > _MAX_NESTING:
+                raise ConfigError(
+                    "<file>", f"depth {self._depth}", f"nested deeper than {_MAX_NESTING} levels"
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+_HandshakeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"), ["~", "n", "N", ""]
+)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """One line for ``replicator.failed``; PyYAML's own text spans lines with a caret drawing."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return ", ".join(filter(None, [exc.context, exc.problem])) + where
+    return _shorten(" ".join(str(exc).split()), 160)
+
+
 def _load_mapping(text: str) -> dict[str, Any]:
     if len(text.encode("utf-8", "surrogatepass")) > MAX_CONFIG_BYTES:
         raise ConfigError("<file>", f"{len(text)} characters", f"at most {MAX_CONFIG_BYTES} bytes")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_HandshakeLoader)  # noqa: S506 (a SafeLoader subclass)
+    except ConfigError:
+        raise
     except (yaml.YAMLError, RecursionError, ValueError, TypeError) as exc:
-        raise IncompleteConfigError("<file>", _shorten(text), f"not valid YAML ({exc})") from None
+        # ValueError: PyYAML's scanner calls chr() on escapes like "\U0011ffff".
+        rule = f"not valid YAML: {_yaml_problem(exc)}"
+        raise IncompleteConfigError("<file>", _shorten(text), rule) from None
     if data is None:
         raise IncompleteConfigError("<file>", text, "empty; expected a mapping of keys")
     if not isinstance(data, dict):
@@ -178,10 +261,17 @@ def _expand(value: object, env: Mapping[str, str]) -> object:
 def _as_int(key: str, value: object) -> int:
     # bool is an int subclass in Python; "true" is never a rank or a count.
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and _INT_RE.fullmatch(value):
-        return int(value)
-    raise ConfigError(key, value, "must be an integer (a number or a string of digits)")
+        number = value
+    elif isinstance(value, str) and _INT_RE.fullmatch(value):
+        # Checked before int(): it raises a plain ValueError past 4300 digits.
+        if len(value.lstrip("+-").lstrip("0")) > len(str(_INT_LIMIT)):
+            raise ConfigError(key, value, _INT_RANGE_RULE)
+        number = int(value)
+    else:
+        raise ConfigError(key, value, "must be an integer (a number or a string of digits)")
+    if abs(number) > _INT_LIMIT:
+        raise ConfigError(key, value, _INT_RANGE_RULE)
+    return number
 
 
 def _opt_int(data: Mapping[str, object], key: str) -> int | None:
@@ -214,9 +304,8 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
     data = {k: _expand(v, env) for k, v in raw.items()}
 
     job = data["job-name"]
-    if not isinstance(job, str | int) or isinstance(job, bool):
+    if not isinstance(job, str):
         raise ConfigError("job-name", job, "must be a string")
-    job = str(job)
     if not JOB_NAME_RE.fullmatch(job) or ".." in job:
         raise ConfigError(
             "job-name",
@@ -225,11 +314,10 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
         )
 
     fw_raw = data["framework"]
-    try:
-        framework = Framework(fw_raw)
-    except ValueError:
+    if not isinstance(fw_raw, str) or fw_raw not in {f.value for f in Framework}:
         allowed = ", ".join(f.value for f in Framework)
-        raise ConfigError("framework", fw_raw, f"must be one of: {allowed}") from None
+        raise ConfigError("framework", fw_raw, f"must be one of: {allowed}")
+    framework = Framework(fw_raw)
 
     nodes = _as_int("nodes", data["nodes"])
     if nodes < 1:
@@ -257,9 +345,7 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
 
     dp = _opt_int(data, "assume-data-parallelism")
     if dp is not None and (dp < 1 or nodes % dp != 0):
-        raise ConfigError(
-            "assume-data-parallelism", dp, f"must be >= 1 and divide nodes ({nodes})"
-        )
+        raise ConfigError("assume-data-parallelism", dp, f"must be >= 1 and divide nodes ({nodes})")
 
     workers = _opt_int(data, "workers-per-node")
     workers = 1 if workers is None else workers
@@ -278,7 +364,7 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
         raise ConfigError("backup-interval-minutes", minutes, "must be > 0")
     if steps is not None and steps <= 0:
         raise ConfigError("backup-interval-steps", steps, "must be > 0")
-    interval = BackupInterval(minutes=None, steps=steps) if steps else BackupInterval(minutes or 30)
+    interval = BackupInterval(minutes=minutes, steps=steps)
 
     return JobConfig(
         job_name=job,

@@ -1,0 +1,371 @@
+"""``mtc-replicator``: the per-node daemon process. Owns the process lifecycle.
+
+One asyncio loop (uvloop when available) supervises: it watches CHECKPOINT_DIR, accepts
+each new ``replicator.yaml`` (re-reading a partial one until it settles), runs one
+incarnation at a time, and on SIGTERM stops within seconds without corrupting anything.
+Blocking disk and storage work runs in a bounded thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from replicator import __version__, fsutil
+
+try:
+    import uvloop
+except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
+    uvloop = None  # type: ignore[assignment]
+from replicator.agent import (
+    AgentContext,
+    Incarnation,
+    cleanup_workload_files,
+    restore_saved,
+    save_state,
+)
+from replicator.backup import BackupStore
+from replicator.contract import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    MAX_CONFIG_BYTES,
+    ConfigError,
+    IncompleteConfigError,
+    JobConfig,
+    parse_config,
+)
+from replicator.logs import configure as configure_logging
+from replicator.objectstore import open_object_store
+from replicator.store import LocalStore, StoreError
+from replicator.watcher import DirectoryWatcher
+
+log = logging.getLogger("replicator.daemon")
+
+READY_LINE = "daemon ready"
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    checkpoint_dir: Path
+    listen: str
+    advertise: str | None = None
+    backup: str | None = None
+    registry: str | None = None
+    log_level: str = "INFO"
+    threads: int = 4
+    settle_seconds: float = 10.0
+    """How long a ``.save`` file must stay unchanged to count as finished without a close event."""
+    config_wait_seconds: float = 30.0
+    """How long a partial or empty ``replicator.yaml`` is re-read before it is judged."""
+    rescan_seconds: float = 2.0
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> DaemonOptions:
+    """Flags win over ``MTC_*`` environment variables (the Kubernetes way to configure)."""
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(
+        prog="mtc-replicator", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=env.get("MTC_CHECKPOINT_DIR"),
+        help="the RAM disk shared with the training job [MTC_CHECKPOINT_DIR]",
+    )
+    p.add_argument(
+        "--listen",
+        type=_host_port,
+        default=env.get("MTC_LISTEN", "0.0.0.0:7070"),
+        help="gRPC address for peers and the coordinator [MTC_LISTEN]",
+    )
+    p.add_argument(
+        "--advertise",
+        type=_host_port,
+        default=env.get("MTC_ADVERTISE"),
+        help="address other nodes use to reach this one [MTC_ADVERTISE]",
+    )
+    p.add_argument(
+        "--backup",
+        default=env.get("MTC_BACKUP"),
+        help="backup location: file:///path, gs://bucket/prefix, s3://bucket/prefix [MTC_BACKUP]",
+    )
+    p.add_argument(
+        "--registry",
+        default=env.get("MTC_REGISTRY"),
+        help="where job coordinators register; defaults to --backup [MTC_REGISTRY]",
+    )
+    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
+    p.add_argument("--threads", type=int, default=int(env.get("MTC_THREADS", "4")))
+    p.add_argument(
+        "--settle-seconds", type=float, default=float(env.get("MTC_SETTLE_SECONDS", "10"))
+    )
+    p.add_argument(
+        "--config-wait-seconds", type=float, default=float(env.get("MTC_CONFIG_WAIT_SECONDS", "30"))
+    )
+    p.add_argument(
+        "--rescan-seconds", type=float, default=float(env.get("MTC_RESCAN_SECONDS", "2"))
+    )
+    p.add_argument("--version", action="version", version=__version__)
+    a = p.parse_args(argv)
+    if a.checkpoint_dir is None:
+        p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    return DaemonOptions(
+        checkpoint_dir=a.checkpoint_dir.absolute(),
+        listen=a.listen,
+        advertise=a.advertise,
+        backup=a.backup,
+        registry=a.registry or a.backup,
+        log_level=a.log_level,
+        threads=a.threads,
+        settle_seconds=a.settle_seconds,
+        config_wait_seconds=a.config_wait_seconds,
+        rescan_seconds=a.rescan_seconds,
+    )
+
+
+def tune_malloc() -> None:
+    """Raise glibc's mmap and trim thresholds: large buffers otherwise churn page faults."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+
+
+@dataclass
+class _PendingConfig:
+    text: str
+    first_seen: float
+    changed_at: float
+
+
+class Daemon:
+    """Supervises incarnations on one CHECKPOINT_DIR."""
+
+    VALID_SETTLE = 0.1
+    """A valid handshake must read the same twice this far apart (non-atomic writers)."""
+    INVALID_SETTLE = 1.0
+
+    def __init__(self, opts: DaemonOptions) -> None:
+        self.opts = opts
+        self.store = LocalStore(opts.checkpoint_dir)
+        backups = BackupStore(open_object_store(opts.backup)) if opts.backup else None
+        self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
+        self.ctx = AgentContext(
+            checkpoint_dir=opts.checkpoint_dir,
+            store=self.store,
+            backups=backups,
+            executor=self.executor,
+            settle_seconds=opts.settle_seconds,
+            rescan_seconds=opts.rescan_seconds,
+            env=dict(os.environ),
+        )
+        self.incarnation: Incarnation | None = None
+        self._pending: _PendingConfig | None = None
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.exit_code = 0
+
+    def _on_event(self, closed: str | None) -> None:
+        if closed:
+            self.ctx.closed_files.add(closed)
+        self._wake.set()
+        if self.incarnation is not None:
+            self.incarnation.wake()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            report = await loop.run_in_executor(self.executor, self.store.open)
+        except StoreError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            return
+        log.info(
+            "store opened: %d items, %d pending ingest, %d discarded",
+            report.items,
+            len(report.pending_ingest),
+            len(report.discarded),
+        )
+        watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
+        watcher.start(loop)
+        resumed = restore_saved(self.ctx)
+        if resumed is not None:
+            log.info(
+                "resuming incarnation %s of job %s (phase %s)",
+                resumed.id,
+                resumed.config.job_name,
+                resumed.phase,
+            )
+            self.incarnation = resumed
+            resumed.start()
+        log.info(
+            "%s: checkpoint-dir=%s listen=%s backup=%s version=%s",
+            READY_LINE,
+            self.opts.checkpoint_dir,
+            self.opts.listen,
+            self.opts.backup,
+            __version__,
+        )
+        try:
+            while not self._stop.is_set():
+                tick = 0.05 if self._pending is not None else 1.0
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=tick)
+                self._wake.clear()
+                await self._check_config()
+        finally:
+            log.info("stopping")
+            if self.incarnation is not None:
+                await self.incarnation.stop()
+            watcher.stop()
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            log.info("stopped")
+
+    # --- the handshake file ----------------------------------------------------------------
+
+    def _read_config(self) -> str | None:
+        path = self.opts.checkpoint_dir / CONFIG_FILE
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return raw.decode("utf-8", errors="replace")
+
+    async def _check_config(self) -> None:
+        text = await asyncio.get_running_loop().run_in_executor(self.executor, self._read_config)
+        now = time.monotonic()
+        if text is None:
+            self._pending = None
+            return
+        if self._pending is None:
+            self._pending = _PendingConfig(text, now, now)
+        elif self._pending.text != text:
+            self._pending.text, self._pending.changed_at = text, now
+        pending = self._pending
+        stable = now - pending.changed_at
+        waited = now - pending.first_seen
+        if not text.strip():
+            if waited >= self.opts.config_wait_seconds:
+                log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
+                await self._end_incarnation()
+                self._delete_config(text)
+            return
+        try:
+            config = parse_config(text, self.ctx.env)
+        except IncompleteConfigError as exc:
+            if waited >= self.opts.config_wait_seconds:
+                await self._reject(text, exc, f"after {waited:.0f}s of waiting for a complete file")
+            return
+        except ConfigError as exc:
+            if stable >= self.INVALID_SETTLE:
+                await self._reject(text, exc, "")
+            return
+        if stable >= self.VALID_SETTLE:
+            await self._accept(config, text)
+
+    async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
+        log.error("rejecting %s %s: %s", CONFIG_FILE, when, exc)
+        await self._end_incarnation()
+        message = (
+            f"{exc}{' (' + when + ')' if when else ''}.\n"
+            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename); "
+            "committed checkpoints on this node were not touched.\n"
+        )
+        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
+        self._delete_config(text)
+
+    def _delete_config(self, accepted: str) -> None:
+        # Only the text we judged: a newer handshake written meanwhile must survive.
+        if self._read_config() == accepted:
+            (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
+        self._pending = None
+
+    async def _end_incarnation(self) -> None:
+        if self.incarnation is not None:
+            log.info(
+                "stopping incarnation %s of job %s",
+                self.incarnation.id,
+                self.incarnation.config.job_name,
+            )
+            await self.incarnation.stop()
+            self.incarnation = None
+            save_state(self.store, None)
+
+    async def _accept(self, config: JobConfig, text: str) -> None:
+        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8)."""
+        if config.unknown_keys:
+            log.warning(
+                "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
+            )
+        await self._end_incarnation()
+        removed = await asyncio.get_running_loop().run_in_executor(
+            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+        )
+        self.incarnation = Incarnation(config, self.ctx, config_text=text)
+        log.info(
+            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
+            "(removed %d stale files)",
+            CONFIG_FILE,
+            config.job_name,
+            config.node_rank,
+            config.nodes,
+            config.framework.value,
+            config.workers_per_node,
+            self.incarnation.id,
+            len(removed),
+        )
+        # Persist before the yaml goes: a crash in between must still end in markers.
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.incarnation.persist)
+        self._delete_config(text)
+        self.incarnation.start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    configure_logging(opts.log_level)
+    tune_malloc()
+    try:
+        daemon = Daemon(opts)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if uvloop is None:
+        asyncio.run(daemon.run())
+    else:
+        uvloop.run(daemon.run())
+    return daemon.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

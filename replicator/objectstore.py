@@ -1,0 +1,248 @@
+"""Object storage backends behind one small interface. I/O module.
+
+Backups and (later) the registry only need: put a file, stream an object back, put a
+small object (optionally create-only), read it, head, list and delete. ``FileObjectStore``
+serves ``file://`` URLs and local runs; ``MemoryObjectStore`` is a real implementation held
+in memory, for unit tests. ``gs://`` and ``s3://`` plug in behind the same interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlparse
+
+from replicator import fsutil
+from replicator.manifest import CHUNK, read_chunks
+
+
+class ObjectStoreError(Exception):
+    """A backend operation failed; ``transient`` says whether a retry may help."""
+
+    transient = False
+
+
+class ObjectNotFound(ObjectStoreError):
+    pass
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A create-only write found the object already there."""
+
+
+class TransientError(ObjectStoreError):
+    transient = True
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float
+
+
+class ObjectStore(Protocol):
+    """Keys are ``/``-separated and relative to the store's URL prefix."""
+
+    url: str
+
+    def put_file(self, key: str, src: Path) -> None: ...
+
+    def read_chunks(self, key: str) -> Iterator[bytes]: ...
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write a small object; with ``if_absent`` raise ``PreconditionFailed`` if it exists."""
+        ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in key order."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"unsafe object key {key!r}")
+    return key
+
+
+class FileObjectStore:
+    """Objects as files under a directory; writes are temp + rename (+ fsync: real disks)."""
+
+    def __init__(self, root: Path, url: str | None = None) -> None:
+        self.root = root
+        self.url = url or root.as_uri()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / _check_key(key)
+
+    def put_file(self, key: str, src: Path) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = fsutil.tmp_name(dest)
+        try:
+            with open(tmp, "wb") as out:
+                for chunk in read_chunks(src):
+                    out.write(chunk)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, dest)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise _translate(exc, key) from exc
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        try:
+            while chunk := os.read(fd, CHUNK):
+                yield chunk
+        finally:
+            os.close(fd)
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not if_absent:
+            fsutil.atomic_write_bytes(dest, data, durable=True)
+            return
+        tmp = fsutil.tmp_name(dest)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            # link(2) fails if the name exists: an atomic create-only publish.
+            os.link(tmp, dest)
+        except FileExistsError:
+            raise PreconditionFailed(f"{key} already exists") from None
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsutil.fsync_dir(dest.parent)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(key))
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base if base else self.root
+        if not start.is_dir():
+            return
+        found: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith(fsutil.TMP_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    st = os.stat(os.path.join(dirpath, name))
+                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+
+def _translate(exc: OSError, key: str) -> ObjectStoreError:
+    if isinstance(exc, FileNotFoundError):
+        return ObjectNotFound(key)
+    if exc.errno in (errno.EAGAIN, errno.EINTR, errno.EBUSY):
+        return TransientError(f"{key}: {exc}")
+    return ObjectStoreError(f"{key}: {exc}")
+
+
+class MemoryObjectStore:
+    """A complete object store in a dict, for unit tests of backup logic."""
+
+    def __init__(self, url: str = "memory://") -> None:
+        self.url = url
+        self._objects: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+        self._clock = 0.0
+
+    def _put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._clock += 1.0
+            self._objects[_check_key(key)] = (data, self._clock)
+
+    def put_file(self, key: str, src: Path) -> None:
+        self._put(key, src.read_bytes())
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        data = self.get_bytes(key)
+        for i in range(0, len(data), CHUNK):
+            yield data[i : i + CHUNK]
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        with self._lock:
+            if if_absent and key in self._objects:
+                raise PreconditionFailed(f"{key} already exists")
+            self._clock += 1.0
+            self._objects[_check_key(key)] = (data, self._clock)
+
+    def get_bytes(self, key: str) -> bytes:
+        with self._lock:
+            try:
+                return self._objects[key][0]
+            except KeyError:
+                raise ObjectNotFound(key) from None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        with self._lock:
+            found = self._objects.get(key)
+        return None if found is None else ObjectInfo(key, len(found[0]), found[1])
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = sorted((k, v) for k, v in self._objects.items() if k.startswith(prefix))
+        for key, (data, mtime) in items:
+            yield ObjectInfo(key, len(data), mtime)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop(key, None)
+
+
+def open_object_store(url: str) -> ObjectStore:
+    """The backend for a URL: ``file:///abs/path`` (or a plain absolute path)."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL must be file:///absolute/path, got {url!r}")
+        path = Path(unquote(parsed.path))
+        if not path.is_absolute():
+            raise ValueError(f"backup path must be absolute, got {url!r}")
+        return FileObjectStore(path, url if parsed.scheme else path.as_uri())
+    if parsed.scheme in ("gs", "s3"):
+        raise ValueError(f"{parsed.scheme}:// backups are not available in this build yet")
+    raise ValueError(f"unsupported storage URL {url!r}: use file://, gs:// or s3://")

@@ -1,0 +1,1 @@
+"""Interoperability helpers: drive real third-party checkpoint clients against the daemon."""
