@@ -148,6 +148,8 @@ def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]
             if stale and not e.is_dir(follow_symlinks=False):
                 path.unlink(missing_ok=True)
                 removed.append(e.name)
+    # No link into a view is left, so the previous incarnations' views are garbage.
+    store.drop_views()
     return removed
 
 
@@ -357,7 +359,8 @@ class Incarnation:
                 # An empty regular file is complete the moment it exists.
                 os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             else:
-                os.symlink(self.ctx.store.marker_target(marker_item(self.config, step, w)), name)
+                target = self.ctx.store.expose(marker_item(self.config, step, w), self.id)
+                os.symlink(target, name)
 
     # --- steady state ----------------------------------------------------------------------
 
@@ -423,12 +426,13 @@ class Incarnation:
             await self._thread(self._delete_items, doomed)
 
     def _delete_items(self, items: list[ItemId]) -> None:
-        targets = {self.ctx.store.marker_target(i) for i in items}
+        doomed = set(items)
         for e in os.scandir(self.ctx.checkpoint_dir):
             # The workload's `<N>` link to a restored step we now delete would dangle.
-            if e.is_symlink() and os.path.normpath(os.readlink(e.path)) in targets:
+            if e.is_symlink() and self.ctx.store.item_of_link(os.readlink(e.path)) in doomed:
                 Path(e.path).unlink(missing_ok=True)
         for item in items:
+            self.ctx.store.drop_views(item)
             self.ctx.store.delete(item)
             self.log.info("deleted %s (retention)", item, step=item.step)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ MAX_PATH_CHARS = 4096
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: larger than any single checkpoint shard we expect
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 1
+_CRC_RE = re.compile(r"[0-9a-f]{8}")
 
 
 class ManifestError(ValueError):
@@ -154,13 +156,10 @@ def _manifest_from_dict(data: dict[str, Any]) -> Manifest:
         path, size, crc = entry
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_BYTES:
             raise ManifestError(f"bad size {size!r:.40} for {path!r:.80}")
-        if not isinstance(crc, str) or len(crc) != 8:
+        # int(x, 16) alone would also take a sign, spaces and underscores.
+        if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
             raise ManifestError(f"bad crc32c {crc!r:.40} for {path!r:.80}")
-        try:
-            crc_value = int(crc, 16)
-        except ValueError:
-            raise ManifestError(f"bad crc32c {crc!r:.40} for {path!r:.80}") from None
-        files.append(FileEntry(_checked_path(path, kind), size, crc_value))
+        files.append(FileEntry(_checked_path(path, kind), size, int(crc, 16)))
     dirs = tuple(_checked_path(d, ItemKind.DIR) for d in raw_dirs)
     manifest = Manifest(item, kind, tuple(files), dirs)
     _check_layout(manifest)
@@ -198,6 +197,8 @@ def _check_layout(manifest: Manifest) -> None:
     for p in paths:
         if p in dirs:
             raise ManifestError(f"{p!r:.80} is listed as both file and directory")
+    # Exactly the layout build_manifest produces: every parent of an entry is a listed dir.
+    for p in (*paths, *manifest.dirs):
         for parent in PurePosixPath(p).parents:
             if str(parent) != "." and str(parent) not in dirs:
                 raise ManifestError(f"parent directory of {p!r:.80} is not listed")

@@ -6,6 +6,8 @@ Layout (all on the RAM disk, so taking a step from the workload is one rename)::
     .mtc/ingest/<job>/<step>/<rank>-<worker>/data                    taken, not yet hashed
     .mtc/staging/<id>/...                                            incoming copies
     .mtc/trash/<id>                                                  being deleted
+    .mtc/views/<incarnation>/<job>/<step>/<rank>-<worker>/data       hard-link copies
+                                                                     that markers point at
 
 An item exists only once its directory with ``MANIFEST.json`` sits under ``items/``; it
 gets there by one rename of a directory whose manifest was written last. Data under
@@ -30,6 +32,7 @@ from replicator.manifest import (
     CancelCheck,
     CorruptItem,
     ItemId,
+    ItemKind,
     Manifest,
     ManifestError,
     build_manifest,
@@ -77,6 +80,7 @@ class LocalStore:
         self.ingest_root = self.root / "ingest"
         self.staging_root = self.root / "staging"
         self.trash = self.root / "trash"
+        self.views_root = self.root / "views"
         self._lock = threading.Lock()
         self._manifests: dict[ItemId, Manifest] = {}
         self._lock_fd: int | None = None
@@ -126,6 +130,12 @@ class LocalStore:
         self._prune_empty(self.ingest_root)
         return OpenReport(len(manifests), tuple(self.pending_ingest()), tuple(discarded))
 
+    def close(self) -> None:
+        """Release the store's lock, so another ``LocalStore`` (or a restart) can open it."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def pending_ingest(self) -> list[ItemId]:
         """Items taken from the workload but not yet committed (after a crash or a stop)."""
         return sorted(
@@ -174,6 +184,57 @@ class LocalStore:
         """Whether a symlink target (as read with readlink) points into this store."""
         norm = os.path.normpath(target)
         return norm == STORE_DIR or norm.startswith(STORE_DIR + os.sep)
+
+    def item_of_link(self, target: str) -> ItemId | None:
+        """The item a marker or ``<N>`` link target points at (its data or a view of it)."""
+        parts = os.path.normpath(target).split(os.sep)
+        if len(parts) >= 5 and parts[0] == STORE_DIR and parts[1] == "items":
+            return _parse_item_path(*parts[2:5])
+        if len(parts) >= 6 and parts[0] == STORE_DIR and parts[1] == "views":
+            return _parse_item_path(*parts[3:6])
+        return None
+
+    # --- views: what the workload may see and delete ------------------------------------------
+
+    def expose(self, item: ItemId, view: str) -> str:
+        """A hard-link copy of a committed item for one incarnation; its path for a marker.
+
+        Clients may delete what a marker points at (Orbax's retention deletes through the
+        ``<N>`` link it made of the marker). Unlinking names in a view leaves the item's own
+        names, so committed data survives; tmpfs makes the links nearly free.
+        """
+        manifest = self.get(item)
+        if manifest is None:
+            raise StoreError(f"{item}: not in the local store")
+        final = self.views_root / view / item.job / str(item.step) / item.key
+        if not final.exists():
+            staged = self.new_staging()
+            src, dst = self.data_path(item), staged / DATA
+            try:
+                if manifest.kind is ItemKind.FILE:
+                    os.link(src, dst)
+                else:
+                    dst.mkdir()
+                    for d in manifest.dirs:
+                        (dst / d).mkdir()
+                    for f in manifest.files:
+                        os.link(src / f.path, dst / f.path)
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(staged, final)
+            except OSError as exc:
+                fsutil.remove_tree(staged)
+                raise StoreError(f"cannot expose {item}: {exc}") from exc
+        return os.path.relpath(final / DATA, self.checkpoint_dir)
+
+    def drop_views(self, item: ItemId | None = None) -> None:
+        """Remove every view (a new incarnation), or only the views of ``item``."""
+        if not self.views_root.is_dir():
+            return
+        for view in list(self.views_root.iterdir()):
+            if item is None:
+                fsutil.discard_tree(view, self.trash)
+            else:
+                fsutil.discard_tree(view / item.job / str(item.step) / item.key, self.trash)
 
     # --- index -----------------------------------------------------------------------------
 
