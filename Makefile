@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint typecheck unit integration clean
+.PHONY: venv demo test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ unit: $(STAMP)
 
 test: $(STAMP) lint typecheck
 	$(PY) -m pytest -q -ra tests
+
+bench: $(STAMP)
+	$(PY) scripts/bench_local.py --size-mib 1024
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
