@@ -309,7 +309,7 @@ def handshake(
     config: JobConfig | None = None,
     *,
     worker: int = 0,
-    write_config: bool = True,
+    write_config: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     poll_interval: float = 1.0,
     rename: RenameStyle = "orbax",
@@ -320,8 +320,9 @@ def handshake(
     """Hand the job's config to the daemon and return what to restore.
 
     Give either ``config`` or its fields as keywords (see ``job_config``). Worker 0 of a node
-    writes ``replicator.yaml``; the other workers pass ``write_config=False`` and only wait
-    for their own marker. Start those after worker 0's ``publish_config`` returned (a
+    writes ``replicator.yaml`` (``write_config`` defaults to ``worker == 0``: a second yaml
+    from another worker would make the daemon restart the incarnation); the other workers
+    only wait for their own marker. Start those after worker 0's ``publish_config`` returned (a
     node-local barrier): a worker that starts earlier cannot tell a marker left over from a
     crashed incarnation, not yet cleaned up by the daemon, from a new one. Each phase (the
     daemon consuming the yaml, the marker appearing) gets ``timeout`` seconds.
@@ -337,7 +338,7 @@ def handshake(
     _check_worker(config, worker)
     restore_name(0, rename)
     directory = _existing_dir(checkpoint_dir)
-    if write_config:
+    if write_config if write_config is not None else worker == 0:
         publish_config(
             directory,
             config,

@@ -18,9 +18,6 @@ Restoring requires the same ranks on the node (or a data-parallel equivalent wit
 layout). The node's group rank 0 prepares the temp dir and renames it after all ranks wrote.
 """
 
-# torch is imported inside the functions on purpose: see the module docstring.
-# ruff: noqa: PLC0415
-
 from __future__ import annotations
 
 import logging

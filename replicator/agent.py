@@ -239,6 +239,10 @@ class Incarnation:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if self._stopping.is_set():
+                # Work cut short by stop() (Cancelled); the next incarnation owns the files.
+                self.log.info("incarnation stopped: %s", exc)
+                return
             self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
             text = (
                 f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
@@ -365,9 +369,12 @@ class Incarnation:
     # --- steady state ----------------------------------------------------------------------
 
     async def _steady(self) -> None:
-        while True:
+        while not self._stopping.is_set():
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
+            # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=self.ctx.rescan_seconds)
+                async with asyncio.timeout(self.ctx.rescan_seconds):
+                    await self._wake.wait()
             self._wake.clear()
             await self._ingest_ready()
             self._maybe_backup()

@@ -80,7 +80,7 @@ class CommitRecord:
     def from_json(cls, raw: bytes) -> CommitRecord:
         try:
             data = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise ManifestError(f"COMMIT is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ManifestError("COMMIT must be a JSON object")

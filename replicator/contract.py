@@ -25,10 +25,14 @@ JAX_INIT_INFO_FILE = "jax-init-info.txt"
 STORE_DIR = ".mtc"
 
 MAX_CONFIG_BYTES = 64 * 1024
+MAX_NODES = 1 << 20
+MAX_WORKERS_PER_NODE = 1024
+"""Far above any real host (GPUs per node); the daemon creates one marker per worker."""
 """A handshake is a few hundred bytes; anything this large is not one."""
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
-STEP_DIR_RE = re.compile(r"[0-9]+")
+STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
+"""Plain decimal, no padding: the only spelling markers use, so one step has one name."""
 _MARKER_BODY = (
     r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})"
     r"-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
@@ -320,8 +324,8 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
     framework = Framework(fw_raw)
 
     nodes = _as_int("nodes", data["nodes"])
-    if nodes < 1:
-        raise ConfigError("nodes", nodes, "must be >= 1")
+    if not 1 <= nodes <= MAX_NODES:
+        raise ConfigError("nodes", nodes, f"must be >= 1 and <= {MAX_NODES}")
     rank = _as_int("node-rank", data["node-rank"])
     if not 0 <= rank < nodes:
         raise ConfigError("node-rank", rank, f"must satisfy 0 <= node-rank < nodes ({nodes})")
@@ -349,8 +353,10 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
 
     workers = _opt_int(data, "workers-per-node")
     workers = 1 if workers is None else workers
-    if workers < 1:
-        raise ConfigError("workers-per-node", workers, "must be >= 1")
+    if not 1 <= workers <= MAX_WORKERS_PER_NODE:
+        raise ConfigError(
+            "workers-per-node", workers, f"must be >= 1 and <= {MAX_WORKERS_PER_NODE}"
+        )
 
     minutes = _opt_int(data, "backup-interval-minutes")
     steps = _opt_int(data, "backup-interval-steps")

@@ -188,21 +188,31 @@ class Daemon:
         )
         self.incarnation: Incarnation | None = None
         self._pending: _PendingConfig | None = None
+        self._config_finished = False
+        """Whether the yaml's writer is done: closed after writing or renamed into place."""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.exit_code = 0
 
-    def _on_event(self, closed: str | None) -> None:
-        if closed:
-            self.ctx.closed_files.add(closed)
+    def _on_event(self, name: str | None, finished: bool) -> None:
+        if name == CONFIG_FILE:
+            self._config_finished = finished
+        elif name and finished:
+            self.ctx.closed_files.add(name)
+        elif name:
+            self.ctx.closed_files.discard(name)  # written again after its close
         self._wake.set()
         if self.incarnation is not None:
             self.incarnation.wake()
 
+    def _request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()  # the loop may sit in a one-second wait for file events
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._request_stop)
         self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         try:
             report = await loop.run_in_executor(self.executor, self.store.open)
@@ -216,6 +226,8 @@ class Daemon:
             len(report.pending_ingest),
             len(report.discarded),
         )
+        # A yaml written while we were down has no events left to tell: trust it.
+        self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
         watcher.start(loop)
         resumed = restore_saved(self.ctx)
@@ -281,6 +293,10 @@ class Daemon:
                 await self._end_incarnation()
                 self._delete_config(text)
             return
+        # A non-atomic writer's half can parse as a whole config (a truncated job name, or
+        # `nodes: 1` of `nodes: 16`): judge it once the writer closed it, or after the .save
+        # settle time when the close event was lost.
+        finished = self._config_finished or stable >= self.opts.settle_seconds
         try:
             config = parse_config(text, self.ctx.env)
         except IncompleteConfigError as exc:
@@ -288,10 +304,10 @@ class Daemon:
                 await self._reject(text, exc, f"after {waited:.0f}s of waiting for a complete file")
             return
         except ConfigError as exc:
-            if stable >= self.INVALID_SETTLE:
+            if stable >= self.INVALID_SETTLE and finished:
                 await self._reject(text, exc, "")
             return
-        if stable >= self.VALID_SETTLE:
+        if stable >= self.VALID_SETTLE and finished:
             await self._accept(config, text)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
@@ -309,6 +325,7 @@ class Daemon:
         # Only the text we judged: a newer handshake written meanwhile must survive.
         if self._read_config() == accepted:
             (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
+            self._config_finished = False
         self._pending = None
 
     async def _end_incarnation(self) -> None:

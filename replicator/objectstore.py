@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,6 +111,8 @@ class FileObjectStore:
         except OSError as exc:
             raise _translate(exc, key) from exc
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ObjectNotFound(key)  # a directory is a key prefix, not an object
             while chunk := os.read(fd, CHUNK):
                 yield chunk
         finally:
@@ -146,12 +149,19 @@ class FileObjectStore:
     def head(self, key: str) -> ObjectInfo | None:
         try:
             st = os.stat(self._path(key))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        if not stat.S_ISREG(st.st_mode):
+            return None  # a directory is a key prefix, not an object
         return ObjectInfo(key, st.st_size, st.st_mtime)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if base:
+            try:
+                _check_key(base)
+            except ValueError:
+                return  # no safe key starts with it; walking it could leave the root
         start = self.root / base if base else self.root
         if not start.is_dir():
             return
@@ -174,7 +184,8 @@ class FileObjectStore:
 
 
 def _translate(exc: OSError, key: str) -> ObjectStoreError:
-    if isinstance(exc, FileNotFoundError):
+    # Below an object, or a directory (a key prefix): no object has that key either.
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
         return ObjectNotFound(key)
     if exc.errno in (errno.EAGAIN, errno.EINTR, errno.EBUSY):
         return TransientError(f"{key}: {exc}")
@@ -204,6 +215,7 @@ class MemoryObjectStore:
             yield data[i : i + CHUNK]
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        _check_key(key)
         with self._lock:
             if if_absent and key in self._objects:
                 raise PreconditionFailed(f"{key} already exists")
@@ -211,6 +223,7 @@ class MemoryObjectStore:
             self._objects[_check_key(key)] = (data, self._clock)
 
     def get_bytes(self, key: str) -> bytes:
+        _check_key(key)
         with self._lock:
             try:
                 return self._objects[key][0]
@@ -218,6 +231,7 @@ class MemoryObjectStore:
                 raise ObjectNotFound(key) from None
 
     def head(self, key: str) -> ObjectInfo | None:
+        _check_key(key)
         with self._lock:
             found = self._objects.get(key)
         return None if found is None else ObjectInfo(key, len(found[0]), found[1])
@@ -229,6 +243,7 @@ class MemoryObjectStore:
             yield ObjectInfo(key, len(data), mtime)
 
     def delete(self, key: str) -> None:
+        _check_key(key)
         with self._lock:
             self._objects.pop(key, None)
 

@@ -216,7 +216,8 @@ class LocalStore:
                 else:
                     dst.mkdir()
                     for d in manifest.dirs:
-                        (dst / d).mkdir()
+                        # A peer's manifest may list a dir before its parent.
+                        (dst / d).mkdir(parents=True, exist_ok=True)
                     for f in manifest.files:
                         os.link(src / f.path, dst / f.path)
                 final.parent.mkdir(parents=True, exist_ok=True)

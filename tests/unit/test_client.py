@@ -224,7 +224,7 @@ def test_errors_are_logged_line_by_line_and_deleted(
     errors = ckpt / contract.ERRORS_FILE
 
     def complain_then_restore(ckpt: Path, cfg: JobConfig) -> None:
-        errors.write_text("rank 2 has not joined the restore round\nbackup is slow\n")
+        write_atomically(errors, "rank 2 has not joined the restore round\nbackup is slow\n")
         # Markers only after the client took the errors: it must poll for them meanwhile.
         while errors.exists():
             threading.Event().wait(0.0005)
@@ -301,18 +301,20 @@ def test_worker_1_waits_for_its_own_marker_without_writing_the_yaml(
     ckpt: Path, daemon: Callable[..., FakeDaemon]
 ) -> None:
     cfg = config(workers=2)
-    targets: dict[int, str] = {}
 
     def restore(ckpt: Path, cfg: JobConfig) -> None:
         write_prerestore(ckpt, {"restore-step": 40})
         for worker in range(cfg.workers_per_node):
-            _, targets[worker] = restore_marker(ckpt, 40, worker=worker)
+            restore_marker(ckpt, 40, worker=worker)
 
     d = daemon(after_delete=restore)
-    results: dict[int, RestoreResult] = {}
+    results: dict[int, RestoreResult | BaseException] = {}
 
     def run(worker: int) -> None:
-        results[worker] = handshake(ckpt, cfg, worker=worker, write_config=worker == 0, **FAST)
+        try:
+            results[worker] = handshake(ckpt, cfg, worker=worker, **FAST)  # Only w0 writes.
+        except BaseException as exc:
+            results[worker] = exc
 
     threads = [threading.Thread(target=run, args=(w,)) for w in (1, 0)]
     for t in threads:
@@ -325,14 +327,14 @@ def test_worker_1_waits_for_its_own_marker_without_writing_the_yaml(
     for worker in (0, 1):
         path = ckpt / f"40-w{worker}"  # Both cannot become "40".
         assert results[worker] == RestoreResult(step=40, path=path, source=None)
-        assert os.readlink(path) == targets[worker]
+        assert os.readlink(path) == f"{contract.STORE_DIR}/{JOB}/40/n0-w{worker}"
 
 
 def test_worker_1_tolerates_the_yaml_being_gone_already(ckpt: Path) -> None:
     _, target = restore_marker(ckpt, 9, worker=1)
     restore_marker(ckpt, 9, worker=0)
 
-    result = handshake(ckpt, config(workers=2), worker=1, write_config=False, **FAST)
+    result = handshake(ckpt, config(workers=2), worker=1, **FAST)
 
     assert result == RestoreResult(step=9, path=ckpt / "9-w1", source=None)
     assert os.readlink(ckpt / "9-w1") == target

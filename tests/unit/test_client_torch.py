@@ -24,6 +24,7 @@ from replicator import contract
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+CheckpointException = pytest.importorskip("torch.distributed.checkpoint").CheckpointException
 
 
 def state() -> dict[str, Any]:
@@ -73,7 +74,8 @@ def test_save_then_load_round_trips_through_a_restore_symlink(ckpt: Path) -> Non
     path = save_state_dict(ckpt, 7, saved)
 
     assert path == ckpt / "7"
-    assert path.is_dir() and not path.is_symlink()
+    assert path.is_dir()
+    assert not path.is_symlink()
     assert os.listdir(ckpt) == ["7"]  # No temp dir left behind.
     assert os.listdir(path) == ["state.pt"]
     restored = ingest_and_mark(ckpt, 7)
@@ -83,7 +85,7 @@ def test_save_then_load_round_trips_through_a_restore_symlink(ckpt: Path) -> Non
 def test_a_failing_save_leaves_no_step_visible(ckpt: Path) -> None:
     broken = {**state(), "callback": lambda: None}  # Pickling fails mid-way through the file.
 
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(AttributeError, match="pickle"):
         save_state_dict(ckpt, 7, broken)
 
     assert os.listdir(ckpt) == []
@@ -140,7 +142,7 @@ def test_save_file_publishes_the_protocol_name_atomically(ckpt: Path) -> None:
 
 
 def test_a_failing_save_file_leaves_neither_the_name_nor_the_temp(ckpt: Path) -> None:
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(AttributeError, match="pickle"):
         save_file(ckpt, 12, {"f": lambda: None}, job="llama", rank=0, worker=0)
 
     assert os.listdir(ckpt) == []
@@ -220,7 +222,7 @@ def test_a_failing_dcp_save_leaves_no_step_visible(ckpt: Path) -> None:
         save_distributed(ckpt, 5, tensors())
 
     shutil.rmtree(ckpt / "5")
-    with pytest.raises(Exception, match="pickle|lambda"):
+    with pytest.raises(CheckpointException):
         save_distributed(ckpt, 5, {**tensors(), "f": lambda: None})
 
     assert os.listdir(ckpt) == []
@@ -256,3 +258,64 @@ def test_share_restore_without_a_group_returns_the_own_result(ckpt: Path) -> Non
     assert share_restore(result) is result
     with pytest.raises(ValueError, match="own result"):
         share_restore(None)
+
+
+# --- Several processes ------------------------------------------------------------------------
+
+
+def _save_and_load(rank: int, ckpt: Path, group: Any, node_ranks: range) -> None:
+    """Save step 8 of this node and load it back on the node's ranks."""
+    ckpt.mkdir(exist_ok=True)
+    saved = {
+        "replicated": torch.arange(6.0),  # Identical on every rank, as with DDP.
+        f"own{rank}": torch.full((3,), float(rank)),
+    }
+    path = save_distributed(ckpt, 8, saved, process_group=group)
+    assert sorted(os.listdir(ckpt)) == ["8"]  # Published by one rename, after all wrote.
+    files = sorted(os.listdir(path))
+    assert files == [".metadata", *(f"__{r}_0.distcp" for r in range(len(node_ranks)))]
+    # Each node in turn loads with every other node's files out of reach.
+    leader = rank == node_ranks[0]
+    nodes = sorted(ckpt.parent.glob("node*"))
+    for node in nodes:
+        dist.barrier()
+        if node != ckpt:
+            continue
+        others = [(n, n.with_name("." + n.name)) for n in nodes if n != node]
+        if leader:
+            for other, away in others:
+                other.rename(away)
+        dist.barrier(group=group)
+        target = zeros_like(saved)
+        load_distributed(path, target, process_group=group)
+        assert_same(target, saved)
+        dist.barrier(group=group)
+        if leader:
+            for other, away in others:
+                away.rename(other)
+    dist.barrier()
+
+
+def _dcp_rank(rank: int, world: int, root: str) -> None:
+    """One rank of a 2-rank job, saved as one node and then as two nodes (spawned)."""
+    store = dist.FileStore(os.path.join(root, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        # One node running both ranks: they share one <N>/ and the default group.
+        os.environ["LOCAL_WORLD_SIZE"] = str(world)
+        _save_and_load(rank, Path(root) / "single" / "node0", None, range(world))
+        dist.barrier()
+        # Two nodes of one rank each, each with its own RAM disk and its own node group.
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        group = node_process_group()
+        _save_and_load(rank, Path(root) / "multi" / f"node{rank}", group, range(rank, rank + 1))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.integration
+def test_dcp_with_two_ranks_on_one_node_and_on_two_nodes(tmp_path: Path) -> None:
+    (tmp_path / "single").mkdir()
+    (tmp_path / "multi").mkdir()
+    mp = pytest.importorskip("torch.multiprocessing")
+    mp.spawn(_dcp_rank, args=(2, str(tmp_path)), nprocs=2, join=True)

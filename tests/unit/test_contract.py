@@ -1116,3 +1116,23 @@ def test_property_equivalent_ranks(cfg: JobConfig, raw_rank: int) -> None:
     assert rank not in equivalents
     assert all(0 <= r < cfg.nodes for r in equivalents)
     assert all(r % cfg.nodes_per_replica == rank % cfg.nodes_per_replica for r in equivalents)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("workers-per-node", "1025"), ("nodes", str((1 << 20) + 1))],
+)
+def test_counts_have_a_sane_upper_bound(key: str, value: str) -> None:
+    # One marker per worker: a hostile handshake must not make the daemon create millions.
+    fields = {"job-name": "j", "framework": "pytorch", "node-rank": "0", "nodes": "2", key: value}
+    text = "\n".join(f"{k}: {v}" for k, v in fields.items())
+    with pytest.raises(ConfigError) as err:
+        parse_config(text)
+    assert err.value.key == key
+    assert "<=" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["007", "012", "00"])
+def test_zero_padded_step_dirs_are_not_steps(name: str) -> None:
+    # Markers spell steps without padding; "012/" and "12/" must not both claim step 12.
+    assert parse_step_dir(name) is None

@@ -1,0 +1,372 @@
+"""Tests for ``replicator.backup.BackupStore`` on the in-memory and the file object stores.
+
+Uploads, create-only commits, listing and verified downloads; every way a backup object
+can differ from what its COMMIT pinned must surface as ``CorruptItem``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from replicator.backup import (
+    BackupStore,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+)
+from replicator.manifest import (
+    CorruptItem,
+    ItemId,
+    ItemKind,
+    Manifest,
+    ManifestError,
+    build_manifest,
+    verify_item,
+)
+from replicator.objectstore import (
+    FileObjectStore,
+    MemoryObjectStore,
+    ObjectStore,
+    PreconditionFailed,
+)
+
+JOB = "job"
+DIR_ITEM = ItemId(JOB, 100, 0, 0)
+FILE_ITEM = ItemId(JOB, 100, 1, 0)
+
+BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
+    "file": lambda tmp: FileObjectStore(tmp / "bucket"),
+    "memory": lambda tmp: MemoryObjectStore(),
+}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backup(request: pytest.FixtureRequest, tmp_path: Path) -> BackupStore:
+    return BackupStore(BACKENDS[request.param](tmp_path))
+
+
+def make_dir_item(path: Path) -> Path:
+    (path / "state" / "d").mkdir(parents=True)
+    (path / "empty").mkdir()
+    (path / "_CHECKPOINT_METADATA").write_bytes(b'{"step": 100}')
+    (path / "state" / "d" / "chunk").write_bytes(os.urandom(3000))
+    (path / "state" / "zero").write_bytes(b"")
+    return path
+
+
+def make_file_item(path: Path) -> Path:
+    path.write_bytes(os.urandom(5000))
+    return path
+
+
+class Uploaded:
+    """Two items of one step, uploaded and committed."""
+
+    def __init__(self, backup: BackupStore, tmp_path: Path) -> None:
+        self.dir_data = make_dir_item(tmp_path / "src-dir")
+        self.file_data = make_file_item(tmp_path / "src-file")
+        self.dir_manifest = build_manifest(DIR_ITEM, self.dir_data)
+        self.file_manifest = build_manifest(FILE_ITEM, self.file_data)
+        backup.upload_item(self.dir_manifest, self.dir_data)
+        backup.upload_item(self.file_manifest, self.file_data)
+        record = backup.try_commit(JOB, 100, ["0-0", "1-0"], now=1234.5)
+        assert record is not None
+        self.record = record
+        self.staging = tmp_path / "staging"
+        self.staging.mkdir()
+
+    def fresh_staging(self) -> Path:
+        path = self.staging / str(len(list(self.staging.iterdir())))
+        path.mkdir()
+        return path
+
+
+@pytest.fixture
+def uploaded(backup: BackupStore, tmp_path: Path) -> Uploaded:
+    return Uploaded(backup, tmp_path)
+
+
+def flip_object_byte(objects: ObjectStore, key: str, offset: int) -> None:
+    data = bytearray(objects.get_bytes(key))
+    data[offset] ^= 0x80
+    objects.put_bytes(key, bytes(data))
+
+
+# --- round trip ---------------------------------------------------------------------------------
+
+
+def test_upload_commit_list_fetch_round_trip(backup: BackupStore, uploaded: Uploaded) -> None:
+    record = uploaded.record
+    assert record.job == JOB
+    assert record.step == 100
+    assert record.created == 1234.5
+    assert record.items == {
+        "0-0": uploaded.dir_manifest.digest,
+        "1-0": uploaded.file_manifest.digest,
+    }
+    assert backup.committed_steps(JOB) == {100: record}
+    assert backup.read_commit(JOB, 100) == record
+
+    staged = uploaded.fresh_staging()
+    got = backup.fetch_item(record, DIR_ITEM, staged)
+    assert got == uploaded.dir_manifest
+    verify_item(got, staged / "data")
+    assert (staged / "data" / "empty").is_dir()  # empty dirs survive the trip
+    for entry in got.files:
+        assert (staged / "data" / entry.path).read_bytes() == (
+            uploaded.dir_data / entry.path
+        ).read_bytes()
+
+    staged = uploaded.fresh_staging()
+    got = backup.fetch_item(record, FILE_ITEM, staged)
+    assert got.kind is ItemKind.FILE
+    assert (staged / "data").read_bytes() == uploaded.file_data.read_bytes()
+
+
+def test_layout_in_the_bucket(backup: BackupStore, uploaded: Uploaded) -> None:
+    keys = [o.key for o in backup.objects.list(f"{JOB}/")]
+    assert keys == [
+        "job/100/0-0.manifest.json",
+        "job/100/0-0/_CHECKPOINT_METADATA",
+        "job/100/0-0/state/d/chunk",
+        "job/100/0-0/state/zero",
+        "job/100/1-0.manifest.json",
+        "job/100/1-0/data",
+        "job/100/COMMIT",
+    ]
+    assert backup.objects.get_bytes(manifest_key(DIR_ITEM)) == uploaded.dir_manifest.to_json()
+
+
+def test_commit_record_json_round_trip(uploaded: Uploaded) -> None:
+    assert CommitRecord.from_json(uploaded.record.to_json()) == uploaded.record
+
+
+# --- committing ---------------------------------------------------------------------------------
+
+
+def test_try_commit_waits_for_every_item(backup: BackupStore, tmp_path: Path) -> None:
+    items = [ItemId(JOB, 7, rank, 0) for rank in range(3)]
+    keys = [i.key for i in items]
+    manifests = []
+    for item in items:
+        data = make_file_item(tmp_path / f"src-{item.rank}")
+        manifests.append((build_manifest(item, data), data))
+    # Ranks upload at their own pace; the coordinator polls.
+    for manifest, data in manifests[:2]:
+        backup.upload_item(manifest, data)
+        assert backup.try_commit(JOB, 7, keys) is None
+        assert backup.objects.head(commit_key(JOB, 7)) is None
+        assert backup.committed_steps(JOB) == {}
+    backup.upload_item(*manifests[2])
+    record = backup.try_commit(JOB, 7, keys)
+    assert record is not None
+    assert set(record.items) == set(keys)
+    assert backup.committed_steps(JOB) == {7: record}
+
+
+def test_try_commit_never_overwrites_commit(backup: BackupStore, uploaded: Uploaded) -> None:
+    before = backup.objects.get_bytes(commit_key(JOB, 100))
+    again = backup.try_commit(JOB, 100, ["0-0"], now=9999.0)
+    assert again == uploaded.record
+    assert backup.objects.get_bytes(commit_key(JOB, 100)) == before
+
+
+def test_racing_commit_returns_the_winner(backup: BackupStore, tmp_path: Path) -> None:
+    data = make_file_item(tmp_path / "f")
+    item = ItemId(JOB, 8, 0, 0)
+    manifest = build_manifest(item, data)
+    backup.upload_item(manifest, data)
+    winner = CommitRecord(JOB, 8, {"0-0": manifest.digest}, created=1.0)
+    real_read = backup.read_commit
+    calls: list[int] = []
+
+    def read_commit_after_the_race(job: str, step: int) -> CommitRecord | None:
+        # The first read (before writing) finds nothing; another writer commits right after.
+        if not calls:
+            calls.append(1)
+            backup.objects.put_bytes(commit_key(job, step), winner.to_json(), if_absent=True)
+            return None
+        return real_read(job, step)
+
+    backup.read_commit = read_commit_after_the_race  # type: ignore[method-assign]
+    assert backup.try_commit(JOB, 8, ["0-0"], now=2.0) == winner
+    assert CommitRecord.from_json(backup.objects.get_bytes(commit_key(JOB, 8))) == winner
+
+
+def test_upload_after_commit_is_refused(backup: BackupStore, uploaded: Uploaded) -> None:
+    manifest_before = backup.objects.get_bytes(manifest_key(DIR_ITEM))
+    other = make_dir_item(uploaded.staging / "other")
+    with pytest.raises(PreconditionFailed):
+        backup.upload_item(build_manifest(DIR_ITEM, other), other)
+    assert backup.objects.get_bytes(manifest_key(DIR_ITEM)) == manifest_before
+
+
+def test_upload_before_commit_may_be_repeated(backup: BackupStore, tmp_path: Path) -> None:
+    data = make_dir_item(tmp_path / "d")
+    manifest = build_manifest(DIR_ITEM, data)
+    backup.upload_item(manifest, data)
+    backup.upload_item(manifest, data)
+    record = backup.try_commit(JOB, 100, ["0-0"])
+    assert record is not None
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    assert backup.fetch_item(record, DIR_ITEM, staged) == manifest
+
+
+def test_step_without_commit_is_not_listed(backup: BackupStore, tmp_path: Path) -> None:
+    data = make_file_item(tmp_path / "f")
+    backup.upload_item(build_manifest(ItemId(JOB, 5, 0, 0), data), data)
+    assert backup.committed_steps(JOB) == {}
+    assert backup.read_commit(JOB, 5) is None
+
+
+def test_committed_steps_of_one_job_only(backup: BackupStore, tmp_path: Path) -> None:
+    data = make_file_item(tmp_path / "f")
+    for job, step in [("job", 1), ("job", 20), ("job2", 3), ("jo", 4)]:
+        item = ItemId(job, step, 0, 0)
+        backup.upload_item(build_manifest(item, data), data)
+        assert backup.try_commit(job, step, ["0-0"]) is not None
+    assert sorted(backup.committed_steps("job")) == [1, 20]
+    assert sorted(backup.committed_steps("job2")) == [3]
+    assert backup.committed_steps("none") == {}
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        pytest.param(b"not json", id="not JSON"),
+        pytest.param(b"[]", id="array"),
+        pytest.param(b'{"job": "job", "step": 6, "items": {}}', id="no timestamp"),
+        pytest.param(
+            b'{"job": "job", "step": 6, "items": {"0-0": "nothex"}, "created": 1}',
+            id="bad digest",
+        ),
+        pytest.param(
+            b'{"job": "job", "step": 6, "items": {"../x": "' + b"0" * 64 + b'"}, "created": 1}',
+            id="bad item key",
+        ),
+        pytest.param(b'{"job": "job", "step": 7, "items": {}, "created": 1}', id="wrong step"),
+        pytest.param(b'{"job": "other", "step": 6, "items": {}, "created": 1}', id="wrong job"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deeply nested"),
+    ],
+)
+def test_garbage_commit_is_skipped_with_a_warning(
+    backup: BackupStore, uploaded: Uploaded, garbage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    backup.objects.put_bytes(commit_key(JOB, 6), garbage)
+    with caplog.at_level(logging.WARNING, logger="replicator.backup"):
+        steps = backup.committed_steps(JOB)
+    assert steps == {100: uploaded.record}
+    assert any("job/6/COMMIT" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ManifestError):
+        backup.read_commit(JOB, 6)
+
+
+# --- verified download ---------------------------------------------------------------------------
+
+
+def test_fetch_detects_a_flipped_byte(backup: BackupStore, uploaded: Uploaded) -> None:
+    flip_object_byte(backup.objects, data_key(DIR_ITEM, "state/d/chunk"), 1500)
+    with pytest.raises(CorruptItem, match="state/d/chunk"):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_flipped_byte_in_a_file_item(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    flip_object_byte(backup.objects, data_key(FILE_ITEM, ""), 0)
+    with pytest.raises(CorruptItem, match="data"):
+        backup.fetch_item(uploaded.record, FILE_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_truncated_object(backup: BackupStore, uploaded: Uploaded) -> None:
+    key = data_key(DIR_ITEM, "state/d/chunk")
+    backup.objects.put_bytes(key, backup.objects.get_bytes(key)[:-1])
+    with pytest.raises(CorruptItem, match="size 2999"):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_an_extended_object(backup: BackupStore, uploaded: Uploaded) -> None:
+    key = data_key(FILE_ITEM, "")
+    backup.objects.put_bytes(key, backup.objects.get_bytes(key) + b"tail")
+    with pytest.raises(CorruptItem):
+        backup.fetch_item(uploaded.record, FILE_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_missing_object(backup: BackupStore, uploaded: Uploaded) -> None:
+    backup.objects.delete(data_key(DIR_ITEM, "state/zero"))
+    with pytest.raises(CorruptItem, match="missing"):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_missing_manifest(backup: BackupStore, uploaded: Uploaded) -> None:
+    backup.objects.delete(manifest_key(FILE_ITEM))
+    with pytest.raises(CorruptItem, match="missing"):
+        backup.fetch_item(uploaded.record, FILE_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_manifest_modified_after_commit(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    # A valid manifest that also matches a modified object: only the pinned digest catches it.
+    key = data_key(FILE_ITEM, "")
+    backup.objects.put_bytes(key, b"evil")
+    evil = uploaded.staging / "evil"
+    evil.write_bytes(b"evil")
+    backup.objects.put_bytes(manifest_key(FILE_ITEM), build_manifest(FILE_ITEM, evil).to_json())
+    with pytest.raises(CorruptItem, match="modified after its COMMIT"):
+        backup.fetch_item(uploaded.record, FILE_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_a_manifest_naming_another_item(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    # The file item's manifest copied over the dir item's: valid, but not this item's.
+    backup.objects.put_bytes(
+        manifest_key(DIR_ITEM), backup.objects.get_bytes(manifest_key(FILE_ITEM))
+    )
+    with pytest.raises(CorruptItem):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+
+
+def test_fetch_detects_an_unparsable_manifest(backup: BackupStore, uploaded: Uploaded) -> None:
+    raw = json.loads(backup.objects.get_bytes(manifest_key(DIR_ITEM)))
+    raw["files"][0][0] = "../../escape"
+    backup.objects.put_bytes(manifest_key(DIR_ITEM), json.dumps(raw).encode())
+    staged = uploaded.fresh_staging()
+    with pytest.raises(CorruptItem, match="invalid"):
+        backup.fetch_item(uploaded.record, DIR_ITEM, staged)
+    assert list(staged.iterdir()) == []  # nothing touched the disk
+
+
+def test_fetch_of_an_item_not_in_the_commit(backup: BackupStore, uploaded: Uploaded) -> None:
+    for item in (ItemId(JOB, 100, 2, 0), ItemId(JOB, 99, 0, 0), ItemId("other", 100, 0, 0)):
+        with pytest.raises(CorruptItem, match="not in the committed backup"):
+            backup.fetch_item(uploaded.record, item, uploaded.fresh_staging())
+
+
+def test_fetch_refuses_a_manifest_the_commit_does_not_pin(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    """An item uploaded after the COMMIT cannot sneak into it."""
+    data = make_file_item(uploaded.staging / "late")
+    late = ItemId(JOB, 100, 2, 0)
+    backup.objects.put_bytes(manifest_key(late), build_manifest(late, data).to_json())
+    backup.objects.put_file(data_key(late, ""), data)
+    with pytest.raises(CorruptItem):
+        backup.fetch_item(uploaded.record, late, uploaded.fresh_staging())
+
+
+def test_an_empty_manifest_is_not_trusted(backup: BackupStore, uploaded: Uploaded) -> None:
+    manifest = Manifest.from_json(backup.objects.get_bytes(manifest_key(DIR_ITEM)))
+    assert manifest == uploaded.dir_manifest
+    backup.objects.put_bytes(manifest_key(DIR_ITEM), b"")
+    with pytest.raises(CorruptItem):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())

@@ -1,0 +1,244 @@
+"""The ObjectStore contract, run against every backend that needs no server.
+
+``FileObjectStore`` on ``tmp_path`` and ``MemoryObjectStore`` must behave alike; the cloud
+backends join this class (through their emulators) in the integration suite.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from replicator import manifest as manifest_mod
+from replicator import objectstore as objectstore_mod
+from replicator.fsutil import TMP_PREFIX
+from replicator.objectstore import (
+    FileObjectStore,
+    MemoryObjectStore,
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+    open_object_store,
+)
+
+SMALL_CHUNK = 1000
+
+BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
+    "file": lambda tmp: FileObjectStore(tmp / "bucket"),
+    "memory": lambda tmp: MemoryObjectStore(),
+}
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exercise multi-chunk paths with small data: both modules imported CHUNK by value."""
+    monkeypatch.setattr(manifest_mod, "CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(objectstore_mod, "CHUNK", SMALL_CHUNK)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def objects(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    return BACKENDS[request.param](tmp_path)
+
+
+class TestObjectStoreContract:
+    def test_put_file_and_read_chunks_round_trip(
+        self, objects: ObjectStore, tmp_path: Path
+    ) -> None:
+        data = os.urandom(SMALL_CHUNK * 5 + 123)
+        src = tmp_path / "src"
+        src.write_bytes(data)
+        objects.put_file("job/1/0-0/state/shard", src)
+        chunks = list(objects.read_chunks("job/1/0-0/state/shard"))
+        assert b"".join(chunks) == data
+        assert len(chunks) == 6
+        assert all(len(c) <= SMALL_CHUNK for c in chunks)
+        assert objects.get_bytes("job/1/0-0/state/shard") == data
+        assert src.read_bytes() == data  # the source is left alone
+
+    def test_put_file_of_an_empty_file(self, objects: ObjectStore, tmp_path: Path) -> None:
+        src = tmp_path / "empty"
+        src.write_bytes(b"")
+        objects.put_file("e", src)
+        assert b"".join(objects.read_chunks("e")) == b""
+        info = objects.head("e")
+        assert info is not None
+        assert info.size == 0
+
+    def test_put_file_overwrites(self, objects: ObjectStore, tmp_path: Path) -> None:
+        src = tmp_path / "src"
+        src.write_bytes(b"one")
+        objects.put_file("k", src)
+        src.write_bytes(b"two!")
+        objects.put_file("k", src)
+        assert objects.get_bytes("k") == b"two!"
+
+    def test_put_bytes_and_get_bytes(self, objects: ObjectStore) -> None:
+        objects.put_bytes("a/b.json", b'{"x": 1}')
+        assert objects.get_bytes("a/b.json") == b'{"x": 1}'
+        objects.put_bytes("a/b.json", b"replaced")
+        assert objects.get_bytes("a/b.json") == b"replaced"
+
+    def test_if_absent_is_create_only(self, objects: ObjectStore) -> None:
+        objects.put_bytes("job/5/COMMIT", b"first", if_absent=True)
+        with pytest.raises(PreconditionFailed):
+            objects.put_bytes("job/5/COMMIT", b"second", if_absent=True)
+        assert objects.get_bytes("job/5/COMMIT") == b"first"
+        assert [o.key for o in objects.list("job/")] == ["job/5/COMMIT"]  # no temp left
+
+    def test_if_absent_refuses_over_an_ordinary_put(self, objects: ObjectStore) -> None:
+        objects.put_bytes("k", b"plain")
+        with pytest.raises(PreconditionFailed):
+            objects.put_bytes("k", b"create-only", if_absent=True)
+        assert objects.get_bytes("k") == b"plain"
+
+    def test_head(self, objects: ObjectStore) -> None:
+        assert objects.head("nothing") is None
+        objects.put_bytes("dir/obj", b"12345")
+        info = objects.head("dir/obj")
+        assert info is not None
+        assert (info.key, info.size) == ("dir/obj", 5)
+        assert objects.head("dir/ob") is None
+
+    def test_head_of_a_prefix_is_not_an_object(self, objects: ObjectStore) -> None:
+        objects.put_bytes("job/5/0-0/f", b"x")
+        assert objects.head("job/5") is None
+        assert objects.head("job/5/0-0") is None
+
+    def test_list_by_prefix_in_key_order(self, objects: ObjectStore) -> None:
+        keys = ["job/2/b", "job/10/a", "job/2/a/x", "job/1/z", "jobx/1/a", "other/1"]
+        for i, key in enumerate(keys):
+            objects.put_bytes(key, b"x" * i)
+        assert [o.key for o in objects.list("job/")] == sorted(k for k in keys if k[:4] == "job/")
+        assert [o.key for o in objects.list("job")] == sorted(keys[:5])
+        assert [o.key for o in objects.list("job/2/")] == ["job/2/a/x", "job/2/b"]
+        assert [o.key for o in objects.list("job/2/a")] == ["job/2/a/x"]
+        assert [o.key for o in objects.list("")] == sorted(keys)
+        assert list(objects.list("missing/")) == []
+        sizes = {o.key: o.size for o in objects.list("")}
+        assert sizes == {k: i for i, k in enumerate(keys)}
+
+    def test_list_skips_temp_files(self, objects: ObjectStore, tmp_path: Path) -> None:
+        objects.put_bytes("job/1/a", b"x")
+        if isinstance(objects, FileObjectStore):
+            # What a writer that crashed mid-put leaves behind.
+            (objects.root / "job" / "1" / f"{TMP_PREFIX}1234-b").write_bytes(b"partial")
+        assert [o.key for o in objects.list("job/")] == ["job/1/a"]
+
+    def test_delete_is_idempotent(self, objects: ObjectStore) -> None:
+        objects.put_bytes("k", b"x")
+        objects.delete("k")
+        assert objects.head("k") is None
+        objects.delete("k")
+        objects.delete("never/there")
+        with pytest.raises(ObjectNotFound):
+            objects.get_bytes("k")
+
+    def test_missing_keys_raise_object_not_found(self, objects: ObjectStore) -> None:
+        with pytest.raises(ObjectNotFound):
+            objects.get_bytes("nope")
+        with pytest.raises(ObjectNotFound):
+            list(objects.read_chunks("nope"))
+        objects.put_bytes("a", b"x")
+        with pytest.raises(ObjectNotFound):
+            objects.get_bytes("a/b")  # below an object, not an object
+        objects.put_bytes("d/e", b"x")
+        with pytest.raises(ObjectNotFound):
+            objects.get_bytes("d")  # a prefix, not an object
+        assert objects.head("a/b") is None
+
+    @pytest.mark.parametrize(
+        "key", ["../x", "/abs", "a//b", "", "a/../b", "./a", "a/", "a/.", "..", "a/.."]
+    )
+    def test_unsafe_keys_are_refused(self, objects: ObjectStore, key: str, tmp_path: Path) -> None:
+        src = tmp_path / "src"
+        src.write_bytes(b"x")
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.put_bytes(key, b"x")
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.put_bytes(key, b"x", if_absent=True)
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.put_file(key, src)
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.get_bytes(key)
+        with pytest.raises(ValueError, match="unsafe"):
+            list(objects.read_chunks(key))
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.head(key)
+        with pytest.raises(ValueError, match="unsafe"):
+            objects.delete(key)
+        assert list(objects.list("")) == []
+
+    def test_list_never_leaves_the_store(self, objects: ObjectStore, tmp_path: Path) -> None:
+        (tmp_path / "outside").write_bytes(b"secret")
+        objects.put_bytes("in", b"x")
+        for prefix in ("../", "../out", "/", "a//"):
+            assert [o.key for o in objects.list(prefix)] == []
+
+
+def test_file_store_writes_files_under_its_root(tmp_path: Path) -> None:
+    store = FileObjectStore(tmp_path / "bucket")
+    store.put_bytes("job/1/COMMIT", b"c", if_absent=True)
+    assert (tmp_path / "bucket" / "job" / "1" / "COMMIT").read_bytes() == b"c"
+    assert sorted(p.name for p in (tmp_path / "bucket" / "job" / "1").iterdir()) == ["COMMIT"]
+
+
+def test_file_store_reads_in_chunks_of_the_real_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.undo()  # the real CHUNK: a file bigger than one real chunk
+    data = os.urandom(manifest_mod.CHUNK * 2 + 1)
+    src = tmp_path / "big"
+    src.write_bytes(data)
+    store = FileObjectStore(tmp_path / "bucket")
+    store.put_file("big", src)
+    chunks = list(store.read_chunks("big"))
+    assert [len(c) for c in chunks] == [manifest_mod.CHUNK, manifest_mod.CHUNK, 1]
+    assert b"".join(chunks) == data
+
+
+# --- open_object_store -------------------------------------------------------------------------
+
+
+def test_open_file_url(tmp_path: Path) -> None:
+    url = (tmp_path / "b").as_uri()
+    store = open_object_store(url)
+    assert isinstance(store, FileObjectStore)
+    assert store.root == tmp_path / "b"
+    assert store.url == url
+    store.put_bytes("k", b"v")
+    assert (tmp_path / "b" / "k").read_bytes() == b"v"
+
+
+def test_open_file_url_with_localhost_and_escapes(tmp_path: Path) -> None:
+    store = open_object_store(f"file://localhost{tmp_path}/with%20space")
+    assert isinstance(store, FileObjectStore)
+    assert store.root == tmp_path / "with space"
+
+
+def test_open_plain_absolute_path(tmp_path: Path) -> None:
+    store = open_object_store(str(tmp_path / "b"))
+    assert isinstance(store, FileObjectStore)
+    assert store.root == tmp_path / "b"
+    assert store.url == (tmp_path / "b").as_uri()
+
+
+@pytest.mark.parametrize("url", ["relative/dir", "file://relative/dir", "file:relative", "."])
+def test_open_relative_path_is_rejected(url: str) -> None:
+    with pytest.raises(ValueError, match="absolute"):
+        open_object_store(url)
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/prefix", "s3://bucket/prefix"])
+def test_open_cloud_urls_say_not_available(url: str) -> None:
+    with pytest.raises(ValueError, match="not available in this build"):
+        open_object_store(url)
+
+
+@pytest.mark.parametrize("url", ["http://example.com/x", "ftp://host/x", "memory://"])
+def test_open_unknown_scheme_is_rejected(url: str) -> None:
+    with pytest.raises(ValueError, match="unsupported storage URL"):
+        open_object_store(url)
