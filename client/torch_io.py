@@ -30,6 +30,7 @@ from typing import Any
 
 from client.handshake import RestoreResult
 from replicator import contract
+from replicator.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def save_file(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     _log_saved(final, step, started)
     return final
 
@@ -281,20 +282,12 @@ def _write_synced(path: Path, write: Callable[[Any], object]) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish_dir(tmp: Path, final: Path) -> None:
     """Make the complete temp dir visible as ``<N>`` with one rename."""
     for sub in [tmp, *(p for p in tmp.rglob("*") if p.is_dir())]:
-        _fsync_dir(sub)
+        fsync_dir(sub)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _log_saved(final: Path, step: int, started: float) -> None:

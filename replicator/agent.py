@@ -377,6 +377,8 @@ class Incarnation:
                     await self._wake.wait()
             self._wake.clear()
             await self._ingest_ready()
+            # An upload that ended (its task wakes us) no longer protects its step.
+            await self._collect_garbage()
             self._maybe_backup()
 
     async def _ingest_ready(self) -> None:

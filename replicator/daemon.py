@@ -261,6 +261,7 @@ class Daemon:
                 await self.incarnation.stop()
             watcher.stop()
             self.executor.shutdown(wait=True, cancel_futures=True)
+            self.store.close()
             log.info("stopped")
 
     # --- the handshake file ----------------------------------------------------------------
@@ -275,6 +276,9 @@ class Daemon:
         return raw.decode("utf-8", errors="replace")
 
     async def _check_config(self) -> None:
+        # Taken before the read: a close seen now covers the text we read, while one that
+        # arrives during the read may follow a write our read missed.
+        closed = self._config_finished
         text = await asyncio.get_running_loop().run_in_executor(self.executor, self._read_config)
         now = time.monotonic()
         if text is None:
@@ -296,7 +300,7 @@ class Daemon:
         # A non-atomic writer's half can parse as a whole config (a truncated job name, or
         # `nodes: 1` of `nodes: 16`): judge it once the writer closed it, or after the .save
         # settle time when the close event was lost.
-        finished = self._config_finished or stable >= self.opts.settle_seconds
+        finished = closed or stable >= self.opts.settle_seconds
         try:
             config = parse_config(text, self.ctx.env)
         except IncompleteConfigError as exc:
@@ -311,7 +315,7 @@ class Daemon:
             await self._accept(config, text)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
-        log.error("rejecting %s %s: %s", CONFIG_FILE, when, exc)
+        log.error("rejecting %s%s: %s", CONFIG_FILE, f" {when}" if when else "", exc)
         await self._end_incarnation()
         message = (
             f"{exc}{' (' + when + ')' if when else ''}.\n"

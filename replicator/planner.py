@@ -102,8 +102,8 @@ def retention(
     """Items of this job and rank that may be deleted.
 
     Keeps the newest complete step, every newer (still arriving) step and every protected
-    step (being uploaded or exposed to the workload); older steps go. With no complete step
-    nothing is deleted: the newest restorable copy must never be the one we drop.
+    step (being uploaded); older steps go, with the workload's links to them. With no
+    complete step nothing is deleted: the newest restorable copy must never be dropped.
     """
     complete = complete_steps(config, have)
     if not complete:

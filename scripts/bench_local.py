@@ -53,8 +53,12 @@ def main() -> None:
         ckpt = ram / "ckpt"
         ckpt.mkdir()
         make_step(ram / "src", size, a.files)
-        base_ram = timed(lambda: subprocess.run(["cp", "-r", ram / "src", ram / "copy"], check=True))
-        base_disk = timed(lambda: subprocess.run(["cp", "-r", ram / "src", disk / "copy"], check=True))
+        base_ram = timed(
+            lambda: subprocess.run(["cp", "-r", ram / "src", ram / "copy"], check=True)
+        )
+        base_disk = timed(
+            lambda: subprocess.run(["cp", "-r", ram / "src", disk / "copy"], check=True)
+        )
         shutil.rmtree(ram / "copy")
         shutil.rmtree(disk / "copy")
         store = LocalStore(ckpt)

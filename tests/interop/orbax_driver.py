@@ -37,7 +37,6 @@ passes only process id and coordinator address and relies on cluster auto-detect
 flags must be parsed (Orbax reads ``experimental_use_distributed_id_for_mesh_consistency``
 unguarded during restore), and MaxText's ``experimental_orbax_use_distributed_process_id``.
 """
-# ruff: noqa: PLC0415  (jax/orbax are imported only after the environment is prepared)
 
 from __future__ import annotations
 

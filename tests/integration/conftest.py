@@ -1,0 +1,112 @@
+"""Fixtures for integration tests: a fresh CHECKPOINT_DIR (a real tmpfs when we are root),
+a ``file://`` backup directory, a unique job name, and real daemon processes that are
+always stopped (and their logs printed) at teardown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_process import DaemonProcess
+
+FAST_ARGS = (
+    "--settle-seconds",
+    "0.5",
+    "--config-wait-seconds",
+    "1.5",
+    "--rescan-seconds",
+    "0.3",
+)
+"""Short timers so the suite stays fast; each test that depends on one says so."""
+
+DEFAULT_TMPFS = "256m"
+
+StartDaemon = Callable[..., DaemonProcess]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "tmpfs_size(size): size of the tmpfs mounted as CHECKPOINT_DIR (default 256m)"
+    )
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    """Mount a size-limited tmpfs like the CSI driver does; False when we may not."""
+    if os.geteuid() != 0:
+        return False
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    return proc.returncode == 0
+
+
+def _unmount(path: Path) -> None:
+    proc = subprocess.run(["umount", str(path)], capture_output=True, check=False)
+    if proc.returncode != 0:
+        # Something still holds it (a leaked process); detach so the next test is unaffected.
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def ckpt(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """CHECKPOINT_DIR: a tmpfs as in production when we are root, else a plain directory."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    marker = request.node.get_closest_marker("tmpfs_size")
+    mounted = _mount_tmpfs(path, marker.args[0] if marker else DEFAULT_TMPFS)
+    try:
+        yield path
+    finally:
+        if mounted:
+            _unmount(path)
+
+
+@pytest.fixture
+def backup_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "backup"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> str:
+    """A fresh, safe job name per test (parametrized ids included)."""
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", request.node.name.removeprefix("test_"))[:40]
+    return f"{base.strip('-.')}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def start_daemon(ckpt: Path) -> Iterator[StartDaemon]:
+    """Start a real daemon on ``ckpt``: ``start_daemon(backup=None, extra=())``.
+
+    Every daemon started is stopped at teardown (killed if it does not stop), before the
+    tmpfs is unmounted, and its log is printed so a failure shows what the daemon did.
+    """
+    started: list[DaemonProcess] = []
+
+    def start(*, backup: Path | None = None, extra: tuple[str, ...] = ()) -> DaemonProcess:
+        daemon = DaemonProcess(
+            ckpt,
+            backup=backup.as_uri() if backup else None,
+            extra_args=(*FAST_ARGS, *extra),
+        )
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        if daemon.running:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # stop() killed it
+                daemon.stop(timeout=10)
+    if started:
+        print(f"--- daemon log {started[0].log_path} ---\n{started[0].log()[-20000:]}")

@@ -1,0 +1,191 @@
+"""Restore rounds against a real daemon: from the local store, from a committed backup,
+and past a corrupt copy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    ERRORS,
+    STORE,
+    backup_commits,
+    config_text,
+    holds,
+    item_dir,
+    make_step,
+    marker_names,
+    payload,
+    read_prerestore,
+    read_text,
+    read_tree,
+    stored_steps,
+    wait_ingested,
+    wait_markers,
+    wait_until,
+    write_yaml_atomic,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _assert_relative_link_into(ckpt: Path, link: Path) -> Path:
+    """A marker is a relative symlink that resolves inside CHECKPOINT_DIR; its target."""
+    assert link.is_symlink(), f"{link.name} must be a symlink"
+    target = os.readlink(link)
+    assert not os.path.isabs(target), f"marker target must be relative, got {target!r}"
+    resolved = (link.parent / target).resolve()
+    assert resolved.is_relative_to(ckpt.resolve()), f"{target!r} escapes CHECKPOINT_DIR"
+    return resolved
+
+
+def test_restart_restores_from_local_store(ckpt: Path, job: str, start_daemon: StartDaemon) -> None:
+    daemon = start_daemon()
+    yaml_text = config_text(job, workers_per_node=2)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon, workers=2)
+    saved = payload(3, seed=job)
+    make_step(ckpt, 3, saved)
+    wait_ingested(ckpt, job, 3, daemon)
+    assert daemon.stop() == 0
+
+    # The node restarts: the job writes its handshake before the daemon is back, and the
+    # daemon must restore step 3 from memory.
+    write_yaml_atomic(ckpt, yaml_text)
+    daemon = start_daemon()
+    markers = wait_markers(ckpt, job, 3, daemon, workers=2)
+    assert read_prerestore(ckpt)["restore-step"] == 3
+    assert read_prerestore(ckpt).get("restore-source", "local") == "local"
+    for m in markers:
+        resolved = _assert_relative_link_into(ckpt, m)
+        assert resolved.is_dir()
+        assert read_tree(m) == saved, f"{m.name} does not show the saved bytes"
+    assert not (ckpt / ERRORS).exists()
+
+    # Orbax renames one marker to `<N>` and deletes the others; the PyTorch reference
+    # renames one to `step=<N>`. Both names must still reach the data.
+    w0, w1 = markers
+    os.replace(w0, ckpt / "3")
+    os.rename(w1, ckpt / "step=3")
+    assert marker_names(ckpt) == []
+    for name in ("3", "step=3"):
+        _assert_relative_link_into(ckpt, ckpt / name)
+        assert read_tree(ckpt / name) == saved
+    # The daemon must not take the `<N>` link for a new step, nor drop what it points at.
+    holds(
+        lambda: (ckpt / "3").is_symlink() and (ckpt / "3" / "_CHECKPOINT_METADATA").exists(),
+        "the renamed marker keeps resolving",
+        1.0,
+        daemon=daemon,
+    )
+    assert stored_steps(ckpt, job) == {3}
+
+    # The next save proceeds normally next to the client's links.
+    make_step(ckpt, 4, payload(4, seed=job))
+    wait_ingested(ckpt, job, 4, daemon)
+    assert read_tree(item_dir(ckpt, job, 4) / "data") == payload(4, seed=job)
+
+
+def test_wiped_store_restores_newest_committed_backup(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon(backup=backup_dir)
+    yaml_text = config_text(job, backup_interval_steps=1)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    for step in (1, 2):
+        make_step(ckpt, step, payload(step, seed=job))
+        wait_ingested(ckpt, job, step, daemon)
+        wait_until(
+            lambda s=step: s in backup_commits(backup_dir, job),
+            f"COMMIT of step {step}",
+            daemon=daemon,
+        )
+    assert daemon.stop() == 0
+
+    # Step 2's upload "never finished": its files and manifest are there, its COMMIT is not.
+    (backup_dir / job / "2" / "COMMIT").unlink()
+    assert (backup_dir / job / "2" / "0-0.manifest.json").is_file()
+    # And a step 5 that a crashed uploader left by hand: files, manifest, no COMMIT.
+    shutil.copytree(backup_dir / job / "2", backup_dir / job / "5")
+    shutil.rmtree(ckpt / STORE)
+
+    daemon = start_daemon(backup=backup_dir)
+    write_yaml_atomic(ckpt, yaml_text)
+    (marker,) = wait_markers(ckpt, job, 1, daemon)
+    assert read_prerestore(ckpt) == {"restore-step": 1, "restore-source": "backup"}
+    _assert_relative_link_into(ckpt, marker)
+    assert read_tree(marker) == payload(1, seed=job)
+    assert read_tree(item_dir(ckpt, job, 1) / "data") == payload(1, seed=job)
+    assert backup_commits(backup_dir, job) == {1}, "the daemon must not commit others' steps"
+
+
+# --- corruption ------------------------------------------------------------------------------
+
+
+def _flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("case", ["stopped-backup-copy", "running-older-step", "no-fallback"])
+def test_corrupt_local_copy_is_never_exposed(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon, case: str
+) -> None:
+    """A flipped byte in the store is caught on restore; the daemon falls back and says so.
+
+    stopped-backup-copy: the newest step is corrupt locally, its backup copy is used.
+    running-older-step: the newest step is only local and corrupt; the older step is used.
+    no-fallback: nothing else exists, so nothing is restored (an s0 marker).
+    """
+    backup = None if case == "no-fallback" else backup_dir
+    # Every step is backed up in the first case; only the first step in the second.
+    interval = {"stopped-backup-copy": 1, "running-older-step": 100, "no-fallback": 1}[case]
+    daemon = start_daemon(backup=backup)
+    yaml_text = config_text(job, backup_interval_steps=interval)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    want = {"stopped-backup-copy": {1, 2}, "running-older-step": {1}, "no-fallback": set()}[case]
+    for step in (1, 2):
+        make_step(ckpt, step, payload(step, seed=job, size=8192))
+        wait_ingested(ckpt, job, step, daemon)
+        if step in want:
+            wait_until(
+                lambda s=step: s in backup_commits(backup_dir, job),
+                f"COMMIT of step {step}",
+                daemon=daemon,
+            )
+    assert backup_commits(backup_dir, job) == want
+    wait_until(lambda: stored_steps(ckpt, job) == {2}, "only step 2 kept locally", daemon=daemon)
+
+    victim = item_dir(ckpt, job, 2) / "data" / "state" / "array_0.bin"
+    if case == "running-older-step":
+        _flip_a_byte(victim)  # under a running daemon; the next handshake must catch it
+    else:
+        assert daemon.stop() == 0
+        _flip_a_byte(victim)
+        daemon = start_daemon(backup=backup)
+    write_yaml_atomic(ckpt, yaml_text)
+
+    expected_step = {"stopped-backup-copy": 2, "running-older-step": 1, "no-fallback": 0}[case]
+    (marker,) = wait_markers(ckpt, job, expected_step, daemon)
+    errors = read_text(ckpt / ERRORS)
+    assert "corrupt" in errors, f"{ERRORS} must say the copy was corrupt: {errors!r}"
+    assert "step 2" in errors, errors
+    if expected_step == 0:
+        assert read_prerestore(ckpt) == {}
+        assert not marker.is_symlink()
+        assert marker.stat().st_size == 0
+        return
+    assert read_prerestore(ckpt) == {"restore-step": expected_step, "restore-source": "backup"}
+    assert read_tree(marker) == payload(expected_step, seed=job, size=8192)
+    if case == "stopped-backup-copy":
+        # The corrupt copy was replaced by the verified one from the backup.
+        assert read_tree(item_dir(ckpt, job, 2) / "data") == payload(2, seed=job, size=8192)
