@@ -57,6 +57,10 @@ T = TypeVar("T")
 STATE_FILE = "incarnation.json"
 
 
+class RestoreBlocked(Exception):
+    """No step could be restored although one exists: fatal, the job must not start fresh."""
+
+
 class Phase(StrEnum):
     RESTORING = "restoring"
     """The workload waits for markers: a restarted daemon must (re)do the restore."""
@@ -171,7 +175,6 @@ class Incarnation:
         self.config_text = config_text
         self.log = JobLog(log, config.job_name, config.node_rank)
         self.phase = Phase.STEADY if resume_steady else Phase.RESTORING
-        self.restored: tuple[int | None, str | None] = (None, None)
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
         self._futures: set[asyncio.Future[Any]] = set()
@@ -179,7 +182,8 @@ class Incarnation:
         self._backup_task: asyncio.Task[None] | None = None
         self._uploading: set[int] = set()
         self._last_backup: LastBackup | None = None
-        self.ingested: list[int] = []
+        self._unreachable: list[str] = []
+        """Restore sources that failed for a reason other than corrupt bytes."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -197,14 +201,8 @@ class Incarnation:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
-        log.debug("stop: tasks done %s; futures %s", tasks, self._futures)
         if self._futures:
             await asyncio.wait(list(self._futures), timeout=timeout)
-        log.debug("stop: futures done")
-
-    @property
-    def done(self) -> bool:
-        return self._task is not None and self._task.done()
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         fut = asyncio.get_running_loop().run_in_executor(self.ctx.executor, fn, *args)
@@ -285,8 +283,14 @@ class Incarnation:
             if source is not None:
                 chosen = (candidate.step, source)
                 break
+        if chosen is None and self._unreachable:
+            # A checkpoint exists but this node could not get it (full disk, store down):
+            # an empty marker would make the job silently train from scratch.
+            raise RestoreBlocked(
+                "a committed checkpoint exists but could not be restored: "
+                + "; ".join(self._unreachable)
+            )
         step, source = chosen if chosen else (None, None)
-        self.restored = (step, source)
         await self._thread(self._publish_markers, step, source)
         self.log.info(
             "restore done: step=%s source=%s in %.2fs",
@@ -316,11 +320,12 @@ class Incarnation:
                     if source is Source.LOCAL:
                         await self._thread(self.ctx.store.delete, item)
                     continue
-                except (ObjectStoreError, ManifestError, StoreError, OSError) as exc:
-                    self.error(
-                        f"step {cand.step}: cannot use the {source.value} copy of {item}: {exc}",
-                        cand.step,
+                except (ObjectStoreError, StoreError, OSError) as exc:
+                    message = (
+                        f"step {cand.step}: cannot use the {source.value} copy of {item}: {exc}"
                     )
+                    self.error(message, cand.step)
+                    self._unreachable.append(message)
                     continue
                 used.add(source)
                 break
@@ -425,7 +430,6 @@ class Incarnation:
                 manifest.total_bytes / dt / 1e6,
                 step=item.step,
             )
-        self.ingested.append(handoff.step)
         await self._collect_garbage()
 
     async def _collect_garbage(self) -> None:

@@ -14,7 +14,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from tests.daemon_process import DaemonProcess
+from tests.integration.helpers import wait_until
 
 pytest.importorskip(
     "orbax.checkpoint",
@@ -108,17 +108,6 @@ def backup_committed_steps(backup: Path, job: str) -> set[int]:
     return steps
 
 
-def wait_for(predicate: Any, what: str, daemon: DaemonProcess, timeout: float = SETTLE_TIMEOUT):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}\n{daemon.log()[-6000:]}")
-        time.sleep(0.1)
-
-
 def wait_ingested(ckpt: Path, daemon: DaemonProcess, last_step: int) -> None:
     """No ``<N>/`` left at the top level and the newest step is in the store."""
 
@@ -126,7 +115,12 @@ def wait_ingested(ckpt: Path, daemon: DaemonProcess, last_step: int) -> None:
         real_dirs = [p for p in top_level_steps(ckpt).values() if not p.is_symlink()]
         return not real_dirs and last_step in stored_steps(ckpt)
 
-    wait_for(done, f"step dirs ingested into {STORE}/ (newest {last_step})", daemon)
+    wait_until(
+        done,
+        f"step dirs ingested into {STORE}/ (newest {last_step})",
+        daemon=daemon,
+        timeout=SETTLE_TIMEOUT,
+    )
 
 
 def read_prerestore(ckpt: Path) -> Any:
@@ -254,10 +248,11 @@ def test_restore_from_file_backup_after_store_loss(tmp_path: Path, ckpt: Path) -
         last = train["saved_steps"][-1]
         assert last == 2, train
         wait_ingested(ckpt, daemon, last_step=last)
-        wait_for(
+        wait_until(
             lambda: last in backup_committed_steps(backup, job),
             f"a committed backup of step {last} under {backup}",
-            daemon,
+            daemon=daemon,
+            timeout=SETTLE_TIMEOUT,
         )
 
         # Lose the node's local tier: stop the daemon, wipe its store, start it again.
