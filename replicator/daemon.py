@@ -45,6 +45,7 @@ from replicator.contract import (
     IncompleteConfigError,
     JobConfig,
     parse_config,
+    parse_save_name,
 )
 from replicator.logs import configure as configure_logging
 from replicator.objectstore import open_object_store
@@ -197,10 +198,13 @@ class Daemon:
     def _on_event(self, name: str | None, finished: bool) -> None:
         if name == CONFIG_FILE:
             self._config_finished = finished
-        elif name and finished:
-            self.ctx.closed_files.add(name)
-        elif name:
-            self.ctx.closed_files.discard(name)  # written again after its close
+        elif name and parse_save_name(name) is not None:
+            # Only `.save` files need "closed after writing"; other names (our unique temp
+            # files among them) would make the set grow for the daemon's whole life.
+            if finished:
+                self.ctx.closed_files.add(name)
+            else:
+                self.ctx.closed_files.discard(name)  # written again after its close
         self._wake.set()
         if self.incarnation is not None:
             self.incarnation.wake()
