@@ -1,0 +1,561 @@
+"""Tests for ``replicator.roundplan``: the restore round's plan, a pure function of joins."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import math
+from collections import Counter
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replicator.backup import CommitRecord
+from replicator.cluster import backup_items, holders
+from replicator.contract import Framework, JobConfig
+from replicator.manifest import ItemId
+from replicator.planner import Source, worker_slots
+from replicator.roundplan import (
+    Fetch,
+    NodeInventory,
+    RoundPlan,
+    SourceKey,
+    balance,
+    plan_round,
+    restorable_steps,
+)
+
+JOB = "job"
+TIER = {
+    (Source.LOCAL, False): 0,
+    (Source.PEER, False): 1,
+    (Source.LOCAL, True): 2,
+    (Source.PEER, True): 3,
+    (Source.BACKUP, False): 4,
+    (Source.BACKUP, True): 5,
+}
+
+
+def cfg(
+    nodes: int = 4,
+    ppn: int = 1,
+    dp: int | None = None,
+    framework: Framework = Framework.ORBAX,
+    workers: int = 1,
+) -> JobConfig:
+    return JobConfig(
+        JOB,
+        framework,
+        node_rank=0,
+        nodes=nodes,
+        peers_per_node=ppn,
+        data_parallelism=dp,
+        workers_per_node=workers,
+    )
+
+
+def digest(item: ItemId, timeline: str = "") -> str:
+    """A stand-in manifest digest: one per item (and per timeline that saved it)."""
+    return hashlib.sha256(f"{item}{timeline}".encode()).hexdigest()
+
+
+def items_of(config: JobConfig, step: int, rank: int) -> list[ItemId]:
+    return [ItemId(JOB, step, rank, w) for w in worker_slots(config)]
+
+
+def inventory(rank: int, items: Iterable[ItemId], timeline: str = "") -> NodeInventory:
+    return NodeInventory(rank, f"10.0.0.{rank}:7000", {i: digest(i, timeline) for i in items})
+
+
+def healthy(
+    config: JobConfig,
+    steps: Collection[int],
+    *,
+    wiped: Collection[int] = (),
+    lost: Collection[int] = (),
+) -> dict[int, NodeInventory]:
+    """Joins of a cluster in steady state: own items plus the layout's peer copies.
+
+    ``wiped`` ranks re-joined with an empty store; ``lost`` ranks did not join at all.
+    """
+    held: dict[int, set[ItemId]] = {r: set() for r in range(config.nodes)}
+    for r in range(config.nodes):
+        for s in steps:
+            mine = items_of(config, s, r)
+            held[r].update(mine)
+            for p in holders(config, r).copies:
+                held[p].update(mine)
+    return {
+        r: inventory(r, () if r in wiped else held[r]) for r in range(config.nodes) if r not in lost
+    }
+
+
+def backup(config: JobConfig, step: int, ranks: Iterable[int] | None = None) -> CommitRecord:
+    if ranks is None:
+        listed = backup_items(config, step)
+    else:
+        listed = [i for r in ranks for i in items_of(config, step, r)]
+    return CommitRecord(JOB, step, {i.key: digest(i) for i in listed}, created=0.0)
+
+
+def firsts(plan: RoundPlan) -> dict[int, tuple[Source, int | None, int, bool]]:
+    """rank -> (source, holder, rank of the fetched item, equivalent) of its first choice."""
+    out = {}
+    for target, sources in plan.sources.items():
+        f = sources[0]
+        out.setdefault(target.rank, (f.source, f.holder, f.item.rank, f.equivalent))
+    return out
+
+
+# --- the scenarios of the issue's test list ------------------------------------------------------
+
+L, P, B = Source.LOCAL, Source.PEER, Source.BACKUP
+
+
+@dataclass
+class Scenario:
+    config: JobConfig
+    wiped: tuple[int, ...] = ()
+    backups: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    """Committed backup steps -> the ranks uploaded (None: ``backup_items``)."""
+    step: int | None = 20
+    first: dict[int, tuple[Source, int | None, int, bool]] = field(default_factory=dict)
+
+
+# 4 nodes, one peer each: the layout pairs 0 <-> 2 and 1 <-> 3 (offset 2).
+FOUR = cfg()
+DP2 = cfg(dp=2)  # 2 replicas of 2 nodes: 0 ~ 2 and 1 ~ 3 are equivalent
+
+SCENARIOS = {
+    "all local": Scenario(FOUR, first={r: (L, r, r, False) for r in range(4)}, backups={10: None}),
+    "one node wiped -> its peer": Scenario(
+        FOUR,
+        wiped=(1,),
+        first={0: (L, 0, 0, False), 1: (P, 3, 1, False), 2: (L, 2, 2, False), 3: (L, 3, 3, False)},
+    ),
+    "two wiped, covered by the layout": Scenario(
+        FOUR,
+        wiped=(0, 1),
+        first={0: (P, 2, 0, False), 1: (P, 3, 1, False), 2: (L, 2, 2, False), 3: (L, 3, 3, False)},
+    ),
+    "two wiped, not covered -> backup": Scenario(
+        FOUR,
+        wiped=(0, 2),
+        backups={10: None, 20: None},
+        first={
+            0: (B, None, 0, False),
+            1: (L, 1, 1, False),
+            2: (B, None, 2, False),
+            3: (L, 3, 3, False),
+        },
+    ),
+    "two wiped, not covered -> older backed-up step": Scenario(
+        FOUR,
+        wiped=(0, 2),
+        backups={10: None},
+        step=10,
+        first={
+            0: (B, None, 0, False),
+            1: (L, 1, 1, False),
+            2: (B, None, 2, False),
+            3: (L, 3, 3, False),
+        },
+    ),
+    "two wiped, not covered, no backup -> start fresh": Scenario(FOUR, wiped=(0, 2), step=None),
+    "every node wiped -> backup": Scenario(
+        FOUR,
+        wiped=(0, 1, 2, 3),
+        backups={10: None, 20: None},
+        first={r: (B, None, r, False) for r in range(4)},
+    ),
+    "every node wiped, only an old backup": Scenario(
+        FOUR,
+        wiped=(0, 1, 2, 3),
+        backups={10: None},
+        step=10,
+        first={r: (B, None, r, False) for r in range(4)},
+    ),
+    "DP=2, wiped rank -> its equivalent": Scenario(
+        DP2,
+        wiped=(1,),
+        first={0: (L, 0, 0, False), 1: (P, 3, 3, True), 2: (L, 2, 2, False), 3: (L, 3, 3, False)},
+    ),
+    "DP=2, every node wiped -> one replica's backup": Scenario(
+        DP2,
+        wiped=(0, 1, 2, 3),
+        backups={20: None},  # backup_items: replica 0 (ranks 0 and 1) uploaded
+        first={
+            0: (B, None, 0, False),
+            1: (B, None, 1, False),
+            2: (B, None, 0, True),
+            3: (B, None, 1, True),
+        },
+    ),
+    "DP=2, a whole equivalence class wiped -> backup": Scenario(
+        DP2,
+        wiped=(1, 3),
+        backups={20: None},
+        first={
+            0: (L, 0, 0, False),
+            1: (B, None, 1, False),
+            2: (L, 2, 2, False),
+            3: (B, None, 1, True),
+        },
+    ),
+    ".save files, one node wiped -> every worker from its peer": Scenario(
+        cfg(framework=Framework.PYTORCH, workers=2),
+        wiped=(3,),
+        first={0: (L, 0, 0, False), 1: (L, 1, 1, False), 2: (L, 2, 2, False), 3: (P, 1, 3, False)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario(name: str) -> None:
+    sc = SCENARIOS[name]
+    joins = healthy(sc.config, (10, 20), wiped=sc.wiped)
+    backups = {s: backup(sc.config, s, ranks) for s, ranks in sc.backups.items()}
+    plan = plan_round(sc.config, joins, backups)
+    if sc.step is None:
+        assert plan is None
+        return
+    assert plan is not None
+    assert plan.step == sc.step
+    assert firsts(plan) == sc.first
+    # Every rank restores the same step: every item of that step, and nothing else.
+    expected = {i for r in range(sc.config.nodes) for i in items_of(sc.config, sc.step, r)}
+    assert set(plan.sources) == expected
+
+
+def test_restore_source_is_the_slowest_first_choice() -> None:
+    save = cfg(framework=Framework.PYTORCH, workers=2)
+    joins = healthy(save, (20,), wiped=(0, 2))
+    # Worker 0 of rank 0 is in the backup, worker 1 nowhere else: step 20 needs the backup.
+    joins[1] = inventory(1, [*joins[1].items, ItemId(JOB, 20, 0, 1)])
+    plan = plan_round(save, joins, {20: backup(save, 20, (0, 2))})
+    assert plan is not None
+    assert [f[0].source for f in plan.for_rank(0).values()] == [B, P]
+    assert plan.restore_source(0) is B
+    assert plan.restore_source(1) is L
+    assert plan.restore_source(2) is B
+
+
+def test_lost_rank_is_planned_from_its_copies() -> None:
+    # A rank that never joined still has its items planned; the coordinator waits for it.
+    plan = plan_round(FOUR, healthy(FOUR, (20,), lost=(1,)), {})
+    assert plan is not None
+    assert firsts(plan)[1] == (P, 3, 1, False)
+
+
+# --- newest step, exclusions and fallbacks -------------------------------------------------------
+
+
+def test_newest_complete_step_wins_and_candidates_are_listed() -> None:
+    joins = healthy(FOUR, (10, 20, 30))
+    # Step 30 of rank 2 exists nowhere: its node and its peer (rank 0) lost it.
+    joins[2] = inventory(2, [i for i in joins[2].items if i.step != 30])
+    joins[0] = inventory(0, [i for i in joins[0].items if not (i.step == 30 and i.rank == 2)])
+    plan = plan_round(FOUR, joins, {5: backup(FOUR, 5)})
+    assert plan is not None
+    assert plan.step == 20
+    assert plan.candidates == (20, 10, 5)
+    assert restorable_steps(FOUR, joins, {5: backup(FOUR, 5)}) == [20, 10, 5]
+
+
+def test_exclude_falls_back_to_the_next_source_then_an_older_step() -> None:
+    joins = healthy(FOUR, (10, 20), wiped=(1,))
+    backups = {10: backup(FOUR, 10)}
+    plan = plan_round(FOUR, joins, backups)
+    assert plan is not None
+    assert (plan.step, firsts(plan)[1]) == (20, (P, 3, 1, False))
+    # The only copy of rank 1's step 20 is corrupt: step 10, from rank 1's peer again.
+    bad = {SourceKey(3, ItemId(JOB, 20, 1, 0))}
+    plan = plan_round(FOUR, joins, backups, exclude=bad)
+    assert plan is not None
+    assert (plan.step, firsts(plan)[1]) == (10, (P, 3, 1, False))
+    assert [f.source for f in plan.sources[ItemId(JOB, 10, 1, 0)]] == [P, B]
+    # ...and that copy fails too: the backup of step 10.
+    bad.add(SourceKey(3, ItemId(JOB, 10, 1, 0)))
+    plan = plan_round(FOUR, joins, backups, exclude=bad)
+    assert plan is not None
+    assert (plan.step, firsts(plan)[1]) == (10, (B, None, 1, False))
+    # A failed local copy moves that rank to its peer; the others stay local.
+    plan = plan_round(FOUR, healthy(FOUR, (20,)), {}, exclude={SourceKey(0, ItemId(JOB, 20, 0, 0))})
+    assert plan is not None
+    assert firsts(plan) == {
+        0: (P, 2, 0, False),
+        1: (L, 1, 1, False),
+        2: (L, 2, 2, False),
+        3: (L, 3, 3, False),
+    }
+    bad.add(SourceKey(None, ItemId(JOB, 10, 1, 0)))
+    assert plan_round(FOUR, joins, backups, exclude=bad) is None
+
+
+def test_equivalents_are_used_only_with_data_parallelism() -> None:
+    for config in (FOUR, DP2):
+        # Rank 1 and its peer copy are gone; its equivalent rank 3 still holds its own.
+        joins = healthy(FOUR, (20,), wiped=(1,))
+        joins[3] = inventory(3, [ItemId(JOB, 20, 3, 0)])
+        plan = plan_round(config, joins, {})
+        if config.data_parallelism is None:
+            assert plan is None
+        else:
+            assert plan is not None
+            assert plan.sources[ItemId(JOB, 20, 1, 0)] == (
+                Fetch(P, ItemId(JOB, 20, 3, 0), 3, digest(ItemId(JOB, 20, 3, 0)), equivalent=True),
+            )
+
+
+def test_inventory_noise_is_ignored_and_misfiled_inventories_refused() -> None:
+    joins = healthy(FOUR, (20,), wiped=(1,))
+    # Another job's item, a rank this job does not have, a worker it does not have.
+    noise = [ItemId("other", 30, 1, 0), ItemId(JOB, 30, 9, 0), ItemId(JOB, 30, 1, 3)]
+    joins[1] = inventory(1, noise)
+    plan = plan_round(FOUR, joins, {})
+    assert plan is not None
+    assert plan.step == 20
+    with pytest.raises(ValueError, match="filed under rank 2"):
+        plan_round(FOUR, {2: inventory(0, [])}, {})
+
+
+def test_backup_of_another_job_or_step_is_ignored() -> None:
+    joins = healthy(FOUR, (), wiped=range(4))
+    other = CommitRecord("other", 20, {f"{r}-0": "0" * 64 for r in range(4)}, created=0.0)
+    misfiled = dataclasses.replace(backup(FOUR, 10), step=10)
+    assert plan_round(FOUR, joins, {20: other, 30: misfiled}) is None
+
+
+# --- digests: which copy is the item -------------------------------------------------------------
+
+
+def _rank0_item() -> ItemId:
+    return ItemId(JOB, 20, 0, 0)
+
+
+def test_owner_digest_wins_over_a_stale_peer_copy() -> None:
+    item = _rank0_item()
+    joins = healthy(FOUR, (20,))
+    joins[2] = inventory(2, joins[2].items, timeline="abandoned")  # its copy of rank 0 differs
+    plan = plan_round(FOUR, joins, {})
+    assert plan is not None
+    assert plan.sources[item] == (Fetch(L, item, 0, digest(item)),)
+    # The owner's copy fails to verify: the stale copy is still not rank 0's step 20.
+    assert plan_round(FOUR, joins, {}, exclude={SourceKey(0, item)}) is None
+
+
+def test_backup_digest_wins_when_the_owner_is_gone() -> None:
+    item = _rank0_item()
+    joins = healthy(FOUR, (20,), wiped=(0,))
+    joins[2] = inventory(2, joins[2].items, timeline="abandoned")
+    plan = plan_round(FOUR, joins, {20: backup(FOUR, 20)})
+    assert plan is not None
+    assert [(f.source, f.digest) for f in plan.sources[item]] == [(B, digest(item))]
+
+
+def test_peers_must_agree_when_nothing_else_tells() -> None:
+    item = _rank0_item()
+    config = cfg(ppn=2)
+    joins = healthy(config, (10, 20), wiped=(0,))
+    copies = holders(config, 0).copies
+    assert len(copies) == 2
+    plan = plan_round(config, joins, {})
+    assert plan is not None
+    assert plan.step == 20
+    assert {f.holder for f in plan.sources[item]} == set(copies)
+    # Two different copies of rank 0's step 20, no owner or backup to say which: refused.
+    h = copies[0]
+    stale = {**joins[h].items, item: digest(item, "abandoned")}
+    joins[h] = NodeInventory(h, joins[h].address, stale)
+    plan = plan_round(config, joins, {})
+    assert plan is not None
+    assert plan.step == 10
+    # A committed backup settles it: the agreeing copy and the backup are used.
+    plan = plan_round(config, joins, {20: backup(config, 20, [0])})
+    assert plan is not None
+    assert plan.step == 20
+    assert {(f.source, f.holder) for f in plan.sources[item]} == {(P, copies[1]), (B, None)}
+
+
+# --- load spreading ------------------------------------------------------------------------------
+
+
+def brute_force_max_load(requests: Mapping[ItemId, list[int]]) -> int:
+    keys = sorted(requests)
+    best = math.inf
+    for choice in itertools.product(*(requests[k] for k in keys)):
+        best = min(best, max(Counter(choice).values(), default=0))
+    return int(best)
+
+
+def req(n: int) -> ItemId:
+    return ItemId(JOB, 1, n, 0)
+
+
+def test_balance_avoids_the_greedy_trap() -> None:
+    # Naive greedy in item order gives both to rank 2 (ties by rank); the optimum splits.
+    assert balance({req(0): [2, 3], req(1): [2]}) == {req(0): 3, req(1): 2}
+    # A chain only an alternating path fixes: 2 serves a and b, 3 is free via b -> c.
+    got = balance({req(0): [2], req(1): [2, 4], req(2): [4, 3], req(3): [2]})
+    assert max(Counter(got.values()).values()) == 2
+    assert all(got[r] in h for r, h in {req(1): [2, 4], req(2): [4, 3]}.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(0, 6).map(req),
+        st.sets(st.integers(0, 3), min_size=1).map(sorted),
+        max_size=7,
+    )
+)
+def test_balance_is_optimal(requests: dict[ItemId, list[int]]) -> None:
+    got = balance(requests)
+    assert set(got) == set(requests)
+    assert all(got[r] in requests[r] for r in requests)
+    loads = Counter(got.values())
+    assert max(loads.values(), default=0) == brute_force_max_load(requests)
+    # Symmetric demand: nobody serves more than its share.
+    holder_sets = {tuple(h) for h in requests.values()}
+    if len(holder_sets) == 1:
+        (shared,) = holder_sets
+        assert max(loads.values()) <= math.ceil(len(requests) / len(shared))
+    assert balance(dict(reversed(list(requests.items())))) == got  # order does not matter
+
+
+def test_plan_spreads_peer_fetches_over_holders() -> None:
+    # 6 nodes, ranks 0-2 wiped; every other rank holds copies of all three.
+    config = cfg(nodes=6, ppn=0)
+    joins = {r: inventory(r, []) for r in range(3)}
+    for r in range(3, 6):
+        joins[r] = inventory(
+            r, [i for x in range(6) for i in items_of(config, 20, x) if x == r or x < 3]
+        )
+    plan = plan_round(config, joins, {})
+    assert plan is not None
+    assert plan.load() == {3: 1, 4: 1, 5: 1}
+    for r in range(3):
+        (sources,) = plan.for_rank(r).values()
+        assert [f.source for f in sources] == [P, P, P]
+        # Fallbacks are the other holders, least loaded then lowest rank.
+        assert sorted(f.holder for f in sources[1:]) == sorted({3, 4, 5} - {sources[0].holder})
+
+
+# --- the property: every plan is sound, complete and newest ---------------------------------------
+
+
+@st.composite
+def rounds(
+    draw: st.DrawFn,
+) -> tuple[JobConfig, dict[int, NodeInventory], dict[int, CommitRecord], set[SourceKey]]:
+    nodes = draw(st.integers(1, 5))
+    dp = draw(st.sampled_from([None] + [d for d in range(1, nodes + 1) if nodes % d == 0]))
+    framework = draw(st.sampled_from(list(Framework)))
+    config = cfg(nodes, ppn=0, dp=dp, framework=framework, workers=draw(st.integers(1, 2)))
+    any_item = st.builds(
+        ItemId,
+        job=st.sampled_from([JOB, JOB, "other"]),
+        step=st.integers(1, 3),
+        rank=st.integers(0, nodes),
+        worker=st.integers(0, 2),
+    )
+    live = draw(st.sets(st.integers(0, nodes - 1)))
+    joins = {r: inventory(r, draw(st.sets(any_item, max_size=12))) for r in sorted(live)}
+    backups = {}
+    for step in draw(st.sets(st.integers(1, 3))):
+        ranks = draw(st.sets(st.integers(0, nodes - 1)))
+        backups[step] = backup(config, step, ranks)
+    backed_up = {
+        SourceKey(None, ItemId(JOB, s, int(r), int(w)))
+        for s, b in backups.items()
+        for r, _, w in (k.partition("-") for k in b.items)
+    }
+    pool = sorted(
+        {SourceKey(h, i) for h, inv in joins.items() for i in inv.items} | backed_up,
+        key=lambda k: (k.holder is not None, k.holder or 0, k.item),
+    )
+    exclude = set(draw(st.lists(st.sampled_from(pool), max_size=4))) if pool else set()
+    return config, joins, backups, exclude
+
+
+def oracle_sources(
+    config: JobConfig,
+    joins: Mapping[int, NodeInventory],
+    backups: Mapping[int, CommitRecord],
+    exclude: Collection[SourceKey],
+    target: ItemId,
+) -> set[Fetch]:
+    """Every valid source of ``target``, straight from the definitions (digests all agree)."""
+    found = set()
+    for e in [target.rank, *config.equivalent_ranks(target.rank)]:
+        item = dataclasses.replace(target, rank=e)
+        equivalent = e != target.rank
+        for h, inv in joins.items():
+            if item in inv.items and SourceKey(h, item) not in exclude:
+                source = L if h == target.rank else P
+                found.add(Fetch(source, item, h, inv.items[item], equivalent))
+        record = backups.get(target.step)
+        if record is not None and record.has(item) and SourceKey(None, item) not in exclude:
+            found.add(Fetch(B, item, None, record.items[item.key], equivalent))
+    return found
+
+
+@settings(max_examples=400, deadline=None)
+@given(rounds())
+def test_plan_round_property(
+    case: tuple[JobConfig, dict[int, NodeInventory], dict[int, CommitRecord], set[SourceKey]],
+) -> None:
+    config, joins, backups, exclude = case
+    plan = plan_round(config, joins, backups, exclude=exclude)
+
+    def targets(step: int) -> list[ItemId]:
+        return [i for r in range(config.nodes) for i in items_of(config, step, r)]
+
+    steps = {i.step for inv in joins.values() for i in inv.items if i.job == JOB} | set(backups)
+    restorable = sorted(
+        (
+            s
+            for s in steps
+            if all(oracle_sources(config, joins, backups, exclude, t) for t in targets(s))
+        ),
+        reverse=True,
+    )
+    assert restorable_steps(config, joins, backups, exclude=exclude) == restorable
+    if not restorable:
+        assert plan is None
+        return
+    assert plan is not None
+    assert plan.step == restorable[0]  # the newest restorable step, never a newer one
+    assert plan.candidates == tuple(restorable)
+    assert set(plan.sources) == set(targets(plan.step))
+    requests: dict[ItemId, list[int]] = {}
+    for target, sources in plan.sources.items():
+        # Sound and complete: exactly the copies that hold the item, none excluded.
+        assert len(set(sources)) == len(sources)
+        assert set(sources) == oracle_sources(config, joins, backups, exclude, target)
+        tiers = [TIER[f.source, f.equivalent] for f in sources]
+        assert tiers == sorted(tiers)
+        if config.data_parallelism is None:
+            assert not any(f.equivalent for f in sources)
+        own = joins.get(target.rank)
+        if (
+            own is not None
+            and target in own.items
+            and SourceKey(target.rank, target) not in exclude
+        ):
+            assert sources[0] == Fetch(L, target, target.rank, digest(target))
+        if tiers[0] in (1, 3):
+            requests[target] = sorted(
+                {
+                    f.holder
+                    for f in sources
+                    if TIER[f.source, f.equivalent] == tiers[0] and f.holder is not None
+                }
+            )
+    # First choices among peers are spread as evenly as the copies allow.
+    if requests and math.prod(len(h) for h in requests.values()) <= 4096:
+        assert max(plan.load().values()) == brute_force_max_load(requests)
