@@ -1,0 +1,224 @@
+"""The coordinator's state machine: rounds, incarnations, plans, readiness, backup orders."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from replicator.backup import CommitRecord
+from replicator.contract import BackupInterval, Framework, JobConfig
+from replicator.coordination import JobCoordinator, Join, JoinRejected, Phase
+from replicator.manifest import ItemId
+from replicator.planner import Source
+from replicator.roundplan import NodeInventory, SourceKey
+
+JOB = "job"
+VIEW = '{"nodes": 4}'
+
+
+def config(nodes: int = 4, dp: int | None = None, **kw: object) -> JobConfig:
+    return JobConfig(
+        job_name=JOB,
+        framework=Framework.ORBAX,
+        node_rank=0,
+        nodes=nodes,
+        peers_per_node=1,
+        data_parallelism=dp,
+        backup_interval=kw.get("interval", BackupInterval(minutes=None, steps=10)),  # type: ignore[arg-type]
+    )
+
+
+def digest(rank: int, step: int) -> str:
+    return f"{rank:02x}{step:02x}".ljust(64, "0")
+
+
+def own(rank: int, *steps: int) -> dict[ItemId, str]:
+    return {ItemId(JOB, s, rank, 0): digest(rank, s) for s in steps}
+
+
+def join(rank: int, inc: str, items: dict[ItemId, str] | None = None, view: str = VIEW) -> Join:
+    inventory = NodeInventory(rank, f"127.0.0.1:{7000 + rank}", items or {})
+    return Join(rank, inc, view, inventory)
+
+
+def everyone_joins(c: JobCoordinator, inc: str, steps: tuple[int, ...] = (5,)) -> None:
+    for r in range(c.config.nodes):
+        c.join(join(r, f"{inc}{r}", own(r, *steps)), {})
+
+
+def release(c: JobCoordinator, inc: str) -> None:
+    for r in range(c.config.nodes):
+        s = c.status(r, f"{inc}{r}")
+        c.report_restore(r, f"{inc}{r}", s.round, s.plan_version, ready=True)
+    assert c.phase is Phase.RELEASED
+
+
+def test_waiting_names_the_missing_ranks_then_plans_when_all_joined() -> None:
+    c = JobCoordinator(config(), VIEW)
+    c.join(join(0, "a0", own(0, 5)), {})
+    c.join(join(2, "a2", own(2, 5)), {})
+    s = c.status(0, "a0")
+    assert s.phase is Phase.WAITING
+    assert s.missing == (1, 3)
+    assert "1" in s.message
+    assert "3" in s.message
+    c.join(join(1, "a1", own(1, 5)), {})
+    c.join(join(3, "a3", own(3, 5)), {})
+    s = c.status(2, "a2")
+    assert s.phase is Phase.FETCH
+    assert s.step == 5
+    (fetches,) = s.assignments.values()
+    assert fetches[0].source is Source.LOCAL
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+def test_every_join_order_converges_on_one_round_and_step(order: tuple[int, ...]) -> None:
+    # Rank 0 first, rank 0 last, and every interleaving in between.
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "old", (5,))
+    release(c, "old")
+    for r in order:
+        c.join(join(r, f"new{r}", own(r, 5, 10)), {})
+    statuses = [c.status(r, f"new{r}") for r in range(4)]
+    assert {s.round for s in statuses} == {2}
+    assert {s.step for s in statuses} == {10}
+    assert {s.phase for s in statuses} == {Phase.FETCH}
+
+
+def test_rejoining_with_the_same_incarnation_is_not_news() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    version = c.plan_version
+    assert c.join(join(1, "a1", own(1, 5)), {}) == 1
+    assert c.plan_version == version
+    assert c.phase is Phase.FETCH
+
+
+def test_a_stale_agent_never_joins_the_next_round() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "old")
+    release(c, "old")
+    c.join(join(0, "new0", own(0, 5)), {})  # the job restarts: a new round opens
+    assert c.round == 2
+    c.join(join(1, "old1", own(1, 5)), {})  # rank 1's agent of the old run reconnects
+    assert 1 not in c.members
+    assert c.status(1, "old1").phase is None  # told to join again, with a new incarnation
+    for r in (1, 2, 3):
+        c.join(join(r, f"new{r}", own(r, 5)), {})
+    assert c.phase is Phase.FETCH
+    assert all(c.members[r].incarnation_id == f"new{r}" for r in range(4))
+
+
+def test_a_new_incarnation_during_a_round_restarts_planning_and_voids_old_reports() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    old_round, old_version = c.round, c.plan_version
+    c.report_restore(0, "a0", old_round, old_version, ready=True)
+    c.join(join(2, "b2", own(2, 5)), {})  # rank 2's workload restarted again
+    assert c.round == old_round + 1
+    assert c.phase is Phase.FETCH  # the other three are still members: planned at once
+    assert c.plan_version > old_version
+    assert c.ready == set()
+    c.report_restore(1, "a1", old_round, old_version, ready=True)  # a report of the old round
+    assert c.ready == set()
+    assert c.status(2, "a2").phase is None
+
+
+def test_disagreeing_configs_are_rejected_with_a_clear_reason() -> None:
+    c = JobCoordinator(config(), VIEW)
+    with pytest.raises(JoinRejected, match="disagrees with rank 0"):
+        c.join(join(1, "x", view='{"nodes": 8}'), {})
+    with pytest.raises(JoinRejected, match="out of range"):
+        c.join(join(9, "x"), {})
+
+
+def test_released_only_when_every_rank_is_ready() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    for r in range(3):
+        c.report_restore(r, f"a{r}", c.round, c.plan_version, ready=True)
+        assert c.phase is Phase.FETCH
+    c.report_restore(3, "a3", c.round, c.plan_version, ready=True)
+    assert c.phase is Phase.RELEASED
+    assert c.status(3, "a3").phase is Phase.RELEASED
+
+
+def test_a_failed_source_replans_to_an_older_step() -> None:
+    c = JobCoordinator(config(), VIEW)
+    for r in range(4):
+        c.join(join(r, f"a{r}", own(r, 5, 10)), {})
+    assert c.plan is not None
+    assert c.plan.step == 10
+    bad = SourceKey(1, ItemId(JOB, 10, 1, 0))  # rank 1's only copy of step 10 is corrupt
+    c.report_restore(1, "a1", c.round, c.plan_version, ready=False, failed=[bad])
+    assert c.plan is not None
+    assert c.plan.step == 5
+    assert c.status(0, "a0").step == 5
+
+
+def test_a_fresh_start_when_nothing_is_restorable() -> None:
+    c = JobCoordinator(config(), VIEW)
+    for r in range(4):
+        c.join(join(r, f"a{r}"), {})
+    s = c.status(0, "a0")
+    assert s.phase is Phase.FETCH
+    assert s.step is None
+    assert s.assignments == {}
+
+
+def test_backup_from_a_committed_backup_when_every_node_was_wiped() -> None:
+    c = JobCoordinator(config(), VIEW)
+    record = CommitRecord(JOB, 7, {f"{r}-0": digest(r, 7) for r in range(4)}, 0.0)
+    for r in range(4):
+        c.join(join(r, f"a{r}"), {7: record})
+    s = c.status(3, "a3")
+    assert s.step == 7
+    (fetches,) = s.assignments.values()
+    assert fetches[0].source is Source.BACKUP
+
+
+def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a", (0,))
+    release(c, "a")
+    c.note_committed_backup(0, at=0.0)
+    answers = [
+        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
+        for r in range(3)
+    ]
+    assert all(a is not None and a.backup_step is None for a in answers)  # rank 3 lags
+    last = c.report_progress(3, "a3", replicated_step=10, uploaded_step=None, now=1.0)
+    assert last is not None
+    assert last.restorable_step == 10
+    assert last.backup_step == 10  # 10 - 0 >= 10 steps
+    # One backup in flight: it stays the order until every uploader reported it.
+    for r in range(4):
+        a = c.report_progress(r, f"a{r}", replicated_step=20, uploaded_step=10, now=2.0)
+        assert a is not None
+    assert c.last_backup is not None
+    assert c.last_backup.step == 10
+    assert c.backup_in_flight == 20
+
+
+def test_only_replica_zero_uploads_with_data_parallelism() -> None:
+    c = JobCoordinator(config(dp=2), VIEW)
+    everyone_joins(c, "a", (0,))
+    release(c, "a")
+    c.note_committed_backup(0, at=0.0)
+    for r in range(4):
+        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
+    orders = {
+        r: c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
+        for r in range(4)
+    }
+    assert {r for r, a in orders.items() if a is not None and a.backup_step == 10} == {0, 1}
+
+
+def test_progress_of_an_agent_outside_the_released_round_is_refused() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    assert c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=0) is None
+    release(c, "a")
+    assert c.report_progress(0, "zz", replicated_step=5, uploaded_step=None, now=0) is None
+    assert c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=0) is not None
