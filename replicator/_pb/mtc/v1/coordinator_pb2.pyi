@@ -98,7 +98,7 @@ class ItemAssignment(_message.Message):
     def __init__(self, target: _Optional[_Union[_peer_pb2.ItemRef, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[ItemSource, _Mapping]]] = ...) -> None: ...
 
 class RoundStatusResponse(_message.Message):
-    __slots__ = ("coordinator", "round", "state", "missing_ranks", "fresh_start", "step", "plan_version", "assignments", "message")
+    __slots__ = ("coordinator", "round", "state", "missing_ranks", "fresh_start", "step", "plan_version", "assignments", "message", "addresses")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATE_UNSPECIFIED: _ClassVar[RoundStatusResponse.State]
@@ -111,6 +111,13 @@ class RoundStatusResponse(_message.Message):
     FETCH: RoundStatusResponse.State
     RELEASED: RoundStatusResponse.State
     REJOIN: RoundStatusResponse.State
+    class AddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +127,7 @@ class RoundStatusResponse(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     ASSIGNMENTS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     coordinator: CoordinatorIdentity
     round: int
     state: RoundStatusResponse.State
@@ -129,7 +137,8 @@ class RoundStatusResponse(_message.Message):
     plan_version: int
     assignments: _containers.RepeatedCompositeFieldContainer[ItemAssignment]
     message: str
-    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundStatusResponse.State, str]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., fresh_start: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[ItemAssignment, _Mapping]]] = ..., message: _Optional[str] = ...) -> None: ...
+    addresses: _containers.ScalarMap[int, str]
+    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., round: _Optional[int] = ..., state: _Optional[_Union[RoundStatusResponse.State, str]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., fresh_start: _Optional[bool] = ..., step: _Optional[int] = ..., plan_version: _Optional[int] = ..., assignments: _Optional[_Iterable[_Union[ItemAssignment, _Mapping]]] = ..., message: _Optional[str] = ..., addresses: _Optional[_Mapping[int, str]] = ...) -> None: ...
 
 class FailedSource(_message.Message):
     __slots__ = ("source", "corrupt", "detail")
