@@ -210,3 +210,27 @@ def find_handoffs(
         if len(names) == config.workers_per_node:
             found.append(Handoff(step, names))
     return found
+
+
+def retention_of_copies(
+    config: JobConfig, have: Collection[ItemId], protected: Collection[int]
+) -> list[ItemId]:
+    """Peer copies (other ranks' items of this job held here) that may be deleted.
+
+    Per owning rank, the newest step held is kept (it may be that rank's only other copy
+    of its newest checkpoint), and so is every protected step (the cluster's restorable
+    step, which a restore round may need from here); older copies go.
+    """
+    newest: dict[int, int] = {}
+    for i in have:
+        if i.job == config.job_name and i.rank != config.node_rank:
+            newest[i.rank] = max(newest.get(i.rank, i.step), i.step)
+    keep = set(protected)
+    return sorted(
+        i
+        for i in have
+        if i.job == config.job_name
+        and i.rank != config.node_rank
+        and i.step < newest[i.rank]
+        and i.step not in keep
+    )

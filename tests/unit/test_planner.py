@@ -20,6 +20,7 @@ from replicator.planner import (
     marker_item,
     plan_restore,
     retention,
+    retention_of_copies,
     worker_slots,
 )
 
@@ -305,3 +306,21 @@ def test_save_steps_in_numeric_order_only_when_complete() -> None:
 def test_save_job_ignores_step_dirs_and_dir_job_ignores_save_files() -> None:
     assert handoffs(SAVE, [d("5")]) == []
     assert handoffs(ORBAX, [save(5, 0), save(5, 1)]) == []
+
+
+def test_retention_of_copies_keeps_each_owners_newest_and_protected_steps() -> None:
+    cfg = JobConfig(job_name="j", framework=Framework.ORBAX, node_rank=0, nodes=4)
+    have = [
+        ItemId("j", s, r, 0)
+        for r, steps in {0: (1, 2, 3), 1: (1, 2, 3), 2: (2, 5)}.items()
+        for s in steps
+    ] + [ItemId("other", 1, 1, 0)]
+    doomed = retention_of_copies(cfg, have, protected={2})
+    # Own items (rank 0) and other jobs are never copies; rank 1 keeps 3 (newest) and 2
+    # (protected); rank 2 keeps 5 and 2.
+    assert doomed == [ItemId("j", 1, 1, 0)]
+    assert retention_of_copies(cfg, have, protected=()) == [
+        ItemId("j", 1, 1, 0),
+        ItemId("j", 2, 1, 0),
+        ItemId("j", 2, 2, 0),
+    ]
