@@ -50,18 +50,22 @@ class JoinResponse(_message.Message):
     def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., round: _Optional[int] = ...) -> None: ...
 
 class RoundStatusRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation_id", "round", "wait_seconds")
+    __slots__ = ("job", "rank", "incarnation_id", "round", "wait_seconds", "seen_state", "seen_plan_version")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_STATE_FIELD_NUMBER: _ClassVar[int]
+    SEEN_PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation_id: str
     round: int
     wait_seconds: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_seconds: _Optional[int] = ...) -> None: ...
+    seen_state: RoundStatusResponse.State
+    seen_plan_version: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., round: _Optional[int] = ..., wait_seconds: _Optional[int] = ..., seen_state: _Optional[_Union[RoundStatusResponse.State, str]] = ..., seen_plan_version: _Optional[int] = ...) -> None: ...
 
 class ItemSource(_message.Message):
     __slots__ = ("kind", "item", "manifest_digest", "address", "holder_rank", "equivalent")
