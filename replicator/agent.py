@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -34,7 +34,9 @@ from replicator.contract import (
 )
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, ItemId, ManifestError
+from replicator.membership import ClusterMember, MemberContext
 from replicator.objectstore import ObjectStoreError, PreconditionFailed
+from replicator.peer import PeerClient
 from replicator.planner import (
     Entry,
     Handoff,
@@ -48,7 +50,10 @@ from replicator.planner import (
     plan_restore,
     rank_items,
     retention,
+    retention_of_copies,
 )
+from replicator.registry import Registry
+from replicator.rounds import RoundFailed
 from replicator.store import LocalStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -82,6 +87,14 @@ class AgentContext:
     rescan_seconds: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
     clock: Callable[[], float] = time.time
+    peers: PeerClient | None = None
+    """The peer data plane; needed by jobs with ``nodes > 1``."""
+    registry: Registry | None = None
+    """Where coordinators are found; needed by jobs with ``nodes > 1``."""
+    advertise: str = ""
+    """This node's peer address, as other nodes reach it."""
+    report_after: float = 60.0
+    """Seconds a restore round may wait before ``replicator.errors`` says what for."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,8 @@ class Incarnation:
         self._uploading: set[int] = set()
         self._last_backup: LastBackup | None = None
         self._unreachable: list[str] = []
+        self.member: ClusterMember | None = None
+        """The job's other ranks: set for ``nodes > 1``."""
         """Restore sources that failed for a reason other than corrupt bytes."""
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -201,6 +216,8 @@ class Incarnation:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
+        if self.member is not None:
+            await self.member.stop()
         if self._futures:
             await asyncio.wait(list(self._futures), timeout=timeout)
 
@@ -225,13 +242,18 @@ class Incarnation:
 
     async def _run(self) -> None:
         try:
+            if self.config.nodes > 1:
+                self.member = self._join_cluster()
             if self.phase is Phase.RESTORING:
                 self.persist()
                 await self._ingest_ready()
-                await self._restore_and_publish()
+                if self.member is not None:
+                    await self._cluster_restore(self.member)
+                else:
+                    await self._restore_and_publish()
                 self.phase = Phase.STEADY
                 self.persist()
-            else:
+            elif self.member is None:
                 await self._load_last_backup()
             await self._steady()
         except asyncio.CancelledError:
@@ -248,6 +270,64 @@ class Incarnation:
                 "job to retry (committed checkpoints are kept)."
             )
             fsutil.atomic_write_bytes(self.ctx.checkpoint_dir / FAILED_FILE, text.encode())
+
+    def _join_cluster(self) -> ClusterMember:
+        ctx = self.ctx
+        if ctx.peers is None or ctx.registry is None:
+            raise RestoreBlocked(
+                f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
+                "to find its coordinator"
+            )
+        return ClusterMember(
+            MemberContext(
+                config=self.config,
+                incarnation_id=self.id,
+                store=ctx.store,
+                backups=ctx.backups,
+                peers=ctx.peers,
+                registry=ctx.registry,
+                advertise=ctx.advertise,
+                run_thread=self._thread,
+                verify_local=self._verify_local,
+                fetch_backup=self._fetch_backup_item,
+                error=self.error,
+                report_after=ctx.report_after,
+            )
+        )
+
+    async def _verify_local(self, item: ItemId) -> None:
+        await self._thread(self.ctx.store.verify, item, self._cancelled)
+
+    async def _fetch_backup_item(self, item: ItemId) -> None:
+        commits = await self._backup_commits()
+        if item.step not in commits:
+            raise CorruptItem(f"{item}: no committed backup of step {item.step}")
+        await self._thread(self._fetch_backup, commits[item.step], item)
+
+    async def _cluster_restore(self, member: ClusterMember) -> None:
+        started = time.monotonic()
+        try:
+            outcome = await member.restore()
+        except RoundFailed as exc:
+            raise RestoreBlocked(f"the restore round cannot complete: {exc}") from None
+        # Items newer than the agreed step belong to an abandoned run: kept, they would
+        # pass for the newest checkpoint and make retention delete the new saves.
+        abandoned = [
+            i
+            for i in self.ctx.store.manifests(self.config.job_name)
+            if outcome.step is None or i.step > outcome.step
+        ]
+        if abandoned:
+            self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
+            await self._thread(self._delete_items, abandoned)
+        await self._thread(self._publish_markers, outcome.step, outcome.source, outcome.stored_as)
+        self.log.info(
+            "restore round done: step=%s source=%s in %.2fs",
+            outcome.step,
+            outcome.source,
+            time.monotonic() - started,
+            step=outcome.step,
+        )
 
     def persist(self) -> None:
         save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
@@ -356,7 +436,12 @@ class Incarnation:
         finally:
             fsutil.remove_tree(staged)
 
-    def _publish_markers(self, step: int | None, source: str | None) -> None:
+    def _publish_markers(
+        self,
+        step: int | None,
+        source: str | None,
+        stored_as: Mapping[ItemId, ItemId] | None = None,
+    ) -> None:
         """Handshake steps 6-7: ``replicator.prerestore`` first, then one marker per worker."""
         d = self.ctx.checkpoint_dir
         body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
@@ -368,7 +453,9 @@ class Incarnation:
                 # An empty regular file is complete the moment it exists.
                 os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
             else:
-                target = self.ctx.store.expose(marker_item(self.config, step, w), self.id)
+                wanted = marker_item(self.config, step, w)
+                held = (stored_as or {}).get(wanted, wanted)  # or a data-parallel equivalent
+                target = self.ctx.store.expose(held, self.id)
                 os.symlink(target, name)
 
     # --- steady state ----------------------------------------------------------------------
@@ -384,7 +471,7 @@ class Incarnation:
             await self._ingest_ready()
             # An upload that ended (its task wakes us) no longer protects its step.
             await self._collect_garbage()
-            self._maybe_backup()
+            await self._after_steps(force=False)
 
     async def _ingest_ready(self) -> None:
         entries = await self._thread(list_top, self.ctx.checkpoint_dir)
@@ -431,10 +518,25 @@ class Incarnation:
                 step=item.step,
             )
         await self._collect_garbage()
+        if self.member is not None:
+            await self._after_steps(force=True)  # replicate the new step at once
+
+    async def _after_steps(self, *, force: bool) -> None:
+        """Replicate and report (a cluster job), or back up on the interval (one node)."""
+        if self.member is None:
+            self._maybe_backup()
+            return
+        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
+        await self.member.tick(steps[-1] if steps else None, force=force)
 
     async def _collect_garbage(self) -> None:
         have = self.ctx.store.manifests(self.config.job_name).keys()
-        doomed = retention(self.config, have, self._uploading)
+        protected = set(self._uploading)
+        if self.member is not None:
+            protected |= self.member.protected
+        doomed = retention(self.config, have, protected)
+        if self.member is not None:
+            doomed += retention_of_copies(self.config, have, protected)
         if doomed:
             await self._thread(self._delete_items, doomed)
 

@@ -47,14 +47,24 @@ from replicator.contract import (
     parse_config,
     parse_save_name,
 )
+from replicator.coordinator import SERVICE as COORDINATOR_SERVICE
+from replicator.coordinator import CoordinatorHost, CoordinatorServicer
+from replicator.coordinator_messages import cluster_view_json
 from replicator.logs import configure as configure_logging
 from replicator.objectstore import open_object_store
+from replicator.peer import SERVICE as PEER_SERVICE
+from replicator.peer import PeerClient
+from replicator.peer_service import PeerServicer
+from replicator.registry import Registry, RegistryEntry, open_registry
+from replicator.server import RpcServer, ServerError, advertised_address
 from replicator.store import LocalStore, StoreError
 from replicator.watcher import DirectoryWatcher
 
 log = logging.getLogger("replicator.daemon")
 
 READY_LINE = "daemon ready"
+SERVER_GRACE_SECONDS = 5.0
+"""How long transfers in flight may finish after SIGTERM before they are cancelled."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +81,8 @@ class DaemonOptions:
     config_wait_seconds: float = 30.0
     """How long a partial or empty ``replicator.yaml`` is re-read before it is judged."""
     rescan_seconds: float = 2.0
+    report_after_seconds: float = 60.0
+    """How long a restore round waits before ``replicator.errors`` says what for."""
 
 
 def _host_port(value: str) -> str:
@@ -127,6 +139,12 @@ def parse_args(
     p.add_argument(
         "--rescan-seconds", type=float, default=float(env.get("MTC_RESCAN_SECONDS", "2"))
     )
+    p.add_argument(
+        "--report-after-seconds",
+        type=float,
+        default=float(env.get("MTC_REPORT_AFTER_SECONDS", "60")),
+        help="a waiting restore round says what it waits for in replicator.errors after this",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if a.checkpoint_dir is None:
@@ -144,6 +162,7 @@ def parse_args(
         settle_seconds=a.settle_seconds,
         config_wait_seconds=a.config_wait_seconds,
         rescan_seconds=a.rescan_seconds,
+        report_after_seconds=a.report_after_seconds,
     )
 
 
@@ -194,6 +213,18 @@ class Daemon:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.exit_code = 0
+        self.listen_address: str | None = None
+        """The address the gRPC server is bound to (port 0 resolved), once it is."""
+        self.advertise: str | None = opts.advertise
+        """The address other nodes use to reach this one (defaults to the bound address)."""
+        self.registry: Registry | None = open_registry(opts.registry) if opts.registry else None
+        self.coordinators = CoordinatorHost()
+        self.ctx.registry = self.registry
+        self.ctx.report_after = opts.report_after_seconds
+
+    def accepts_job(self, job: str) -> bool:
+        """Peers may push items of the job this node serves now, and of no other."""
+        return self.incarnation is not None and self.incarnation.config.job_name == job
 
     def _on_event(self, name: str | None, finished: bool) -> None:
         if name == CONFIG_FILE:
@@ -230,6 +261,25 @@ class Daemon:
             len(report.pending_ingest),
             len(report.discarded),
         )
+        rpc = RpcServer()
+        peer = PeerServicer(self.store, self.executor, self.accepts_job)
+        rpc.add_service(PEER_SERVICE, peer.register)
+        backups = self.ctx.backups
+        coordinator = CoordinatorServicer(
+            self.coordinators, lambda job: backups.committed_steps(job) if backups else {}
+        )
+        rpc.add_service(COORDINATOR_SERVICE, coordinator.register)
+        try:
+            self.listen_address = rpc.bind(self.opts.listen)
+        except ServerError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            self.store.close()
+            return
+        self.advertise = self.opts.advertise or advertised_address(self.listen_address)
+        self.ctx.advertise = self.advertise
+        self.ctx.peers = PeerClient(executor=self.executor)
+        await rpc.start()
         # A yaml written while we were down has no events left to tell: trust it.
         self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
@@ -243,15 +293,18 @@ class Daemon:
                 resumed.phase,
             )
             self.incarnation = resumed
+            await self._host_coordinator(resumed.config)
             resumed.start()
         log.info(
-            "%s: checkpoint-dir=%s listen=%s backup=%s version=%s",
+            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
-            self.opts.listen,
+            self.listen_address,
+            self.advertise,
             self.opts.backup,
             __version__,
         )
+        await rpc.set_serving()
         try:
             while not self._stop.is_set():
                 tick = 0.05 if self._pending is not None else 1.0
@@ -261,6 +314,8 @@ class Daemon:
                 await self._check_config()
         finally:
             log.info("stopping")
+            self.coordinators.close()  # long polls answer at once instead of being cut off
+            await rpc.stop(SERVER_GRACE_SECONDS)
             if self.incarnation is not None:
                 await self.incarnation.stop()
             watcher.stop()
@@ -336,6 +391,35 @@ class Daemon:
             self._config_finished = False
         self._pending = None
 
+    async def _host_coordinator(self, config: JobConfig | None) -> None:
+        """Host the job's coordinator when this node is its rank 0; drop any other.
+
+        A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
+        released round, which keeps stale agents out of the new one).
+        """
+        keep = (
+            config.job_name
+            if config is not None and config.node_rank == 0 and config.nodes > 1
+            else None
+        )
+        for job in self.coordinators.jobs():
+            if job != keep:
+                old = self.coordinators.coordinator_id(job)
+                self.coordinators.drop(job)
+                if self.registry is not None and old is not None:
+                    await asyncio.to_thread(self.registry.unregister, job, old)
+        if config is None or keep is None or self.registry is None:
+            return
+        self.coordinators.host(config, cluster_view_json(config))
+        coordinator_id = self.coordinators.coordinator_id(keep)
+        assert coordinator_id is not None
+        assert self.advertise is not None
+        entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time())
+        await asyncio.to_thread(self.registry.register, entry)
+        log.info(
+            "hosting the coordinator of job %s at %s (id %s)", keep, self.advertise, coordinator_id
+        )
+
     async def _end_incarnation(self) -> None:
         if self.incarnation is not None:
             log.info(
@@ -372,6 +456,7 @@ class Daemon:
         )
         # Persist before the yaml goes: a crash in between must still end in markers.
         await asyncio.get_running_loop().run_in_executor(self.executor, self.incarnation.persist)
+        await self._host_coordinator(config)
         self._delete_config(text)
         self.incarnation.start()
 

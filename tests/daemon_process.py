@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 READY_LINE = "daemon ready"
+_READY_RE = re.compile(rb"daemon ready:.* listen=(\S+) advertise=(\S+) backup=")
 
 
 class DaemonProcess:
@@ -30,6 +32,9 @@ class DaemonProcess:
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or checkpoint_dir.parent / f"{checkpoint_dir.name}.daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.listen: str | None = None
+        """The gRPC address the daemon bound (its ``127.0.0.1:0`` resolved), once ready."""
+        self.advertise: str | None = None
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         args = [
@@ -53,10 +58,18 @@ class DaemonProcess:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             with self.log_path.open("rb") as f:
                 f.seek(start_offset)
-                if READY_LINE.encode() in f.read():
-                    return self
+                ready = _READY_RE.search(f.read())
+            if ready:
+                self.listen, self.advertise = (g.decode() for g in ready.groups())
+                return self
             time.sleep(0.05)
         raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")
+
+    @property
+    def address(self) -> str:
+        """Where to dial this daemon's gRPC services."""
+        assert self.listen is not None, "the daemon has not started"
+        return self.listen
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -6,7 +6,6 @@ always stopped (and their logs printed) at teardown.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import uuid
@@ -16,16 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_process import DaemonProcess
-
-FAST_ARGS = (
-    "--settle-seconds",
-    "0.5",
-    "--config-wait-seconds",
-    "1.5",
-    "--rescan-seconds",
-    "0.3",
-)
-"""Short timers so the suite stays fast; each test that depends on one says so."""
+from tests.integration.helpers import FAST_ARGS, mount_tmpfs, unmount
 
 DEFAULT_TMPFS = "256m"
 
@@ -38,37 +28,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    """Mount a size-limited tmpfs like the CSI driver does; False when we may not."""
-    if os.geteuid() != 0:
-        return False
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-        capture_output=True,
-        check=False,
-    )
-    return proc.returncode == 0
-
-
-def _unmount(path: Path) -> None:
-    proc = subprocess.run(["umount", str(path)], capture_output=True, check=False)
-    if proc.returncode != 0:
-        # Something still holds it (a leaked process); detach so the next test is unaffected.
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
-
-
 @pytest.fixture
 def ckpt(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     """CHECKPOINT_DIR: a tmpfs as in production when we are root, else a plain directory."""
     path = tmp_path / "ckpt"
     path.mkdir()
     marker = request.node.get_closest_marker("tmpfs_size")
-    mounted = _mount_tmpfs(path, marker.args[0] if marker else DEFAULT_TMPFS)
+    mounted = mount_tmpfs(path, marker.args[0] if marker else DEFAULT_TMPFS)
     try:
         yield path
     finally:
         if mounted:
-            _unmount(path)
+            unmount(path)
 
 
 @pytest.fixture

@@ -7,13 +7,15 @@ sleep used as an assertion.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
 import re
+import subprocess
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,6 +33,65 @@ ERRORS = "replicator.errors"
 FAILED = "replicator.failed"
 TIMEOUT = 20.0
 """Generous for a loaded 2-core box; a passing wait returns as soon as the state is reached."""
+
+
+FAST_ARGS = (
+    "--settle-seconds",
+    "0.5",
+    "--config-wait-seconds",
+    "1.5",
+    "--rescan-seconds",
+    "0.3",
+)
+"""Short timers so the suite stays fast; each test that depends on one says so."""
+
+
+# --- RAM disks and daemons ---------------------------------------------------------------------
+
+
+def mount_tmpfs(path: Path, size: str) -> bool:
+    """Mount a size-limited tmpfs like the CSI driver does; False when we may not."""
+    if os.geteuid() != 0:
+        return False
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    return proc.returncode == 0
+
+
+def unmount(path: Path) -> None:
+    proc = subprocess.run(["umount", str(path)], capture_output=True, check=False)
+    if proc.returncode != 0:
+        # Something still holds it (a leaked process); detach so the next test is unaffected.
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def ram_disk(path: Path, size: str = "256m") -> Iterator[Path]:
+    """A fresh CHECKPOINT_DIR at ``path``: a tmpfs when we are root, else a directory."""
+    path.mkdir(parents=True)
+    mounted = mount_tmpfs(path, size)
+    try:
+        yield path
+    finally:
+        if mounted:
+            unmount(path)
+
+
+@contextlib.contextmanager
+def running_daemon(ckpt: Path, *, extra: tuple[str, ...] = ()) -> Iterator[DaemonProcess]:
+    """A real daemon on ``ckpt`` with the fast timers; stopped (or killed) on exit, and its
+    log printed so a failing test shows what the daemon did."""
+    daemon = DaemonProcess(ckpt, extra_args=(*FAST_ARGS, *extra))
+    try:
+        yield daemon.start()
+    finally:
+        if daemon.running:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # stop() killed it
+                daemon.stop(timeout=10)
+        print(f"--- daemon log {daemon.log_path} ---\n{daemon.log()[-20000:]}")
 
 
 # --- waiting ---------------------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""An incarnation's membership in its job's cluster (``nodes > 1``). I/O: gRPC and the store.
+
+Restore goes through the coordinator's round (``rounds``). In steady state each committed
+step is pushed to this rank's replication targets (``replication``), and progress reports
+to the coordinator return the cluster's restorable step (which retention must keep) and
+backup orders (one step at a time, uploaded by one replica per data-parallel class).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from replicator.backup import BackupStore
+from replicator.cluster import backup_items
+from replicator.contract import JobConfig
+from replicator.coordinator_client import CoordinatorClient, CoordinatorError
+from replicator.logs import JobLog
+from replicator.manifest import Cancelled, ItemId, ManifestError
+from replicator.objectstore import ObjectStoreError, PreconditionFailed
+from replicator.peer import PeerClient
+from replicator.planner import rank_items
+from replicator.registry import Registry
+from replicator.replication import Replication
+from replicator.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.store import LocalStore
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 1.0
+"""Seconds between progress reports (each also happens after a new step)."""
+
+
+@dataclass
+class MemberContext:
+    config: JobConfig
+    incarnation_id: str
+    store: LocalStore
+    backups: BackupStore | None
+    peers: PeerClient
+    registry: Registry
+    advertise: str
+    run_thread: Callable[..., Awaitable[object]]
+    verify_local: Callable[[ItemId], Awaitable[None]]
+    fetch_backup: Callable[[ItemId], Awaitable[None]]
+    error: Callable[[str, int | None], None]
+    report_after: float = 60.0
+
+
+class ClusterMember:
+    """Everything this rank does with the other ranks of its job."""
+
+    def __init__(self, ctx: MemberContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.replication = Replication(ctx.config, ctx.store, ctx.peers, ctx.error)
+        self.restorable: int | None = None
+        """The cluster's restorable step, as the coordinator last said: never deleted."""
+        self.uploading: int | None = None
+        self.uploaded: int | None = None
+        self._client: CoordinatorClient | None = None
+        self._backup_task: asyncio.Task[None] | None = None
+        self._last_report = 0.0
+        self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
+
+    async def restore(self) -> RoundOutcome:
+        participant = RoundParticipant(
+            RoundContext(
+                config=self.config,
+                incarnation_id=self.ctx.incarnation_id,
+                store=self.ctx.store,
+                peers=self.ctx.peers,
+                registry=self.ctx.registry,
+                advertise=self.ctx.advertise,
+                verify_local=self.ctx.verify_local,
+                fetch_backup=self.ctx.fetch_backup,
+                error=self.ctx.error,
+                report_after=self.ctx.report_after,
+            )
+        )
+        outcome = await participant.run()
+        self.adopt(outcome)
+        return outcome
+
+    def adopt(self, outcome: RoundOutcome) -> None:
+        self.replication.set_addresses(outcome.addresses)
+        self._client = CoordinatorClient(self.config.job_name, outcome.coordinator)
+        if outcome.step is not None:
+            self.restorable = outcome.step
+            self.replication.newest_replicated = outcome.step
+
+    @property
+    def protected(self) -> set[int]:
+        """Steps retention must keep: the restorable one and the one being uploaded."""
+        return {s for s in (self.restorable, self.uploading) if s is not None}
+
+    async def stop(self) -> None:
+        await self.replication.stop()
+        if self._backup_task is not None and not self._backup_task.done():
+            self._backup_task.cancel()
+            await asyncio.gather(self._backup_task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
+        """After a rescan or a new step: replicate it, and report progress (throttled)."""
+        if newest_step is not None:
+            self.replication.committed(newest_step)
+        now = time.monotonic()
+        if not force and now - self._last_report < PROGRESS_EVERY:
+            return
+        self._last_report = now
+        await self._report()
+
+    async def _report(self) -> None:
+        if self._client is None:
+            entry = await asyncio.to_thread(self.ctx.registry.lookup, self.config.job_name)
+            if entry is None:
+                return
+            self._client = CoordinatorClient.for_entry(entry)
+        try:
+            answer = await self._client.report_progress(
+                self.config.node_rank,
+                self.ctx.incarnation_id,
+                replicated_step=self.replication.newest_replicated,
+                uploaded_step=self.uploaded,
+            )
+        except CoordinatorError as exc:
+            # The coordinator moved or restarted: look it up again on the next report.
+            self._log.warning("progress report failed: %s", exc)
+            await self._client.close()
+            self._client = None
+            return
+        if answer.restorable_step is not None:
+            self.restorable = answer.restorable_step
+        step = answer.backup_step
+        if step is not None and self.ctx.backups is not None and self.uploading is None:
+            self.uploading = step
+            self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
+
+    async def _upload(self, step: int) -> None:
+        backups = self.ctx.backups
+        assert backups is not None
+        t0 = time.monotonic()
+        total = 0
+        try:
+            for item in rank_items(self.config, step):
+                manifest = self.ctx.store.get(item)
+                if manifest is None:
+                    self.ctx.error(f"backup of step {step}: {item} is not held here", step)
+                    return
+                data = self.ctx.store.data_path(item)
+                await self.ctx.run_thread(backups.upload_item, manifest, data)
+                total += manifest.total_bytes
+            keys = [i.key for i in backup_items(self.config, step)]
+            record = await self.ctx.run_thread(backups.try_commit, self.config.job_name, step, keys)
+            self.uploaded = step
+            dt = max(time.monotonic() - t0, 1e-9)
+            self._log.info(
+                "backup of step %d %s: %d bytes in %.2fs (%.1f MB/s)",
+                step,
+                "committed" if record else "uploaded, awaiting other ranks",
+                total,
+                dt,
+                total / dt / 1e6,
+                step=step,
+            )
+        except PreconditionFailed:
+            self.uploaded = step  # committed already, by another uploader
+        except Cancelled:
+            pass
+        except (ObjectStoreError, OSError, ManifestError) as exc:
+            self.ctx.error(
+                f"backup of step {step} to {backups.url} failed, will retry: {exc}", step
+            )
+        finally:
+            self.uploading = None

@@ -1,0 +1,355 @@
+"""The peer data plane on gRPC: wire conventions shared by both ends, and ``PeerClient``.
+I/O module.
+
+``PeerClient`` pushes a committed item to another daemon, pulls one (staged, verified and
+committed exactly as the receiving daemon does it, through ``transfer.receive_item``) and
+lists what a daemon holds, over one grpc.aio channel per address with explicit message
+limits, keepalives and a deadline on every call. A peer's status code is translated into
+our exceptions in one place, ``_rpc_error``. The service itself is ``peer_service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from replicator._pb.mtc.v1 import peer_pb2 as pb
+from replicator.contract import JOB_NAME_RE
+from replicator.logs import JobLog
+from replicator.manifest import CorruptItem, ItemId, Manifest, ManifestError
+from replicator.store import LocalStore, StoreError
+from replicator.transfer import (
+    Chunk,
+    TransferError,
+    check_manifest,
+    iter_chunks,
+    receive_item,
+    room_on,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "mtc.v1.Peer"
+MAX_MESSAGE_BYTES = 16 << 20
+"""Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
+lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
+
+_MESSAGE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    # A peer that vanishes mid-transfer (node lost, no FIN) is detected in ~40 s, not hours.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    # Accept the clients' keepalive pings during a stalled transfer instead of GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Without this a second daemon on the same fixed port would silently share it.
+    ("grpc.so_reuseport", 0),
+]
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class PeerError(Exception):
+    """A call to a peer failed; ``retryable`` says whether trying again later may work."""
+
+    retryable = False
+
+    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.code = code
+
+
+class PeerUnavailable(PeerError):
+    """The peer is unreachable, too slow, full or busy."""
+
+    retryable = True
+
+
+class ItemNotFound(PeerError):
+    """The peer holds no such committed item."""
+
+
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
+    """The one place that turns a peer's gRPC status into our exception types."""
+    code = exc.code()
+    message = f"{what} at {address}: {code.name}: {exc.details() or ''}"
+    if code is grpc.StatusCode.DATA_LOSS:
+        return CorruptItem(message)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return ItemNotFound(address, message, code)
+    if code in _RETRYABLE:
+        return PeerUnavailable(address, message, code)
+    return PeerError(address, message, code)
+
+
+# --- wire conventions ---------------------------------------------------------------------------
+
+
+def item_id(ref: pb.ItemRef) -> ItemId:
+    """An ``ItemRef`` from the wire, its job name checked like a manifest's."""
+    if not JOB_NAME_RE.fullmatch(ref.job) or ".." in ref.job:
+        raise TransferError(f"unsafe job name {ref.job!r:.80}")
+    return ItemId(ref.job, ref.step, ref.rank, ref.worker)
+
+
+def item_ref(item: ItemId) -> pb.ItemRef:
+    return pb.ItemRef(job=item.job, step=item.step, rank=item.rank, worker=item.worker)
+
+
+async def chunks_of(
+    messages: AsyncIterator[pb.PushItemRequest] | AsyncIterator[pb.PullItemResponse],
+) -> AsyncIterator[Chunk]:
+    """The chunks that follow a transfer's header, as ``transfer.receive_item`` takes them."""
+    async for message in messages:
+        if message.WhichOneof("body") != "chunk":
+            raise TransferError("only chunks may follow the header")
+        c = message.chunk
+        yield c.file_index, c.offset, c.data, c.crc32c  # each access of a bytes field copies
+
+
+def fill_chunk(chunk: pb.Chunk, file_index: int, offset: int, data: bytes, crc32c: int) -> None:
+    """Fill a message's chunk in place: building a Chunk and wrapping it copies data twice."""
+    chunk.file_index = file_index
+    chunk.offset = offset
+    chunk.data = data
+    chunk.crc32c = crc32c
+
+
+def rate(nbytes: int, seconds: float) -> float:
+    """MB/s, for the transfer log lines."""
+    return nbytes / max(seconds, 1e-9) / 1e6
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """One committed item a peer holds."""
+
+    item: ItemId
+    digest: str
+    total_bytes: int
+
+
+def _method(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+class PeerClient:
+    """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
+
+    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second;
+    a pull whose size is not known in advance gets ``timeout + max_transfer_seconds``.
+    A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
+    the client makes a small pool and shuts it down in ``close``).
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 30.0,
+        min_rate: float = 25e6,
+        max_transfer_seconds: float = 3600.0,
+        executor: Executor | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.min_rate = min_rate
+        self.max_transfer_seconds = max_transfer_seconds
+        self._own_executor = executor is None
+        self.executor: Executor = executor or ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="mtc-peer"
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+        if self._own_executor:
+            self.executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _deadline(self, nbytes: int | None) -> float:
+        if nbytes is None:
+            return self.timeout + self.max_transfer_seconds
+        return self.timeout + nbytes / self.min_rate
+
+    async def push_item(self, address: str, manifest: Manifest, data_path: Path) -> bool:
+        """Send a committed item; True when the peer already held it (nothing was sent).
+
+        Raises ``CorruptItem`` when the bytes sent do not match the manifest (the peer
+        answered DATA_LOSS, or the local copy is short), ``PeerUnavailable`` when trying
+        again later may work (unreachable, deadline, busy, full), ``PeerError`` otherwise
+        (for example, the peer does not take this job now: FAILED_PRECONDITION).
+        """
+        method = self._channel(address).stream_unary(
+            _method("PushItem"),
+            request_serializer=pb.PushItemRequest.SerializeToString,
+            response_deserializer=pb.PushItemResponse.FromString,
+        )
+        raw = manifest.to_json()
+        header = pb.PushHeader(
+            item=item_ref(manifest.item),
+            manifest=raw,
+            manifest_digest=hashlib.sha256(raw).hexdigest(),
+        )
+        t0 = time.monotonic()
+        call = method(timeout=self._deadline(manifest.total_bytes))
+        try:
+            try:
+                await call.write(pb.PushItemRequest(header=header))
+                with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
+                    for index, offset, buf, crc in chunks:
+                        if call.done():
+                            break  # answered early: the peer already holds the item
+                        request = pb.PushItemRequest()
+                        fill_chunk(request.chunk, index, offset, buf, crc)
+                        await call.write(request)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # A write raced the peer's early answer and reports a generic error; the
+                # call's own outcome (below) says what the peer decided.
+                pass
+            response = await call
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, address, f"push of {manifest.item}") from None
+        finally:
+            call.cancel()  # a no-op once answered; after a local read error, stop the peer
+        dt = time.monotonic() - t0
+        JobLog(log, manifest.item.job, manifest.item.rank).info(
+            "pushed %s to %s: %s",
+            manifest.item,
+            address,
+            "already held"
+            if response.already_had
+            else f"{response.bytes_received} bytes in {dt:.3f}s "
+            f"({rate(response.bytes_received, dt):.1f} MB/s)",
+            step=manifest.item.step,
+        )
+        return response.already_had
+
+    async def pull_item(
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None = None,
+        *,
+        total_bytes: int | None = None,
+    ) -> Manifest:
+        """Fetch ``item`` into ``store``, verified chunk by chunk and file by file, committed
+        with its manifest last; its manifest. ``total_bytes`` (from a listing) tightens the
+        deadline.
+
+        Raises ``CorruptItem`` on any checksum or size mismatch (nothing is committed),
+        ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
+        a malformed stream, ``PeerUnavailable`` when trying again later may work, and
+        ``StoreError`` when the local store cannot take it.
+        """
+        call = self._channel(address).unary_stream(
+            _method("PullItem"),
+            request_serializer=pb.PullItemRequest.SerializeToString,
+            response_deserializer=pb.PullItemResponse.FromString,
+        )
+        request = pb.PullItemRequest(item=item_ref(item), manifest_digest=expected_digest or "")
+        t0 = time.monotonic()
+        stream = call(request, timeout=self._deadline(total_bytes))
+        try:
+            responses = aiter(stream)
+            first = await anext(responses, None)
+            if first is None or first.WhichOneof("body") != "header":
+                raise PeerError(address, f"pull of {item} at {address}: no header came first")
+            try:
+                manifest = check_manifest(first.header.manifest, first.header.manifest_digest, item)
+            except (ManifestError, TransferError) as exc:
+                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+            if expected_digest and first.header.manifest_digest != expected_digest:
+                raise PeerError(address, f"pull of {item} at {address}: another digest came")
+            room = room_on(store.root)
+            if manifest.total_bytes > room:
+                raise StoreError(f"{item}: {manifest.total_bytes} bytes do not fit ({room} free)")
+            try:
+                nbytes = await receive_item(store, manifest, chunks_of(responses), self.executor)
+            except TransferError as exc:
+                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, address, f"pull of {item}") from None
+        finally:
+            stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
+        dt = time.monotonic() - t0
+        JobLog(log, item.job, item.rank).info(
+            "pulled %s from %s: %d bytes in %.3fs (%.1f MB/s)",
+            item,
+            address,
+            nbytes,
+            dt,
+            rate(nbytes, dt),
+            step=item.step,
+        )
+        return manifest
+
+    async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
+        """The committed items ``address`` holds (of ``job`` only, when given)."""
+        call = self._channel(address).unary_unary(
+            _method("ListItems"),
+            request_serializer=pb.ListItemsRequest.SerializeToString,
+            response_deserializer=pb.ListItemsResponse.FromString,
+        )
+        try:
+            response = await call(pb.ListItemsRequest(job=job or ""), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, address, "list of items") from None
+        infos = []
+        for info in response.items:
+            try:
+                infos.append(ItemInfo(item_id(info.item), info.manifest_digest, info.total_bytes))
+            except TransferError as exc:
+                raise PeerError(address, f"list of items at {address}: {exc}") from None
+        return infos

@@ -1,0 +1,97 @@
+"""Steady-state replication: push this rank's newest committed step to its targets. I/O: gRPC.
+
+Replication runs beside ingest, never in its way: one push task at a time, always for the
+newest committed step (an older step a slow peer never got is superseded by the next one),
+so a slow or dead peer delays only the cluster's restorable step, never the job's saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+
+from replicator.cluster import replication_targets
+from replicator.contract import JobConfig
+from replicator.logs import JobLog
+from replicator.manifest import Cancelled, Manifest
+from replicator.peer import PeerClient, PeerError
+from replicator.planner import rank_items
+from replicator.store import LocalStore, StoreError
+
+log = logging.getLogger(__name__)
+
+ErrorSink = Callable[[str, int | None], None]
+
+
+class Replication:
+    """Which of this rank's steps its replication targets hold, and the pushes to get there."""
+
+    def __init__(
+        self, config: JobConfig, store: LocalStore, peers: PeerClient, on_error: ErrorSink
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.peers = peers
+        self.on_error = on_error
+        self.targets = replication_targets(config)
+        self.addresses: dict[int, str] = {}
+        self.newest_replicated: int | None = None
+        """Newest own step committed here AND on every target."""
+        self._wanted: int | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._log = JobLog(log, config.job_name, config.node_rank)
+
+    def set_addresses(self, addresses: Mapping[int, str]) -> None:
+        self.addresses = dict(addresses)
+
+    def committed(self, step: int) -> None:
+        """A new own step is committed locally: replicate it (and forget older wishes)."""
+        if self._wanted is None or step > self._wanted:
+            self._wanted = step
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name=f"replicate-{self.config.job_name}")
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        # A step that arrives during a push is pushed next; a failed push is retried when
+        # the agent offers the step again (on its next rescan).
+        while self._wanted is not None and self._wanted != self.newest_replicated:
+            step = self._wanted
+            await self.replicate(step)
+            if self._wanted == step:
+                return
+
+    async def replicate(self, step: int) -> bool:
+        """Push every own item of ``step`` to every target; True when all hold it."""
+        manifests: list[Manifest] = []
+        for item in rank_items(self.config, step):
+            manifest = self.store.get(item)
+            if manifest is None:
+                return False  # deleted meanwhile by retention: a newer step exists
+            manifests.append(manifest)
+        results = await asyncio.gather(*(self._push_all(t, manifests, step) for t in self.targets))
+        if all(results):
+            if self.newest_replicated is None or step > self.newest_replicated:
+                self.newest_replicated = step
+            return True
+        return False
+
+    async def _push_all(self, target: int, manifests: list[Manifest], step: int) -> bool:
+        address = self.addresses.get(target)
+        if address is None:
+            self.on_error(f"step {step}: no address known for peer rank {target}", step)
+            return False
+        try:
+            for manifest in manifests:
+                await self.peers.push_item(address, manifest, self.store.data_path(manifest.item))
+        except (PeerError, StoreError, OSError, Cancelled) as exc:
+            self.on_error(
+                f"step {step}: replication to rank {target} ({address}) failed: {exc}", step
+            )
+            return False
+        return True

@@ -1,0 +1,360 @@
+"""Measure the peer data plane against a raw-socket copy of the same bytes, in one run.
+
+Two real daemons on tmpfs (``/dev/shm`` subdirectories): daemon A holds a committed item,
+daemon B serves the job as another rank. Each round (interleaved, so both sides meet the
+same page-cache conditions):
+
+- raw: a tiny sender/receiver pair of processes copies A's item files over one loopback TCP
+  socket (``sendfile`` out, ``recv_into`` + ``write`` in) into a fresh tmpfs directory;
+- push: ``PeerClient.push_item`` (the code a daemon runs after ingest; here in this
+  process, with the daemon's malloc tuning and uvloop) sends the item to daemon B, which
+  verifies every chunk and file and commits it (B is restarted with an empty store each
+  round, so its destination starts from the same state as the raw copy's);
+- pull: ``PeerClient.pull_item`` restores the item from daemon A into a local store here.
+
+Prints seconds and MB/s (median and best of the rounds), the push/raw ratio, daemon B's CPU
+seconds per GiB received and its peak RSS. Numbers are only comparable within one run (see
+FACTS.md on tmpfs first touch).
+
+    .venv/bin/python scripts/bench_peer.py --size-mib 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import mmap
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from replicator.daemon import tune_malloc
+from replicator.manifest import ItemId, Manifest
+from replicator.peer import PeerClient
+from replicator.store import LocalStore
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None  # type: ignore[assignment]
+
+JOB = "bench"
+_HEADER = struct.Struct("!HQ")
+_READY = re.compile(rb"daemon ready:.* listen=(\S+) advertise=")
+
+
+# --- the raw-socket baseline (run as child processes) -----------------------------------------
+
+
+def raw_receive(dest: Path) -> None:
+    """Accept one connection; write each ``(name, size, bytes)`` record below ``dest``."""
+    dest.mkdir(parents=True)
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        print(srv.getsockname()[1], flush=True)
+        conn, _ = srv.accept()
+    t0 = time.perf_counter()
+    cpu0 = os.times()
+    buf = mmap.mmap(-1, 1 << 20)
+    view = memoryview(buf)
+    total = 0
+    with conn:
+        stream = conn.makefile("rb")
+        while True:
+            name_len, size = _HEADER.unpack(stream.read(_HEADER.size))
+            if name_len == 0:
+                break
+            path = dest / stream.read(name_len).decode()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            left = size
+            while left:
+                # Drain what makefile() buffered first, then read the socket directly.
+                n = stream.readinto(view[: min(left, len(view))])
+                if not n:
+                    raise EOFError("sender stopped early")
+                os.write(fd, view[:n])
+                left -= n
+            os.close(fd)
+            total += size
+        conn.sendall(b"k")
+    cpu1 = os.times()
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": total, "cpu": cpu}))
+
+
+def raw_send(port: int, src: Path) -> None:
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        for path in files:
+            name = str(path.relative_to(src)).encode()
+            conn.sendall(_HEADER.pack(len(name), path.stat().st_size) + name)
+            with path.open("rb") as f:
+                conn.sendfile(f)
+        conn.sendall(_HEADER.pack(0, 0))
+        conn.recv(1)
+
+
+def raw_copy(src: Path, dest: Path) -> dict[str, float]:
+    me = [sys.executable, __file__]
+    recv = subprocess.Popen([*me, "_raw-recv", str(dest)], stdout=subprocess.PIPE, text=True)
+    assert recv.stdout is not None
+    port = recv.stdout.readline().strip()
+    subprocess.run([*me, "_raw-send", port, str(src)], check=True)
+    out, _ = recv.communicate(timeout=600)
+    if recv.returncode:
+        raise RuntimeError(f"raw receiver failed: {recv.returncode}")
+    result: dict[str, float] = json.loads(out)
+    return result
+
+
+# --- daemons --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    address: str
+    log: Path
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mib(self, key: str) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) / 1024
+        raise KeyError(key)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def start_daemon(ckpt: Path) -> Daemon:
+    log = ckpt.parent / f"{ckpt.name}.log"
+    args = [sys.executable, "-m", "replicator.daemon", "--checkpoint-dir", str(ckpt)]
+    args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (ready := _READY.search(log.read_bytes())) is not None:
+            return Daemon(proc, ready.group(1).decode(), log)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"daemon on {ckpt} did not start:\n{log.read_text()}")
+
+
+def take_job(ckpt: Path) -> None:
+    """Hand the daemon a ``replicator.yaml`` so it accepts pushes of the bench job (a one-node
+    job: no coordinator needed, only the data plane is measured)."""
+    text = f"job-name: {JOB}\nframework: orbax\nnode-rank: 0\nnodes: 1\n"
+    tmp = ckpt / "replicator.yaml.tmp"
+    tmp.write_text(text)
+    os.rename(tmp, ckpt / "replicator.yaml")
+    deadline = time.monotonic() + 30
+    while (ckpt / "replicator.yaml").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{ckpt}: replicator.yaml was not accepted")
+        time.sleep(0.05)
+
+
+def make_item(ckpt: Path, size: int, files: int) -> Manifest:
+    """A committed item of ``size`` random bytes in A's store, written before A starts."""
+    src = ckpt / "1"
+    (src / "state").mkdir(parents=True)
+    block = os.urandom(4 << 20)
+    per_file = size // files
+    for i in range(files):
+        with open(src / "state" / f"shard-{i}.bin", "wb") as f:
+            left = per_file
+            while left > 0:
+                # A counter in every block: no two blocks of the item are equal.
+                f.write(left.to_bytes(8, "little") + block[8 : min(left, len(block))])
+                left -= len(block)
+    store = LocalStore(ckpt)
+    store.open()
+    item = ItemId(JOB, 1, 0, 0)
+    store.take(src, item)
+    manifest = store.commit_ingested(item)
+    store.close()
+    return manifest
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def warm_pages(root: Path, size: int) -> None:
+    """Write and delete ``size`` bytes on the tmpfs, so the transfer that follows gets pages
+    the kernel just freed. On this VM, pages never touched (or handed back to the
+    hypervisor) cost up to 10x more to fill, and that noise would swamp the comparison."""
+    block = bytes(4 << 20)
+    scratch = root / "warm"
+    with scratch.open("wb") as f:
+        for _ in range(0, size, len(block)):
+            f.write(block)
+    scratch.unlink()
+
+
+@dataclass
+class Round:
+    raw: float
+    raw_cpu: float
+    push: float
+    push_cpu: float
+    pull: float
+    b_rss_before: float
+    b_peak_rss: float
+
+
+async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> list[Round]:
+    size = manifest.total_bytes + manifest.total_bytes // 8
+    data = root / "a" / ".mtc" / "items" / JOB / "1" / "0-0" / "data"
+    local = LocalStore(root / "c")
+    local.open()
+    results = []
+    async with PeerClient() as client:
+        await client.list_items(a.address)  # connect before timing anything
+        for r in range(rounds):
+            # A fresh daemon B each round, with an empty store: every destination starts
+            # from the same state (the raw copy's is deleted after each round too).
+            b = start_daemon(root / "b")
+            try:
+                await client.list_items(b.address)
+                rss_before = b.memory_mib("VmRSS")
+
+                async def push(b: Daemon = b) -> tuple[float, float]:
+                    warm_pages(root, size)
+                    cpu0, t0 = b.cpu_seconds(), time.perf_counter()
+                    assert not await client.push_item(b.address, manifest, data)
+                    return time.perf_counter() - t0, b.cpu_seconds() - cpu0
+
+                def raw(r: int = r) -> dict[str, float]:
+                    warm_pages(root, size)
+                    dest = root / f"raw-{r}"
+                    result = raw_copy(data, dest)
+                    shutil.rmtree(dest)
+                    return result
+
+                # Alternate the order: whoever goes first may meet colder tmpfs pages.
+                if r % 2 == 0:
+                    raw_result = raw()
+                    push_s, push_cpu = await push()
+                else:
+                    push_s, push_cpu = await push()
+                    raw_result = raw()
+                peak = b.memory_mib("VmHWM")
+            finally:
+                b.stop()
+            shutil.rmtree(root / "b" / ".mtc" / "items" / JOB)
+            warm_pages(root, size)
+            t0 = time.perf_counter()
+            await client.pull_item(
+                a.address, manifest.item, local, manifest.digest, total_bytes=manifest.total_bytes
+            )
+            pull_s = time.perf_counter() - t0
+            local.delete(manifest.item)
+            results.append(
+                Round(
+                    raw_result["seconds"],
+                    raw_result["cpu"],
+                    push_s,
+                    push_cpu,
+                    pull_s,
+                    rss_before,
+                    peak,
+                )
+            )
+            print(
+                f"round {r + 1}: raw {raw_result['seconds']:.3f}s  push {push_s:.3f}s  "
+                f"pull {pull_s:.3f}s",
+                flush=True,
+            )
+    local.close()
+    return results
+
+
+def report(size: int, files: int, results: list[Round]) -> None:
+    gib = size / (1 << 30)
+
+    def stats(values: list[float]) -> tuple[float, float]:
+        return statistics.median(values), min(values)
+
+    raw, push, pull = (stats([getattr(r, k) for r in results]) for k in ("raw", "push", "pull"))
+    print(f"\nitem: {size >> 20} MiB in {files} files, tmpfs -> tmpfs over loopback")
+    print(f"{len(results)} interleaved rounds; median (and best) of each")
+    print(f"{'transfer':50} {'seconds':>15} {'MB/s':>13} {'vs raw':>6}")
+    rows = [
+        ("raw socket copy (sendfile -> recv_into + write)", raw),
+        ("gRPC push A -> daemon B (crc32c verified, commit)", push),
+        ("gRPC pull from daemon A (restore from peer)", pull),
+    ]
+    for name, (median, best) in rows:
+        print(
+            f"{name:50} {median:6.3f} ({best:6.3f}) "
+            f"{size / median / 1e6:5.0f} ({size / best / 1e6:5.0f}) {raw[0] / median:5.2f}x"
+        )
+    print(
+        f"push / raw throughput ratio: {raw[0] / push[0]:.2f} median, "
+        f"{raw[1] / push[1]:.2f} best (target >= 0.8)"
+    )
+    cpu_b = statistics.median(r.push_cpu for r in results) / gib
+    cpu_raw = statistics.median(r.raw_cpu for r in results) / gib
+    print(f"CPU seconds per GiB received: daemon B {cpu_b:.2f}, raw receiver {cpu_raw:.2f}")
+    peak = max(r.b_peak_rss for r in results)
+    before = statistics.median(r.b_rss_before for r in results)
+    print(
+        f"daemon B peak RSS (VmHWM): {peak:.0f} MiB at most; {before:.0f} MiB before the push "
+        f"(item {size >> 20} MiB)"
+    )
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_raw-recv":
+        raw_receive(Path(sys.argv[2]))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_raw-send":
+        raw_send(int(sys.argv[2]), Path(sys.argv[3]))
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--files", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    size = a.size_mib << 20
+    tune_malloc()  # what the sending daemon does at start
+    root = Path(tempfile.mkdtemp(prefix="mtc-bench-peer-", dir="/dev/shm"))
+    daemons: list[Daemon] = []
+    try:
+        for name in ("a", "b", "c"):
+            (root / name).mkdir()
+        manifest = make_item(root / "a", size, a.files)
+        daemons.append(start_daemon(root / "a"))
+        b = start_daemon(root / "b")
+        take_job(root / "b")  # kept in B's store: every restart resumes the job
+        b.stop()
+        run = uvloop.run if uvloop is not None else asyncio.run
+        results = run(run_rounds(root, daemons[0], manifest, a.rounds))
+        report(size, a.files, results)
+    finally:
+        for d in daemons:
+            d.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,572 @@
+"""The coordinator over real gRPC: a grpc.aio server on loopback in this process, real clients.
+
+Each test runs its own event loop (``run``); the server is the daemon's ``RpcServer`` with the
+coordinator registered as the daemon registers it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import pytest
+
+from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from replicator.backup import CommitRecord
+from replicator.contract import BackupInterval, Framework, JobConfig
+from replicator.coordination import JoinRejected, Phase
+from replicator.coordinator import SERVICE, CoordinatorHost, CoordinatorServicer
+from replicator.coordinator_client import (
+    CoordinatorChanged,
+    CoordinatorClient,
+    CoordinatorError,
+    MustRejoin,
+    NoCoordinator,
+    NotAMember,
+    WrongCoordinator,
+    find_coordinator,
+)
+from replicator.coordinator_messages import FailedFetch, RoundState, cluster_view_json
+from replicator.manifest import ItemId
+from replicator.objectstore import TransientError
+from replicator.planner import Source
+from replicator.registry import Registry, RegistryEntry, open_registry
+from replicator.server import RpcServer
+
+T = TypeVar("T")
+JOB = "train"
+NODES = 4
+
+
+def run(coro: Awaitable[T], timeout: float = 15.0) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def config(nodes: int = NODES, job: str = JOB, steps: int = 10) -> JobConfig:
+    return JobConfig(
+        job_name=job,
+        framework=Framework.ORBAX,
+        node_rank=0,
+        nodes=nodes,
+        peers_per_node=1,
+        backup_interval=BackupInterval(steps=steps),
+    )
+
+
+VIEW = cluster_view_json(config())
+
+
+def digest(rank: int, step: int) -> str:
+    return f"{rank:02x}{step:04x}".ljust(64, "0")
+
+
+def own(rank: int, *steps: int) -> dict[ItemId, str]:
+    return {ItemId(JOB, s, rank, 0): digest(rank, s) for s in steps}
+
+
+def peer_address(rank: int) -> str:
+    return f"127.0.0.1:{7100 + rank}"
+
+
+BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
+
+
+def no_backups(job: str) -> dict[int, CommitRecord]:
+    return {}
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    host: CoordinatorHost, backups_for: BackupsFor = no_backups
+) -> AsyncIterator[str]:
+    rpc = RpcServer()
+    rpc.add_service(SERVICE, CoordinatorServicer(host, backups_for).register)
+    address = rpc.bind("127.0.0.1:0")
+    await rpc.start()
+    try:
+        yield address
+    finally:
+        host.close()
+        await rpc.stop(0.5)
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    backups_for: BackupsFor = no_backups, **kw: Any
+) -> AsyncIterator[tuple[CoordinatorHost, CoordinatorClient]]:
+    """A hosted coordinator of ``JOB`` and one client (ranks share it, as agents would not)."""
+    host = CoordinatorHost()
+    host.host(config(**kw), cluster_view_json(config(**kw)))
+    async with (
+        serving(host, backups_for) as address,
+        CoordinatorClient(JOB, address, timeout=5.0) as client,
+    ):
+        yield host, client
+
+
+async def join(
+    client: CoordinatorClient, rank: int, inc: str, items: Mapping[ItemId, str], view: str = VIEW
+) -> int:
+    return await client.join(rank, inc, view, peer_address(rank), items)
+
+
+async def status(
+    client: CoordinatorClient,
+    rank: int,
+    inc: str,
+    round_: int = 1,
+    seen: RoundState | None = None,
+    wait: float = 0.0,
+) -> RoundState:
+    return await client.round_status(rank, inc, round_, seen=seen, wait_seconds=wait)
+
+
+async def all_join(client: CoordinatorClient, inc: str, *steps: int) -> None:
+    for r in range(NODES):
+        await join(client, r, f"{inc}{r}", own(r, *steps))
+
+
+# --- restore rounds --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 2, 1, 0), (2, 0, 3, 1)])
+def test_every_join_order_gives_every_rank_the_same_plan(order: tuple[int, ...]) -> None:
+    async def scenario() -> list[RoundState]:
+        async with cluster() as (_, client):
+            for r in order:
+                assert await join(client, r, f"a{r}", own(r, 5, 10)) == 1
+            return [await status(client, r, f"a{r}") for r in range(NODES)]
+
+    states = run(scenario())
+    assert {s.phase for s in states} == {Phase.FETCH}
+    assert {s.step for s in states} == {10}
+    assert len({s.plan_version for s in states}) == 1
+    for rank, s in enumerate(states):
+        ((target, fetches),) = s.assignments.items()
+        assert target == ItemId(JOB, 10, rank, 0)
+        assert fetches[0].source is Source.LOCAL
+        assert s.addresses == {r: peer_address(r) for r in range(NODES)}
+
+
+def test_waiting_names_the_missing_rank() -> None:
+    async def scenario() -> RoundState:
+        async with cluster() as (_, client):
+            for r in (0, 1, 3):
+                await join(client, r, f"a{r}", own(r, 5))
+            return await status(client, 3, "a3")
+
+    state = run(scenario())
+    assert state.phase is Phase.WAITING
+    assert state.missing == (2,)
+    assert "rank 2 of job train" in state.message
+    assert "3 of 4 joined" in state.message
+    assert state.assignments == {}
+
+
+def test_a_long_poll_wakes_promptly_on_the_last_join() -> None:
+    async def scenario() -> tuple[RoundState, float, float]:
+        async with cluster() as (_, client):
+            for r in (0, 1, 2):
+                await join(client, r, f"a{r}", own(r, 5))
+            seen = await status(client, 0, "a0")
+            assert seen.phase is Phase.WAITING
+            t0 = time.monotonic()
+            poll = asyncio.ensure_future(status(client, 0, "a0", seen=seen, wait=20))
+            await asyncio.sleep(0.3)
+            assert not poll.done()  # nothing changed yet: it waits
+            await join(client, 3, "a3", own(3, 5))
+            joined = time.monotonic()
+            state = await poll
+            return state, time.monotonic() - joined, joined - t0
+
+    state, after_join, before = run(scenario())
+    assert state.phase is Phase.FETCH
+    assert state.step == 5
+    assert before >= 0.3
+    assert after_join < 0.1, f"the poll answered {after_join:.3f}s after the last join"
+
+
+def test_a_long_poll_answers_at_once_when_the_change_came_between_polls() -> None:
+    async def scenario() -> tuple[RoundState, float]:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            # The caller's last answer said WAITING; FETCH happened before this poll.
+            seen = RoundState(1, Phase.WAITING)
+            t0 = time.monotonic()
+            state = await status(client, 2, "a2", seen=seen, wait=20)
+            return state, time.monotonic() - t0
+
+    state, took = run(scenario())
+    assert state.phase is Phase.FETCH
+    assert took < 1.0
+
+
+def test_a_long_poll_without_change_ends_after_its_wait() -> None:
+    async def scenario() -> tuple[RoundState, float]:
+        async with cluster() as (_, client):
+            await join(client, 0, "a0", own(0, 5))
+            seen = await status(client, 0, "a0")
+            await join(client, 1, "a1", own(1, 5))  # another join: not a change for rank 0
+            t0 = time.monotonic()
+            state = await status(client, 0, "a0", seen=seen, wait=1)
+            return state, time.monotonic() - t0
+
+    state, took = run(scenario())
+    assert state.phase is Phase.WAITING
+    assert state.missing == (2, 3)  # answered with what there is at the end of the wait
+    assert 0.9 <= took < 2.5
+
+
+def test_dropping_the_coordinator_ends_its_long_polls() -> None:
+    async def scenario() -> float:
+        async with cluster() as (host, client):
+            await join(client, 0, "a0", own(0, 5))
+            seen = await status(client, 0, "a0")
+            poll = asyncio.ensure_future(status(client, 0, "a0", seen=seen, wait=20))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            host.drop(JOB)
+            with pytest.raises(NoCoordinator, match="no coordinator for job train"):
+                await poll
+            return time.monotonic() - t0
+
+    assert run(scenario()) < 1.0
+
+
+def test_a_stale_incarnation_is_told_to_rejoin_after_a_new_round_opened() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            await all_join(client, "old", 5)
+            for r in range(NODES):
+                await client.report_restore(r, f"old{r}", 1, 1, ready=True)
+            assert (await status(client, 1, "old1")).phase is Phase.RELEASED
+            assert await join(client, 0, "new0", own(0, 5, 10)) == 2  # the job restarted
+            stale = await status(client, 1, "old1", round_=1)
+            assert stale.phase is None
+            assert stale.round == 2
+            # The old run's agent reconnects: its join never makes it a member.
+            assert await join(client, 1, "old1", own(1, 5)) == 2
+            assert (await status(client, 1, "old1", round_=2)).phase is None
+            for r in (1, 2, 3):
+                await join(client, r, f"new{r}", own(r, 5, 10))
+            fresh = await status(client, 1, "new1", round_=2)
+            assert (fresh.round, fresh.phase, fresh.step) == (2, Phase.FETCH, 10)
+
+    run(scenario())
+
+
+def test_the_round_is_released_when_every_rank_reported_ready() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            plan = await status(client, 0, "a0")
+            for r in range(NODES - 1):
+                await client.report_restore(r, f"a{r}", plan.round, plan.plan_version, ready=True)
+            waiting = await status(client, 0, "a0", seen=plan, wait=0)
+            assert waiting.phase is Phase.FETCH  # rank 3 is not ready yet
+            poll = asyncio.ensure_future(status(client, 0, "a0", seen=plan, wait=20))
+            await asyncio.sleep(0.2)
+            assert not poll.done()
+            await client.report_restore(3, "a3", plan.round, plan.plan_version, ready=True)
+            released = await poll
+            assert (released.phase, released.step) == (Phase.RELEASED, 5)
+            assert released.plan_version == plan.plan_version
+
+    run(scenario())
+
+
+def test_a_failed_source_replans_to_an_older_step() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            # Rank 2 lost step 10; only rank 3 holds a copy of it.
+            for r in range(NODES):
+                items = own(r, 5) if r == 2 else own(r, 5, 10)
+                if r == 3:
+                    items[ItemId(JOB, 10, 2, 0)] = digest(2, 10)
+                await join(client, r, f"a{r}", items)
+            plan = await status(client, 2, "a2")
+            assert plan.step == 10
+            (fetches,) = plan.assignments.values()
+            (peer,) = fetches
+            assert (peer.source, peer.holder) == (Source.PEER, 3)
+            assert plan.addresses[3] == peer_address(3)
+            failure = FailedFetch(peer, corrupt=True, detail="crc mismatch in file 0")
+            await client.report_restore(
+                2,
+                "a2",
+                plan.round,
+                plan.plan_version,
+                ready=False,
+                failures=[failure],
+                addresses=plan.addresses,
+            )
+            others = [await status(client, r, f"a{r}", seen=plan, wait=5) for r in range(NODES)]
+            assert {s.plan_version for s in others} == {plan.plan_version + 1}
+            assert {s.step for s in others} == {5}
+            assert others[2].assignments[ItemId(JOB, 5, 2, 0)][0].source is Source.LOCAL
+
+    run(scenario())
+
+
+def test_a_committed_backup_is_planned_from_the_listing() -> None:
+    listed: list[str] = []
+
+    def backups_for(job: str) -> dict[int, CommitRecord]:
+        listed.append(job)
+        items = {f"{r}-0": digest(r, 7) for r in range(NODES)}
+        return {7: CommitRecord(job, 7, items, created=1.0)}
+
+    async def scenario() -> RoundState:
+        async with cluster(backups_for) as (_, client):
+            await all_join(client, "a")  # every node wiped
+            return await status(client, 1, "a1")
+
+    state = run(scenario())
+    assert state.step == 7
+    (fetches,) = state.assignments.values()
+    assert [f.source for f in fetches] == [Source.BACKUP]
+    assert fetches[0].digest == digest(1, 7)
+    assert listed == [JOB]  # one listing served the round's joins
+
+
+def test_a_backup_listing_that_fails_refuses_the_join_for_now() -> None:
+    def backups_for(job: str) -> dict[int, CommitRecord]:
+        raise OSError("bucket unreachable")
+
+    async def scenario() -> None:
+        async with cluster(backups_for) as (host, client):
+            with pytest.raises(NoCoordinator, match="bucket unreachable"):
+                await join(client, 0, "a0", own(0, 5))
+            hosted = host.get(JOB)
+            assert hosted is not None
+            assert hosted.coordinator.members == {}
+
+    run(scenario())
+
+
+# --- steady state ----------------------------------------------------------------------------
+
+
+def test_progress_reports_give_the_restorable_step_and_backup_orders() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            for r in range(NODES):
+                await client.report_restore(r, f"a{r}", 1, 1, ready=True)
+            first = await client.report_progress(0, "a0", replicated_step=10)
+            # Step 5 is complete everywhere and nothing is backed up yet: back it up now.
+            assert (first.restorable_step, first.backup_step) == (5, 5)
+            for r in range(1, NODES):
+                answer = await client.report_progress(r, f"a{r}", replicated_step=10)
+                assert answer.backup_step == 5  # the one backup in flight
+            assert answer.restorable_step == 10
+            for r in range(NODES):
+                done = await client.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=5)
+            assert done.backup_step is None  # 10 is not 10 steps after 5
+            for r in range(NODES):
+                later = await client.report_progress(r, f"a{r}", replicated_step=15)
+            assert (later.restorable_step, later.backup_step) == (15, 15)
+            with pytest.raises(NotAMember, match="join again"):
+                await client.report_progress(2, "stranger", replicated_step=15)
+
+    run(scenario())
+
+
+def test_progress_before_the_release_is_refused() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            with pytest.raises(NotAMember, match="not a member of the released round"):
+                await client.report_progress(0, "a0", replicated_step=5)
+
+    run(scenario())
+
+
+# --- errors and identities -------------------------------------------------------------------
+
+
+def test_an_unhosted_job_is_not_found() -> None:
+    async def scenario() -> None:
+        host = CoordinatorHost()
+        host.host(config(job="other"), cluster_view_json(config(job="other")))
+        async with serving(host) as address, CoordinatorClient(JOB, address) as client:
+            with pytest.raises(NoCoordinator, match=r"NOT_FOUND.*no coordinator for job train"):
+                await join(client, 0, "a0", own(0, 5))
+
+    run(scenario())
+
+
+def test_a_disagreeing_cluster_view_is_rejected_with_the_reason() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            view = cluster_view_json(config(nodes=8))
+            with pytest.raises(JoinRejected, match="disagrees with rank 0"):
+                await join(client, 1, "a1", own(1, 5), view=view)
+
+    run(scenario())
+
+
+def test_an_invalid_request_is_an_error_of_ours() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            with pytest.raises(CoordinatorError, match=r"INVALID_ARGUMENT.*address"):
+                await client.join(0, "a0", VIEW, "not-an-address", own(0, 5))
+            with pytest.raises(CoordinatorError, match=r"INVALID_ARGUMENT.*out of range"):
+                await client.round_status(9, "a9", 1)
+
+    run(scenario())
+
+
+class _OtherJob(coordinator_pb2_grpc.CoordinatorServicer):
+    """A server answering for another job: what a stale registry entry leads to."""
+
+    async def Join(self, request: pb.JoinRequest, context: Any) -> pb.JoinResponse:
+        return pb.JoinResponse(coordinator=pb.CoordinatorIdentity(job="other", coordinator_id="x"))
+
+
+def test_an_answer_for_another_job_raises() -> None:
+    async def scenario() -> None:
+        server = grpc.aio.server()
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(_OtherJob(), server)  # type: ignore[no-untyped-call]
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with CoordinatorClient(JOB, f"127.0.0.1:{port}") as client:
+                with pytest.raises(WrongCoordinator, match="job 'other' answered"):
+                    await join(client, 0, "a0", own(0, 5))
+                assert client.coordinator_id is None
+        finally:
+            await server.stop(None)
+
+    run(scenario())
+
+
+def test_a_restarted_coordinator_is_noticed_at_the_next_call() -> None:
+    async def scenario() -> None:
+        async with cluster() as (host, client):
+            await join(client, 0, "a0", own(0, 5))
+            first_id = client.coordinator_id
+            assert first_id == host.coordinator_id(JOB)
+            host.drop(JOB)  # its daemon restarted: a new coordinator with no joins
+            host.host(config(), VIEW)
+            with pytest.raises(CoordinatorChanged) as raised:
+                await status(client, 0, "a0")
+            assert isinstance(raised.value, MustRejoin)
+            assert raised.value.old_id == first_id
+            assert raised.value.new_id == host.coordinator_id(JOB) != first_id
+            # The agent joins again; the client now expects the new coordinator.
+            await join(client, 0, "a0", own(0, 5))
+            assert (await status(client, 0, "a0")).phase is Phase.WAITING
+
+    run(scenario())
+
+
+def test_rehosting_with_the_same_view_keeps_the_coordinator() -> None:
+    host = CoordinatorHost()
+    first = host.host(config(), VIEW)
+    first_id = host.coordinator_id(JOB)
+    assert host.host(config(), VIEW) is first  # rank 0's new incarnation, same job
+    assert host.coordinator_id(JOB) == first_id
+    replaced = host.host(config(nodes=8), cluster_view_json(config(nodes=8)))
+    assert replaced is not first
+    assert host.coordinator_id(JOB) != first_id
+
+
+def test_an_unreachable_coordinator_is_no_coordinator() -> None:
+    async def scenario() -> None:
+        host = CoordinatorHost()
+        async with serving(host) as address:
+            pass  # stopped: nothing listens there any more
+        async with CoordinatorClient(JOB, address, timeout=2.0) as client:
+            with pytest.raises(NoCoordinator, match="UNAVAILABLE"):
+                await join(client, 0, "a0", own(0, 5))
+
+    run(scenario())
+
+
+# --- finding the coordinator -----------------------------------------------------------------
+
+
+class FakeTime:
+    """A clock that only moves when the code under test sleeps."""
+
+    def __init__(self, on_sleep: Callable[[int], None] = lambda n: None) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+        self.on_sleep = on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        self.on_sleep(len(self.slept))
+
+
+def test_find_coordinator_retries_until_one_registers_then_its_entry_works(
+    tmp_path: Path,
+) -> None:
+    registry = open_registry(tmp_path.as_uri())
+
+    async def scenario() -> tuple[RegistryEntry, FakeTime]:
+        host = CoordinatorHost()
+        host.host(config(), VIEW)
+        async with serving(host) as address:
+            coordinator_id = host.coordinator_id(JOB)
+            assert coordinator_id is not None
+            entry = RegistryEntry(JOB, address, coordinator_id, time.time())
+
+            def register_late(sleeps: int) -> None:
+                if sleeps == 6:
+                    registry.register(entry)
+
+            fake = FakeTime(register_late)
+            found = await find_coordinator(
+                registry, JOB, timeout=60, clock=fake.clock, sleep=fake.sleep
+            )
+            async with CoordinatorClient.for_entry(found) as client:
+                assert await join(client, 0, "a0", own(0, 5)) == 1
+                assert client.coordinator_id == found.coordinator_id
+            return found, fake
+
+    found, fake = run(scenario())
+    assert found.job == JOB
+    assert len(fake.slept) == 6
+    # Jittered doubling from 0.1 s, capped at 3 s: each delay in [half, whole] of its slot.
+    for delay, slot in zip(fake.slept, [0.1, 0.2, 0.4, 0.8, 1.6, 3.0], strict=True):
+        assert slot / 2 <= delay <= slot
+
+
+def test_find_coordinator_gives_up_at_its_deadline(tmp_path: Path) -> None:
+    registry = open_registry(tmp_path.as_uri())
+    fake = FakeTime()
+    with pytest.raises(NoCoordinator, match="no coordinator for job train yet"):
+        run(find_coordinator(registry, JOB, timeout=20, clock=fake.clock, sleep=fake.sleep))
+    assert fake.now == pytest.approx(20)
+    assert max(fake.slept) <= 3.0
+    assert len(fake.slept) >= 7
+
+
+class _Unreachable:
+    url = "memory://down"
+
+    def get_bytes(self, key: str) -> bytes:
+        raise TransientError(f"{key}: connection reset")
+
+
+def test_find_coordinator_says_when_the_registry_is_unreachable() -> None:
+    registry = Registry(_Unreachable())  # type: ignore[arg-type]
+    fake = FakeTime()
+    with pytest.raises(NoCoordinator, match=r"memory://down is unreachable.*connection reset"):
+        run(find_coordinator(registry, JOB, timeout=5, clock=fake.clock, sleep=fake.sleep))

@@ -1,0 +1,240 @@
+"""Tests for ``replicator.transfer``: crc32c arithmetic, chunked reading, verified writing.
+
+Real files in ``tmp_path``; no sockets. The gRPC layer on top is tested against real daemon
+processes in ``tests/integration/test_peer*.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import google_crc32c
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replicator.manifest import CorruptItem, ItemId, Manifest, build_manifest, verify_item
+from replicator.transfer import (
+    MAX_CHUNK,
+    ItemWriter,
+    TransferError,
+    check_manifest,
+    crc32c_combine,
+    iter_chunks,
+    room_on,
+)
+
+ITEM = ItemId("job", 3, 1, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.binary(max_size=3000))
+def test_combine_equals_crc_of_the_concatenation(a: bytes, b: bytes) -> None:
+    combined = crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b))
+    assert combined == google_crc32c.value(a + b)
+
+
+def test_combine_over_a_full_chunk() -> None:
+    a, b = os.urandom(7), os.urandom(1 << 20)
+    assert crc32c_combine(google_crc32c.value(a), google_crc32c.value(b), len(b)) == (
+        google_crc32c.value(a + b)
+    )
+
+
+def make_tree(root: Path) -> Path:
+    (root / "state" / "deep").mkdir(parents=True)
+    (root / "empty_dir").mkdir()
+    (root / "_CHECKPOINT_METADATA").write_bytes(b'{"step": 3}')
+    (root / "state" / "big.bin").write_bytes(os.urandom(5 * 1024 + 17))
+    (root / "state" / "deep" / "zero.bin").write_bytes(b"")
+    (root / "state" / "deep" / "small.bin").write_bytes(b"abc")
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> tuple[Manifest, Path]:
+    data = make_tree(tmp_path / "src")
+    return build_manifest(ITEM, data), data
+
+
+def staging(tmp_path: Path) -> Path:
+    d = tmp_path / "staged"
+    d.mkdir()
+    return d
+
+
+Chunks = list[tuple[int, int, bytes, int]]
+
+
+def feed(writer: ItemWriter, chunks: Chunks) -> None:
+    """Write every chunk, then end the stream; the writer is closed whatever happens."""
+    try:
+        for chunk in chunks:
+            writer.write(*chunk)
+        writer.finish()
+    finally:
+        writer.close()
+
+
+def copy(manifest: Manifest, data: Path, staged: Path, chunk_size: int = 1024) -> None:
+    feed(ItemWriter(manifest, staged), list(iter_chunks(manifest, data, chunk_size)))
+
+
+def test_a_tree_round_trips_byte_for_byte(tree: tuple[Manifest, Path], tmp_path: Path) -> None:
+    manifest, data = tree
+    staged = staging(tmp_path)
+    copy(manifest, data, staged)
+    verify_item(manifest, staged / "data")
+    assert (staged / "data" / "empty_dir").is_dir()
+    assert (staged / "data" / "state" / "deep" / "zero.bin").read_bytes() == b""
+
+
+def test_a_file_item_round_trips(tmp_path: Path) -> None:
+    src = tmp_path / "model.pt"
+    src.write_bytes(os.urandom(3000))
+    manifest = build_manifest(ITEM, src)
+    staged = staging(tmp_path)
+    copy(manifest, src, staged, chunk_size=1000)
+    assert (staged / "data").read_bytes() == src.read_bytes()
+
+
+def test_chunks_are_page_aligned_and_sized(tree: tuple[Manifest, Path]) -> None:
+    manifest, data = tree
+    chunks = list(iter_chunks(manifest, data, 4096))
+    big = [c for c in chunks if manifest.files[c[0]].path == "state/big.bin"]
+    assert [c[1] for c in big] == [0, 4096]
+    assert all(c[3] == google_crc32c.value(c[2]) for c in chunks)
+    # Empty files send nothing; the manifest creates them.
+    assert all(manifest.files[c[0]].size > 0 for c in chunks)
+
+
+def test_a_source_shorter_than_its_manifest_is_corrupt(tree: tuple[Manifest, Path]) -> None:
+    manifest, data = tree
+    (data / "state" / "big.bin").write_bytes(b"short")
+    with pytest.raises(CorruptItem, match=r"big\.bin"):
+        list(iter_chunks(manifest, data))
+
+
+def chunks_of(manifest: Manifest, data: Path) -> Chunks:
+    return list(iter_chunks(manifest, data, 1024))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda c: [(9, *c[0][1:]), *c[1:]], TransferError, "out of range"),
+        (lambda c: [(c[0][0], 5, *c[0][2:]), *c[1:]], TransferError, "expected 0"),
+        (lambda c: [(*c[0][:3], c[0][3] ^ 1), *c[1:]], CorruptItem, "fails its crc32c"),
+        (lambda c: [c[0], c[0], *c[1:]], TransferError, "expected"),
+        (lambda c: c[1:], CorruptItem, "received 0 bytes"),
+        (lambda c: [(c[0][0], 0, b"", 0), *c], TransferError, "chunk of 0 bytes"),
+    ],
+    ids=["index-out-of-range", "gap", "bad-crc", "repeat", "missing-first", "empty-chunk"],
+)
+def test_the_writer_rejects_a_broken_stream(
+    tree: tuple[Manifest, Path],
+    tmp_path: Path,
+    mutate: object,
+    error: type[Exception],
+    match: str,
+) -> None:
+    manifest, data = tree
+    chunks = mutate(chunks_of(manifest, data))  # type: ignore[operator]
+    writer = ItemWriter(manifest, staging(tmp_path))
+    with pytest.raises(error, match=match):
+        feed(writer, chunks)
+
+
+def test_a_chunk_past_the_declared_size_is_rejected(tmp_path: Path) -> None:
+    src = tmp_path / "f"
+    src.write_bytes(b"0123456789")
+    manifest = build_manifest(ITEM, src)
+    writer = ItemWriter(manifest, staging(tmp_path))
+    more = b"0123456789ab"
+    with pytest.raises(TransferError, match="data up to 12 bytes"):
+        writer.write(0, 0, more, google_crc32c.value(more))
+    writer.close()
+
+
+def test_an_earlier_file_after_a_later_one_is_rejected(
+    tree: tuple[Manifest, Path], tmp_path: Path
+) -> None:
+    manifest, data = tree
+    chunks = chunks_of(manifest, data)
+    writer = ItemWriter(manifest, staging(tmp_path))
+    with pytest.raises((TransferError, CorruptItem)):
+        feed(writer, chunks[::-1])
+
+
+def test_whole_file_crc_is_checked_when_the_file_is_complete(tmp_path: Path) -> None:
+    src = tmp_path / "f"
+    src.write_bytes(b"payload")
+    good = build_manifest(ITEM, src)
+    lying = Manifest(ITEM, good.kind, (good.files[0].__class__("", 7, 0xDEADBEEF),))
+    writer = ItemWriter(lying, staging(tmp_path))
+    writer.write(0, 0, b"payload", google_crc32c.value(b"payload"))
+    with pytest.raises(CorruptItem, match="deadbeef"):
+        writer.finish()
+    writer.close()
+
+
+@pytest.mark.parametrize("planted", ["dangling-file-link", "dir-swapped-for-link"])
+def test_a_planted_symlink_is_never_followed(
+    tree: tuple[Manifest, Path], tmp_path: Path, planted: str
+) -> None:
+    manifest, data = tree
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    staged = staging(tmp_path)
+    writer = ItemWriter(manifest, staged)
+    # Someone with access to the staging area plants links before the data arrives.
+    if planted == "dangling-file-link":
+        (staged / "data" / "state" / "big.bin").symlink_to(outside / "planted")
+        expected: type[OSError] = FileExistsError
+    else:
+        (staged / "data" / "state" / "deep").rmdir()
+        (staged / "data" / "state" / "deep").symlink_to(outside)
+        expected = OSError  # ELOOP
+    with pytest.raises(expected):
+        feed(writer, chunks_of(manifest, data))
+    assert list(outside.iterdir()) == []
+
+
+def test_a_chunk_larger_than_the_protocol_allows_is_rejected(tmp_path: Path) -> None:
+    src = tmp_path / "f"
+    src.write_bytes(b"x")
+    manifest = Manifest(ITEM, build_manifest(ITEM, src).kind, ())
+    big = bytes(MAX_CHUNK + 1)
+    writer = ItemWriter(manifest, staging(tmp_path))
+    with pytest.raises(TransferError, match="chunk of"):
+        writer.write(0, 0, big, google_crc32c.value(big))
+    writer.close()
+
+
+def test_check_manifest_accepts_exactly_the_canonical_bytes_its_digest_names(
+    tree: tuple[Manifest, Path],
+) -> None:
+    manifest, _ = tree
+    raw = manifest.to_json()
+    digest = hashlib.sha256(raw).hexdigest()
+    assert check_manifest(raw, digest, ITEM) == manifest
+    with pytest.raises(CorruptItem, match="sha256"):
+        check_manifest(raw, "0" * 64, ITEM)
+    with pytest.raises(TransferError, match="64 lowercase hex"):
+        check_manifest(raw, digest.upper(), ITEM)
+    pretty = json.dumps(json.loads(raw), indent=1).encode()
+    with pytest.raises(TransferError, match="canonical"):
+        check_manifest(pretty, hashlib.sha256(pretty).hexdigest(), ITEM)
+    with pytest.raises(TransferError, match="the header names"):
+        check_manifest(raw, digest, ItemId("job", 4, 1, 0))
+
+
+def test_room_keeps_a_margin_of_at_most_a_sixteenth(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    room = room_on(tmp_path, reserve=1 << 20)
+    assert free - (1 << 20) - (1 << 22) <= room <= free  # statvfs moves a little meanwhile
+    assert room_on(tmp_path, reserve=1 << 62) <= free - total // 16 + (1 << 22)
