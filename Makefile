@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/mtc demo
+	$(VENV)/bin/mtc demo --nodes 4
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check replicator client tests scripts

@@ -534,6 +534,10 @@ class Incarnation:
         protected = set(self._uploading)
         if self.member is not None:
             protected |= self.member.protected
+            # A step newer than the restorable one the coordinator last named may become the
+            # cluster's restorable step (and be ordered backed up) before we hear of it.
+            floor = self.member.restorable
+            protected |= {i.step for i in have if floor is None or i.step > floor}
         doomed = retention(self.config, have, protected)
         if self.member is not None:
             doomed += retention_of_copies(self.config, have, protected)

@@ -25,7 +25,7 @@ from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import coordinator_pb2_grpc
 from replicator.backup import CommitRecord
 from replicator.contract import JOB_NAME_RE, JobConfig
-from replicator.coordination import JobCoordinator, Join, JoinRejected
+from replicator.coordination import JobCoordinator, Join, JoinRejected, Phase
 from replicator.coordinator_messages import (
     MAX_CLUSTER_VIEW_CHARS,
     MAX_DETAIL_CHARS,
@@ -266,6 +266,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         inventory = NodeInventory(rank, address, items)
         coordinator = hosted.coordinator
         round_ = coordinator.join(Join(rank, incarnation, request.cluster_view, inventory), backups)
+        if coordinator.phase is not Phase.WAITING:
+            # Planned: the listing served this round's joins. The next round (a job restart
+            # seconds later) must list again, or it plans without a backup committed since.
+            self._backups.pop(job, None)
         if backups:
             newest = max(backups)
             coordinator.note_committed_backup(newest, backups[newest].created)

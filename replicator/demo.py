@@ -43,6 +43,8 @@ class Trainer:
 
     checkpoint_dir: Path
     step_seconds: float
+    extra_args: tuple[str, ...] = ()
+    """More ``demo_trainer`` flags (``--rank``, ``--nodes``... for the cluster demo)."""
     events: list[dict[str, object]] = field(default_factory=list)
     proc: subprocess.Popen[str] | None = None
 
@@ -51,6 +53,7 @@ class Trainer:
             sys.executable, "-m", "replicator.demo_trainer", "--dir", str(self.checkpoint_dir),
             "--job", JOB, "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
             "--backup-interval-steps", str(BACKUP_EVERY), "--step-seconds", str(self.step_seconds),
+            *self.extra_args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
         return self
@@ -74,7 +77,8 @@ class Trainer:
 
     def kill(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
     def first(self, kind: str) -> dict[str, object]:
@@ -85,12 +89,20 @@ class Trainer:
 
 
 class Daemon:
-    def __init__(self, checkpoint_dir: Path, backup: Path, log_path: Path) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        backup: Path,
+        log_path: Path,
+        extra_args: tuple[str, ...] = (),
+        name: str = "daemon",
+    ) -> None:
         self.args = [
             sys.executable, "-m", "replicator.daemon", "--checkpoint-dir", str(checkpoint_dir),
-            "--listen", "127.0.0.1:0", "--backup", backup.as_uri(),
+            "--listen", "127.0.0.1:0", "--backup", backup.as_uri(), *extra_args,
         ]  # fmt: skip
         self.log_path = log_path
+        self.name = name
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -102,7 +114,7 @@ class Daemon:
             with self.log_path.open("rb") as f:
                 f.seek(offset)
                 if b"daemon ready" in f.read():
-                    say(f"daemon started (pid {self.proc.pid}), log: {self.log_path}")
+                    say(f"{self.name} started (pid {self.proc.pid}), log: {self.log_path}")
                     return
             if self.proc.poll() is not None:
                 break
@@ -113,11 +125,28 @@ class Daemon:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
-            say(f"daemon stopped (exit code {self.proc.returncode})")
+            say(f"{self.name} stopped (exit code {self.proc.returncode})")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+            say(f"{self.name} killed with SIGKILL")
 
 
-def wait_for_backups(backup: Path, quiet_seconds: float = 2.0, timeout: float = 60) -> int:
-    """Newest committed backup step, once no new COMMIT appeared for ``quiet_seconds``."""
+def wipe(directory: Path) -> None:
+    """Empty a RAM disk, as a node reboot would."""
+    for child in directory.iterdir():
+        shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+
+
+def wait_for_backups(
+    backup: Path, quiet_seconds: float = 2.0, timeout: float = 60, want: int | None = None
+) -> int:
+    """Newest committed backup step, once no new COMMIT appeared for ``quiet_seconds``.
+
+    With ``want``, return as soon as that step (or a newer one) is committed.
+    """
     store = BackupStore(FileObjectStore(backup))
     deadline = time.monotonic() + timeout
     last: int | None = None
@@ -125,6 +154,8 @@ def wait_for_backups(backup: Path, quiet_seconds: float = 2.0, timeout: float = 
     while time.monotonic() < deadline:
         steps = store.committed_steps(JOB)
         newest = max(steps) if steps else None
+        if want is not None and newest is not None and newest >= want:
+            return newest
         if newest != last:
             last, since = newest, time.monotonic()
         elif newest is not None and time.monotonic() - since >= quiet_seconds:
@@ -140,12 +171,12 @@ def check(label: str, got: object, want: object, failures: list[str]) -> None:
         failures.append(label)
 
 
-def ram_disk(workdir: Path) -> Path:
+def ram_disk(workdir: Path, name: str = "ramdisk") -> Path:
     """A directory on tmpfs: /dev/shm where it exists (a RAM disk without mounting)."""
     shm = Path("/dev/shm")  # noqa: S108 - a private mkdtemp below it, not a fixed name
     if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="mtc-demo-ramdisk-", dir=shm))
-    return workdir / "ramdisk"
+        return Path(tempfile.mkdtemp(prefix=f"mtc-demo-{name}-", dir=shm))
+    return workdir / name
 
 
 def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:
@@ -195,8 +226,7 @@ def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:
         newest_backup = wait_for_backups(backup)
         say(f"stage 3: newest committed backup is step {newest_backup}; wipe the RAM disk")
         daemon.stop()
-        for child in ckpt.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        wipe(ckpt)
         say(f"  {ckpt} is now empty: {sorted(p.name for p in ckpt.iterdir())}")
         daemon.start()
         t3 = Trainer(ckpt, step_seconds).start()

@@ -4,8 +4,10 @@ I/O module.
 ``PeerClient`` pushes a committed item to another daemon, pulls one (staged, verified and
 committed exactly as the receiving daemon does it, through ``transfer.receive_item``) and
 lists what a daemon holds, over one grpc.aio channel per address with explicit message
-limits, keepalives and a deadline on every call. A peer's status code is translated into
-our exceptions in one place, ``_rpc_error``. The service itself is ``peer_service``.
+limits, keepalives and a deadline on every call. A push streams its chunks only after the
+receiver accepted its header (``GO_AHEAD``), so answers never race the chunks. A peer's
+status code is translated into our exceptions in one place, ``_rpc_error``. The service
+itself is ``peer_service``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ from replicator.transfer import (
 log = logging.getLogger(__name__)
 
 SERVICE = "mtc.v1.Peer"
+GO_AHEAD = ("mtc-send-chunks", "1")
+"""Initial metadata a receiver sends once it accepted a push's header: only then does the
+sender stream chunks. Otherwise the receiver's answer (already held, or a refusal) races
+the sender's writes, and grpc.aio can then report "Internal error from Core" instead."""
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
 lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
@@ -242,23 +248,30 @@ class PeerClient:
         )
         t0 = time.monotonic()
         call = method(timeout=self._deadline(manifest.total_bytes))
+        cut_short = False
         try:
             try:
                 await call.write(pb.PushItemRequest(header=header))
-                with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
-                    for index, offset, buf, crc in chunks:
-                        if call.done():
-                            break  # answered early: the peer already holds the item
-                        request = pb.PushItemRequest()
-                        fill_chunk(request.chunk, index, offset, buf, crc)
-                        await call.write(request)
+                if GO_AHEAD in tuple(await call.initial_metadata() or ()):
+                    with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
+                        for index, offset, buf, crc in chunks:
+                            request = pb.PushItemRequest()
+                            fill_chunk(request.chunk, index, offset, buf, crc)
+                            await call.write(request)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                # A write raced the peer's early answer and reports a generic error; the
-                # call's own outcome (below) says what the peer decided.
-                pass
+                cut_short = True  # the peer ended the call mid-stream; its status says why
             response = await call
         except grpc.aio.AioRpcError as exc:
+            if cut_short and exc.code() is grpc.StatusCode.INTERNAL:
+                # A peer drains the stream before it answers, so this is rare: a write was
+                # in flight when the call ended, and grpc.aio replaced the peer's status.
+                raise PeerUnavailable(
+                    address,
+                    f"push of {manifest.item} at {address}: the peer ended it mid-stream "
+                    "(its reason is in its log)",
+                    exc.code(),
+                ) from None
             raise _rpc_error(exc, address, f"push of {manifest.item}") from None
         finally:
             call.cancel()  # a no-op once answered; after a local read error, stop the peer

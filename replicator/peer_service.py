@@ -28,7 +28,7 @@ from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.contract import JOB_NAME_RE
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
-from replicator.peer import chunks_of, fill_chunk, item_id, item_ref, rate
+from replicator.peer import GO_AHEAD, chunks_of, fill_chunk, item_id, item_ref, rate
 from replicator.store import LocalStore, StoreError
 from replicator.transfer import (
     RESERVE_BYTES,
@@ -93,6 +93,20 @@ async def _abort(
     await context.abort(code, message)
 
 
+async def _drain(requests: AsyncIterator[pb.PushItemRequest], budget: int) -> None:
+    """Read and drop what the sender still has in flight, up to about ``budget`` bytes.
+
+    Answering while the sender's writes are in flight can make grpc.aio on its side report
+    "Internal error from Core" instead of our status; a sender that stops in time gets the
+    real one. A stream that goes on past the budget (a whole item) gets the answer anyway.
+    """
+    with contextlib.suppress(Exception):
+        async for message in requests:
+            budget -= message.ByteSize()
+            if budget < 0:
+                return
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """``mtc.v1.Peer`` over this node's store; handlers run in the daemon's asyncio loop."""
 
@@ -138,14 +152,17 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
     ) -> pb.PushItemResponse:
         try:
-            return await self._push(request_iterator, context.peer())
+            return await self._push(request_iterator, context)
         except Exception as exc:
             await _abort(context, "PushItem", exc)
 
     async def _push(
-        self, requests: AsyncIterator[pb.PushItemRequest], peer: str
+        self,
+        requests: AsyncIterator[pb.PushItemRequest],
+        context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
     ) -> pb.PushItemResponse:
         t0 = time.monotonic()
+        peer = context.peer()
         first = await anext(requests, None)
         if first is None or first.WhichOneof("body") != "header":
             raise TransferError("a push starts with its header")
@@ -160,9 +177,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             raise Busy(f"{item}: another transfer of this item is in flight")
         self._inflight[item] = manifest.total_bytes
         try:
+            await context.send_initial_metadata((GO_AHEAD,))
             nbytes = await receive_item(self.store, manifest, chunks_of(requests), self.executor)
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
+            raise
+        except Exception:
+            await _drain(requests, manifest.total_bytes)
             raise
         finally:
             del self._inflight[item]

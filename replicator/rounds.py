@@ -127,9 +127,10 @@ class RoundParticipant:
         state: RoundState | None = None
         done_version = -1
         while True:
-            state = await client.round_status(
-                rank, inc, round_, seen=state, wait_seconds=POLL_SECONDS
-            )
+            # Return in time to say what we wait for once ``report_after`` has passed.
+            report_in = self._started + self.ctx.report_after - time.monotonic()
+            wait = POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
+            state = await client.round_status(rank, inc, round_, seen=state, wait_seconds=wait)
             round_ = state.round
             if state.phase is None:
                 return None

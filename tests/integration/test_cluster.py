@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,10 +14,14 @@ import pytest
 
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
+    ERRORS,
+    backup_commits,
     config_text,
+    item_dir,
     make_step,
     payload,
     read_prerestore,
+    read_text,
     read_tree,
     wait_until,
     write_yaml_atomic,
@@ -29,9 +36,11 @@ FAST = ("--rescan-seconds", "0.3", "--settle-seconds", "2", "--config-wait-secon
 class Cluster:
     """One daemon per node, each on its own CHECKPOINT_DIR; one shared backup + registry."""
 
-    def __init__(self, root: Path, job: str) -> None:
+    def __init__(self, root: Path, job: str, extra: tuple[str, ...] = ()) -> None:
         self.root = root
         self.job = job
+        self.extra = extra
+        self.keys: dict[str, object] = {"peers_per_node": 1, "backup_interval_steps": 100}
         self.backup = root / "backup"
         self.backup.mkdir()
         self.dirs = [root / f"node{r}" for r in range(NODES)]
@@ -43,7 +52,7 @@ class Cluster:
         daemon = DaemonProcess(
             self.dirs[rank],
             backup=self.backup.as_uri(),
-            extra_args=FAST,
+            extra_args=(*FAST, *self.extra),
             log_path=self.root / f"node{rank}.log",
         )
         self.daemons[rank] = daemon.start()
@@ -54,11 +63,11 @@ class Cluster:
         assert d is not None
         return d
 
-    def handshake(self, ranks: list[int], **keys: object) -> None:
-        for r in ranks:
-            text = config_text(
-                self.job, rank=r, nodes=NODES, peers_per_node=1, backup_interval_steps=100, **keys
-            )
+    def handshake(self, ranks: list[int], *, max_delay: float = 0.0) -> None:
+        for i, r in enumerate(ranks):
+            if max_delay and i:
+                time.sleep(random.uniform(0, max_delay))
+            text = config_text(self.job, rank=r, nodes=NODES, **self.keys)
             write_yaml_atomic(self.dirs[r], text)
 
     def markers(self, rank: int) -> list[str]:
@@ -86,6 +95,66 @@ class Cluster:
             if (item / "MANIFEST.json").exists()
         }
 
+    def holder(self, rank: int, step: int) -> int:
+        """The one other rank holding a peer copy of ``rank``'s item of ``step``."""
+        holders = [h for h in range(NODES) if h != rank and (step, f"{rank}-0") in self.held(h)]
+        assert len(holders) == 1, f"rank {rank}'s step {step} held by {holders}"
+        return holders[0]
+
+    def wipe(self, rank: int) -> None:
+        """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
+        self.daemon(rank).kill()
+        shutil.rmtree(self.dirs[rank])
+        self.dirs[rank].mkdir()
+        self.start(rank)
+
+    def fresh_start(self) -> None:
+        """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
+        self.handshake([3, 1, 2, 0])
+        self.wait_markers(0)
+        for r in range(NODES):
+            assert read_prerestore(self.dirs[r]) == {}
+            os.unlink(self.dirs[r] / f"{self.job}-s0-n{r}-w0.restore")
+
+    def save(self, step: int, *, copies: bool = True) -> dict[int, dict[str, bytes]]:
+        """Every rank saves ``step``; wait until committed at home (and at its peer)."""
+        files = {r: payload(step, seed=f"rank{r}") for r in range(NODES)}
+        for r in range(NODES):
+            make_step(self.dirs[r], step, files[r])
+        for r in range(NODES):
+            wait_until(
+                lambda r=r: (step, f"{r}-0") in self.held(r),
+                f"rank {r} committed step {step}",
+                daemon=self.daemon(r),
+            )
+        if copies:
+            wait_until(
+                lambda: all(
+                    any((step, f"{r}-0") in self.held(h) for h in range(NODES) if h != r)
+                    for r in range(NODES)
+                ),
+                f"a peer copy of every rank's step {step}",
+                daemon=self.daemon(0),
+            )
+        return files
+
+    def wait_backup(self, step: int) -> None:
+        wait_until(
+            lambda: step in backup_commits(self.backup, self.job),
+            f"backup COMMIT of step {step}",
+            daemon=self.daemon(0),
+            timeout=30,
+        )
+
+    def restored(self, rank: int, step: int) -> Path:
+        return self.dirs[rank] / f"{self.job}-s{step}-n{rank}-w0.restore"
+
+    def source(self, rank: int) -> str:
+        return str(read_prerestore(self.dirs[rank])["restore-source"])
+
+    def errors(self, rank: int) -> str:
+        return read_text(self.dirs[rank] / ERRORS)
+
     def stop_all(self) -> None:
         for d in self.daemons:
             if d is not None and d.running:
@@ -93,8 +162,14 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, job: str) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, job)
+def cluster_extra() -> tuple[str, ...]:
+    """Extra daemon arguments; a test overrides it with ``pytest.mark.parametrize``."""
+    return ()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, job: str, cluster_extra: tuple[str, ...]) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, job, cluster_extra)
     for r in range(NODES):
         c.start(r)
     try:
@@ -151,3 +226,157 @@ def test_fresh_start_then_replication_then_restore_from_a_peer(cluster: Cluster)
         assert read_tree(marker) == files[r], f"rank {r} restored other bytes"
     assert read_prerestore(cluster.dirs[2])["restore-source"] == "peer"
     assert read_prerestore(cluster.dirs[0])["restore-source"] == "local"
+
+
+def _assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, bytes]]) -> None:
+    for r in range(NODES):
+        marker = cluster.restored(r, step)
+        assert os.path.islink(marker)
+        assert not os.path.isabs(os.readlink(marker))
+        assert read_tree(marker) == files[r], f"rank {r} restored other bytes"
+        assert read_prerestore(cluster.dirs[r])["restore-step"] == step
+
+
+def test_all_local_copies_intact_restore_locally(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(3)
+    files = cluster.save(5)
+    cluster.handshake([1, 0, 3, 2])
+    cluster.wait_markers(5)
+    _assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["local"] * NODES
+
+
+def test_every_node_wiped_restores_from_the_backup(cluster: Cluster) -> None:
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    cluster.save(3)
+    files = cluster.save(5)
+    cluster.wait_backup(5)
+    cluster.stop_all()
+    for r in range(NODES):
+        shutil.rmtree(cluster.dirs[r])
+        cluster.dirs[r].mkdir()
+    for r in range(NODES):
+        cluster.start(r)
+    cluster.handshake([2, 3, 0, 1])
+    cluster.wait_markers(5)
+    _assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["backup"] * NODES
+
+
+def test_two_nodes_lost_the_layout_still_covers_restore_from_peers(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    files = cluster.save(5)
+    holder = {r: cluster.holder(r, 5) for r in range(NODES)}
+    lost = next(
+        (a, b)
+        for a in range(NODES)
+        for b in range(a + 1, NODES)
+        if holder[a] not in (a, b) and holder[b] not in (a, b)
+    )
+    for r in lost:
+        cluster.wipe(r)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(5)
+    _assert_restored(cluster, 5, files)
+    for r in range(NODES):
+        assert cluster.source(r) == ("peer" if r in lost else "local"), r
+
+
+def test_two_nodes_lost_the_layout_does_not_cover_an_older_backup(cluster: Cluster) -> None:
+    # The first complete step goes to the backup at once; the next not (interval 100 steps).
+    cluster.fresh_start()
+    old = cluster.save(3)
+    cluster.wait_backup(3)
+    cluster.save(5)
+    assert 5 not in backup_commits(cluster.backup, cluster.job)
+    # Rank 1 and the holder of its only copy: its step 5 is gone from the cluster.
+    lost = (1, cluster.holder(1, 5))
+    for r in lost:
+        cluster.wipe(r)
+    cluster.handshake([3, 2, 1, 0])
+    cluster.wait_markers(3)
+    _assert_restored(cluster, 3, old)
+    for r in lost:
+        assert cluster.source(r) == "backup"
+
+
+def test_data_parallelism_restores_from_the_equivalent_and_one_replica_uploads(
+    cluster: Cluster,
+) -> None:
+    # Replicas {0, 1} and {2, 3}: rank 2's equivalent is rank 0, rank 3's is rank 1.
+    cluster.keys["assume_data_parallelism"] = 2
+    cluster.fresh_start()
+    files = cluster.save(5, copies=False)
+    cluster.wait_backup(5)  # the first complete step goes to the backup at once
+    uploaded = {
+        p.name.removesuffix(".manifest.json")
+        for p in (cluster.backup / cluster.job / "5").iterdir()
+        if p.name != "COMMIT"
+    }
+    assert uploaded == {"0-0", "1-0"}, "only replica 0 uploads"
+
+    cluster.wipe(2)
+    cluster.handshake([2, 0, 3, 1])
+    cluster.wait_markers(5)
+    marker = cluster.restored(2, 5)
+    assert "0-0" in Path(os.readlink(marker)).parts, os.readlink(marker)
+    assert read_tree(marker) == files[0], "rank 2 restored other bytes than its equivalent's"
+    for r in (0, 1, 3):
+        assert read_tree(cluster.restored(r, 5)) == files[r]
+        assert cluster.source(r) == "local"
+
+
+def test_a_flipped_byte_in_the_peer_copy_is_detected(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    files = cluster.save(5)
+    cluster.wait_backup(5)
+    owner = 1
+    holder = cluster.holder(owner, 5)
+    cluster.daemon(owner).kill()
+    shutil.rmtree(cluster.dirs[owner])
+    cluster.dirs[owner].mkdir()
+    copy = item_dir(cluster.dirs[holder], cluster.job, 5, owner) / "data" / "state/array_0.bin"
+    with open(copy, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    cluster.start(owner)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(5)
+    _assert_restored(cluster, 5, files)
+    # Another source (the backup or another live copy) served it; the workload is told.
+    errors = cluster.errors(owner)
+    assert re.search(rf"step 5: peer copy of \S+/s5/n{owner}-w0 is corrupt", errors), errors
+
+
+@pytest.mark.parametrize("cluster_extra", [("--report-after-seconds", "1")])
+def test_a_rank_that_never_joins_is_named_in_the_errors(cluster: Cluster) -> None:
+    t0 = time.monotonic()
+    cluster.handshake([0, 1, 2])
+    for r in (0, 1, 2):
+        wait_until(
+            lambda r=r: "waiting for rank 3 of job" in cluster.errors(r),
+            f"rank {r}'s {ERRORS} naming rank 3",
+            daemon=cluster.daemon(r),
+            timeout=8,
+        )
+    assert time.monotonic() - t0 < 15
+    cluster.handshake([3])
+    cluster.wait_markers(0)
+
+
+@pytest.mark.parametrize(
+    "order", [[0, 1, 2, 3], [1, 2, 3, 0], [2, 0, 3, 1]], ids=["first", "last", "interleaved"]
+)
+def test_restart_orderings_converge_on_one_round(cluster: Cluster, order: list[int]) -> None:
+    cluster.fresh_start()
+    files = cluster.save(5)
+    cluster.handshake(order, max_delay=0.5)
+    cluster.wait_markers(5)
+    _assert_restored(cluster, 5, files)
+    for r in range(NODES):
+        assert cluster.source(r) == "local"
+        rounds = re.findall(r"restore round done: step=(\S+)", cluster.daemon(r).log())
+        assert rounds == ["None", "5"], f"rank {r}: {rounds}"

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import socket
 import threading
 import time
@@ -30,7 +31,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.daemon import SERVER_GRACE_SECONDS
-from replicator.manifest import FileEntry, ItemId, ItemKind, Manifest, build_manifest
+from replicator.manifest import (
+    CorruptItem,
+    FileEntry,
+    ItemId,
+    ItemKind,
+    Manifest,
+    build_manifest,
+)
 from replicator.peer import ItemInfo, ItemNotFound, PeerClient, PeerError, PeerUnavailable
 from replicator.store import MANIFEST_FILE, LocalStore
 from tests.daemon_process import DaemonProcess
@@ -319,3 +327,28 @@ def test_a_port_in_use_stops_the_daemon_with_a_clear_error(pair: Pair, tmp_path:
     with pytest.raises(RuntimeError, match="exited with 3"):
         second.start(timeout=20)
     assert f"cannot listen on {pair.a.address}" in second.log()
+
+
+def test_a_corrupt_local_copy_is_refused_with_corrupt_item(pair: Pair, tmp_path: Path) -> None:
+    """A sender whose bytes no longer match its manifest learns it (``CorruptItem``, from the
+    peer's DATA_LOSS mid-stream), and the peer commits nothing."""
+    p = pair
+    copy = tmp_path / "copy"
+    shutil.copytree(p.data, copy)
+    # One bit in the first file: the peer finds out when the next file starts, with
+    # megabytes of the item still on their way.
+    first = copy / "_CHECKPOINT_METADATA"
+    raw = bytearray(first.read_bytes())
+    raw[0] ^= 0x01
+    first.write_bytes(bytes(raw))
+    corrupt = Manifest(
+        ItemId(p.job, STEP + 40, 0, 0), p.manifest.kind, p.manifest.files, p.manifest.dirs
+    )
+    with pytest.raises(CorruptItem, match="_CHECKPOINT_METADATA"):
+        with_client(lambda c: c.push_item(p.b.address, corrupt, copy))
+    assert not item_dir(p.b_ckpt, p.job, STEP + 40).exists()
+    wait_until(
+        lambda: list((p.b_ckpt / ".mtc" / "staging").iterdir()) == [],
+        "staging emptied",
+        daemon=p.b,
+    )

@@ -28,11 +28,12 @@ from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
-    CONFIG,
     config_text,
     item_dir,
     ram_disk,
+    read_text,
     running_daemon,
+    wait_markers,
     wait_until,
     write_yaml_atomic,
 )
@@ -64,9 +65,12 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         ckpt = stack.enter_context(ram_disk(root / "ckpt", "64m"))
         daemon = stack.enter_context(running_daemon(ckpt))
         write_yaml_atomic(ckpt, config_text(job, nodes=1))
+        wait_markers(ckpt, job, 0, daemon)
+        # The handshake's last write: from here on the tree changes only if an attack gets in.
+        state = ckpt / ".mtc" / "incarnation.json"
         wait_until(
-            lambda: not (ckpt / CONFIG).exists() and f"job={job}" in daemon.log(),
-            "replicator.yaml accepted",
+            lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
+            "the incarnation in steady state",
             daemon=daemon,
         )
         channel = stack.enter_context(grpc.insecure_channel(daemon.address))

@@ -59,6 +59,10 @@ class PeerServicer:
 
     def PushItem(self, request_iterator, context):
         """Send a committed item to this node (after the sender committed it locally).
+        A receiver that accepts the header sends initial metadata `mtc-send-chunks: 1`; the
+        sender streams chunks only after it (otherwise the answer, already_had or a refusal,
+        comes without it). A receiver that fails mid-stream drains what is in flight (up to
+        the item's size) before it answers, so the sender sees the real status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
