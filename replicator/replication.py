@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from replicator.cluster import replication_targets
 from replicator.contract import JobConfig
 from replicator.logs import JobLog
-from replicator.manifest import Cancelled, Manifest
+from replicator.manifest import Cancelled, CorruptItem, Manifest
 from replicator.peer import PeerClient, PeerError
 from replicator.planner import rank_items
 from replicator.store import LocalStore, StoreError
@@ -89,7 +89,9 @@ class Replication:
         try:
             for manifest in manifests:
                 await self.peers.push_item(address, manifest, self.store.data_path(manifest.item))
-        except (PeerError, StoreError, OSError, Cancelled) as exc:
+        except (PeerError, CorruptItem, StoreError, OSError, Cancelled) as exc:
+            # CorruptItem: the peer found our bytes differ from our manifest (DATA_LOSS);
+            # the next restore round verifies the local copy before anyone uses it.
             self.on_error(
                 f"step {step}: replication to rank {target} ({address}) failed: {exc}", step
             )

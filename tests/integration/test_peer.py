@@ -324,8 +324,12 @@ def test_a_port_in_use_stops_the_daemon_with_a_clear_error(pair: Pair, tmp_path:
     ckpt = tmp_path / "other"
     ckpt.mkdir()
     second = DaemonProcess(ckpt, extra_args=("--listen", pair.a.address))
-    with pytest.raises(RuntimeError, match="exited with 3"):
-        second.start(timeout=20)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 3"):
+            second.start(timeout=20)
+    finally:
+        if second.running:  # it bound the port after all: do not leave it behind
+            second.kill()
     assert f"cannot listen on {pair.a.address}" in second.log()
 
 
