@@ -196,6 +196,8 @@ class Incarnation:
         self._uploading: set[int] = set()
         self._last_backup: LastBackup | None = None
         self._unreachable: list[str] = []
+        self._commits: dict[int, CommitRecord] | None = None
+        """Committed backups as last listed during a cluster restore."""
         self.member: ClusterMember | None = None
         """The job's other ranks: set for ``nodes > 1``."""
         """Restore sources that failed for a reason other than corrupt bytes."""
@@ -299,7 +301,11 @@ class Incarnation:
         await self._thread(self.ctx.store.verify, item, self._cancelled)
 
     async def _fetch_backup_item(self, item: ItemId) -> None:
-        commits = await self._backup_commits()
+        # One listing serves every backup fetch of a round; list again only for a step
+        # committed after it (the coordinator's own listing may be newer than ours).
+        if self._commits is None or item.step not in self._commits:
+            self._commits = await self._backup_commits()
+        commits = self._commits
         if item.step not in commits:
             raise CorruptItem(f"{item}: no committed backup of step {item.step}")
         await self._thread(self._fetch_backup, commits[item.step], item)
@@ -343,17 +349,16 @@ class Incarnation:
             self.error(f"cannot list backups at {self.ctx.backups.url}: {exc}")
             return {}
 
-    async def _load_last_backup(self) -> None:
+    async def _load_last_backup(self) -> dict[int, CommitRecord]:
+        """List the committed backups; the interval counts from the newest."""
         commits = await self._backup_commits()
         if commits:
             newest = commits[max(commits)]
             self._last_backup = LastBackup(newest.step, newest.created)
+        return commits
 
     async def _restore_and_publish(self) -> None:
-        commits = await self._backup_commits()
-        if commits:
-            newest = commits[max(commits)]
-            self._last_backup = LastBackup(newest.step, newest.created)
+        commits = await self._load_last_backup()
         local = self.ctx.store.manifests(self.config.job_name).keys()
         plan = plan_restore(self.config, local, commits)
         started = time.monotonic()
