@@ -378,5 +378,10 @@ def test_restart_orderings_converge_on_one_round(cluster: Cluster, order: list[i
     _assert_restored(cluster, 5, files)
     for r in range(NODES):
         assert cluster.source(r) == "local"
-        rounds = re.findall(r"restore round done: step=(\S+)", cluster.daemon(r).log())
-        assert rounds == ["None", "5"], f"rank {r}: {rounds}"
+
+        def rounds(r: int = r) -> list[str]:
+            return re.findall(r"restore round done: step=(\S+)", cluster.daemon(r).log())
+
+        # The line is logged just after the markers appear: wait for it, then check them all.
+        wait_until(lambda: len(rounds()) >= 2, f"rank {r}'s second round", daemon=cluster.daemon(r))
+        assert rounds() == ["None", "5"], f"rank {r}: {rounds()}"
