@@ -323,6 +323,14 @@ class Incarnation:
             for i in self.ctx.store.manifests(self.config.job_name)
             if outcome.step is None or i.step > outcome.step
         ]
+        if outcome.step is None and abandoned:
+            # Never silent: this node held parts of a checkpoint the cluster cannot complete.
+            where = "in the backup" if self.ctx.backups is not None else "in a backup (none is set)"
+            steps = sorted({i.step for i in abandoned})
+            self.error(
+                f"no step of job {self.config.job_name} is complete on every rank or {where}: "
+                f"starting fresh, dropping this node's incomplete steps {steps}"
+            )
         if abandoned:
             self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
             await self._thread(self._delete_items, abandoned)

@@ -74,6 +74,8 @@ class ProgressAnswer:
     restorable_step: int | None
     backup_step: int | None
     """Upload this step now, if set (the same order goes to every uploader)."""
+    addresses: Mapping[int, str] = field(default_factory=dict)
+    """Every rank's newest known peer address (a restarted daemon's port may change)."""
 
 
 class JobCoordinator:
@@ -96,6 +98,22 @@ class JobCoordinator:
         self.uploaded: dict[int, int | None] = {}
         self.backup_in_flight: int | None = None
         self.last_backup: LastBackup | None = None
+        self.addresses: dict[int, str] = {}
+        """Each rank's peer address: from the joins, then from progress reports."""
+        self.adopting = False
+        """A coordinator restarted in steady state: it admits each rank's first report."""
+
+    def resume_steady(self) -> None:
+        """Rank 0's daemon restarted while the job ran: take the running ranks back.
+
+        Nothing of the released round survived, and joins come only with a new incarnation,
+        so steady-state ranks are admitted by their progress reports: each rank's first
+        report names its incarnation. The restorable step is rebuilt from the reports
+        (a minimum over all ranks, so it can only be too old, never too new). A join opens a
+        new round as after any release, and the adopted incarnations can never join it.
+        """
+        self.phase = Phase.RELEASED
+        self.adopting = True
 
     # --- restore rounds ----------------------------------------------------------------------
 
@@ -120,6 +138,7 @@ class JobCoordinator:
             # An agent of the released run: never a member of a newer round.
             return self.round
         if self.phase is not Phase.WAITING:
+            self.adopting = False
             self._new_round(keep_members=self.phase is Phase.FETCH)
         self.members[join.rank] = join
         self.backups = backups
@@ -194,6 +213,7 @@ class JobCoordinator:
         if len(self.ready) == self.config.nodes:
             self.phase = Phase.RELEASED
             self.released_incarnations = {r: m.incarnation_id for r, m in self.members.items()}
+            self.addresses = {r: m.inventory.address for r, m in self.members.items()}
             self.replicated = {}
             if self.plan is not None:
                 # The restored step is complete everywhere: it is the restorable step.
@@ -209,13 +229,17 @@ class JobCoordinator:
         replicated_step: int | None,
         uploaded_step: int | None,
         now: float,
+        address: str = "",
     ) -> ProgressAnswer | None:
         """Fold in a rank's progress; None when the rank is not of the released round."""
-        if (
-            self.phase is not Phase.RELEASED
-            or self.released_incarnations.get(rank) != incarnation_id
-        ):
+        if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
+        if self.adopting and rank not in self.released_incarnations:
+            self.released_incarnations[rank] = incarnation_id
+        if self.released_incarnations.get(rank) != incarnation_id:
+            return None
+        if address:
+            self.addresses[rank] = address
         if replicated_step is not None:
             self.replicated[rank] = max(replicated_step, self.replicated.get(rank) or 0)
         if uploaded_step is not None:
@@ -236,7 +260,7 @@ class JobCoordinator:
         order = self.backup_in_flight if rank in uploaders else None
         if order is not None and (self.uploaded.get(rank) or -1) >= order:
             order = None  # this rank is done with it; the others are still uploading
-        return ProgressAnswer(restorable, order)
+        return ProgressAnswer(restorable, order, dict(self.addresses))
 
     def note_committed_backup(self, step: int, at: float) -> None:
         """A committed backup found in the store (at start): the interval counts from it."""

@@ -130,7 +130,9 @@ class CoordinatorHost:
         self._new_id = new_id
         self._jobs: dict[str, HostedJob] = {}
 
-    def host(self, config: JobConfig, cluster_view: str) -> JobCoordinator:
+    def host(
+        self, config: JobConfig, cluster_view: str, *, resume_steady: bool = False
+    ) -> JobCoordinator:
         """Host ``config``'s job (this node accepted its ``replicator.yaml`` as rank 0).
 
         A new incarnation of rank 0 with the same cluster-wide keys keeps the coordinator:
@@ -142,6 +144,8 @@ class CoordinatorHost:
         if current is not None and current.coordinator.cluster_view == cluster_view:
             return current.coordinator
         hosted = HostedJob(JobCoordinator(config, cluster_view), self._new_id())
+        if resume_steady:
+            hosted.coordinator.resume_steady()
         self._jobs[job] = hosted
         if current is not None:
             current.notify()
@@ -389,6 +393,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ),
             uploaded_step=request.uploaded_step if request.HasField("uploaded_step") else None,
             now=self.clock(),
+            address=check_address(request.address) if request.address else "",
         )
         if answer is None:
             raise NotInReleasedRound(
@@ -400,6 +405,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             response.restorable_step = answer.restorable_step
         if answer.backup_step is not None:
             response.backup_step = answer.backup_step
+        response.addresses.update(answer.addresses)
         return response
 
 

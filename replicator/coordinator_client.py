@@ -36,6 +36,7 @@ from replicator.coordinator_messages import (
     BadMessage,
     FailedFetch,
     RoundState,
+    address_map,
     failure_message,
     held_items,
     round_state,
@@ -278,6 +279,7 @@ class CoordinatorClient:
         *,
         replicated_step: int | None,
         uploaded_step: int | None = None,
+        address: str = "",
     ) -> ProgressAnswer:
         """Steady state: fold in this rank's progress; the answer may order a backup.
 
@@ -289,17 +291,23 @@ class CoordinatorClient:
             incarnation_id=incarnation_id,
             replicated_step=replicated_step,
             uploaded_step=uploaded_step,
+            address=address,
         )
         try:
             response = await self._progress(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "ReportProgress") from None
         self._check(response.coordinator, "ReportProgress")
+        try:
+            addresses = address_map(response.addresses)
+        except BadMessage as exc:
+            raise CoordinatorError(f"ReportProgress at {self.address}: {exc}") from None
         return ProgressAnswer(
             restorable_step=(
                 response.restorable_step if response.HasField("restorable_step") else None
             ),
             backup_step=response.backup_step if response.HasField("backup_step") else None,
+            addresses=addresses,
         )
 
 

@@ -186,6 +186,11 @@ def assignment_messages(
     ]
 
 
+def address_map(message: Mapping[int, str]) -> dict[int, str]:
+    """A map of peer addresses by rank from the wire, every address checked."""
+    return {r: check_address(a, f"addresses[{r}]") for r, a in message.items()}
+
+
 def _add_address(addresses: dict[int, str], rank: int, address: str) -> None:
     if addresses.setdefault(rank, address) != address:
         raise BadMessage(f"rank {rank} is given two addresses: {addresses[rank]} and {address}")
@@ -322,7 +327,7 @@ def round_state(message: pb.RoundStatusResponse, job: str, rank: int) -> RoundSt
         raise BadMessage(f"state: unknown round state {message.state}")
     planned = phase in (Phase.FETCH, Phase.RELEASED)
     step = message.step if planned and not message.fresh_start else None
-    addresses = {r: check_address(a, f"addresses[{r}]") for r, a in message.addresses.items()}
+    addresses = address_map(message.addresses)
     assignments, holders = assignments_of(message.assignments, job, rank, step)
     for holder, address in holders.items():
         _add_address(addresses, holder, address)

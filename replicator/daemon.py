@@ -36,11 +36,14 @@ from replicator.agent import (
     restore_saved,
     save_state,
 )
+from replicator.agent import Phase as AgentPhase
 from replicator.backup import BackupStore
 from replicator.contract import (
     CONFIG_FILE,
+    ERRORS_FILE,
     FAILED_FILE,
     MAX_CONFIG_BYTES,
+    PRERESTORE_FILE,
     ConfigError,
     IncompleteConfigError,
     JobConfig,
@@ -65,6 +68,14 @@ log = logging.getLogger("replicator.daemon")
 READY_LINE = "daemon ready"
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
+
+
+_OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
+
+
+def _is_own_output(name: str) -> bool:
+    """Files only the daemon writes: its reports, its markers and their temp files."""
+    return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -227,6 +238,10 @@ class Daemon:
         return self.incarnation is not None and self.incarnation.config.job_name == job
 
     def _on_event(self, name: str | None, finished: bool) -> None:
+        if name is not None and _is_own_output(name):
+            # Our own writes (an error line, a marker) must not wake us: an error written
+            # on every wake-up would otherwise become a busy loop.
+            return
         if name == CONFIG_FILE:
             self._config_finished = finished
         elif name and parse_save_name(name) is not None:
@@ -293,7 +308,9 @@ class Daemon:
                 resumed.phase,
             )
             self.incarnation = resumed
-            await self._host_coordinator(resumed.config)
+            await self._host_coordinator(
+                resumed.config, resume_steady=resumed.phase is AgentPhase.STEADY
+            )
             resumed.start()
         log.info(
             "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s",
@@ -391,11 +408,14 @@ class Daemon:
             self._config_finished = False
         self._pending = None
 
-    async def _host_coordinator(self, config: JobConfig | None) -> None:
+    async def _host_coordinator(
+        self, config: JobConfig | None, *, resume_steady: bool = False
+    ) -> None:
         """Host the job's coordinator when this node is its rank 0; drop any other.
 
         A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
-        released round, which keeps stale agents out of the new one).
+        released round, which keeps stale agents out of the new one). A daemon restarted
+        while its job runs (``resume_steady``) hosts one that takes the running ranks back.
         """
         keep = (
             config.job_name
@@ -410,7 +430,7 @@ class Daemon:
                     await asyncio.to_thread(self.registry.unregister, job, old)
         if config is None or keep is None or self.registry is None:
             return
-        self.coordinators.host(config, cluster_view_json(config))
+        self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
         coordinator_id = self.coordinators.coordinator_id(keep)
         assert coordinator_id is not None
         assert self.advertise is not None

@@ -127,6 +127,7 @@ class ClusterMember:
                 self.ctx.incarnation_id,
                 replicated_step=self.replication.newest_replicated,
                 uploaded_step=self.uploaded,
+                address=self.ctx.advertise,
             )
         except CoordinatorError as exc:
             # The coordinator moved or restarted: look it up again on the next report.
@@ -136,6 +137,7 @@ class ClusterMember:
             return
         if answer.restorable_step is not None:
             self.restorable = answer.restorable_step
+        self.replication.update_addresses(answer.addresses)
         step = answer.backup_step
         if step is not None and self.ctx.backups is not None and self.uploading is None:
             self.uploading = step

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 
 from replicator.cluster import replication_targets
 from replicator.contract import JobConfig
+from replicator.coordinator_client import Backoff
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, Manifest
 from replicator.peer import PeerClient, PeerError
@@ -20,6 +22,10 @@ from replicator.planner import rank_items
 from replicator.store import LocalStore, StoreError
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST = 0.5
+RETRY_MAX = 15.0
+"""Seconds between attempts to replicate a step that failed: from the first to the cap."""
 
 ErrorSink = Callable[[str, int | None], None]
 
@@ -40,15 +46,32 @@ class Replication:
         """Newest own step committed here AND on every target."""
         self._wanted: int | None = None
         self._task: asyncio.Task[None] | None = None
+        self._backoff = Backoff(RETRY_FIRST, RETRY_MAX)
+        self._retry_at = 0.0
+        """After a failed push, no new attempt of the same step before this (monotonic)."""
         self._log = JobLog(log, config.job_name, config.node_rank)
 
     def set_addresses(self, addresses: Mapping[int, str]) -> None:
         self.addresses = dict(addresses)
 
+    def update_addresses(self, addresses: Mapping[int, str]) -> None:
+        """Newer addresses from the coordinator (a restarted peer listens elsewhere)."""
+        changed = {r: a for r, a in addresses.items() if self.addresses.get(r) != a}
+        if changed:
+            self.addresses.update(changed)
+            self._retry_at = 0.0  # a peer that moved is worth trying at once
+
     def committed(self, step: int) -> None:
-        """A new own step is committed locally: replicate it (and forget older wishes)."""
+        """A new own step is committed locally: replicate it (and forget older wishes).
+
+        A step that failed is offered again on every rescan; it is retried with a jittered
+        exponential backoff, so a dead peer costs a few connection attempts, not a loop.
+        """
         if self._wanted is None or step > self._wanted:
             self._wanted = step
+            self._retry_at = 0.0  # a new step is tried at once
+        if time.monotonic() < self._retry_at:
+            return
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"replicate-{self.config.job_name}")
 
@@ -62,7 +85,10 @@ class Replication:
         # the agent offers the step again (on its next rescan).
         while self._wanted is not None and self._wanted != self.newest_replicated:
             step = self._wanted
-            await self.replicate(step)
+            if await self.replicate(step):
+                self._backoff.reset()
+            else:
+                self._retry_at = time.monotonic() + self._backoff.next()
             if self._wanted == step:
                 return
 

@@ -94,6 +94,11 @@ class DaemonProcess:
         self.proc.wait()
 
     @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the daemon has not started"
+        return self.proc.pid
+
+    @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

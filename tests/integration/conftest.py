@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import FAST_ARGS, mount_tmpfs, unmount
 
 DEFAULT_TMPFS = "256m"
@@ -81,3 +82,33 @@ def start_daemon(ckpt: Path) -> Iterator[StartDaemon]:
                 daemon.stop(timeout=10)
     if started:
         print(f"--- daemon log {started[0].log_path} ---\n{started[0].log()[-20000:]}")
+
+
+@pytest.fixture
+def cluster_extra() -> tuple[str, ...]:
+    """Extra daemon arguments; a test overrides it with ``pytest.mark.parametrize``."""
+    return ()
+
+
+@pytest.fixture
+def cluster_backup() -> bool:
+    """Whether the cluster has a backup; a test overrides it with ``parametrize``."""
+    return True
+
+
+@pytest.fixture
+def cluster(
+    tmp_path: Path, job: str, cluster_extra: tuple[str, ...], cluster_backup: bool
+) -> Iterator[Cluster]:
+    """Four real daemons (started), stopped at teardown with their logs printed."""
+    c = Cluster(tmp_path, job, cluster_extra, backup=cluster_backup)
+    for r in range(NODES):
+        c.start(r)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+        for r in range(NODES):
+            log = tmp_path / f"node{r}.log"
+            if log.exists():
+                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")

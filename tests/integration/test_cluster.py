@@ -3,183 +3,26 @@
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES, Cluster, assert_restored
 from tests.integration.helpers import (
     ERRORS,
     backup_commits,
-    config_text,
     item_dir,
     make_step,
     payload,
     read_prerestore,
-    read_text,
     read_tree,
     wait_until,
-    write_yaml_atomic,
 )
 
 pytestmark = pytest.mark.integration
-
-NODES = 4
-FAST = ("--rescan-seconds", "0.3", "--settle-seconds", "2", "--config-wait-seconds", "3")
-
-
-class Cluster:
-    """One daemon per node, each on its own CHECKPOINT_DIR; one shared backup + registry."""
-
-    def __init__(self, root: Path, job: str, extra: tuple[str, ...] = ()) -> None:
-        self.root = root
-        self.job = job
-        self.extra = extra
-        self.keys: dict[str, object] = {"peers_per_node": 1, "backup_interval_steps": 100}
-        self.backup = root / "backup"
-        self.backup.mkdir()
-        self.dirs = [root / f"node{r}" for r in range(NODES)]
-        for d in self.dirs:
-            d.mkdir()
-        self.daemons: list[DaemonProcess | None] = [None] * NODES
-
-    def start(self, rank: int) -> DaemonProcess:
-        daemon = DaemonProcess(
-            self.dirs[rank],
-            backup=self.backup.as_uri(),
-            extra_args=(*FAST, *self.extra),
-            log_path=self.root / f"node{rank}.log",
-        )
-        self.daemons[rank] = daemon.start()
-        return daemon
-
-    def daemon(self, rank: int) -> DaemonProcess:
-        d = self.daemons[rank]
-        assert d is not None
-        return d
-
-    def handshake(self, ranks: list[int], *, max_delay: float = 0.0) -> None:
-        for i, r in enumerate(ranks):
-            if max_delay and i:
-                time.sleep(random.uniform(0, max_delay))
-            text = config_text(self.job, rank=r, nodes=NODES, **self.keys)
-            write_yaml_atomic(self.dirs[r], text)
-
-    def markers(self, rank: int) -> list[str]:
-        return sorted(p.name for p in self.dirs[rank].iterdir() if p.name.endswith(".restore"))
-
-    def wait_markers(self, step: int) -> None:
-        for r in range(NODES):
-            want = [f"{self.job}-s{step}-n{r}-w0.restore"]
-            wait_until(
-                lambda r=r, want=want: self.markers(r) == want,
-                f"rank {r}'s marker {want}",
-                daemon=self.daemon(r),
-                timeout=60,
-            )
-
-    def held(self, rank: int) -> set[tuple[int, str]]:
-        """(step, '<rank>-<worker>') of every committed item in the rank's store."""
-        root = self.dirs[rank] / ".mtc" / "items" / self.job
-        if not root.is_dir():
-            return set()
-        return {
-            (int(step.name), item.name)
-            for step in root.iterdir()
-            for item in step.iterdir()
-            if (item / "MANIFEST.json").exists()
-        }
-
-    def holder(self, rank: int, step: int) -> int:
-        """The one other rank holding a peer copy of ``rank``'s item of ``step``."""
-        holders = [h for h in range(NODES) if h != rank and (step, f"{rank}-0") in self.held(h)]
-        assert len(holders) == 1, f"rank {rank}'s step {step} held by {holders}"
-        return holders[0]
-
-    def wipe(self, rank: int) -> None:
-        """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
-        self.daemon(rank).kill()
-        shutil.rmtree(self.dirs[rank])
-        self.dirs[rank].mkdir()
-        self.start(rank)
-
-    def fresh_start(self) -> None:
-        """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
-        self.handshake([3, 1, 2, 0])
-        self.wait_markers(0)
-        for r in range(NODES):
-            assert read_prerestore(self.dirs[r]) == {}
-            os.unlink(self.dirs[r] / f"{self.job}-s0-n{r}-w0.restore")
-
-    def save(self, step: int, *, copies: bool = True) -> dict[int, dict[str, bytes]]:
-        """Every rank saves ``step``; wait until committed at home (and at its peer)."""
-        files = {r: payload(step, seed=f"rank{r}") for r in range(NODES)}
-        for r in range(NODES):
-            make_step(self.dirs[r], step, files[r])
-        for r in range(NODES):
-            wait_until(
-                lambda r=r: (step, f"{r}-0") in self.held(r),
-                f"rank {r} committed step {step}",
-                daemon=self.daemon(r),
-            )
-        if copies:
-            wait_until(
-                lambda: all(
-                    any((step, f"{r}-0") in self.held(h) for h in range(NODES) if h != r)
-                    for r in range(NODES)
-                ),
-                f"a peer copy of every rank's step {step}",
-                daemon=self.daemon(0),
-            )
-        return files
-
-    def wait_backup(self, step: int) -> None:
-        wait_until(
-            lambda: step in backup_commits(self.backup, self.job),
-            f"backup COMMIT of step {step}",
-            daemon=self.daemon(0),
-            timeout=30,
-        )
-
-    def restored(self, rank: int, step: int) -> Path:
-        return self.dirs[rank] / f"{self.job}-s{step}-n{rank}-w0.restore"
-
-    def source(self, rank: int) -> str:
-        return str(read_prerestore(self.dirs[rank])["restore-source"])
-
-    def errors(self, rank: int) -> str:
-        return read_text(self.dirs[rank] / ERRORS)
-
-    def stop_all(self) -> None:
-        for d in self.daemons:
-            if d is not None and d.running:
-                d.stop()
-
-
-@pytest.fixture
-def cluster_extra() -> tuple[str, ...]:
-    """Extra daemon arguments; a test overrides it with ``pytest.mark.parametrize``."""
-    return ()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, job: str, cluster_extra: tuple[str, ...]) -> Iterator[Cluster]:
-    c = Cluster(tmp_path, job, cluster_extra)
-    for r in range(NODES):
-        c.start(r)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-        for r in range(NODES):
-            log = tmp_path / f"node{r}.log"
-            if log.exists():
-                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")
 
 
 def test_fresh_start_then_replication_then_restore_from_a_peer(cluster: Cluster) -> None:
@@ -228,22 +71,13 @@ def test_fresh_start_then_replication_then_restore_from_a_peer(cluster: Cluster)
     assert read_prerestore(cluster.dirs[0])["restore-source"] == "local"
 
 
-def _assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, bytes]]) -> None:
-    for r in range(NODES):
-        marker = cluster.restored(r, step)
-        assert os.path.islink(marker)
-        assert not os.path.isabs(os.readlink(marker))
-        assert read_tree(marker) == files[r], f"rank {r} restored other bytes"
-        assert read_prerestore(cluster.dirs[r])["restore-step"] == step
-
-
 def test_all_local_copies_intact_restore_locally(cluster: Cluster) -> None:
     cluster.fresh_start()
     cluster.save(3)
     files = cluster.save(5)
     cluster.handshake([1, 0, 3, 2])
     cluster.wait_markers(5)
-    _assert_restored(cluster, 5, files)
+    assert_restored(cluster, 5, files)
     assert [cluster.source(r) for r in range(NODES)] == ["local"] * NODES
 
 
@@ -261,7 +95,7 @@ def test_every_node_wiped_restores_from_the_backup(cluster: Cluster) -> None:
         cluster.start(r)
     cluster.handshake([2, 3, 0, 1])
     cluster.wait_markers(5)
-    _assert_restored(cluster, 5, files)
+    assert_restored(cluster, 5, files)
     assert [cluster.source(r) for r in range(NODES)] == ["backup"] * NODES
 
 
@@ -279,7 +113,7 @@ def test_two_nodes_lost_the_layout_still_covers_restore_from_peers(cluster: Clus
         cluster.wipe(r)
     cluster.handshake([0, 1, 2, 3])
     cluster.wait_markers(5)
-    _assert_restored(cluster, 5, files)
+    assert_restored(cluster, 5, files)
     for r in range(NODES):
         assert cluster.source(r) == ("peer" if r in lost else "local"), r
 
@@ -297,7 +131,7 @@ def test_two_nodes_lost_the_layout_does_not_cover_an_older_backup(cluster: Clust
         cluster.wipe(r)
     cluster.handshake([3, 2, 1, 0])
     cluster.wait_markers(3)
-    _assert_restored(cluster, 3, old)
+    assert_restored(cluster, 3, old)
     for r in lost:
         assert cluster.source(r) == "backup"
 
@@ -345,7 +179,7 @@ def test_a_flipped_byte_in_the_peer_copy_is_detected(cluster: Cluster) -> None:
     cluster.start(owner)
     cluster.handshake([0, 1, 2, 3])
     cluster.wait_markers(5)
-    _assert_restored(cluster, 5, files)
+    assert_restored(cluster, 5, files)
     # Another source (the backup or another live copy) served it; the workload is told.
     errors = cluster.errors(owner)
     assert re.search(rf"step 5: peer copy of \S+/s5/n{owner}-w0 is corrupt", errors), errors
@@ -375,7 +209,7 @@ def test_restart_orderings_converge_on_one_round(cluster: Cluster, order: list[i
     files = cluster.save(5)
     cluster.handshake(order, max_delay=0.5)
     cluster.wait_markers(5)
-    _assert_restored(cluster, 5, files)
+    assert_restored(cluster, 5, files)
     for r in range(NODES):
         assert cluster.source(r) == "local"
 

@@ -222,3 +222,47 @@ def test_progress_of_an_agent_outside_the_released_round_is_refused() -> None:
     release(c, "a")
     assert c.report_progress(0, "zz", replicated_step=5, uploaded_step=None, now=0) is None
     assert c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=0) is not None
+
+
+def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> None:
+    c = JobCoordinator(config(), VIEW)
+    c.resume_steady()
+    first = [
+        c.report_progress(r, f"s{r}", replicated_step=7 + r, uploaded_step=None, now=1.0)
+        for r in range(4)
+    ]
+    assert all(a is not None for a in first)
+    # Only once every rank reported is a step restorable: the oldest of their newest.
+    assert [a.restorable_step for a in first if a is not None] == [None, None, None, 7]
+    # Each rank's first report fixed its incarnation: another one must join instead.
+    assert c.report_progress(2, "other", replicated_step=9, uploaded_step=None, now=1.0) is None
+    # A job restart opens a round as after any release; the adopted agents stay out of it.
+    c.join(join(1, "new1", own(1, 7)), {})
+    assert c.phase is Phase.WAITING
+    assert c.report_progress(1, "s1", replicated_step=9, uploaded_step=None, now=1.0) is None
+    assert c.status(1, "s1").phase is None
+    assert not c.adopting
+
+
+def test_progress_reports_refresh_the_peer_addresses() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    release(c, "a")
+    before = c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=1.0)
+    assert before is not None
+    assert before.addresses[2] == "127.0.0.1:7002"
+    # Rank 2's daemon restarted on another port: its report carries the new address.
+    c.report_progress(2, "a2", replicated_step=5, uploaded_step=None, now=1.0, address="h:9")
+    after = c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=1.0)
+    assert after is not None
+    assert after.addresses == {
+        0: "127.0.0.1:7000",
+        1: "127.0.0.1:7001",
+        2: "h:9",
+        3: "127.0.0.1:7003",
+    }
+
+
+def test_a_coordinator_that_was_not_resumed_refuses_unknown_ranks() -> None:
+    c = JobCoordinator(config(), VIEW)
+    assert c.report_progress(0, "s0", replicated_step=5, uploaded_step=None, now=1.0) is None

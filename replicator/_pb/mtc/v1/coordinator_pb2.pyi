@@ -179,25 +179,36 @@ class ReportRestoreResponse(_message.Message):
     def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation_id", "replicated_step", "uploaded_step")
+    __slots__ = ("job", "rank", "incarnation_id", "replicated_step", "uploaded_step", "address")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_STEP_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation_id: str
     replicated_step: int
     uploaded_step: int
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., replicated_step: _Optional[int] = ..., uploaded_step: _Optional[int] = ...) -> None: ...
+    address: str
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., replicated_step: _Optional[int] = ..., uploaded_step: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ("coordinator", "restorable_step", "backup_step")
+    __slots__ = ("coordinator", "restorable_step", "backup_step", "addresses")
+    class AddressesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: str
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[str] = ...) -> None: ...
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     RESTORABLE_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKUP_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     coordinator: CoordinatorIdentity
     restorable_step: int
     backup_step: int
-    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., restorable_step: _Optional[int] = ..., backup_step: _Optional[int] = ...) -> None: ...
+    addresses: _containers.ScalarMap[int, str]
+    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., restorable_step: _Optional[int] = ..., backup_step: _Optional[int] = ..., addresses: _Optional[_Mapping[int, str]] = ...) -> None: ...

@@ -1,0 +1,220 @@
+"""A cluster of real daemons on loopback for the multi-node integration tests.
+
+One daemon process per node, each on its own CHECKPOINT_DIR, one shared ``file://`` backup
+(or, without one, a shared registry directory); the test process plays the training job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import signal
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tests.daemon_process import DaemonProcess
+from tests.integration.helpers import (
+    ERRORS,
+    backup_commits,
+    config_text,
+    make_step,
+    payload,
+    read_prerestore,
+    read_text,
+    read_tree,
+    wait_until,
+    write_yaml_atomic,
+)
+
+NODES = 4
+FAST = ("--rescan-seconds", "0.3", "--settle-seconds", "2", "--config-wait-seconds", "3")
+
+
+class Cluster:
+    """One daemon per node, each on its own CHECKPOINT_DIR; one shared backup + registry."""
+
+    def __init__(
+        self, root: Path, job: str, extra: tuple[str, ...] = (), *, backup: bool = True
+    ) -> None:
+        self.root = root
+        self.job = job
+        self.extra = extra
+        self.keys: dict[str, object] = {"peers_per_node": 1, "backup_interval_steps": 100}
+        self.backup = root / "backup"
+        self.backup.mkdir()
+        self.has_backup = backup
+        """Without a backup the shared directory serves only as the registry."""
+        self.dirs = [root / f"node{r}" for r in range(NODES)]
+        for d in self.dirs:
+            d.mkdir()
+        self.daemons: list[DaemonProcess | None] = [None] * NODES
+
+    def start(self, rank: int) -> DaemonProcess:
+        daemon = DaemonProcess(
+            self.dirs[rank],
+            backup=self.backup.as_uri() if self.has_backup else None,
+            extra_args=(
+                *FAST,
+                *(() if self.has_backup else ("--registry", self.backup.as_uri())),
+                *self.extra,
+            ),
+            log_path=self.root / f"node{rank}.log",
+        )
+        self.daemons[rank] = daemon.start()
+        return daemon
+
+    def daemon(self, rank: int) -> DaemonProcess:
+        d = self.daemons[rank]
+        assert d is not None
+        return d
+
+    def handshake(self, ranks: list[int], *, max_delay: float = 0.0) -> None:
+        for i, r in enumerate(ranks):
+            if max_delay and i:
+                time.sleep(random.uniform(0, max_delay))
+            text = config_text(self.job, rank=r, nodes=NODES, **self.keys)
+            write_yaml_atomic(self.dirs[r], text)
+
+    def markers(self, rank: int) -> list[str]:
+        return sorted(p.name for p in self.dirs[rank].iterdir() if p.name.endswith(".restore"))
+
+    def wait_markers(self, step: int) -> None:
+        for r in range(NODES):
+            want = [f"{self.job}-s{step}-n{r}-w0.restore"]
+            wait_until(
+                lambda r=r, want=want: self.markers(r) == want,
+                f"rank {r}'s marker {want}",
+                daemon=self.daemon(r),
+                timeout=60,
+            )
+
+    def held(self, rank: int) -> set[tuple[int, str]]:
+        """(step, '<rank>-<worker>') of every committed item in the rank's store."""
+        root = self.dirs[rank] / ".mtc" / "items" / self.job
+        if not root.is_dir():
+            return set()
+        return {
+            (int(step.name), item.name)
+            for step in root.iterdir()
+            for item in step.iterdir()
+            if (item / "MANIFEST.json").exists()
+        }
+
+    def holder(self, rank: int, step: int) -> int:
+        """The one other rank holding a peer copy of ``rank``'s item of ``step``."""
+        holders = [h for h in range(NODES) if h != rank and (step, f"{rank}-0") in self.held(h)]
+        assert len(holders) == 1, f"rank {rank}'s step {step} held by {holders}"
+        return holders[0]
+
+    def wipe(self, rank: int) -> None:
+        """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
+        self.daemon(rank).kill()
+        shutil.rmtree(self.dirs[rank])
+        self.dirs[rank].mkdir()
+        self.start(rank)
+
+    def fresh_start(self) -> None:
+        """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
+        self.handshake([3, 1, 2, 0])
+        self.wait_markers(0)
+        for r in range(NODES):
+            assert read_prerestore(self.dirs[r]) == {}
+            os.unlink(self.dirs[r] / f"{self.job}-s0-n{r}-w0.restore")
+
+    def write_step(
+        self, step: int, *, sizes: Mapping[int, int] | None = None
+    ) -> dict[int, dict[str, bytes]]:
+        """Every rank's trainer publishes ``step`` (``sizes``: a rank's big array)."""
+        sizes = sizes or {}
+        files = {r: payload(step, seed=f"rank{r}", size=sizes.get(r, 4096)) for r in range(NODES)}
+        for r in range(NODES):
+            make_step(self.dirs[r], step, files[r])
+        return files
+
+    def save(self, step: int, *, copies: bool = True) -> dict[int, dict[str, bytes]]:
+        """Every rank saves ``step``; wait until committed at home (and at its peer)."""
+        files = self.write_step(step)
+        self.wait_saved(step, copies=copies)
+        return files
+
+    def wait_saved(
+        self, step: int, *, copies: bool = True, ranks: Sequence[int] = tuple(range(NODES))
+    ) -> None:
+        """``ranks`` committed ``step`` at home; with ``copies``, every rank's is at a peer."""
+        for r in ranks:
+            wait_until(
+                lambda r=r: (step, f"{r}-0") in self.held(r),
+                f"rank {r} committed step {step}",
+                daemon=self.daemon(r),
+            )
+        if copies:
+            wait_until(
+                lambda: all(
+                    any((step, f"{r}-0") in self.held(h) for h in range(NODES) if h != r)
+                    for r in range(NODES)
+                ),
+                f"a peer copy of every rank's step {step}",
+                daemon=self.daemon(0),
+            )
+
+    def wait_backup(self, step: int) -> None:
+        wait_until(
+            lambda: step in backup_commits(self.backup, self.job),
+            f"backup COMMIT of step {step}",
+            daemon=self.daemon(0),
+            timeout=30,
+        )
+
+    def restored(self, rank: int, step: int) -> Path:
+        return self.dirs[rank] / f"{self.job}-s{step}-n{rank}-w0.restore"
+
+    def source(self, rank: int) -> str:
+        return str(read_prerestore(self.dirs[rank])["restore-source"])
+
+    def errors(self, rank: int) -> str:
+        return read_text(self.dirs[rank] / ERRORS)
+
+    def pause(self, rank: int) -> None:
+        """SIGSTOP: the daemon keeps its sockets but answers nothing (a stalled node)."""
+        os.kill(self.daemon(rank).pid, signal.SIGSTOP)
+
+    def resume(self, rank: int) -> None:
+        os.kill(self.daemon(rank).pid, signal.SIGCONT)
+
+    def staged_bytes(self, rank: int) -> int:
+        """Bytes of incoming copies in the rank's staging area (a transfer in progress)."""
+        staging = self.dirs[rank] / ".mtc" / "staging"
+        if not staging.is_dir():
+            return 0
+        total = 0
+        for path in staging.rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_file():
+                    total += path.stat().st_size
+        return total
+
+    def wait_staging(self, rank: int, *, at_least: int = 1, timeout: float = 60.0) -> None:
+        """Poll hard until a transfer into ``rank`` has staged ``at_least`` bytes, mid-item."""
+        deadline = time.monotonic() + timeout
+        while self.staged_bytes(rank) < at_least:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no transfer into rank {rank} began in {timeout}s")
+            time.sleep(0.001)
+
+    def stop_all(self) -> None:
+        for d in self.daemons:
+            if d is not None and d.running:
+                os.kill(d.pid, signal.SIGCONT)  # a paused daemon would not see SIGTERM
+                d.stop()
+
+
+def assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, bytes]]) -> None:
+    for r in range(NODES):
+        marker = cluster.restored(r, step)
+        assert os.path.islink(marker)
+        assert not os.path.isabs(os.readlink(marker))
+        assert read_tree(marker) == files[r], f"rank {r} restored other bytes"
+        assert read_prerestore(cluster.dirs[r])["restore-step"] == step

@@ -1,0 +1,173 @@
+"""Four real daemons under faults: kill -9 mid-transfer, a stalled peer, an uncoverable loss.
+
+A transfer is caught in the middle by polling the receiver's staging area for a large item's
+first bytes; the other end is then frozen with SIGSTOP (so "mid-item" holds while the test
+acts) or killed with SIGKILL. Every scenario ends with a job restart and checks that all
+ranks restore the same step, byte for byte, and that no partial item was ever exposed.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from tests.integration.cluster import NODES, Cluster, assert_restored
+from tests.integration.helpers import wait_until
+
+pytestmark = pytest.mark.integration
+
+BIG = 160 << 20
+"""A rank's array big enough that a transfer of it lasts long enough to be caught midway."""
+STAGED = 8 << 20
+"""Staged bytes that mark the big item's transfer (every small item is far below)."""
+
+
+def _committed_items(cluster: Cluster, rank: int, step: int) -> set[str]:
+    return {item for s, item in cluster.held(rank) if s == step}
+
+
+def test_kill9_of_the_receiver_mid_push(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(3)
+    holder = cluster.holder(1, 3)
+    files = cluster.write_step(5, sizes={1: BIG})
+    cluster.wait_staging(holder, at_least=STAGED)
+    cluster.pause(1)  # the sender, frozen mid-item
+    cluster.daemon(holder).kill()
+    assert (5, "1-0") not in cluster.held(holder), "a partial copy was committed"
+    cluster.resume(1)
+    cluster.start(holder)  # the node keeps its RAM disk: only the daemon crashed
+    assert cluster.staged_bytes(holder) == 0, "staging survived the restart"
+    # Rank 1 offers its step again; the restarted holder takes the whole item this time.
+    cluster.wait_saved(5)
+    cluster.handshake([2, 0, 3, 1])
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["local"] * NODES
+
+
+def test_kill9_of_the_sender_mid_push(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(3)
+    holder = cluster.holder(1, 3)
+    files = cluster.write_step(5, sizes={1: BIG})
+    cluster.wait_staging(holder, at_least=STAGED)
+    cluster.daemon(1).kill()
+    # The receiver sees the stream end early: it drops the staged bytes, commits nothing.
+    wait_until(
+        lambda: cluster.staged_bytes(holder) == 0,
+        f"rank {holder} dropping the cut-off copy",
+        daemon=cluster.daemon(holder),
+    )
+    assert (5, "1-0") not in cluster.held(holder)
+    cluster.start(1)  # same RAM disk: its committed step 5 is intact and pushed again
+    cluster.wait_saved(5)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["local"] * NODES
+
+
+def test_kill9_mid_restore_fetch(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    files = cluster.write_step(5, sizes={2: BIG})
+    cluster.wait_saved(5)
+    holder = cluster.holder(2, 5)
+    cluster.wipe(2)
+    cluster.handshake([3, 2, 1, 0])
+    cluster.wait_staging(2, at_least=STAGED)
+    cluster.pause(holder)  # the serving peer, frozen mid-item
+    cluster.daemon(2).kill()
+    assert cluster.markers(2) == [], "a marker appeared before the item was complete"
+    assert _committed_items(cluster, 2, 5) == set(), "a partial copy was committed"
+    cluster.resume(holder)
+    # The node's daemon comes back with the handshake half done: it redoes the restore.
+    cluster.start(2)
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    assert cluster.source(2) == "peer"
+    for r in (0, 1, 3):
+        assert cluster.source(r) == "local"
+
+
+def test_the_serving_peer_killed_mid_restore_fetch(cluster: Cluster) -> None:
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    files = cluster.write_step(5, sizes={2: BIG})
+    cluster.wait_saved(5)
+    cluster.wait_backup(5)
+    holder = cluster.holder(2, 5)
+    cluster.wipe(2)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_staging(2, at_least=STAGED)
+    cluster.daemon(holder).kill()
+    # Rank 2 falls back to the next source (the backup); the holder comes back and the
+    # round completes (re-planned, if the holder's return reopened it) on the same step.
+    cluster.start(holder)
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    errors = cluster.errors(2)
+    assert re.search(r"step 5: cannot use the peer copy of \S+/s5/n2-w0", errors), errors
+    assert re.search(r"restored \S+/s5/n2-w0 from backup", cluster.daemon(2).log())
+
+
+def test_a_stalled_peer_does_not_stall_the_others(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(3)
+    stalled = 2
+    cluster.pause(stalled)
+    t0 = time.monotonic()
+    live = [r for r in range(NODES) if r != stalled]
+    for step in (5, 7, 9):
+        cluster.write_step(step)
+        cluster.wait_saved(step, copies=False, ranks=live)
+    # Saves kept committing at their own pace, not at the stalled peer's (a push's deadline).
+    assert time.monotonic() - t0 < 30
+    # Step 3 is the newest step complete on every rank: no rank's GC may touch it.
+    for r in live:
+        assert (3, f"{r}-0") in cluster.held(r), f"rank {r} dropped the restorable step"
+    cluster.resume(stalled)
+    cluster.wait_saved(9)
+    files = cluster.write_step(11)  # the job goes on after the stall
+    cluster.wait_saved(11)
+    cluster.handshake([1, 3, 0, 2])
+    cluster.wait_markers(11)
+    assert_restored(cluster, 11, files)
+
+
+@pytest.mark.parametrize("cluster_backup", [False])
+def test_two_nodes_lost_without_a_backup_start_fresh_and_say_why(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(5)
+    lost = (1, cluster.holder(1, 5))
+    for r in lost:
+        cluster.wipe(r)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(0)
+    # No rank trains from a step another rank cannot restore; the survivors say why.
+    survivors = [r for r in range(NODES) if r not in lost]
+    for r in survivors:
+        errors = cluster.errors(r)
+        assert "no step of job" in errors, errors
+        assert "starting fresh" in errors, errors
+
+
+def test_the_coordinator_restarted_mid_run_takes_the_ranks_back(cluster: Cluster) -> None:
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    cluster.save(3)
+    cluster.wait_backup(3)
+    # Rank 0's daemon (the coordinator's host) crashes and comes back on another port while
+    # the job keeps training: the others must find it, push to it, and get backup orders.
+    cluster.daemon(0).kill()
+    cluster.start(0)
+    files = cluster.save(5)
+    cluster.wait_backup(5)
+    for r in range(1, NODES):
+        assert "not a member" not in cluster.errors(r)
+    cluster.handshake([3, 2, 1, 0])
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["local"] * NODES
