@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned to the CPU wheel available here; install it first so nothing pulls CUDA.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,torch,interop]'
+	$(PY) -m pip install -q -e '.[dev,torch,interop,s3,gcs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/mtc demo --nodes 4
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check replicator client tests scripts
-	$(VENV)/bin/ruff format --check replicator client tests scripts
+	$(VENV)/bin/ruff check replicator client csi tests scripts
+	$(VENV)/bin/ruff format --check replicator client csi tests scripts
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

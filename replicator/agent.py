@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from replicator import fsutil
 from replicator.backup import BackupStore, CommitRecord
+from replicator.backup_ops import StorePins
 from replicator.contract import (
     ERRORS_FILE,
     FAILED_FILE,
@@ -35,6 +36,7 @@ from replicator.contract import (
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, ItemId, ManifestError
 from replicator.membership import ClusterMember, MemberContext
+from replicator.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.objectstore import ObjectStoreError, PreconditionFailed
 from replicator.peer import PeerClient
 from replicator.planner import (
@@ -95,6 +97,7 @@ class AgentContext:
     """This node's peer address, as other nodes reach it."""
     report_after: float = 60.0
     """Seconds a restore round may wait before ``replicator.errors`` says what for."""
+    metrics: Metrics = NO_METRICS
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class Incarnation:
         self._stopping = threading.Event()
         self._futures: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
+        self._started_at = time.monotonic()
         self._backup_task: asyncio.Task[None] | None = None
         self._uploading: set[int] = set()
         self._last_backup: LastBackup | None = None
@@ -205,6 +209,7 @@ class Incarnation:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        self.ctx.metrics.serving(self.config.job_name)
         self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
 
     def wake(self) -> None:
@@ -232,9 +237,12 @@ class Incarnation:
     def _cancelled(self) -> bool:
         return self._stopping.is_set()
 
-    def error(self, message: str, step: int | None = None) -> None:
+    def error(
+        self, message: str, step: int | None = None, kind: ErrorKind = ErrorKind.OTHER
+    ) -> None:
         """A non-fatal problem: log it and tell the workload through ``replicator.errors``."""
         self.log.warning(message, step=step)
+        self.ctx.metrics.error(kind)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         line = f"{stamp} job={self.config.job_name} rank={self.config.node_rank}: {message}"
         try:
@@ -266,6 +274,8 @@ class Incarnation:
                 self.log.info("incarnation stopped: %s", exc)
                 return
             self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
+            if self.phase is Phase.RESTORING:
+                self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
             text = (
                 f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
                 f"{type(exc).__name__}: {exc}\nSee the replicator's log on this node; restart the "
@@ -294,11 +304,19 @@ class Incarnation:
                 fetch_backup=self._fetch_backup_item,
                 error=self.error,
                 report_after=ctx.report_after,
+                metrics=ctx.metrics,
             )
         )
 
     async def _verify_local(self, item: ItemId) -> None:
-        await self._thread(self.ctx.store.verify, item, self._cancelled)
+        t0 = time.monotonic()
+        manifest = await self._thread(self.ctx.store.verify, item, self._cancelled)
+        self.ctx.metrics.transfer(
+            TransferKind.RESTORE_LOCAL, manifest.total_bytes, time.monotonic() - t0
+        )
+
+    def _since_start(self) -> float:
+        return time.monotonic() - self._started_at
 
     async def _fetch_backup_item(self, item: ItemId) -> None:
         # One listing serves every backup fetch of a round; list again only for a step
@@ -329,7 +347,8 @@ class Incarnation:
             steps = sorted({i.step for i in abandoned})
             self.error(
                 f"no step of job {self.config.job_name} is complete on every rank or {where}: "
-                f"starting fresh, dropping this node's incomplete steps {steps}"
+                f"starting fresh, dropping this node's incomplete steps {steps}",
+                kind=ErrorKind.RESTORE,
             )
         if abandoned:
             self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
@@ -342,6 +361,7 @@ class Incarnation:
             time.monotonic() - started,
             step=outcome.step,
         )
+        self.ctx.metrics.restore_done(self.config.job_name, outcome.step, self._since_start())
 
     def persist(self) -> None:
         save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
@@ -354,7 +374,9 @@ class Incarnation:
         try:
             return await self._thread(self.ctx.backups.committed_steps, self.config.job_name)
         except (ObjectStoreError, OSError) as exc:
-            self.error(f"cannot list backups at {self.ctx.backups.url}: {exc}")
+            self.error(
+                f"cannot list backups at {self.ctx.backups.url}: {exc}", None, ErrorKind.BACKUP
+            )
             return {}
 
     async def _load_last_backup(self) -> dict[int, CommitRecord]:
@@ -363,12 +385,19 @@ class Incarnation:
         if commits:
             newest = commits[max(commits)]
             self._last_backup = LastBackup(newest.step, newest.created)
+            self.ctx.metrics.backed_up(self.config.job_name, newest.step, newest.created)
         return commits
 
     async def _restore_and_publish(self) -> None:
         commits = await self._load_last_backup()
         local = self.ctx.store.manifests(self.config.job_name).keys()
         plan = plan_restore(self.config, local, commits)
+        pins = StorePins(self.ctx.backups.objects) if self.ctx.backups is not None else None
+        pinned = None
+        if pins is not None:
+            pinned = await self._thread(pins.pinned_step, self.config.job_name)
+            # An operator's pin goes first; the usual order stays as the fallback.
+            plan.sort(key=lambda c: c.step != pinned)
         started = time.monotonic()
         chosen: tuple[int, str] | None = None
         for candidate in plan:
@@ -384,6 +413,12 @@ class Incarnation:
                 + "; ".join(self._unreachable)
             )
         step, source = chosen if chosen else (None, None)
+        if pins is not None and pinned is not None:
+            if step == pinned:
+                # Rolled back on purpose: newer steps would pass for the newest checkpoint.
+                newer = [i for i in self.ctx.store.manifests(self.config.job_name) if i.step > step]
+                await self._thread(self._delete_items, newer)
+            await self._thread(pins.consumed, self.config.job_name, pinned)
         await self._thread(self._publish_markers, step, source)
         self.log.info(
             "restore done: step=%s source=%s in %.2fs",
@@ -392,6 +427,7 @@ class Incarnation:
             time.monotonic() - started,
             step=step,
         )
+        self.ctx.metrics.restore_done(self.config.job_name, step, self._since_start())
 
     async def _try_candidate(
         self, cand: RestoreCandidate, commits: dict[int, CommitRecord]
@@ -402,13 +438,14 @@ class Incarnation:
             for source in sources:
                 try:
                     if source is Source.LOCAL:
-                        await self._thread(self.ctx.store.verify, item, self._cancelled)
+                        await self._verify_local(item)
                     else:
                         await self._thread(self._fetch_backup, commits[cand.step], item)
                 except CorruptItem as exc:
                     self.error(
                         f"step {cand.step}: {source.value} copy is corrupt ({exc}); not used",
                         cand.step,
+                        ErrorKind.RESTORE,
                     )
                     if source is Source.LOCAL:
                         await self._thread(self.ctx.store.delete, item)
@@ -417,7 +454,7 @@ class Incarnation:
                     message = (
                         f"step {cand.step}: cannot use the {source.value} copy of {item}: {exc}"
                     )
-                    self.error(message, cand.step)
+                    self.error(message, cand.step, ErrorKind.RESTORE)
                     self._unreachable.append(message)
                     continue
                 used.add(source)
@@ -426,6 +463,7 @@ class Incarnation:
                 self.error(
                     f"step {cand.step} has no usable copy of {item}; trying an older step",
                     cand.step,
+                    ErrorKind.RESTORE,
                 )
                 return None
         return Source.BACKUP.value if Source.BACKUP in used else Source.LOCAL.value
@@ -446,6 +484,7 @@ class Incarnation:
                 manifest.total_bytes / dt / 1e6,
                 step=item.step,
             )
+            self.ctx.metrics.transfer(TransferKind.RESTORE_BACKUP, manifest.total_bytes, dt)
         finally:
             fsutil.remove_tree(staged)
 
@@ -514,11 +553,19 @@ class Incarnation:
             except FileNotFoundError:
                 continue  # the workload or a rescan raced us; the next scan sees the truth
             except ManifestError as exc:
-                self.error(f"step {item.step}: cannot keep {name or item}: {exc}", item.step)
+                self.error(
+                    f"step {item.step}: cannot keep {name or item}: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
                 await self._thread(self.ctx.store.discard_ingest, item)
                 continue
             except (StoreError, OSError) as exc:
-                self.error(f"step {item.step}: ingest failed, will retry: {exc}", item.step)
+                self.error(
+                    f"step {item.step}: ingest failed, will retry: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
                 continue
             dt = max(time.monotonic() - t0, 1e-9)
             self.log.info(
@@ -530,6 +577,7 @@ class Incarnation:
                 manifest.total_bytes / dt / 1e6,
                 step=item.step,
             )
+            self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
         await self._collect_garbage()
         if self.member is not None:
             await self._after_steps(force=True)  # replicate the new step at once
@@ -544,6 +592,9 @@ class Incarnation:
 
     async def _collect_garbage(self) -> None:
         have = self.ctx.store.manifests(self.config.job_name).keys()
+        self.ctx.metrics.committed(
+            self.config.job_name, max(complete_steps(self.config, have), default=None)
+        )
         protected = set(self._uploading)
         if self.member is not None:
             protected |= self.member.protected
@@ -611,12 +662,21 @@ class Incarnation:
                 total / dt / 1e6,
                 step=step,
             )
+            self.ctx.metrics.transfer(TransferKind.BACKUP_UPLOAD, total, dt)
+            self.ctx.metrics.backed_up(
+                self.config.job_name, step, record.created if record else None
+            )
         except PreconditionFailed:
             self._last_backup = LastBackup(step, self.ctx.clock())
+            self.ctx.metrics.backed_up(self.config.job_name, step, self.ctx.clock())
         except Cancelled:
             pass
         except (ObjectStoreError, OSError, ManifestError) as exc:
-            self.error(f"backup of step {step} to {backups.url} failed, will retry: {exc}", step)
+            self.error(
+                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
+                step,
+                ErrorKind.BACKUP,
+            )
         finally:
             self._uploading.discard(step)
             self.wake()

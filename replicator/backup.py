@@ -34,7 +34,12 @@ from replicator.manifest import (
     ManifestError,
     data_file,
 )
-from replicator.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
+from replicator.objectstore import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +127,10 @@ class BackupStore:
         for entry in manifest.files:
             if cancelled():
                 raise Cancelled(str(manifest.item))
-            self.objects.put_file(data_key(manifest.item, entry.path), data_file(data, entry))
+            # The manifest's crc32c: a file changed since it was taken is never uploaded.
+            self.objects.put_file(
+                data_key(manifest.item, entry.path), data_file(data, entry), crc32c=entry.crc32c
+            )
         self.objects.put_bytes(manifest_key(manifest.item), manifest.to_json())
 
     def try_commit(
@@ -219,6 +227,8 @@ class BackupStore:
                 raise CorruptItem(
                     f"{item}: backup object {entry.path or 'data'} is missing"
                 ) from None
+            except ChecksumMismatch as exc:
+                raise CorruptItem(f"{item}: backup object {entry.path or 'data'}: {exc}") from None
             if size != entry.size or crc != entry.crc32c:
                 raise CorruptItem(
                     f"{item}: backup object {entry.path or 'data'} does not match its manifest "

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from replicator import __version__
+from replicator import __version__, backups_cli, render
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +34,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=float,
         help="simulated time per training step (default 0.05; 0.2 with --nodes > 1)",
     )
+    backups_cli.add_parser(sub)
+    render.add_parser(sub)
     a = p.parse_args(argv)
+    if a.command == "render":
+        return render.run(a)
     if a.command == "demo":
         if a.nodes > 1:
             from replicator import demo_cluster
@@ -45,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from replicator import demo as demo_mod
 
         return demo_mod.run(a.workdir, a.step_seconds or 0.05)
+    if a.command == "backups":
+        return backups_cli.run(a)
     p.error(f"unknown command {a.command}")
     return 2
 

@@ -102,6 +102,11 @@ class JobCoordinator:
         """Each rank's peer address: from the joins, then from progress reports."""
         self.adopting = False
         """A coordinator restarted in steady state: it admits each rank's first report."""
+        self.pinned: int | None = None
+        """An operator's restore pin (``mtc backups restore``): the step the round must use."""
+        self.pin_consumed: int | None = None
+        """The pin a released round was planned under: it has served, whatever was restored
+        (kept, it would roll a much later restart back to this step)."""
 
     def resume_steady(self) -> None:
         """Rank 0's daemon restarted while the job ran: take the running ranks back.
@@ -117,8 +122,13 @@ class JobCoordinator:
 
     # --- restore rounds ----------------------------------------------------------------------
 
-    def join(self, join: Join, backups: Mapping[int, CommitRecord]) -> int:
-        """Admit a join; returns the round it counts for. Raises ``JoinRejected``."""
+    def join(
+        self, join: Join, backups: Mapping[int, CommitRecord], pinned: int | None = None
+    ) -> int:
+        """Admit a join; returns the round it counts for. Raises ``JoinRejected``.
+
+        ``backups`` and ``pinned`` are the backup store as the join found it.
+        """
         if not 0 <= join.rank < self.config.nodes:
             raise JoinRejected(f"rank {join.rank} is out of range for {self.config.nodes} nodes")
         if join.inventory.rank != join.rank:
@@ -142,6 +152,7 @@ class JobCoordinator:
             self._new_round(keep_members=self.phase is Phase.FETCH)
         self.members[join.rank] = join
         self.backups = backups
+        self.pinned = pinned
         if len(self.members) == self.config.nodes:
             self._plan()
         return self.round
@@ -157,7 +168,16 @@ class JobCoordinator:
 
     def _plan(self) -> None:
         inventories = {r: m.inventory for r, m in self.members.items()}
-        self.plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
+        plan = None
+        if self.pinned is not None:
+            plan = plan_round(
+                self.config, inventories, self.backups, exclude=self.exclude, only_step=self.pinned
+            )
+            # A pinned step nobody can serve any more (its copies failed): the round goes on
+            # with the last-known-good step rather than wait for an operator forever.
+        if plan is None:
+            plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
+        self.plan = plan
         self.plan_version += 1
         self.phase = Phase.FETCH
         self.ready = set()
@@ -214,6 +234,7 @@ class JobCoordinator:
             self.phase = Phase.RELEASED
             self.released_incarnations = {r: m.incarnation_id for r, m in self.members.items()}
             self.addresses = {r: m.inventory.address for r, m in self.members.items()}
+            self.pin_consumed = self.pinned
             self.replicated = {}
             if self.plan is not None:
                 # The restored step is complete everywhere: it is the restorable step.

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 import grpc.aio
@@ -186,6 +186,22 @@ class CoordinatorHost:
 BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
 
 
+class RestorePins(Protocol):
+    """Operators' restore pins (``mtc backups restore``); blocking I/O, run in threads."""
+
+    def pinned_step(self, job: str) -> int | None:
+        """The committed step the job's next round must use, if a valid pin names one."""
+        ...
+
+    def consumed(self, job: str, step: int) -> None:
+        """A round planned under the pin of ``step`` was released: remove that pin."""
+        ...
+
+
+Listing = tuple[Mapping[int, CommitRecord], int | None]
+"""A job's committed backups and its pinned step."""
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """``mtc.v1.Coordinator`` over a ``CoordinatorHost``; handlers run in the daemon's loop.
 
@@ -200,13 +216,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         *,
         clock: Callable[[], float] = time.time,
         backups_ttl: float = BACKUPS_TTL,
+        pins: RestorePins | None = None,
     ) -> None:
         self.host = host
         self.backups_for = backups_for
+        self.pins = pins
         self.clock = clock
         self.backups_ttl = backups_ttl
-        self._backups: dict[str, tuple[float, Mapping[int, CommitRecord]]] = {}
-        self._listing: dict[str, asyncio.Future[Mapping[int, CommitRecord]]] = {}
+        self._backups: dict[str, tuple[float, Listing]] = {}
+        self._listing: dict[str, asyncio.Future[Listing]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
@@ -222,16 +241,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise BadMessage(f"rank {rank} is out of range for the {nodes} nodes of job {job}")
         return hosted
 
-    async def _committed_backups(self, job: str) -> Mapping[int, CommitRecord]:
-        """The job's committed backups, listed at most once per ``backups_ttl`` (one listing
-        in flight, shared by the joins that wait for it)."""
+    def _list(self, job: str) -> Listing:
+        return self.backups_for(job), (self.pins.pinned_step(job) if self.pins else None)
+
+    async def _committed_backups(self, job: str) -> Listing:
+        """The job's committed backups and pin, listed at most once per ``backups_ttl`` (one
+        listing in flight, shared by the joins that wait for it)."""
         loop = asyncio.get_running_loop()
         cached = self._backups.get(job)
         if cached is not None and loop.time() - cached[0] < self.backups_ttl:
             return cached[1]
         listing = self._listing.get(job)
         if listing is None:
-            listing = asyncio.ensure_future(asyncio.to_thread(self.backups_for, job))
+            listing = asyncio.ensure_future(asyncio.to_thread(self._list, job))
             self._listing[job] = listing
             listing.add_done_callback(functools.partial(self._listed, job))
         try:
@@ -241,7 +263,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._backups[job] = (loop.time(), backups)
         return backups
 
-    def _listed(self, job: str, listing: asyncio.Future[Mapping[int, CommitRecord]]) -> None:
+    def _listed(self, job: str, listing: asyncio.Future[Listing]) -> None:
         self._listing.pop(job, None)
         if not listing.cancelled():
             listing.exception()  # retrieved here too: its joins may all have gone
@@ -264,12 +286,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
         items = inventory_items(job, request.items)
         self._hosted(job, request.rank)  # NOT_FOUND before listing any backups
-        backups = await self._committed_backups(job)
+        backups, pinned = await self._committed_backups(job)
         hosted = self._hosted(job, request.rank)  # it may have been replaced meanwhile
         rank = request.rank
         inventory = NodeInventory(rank, address, items)
         coordinator = hosted.coordinator
-        round_ = coordinator.join(Join(rank, incarnation, request.cluster_view, inventory), backups)
+        round_ = coordinator.join(
+            Join(rank, incarnation, request.cluster_view, inventory), backups, pinned
+        )
         if coordinator.phase is not Phase.WAITING:
             # Planned: the listing served this round's joins. The next round (a job restart
             # seconds later) must list again, or it plans without a backup committed since.
@@ -360,6 +384,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             ready=request.ready,
             failed=failed,
         )
+        self._consume_pin(job, coordinator)
         hosted.notify()
         jlog.info(
             "restore report: ready=%s for round %d plan %d; now round %d plan %d (%s)",
@@ -371,6 +396,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator.phase.value,
         )
         return pb.ReportRestoreResponse(coordinator=hosted.identity)
+
+    def _consume_pin(self, job: str, coordinator: JobCoordinator) -> None:
+        pinned = coordinator.pin_consumed
+        if pinned is None or self.pins is None:
+            return
+        coordinator.pin_consumed = None
+        plan = coordinator.plan
+        restored = None if plan is None else plan.step
+        if restored == pinned:
+            log.info("restore pin honored: step %d", pinned, extra={"job": job})
+        else:
+            log.warning(
+                "restore pin of step %d could not be honored (no verified copy left); "
+                "restored step %s instead",
+                pinned,
+                restored,
+                extra={"job": job},
+            )
+        pins = self.pins
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(pins.consumed, job, pinned), name=f"unpin-{job}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._unpinned)
+
+    def _unpinned(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cannot remove a used restore pin: %s", task.exception())
 
     async def ReportProgress(
         self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -38,6 +38,7 @@ from replicator.agent import (
 )
 from replicator.agent import Phase as AgentPhase
 from replicator.backup import BackupStore
+from replicator.backup_ops import StorePins
 from replicator.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -54,6 +55,15 @@ from replicator.coordinator import SERVICE as COORDINATOR_SERVICE
 from replicator.coordinator import CoordinatorHost, CoordinatorServicer
 from replicator.coordinator_messages import cluster_view_json
 from replicator.logs import configure as configure_logging
+from replicator.metrics import (
+    NO_METRICS,
+    ErrorKind,
+    Metrics,
+    MetricsError,
+    MetricsServer,
+    PrometheusMetrics,
+    serve,
+)
 from replicator.objectstore import open_object_store
 from replicator.peer import SERVICE as PEER_SERVICE
 from replicator.peer import PeerClient
@@ -94,6 +104,8 @@ class DaemonOptions:
     rescan_seconds: float = 2.0
     report_after_seconds: float = 60.0
     """How long a restore round waits before ``replicator.errors`` says what for."""
+    metrics: str | None = None
+    """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
 
 
 def _host_port(value: str) -> str:
@@ -156,6 +168,12 @@ def parse_args(
         default=float(env.get("MTC_REPORT_AFTER_SECONDS", "60")),
         help="a waiting restore round says what it waits for in replicator.errors after this",
     )
+    p.add_argument(
+        "--metrics",
+        type=_host_port,
+        default=env.get("MTC_METRICS") or None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default [MTC_METRICS]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if a.checkpoint_dir is None:
@@ -174,6 +192,7 @@ def parse_args(
         config_wait_seconds=a.config_wait_seconds,
         rescan_seconds=a.rescan_seconds,
         report_after_seconds=a.report_after_seconds,
+        metrics=a.metrics,
     )
 
 
@@ -207,6 +226,9 @@ class Daemon:
         self.opts = opts
         self.store = LocalStore(opts.checkpoint_dir)
         backups = BackupStore(open_object_store(opts.backup)) if opts.backup else None
+        self._prometheus = PrometheusMetrics() if opts.metrics else None
+        self.metrics: Metrics = self._prometheus or NO_METRICS
+        self._metrics_server: MetricsServer | None = None
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
         self.ctx = AgentContext(
             checkpoint_dir=opts.checkpoint_dir,
@@ -216,6 +238,7 @@ class Daemon:
             settle_seconds=opts.settle_seconds,
             rescan_seconds=opts.rescan_seconds,
             env=dict(os.environ),
+            metrics=self.metrics,
         )
         self.incarnation: Incarnation | None = None
         self._pending: _PendingConfig | None = None
@@ -277,23 +300,26 @@ class Daemon:
             len(report.discarded),
         )
         rpc = RpcServer()
-        peer = PeerServicer(self.store, self.executor, self.accepts_job)
+        peer = PeerServicer(self.store, self.executor, self.accepts_job, metrics=self.metrics)
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups
         coordinator = CoordinatorServicer(
-            self.coordinators, lambda job: backups.committed_steps(job) if backups else {}
+            self.coordinators,
+            lambda job: backups.committed_steps(job) if backups else {},
+            pins=StorePins(backups.objects) if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, coordinator.register)
         try:
             self.listen_address = rpc.bind(self.opts.listen)
-        except ServerError as exc:
+            self._serve_metrics()
+        except (ServerError, MetricsError) as exc:
             log.error("%s", exc)
             self.exit_code = 3
             self.store.close()
             return
         self.advertise = self.opts.advertise or advertised_address(self.listen_address)
         self.ctx.advertise = self.advertise
-        self.ctx.peers = PeerClient(executor=self.executor)
+        self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics)
         await rpc.start()
         # A yaml written while we were down has no events left to tell: trust it.
         self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
@@ -313,13 +339,14 @@ class Daemon:
             )
             resumed.start()
         log.info(
-            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s",
+            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s metrics=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.listen_address,
             self.advertise,
             self.opts.backup,
             __version__,
+            self._metrics_server.address if self._metrics_server else None,
         )
         await rpc.set_serving()
         try:
@@ -338,7 +365,14 @@ class Daemon:
             watcher.stop()
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.store.close()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
             log.info("stopped")
+
+    def _serve_metrics(self) -> None:
+        """Serve ``/metrics`` from a thread when ``--metrics`` asks for it."""
+        if self._prometheus is not None and self.opts.metrics is not None:
+            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics)
 
     # --- the handshake file ----------------------------------------------------------------
 
@@ -392,6 +426,7 @@ class Daemon:
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
         log.error("rejecting %s%s: %s", CONFIG_FILE, f" {when}" if when else "", exc)
+        self.metrics.error(ErrorKind.CONFIG)
         await self._end_incarnation()
         message = (
             f"{exc}{' (' + when + ')' if when else ''}.\n"

@@ -13,13 +13,15 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from replicator.backup import BackupStore
+from replicator.backup import BackupStore, CommitRecord
 from replicator.cluster import backup_items
 from replicator.contract import JobConfig
 from replicator.coordinator_client import CoordinatorClient, CoordinatorError
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, ItemId, ManifestError
+from replicator.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.objectstore import ObjectStoreError, PreconditionFailed
 from replicator.peer import PeerClient
 from replicator.planner import rank_items
@@ -34,6 +36,12 @@ PROGRESS_EVERY = 1.0
 """Seconds between progress reports (each also happens after a new step)."""
 
 
+class ReportError(Protocol):
+    """The incarnation's ``error``: log a problem, count it by kind, tell the workload."""
+
+    def __call__(self, message: str, step: int | None, kind: ErrorKind = ..., /) -> None: ...
+
+
 @dataclass
 class MemberContext:
     config: JobConfig
@@ -46,8 +54,9 @@ class MemberContext:
     run_thread: Callable[..., Awaitable[object]]
     verify_local: Callable[[ItemId], Awaitable[None]]
     fetch_backup: Callable[[ItemId], Awaitable[None]]
-    error: Callable[[str, int | None], None]
+    error: ReportError
     report_after: float = 60.0
+    metrics: Metrics = NO_METRICS
 
 
 class ClusterMember:
@@ -56,7 +65,9 @@ class ClusterMember:
     def __init__(self, ctx: MemberContext) -> None:
         self.ctx = ctx
         self.config = ctx.config
-        self.replication = Replication(ctx.config, ctx.store, ctx.peers, ctx.error)
+        self.replication = Replication(
+            ctx.config, ctx.store, ctx.peers, lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION)
+        )
         self.restorable: int | None = None
         """The cluster's restorable step, as the coordinator last said: never deleted."""
         self.uploading: int | None = None
@@ -77,7 +88,7 @@ class ClusterMember:
                 advertise=self.ctx.advertise,
                 verify_local=self.ctx.verify_local,
                 fetch_backup=self.ctx.fetch_backup,
-                error=self.ctx.error,
+                error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
                 report_after=self.ctx.report_after,
             )
         )
@@ -109,6 +120,7 @@ class ClusterMember:
         """After a rescan or a new step: replicate it, and report progress (throttled)."""
         if newest_step is not None:
             self.replication.committed(newest_step)
+        self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
         now = time.monotonic()
         if not force and now - self._last_report < PROGRESS_EVERY:
             return
@@ -137,6 +149,7 @@ class ClusterMember:
             return
         if answer.restorable_step is not None:
             self.restorable = answer.restorable_step
+        self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
         self.replication.update_addresses(answer.addresses)
         step = answer.backup_step
         if step is not None and self.ctx.backups is not None and self.uploading is None:
@@ -148,6 +161,7 @@ class ClusterMember:
         assert backups is not None
         t0 = time.monotonic()
         total = 0
+        self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
         try:
             for item in rank_items(self.config, step):
                 manifest = self.ctx.store.get(item)
@@ -174,13 +188,22 @@ class ClusterMember:
                 total / dt / 1e6,
                 step=step,
             )
+            self.ctx.metrics.transfer(TransferKind.BACKUP_UPLOAD, total, dt)
+            self.ctx.metrics.backed_up(
+                self.config.job_name,
+                step,
+                record.created if isinstance(record, CommitRecord) else None,
+            )
         except PreconditionFailed:
             self.uploaded = step  # committed already, by another uploader
+            self.ctx.metrics.backed_up(self.config.job_name, step, time.time())
         except Cancelled:
             pass
         except (ObjectStoreError, OSError, ManifestError) as exc:
             self.ctx.error(
-                f"backup of step {step} to {backups.url} failed, will retry: {exc}", step
+                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
+                step,
+                ErrorKind.BACKUP,
             )
         finally:
             self.uploading = None

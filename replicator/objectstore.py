@@ -3,7 +3,8 @@
 Backups and (later) the registry only need: put a file, stream an object back, put a
 small object (optionally create-only), read it, head, list and delete. ``FileObjectStore``
 serves ``file://`` URLs and local runs; ``MemoryObjectStore`` is a real implementation held
-in memory, for unit tests. ``gs://`` and ``s3://`` plug in behind the same interface.
+in memory, for unit tests. ``s3://`` (``objectstore_s3``) and ``gs://`` (``objectstore_gcs``)
+plug in behind the same interface; their SDKs are optional and imported only when used.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
+
+import google_crc32c
 
 from replicator import fsutil
 from replicator.manifest import CHUNK, read_chunks
@@ -38,7 +41,25 @@ class PreconditionFailed(ObjectStoreError):
 
 
 class TransientError(ObjectStoreError):
+    """Throttling, a server error, a timeout or a dropped connection: worth a retry."""
+
     transient = True
+
+
+class PermissionDenied(ObjectStoreError):
+    """Credentials are missing, wrong or not allowed: retrying cannot help."""
+
+
+class BucketNotFound(ObjectStoreError):
+    """The bucket in the store's URL does not exist."""
+
+
+class ChecksumMismatch(ObjectStoreError):
+    """Bytes did not match their checksum: a source that changed, or a damaged object.
+
+    Raised before a bad upload becomes visible, and at the end of a download whose bytes
+    the store's own checksum does not confirm (the caller must discard what it received).
+    """
 
 
 @dataclass(frozen=True)
@@ -53,12 +74,24 @@ class ObjectStore(Protocol):
 
     url: str
 
-    def put_file(self, key: str, src: Path) -> None: ...
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        """Upload a file; with ``crc32c`` raise ``ChecksumMismatch`` if its bytes differ.
 
-    def read_chunks(self, key: str) -> Iterator[bytes]: ...
+        Either the whole file becomes the object or the object is left as it was.
+        """
+        ...
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        """Stream an object; raises ``ChecksumMismatch`` at the end if the store's own
+        checksum disagrees with what was streamed (cloud backends)."""
+        ...
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        """Write a small object; with ``if_absent`` raise ``PreconditionFailed`` if it exists."""
+        """Write a small object; with ``if_absent`` raise ``PreconditionFailed`` if it exists.
+
+        A cloud backend that retries a create-only write whose answer was lost may find its
+        own object there and raise ``PreconditionFailed``: callers re-read to see who won.
+        """
         ...
 
     def get_bytes(self, key: str) -> bytes: ...
@@ -72,7 +105,8 @@ class ObjectStore(Protocol):
     def delete(self, key: str) -> None: ...
 
 
-def _check_key(key: str) -> str:
+def check_key(key: str) -> str:
+    """``key`` if it is safe (relative, no empty, ``.`` or ``..`` part), else ValueError."""
     parts = key.split("/")
     if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"unsafe object key {key!r}")
@@ -88,22 +122,28 @@ class FileObjectStore:
         root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        return self.root / check_key(key)
 
-    def put_file(self, key: str, src: Path) -> None:
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = fsutil.tmp_name(dest)
         try:
+            crc = 0
             with open(tmp, "wb") as out:
                 for chunk in read_chunks(src):
+                    crc = google_crc32c.extend(crc, chunk)
                     out.write(chunk)
+                check_crc32c(key, crc, crc32c)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, dest)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise _translate(exc, key) from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def read_chunks(self, key: str) -> Iterator[bytes]:
         try:
@@ -159,7 +199,7 @@ class FileObjectStore:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         if base:
             try:
-                _check_key(base)
+                check_key(base)
             except ValueError:
                 return  # no safe key starts with it; walking it could leave the root
         start = self.root / base if base else self.root
@@ -183,6 +223,15 @@ class FileObjectStore:
             self._path(key).unlink()
 
 
+def check_crc32c(key: str, actual: int, expected: int | None) -> None:
+    """Raise ``ChecksumMismatch`` unless ``expected`` is None or equals ``actual``."""
+    if expected is not None and actual != expected:
+        raise ChecksumMismatch(
+            f"{key}: source has crc32c {actual:08x}, expected {expected:08x} "
+            "(it changed since its checksum was taken); not uploaded"
+        )
+
+
 def _translate(exc: OSError, key: str) -> ObjectStoreError:
     # Below an object, or a directory (a key prefix): no object has that key either.
     if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
@@ -204,10 +253,13 @@ class MemoryObjectStore:
     def _put(self, key: str, data: bytes) -> None:
         with self._lock:
             self._clock += 1.0
-            self._objects[_check_key(key)] = (data, self._clock)
+            self._objects[check_key(key)] = (data, self._clock)
 
-    def put_file(self, key: str, src: Path) -> None:
-        self._put(key, src.read_bytes())
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        check_key(key)
+        data = src.read_bytes()
+        check_crc32c(key, google_crc32c.value(data), crc32c)
+        self._put(key, data)
 
     def read_chunks(self, key: str) -> Iterator[bytes]:
         data = self.get_bytes(key)
@@ -215,15 +267,15 @@ class MemoryObjectStore:
             yield data[i : i + CHUNK]
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             if if_absent and key in self._objects:
                 raise PreconditionFailed(f"{key} already exists")
             self._clock += 1.0
-            self._objects[_check_key(key)] = (data, self._clock)
+            self._objects[check_key(key)] = (data, self._clock)
 
     def get_bytes(self, key: str) -> bytes:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             try:
                 return self._objects[key][0]
@@ -231,7 +283,7 @@ class MemoryObjectStore:
                 raise ObjectNotFound(key) from None
 
     def head(self, key: str) -> ObjectInfo | None:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             found = self._objects.get(key)
         return None if found is None else ObjectInfo(key, len(found[0]), found[1])
@@ -243,13 +295,19 @@ class MemoryObjectStore:
             yield ObjectInfo(key, len(data), mtime)
 
     def delete(self, key: str) -> None:
-        _check_key(key)
+        check_key(key)
         with self._lock:
             self._objects.pop(key, None)
 
 
 def open_object_store(url: str) -> ObjectStore:
-    """The backend for a URL: ``file:///abs/path`` (or a plain absolute path)."""
+    """The backend for a URL: ``file:///abs/path`` (or a plain absolute path),
+    ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
+
+    Cloud credentials and endpoints come from each SDK's standard chain (``AWS_*`` variables,
+    ``AWS_ENDPOINT_URL_S3``, config files, instance roles; Application Default Credentials,
+    ``STORAGE_EMULATOR_HOST``). A missing SDK is a ValueError that names the pip extra.
+    """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
         if parsed.netloc not in ("", "localhost"):
@@ -258,6 +316,34 @@ def open_object_store(url: str) -> ObjectStore:
         if not path.is_absolute():
             raise ValueError(f"backup path must be absolute, got {url!r}")
         return FileObjectStore(path, url if parsed.scheme else path.as_uri())
-    if parsed.scheme in ("gs", "s3"):
-        raise ValueError(f"{parsed.scheme}:// backups are not available in this build yet")
+    if parsed.scheme == "s3":
+        try:
+            from replicator.objectstore_s3 import S3ObjectStore
+        except ImportError as exc:
+            raise ValueError(
+                f"s3:// storage needs boto3: pip install 'mtc-replicator[s3]' ({exc})"
+            ) from None
+        return S3ObjectStore.from_url(url)
+    if parsed.scheme == "gs":
+        try:
+            from replicator.objectstore_gcs import GcsObjectStore
+        except ImportError as exc:
+            raise ValueError(
+                f"gs:// storage needs google-cloud-storage: pip install 'mtc-replicator[gcs]' "
+                f"({exc})"
+            ) from None
+        return GcsObjectStore.from_url(url)
     raise ValueError(f"unsupported storage URL {url!r}: use file://, gs:// or s3://")
+
+
+def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``scheme://bucket/prefix``; the prefix is "" or ends in "/"."""
+    parsed = urlparse(url)
+    if parsed.scheme != scheme or not parsed.netloc:
+        raise ValueError(f"expected {scheme}://bucket/prefix, got {url!r}")
+    if parsed.query or parsed.fragment or parsed.params:
+        raise ValueError(f"storage URL {url!r} must not have a query or fragment")
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_key(prefix)
+    return parsed.netloc, f"{prefix}/" if prefix else ""

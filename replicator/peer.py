@@ -30,6 +30,7 @@ from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator.contract import JOB_NAME_RE
 from replicator.logs import JobLog
 from replicator.manifest import CorruptItem, ItemId, Manifest, ManifestError
+from replicator.metrics import NO_METRICS, Metrics, TransferKind
 from replicator.store import LocalStore, StoreError
 from replicator.transfer import (
     Chunk,
@@ -192,8 +193,10 @@ class PeerClient:
         min_rate: float = 25e6,
         max_transfer_seconds: float = 3600.0,
         executor: Executor | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.timeout = timeout
+        self.metrics = metrics
         self.min_rate = min_rate
         self.max_transfer_seconds = max_transfer_seconds
         self._own_executor = executor is None
@@ -286,6 +289,8 @@ class PeerClient:
             f"({rate(response.bytes_received, dt):.1f} MB/s)",
             step=manifest.item.step,
         )
+        if not response.already_had:
+            self.metrics.transfer(TransferKind.REPLICATE_OUT, response.bytes_received, dt)
         return response.already_had
 
     async def pull_item(
@@ -346,6 +351,7 @@ class PeerClient:
             rate(nbytes, dt),
             step=item.step,
         )
+        self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
         return manifest
 
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:

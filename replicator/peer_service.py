@@ -28,6 +28,7 @@ from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.contract import JOB_NAME_RE
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from replicator.metrics import NO_METRICS, Metrics, TransferKind
 from replicator.peer import GO_AHEAD, chunks_of, fill_chunk, item_id, item_ref, rate
 from replicator.store import LocalStore, StoreError
 from replicator.transfer import (
@@ -118,6 +119,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         *,
         max_item_bytes: int | None = None,
         reserve_bytes: int = RESERVE_BYTES,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write."""
@@ -126,6 +128,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.accepts_job = accepts_job
         self.max_item_bytes = max_item_bytes
         self.reserve_bytes = reserve_bytes
+        self.metrics = metrics
         self._inflight: dict[ItemId, int] = {}
 
     def _room(self) -> int:
@@ -197,6 +200,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             rate(nbytes, dt),
             step=item.step,
         )
+        self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
         return pb.PushItemResponse(bytes_received=nbytes)
 
     async def PullItem(
@@ -235,6 +239,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 rate(manifest.total_bytes, dt),
                 step=item.step,
             )
+            self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
         except Exception as exc:
             await _abort(context, "PullItem", exc)
 

@@ -237,6 +237,7 @@ def plan_round(
     backups: Mapping[int, CommitRecord],
     *,
     exclude: Collection[SourceKey] = (),
+    only_step: int | None = None,
 ) -> RoundPlan | None:
     """The last-known-good step and where each of its items comes from; None: start fresh.
 
@@ -247,12 +248,15 @@ def plan_round(
     BACKUP equivalent. Among peers, first choices are spread so that the busiest holder
     serves as few items as possible (ties to the lower rank). ``exclude`` rules out copies
     that failed; re-planning then falls back to other sources or an older step.
+    ``only_step`` (an operator's restore pin) considers that step alone.
     """
     held = _index(config, inventories)
     excluded = frozenset(exclude)
     candidates: list[int] = []
     chosen: dict[ItemId, list[Fetch]] | None = None
     for step in _steps(config, held, backups):
+        if only_step is not None and step != only_step:
+            continue
         found = _step_sources(config, step, held, backups, excluded)
         if found is not None:
             candidates.append(step)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 READY_LINE = "daemon ready"
 _READY_RE = re.compile(rb"daemon ready:.* listen=(\S+) advertise=(\S+) backup=")
+_METRICS_RE = re.compile(rb"daemon ready:.* metrics=(\S+)")
 
 
 class DaemonProcess:
@@ -35,6 +36,8 @@ class DaemonProcess:
         self.listen: str | None = None
         """The gRPC address the daemon bound (its ``127.0.0.1:0`` resolved), once ready."""
         self.advertise: str | None = None
+        self.metrics: str | None = None
+        """Where the daemon serves ``/metrics`` (``--metrics``, port 0 resolved), once ready."""
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         args = [
@@ -58,9 +61,12 @@ class DaemonProcess:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             with self.log_path.open("rb") as f:
                 f.seek(start_offset)
-                ready = _READY_RE.search(f.read())
+                text = f.read()
+            ready = _READY_RE.search(text)
             if ready:
                 self.listen, self.advertise = (g.decode() for g in ready.groups())
+                metrics = _METRICS_RE.search(text)
+                self.metrics = metrics[1].decode() if metrics and metrics[1] != b"None" else None
                 return self
             time.sleep(0.05)
         raise TimeoutError(f"daemon not ready after {timeout}s:\n{self.log()}")

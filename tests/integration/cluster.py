@@ -15,6 +15,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from replicator.backup import BackupStore
+from replicator.objectstore import open_object_store
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     ERRORS,
@@ -47,6 +49,10 @@ class Cluster:
         self.backup.mkdir()
         self.has_backup = backup
         """Without a backup the shared directory serves only as the registry."""
+        self.backup_url = self.backup.as_uri()
+        """Where the daemons back up (and register): a bucket URL replaces the directory."""
+        self.env: dict[str, str] = {}
+        """Extra environment of the daemons (a bucket's endpoint and credentials)."""
         self.dirs = [root / f"node{r}" for r in range(NODES)]
         for d in self.dirs:
             d.mkdir()
@@ -55,12 +61,13 @@ class Cluster:
     def start(self, rank: int) -> DaemonProcess:
         daemon = DaemonProcess(
             self.dirs[rank],
-            backup=self.backup.as_uri() if self.has_backup else None,
+            backup=self.backup_url if self.has_backup else None,
             extra_args=(
                 *FAST,
-                *(() if self.has_backup else ("--registry", self.backup.as_uri())),
+                *(() if self.has_backup else ("--registry", self.backup_url)),
                 *self.extra,
             ),
+            env=self.env,
             log_path=self.root / f"node{rank}.log",
         )
         self.daemons[rank] = daemon.start()
@@ -162,11 +169,17 @@ class Cluster:
 
     def wait_backup(self, step: int) -> None:
         wait_until(
-            lambda: step in backup_commits(self.backup, self.job),
+            lambda: step in self.committed_backups(),
             f"backup COMMIT of step {step}",
             daemon=self.daemon(0),
             timeout=30,
         )
+
+    def committed_backups(self) -> set[int]:
+        """Steps with a COMMIT in the backup, read the way the daemons read it."""
+        if self.backup_url == self.backup.as_uri():
+            return backup_commits(self.backup, self.job)
+        return set(BackupStore(open_object_store(self.backup_url)).committed_steps(self.job))
 
     def restored(self, rank: int, step: int) -> Path:
         return self.dirs[rank] / f"{self.job}-s{step}-n{rank}-w0.restore"

@@ -17,6 +17,18 @@ import pytest
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import FAST_ARGS, mount_tmpfs, unmount
+from tests.storage_servers import (
+    S3_UNSET,
+    Bucket,
+    ServerProcess,
+    create_gcs_bucket,
+    create_s3_bucket,
+    gcs_env,
+    s3_env,
+    start_gcs_emulator,
+    start_moto,
+    unique_bucket_name,
+)
 
 DEFAULT_TMPFS = "256m"
 
@@ -112,3 +124,50 @@ def cluster(
             log = tmp_path / f"node{r}.log"
             if log.exists():
                 print(f"--- node {r} ---\n{log.read_text()[-6000:]}")
+
+
+# --- storage servers (tests/storage_servers.py): one process per session, a bucket per test --
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """moto's S3 server, a separate process shared by the session."""
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The GCS emulator (in memory), a separate process shared by the session."""
+    server = start_gcs_emulator(tmp_path_factory.mktemp("gcs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> Bucket:
+    """A fresh bucket on moto; this process's environment points boto3 at it."""
+    name = unique_bucket_name()
+    create_s3_bucket(moto_server.url, name)
+    env = s3_env(moto_server.url)
+    for key in S3_UNSET:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return Bucket(f"s3://{name}/backups", name, moto_server.url, env)
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> Bucket:
+    """A fresh bucket on the GCS emulator; this process's environment points the SDK at it."""
+    name = unique_bucket_name()
+    create_gcs_bucket(gcs_emulator.url, name)
+    env = gcs_env(gcs_emulator.url)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return Bucket(f"gs://{name}/backups", name, gcs_emulator.url, env)

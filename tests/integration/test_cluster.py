@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -219,3 +221,25 @@ def test_restart_orderings_converge_on_one_round(cluster: Cluster, order: list[i
         # The line is logged just after the markers appear: wait for it, then check them all.
         wait_until(lambda: len(rounds()) >= 2, f"rank {r}'s second round", daemon=cluster.daemon(r))
         assert rounds() == ["None", "5"], f"rank {r}: {rounds()}"
+
+
+def test_mtc_backups_restore_pins_the_next_round_to_an_older_backup(cluster: Cluster) -> None:
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    old = cluster.save(3)
+    cluster.wait_backup(3)
+    cluster.save(5)
+    cluster.wait_backup(5)
+    mtc = [sys.executable, "-m", "replicator.cli", "backups", "restore"]
+    args = [cluster.backup.as_uri(), "--job", cluster.job, "--step", "3", "--yes"]
+    done = subprocess.run([*mtc, *args], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    cluster.handshake([1, 2, 3, 0])
+    cluster.wait_markers(3)
+    assert_restored(cluster, 3, old)
+    # The pin served its round and is gone: the next restart is the usual last-known-good.
+    wait_until(
+        lambda: not (cluster.backup / "_control" / cluster.job / "restore-pin.json").exists(),
+        "the used pin removed",
+        daemon=cluster.daemon(0),
+    )

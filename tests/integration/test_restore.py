@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,6 +124,35 @@ def test_wiped_store_restores_newest_committed_backup(
     assert read_tree(marker) == payload(1, seed=job)
     assert read_tree(item_dir(ckpt, job, 1) / "data") == payload(1, seed=job)
     assert backup_commits(backup_dir, job) == {1}, "the daemon must not commit others' steps"
+
+
+def test_a_restore_pin_rolls_one_node_back_to_an_older_backup(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon(backup=backup_dir)
+    yaml_text = config_text(job, backup_interval_steps=1)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    for step in (1, 2):
+        make_step(ckpt, step, payload(step, seed=job))
+        wait_ingested(ckpt, job, step, daemon)
+        wait_until(
+            lambda s=step: s in backup_commits(backup_dir, job),
+            f"COMMIT of step {step}",
+            daemon=daemon,
+        )
+    mtc = [sys.executable, "-m", "replicator.cli", "backups", "restore", backup_dir.as_uri()]
+    done = subprocess.run(
+        [*mtc, "--job", job, "--step", "1", "--yes"], check=False, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+    write_yaml_atomic(ckpt, yaml_text)  # the job restarts
+    (marker,) = wait_markers(ckpt, job, 1, daemon)
+    assert read_tree(marker) == payload(1, seed=job)
+    # Step 2 would pass for the newest checkpoint at the next restart: rolled back with it.
+    assert stored_steps(ckpt, job) == {1}
+    assert not (backup_dir / "_control" / job / "restore-pin.json").exists()
 
 
 # --- corruption ------------------------------------------------------------------------------

@@ -266,3 +266,28 @@ def test_progress_reports_refresh_the_peer_addresses() -> None:
 def test_a_coordinator_that_was_not_resumed_refuses_unknown_ranks() -> None:
     c = JobCoordinator(config(), VIEW)
     assert c.report_progress(0, "s0", replicated_step=5, uploaded_step=None, now=1.0) is None
+
+
+def test_a_restore_pin_makes_the_round_use_the_pinned_step_once() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a", (5,))
+    release(c, "a")
+    backups = {3: CommitRecord(JOB, 3, {f"{r}-0": digest(r, 3) for r in range(4)}, 0.0)}
+    for r in range(4):  # every rank holds step 5 and 3 locally; the operator pinned 3
+        c.join(join(r, f"b{r}", own(r, 3, 5)), backups, pinned=3)
+    s = c.status(0, "b0")
+    assert s.step == 3
+    (fetches,) = s.assignments.values()
+    assert fetches[0].source is Source.LOCAL  # the local copy matches the committed digest
+    assert c.pin_consumed is None
+    release(c, "b")
+    assert c.pin_consumed == 3
+
+
+def test_a_pinned_step_nobody_can_serve_falls_back_to_the_newest() -> None:
+    c = JobCoordinator(config(), VIEW)
+    for r in range(4):  # step 3 is pinned but neither held nor in the backup listing
+        c.join(join(r, f"a{r}", own(r, 5)), {}, pinned=3)
+    assert c.status(0, "a0").step == 5
+    release(c, "a")
+    assert c.pin_consumed == 3  # used up all the same: it must not surprise a later restart

@@ -1,28 +1,44 @@
 """The ObjectStore contract, run against every backend that needs no server.
 
 ``FileObjectStore`` on ``tmp_path`` and ``MemoryObjectStore`` must behave alike; the cloud
-backends join this class (through their emulators) in the integration suite.
+backends run this same class against real servers in
+``tests/integration/test_objectstore_contract.py``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import google_crc32c
 import pytest
 
 from replicator import manifest as manifest_mod
 from replicator import objectstore as objectstore_mod
 from replicator.fsutil import TMP_PREFIX
 from replicator.objectstore import (
+    ChecksumMismatch,
     FileObjectStore,
     MemoryObjectStore,
     ObjectNotFound,
     ObjectStore,
     PreconditionFailed,
+    TransientError,
     open_object_store,
+    split_bucket_url,
 )
+from replicator.objectstore_transfer import (
+    b64_crc32c,
+    crc32c_b64,
+    upload_parts,
+    verified_chunks,
+)
+from replicator.retry import Backoff, RetryPolicy
 
 SMALL_CHUNK = 1000
 
@@ -75,6 +91,28 @@ class TestObjectStoreContract:
         src.write_bytes(b"two!")
         objects.put_file("k", src)
         assert objects.get_bytes("k") == b"two!"
+
+    def test_put_file_with_its_crc32c(self, objects: ObjectStore, tmp_path: Path) -> None:
+        data = os.urandom(SMALL_CHUNK * 3 + 7)
+        src = tmp_path / "src"
+        src.write_bytes(data)
+        objects.put_file("k", src, crc32c=google_crc32c.value(data))
+        assert objects.get_bytes("k") == data
+
+    def test_put_file_refuses_a_source_that_changed(
+        self, objects: ObjectStore, tmp_path: Path
+    ) -> None:
+        """A file that no longer matches its manifest's crc32c is never uploaded."""
+        objects.put_bytes("k", b"old")
+        src = tmp_path / "src"
+        src.write_bytes(os.urandom(SMALL_CHUNK * 3 + 7))
+        with pytest.raises(ChecksumMismatch, match="changed"):
+            objects.put_file("k", src, crc32c=google_crc32c.value(b"what the manifest saw"))
+        with pytest.raises(ChecksumMismatch):
+            objects.put_file("new", src, crc32c=0)
+        assert objects.get_bytes("k") == b"old"
+        assert objects.head("new") is None
+        assert [o.key for o in objects.list("")] == ["k"]  # no temp left behind
 
     def test_put_bytes_and_get_bytes(self, objects: ObjectStore) -> None:
         objects.put_bytes("a/b.json", b'{"x": 1}')
@@ -232,13 +270,143 @@ def test_open_relative_path_is_rejected(url: str) -> None:
         open_object_store(url)
 
 
-@pytest.mark.parametrize("url", ["gs://bucket/prefix", "s3://bucket/prefix"])
-def test_open_cloud_urls_say_not_available(url: str) -> None:
-    with pytest.raises(ValueError, match="not available in this build"):
+def test_open_s3_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("boto3")
+    from replicator.objectstore_s3 import S3ObjectStore
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens there
+    store = open_object_store("s3://bucket/some/prefix/")
+    assert isinstance(store, S3ObjectStore)
+    assert (store.bucket, store.prefix, store.url) == (
+        "bucket",
+        "some/prefix/",
+        "s3://bucket/some/prefix/",
+    )
+
+
+def test_open_gs_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("google.cloud.storage")
+    from replicator.objectstore_gcs import GcsObjectStore
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent")  # made on first use
+    store = open_object_store("gs://bucket")
+    assert isinstance(store, GcsObjectStore)
+    assert (store.bucket_name, store.prefix, store.url) == ("bucket", "", "gs://bucket")
+
+
+@pytest.mark.parametrize(
+    ("url", "module", "extra"),
+    [
+        ("s3://bucket/p", "boto3", "mtc-replicator[s3]"),
+        ("gs://bucket/p", "google.cloud", "mtc-replicator[gcs]"),
+    ],
+)
+def test_a_missing_sdk_names_the_extra(
+    url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # None makes the import fail
+    monkeypatch.delitem(sys.modules, "replicator.objectstore_s3", raising=False)
+    monkeypatch.delitem(sys.modules, "replicator.objectstore_gcs", raising=False)
+    with pytest.raises(ValueError, match=re.escape(extra)):
         open_object_store(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "scheme", "expected"),
+    [
+        ("s3://b", "s3", ("b", "")),
+        ("s3://b/", "s3", ("b", "")),
+        ("s3://b/p", "s3", ("b", "p/")),
+        ("gs://b/p/q/", "gs", ("b", "p/q/")),
+    ],
+)
+def test_split_bucket_url(url: str, scheme: str, expected: tuple[str, str]) -> None:
+    assert split_bucket_url(url, scheme) == expected
+
+
+@pytest.mark.parametrize(
+    "url", ["s3:///prefix", "gs://b/p", "s3://b/../x", "s3://b/p//q", "s3://b/p?x=1", "s3://b#f"]
+)
+def test_bad_bucket_urls_are_refused(url: str) -> None:
+    with pytest.raises(ValueError, match=r"expected|unsafe|query"):
+        split_bucket_url(url, "s3")
 
 
 @pytest.mark.parametrize("url", ["http://example.com/x", "ftp://host/x", "memory://"])
 def test_open_unknown_scheme_is_rejected(url: str) -> None:
     with pytest.raises(ValueError, match="unsupported storage URL"):
         open_object_store(url)
+
+
+# --- the cloud backends' shared transfer helpers (no server needed) ---------------------------
+
+
+def test_upload_parts_in_order_with_a_bounded_window(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    data = os.urandom(10 * 1000 + 1)
+    src.write_bytes(data)
+    lock = threading.Lock()
+    active = peak = 0
+
+    def upload(number: int, part: bytes) -> tuple[int, bytes]:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        time.sleep(0.01)  # long enough for parts to overlap if the window lets them
+        with lock:
+            active -= 1
+        return number, part
+
+    results, size, crc = upload_parts(src, 1000, 3, upload)
+    assert [n for n, _ in results] == list(range(1, 12))
+    assert b"".join(p for _, p in results) == data
+    assert (size, crc) == (len(data), google_crc32c.value(data))
+    assert 1 < peak <= 3
+
+
+def test_upload_parts_stops_reading_after_a_failure(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(100 * 1000))
+    started: list[int] = []
+
+    def upload(number: int, part: bytes) -> int:
+        started.append(number)
+        if number == 2:
+            raise TransientError("part 2 failed")
+        time.sleep(0.005)
+        return number
+
+    with pytest.raises(TransientError, match="part 2"):
+        upload_parts(src, 1000, 2, upload)
+    assert max(started) < 10  # not all 100 parts were read and sent
+
+
+def test_verified_chunks_resume_and_verify() -> None:
+    data = os.urandom(5000)
+    failures = [TransientError("reset")]
+
+    def open_at(offset: int) -> Iterator[bytes]:
+        for i in range(offset, len(data), 1000):
+            if i == 3000 and failures:
+                raise failures.pop()
+            yield data[i : i + 1000]
+
+    backoff = Backoff(RetryPolicy(first_delay=0.0), lambda e: True, sleep=lambda _: None)
+    got = verified_chunks(
+        open_at, what="k", size=len(data), crc32c=google_crc32c.value(data), backoff=backoff
+    )
+    assert b"".join(got) == data
+    with pytest.raises(ChecksumMismatch, match="crc32c"):
+        list(verified_chunks(open_at, what="k", size=len(data), crc32c=1, backoff=backoff))
+    with pytest.raises(ChecksumMismatch, match="5000 bytes"):
+        list(verified_chunks(open_at, what="k", size=6000, crc32c=None, backoff=backoff))
+
+
+def test_crc32c_wire_form() -> None:
+    crc = google_crc32c.value(b"hello")
+    assert b64_crc32c(crc32c_b64(crc)) == crc
+    assert crc32c_b64(0) == "AAAAAA=="
+    for bad in (None, "", "not base64!", "AAAA"):
+        assert b64_crc32c(bad) is None

@@ -5,14 +5,14 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMITTED = ROOT / "replicator" / "_pb"
 
 
-def _generator():  # type: ignore[no-untyped-def]
+def _generator() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
     assert spec is not None
     assert spec.loader is not None
@@ -22,19 +22,23 @@ def _generator():  # type: ignore[no-untyped-def]
     return module
 
 
-def test_stubs_are_current(tmp_path: Path) -> None:
+@pytest.mark.parametrize("package", ["replicator._pb", "csi._pb"])
+def test_stubs_are_current(tmp_path: Path, package: str) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is in the dev extra")
-    fresh = _generator().generate(tmp_path / "_pb")
+    gen = _generator()
+    (target,) = [t for t in gen.TARGETS if t.package == package]
+    committed = ROOT / target.directory
+    fresh = gen.generate(target, tmp_path / "_pb")
     fresh_rel = {p.relative_to(tmp_path / "_pb") for p in fresh}
     committed_rel = {
-        p.relative_to(COMMITTED)
-        for p in COMMITTED.rglob("*")
+        p.relative_to(committed)
+        for p in committed.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
-    assert fresh_rel == committed_rel, "run scripts/gen_protos.py and commit replicator/_pb"
+    assert fresh_rel == committed_rel, f"run scripts/gen_protos.py and commit {target.directory}"
     for rel in sorted(fresh_rel):
-        assert (tmp_path / "_pb" / rel).read_text() == (COMMITTED / rel).read_text(), (
-            f"replicator/_pb/{rel} is stale: run scripts/gen_protos.py"
+        assert (tmp_path / "_pb" / rel).read_text() == (committed / rel).read_text(), (
+            f"{target.directory}/{rel} is stale: run scripts/gen_protos.py"
         )
 
 
@@ -43,4 +47,29 @@ def test_stubs_import_without_a_top_level_proto_package() -> None:
 
     assert peer_pb2.DESCRIPTOR.package == "mtc.v1"
     assert hasattr(peer_pb2_grpc, "PeerServicer")
+    assert "proto" not in sys.modules
+
+
+def test_csi_stubs_keep_the_spec_package_and_field_numbers() -> None:
+    """Kubelet sends csi.v1 messages: the names and numbers must be the spec's (v1.12.0)."""
+    from csi._pb.csi.v1 import csi_pb2, csi_pb2_grpc
+
+    assert csi_pb2.DESCRIPTOR.package == "csi.v1"
+    assert hasattr(csi_pb2_grpc, "NodeServicer")
+    publish = csi_pb2.NodePublishVolumeRequest.DESCRIPTOR.fields_by_name
+    numbers = {name: field.number for name, field in publish.items()}
+    assert numbers == {
+        "volume_id": 1,
+        "target_path": 4,
+        "volume_capability": 5,
+        "readonly": 6,
+        "volume_context": 8,
+    }
+    capability = csi_pb2.VolumeCapability.DESCRIPTOR.fields_by_name
+    assert {n: f.number for n, f in capability.items()} == {
+        "block": 1,
+        "mount": 2,
+        "access_mode": 3,
+    }
+    assert csi_pb2.ProbeResponse.DESCRIPTOR.fields_by_name["ready"].number == 1
     assert "proto" not in sys.modules

@@ -1,0 +1,184 @@
+"""``mtc-csi``: the CSI node plugin process. Owns the process lifecycle.
+
+Start: parse flags (each also from the environment, the DaemonSet's way), make sure the RAM
+disk is mounted, serve Identity and Node on the unix socket kubelet dials. SIGTERM or SIGINT:
+stop taking calls, give calls in flight a grace period, exit 0. The RAM disk stays mounted:
+it holds the node's checkpoints, and the next plugin reuses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from csi.errors import RamDiskError
+from csi.metrics import NO_CALL_METRICS, PrometheusCallMetrics
+from csi.mounter import Mounter, SystemMounter
+from csi.node import NodeVolumes
+from csi.quantity import SizeError, format_size, parse_size
+from csi.ramdisk import ensure_ram_disk
+from csi.server import CsiServer, EndpointError, parse_endpoint
+from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
+from replicator import __version__
+from replicator.logs import configure as configure_logging
+from replicator.metrics import MetricsError, MetricsServer, serve, split_address
+
+log = logging.getLogger("csi.plugin")
+
+READY_LINE = "csi plugin ready"
+GRACE_SECONDS = 5.0
+"""How long a mount in flight may finish after SIGTERM; kubelet retries whatever is cut."""
+EXIT_STARTUP_FAILED = 3
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    socket_path: Path
+    node_id: str
+    ram_dir: Path
+    ram_size: int
+    """Bytes."""
+    driver_name: str = DEFAULT_DRIVER_NAME
+    log_level: str = "INFO"
+    metrics: str | None = None
+    """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> PluginOptions:
+    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog="mtc-csi", description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--endpoint",
+        default=env.get("CSI_ENDPOINT"),
+        help="unix socket to serve, unix:///csi/csi.sock [CSI_ENDPOINT]",
+    )
+    p.add_argument(
+        "--node-id",
+        default=env.get("NODE_NAME"),
+        help="this node's name, as NodeGetInfo reports it [NODE_NAME]",
+    )
+    p.add_argument(
+        "--ram-dir",
+        type=Path,
+        default=env.get("MTC_RAM_DIR"),
+        help="host path of the RAM disk (a tmpfs, mounted if it is not) [MTC_RAM_DIR]",
+    )
+    p.add_argument(
+        "--ram-size",
+        default=env.get("MTC_RAM_SIZE"),
+        help="RAM disk size: 64Gi, 512Mi, 1G or bytes [MTC_RAM_SIZE]",
+    )
+    p.add_argument(
+        "--driver-name",
+        default=env.get("MTC_CSI_DRIVER_NAME", DEFAULT_DRIVER_NAME),
+        help=f"CSI driver name, as the CSIDriver object names it (default {DEFAULT_DRIVER_NAME})"
+        " [MTC_CSI_DRIVER_NAME]",
+    )
+    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--metrics",
+        default=env.get("MTC_CSI_METRICS") or None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default "
+        "[MTC_CSI_METRICS]",
+    )
+    p.add_argument("--version", action="version", version=__version__)
+    a = p.parse_args(argv)
+    for flag, variable in (
+        ("endpoint", "CSI_ENDPOINT"),
+        ("node_id", "NODE_NAME"),
+        ("ram_dir", "MTC_RAM_DIR"),
+        ("ram_size", "MTC_RAM_SIZE"),
+    ):
+        if not getattr(a, flag):
+            p.error(f"--{flag.replace('_', '-')} (or {variable}) is required")
+    try:
+        socket_path = parse_endpoint(a.endpoint)
+        ram_size = parse_size(a.ram_size)
+        if a.metrics is not None:
+            split_address(a.metrics)
+    except (EndpointError, SizeError, ValueError) as exc:
+        p.error(str(exc))
+    if not a.ram_dir.is_absolute():
+        p.error(f"--ram-dir must be an absolute path, got {a.ram_dir}")
+    return PluginOptions(
+        socket_path=socket_path,
+        node_id=a.node_id,
+        ram_dir=Path(os.path.normpath(a.ram_dir)),
+        ram_size=ram_size,
+        driver_name=a.driver_name,
+        log_level=a.log_level,
+        metrics=a.metrics,
+    )
+
+
+def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
+    """Serve until ``stop`` is set; the process exit code."""
+    try:
+        ram = ensure_ram_disk(mounter, opts.ram_dir, opts.ram_size)
+    except RamDiskError as exc:
+        log.error("%s", exc)
+        return EXIT_STARTUP_FAILED
+    volumes = NodeVolumes(mounter, opts.ram_dir)
+    metrics = PrometheusCallMetrics() if opts.metrics else None
+    server = CsiServer(opts.socket_path, metrics=metrics or NO_CALL_METRICS)
+    server.add(IdentityServicer(opts.driver_name, __version__, volumes).register)
+    server.add(NodeServicer(volumes, opts.node_id).register)
+    metrics_server: MetricsServer | None = None
+    try:
+        if metrics is not None and opts.metrics is not None:
+            metrics_server = serve(metrics.registry, opts.metrics)
+        server.start()
+    except (EndpointError, MetricsError) as exc:
+        log.error("%s", exc)
+        if metrics_server is not None:
+            metrics_server.close()
+        return EXIT_STARTUP_FAILED
+    log.info(
+        "%s: endpoint=unix://%s driver=%s node=%s ram-dir=%s ram-device=%s version=%s metrics=%s",
+        READY_LINE,
+        opts.socket_path,
+        opts.driver_name,
+        opts.node_id,
+        opts.ram_dir,
+        ram.device,
+        __version__,
+        metrics_server.address if metrics_server else None,
+    )
+    try:
+        stop.wait()
+    finally:
+        log.info("stopping (grace %.0fs)", GRACE_SECONDS)
+        server.stop(GRACE_SECONDS)
+        if metrics_server is not None:
+            metrics_server.close()
+        log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    configure_logging(opts.log_level)
+    log.info(
+        "starting mtc-csi %s: ram-dir=%s ram-size=%s",
+        __version__,
+        opts.ram_dir,
+        format_size(opts.ram_size),
+    )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return run(opts, SystemMounter(), stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

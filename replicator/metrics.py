@@ -1,0 +1,334 @@
+"""Prometheus metrics of one daemon: what the code reports, and the ``/metrics`` endpoint.
+
+``Metrics`` is the interface the daemon's code calls, one line per event; as it is, it does
+nothing, so a daemon started without ``--metrics`` pays one method call per event.
+``PrometheusMetrics`` records on its own ``CollectorRegistry`` (never the process-global
+one, so tests can make several), and ``serve`` exposes a registry over HTTP from a thread.
+No I/O except in ``serve``.
+
+Labels stay few and bounded: a transfer or error kind, a tier, an outcome, and the job a
+daemon serves now (the series of a job go when the daemon accepts another job). Step
+numbers are values, never labels.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_wsgi_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+
+class TransferKind(StrEnum):
+    """Which way an item's bytes moved (``mtc_transfer_*{kind}``)."""
+
+    INGEST = "ingest"
+    """A step taken from the workload and hashed into the store."""
+    REPLICATE_OUT = "replicate_out"
+    """A push of an own item to a peer."""
+    REPLICATE_IN = "replicate_in"
+    """A peer's push received, verified and committed here."""
+    RESTORE_LOCAL = "restore_local"
+    """A local item re-read and verified for a restore."""
+    RESTORE_PEER = "restore_peer"
+    """An item pulled from a peer for a restore."""
+    RESTORE_BACKUP = "restore_backup"
+    """An item downloaded from the backup for a restore."""
+    BACKUP_UPLOAD = "backup_upload"
+    """A step's items uploaded to the backup."""
+    SERVE_PULL = "serve_pull"
+    """An item sent to a peer that restores from this node."""
+
+
+class ErrorKind(StrEnum):
+    """What a reported problem was about (``mtc_errors_total{kind}``)."""
+
+    INGEST = "ingest"
+    REPLICATION = "replication"
+    BACKUP = "backup"
+    RESTORE = "restore"
+    CONFIG = "config"
+    OTHER = "other"
+
+
+class StepTier(StrEnum):
+    """``mtc_newest_step{tier}``."""
+
+    COMMITTED = "committed"
+    REPLICATED = "replicated"
+    BACKUP = "backup"
+
+
+class RestoreTier(StrEnum):
+    """``mtc_newest_restorable_*{tier}``."""
+
+    LOCAL = "local"
+    CLUSTER = "cluster"
+    BACKUP = "backup"
+
+
+class RoundOutcome(StrEnum):
+    RESTORED = "restored"
+    FRESH = "fresh"
+    FAILED = "failed"
+
+
+TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+RESTORE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
+"""Seconds. Clients give up on a restore after 300 s, so the upper buckets mean trouble."""
+
+NewestSteps = dict[tuple[str, StepTier], int]
+"""(job, tier) -> newest step."""
+Restorable = dict[tuple[str, RestoreTier], tuple[int, float]]
+"""(job, tier) -> (newest restorable step, Unix time since which it is restorable there)."""
+JobState = tuple[NewestSteps, Restorable]
+
+
+class Metrics:
+    """What the daemon reports; this base class records nothing (no ``--metrics``)."""
+
+    def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
+        """One item (or a step's items) moved: ``nbytes`` in ``seconds``."""
+
+    def error(self, kind: ErrorKind) -> None:
+        """A problem was reported (logged and written to ``replicator.errors``)."""
+
+    def serving(self, job: str) -> None:
+        """The daemon serves ``job`` now: the series of any other job go."""
+
+    def committed(self, job: str, step: int | None) -> None:
+        """The newest step complete in the local store (None: none is)."""
+
+    def replicated(self, job: str, step: int | None) -> None:
+        """The newest own step every replication target holds (None: unknown, unchanged)."""
+
+    def cluster_restorable(self, job: str, step: int | None) -> None:
+        """The cluster's restorable step, as the coordinator last said (None: unchanged)."""
+
+    def backed_up(self, job: str, step: int, created: float | None) -> None:
+        """A committed backup of ``step``, its ``COMMIT`` written at ``created`` (Unix
+        seconds); None: not committed (yet), nothing to record."""
+
+    def restore_done(self, job: str, step: int | None, seconds: float) -> None:
+        """Markers published after ``seconds``: ``step`` restored, or None: a fresh start."""
+
+    def restore_failed(self, job: str, seconds: float) -> None:
+        """The restore could not complete (``replicator.failed`` was written)."""
+
+
+NO_METRICS = Metrics()
+"""The default everywhere: records nothing."""
+
+
+class PrometheusMetrics(Metrics):
+    """Records into ``registry`` (a new one by default); ``clock`` is wall time, for ages."""
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._job: str | None = None
+        self._steps: NewestSteps = {}
+        self._restorable: Restorable = {}
+        r = self.registry
+        self._bytes = Counter(
+            "mtc_transfer_bytes", "Bytes moved, by transfer kind.", ["kind"], registry=r
+        )
+        self._seconds = Histogram(
+            "mtc_transfer_seconds",
+            "Duration of each transfer, by kind.",
+            ["kind"],
+            registry=r,
+            buckets=TRANSFER_BUCKETS,
+        )
+        self._errors = Counter(
+            "mtc_errors", "Problems reported to the workload, by kind.", ["kind"], registry=r
+        )
+        self._rounds = Counter(
+            "mtc_restore_rounds", "Restores, by outcome.", ["job", "outcome"], registry=r
+        )
+        self._restore_seconds = Histogram(
+            "mtc_restore_seconds",
+            "Duration of each restore, from its start to the markers (or the failure).",
+            ["outcome"],
+            registry=r,
+            buckets=RESTORE_BUCKETS,
+        )
+        # Every bounded label value exists from the start: rate() needs the zero.
+        for transfer in TransferKind:
+            self._bytes.labels(transfer.value)
+            self._seconds.labels(transfer.value)
+        for error in ErrorKind:
+            self._errors.labels(error.value)
+        for outcome in RoundOutcome:
+            self._restore_seconds.labels(outcome.value)
+        r.register(_JobStateCollector(self.job_state, clock))
+
+    def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
+        self._bytes.labels(kind.value).inc(max(nbytes, 0))
+        self._seconds.labels(kind.value).observe(max(seconds, 0.0))
+
+    def error(self, kind: ErrorKind) -> None:
+        self._errors.labels(kind.value).inc()
+
+    def serving(self, job: str) -> None:
+        with self._lock:
+            self._adopt(job)
+
+    def _adopt(self, job: str) -> None:
+        """Forget another job's series (under the lock); bounded: one job at a time."""
+        if self._job == job:
+            return
+        if self._job is not None:
+            for outcome in RoundOutcome:
+                self._rounds.remove(self._job, outcome.value)
+        self._job = job
+        self._steps = {k: v for k, v in self._steps.items() if k[0] == job}
+        self._restorable = {k: v for k, v in self._restorable.items() if k[0] == job}
+        for outcome in RoundOutcome:
+            self._rounds.labels(job, outcome.value)
+
+    def _set_restorable(self, job: str, tier: RestoreTier, step: int, since: float) -> None:
+        held = self._restorable.get((job, tier))
+        if held is None or held[0] != step:
+            self._restorable[(job, tier)] = (step, since)
+
+    def committed(self, job: str, step: int | None) -> None:
+        with self._lock:
+            self._adopt(job)
+            if step is None:
+                self._steps.pop((job, StepTier.COMMITTED), None)
+                self._restorable.pop((job, RestoreTier.LOCAL), None)
+                return
+            self._steps[(job, StepTier.COMMITTED)] = step
+            self._set_restorable(job, RestoreTier.LOCAL, step, self._clock())
+
+    def replicated(self, job: str, step: int | None) -> None:
+        if step is None:
+            return
+        with self._lock:
+            self._adopt(job)
+            self._steps[(job, StepTier.REPLICATED)] = step
+
+    def cluster_restorable(self, job: str, step: int | None) -> None:
+        if step is None:
+            return
+        with self._lock:
+            self._adopt(job)
+            self._set_restorable(job, RestoreTier.CLUSTER, step, self._clock())
+
+    def backed_up(self, job: str, step: int, created: float | None) -> None:
+        if created is None:
+            return
+        with self._lock:
+            self._adopt(job)
+            newest = self._steps.get((job, StepTier.BACKUP))
+            if newest is not None and step <= newest:
+                return  # backups only ever get newer; a listing may lag a commit
+            self._steps[(job, StepTier.BACKUP)] = step
+            self._restorable[(job, RestoreTier.BACKUP)] = (step, created)
+
+    def restore_done(self, job: str, step: int | None, seconds: float) -> None:
+        self._round(job, RoundOutcome.FRESH if step is None else RoundOutcome.RESTORED, seconds)
+
+    def restore_failed(self, job: str, seconds: float) -> None:
+        self._round(job, RoundOutcome.FAILED, seconds)
+
+    def _round(self, job: str, outcome: RoundOutcome, seconds: float) -> None:
+        with self._lock:
+            self._adopt(job)
+            self._rounds.labels(job, outcome.value).inc()
+        self._restore_seconds.labels(outcome.value).observe(max(seconds, 0.0))
+
+    def job_state(self) -> JobState:
+        """A copy of the per-job state: newest steps, and restorable steps with since when."""
+        with self._lock:
+            return dict(self._steps), dict(self._restorable)
+
+
+class _JobStateCollector:
+    """The per-job gauges, computed at scrape time (ages are relative to the scrape)."""
+
+    def __init__(self, state: Callable[[], JobState], clock: Callable[[], float]) -> None:
+        self._state = state
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        steps, restorable = self._state()
+        now = self._clock()
+        newest = GaugeMetricFamily(
+            "mtc_newest_step",
+            "Newest step of the job committed here, replicated to this rank's peers, "
+            "or committed in the backup.",
+            labels=["job", "tier"],
+        )
+        for (job, step_tier), step in sorted(steps.items()):
+            newest.add_metric([job, step_tier.value], step)
+        step_of = GaugeMetricFamily(
+            "mtc_newest_restorable_step",
+            "Newest step restorable from the tier.",
+            labels=["job", "tier"],
+        )
+        since = GaugeMetricFamily(
+            "mtc_newest_restorable_timestamp_seconds",
+            "Unix time since which the newest restorable step is restorable from the tier.",
+            labels=["job", "tier"],
+        )
+        age = GaugeMetricFamily(
+            "mtc_newest_restorable_age_seconds",
+            "Seconds since the newest restorable step became restorable from the tier.",
+            labels=["job", "tier"],
+        )
+        for (job, tier), (step, at) in sorted(restorable.items()):
+            step_of.add_metric([job, tier.value], step)
+            since.add_metric([job, tier.value], at)
+            age.add_metric([job, tier.value], max(now - at, 0.0))
+        yield from (newest, step_of, since, age)
+
+
+# --- the endpoint -------------------------------------------------------------------------------
+
+
+class MetricsError(Exception):
+    """The metrics endpoint cannot be served (a bad address, or the port is taken)."""
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:9464`` for IPv6) as (host, port); raises ``ValueError``."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+@dataclass
+class MetricsServer:
+    """``/metrics`` served over HTTP by a daemon thread; ``address`` has the bound port."""
+
+    address: str
+    _httpd: WSGIServer
+    _thread: threading.Thread
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout)
+
+
+def serve(registry: CollectorRegistry, address: str) -> MetricsServer:
+    """Serve ``registry`` at ``http://address/metrics`` (port 0: a free port)."""
+    try:
+        host, port = split_address(address)
+        httpd, thread = start_wsgi_server(port, host, registry)
+    except (ValueError, OSError) as exc:
+        raise MetricsError(f"cannot serve metrics on {address}: {exc}") from None
+    shown = f"[{host}]" if ":" in host else host
+    return MetricsServer(f"{shown}:{httpd.server_port}", httpd, thread)

@@ -1,0 +1,112 @@
+"""Fixtures for the CSI plugin tests: a gRPC client on a unix socket, a mount sandbox that is
+always unmounted at teardown, and real plugin processes that are always stopped.
+
+Tests that mount need root (CAP_SYS_ADMIN); they skip elsewhere with a reason. Everything else
+runs as any user against ``MemoryMounter``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from csi._pb.csi.v1 import csi_pb2_grpc
+from csi.mounter import SystemMounter
+from csi.mountinfo import mounts_below
+from tests.csi.plugin_process import PluginProcess
+
+requires_root = pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="mounts a tmpfs and bind mounts, which needs root (CAP_SYS_ADMIN); "
+    "the MemoryMounter tests cover the same logic without it",
+)
+
+
+class CsiClient:
+    """Identity and Node stubs over one channel to a unix socket."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.channel = grpc.insecure_channel(f"unix://{socket_path}")
+        self.identity = csi_pb2_grpc.IdentityStub(self.channel)  # type: ignore[no-untyped-call]
+        self.node = csi_pb2_grpc.NodeStub(self.channel)  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@pytest.fixture
+def connect() -> Iterator[Callable[[Path], CsiClient]]:
+    """``connect(socket_path)``: a client, closed at teardown."""
+    clients: list[CsiClient] = []
+
+    def make(socket_path: Path) -> CsiClient:
+        client = CsiClient(socket_path)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.close()
+
+
+def unmount_all_below(path: Path) -> None:
+    """Lazily unmount every mount at or below ``path``, deepest first; never raises."""
+    for _ in range(5):  # stacked mounts show up one layer per pass
+        try:
+            mounts = mounts_below(SystemMounter().mounts(), str(path))
+        except OSError:
+            return
+        if not mounts:
+            return
+        for mount in mounts:
+            subprocess.run(["umount", "-l", mount.mount_point], capture_output=True, check=False)
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Iterator[Path]:
+    """A directory for real mounts (root only); whatever is mounted below it is lazily
+    unmounted at teardown, even when the test failed half-way."""
+    if os.geteuid() != 0:
+        pytest.skip("real mounts need root (CAP_SYS_ADMIN)")
+    path = tmp_path / "s"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        unmount_all_below(path)
+
+
+StartPlugin = Callable[..., PluginProcess]
+
+
+@pytest.fixture
+def start_plugin(sandbox: Path) -> Iterator[StartPlugin]:
+    """``start_plugin(ram_size="64Mi")``: a real plugin on ``sandbox``/csi.sock with its RAM
+    disk at ``sandbox``/ram. Every process is stopped (killed if it hangs) before the
+    sandbox is unmounted, and the log is printed so a failure shows what it did."""
+    started: list[PluginProcess] = []
+
+    def start(ram_size: str = "64Mi", *, wait: bool = True) -> PluginProcess:
+        plugin = PluginProcess(
+            socket_path=sandbox / "csi.sock",
+            ram_dir=sandbox / "ram",
+            ram_size=ram_size,
+            log_path=sandbox.parent / "plugin.log",
+        )
+        started.append(plugin)
+        return plugin.start() if wait else plugin
+
+    yield start
+    for plugin in started:
+        if plugin.running:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                plugin.stop(timeout=10)
+    if started:
+        log = started[0].log_path.read_text(errors="replace")
+        print(f"--- plugin log {started[0].log_path} ---\n{log[-20000:]}")

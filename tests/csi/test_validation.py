@@ -1,0 +1,102 @@
+"""NodePublishVolume / NodeUnpublishVolume validation: the spec's order, clear messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from csi._pb.csi.v1 import csi_pb2 as pb
+from csi.errors import InvalidRequest
+from csi.validation import EPHEMERAL_KEY, Publish, Unpublish, validate_publish, validate_unpublish
+
+Mode = pb.VolumeCapability.AccessMode
+
+MOUNT = pb.VolumeCapability(
+    mount=pb.VolumeCapability.MountVolume(), access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER)
+)
+BLOCK = pb.VolumeCapability(
+    block=pb.VolumeCapability.BlockVolume(), access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER)
+)
+EPHEMERAL = {EPHEMERAL_KEY: "true", "csi.storage.k8s.io/pod.name": "trainer-0"}
+TARGET = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/ckpt/mount"
+
+
+def publish(**fields: object) -> pb.NodePublishVolumeRequest:
+    base: dict[str, object] = {
+        "volume_id": "csi-abc",
+        "target_path": TARGET,
+        "volume_capability": MOUNT,
+        "volume_context": EPHEMERAL,
+    }
+    base.update(fields)
+    return pb.NodePublishVolumeRequest(**{k: v for k, v in base.items() if v is not None})
+
+
+def test_a_kubelet_request_passes() -> None:
+    assert validate_publish(publish()) == Publish("csi-abc", Path(TARGET), readonly=False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        # Each case breaks everything after its own field too: the first check must win.
+        ({"volume_id": None, "target_path": None, "volume_capability": BLOCK}, "volume_id"),
+        ({"target_path": None, "volume_capability": BLOCK, "volume_context": {}}, "target_path"),
+        ({"target_path": "relative/mount", "volume_capability": None}, "absolute"),
+        ({"target_path": "/a/\0b"}, "absolute"),
+        ({"volume_capability": None, "volume_context": {}}, "volume_capability is required"),
+        ({"volume_capability": BLOCK, "volume_context": {}}, "block access"),
+        ({"volume_capability": pb.VolumeCapability()}, "mount access"),
+        ({"volume_context": {}}, "ephemeral"),
+        ({"volume_context": {EPHEMERAL_KEY: "false"}}, "ephemeral"),
+        ({"volume_context": {EPHEMERAL_KEY: "True"}}, "ephemeral"),
+    ],
+)
+def test_checks_in_the_specs_order(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        validate_publish(publish(**fields))
+
+
+def test_an_unset_capability_is_told_apart_from_an_empty_one() -> None:
+    request = publish(volume_capability=None)
+    assert request.volume_capability is not None  # protobuf hands out a default instance
+    with pytest.raises(InvalidRequest, match="volume_capability is required"):
+        validate_publish(request)
+
+
+@pytest.mark.parametrize(
+    ("readonly", "mode", "expected"),
+    [
+        (False, Mode.SINGLE_NODE_WRITER, False),
+        (True, Mode.SINGLE_NODE_WRITER, True),
+        (False, Mode.SINGLE_NODE_READER_ONLY, True),
+        (False, Mode.MULTI_NODE_READER_ONLY, True),
+        (False, Mode.MULTI_NODE_MULTI_WRITER, False),
+        (False, Mode.UNKNOWN, False),
+    ],
+)
+def test_read_only_from_the_flag_or_the_access_mode(
+    readonly: bool, mode: pb.VolumeCapability.AccessMode.Mode, expected: bool
+) -> None:
+    capability = pb.VolumeCapability(
+        mount=pb.VolumeCapability.MountVolume(), access_mode=Mode(mode=mode)
+    )
+    result = validate_publish(publish(readonly=readonly, volume_capability=capability))
+    assert result.readonly is expected
+
+
+def test_target_paths_are_normalised() -> None:
+    assert validate_publish(publish(target_path=TARGET + "/")).target == Path(TARGET)
+    assert validate_publish(publish(target_path="/a//b/./c")).target == Path("/a/b/c")
+
+
+def test_unpublish() -> None:
+    request = pb.NodeUnpublishVolumeRequest(volume_id="csi-abc", target_path=TARGET)
+    assert validate_unpublish(request) == Unpublish("csi-abc", Path(TARGET))
+    with pytest.raises(InvalidRequest, match="volume_id"):
+        validate_unpublish(pb.NodeUnpublishVolumeRequest())
+    with pytest.raises(InvalidRequest, match="target_path is required"):
+        validate_unpublish(pb.NodeUnpublishVolumeRequest(volume_id="csi-abc"))
+    with pytest.raises(InvalidRequest, match="absolute"):
+        validate_unpublish(pb.NodeUnpublishVolumeRequest(volume_id="v", target_path="x"))

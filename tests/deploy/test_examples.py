@@ -1,0 +1,52 @@
+"""The example JobSet is a valid workload that mounts our volume the way the contract needs."""
+
+from __future__ import annotations
+
+import yaml
+
+from replicator import render
+from tests.deploy.k8s import DEPLOY, Obj, container, env, validate
+
+JOBSET = DEPLOY / "examples" / "jobset.yaml"
+
+
+def _pod_spec() -> Obj:
+    jobset = yaml.safe_load(JOBSET.read_text())
+    (rj,) = jobset["spec"]["replicatedJobs"]
+    spec: Obj = rj["template"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_jobset_is_valid() -> None:
+    jobset = yaml.safe_load(JOBSET.read_text())
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
+    validate(jobset)  # its Job templates, against batch/v1
+
+
+def test_jobset_mounts_the_ram_disk_as_an_inline_csi_volume() -> None:
+    pod = _pod_spec()
+    (volume,) = pod["volumes"]
+    driver = yaml.safe_load((DEPLOY / "base" / "csidriver.yaml").read_text())["metadata"]["name"]
+    assert volume["csi"] == {"driver": driver}
+    trainer = container(pod, "trainer")
+    (mount,) = trainer["volumeMounts"]
+    assert mount == {"name": volume["name"], "mountPath": env(trainer)["MTC_CHECKPOINT_DIR"]}
+
+
+def test_jobset_gives_the_client_what_replicator_yaml_needs() -> None:
+    jobset = yaml.safe_load(JOBSET.read_text())
+    (rj,) = jobset["spec"]["replicatedJobs"]
+    job = rj["template"]["spec"]
+    e = env(container(_pod_spec(), "trainer"))
+    # nodes = slices x nodes per slice; one pod per node, ranks from the indexes.
+    assert job["completionMode"] == "Indexed"
+    assert int(e["NUM_SLICES"]) == rj["replicas"]
+    assert int(e["NODES_PER_SLICE"]) == job["parallelism"] == job["completions"]
+    assert int(e["NNODES"]) == rj["replicas"] * job["parallelism"]
+    assert e["MTC_JOB_NAME"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"}
+    }
+    command = " ".join(container(_pod_spec(), "trainer")["command"])
+    assert "NODE_RANK=$((SLICE_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX))" in command
+    # The replicator moves what the trainer writes: same uid as the default configuration.
+    assert _pod_spec()["securityContext"]["runAsUser"] == render.WORKLOAD_UID

@@ -1,0 +1,436 @@
+"""``mtc render``: field mapping, errors that name the field, agreement with the CRD's schema
+and with deploy/base, and the CLI wrapper."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from replicator import cli, render
+from tests.deploy.k8s import (
+    DEPLOY,
+    Obj,
+    container,
+    cr_errors,
+    crd,
+    kustomize,
+    load_all,
+    name_of,
+    only,
+    validate,
+)
+
+EXAMPLE = DEPLOY / "examples" / "checkpointconfiguration.yaml"
+
+
+def cr(**spec: Any) -> Obj:
+    """A minimal valid configuration with ``spec`` fields replaced (None deletes one)."""
+    base: Obj = {
+        "apiVersion": render.API_VERSION,
+        "kind": render.KIND,
+        "metadata": {"name": "default", "namespace": "mtc-system"},
+        "spec": {"backupUrl": "gs://ckpt-bucket/mtc", "inMemoryVolumeSize": "50Gi"},
+    }
+    for key, value in spec.items():
+        if value is None:
+            base["spec"].pop(key, None)
+        else:
+            base["spec"][key] = value
+    return base
+
+
+def _pod(objs: list[Obj]) -> Obj:
+    spec: Obj = only(objs, "DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+# --- mapping -------------------------------------------------------------------------------
+
+
+def test_example_renders_valid_manifests() -> None:
+    objs = render.render(yaml.safe_load(EXAMPLE.read_text()))
+    assert [o["kind"] for o in objs] == [
+        "Namespace",
+        "PriorityClass",
+        "CSIDriver",
+        "ServiceAccount",
+        "ConfigMap",
+        "DaemonSet",
+    ]
+    for obj in objs:
+        validate(obj)
+
+
+def test_defaults() -> None:
+    config = render.parse(cr())
+    assert config.namespace == "mtc-system"
+    objs = render.manifests(config)
+    assert only(objs, "ConfigMap")["data"] == {
+        "MTC_LOG_LEVEL": "INFO",
+        "MTC_RAM_SIZE": "50Gi",
+        "MTC_BACKUP": "gs://ckpt-bucket/mtc",
+    }
+    pod = _pod(objs)
+    assert pod["tolerations"] == [dict(t) for t in render.DEFAULT_TOLERATIONS]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    replicator = container(pod, "replicator")
+    assert replicator["image"] == container(pod, "csi-plugin")["image"] == render.DEFAULT_IMAGE
+    assert replicator["securityContext"]["runAsUser"] == render.WORKLOAD_UID
+    assert replicator["securityContext"]["runAsNonRoot"] is True
+    assert {"secretRef": {"name": "mtc-backup-credentials", "optional": True}} in replicator[
+        "envFrom"
+    ]
+    assert "annotations" not in only(objs, "ServiceAccount")["metadata"]
+
+
+def test_every_field_maps() -> None:
+    objs = render.render(
+        cr(
+            backupUrl="s3://ckpt-bucket/prefix/a",
+            registryUrl="s3://registry-bucket",
+            inMemoryVolumeSize="1.5Ti",
+            nodeSelector={"pool": "a100"},
+            tolerations=[{"key": "dedicated", "operator": "Equal", "value": "ml"}],
+            image="registry.example.com/mtc:1",
+            imagePullPolicy="Always",
+            runAsUser=0,
+            runAsGroup=0,
+            logLevel="DEBUG",
+            s3={"endpointUrl": "https://minio.example.com:9000", "region": "eu-west-1"},
+            credentialsSecretName="minio-keys",
+            serviceAccountAnnotations={"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"},
+        )
+    )
+    for obj in objs:
+        validate(obj)
+    assert only(objs, "ConfigMap")["data"] == {
+        "MTC_LOG_LEVEL": "DEBUG",
+        "MTC_RAM_SIZE": "1.5Ti",
+        "MTC_BACKUP": "s3://ckpt-bucket/prefix/a",
+        "MTC_REGISTRY": "s3://registry-bucket",
+        "AWS_ENDPOINT_URL_S3": "https://minio.example.com:9000",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    pod = _pod(objs)
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "pool": "a100"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ml"}]
+    for name in ("csi-plugin", "replicator"):
+        c = container(pod, name)
+        assert (c["image"], c["imagePullPolicy"]) == ("registry.example.com/mtc:1", "Always")
+    for name in ("node-driver-registrar", "liveness-probe"):
+        assert container(pod, name)["image"].startswith("registry.k8s.io/sig-storage/")
+    sc = container(pod, "replicator")["securityContext"]
+    # Root for root workloads, but still nothing more than a root-owned file's owner.
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (0, 0, False)
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert {"secretRef": {"name": "minio-keys", "optional": False}} in container(pod, "replicator")[
+        "envFrom"
+    ]
+    assert only(objs, "ServiceAccount")["metadata"]["annotations"] == {
+        "eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"
+    }
+
+
+def test_a_gke_configuration_renders_unchanged() -> None:
+    gke = {
+        "apiVersion": render.GKE_API_VERSION,
+        "kind": "CheckpointConfiguration",
+        "metadata": {"name": "tpu-pool"},
+        "spec": {
+            "cloudStorageBucketName": "my-bucket",
+            "nodeSelector": {"node.kubernetes.io/instance-type": "ct5p-hightpu-4t"},
+            "tolerations": [
+                {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"}
+            ],
+            "inMemoryVolumeSize": "100Gi",
+            "gcsFuseMountOptions": ["implicit-dirs", "metadata-cache:ttl-secs:-1"],
+            "enableExternalJaxProcessIds": True,
+        },
+    }
+    config = render.parse(gke)
+    assert config.backup_url == "gs://my-bucket"
+    assert config.ignored == ("enableExternalJaxProcessIds", "gcsFuseMountOptions")
+    objs = render.manifests(config)
+    assert only(objs, "DaemonSet")["metadata"]["name"] == "mtc-node-tpu-pool"
+    assert only(objs, "DaemonSet")["metadata"]["namespace"] == render.DEFAULT_NAMESPACE
+    for obj in objs:
+        validate(obj)
+    # Our CRD accepts the same document under our group.
+    assert not cr_errors(gke | {"apiVersion": render.API_VERSION})
+
+
+def test_names_and_selector_follow_the_configuration() -> None:
+    objs = render.render(cr() | {"metadata": {"name": "h100", "namespace": "ml-infra"}})
+    ds = only(objs, "DaemonSet")
+    assert ds["metadata"] == {
+        "name": "mtc-node-h100",
+        "namespace": "ml-infra",
+        "labels": ds["spec"]["template"]["metadata"]["labels"],
+    }
+    assert ds["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == "h100"
+    assert _pod(objs)["serviceAccountName"] == "mtc-node-h100"
+    assert only(objs, "Namespace")["metadata"]["name"] == "ml-infra"
+    cluster_kinds = {"Namespace", "PriorityClass", "CSIDriver"}
+    assert {o["metadata"]["namespace"] for o in objs if o["kind"] not in cluster_kinds} == {
+        "ml-infra"
+    }
+
+
+@pytest.mark.parametrize("namespace", ["default", "kube-system"])
+def test_a_namespace_we_do_not_own_is_not_relabelled(namespace: str) -> None:
+    objs = render.render(cr() | {"metadata": {"name": "a", "namespace": namespace}})
+    assert "Namespace" not in {o["kind"] for o in objs}
+    assert only(objs, "DaemonSet")["metadata"]["namespace"] == namespace
+
+
+def test_a_changed_configuration_rolls_the_daemonset() -> None:
+    def config_map_ref(objs: list[Obj]) -> str:
+        refs = container(_pod(objs), "replicator")["envFrom"]
+        name: str = refs[0]["configMapRef"]["name"]
+        assert name == only(objs, "ConfigMap")["metadata"]["name"]
+        return name
+
+    one = config_map_ref(render.render(cr()))
+    assert one == config_map_ref(render.render(cr()))  # deterministic
+    assert one != config_map_ref(render.render(cr(inMemoryVolumeSize="60Gi")))
+
+
+def test_render_is_pure() -> None:
+    doc = cr(tolerations=[{"key": "a", "operator": "Exists"}], nodeSelector={"a": "b"})
+    before = copy.deepcopy(doc)
+    first = render.render(doc)
+    first[-1]["spec"]["template"]["spec"]["tolerations"].append({"key": "mutated"})
+    assert doc == before
+    assert render.render(doc) != first
+
+
+# --- bad input -----------------------------------------------------------------------------
+
+# (mutation of a valid document, the field the error must name, whether the CRD's OpenAPI
+# schema rejects it too; False: only a CEL rule of the CRD or render's stricter checks do.)
+BAD: list[tuple[str, Obj, str, bool]] = [
+    ("no backup", cr(backupUrl=None), "spec.backupUrl", False),
+    ("two backups", cr(cloudStorageBucketName="b-k-t"), "spec.backupUrl", False),
+    ("http backup", cr(backupUrl="https://example.com/x"), "spec.backupUrl", True),
+    ("file backup", cr(backupUrl="file:///tmp/x"), "spec.backupUrl", True),
+    ("upper-case bucket", cr(backupUrl="gs://My-Bucket"), "spec.backupUrl", True),
+    (
+        "short bucket",
+        cr(backupUrl=None, cloudStorageBucketName="ab"),
+        "spec.cloudStorageBucketName",
+        True,
+    ),
+    ("bad registry", cr(registryUrl="gs://"), "spec.registryUrl", True),
+    ("no size", cr(inMemoryVolumeSize=None), "spec.inMemoryVolumeSize", True),
+    ("milli size", cr(inMemoryVolumeSize="500m"), "spec.inMemoryVolumeSize", True),
+    ("number size", cr(inMemoryVolumeSize=1073741824), "spec.inMemoryVolumeSize", True),
+    ("zero size", cr(inMemoryVolumeSize="0Gi"), "spec.inMemoryVolumeSize", False),
+    ("negative size", cr(inMemoryVolumeSize="-1Gi"), "spec.inMemoryVolumeSize", True),
+    ("selector list", cr(nodeSelector=["a"]), "spec.nodeSelector", True),
+    ("selector int", cr(nodeSelector={"pool": 3}), "spec.nodeSelector.pool", True),
+    ("selector value", cr(nodeSelector={"pool": "a b"}), "spec.nodeSelector.pool", True),
+    ("tolerations map", cr(tolerations={"key": "a"}), "spec.tolerations", True),
+    (
+        "toleration op",
+        cr(tolerations=[{"key": "a", "operator": "In"}]),
+        "spec.tolerations[0].operator",
+        True,
+    ),
+    (
+        "toleration field",
+        cr(tolerations=[{"key": "a", "typo": 1}]),
+        "spec.tolerations[0].typo",
+        True,
+    ),
+    (
+        "toleration effect",
+        cr(tolerations=[{"key": "a", "effect": "Never"}]),
+        "spec.tolerations[0].effect",
+        True,
+    ),
+    (
+        "exists with value",
+        cr(tolerations=[{"key": "a", "operator": "Exists", "value": "x"}]),
+        "spec.tolerations[0].value",
+        False,
+    ),
+    (
+        "seconds without NoExecute",
+        cr(tolerations=[{"key": "a", "tolerationSeconds": 5}]),
+        "spec.tolerations[0].tolerationSeconds",
+        False,
+    ),
+    (
+        "empty key equal",
+        cr(tolerations=[{"operator": "Equal"}]),
+        "spec.tolerations[0].operator",
+        False,
+    ),
+    ("empty image", cr(image=""), "spec.image", True),
+    ("pull policy", cr(imagePullPolicy="Sometimes"), "spec.imagePullPolicy", True),
+    ("negative uid", cr(runAsUser=-1), "spec.runAsUser", True),
+    ("string uid", cr(runAsUser="65532"), "spec.runAsUser", True),
+    ("bool gid", cr(runAsGroup=True), "spec.runAsGroup", True),
+    ("log level", cr(logLevel="TRACE"), "spec.logLevel", True),
+    ("s3 for gs", cr(s3={"region": "us-east-1"}), "spec.s3", False),
+    (
+        "s3 field",
+        cr(backupUrl="s3://ckpt-bucket", s3={"endpoint": "http://x"}),
+        "spec.s3.endpoint",
+        True,
+    ),
+    (
+        "s3 endpoint",
+        cr(backupUrl="s3://ckpt-bucket", s3={"endpointUrl": "minio:9000"}),
+        "spec.s3.endpointUrl",
+        True,
+    ),
+    ("secret name", cr(credentialsSecretName="Keys"), "spec.credentialsSecretName", True),
+    (
+        "annotation value",
+        cr(serviceAccountAnnotations={"a": 1}),
+        "spec.serviceAccountAnnotations.a",
+        True,
+    ),
+    ("unknown field", cr(bucket="x"), "spec.bucket", True),
+    ("spec list", cr() | {"spec": []}, "spec", True),
+    ("no name", cr() | {"metadata": {}}, "metadata.name", False),
+    ("bad name", cr() | {"metadata": {"name": "Default"}}, "metadata.name", False),
+    ("other group", cr() | {"apiVersion": "example.com/v1"}, "apiVersion", False),
+    ("other kind", cr() | {"kind": "Checkpoint"}, "kind", False),
+    ("top-level typo", cr() | {"specs": {}}, "specs", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "in_schema"), [b[1:] for b in BAD], ids=[b[0] for b in BAD]
+)
+def test_bad_input_names_the_field(doc: Obj, field: str, in_schema: bool) -> None:
+    with pytest.raises(render.RenderError) as caught:
+        render.render(doc)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(f"{field}: ")
+    if in_schema:
+        assert cr_errors(doc), "the CRD's schema accepts what render rejects"
+
+
+def test_the_crd_schema_uses_render_s_patterns() -> None:
+    (version,) = crd()["spec"]["versions"]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["backupUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
+    assert spec["registryUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
+    assert spec["cloudStorageBucketName"]["pattern"] == f"^{render.BUCKET_RE.pattern}$"
+    assert spec["inMemoryVolumeSize"]["pattern"] == f"^{render.QUANTITY_RE.pattern}$"
+    assert spec["s3"]["properties"]["endpointUrl"]["pattern"] == f"^{render.HTTP_URL_RE.pattern}$"
+    fields = set(spec)
+    assert fields == set(render.SPEC_FIELDS) | set(render.IGNORED_GKE_FIELDS)
+
+
+def test_example_configuration_is_valid_for_the_crd() -> None:
+    validate(yaml.safe_load(EXAMPLE.read_text()))
+
+
+# --- render == deploy/base -----------------------------------------------------------------
+
+
+def _without_config_map_hash(objs: list[Obj]) -> dict[str, Obj]:
+    """Objects by kind/name, with the ConfigMap's content-hash suffix dropped everywhere."""
+    text = yaml.safe_dump_all(objs)
+    text = re.sub(r"(mtc-node-[a-z0-9-]+-config)-[a-z0-9]{10}\b", r"\1", text)
+    return {name_of(o): o for o in load_all(text)}
+
+
+def test_render_produces_what_deploy_base_holds() -> None:
+    base = _without_config_map_hash(
+        [o for o in kustomize(DEPLOY / "base") if o["kind"] != "CustomResourceDefinition"]
+    )
+    config_map = base["ConfigMap/mtc-node-default-config"]
+    rendered = _without_config_map_hash(
+        render.render(cr(inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"]))
+    )
+    # deploy/base has no backup location; everything else must be the same objects.
+    config_map["data"]["MTC_BACKUP"] = "gs://ckpt-bucket/mtc"
+    assert sorted(base) == sorted(rendered)
+    for name, obj in rendered.items():
+        assert base[name] == obj, name
+
+
+# --- the CLI -------------------------------------------------------------------------------
+
+
+def test_cli_writes_multi_document_yaml(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["render", str(EXAMPLE)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    objs = load_all(out)
+    assert objs == render.render(yaml.safe_load(EXAMPLE.read_text()))
+    for obj in objs:
+        validate(obj)
+
+
+def test_cli_writes_a_kustomization_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    assert cli.main(["render", str(EXAMPLE), "-o", str(out)]) == 0
+    written = sorted(p.name for p in out.iterdir())
+    assert "kustomization.yaml" in written
+    assert len(written) == 7
+    built = kustomize(out)
+    assert _without_config_map_hash(built) == _without_config_map_hash(
+        render.render(yaml.safe_load(EXAMPLE.read_text()))
+    )
+    assert str(out / "kustomization.yaml") in capsys.readouterr().err
+
+
+def test_cli_reads_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(yaml.safe_dump(cr(gcsFuseMountOptions=["x"]))))
+    assert cli.main(["render", "-"]) == 0
+    out, err = capsys.readouterr()
+    assert only(load_all(out), "DaemonSet")
+    assert "spec.gcsFuseMountOptions has no effect" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (yaml.safe_dump(cr(inMemoryVolumeSize="lots")), "spec.inMemoryVolumeSize: 'lots' is not"),
+        ("a: [", "(document): not valid YAML"),
+        (yaml.safe_dump_all([cr(), cr()]), "(document): expected one YAML document, found 2"),
+        ("", "(document): expected one YAML document, found 0"),
+        ("- a\n- b\n", "(document): expected a mapping"),
+    ],
+)
+def test_cli_rejects_bad_configurations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, message: str
+) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(text)
+    out = tmp_path / "out"
+    assert cli.main(["render", str(config), "-o", str(out)]) == 2
+    _, err = capsys.readouterr()
+    assert f"mtc render: {config}: {message}" in err
+    assert not out.exists()
+
+
+def test_cli_reports_a_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["render", str(tmp_path / "nope.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_cli_reports_an_unwritable_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli.main(["render", str(EXAMPLE), "-o", str(blocker / "out")]) == 1
+    assert "cannot write" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""Four real daemons backing up to real S3 (moto's server) and GCS (the emulator) servers.
+
+The daemons get only the SDKs' standard environment (``AWS_ENDPOINT_URL_S3`` and
+credentials, or ``STORAGE_EMULATOR_HOST``) and a ``s3://`` or ``gs://`` URL, which also
+serves as the coordinator registry.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicator.objectstore import open_object_store
+from tests.integration.cluster import NODES, Cluster, assert_restored
+from tests.storage_servers import Bucket
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def cloud(request: pytest.FixtureRequest) -> Bucket:
+    bucket: Bucket = request.getfixturevalue(f"{request.param}_bucket")
+    return bucket
+
+
+@pytest.fixture
+def cloud_cluster(tmp_path: Path, job: str, cloud: Bucket) -> Iterator[Cluster]:
+    c = Cluster(tmp_path, job)
+    c.backup_url = cloud.url
+    c.env = dict(cloud.env)
+    for r in range(NODES):
+        c.start(r)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+        for r in range(NODES):
+            log = tmp_path / f"node{r}.log"
+            if log.exists():
+                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")
+
+
+def _wipe_all(cluster: Cluster) -> None:
+    cluster.stop_all()
+    for r in range(NODES):
+        shutil.rmtree(cluster.dirs[r])
+        cluster.dirs[r].mkdir()
+    for r in range(NODES):
+        cluster.start(r)
+
+
+def test_every_node_wiped_restores_from_the_bucket(cloud_cluster: Cluster) -> None:
+    cluster = cloud_cluster
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    cluster.save(3)
+    files = cluster.save(5)
+    cluster.wait_backup(5)
+    _wipe_all(cluster)
+    cluster.handshake([2, 3, 0, 1])
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+    assert [cluster.source(r) for r in range(NODES)] == ["backup"] * NODES
+
+
+def test_an_upload_killed_midway_is_never_restorable_and_is_completed_later(
+    cloud_cluster: Cluster,
+) -> None:
+    cluster = cloud_cluster
+    cluster.keys["backup_interval_steps"] = 1
+    cluster.fresh_start()
+    big = 1  # its upload lasts long enough to be cut off
+    files = cluster.write_step(3, sizes={big: 128 << 20})
+    cluster.wait_saved(3)
+    objects = open_object_store(cluster.backup_url)
+    prefix = f"{cluster.job}/3/"
+    daemon = cluster.daemon(big)
+    deadline = time.monotonic() + 30
+    while "backup of step 3 ordered" not in daemon.log():
+        assert time.monotonic() < deadline, "no backup order reached the big item's rank"
+        time.sleep(0.005)
+    daemon.kill()
+    uploaded = {o.key for o in objects.list(prefix)}
+    assert f"{prefix}{big}-0.manifest.json" not in uploaded, "the upload was not cut off"
+    time.sleep(1.0)
+    assert 3 not in cluster.committed_backups(), "a step missing an item was committed"
+    # The node comes back; the coordinator's standing order makes it upload again.
+    cluster.start(big)
+    cluster.wait_backup(3)
+    _wipe_all(cluster)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(3)
+    assert_restored(cluster, 3, files)

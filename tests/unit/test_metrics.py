@@ -1,0 +1,237 @@
+"""``replicator.metrics`` and ``csi.metrics``: what each call records, per-job series, ages
+computed at scrape time, and the no-op default. The HTTP endpoint is tested with sockets in
+``tests/integration/test_metrics.py``."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from csi.metrics import PrometheusCallMetrics
+from replicator.daemon import parse_args as daemon_args
+from replicator.metrics import (
+    NO_METRICS,
+    ErrorKind,
+    Metrics,
+    PrometheusMetrics,
+    TransferKind,
+    split_address,
+)
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def samples(registry: CollectorRegistry) -> dict[Sample, float]:
+    """Every sample of a scrape, keyed by (name, sorted labels), parsed as Prometheus does."""
+    text = generate_latest(registry).decode()
+    return parse(text)
+
+
+def parse(text: str) -> dict[Sample, float]:
+    out: dict[Sample, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return samples(registry).get((name, tuple(sorted(labels.items()))))
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def metrics(clock: Clock) -> PrometheusMetrics:
+    return PrometheusMetrics(clock=clock)
+
+
+def test_every_bounded_label_value_is_exported_from_the_start(metrics: PrometheusMetrics) -> None:
+    got = samples(metrics.registry)
+    for kind in TransferKind:
+        assert got[("mtc_transfer_bytes_total", (("kind", kind.value),))] == 0
+        assert got[("mtc_transfer_seconds_count", (("kind", kind.value),))] == 0
+    for error in ErrorKind:
+        assert got[("mtc_errors_total", (("kind", error.value),))] == 0
+    # No job yet: no per-job series at all.
+    assert not [k for k in got if any(label == "job" for label, _ in k[1])]
+
+
+def test_transfers_add_bytes_and_observe_seconds_per_kind(metrics: PrometheusMetrics) -> None:
+    metrics.transfer(TransferKind.INGEST, 1000, 0.2)
+    metrics.transfer(TransferKind.INGEST, 24, 0.05)
+    metrics.transfer(TransferKind.REPLICATE_OUT, 7, 3.0)
+    r = metrics.registry
+    assert value(r, "mtc_transfer_bytes_total", kind="ingest") == 1024
+    assert value(r, "mtc_transfer_seconds_count", kind="ingest") == 2
+    assert value(r, "mtc_transfer_seconds_sum", kind="ingest") == pytest.approx(0.25)
+    assert value(r, "mtc_transfer_seconds_bucket", kind="ingest", le="0.1") == 1
+    assert value(r, "mtc_transfer_bytes_total", kind="replicate_out") == 7
+    assert value(r, "mtc_transfer_bytes_total", kind="restore_peer") == 0
+
+
+def test_errors_count_by_kind(metrics: PrometheusMetrics) -> None:
+    metrics.error(ErrorKind.BACKUP)
+    metrics.error(ErrorKind.BACKUP)
+    metrics.error(ErrorKind.CONFIG)
+    r = metrics.registry
+    assert value(r, "mtc_errors_total", kind="backup") == 2
+    assert value(r, "mtc_errors_total", kind="config") == 1
+    assert value(r, "mtc_errors_total", kind="ingest") == 0
+
+
+def test_restore_rounds_by_outcome_and_their_durations(metrics: PrometheusMetrics) -> None:
+    metrics.restore_done("j", 10, 1.5)
+    metrics.restore_done("j", None, 0.3)
+    metrics.restore_failed("j", 400.0)
+    r = metrics.registry
+    assert value(r, "mtc_restore_rounds_total", job="j", outcome="restored") == 1
+    assert value(r, "mtc_restore_rounds_total", job="j", outcome="fresh") == 1
+    assert value(r, "mtc_restore_rounds_total", job="j", outcome="failed") == 1
+    assert value(r, "mtc_restore_seconds_sum", outcome="restored") == 1.5
+    assert value(r, "mtc_restore_seconds_count", outcome="failed") == 1
+    assert value(r, "mtc_restore_seconds_bucket", outcome="failed", le="300.0") == 0
+
+
+def test_newest_steps_and_restorable_ages_per_tier(
+    metrics: PrometheusMetrics, clock: Clock
+) -> None:
+    r = metrics.registry
+    metrics.serving("j")
+    assert value(r, "mtc_restore_rounds_total", job="j", outcome="restored") == 0
+    metrics.committed("j", 5)
+    clock.now += 30
+    assert value(r, "mtc_newest_step", job="j", tier="committed") == 5
+    assert value(r, "mtc_newest_restorable_step", job="j", tier="local") == 5
+    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 30
+    # The same step seen again (every rescan) keeps its age; a new one starts at 0.
+    metrics.committed("j", 5)
+    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 30
+    metrics.committed("j", 6)
+    clock.now += 2
+    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 2
+    assert value(r, "mtc_newest_restorable_timestamp_seconds", job="j", tier="local") == (
+        clock.now - 2
+    )
+
+    metrics.replicated("j", None)  # unknown: nothing
+    assert value(r, "mtc_newest_step", job="j", tier="replicated") is None
+    metrics.replicated("j", 6)
+    assert value(r, "mtc_newest_step", job="j", tier="replicated") == 6
+
+    metrics.cluster_restorable("j", 5)
+    clock.now += 1
+    assert value(r, "mtc_newest_restorable_step", job="j", tier="cluster") == 5
+    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="cluster") == 1
+
+    # A backup's age counts from its COMMIT; an upload not yet committed records nothing,
+    # and an older commit (a listing that lags) never moves the gauge back.
+    metrics.backed_up("j", 6, None)
+    assert value(r, "mtc_newest_step", job="j", tier="backup") is None
+    metrics.backed_up("j", 4, clock.now - 100)
+    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
+    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="backup") == 100
+    metrics.backed_up("j", 3, clock.now)
+    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
+
+    # Nothing complete locally any more: the local series go, the others stay.
+    metrics.committed("j", None)
+    assert value(r, "mtc_newest_step", job="j", tier="committed") is None
+    assert value(r, "mtc_newest_restorable_step", job="j", tier="local") is None
+    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
+
+
+def test_a_new_job_drops_the_series_of_the_previous_one(metrics: PrometheusMetrics) -> None:
+    r = metrics.registry
+    metrics.committed("old", 5)
+    metrics.backed_up("old", 5, 1.0)
+    metrics.restore_done("old", 5, 1.0)
+    metrics.serving("new")
+    got = samples(r)
+    jobs = {dict(labels).get("job") for _, labels in got} - {None}
+    assert jobs == {"new"}
+    assert value(r, "mtc_restore_rounds_total", job="new", outcome="restored") == 0
+    # Counters without a job label keep counting across jobs.
+    metrics.transfer(TransferKind.INGEST, 3, 0.1)
+    metrics.serving("newer")
+    assert value(r, "mtc_transfer_bytes_total", kind="ingest") == 3
+
+
+def test_registries_are_independent() -> None:
+    a, b = PrometheusMetrics(), PrometheusMetrics()
+    a.transfer(TransferKind.SERVE_PULL, 10, 0.1)
+    assert value(a.registry, "mtc_transfer_bytes_total", kind="serve_pull") == 10
+    assert value(b.registry, "mtc_transfer_bytes_total", kind="serve_pull") == 0
+
+
+def test_the_default_records_nothing() -> None:
+    assert type(NO_METRICS) is Metrics
+    NO_METRICS.transfer(TransferKind.INGEST, 1, 1.0)
+    NO_METRICS.error(ErrorKind.OTHER)
+    NO_METRICS.serving("j")
+    NO_METRICS.committed("j", 1)
+    NO_METRICS.replicated("j", 1)
+    NO_METRICS.cluster_restorable("j", 1)
+    NO_METRICS.backed_up("j", 1, 1.0)
+    NO_METRICS.restore_done("j", 1, 1.0)
+    NO_METRICS.restore_failed("j", 1.0)
+    assert vars(NO_METRICS) == {}
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
+        ("0.0.0.0:0", ("0.0.0.0", 0)),
+        ("[::1]:80", ("::1", 80)),
+        ("node-a:9464", ("node-a", 9464)),
+    ],
+)
+def test_split_address(address: str, expected: tuple[str, int]) -> None:
+    assert split_address(address) == expected
+
+
+@pytest.mark.parametrize("address", ["9464", ":9464", "host:", "host:port", "host:65536"])
+def test_split_address_refuses(address: str) -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        split_address(address)
+
+
+def test_csi_calls_count_by_method_and_code() -> None:
+    m = PrometheusCallMetrics()
+    m.call("NodePublishVolume", "OK", 0.02)
+    m.call("NodePublishVolume", "INVALID_ARGUMENT", 0.001)
+    m.call("Probe", "OK", 0.0001)
+    r = m.registry
+    assert value(r, "mtc_csi_calls_total", method="NodePublishVolume", code="OK") == 1
+    assert value(r, "mtc_csi_calls_total", method="NodePublishVolume", code="INVALID_ARGUMENT") == 1
+    assert value(r, "mtc_csi_call_seconds_count", method="NodePublishVolume") == 2
+    assert value(r, "mtc_csi_call_seconds_count", method="Probe") == 1
+
+
+def test_daemon_metrics_are_off_by_default_and_set_by_flag_or_environment() -> None:
+    base = ["--checkpoint-dir", "/ckpt"]
+    assert daemon_args(base, {}).metrics is None
+    assert daemon_args(base, {"MTC_METRICS": ""}).metrics is None
+    assert daemon_args(base, {"MTC_METRICS": "0.0.0.0:9464"}).metrics == "0.0.0.0:9464"
+    flagged = daemon_args([*base, "--metrics", "127.0.0.1:0"], {"MTC_METRICS": "h:1"})
+    assert flagged.metrics == "127.0.0.1:0"
+
+
+def test_daemon_refuses_a_bad_metrics_address(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        daemon_args(["--checkpoint-dir", "/ckpt", "--metrics", "9464"], {})
+    assert info.value.code == 2
+    assert "expected HOST:PORT" in capsys.readouterr().err

@@ -1,0 +1,278 @@
+"""Backoff and retry (``replicator.retry``), and each cloud backend's one error classifier.
+
+Pure: a fake clock and sleep, no sockets; vendor exceptions are built in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from replicator.objectstore import (
+    BucketNotFound,
+    ObjectNotFound,
+    ObjectStoreError,
+    PermissionDenied,
+    PreconditionFailed,
+    TransientError,
+)
+from replicator.retry import Backoff, RetryPolicy, call_with_retry
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def is_transient(exc: BaseException) -> bool:
+    return isinstance(exc, ObjectStoreError) and exc.transient
+
+
+def failing(errors: list[Exception], result: str = "ok") -> Callable[[], str]:
+    """A call that raises ``errors`` in turn, then returns ``result``."""
+    calls = iter(errors)
+
+    def fn() -> str:
+        error = next(calls, None)
+        if error is not None:
+            raise error
+        return result
+
+    return fn
+
+
+def retry(fn: Callable[[], str], policy: RetryPolicy, t: FakeTime, rand: float = 0.5) -> str:
+    return call_with_retry(
+        fn, policy, is_transient, what="test op", clock=t.clock, sleep=t.sleep, rand=lambda: rand
+    )
+
+
+# --- the policy ------------------------------------------------------------------------------
+
+
+def test_delays_grow_exponentially_up_to_the_cap() -> None:
+    policy = RetryPolicy(first_delay=1.0, max_delay=5.0, multiplier=2.0)
+    # rand=1 is the top of each jitter range: the full exponential step.
+    assert [policy.delay(n, 1.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def test_jitter_keeps_at_least_half_the_step() -> None:
+    policy = RetryPolicy(first_delay=1.0, max_delay=8.0)
+    assert policy.delay(3, 0.0) == 2.0
+    assert policy.delay(3, 0.5) == 3.0
+    assert all(2.0 <= policy.delay(3, r / 10) <= 4.0 for r in range(10))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"attempts": 0},
+        {"first_delay": -1.0},
+        {"first_delay": 5.0, "max_delay": 1.0},
+        {"deadline": -1.0},
+        {"multiplier": 0.5},
+    ],
+)
+def test_bad_policies_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=r"need|must"):
+        RetryPolicy(**kwargs)  # type: ignore[arg-type]
+
+
+# --- call_with_retry -------------------------------------------------------------------------
+
+
+def test_success_needs_no_sleep() -> None:
+    t = FakeTime()
+    assert retry(failing([]), RetryPolicy(), t) == "ok"
+    assert t.sleeps == []
+
+
+def test_transient_errors_are_retried_until_success() -> None:
+    t = FakeTime()
+    errors: list[Exception] = [TransientError("503"), TransientError("SlowDown")]
+    policy = RetryPolicy(first_delay=1.0, max_delay=10.0)
+    assert retry(failing(errors), policy, t, rand=1.0) == "ok"
+    assert t.sleeps == [1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermissionDenied("403"),
+        BucketNotFound("no bucket"),
+        ObjectNotFound("k"),
+        PreconditionFailed("412"),
+        ObjectStoreError("400"),
+        ValueError("a bug is not a storage error"),
+    ],
+)
+def test_final_errors_are_raised_at_once(error: Exception) -> None:
+    t = FakeTime()
+    with pytest.raises(type(error)) as raised:
+        retry(failing([error]), RetryPolicy(), t)
+    assert raised.value is error
+    assert t.sleeps == []
+
+
+def test_attempts_are_bounded() -> None:
+    t = FakeTime()
+    errors: list[Exception] = [TransientError(f"503 #{i}") for i in range(10)]
+    with pytest.raises(TransientError, match="503 #2") as raised:
+        retry(failing(errors), RetryPolicy(attempts=3, first_delay=0.1), t)
+    assert len(t.sleeps) == 2  # three tries, two waits
+    assert "gave up after 3 attempts" in raised.value.__notes__[0]
+
+
+def test_time_is_bounded() -> None:
+    t = FakeTime()
+    errors: list[Exception] = [TransientError("503")] * 100
+    policy = RetryPolicy(attempts=100, first_delay=1.0, max_delay=4.0, deadline=10.0)
+    with pytest.raises(TransientError):
+        retry(failing(errors), policy, t, rand=1.0)
+    # Waits 1, 2, 4 (7 s); the next 4 s wait would end past the 10 s deadline.
+    assert t.sleeps == [1.0, 2.0, 4.0]
+    assert t.now - 100.0 <= policy.deadline
+
+
+def test_backoff_serves_a_resuming_loop() -> None:
+    """A download that resumes after each transient error shares one budget."""
+    t = FakeTime()
+    backoff = Backoff(
+        RetryPolicy(attempts=3, first_delay=0.5),
+        is_transient,
+        clock=t.clock,
+        sleep=t.sleep,
+        rand=lambda: 0.0,
+    )
+    backoff.failed(TransientError("reset"))
+    backoff.failed(TransientError("reset"))
+    with pytest.raises(TransientError):
+        backoff.failed(TransientError("reset"))
+    assert t.sleeps == [0.25, 0.5]
+
+
+# --- the S3 classifier -----------------------------------------------------------------------
+
+
+def client_error(code: str, status: int, operation: str = "GetObject") -> Exception:
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": f"message of {code}"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, operation)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        ("SlowDown", 503, TransientError),
+        ("503", 503, TransientError),  # a HEAD answer has no body, only the status
+        ("ServiceUnavailable", 503, TransientError),
+        ("InternalError", 500, TransientError),
+        ("TooManyRequests", 429, TransientError),
+        ("RequestTimeout", 400, TransientError),
+        ("BadDigest", 400, TransientError),
+        ("ConditionalRequestConflict", 409, TransientError),
+        ("AccessDenied", 403, PermissionDenied),
+        ("InvalidAccessKeyId", 403, PermissionDenied),
+        ("SignatureDoesNotMatch", 403, PermissionDenied),
+        ("403", 403, PermissionDenied),
+        ("NoSuchBucket", 404, BucketNotFound),
+        ("NoSuchKey", 404, ObjectNotFound),
+        ("404", 404, ObjectNotFound),
+        ("PreconditionFailed", 412, PreconditionFailed),
+        ("InvalidArgument", 400, ObjectStoreError),
+        ("NoSuchUpload", 404, ObjectStoreError),
+    ],
+)
+def test_s3_errors_are_classified(code: str, status: int, expected: type[Exception]) -> None:
+    pytest.importorskip("boto3")
+    from replicator.objectstore_s3 import translate
+
+    mapped = translate(client_error(code, status), "get b/k")
+    assert type(mapped) is expected
+    assert mapped is not None
+    assert mapped.transient == (expected is TransientError)
+
+
+def test_s3_transport_errors_are_transient() -> None:
+    pytest.importorskip("boto3")
+    import botocore.exceptions as bexc
+    import urllib3.exceptions
+
+    from replicator.objectstore_s3 import translate
+
+    for exc in [
+        bexc.EndpointConnectionError(endpoint_url="http://x"),
+        bexc.ConnectTimeoutError(endpoint_url="http://x"),
+        bexc.ReadTimeoutError(endpoint_url="http://x"),
+        bexc.ConnectionClosedError(endpoint_url="http://x"),
+        bexc.ResponseStreamingError(error="reset"),
+        urllib3.exceptions.ProtocolError("reset"),
+        ConnectionResetError(),
+    ]:
+        assert isinstance(translate(exc, "op"), TransientError), exc
+    assert isinstance(translate(bexc.NoCredentialsError(), "op"), PermissionDenied)
+    assert translate(ValueError("bug"), "op") is None
+
+
+# --- the GCS classifier ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "expected"),
+    [
+        (429, "rate limit", TransientError),
+        (503, "backend error", TransientError),
+        (500, "internal", TransientError),
+        (408, "timeout", TransientError),
+        (403, "forbidden", PermissionDenied),
+        (401, "login required", PermissionDenied),
+        (404, "no such object", ObjectNotFound),
+        (412, "conditionNotMet", PreconditionFailed),
+        (400, 'Provided CRC32C "AAAA" doesn\'t match calculated CRC32C "BBBB".', TransientError),
+        (400, "invalid argument", ObjectStoreError),
+    ],
+)
+def test_gcs_errors_are_classified(status: int, message: str, expected: type[Exception]) -> None:
+    pytest.importorskip("google.cloud.storage")
+    from google.api_core import exceptions as gapi
+
+    from replicator.objectstore_gcs import translate
+
+    error = gapi.from_http_status(status, message)  # type: ignore[no-untyped-call]
+    mapped = translate(error, "get b/k")
+    assert type(mapped) is expected
+
+
+def test_gcs_transport_errors_are_transient() -> None:
+    pytest.importorskip("google.cloud.storage")
+    import google.auth.exceptions as gauth
+    import requests
+    from google.cloud.storage.exceptions import DataCorruption
+
+    from replicator.objectstore_gcs import translate
+
+    for exc in [
+        requests.ConnectionError("reset"),
+        requests.Timeout("slow"),
+        requests.exceptions.ChunkedEncodingError("cut"),
+        gauth.TransportError("dns"),  # type: ignore[no-untyped-call]
+        DataCorruption(None, "crc32c mismatch"),
+        TimeoutError(),
+    ]:
+        assert isinstance(translate(exc, "op"), TransientError), exc
+    no_credentials = gauth.DefaultCredentialsError("none")  # type: ignore[no-untyped-call]
+    assert isinstance(translate(no_credentials, "op"), PermissionDenied)
+    assert translate(KeyError("bug"), "op") is None
