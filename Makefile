@@ -36,6 +36,7 @@ test: $(STAMP) lint typecheck
 bench: $(STAMP)
 	$(PY) scripts/bench_local.py --size-mib 1024
 	$(PY) scripts/bench_peer.py --size-mib 1024
+	$(PY) scripts/bench_backup.py --size-mib 1024 --cluster
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

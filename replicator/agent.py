@@ -600,6 +600,8 @@ class Incarnation:
             protected |= self.member.protected
             # A step newer than the restorable one the coordinator last named may become the
             # cluster's restorable step (and be ordered backed up) before we hear of it.
+            # Unbounded for now: a step may only go once the coordinator's restorable step
+            # passed it, since ranks report their newest replicated step, not what they hold.
             floor = self.member.restorable
             protected |= {i.step for i in have if floor is None or i.step > floor}
         doomed = retention(self.config, have, protected)

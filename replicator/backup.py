@@ -13,8 +13,10 @@ anything under a committed step. I/O goes through the ObjectStore; no vendor cod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Collection
@@ -94,7 +96,11 @@ class CommitRecord:
             raise ManifestError(f"COMMIT has a bad job {job!r:.80}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ManifestError(f"COMMIT has a bad step {step!r:.40}")
-        if not isinstance(created, int | float) or isinstance(created, bool):
+        when = math.nan
+        if isinstance(created, int | float) and not isinstance(created, bool):
+            with contextlib.suppress(OverflowError):  # an int past any float
+                when = float(created)
+        if not math.isfinite(when):  # NaN and infinities parse as JSON numbers too
             raise ManifestError(f"COMMIT has a bad timestamp {created!r:.40}")
         if not isinstance(items, dict) or not all(
             isinstance(k, str)
@@ -104,7 +110,7 @@ class CommitRecord:
             for k, v in items.items()
         ):
             raise ManifestError("COMMIT has a malformed item list")
-        return cls(job, step, dict(items), float(created))
+        return cls(job, step, dict(items), when)
 
     def has(self, item: ItemId) -> bool:
         return item.job == self.job and item.step == self.step and item.key in self.items
@@ -161,6 +167,11 @@ class BackupStore:
         return record
 
     def read_commit(self, job: str, step: int) -> CommitRecord | None:
+        found = self.read_commit_raw(job, step)
+        return None if found is None else found[0]
+
+    def read_commit_raw(self, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
+        """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
         try:
             raw = self.objects.get_bytes(commit_key(job, step))
         except ObjectNotFound:
@@ -170,7 +181,7 @@ class BackupStore:
             raise ManifestError(
                 f"COMMIT at {commit_key(job, step)} names {record.job}/{record.step}"
             )
-        return record
+        return record, raw
 
     def committed_steps(self, job: str) -> dict[int, CommitRecord]:
         """Every committed step of ``job``; unreadable COMMITs are logged and skipped."""

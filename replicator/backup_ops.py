@@ -26,7 +26,15 @@ from typing import Any
 
 import google_crc32c
 
-from replicator.backup import COMMIT, CommitRecord, commit_key, data_key, manifest_key, step_prefix
+from replicator.backup import (
+    COMMIT,
+    BackupStore,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+    step_prefix,
+)
 from replicator.contract import JOB_NAME_RE, STEP_DIR_RE
 from replicator.manifest import MAX_MANIFEST_BYTES, FileEntry, ItemId, Manifest, ManifestError
 from replicator.objectstore import ObjectInfo, ObjectNotFound, ObjectStore, ObjectStoreError
@@ -168,17 +176,7 @@ def list_jobs(objects: ObjectStore) -> list[str]:
 
 def read_commit_raw(objects: ObjectStore, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
     """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
-    try:
-        raw = objects.get_bytes(commit_key(job, step))
-    except ObjectNotFound:
-        return None
-    try:
-        record = CommitRecord.from_json(raw)
-    except OverflowError:  # a "created" int beyond any float passes CommitRecord's checks
-        raise ManifestError(f"COMMIT at {commit_key(job, step)} has a bad timestamp") from None
-    if record.job != job or record.step != step:
-        raise ManifestError(f"COMMIT at {commit_key(job, step)} names {record.job}/{record.step}")
-    return record, raw
+    return BackupStore(objects).read_commit_raw(job, step)
 
 
 def scan_job(objects: ObjectStore, job: str) -> JobListing:

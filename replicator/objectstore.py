@@ -32,6 +32,11 @@ class ObjectStoreError(Exception):
     transient = False
 
 
+def is_transient(exc: BaseException) -> bool:
+    """Whether a retry may help: our errors say so; anything else is not ours to retry."""
+    return isinstance(exc, ObjectStoreError) and exc.transient
+
+
 class ObjectNotFound(ObjectStoreError):
     pass
 

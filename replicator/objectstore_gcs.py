@@ -54,6 +54,7 @@ from replicator.objectstore import (
     TransientError,
     check_crc32c,
     check_key,
+    is_transient,
     split_bucket_url,
 )
 from replicator.objectstore_transfer import (
@@ -63,7 +64,7 @@ from replicator.objectstore_transfer import (
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import Backoff, RetryPolicy, call_with_retry
+from replicator.retry import Backoff, RetryPolicy, call_translated
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +124,6 @@ def _by_status(status: int, message: str, what: str) -> ObjectStoreError:
     return ObjectStoreError(message)
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, ObjectStoreError) and exc.transient
-
-
 def _listable(key: str) -> bool:
     try:
         check_key(key)
@@ -182,17 +179,7 @@ class GcsObjectStore:
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` with SDK errors translated and transient ones retried."""
-
-        def attempt() -> T:
-            try:
-                return fn()
-            except Exception as exc:
-                mapped = translate(exc, what)
-                if mapped is None or mapped is exc:
-                    raise
-                raise mapped from exc
-
-        return call_with_retry(attempt, self.policy, _is_transient, what=what)
+        return call_translated(fn, self.policy, translate, is_transient, what=what)
 
     def _get_bucket(self) -> storage.Bucket:
         """The bucket handle, made on first use; checks once that the bucket exists."""
@@ -384,7 +371,7 @@ class GcsObjectStore:
             what=what,
             size=size,
             crc32c=b64_crc32c(blob.crc32c),
-            backoff=Backoff(self.policy, _is_transient, what=what),
+            backoff=Backoff(self.policy, is_transient, what=what),
         )
 
     def get_bytes(self, key: str) -> bytes:

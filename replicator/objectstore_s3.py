@@ -52,6 +52,7 @@ from replicator.objectstore import (
     TransientError,
     check_crc32c,
     check_key,
+    is_transient,
     split_bucket_url,
 )
 from replicator.objectstore_transfer import (
@@ -62,7 +63,7 @@ from replicator.objectstore_transfer import (
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import Backoff, RetryPolicy, call_with_retry
+from replicator.retry import Backoff, RetryPolicy, call_translated
 
 if TYPE_CHECKING:
     from botocore.response import StreamingBody
@@ -160,10 +161,6 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
     return None
 
 
-def _is_transient(exc: BaseException) -> bool:
-    return isinstance(exc, ObjectStoreError) and exc.transient
-
-
 def _etag_is_md5(response: Mapping[str, Any]) -> bool:
     return (
         response.get("ServerSideEncryption") not in _NO_MD5_ETAG
@@ -233,17 +230,7 @@ class S3ObjectStore:
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()`` with vendor errors translated and transient ones retried."""
-
-        def attempt() -> T:
-            try:
-                return fn()
-            except Exception as exc:
-                mapped = translate(exc, what)
-                if mapped is None or mapped is exc:
-                    raise
-                raise mapped from exc
-
-        return call_with_retry(attempt, self.policy, _is_transient, what=what)
+        return call_translated(fn, self.policy, translate, is_transient, what=what)
 
     def _ensure_bucket(self) -> None:
         """Check once that the bucket exists and we may list it, so a missing bucket is
@@ -426,7 +413,7 @@ class S3ObjectStore:
             what=what,
             size=first["ContentLength"],
             crc32c=expected,
-            backoff=Backoff(self.policy, _is_transient, what=what),
+            backoff=Backoff(self.policy, is_transient, what=what),
         )
 
     def get_bytes(self, key: str) -> bytes:

@@ -125,3 +125,26 @@ def call_with_retry(
             return fn()
         except Exception as exc:  # is_transient decides; anything else is re-raised
             backoff.failed(exc)
+
+
+def call_translated(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    translate: Callable[[BaseException, str], BaseException | None],
+    is_transient: Callable[[BaseException], bool],
+    *,
+    what: str,
+) -> T:
+    """``fn()`` with a vendor's errors mapped once to ours by ``translate`` (None: not a
+    storage error, raised as it is), then retried while ``is_transient`` says so."""
+
+    def attempt() -> T:
+        try:
+            return fn()
+        except Exception as exc:
+            mapped = translate(exc, what)
+            if mapped is None or mapped is exc:
+                raise
+            raise mapped from exc
+
+    return call_with_retry(attempt, policy, is_transient, what=what)

@@ -12,7 +12,7 @@ import random
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from replicator.backup import BackupStore
@@ -231,3 +231,18 @@ def assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, byte
         assert not os.path.isabs(os.readlink(marker))
         assert read_tree(marker) == files[r], f"rank {r} restored other bytes"
         assert read_prerestore(cluster.dirs[r])["restore-step"] == step
+
+
+@contextlib.contextmanager
+def running(cluster: Cluster) -> Iterator[Cluster]:
+    """Every node's daemon started; at the end stopped, and each node's log tail printed."""
+    for r in range(NODES):
+        cluster.start(r)
+    try:
+        yield cluster
+    finally:
+        cluster.stop_all()
+        for r in range(NODES):
+            log = cluster.root / f"node{r}.log"
+            if log.exists():
+                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_process import DaemonProcess
-from tests.integration.cluster import NODES, Cluster
+from tests.integration.cluster import Cluster, running
 from tests.integration.helpers import FAST_ARGS, mount_tmpfs, unmount
 from tests.storage_servers import (
     S3_UNSET,
@@ -113,17 +113,8 @@ def cluster(
     tmp_path: Path, job: str, cluster_extra: tuple[str, ...], cluster_backup: bool
 ) -> Iterator[Cluster]:
     """Four real daemons (started), stopped at teardown with their logs printed."""
-    c = Cluster(tmp_path, job, cluster_extra, backup=cluster_backup)
-    for r in range(NODES):
-        c.start(r)
-    try:
+    with running(Cluster(tmp_path, job, cluster_extra, backup=cluster_backup)) as c:
         yield c
-    finally:
-        c.stop_all()
-        for r in range(NODES):
-            log = tmp_path / f"node{r}.log"
-            if log.exists():
-                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")
 
 
 # --- storage servers (tests/storage_servers.py): one process per session, a bucket per test --

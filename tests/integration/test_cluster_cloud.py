@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from replicator.objectstore import open_object_store
-from tests.integration.cluster import NODES, Cluster, assert_restored
+from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.storage_servers import Bucket
 
 pytestmark = pytest.mark.integration
@@ -32,16 +32,8 @@ def cloud_cluster(tmp_path: Path, job: str, cloud: Bucket) -> Iterator[Cluster]:
     c = Cluster(tmp_path, job)
     c.backup_url = cloud.url
     c.env = dict(cloud.env)
-    for r in range(NODES):
-        c.start(r)
-    try:
+    with running(c):
         yield c
-    finally:
-        c.stop_all()
-        for r in range(NODES):
-            log = tmp_path / f"node{r}.log"
-            if log.exists():
-                print(f"--- node {r} ---\n{log.read_text()[-6000:]}")
 
 
 def _wipe_all(cluster: Cluster) -> None:

@@ -370,3 +370,12 @@ def test_an_empty_manifest_is_not_trusted(backup: BackupStore, uploaded: Uploade
     backup.objects.put_bytes(manifest_key(DIR_ITEM), b"")
     with pytest.raises(CorruptItem):
         backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+
+
+@pytest.mark.parametrize(
+    "created", ["1" + "0" * 400, "NaN", "Infinity", "-Infinity", "true", '"now"'], ids=repr
+)
+def test_a_commit_with_a_hostile_timestamp_is_a_manifest_error(created: str) -> None:
+    raw = f'{{"job": "{JOB}", "step": 1, "items": {{}}, "created": {created}}}'.encode()
+    with pytest.raises(ManifestError, match="bad timestamp"):
+        CommitRecord.from_json(raw)

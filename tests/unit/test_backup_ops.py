@@ -789,4 +789,5 @@ def test_a_hostile_commit_is_listed_as_invalid_not_a_crash(objects: MemoryObject
     objects.put_bytes(commit_key(JOB, 1), json.dumps(body).encode())
     (step,) = ops.scan_job(objects, JOB).steps
     assert step.state(now=0) is ops.StepState.INVALID
-    assert step.commit_error == f"COMMIT at {commit_key(JOB, 1)} has a bad timestamp"
+    assert step.commit_error is not None
+    assert step.commit_error.startswith("COMMIT has a bad timestamp")
