@@ -214,13 +214,21 @@ def read_text(path: Path) -> str:
 # --- saving like a workload ------------------------------------------------------------------
 
 
+def _random_bytes(rng: random.Random, size: int) -> bytes:
+    """``size`` seeded bytes; a big array repeats a 1 MiB block (randbytes caps at 256 MiB)."""
+    if size <= 1 << 24:
+        return rng.randbytes(size)
+    block = rng.randbytes(1 << 20)
+    return block * (size >> 20) + block[: size & ((1 << 20) - 1)]
+
+
 def payload(step: int, *, seed: str = "", size: int = 4096) -> dict[str, bytes]:
     """A small Orbax-shaped step: metadata, a nested state file, an empty dir's sibling."""
     rng = random.Random(f"{seed}/{step}")
     return {
         "_CHECKPOINT_METADATA": f'{{"step": {step}, "seed": "{seed}"}}'.encode(),
         "process_metadata/process_index.json": b"0",
-        "state/array_0.bin": rng.randbytes(size),
+        "state/array_0.bin": _random_bytes(rng, size),
         "state/array_1.bin": rng.randbytes(size // 3 + 1),
         "state/empty.bin": b"",
     }
