@@ -56,6 +56,7 @@ from replicator.planner import (
 )
 from replicator.registry import Registry
 from replicator.rounds import RoundFailed
+from replicator.step_upload import ItemNotHeld, upload_step
 from replicator.store import LocalStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -638,36 +639,24 @@ class Incarnation:
     async def _backup(self, step: int) -> None:
         backups = self.ctx.backups
         assert backups is not None
-        t0 = time.monotonic()
         try:
-            total = 0
-            for item in rank_items(self.config, step):
-                manifest = self.ctx.store.get(item)
-                if manifest is None:
-                    return
-                await self._thread(
-                    backups.upload_item, manifest, self.ctx.store.data_path(item), self._cancelled
-                )
-                total += manifest.total_bytes
             keys = [
                 i.key for r in range(self.config.nodes) for i in rank_items(self.config, step, r)
             ]
-            record = await self._thread(backups.try_commit, self.config.job_name, step, keys)
-            self._last_backup = LastBackup(step, self.ctx.clock())
-            dt = max(time.monotonic() - t0, 1e-9)
-            self.log.info(
-                "backup of step %d %s: %d bytes in %.2fs (%.1f MB/s)",
+            await upload_step(
+                backups,
+                self.ctx.store,
+                self.config,
                 step,
-                "committed" if record else "uploaded, awaiting other ranks",
-                total,
-                dt,
-                total / dt / 1e6,
-                step=step,
+                keys,
+                run_thread=self._thread,
+                log=self.log,
+                metrics=self.ctx.metrics,
+                cancelled=self._cancelled,
             )
-            self.ctx.metrics.transfer(TransferKind.BACKUP_UPLOAD, total, dt)
-            self.ctx.metrics.backed_up(
-                self.config.job_name, step, record.created if record else None
-            )
+            self._last_backup = LastBackup(step, self.ctx.clock())
+        except ItemNotHeld:
+            return  # dropped meanwhile: a newer step exists and is due instead
         except PreconditionFailed:
             self._last_backup = LastBackup(step, self.ctx.clock())
             self.ctx.metrics.backed_up(self.config.job_name, step, self.ctx.clock())

@@ -15,19 +15,19 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from replicator.backup import BackupStore, CommitRecord
+from replicator.backup import BackupStore
 from replicator.cluster import backup_items
 from replicator.contract import JobConfig
 from replicator.coordinator_client import CoordinatorClient, CoordinatorError
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, ItemId, ManifestError
-from replicator.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
+from replicator.metrics import NO_METRICS, ErrorKind, Metrics
 from replicator.objectstore import ObjectStoreError, PreconditionFailed
 from replicator.peer import PeerClient
-from replicator.planner import rank_items
 from replicator.registry import Registry
 from replicator.replication import Replication
 from replicator.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.step_upload import ItemNotHeld, upload_step
 from replicator.store import LocalStore
 
 log = logging.getLogger(__name__)
@@ -159,41 +159,25 @@ class ClusterMember:
     async def _upload(self, step: int) -> None:
         backups = self.ctx.backups
         assert backups is not None
-        t0 = time.monotonic()
-        total = 0
         self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
         try:
-            for item in rank_items(self.config, step):
-                manifest = self.ctx.store.get(item)
-                if manifest is None:
-                    # Retention dropped it before the order arrived (a newer step became
-                    # restorable meanwhile): call the order done, so the coordinator's next
-                    # order names a step we hold instead of waiting on this one forever.
-                    self._log.info("backup of step %d skipped: %s is no longer held", step, item)
-                    self.uploaded = step
-                    return
-                data = self.ctx.store.data_path(item)
-                await self.ctx.run_thread(backups.upload_item, manifest, data)
-                total += manifest.total_bytes
-            keys = [i.key for i in backup_items(self.config, step)]
-            record = await self.ctx.run_thread(backups.try_commit, self.config.job_name, step, keys)
+            await upload_step(
+                backups,
+                self.ctx.store,
+                self.config,
+                step,
+                [i.key for i in backup_items(self.config, step)],
+                run_thread=self.ctx.run_thread,
+                log=self._log,
+                metrics=self.ctx.metrics,
+            )
             self.uploaded = step
-            dt = max(time.monotonic() - t0, 1e-9)
-            self._log.info(
-                "backup of step %d %s: %d bytes in %.2fs (%.1f MB/s)",
-                step,
-                "committed" if record else "uploaded, awaiting other ranks",
-                total,
-                dt,
-                total / dt / 1e6,
-                step=step,
-            )
-            self.ctx.metrics.transfer(TransferKind.BACKUP_UPLOAD, total, dt)
-            self.ctx.metrics.backed_up(
-                self.config.job_name,
-                step,
-                record.created if isinstance(record, CommitRecord) else None,
-            )
+        except ItemNotHeld as exc:
+            # Retention dropped it before the order arrived (a newer step became restorable
+            # meanwhile): call the order done, so the coordinator's next order names a step
+            # we hold instead of waiting on this one forever.
+            self._log.info("backup of step %d skipped: %s is no longer held", step, exc.item)
+            self.uploaded = step
         except PreconditionFailed:
             self.uploaded = step  # committed already, by another uploader
             self.ctx.metrics.backed_up(self.config.job_name, step, time.time())
