@@ -175,11 +175,7 @@ def bench_cluster(moto: servers.ServerProcess, scratch: Path, size_mib: int) -> 
         cluster.write_step(5, sizes=dict.fromkeys(range(NODES), each))
         cluster.wait_saved(5)
         cluster.wait_backup(5)
-        cluster.stop_all()
-        for r in range(NODES):
-            shutil.rmtree(cluster.dirs[r])
-            cluster.dirs[r].mkdir()
-            cluster.start(r)
+        cluster.wipe_all()
         t0 = time.perf_counter()
         cluster.handshake([0, 1, 2, 3])
         cluster.wait_markers(5)

@@ -123,6 +123,15 @@ class Cluster:
         self.dirs[rank].mkdir()
         self.start(rank)
 
+    def wipe_all(self) -> None:
+        """Every node loses its RAM disk: all daemons stopped, directories emptied, restarted."""
+        self.stop_all()
+        for r in range(NODES):
+            shutil.rmtree(self.dirs[r])
+            self.dirs[r].mkdir()
+        for r in range(NODES):
+            self.start(r)
+
     def fresh_start(self) -> None:
         """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
         self.handshake([3, 1, 2, 0])

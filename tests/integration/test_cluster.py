@@ -89,12 +89,7 @@ def test_every_node_wiped_restores_from_the_backup(cluster: Cluster) -> None:
     cluster.save(3)
     files = cluster.save(5)
     cluster.wait_backup(5)
-    cluster.stop_all()
-    for r in range(NODES):
-        shutil.rmtree(cluster.dirs[r])
-        cluster.dirs[r].mkdir()
-    for r in range(NODES):
-        cluster.start(r)
+    cluster.wipe_all()
     cluster.handshake([2, 3, 0, 1])
     cluster.wait_markers(5)
     assert_restored(cluster, 5, files)

@@ -7,7 +7,6 @@ serves as the coordinator registry.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,15 +35,6 @@ def cloud_cluster(tmp_path: Path, job: str, cloud: Bucket) -> Iterator[Cluster]:
         yield c
 
 
-def _wipe_all(cluster: Cluster) -> None:
-    cluster.stop_all()
-    for r in range(NODES):
-        shutil.rmtree(cluster.dirs[r])
-        cluster.dirs[r].mkdir()
-    for r in range(NODES):
-        cluster.start(r)
-
-
 def test_every_node_wiped_restores_from_the_bucket(cloud_cluster: Cluster) -> None:
     cluster = cloud_cluster
     cluster.keys["backup_interval_steps"] = 1
@@ -52,7 +42,7 @@ def test_every_node_wiped_restores_from_the_bucket(cloud_cluster: Cluster) -> No
     cluster.save(3)
     files = cluster.save(5)
     cluster.wait_backup(5)
-    _wipe_all(cluster)
+    cluster.wipe_all()
     cluster.handshake([2, 3, 0, 1])
     cluster.wait_markers(5)
     assert_restored(cluster, 5, files)
@@ -83,7 +73,7 @@ def test_an_upload_killed_midway_is_never_restorable_and_is_completed_later(
     # The node comes back; the coordinator's standing order makes it upload again.
     cluster.start(big)
     cluster.wait_backup(3)
-    _wipe_all(cluster)
+    cluster.wipe_all()
     cluster.handshake([0, 1, 2, 3])
     cluster.wait_markers(3)
     assert_restored(cluster, 3, files)

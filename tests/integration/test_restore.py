@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     ERRORS,
@@ -92,14 +93,15 @@ def test_restart_restores_from_local_store(ckpt: Path, job: str, start_daemon: S
     assert read_tree(item_dir(ckpt, job, 4) / "data") == payload(4, seed=job)
 
 
-def test_wiped_store_restores_newest_committed_backup(
-    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
-) -> None:
-    daemon = start_daemon(backup=backup_dir)
+def _save_backed_up_steps(
+    ckpt: Path, backup_dir: Path, job: str, daemon: DaemonProcess, steps: tuple[int, ...]
+) -> str:
+    """A fresh job backing up every step saves ``steps``, each committed to the backup;
+    returns its ``replicator.yaml`` text, for the restarts that follow."""
     yaml_text = config_text(job, backup_interval_steps=1)
     write_yaml_atomic(ckpt, yaml_text)
     wait_markers(ckpt, job, 0, daemon)
-    for step in (1, 2):
+    for step in steps:
         make_step(ckpt, step, payload(step, seed=job))
         wait_ingested(ckpt, job, step, daemon)
         wait_until(
@@ -107,6 +109,14 @@ def test_wiped_store_restores_newest_committed_backup(
             f"COMMIT of step {step}",
             daemon=daemon,
         )
+    return yaml_text
+
+
+def test_wiped_store_restores_newest_committed_backup(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon(backup=backup_dir)
+    yaml_text = _save_backed_up_steps(ckpt, backup_dir, job, daemon, (1, 2))
     assert daemon.stop() == 0
 
     # Step 2's upload "never finished": its files and manifest are there, its COMMIT is not.
@@ -130,17 +140,7 @@ def test_a_restore_pin_rolls_one_node_back_to_an_older_backup(
     ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
 ) -> None:
     daemon = start_daemon(backup=backup_dir)
-    yaml_text = config_text(job, backup_interval_steps=1)
-    write_yaml_atomic(ckpt, yaml_text)
-    wait_markers(ckpt, job, 0, daemon)
-    for step in (1, 2):
-        make_step(ckpt, step, payload(step, seed=job))
-        wait_ingested(ckpt, job, step, daemon)
-        wait_until(
-            lambda s=step: s in backup_commits(backup_dir, job),
-            f"COMMIT of step {step}",
-            daemon=daemon,
-        )
+    yaml_text = _save_backed_up_steps(ckpt, backup_dir, job, daemon, (1, 2))
     mtc = [sys.executable, "-m", "replicator.cli", "backups", "restore", backup_dir.as_uri()]
     done = subprocess.run(
         [*mtc, "--job", job, "--step", "1", "--yes"], check=False, capture_output=True, text=True
