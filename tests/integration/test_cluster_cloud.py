@@ -3,6 +3,10 @@
 The daemons get only the SDKs' standard environment (``AWS_ENDPOINT_URL_S3`` and
 credentials, or ``STORAGE_EMULATOR_HOST``) and a ``s3://`` or ``gs://`` URL, which also
 serves as the coordinator registry.
+
+The GCS emulator ignores ``ifGenerationMatch=0``, so two ranks finishing their uploads at
+once could both write a step's COMMIT, and it once served one writer's bytes with the other's
+crc32c. Real GCS refuses the second writer; here ``gcs_create_only`` does, in a proxy.
 """
 
 from __future__ import annotations
@@ -15,15 +19,22 @@ import pytest
 
 from replicator.objectstore import open_object_store
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
-from tests.storage_servers import Bucket
+from tests.storage_servers import Bucket, fault_proxy, gcs_create_only, gcs_env
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(params=["s3", "gcs"])
-def cloud(request: pytest.FixtureRequest) -> Bucket:
+def cloud(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Bucket]:
     bucket: Bucket = request.getfixturevalue(f"{request.param}_bucket")
-    return bucket
+    if request.param != "gcs":
+        yield bucket
+        return
+    with fault_proxy(bucket.endpoint, [gcs_create_only]) as proxy:
+        env = gcs_env(proxy.url)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        yield Bucket(bucket.url, bucket.name, proxy.url, env)
 
 
 @pytest.fixture
