@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -44,6 +43,7 @@ from replicator.coordinator_messages import (
 from replicator.manifest import ItemId
 from replicator.objectstore import ObjectStoreError
 from replicator.registry import COORDINATOR_ID_RE, Registry, RegistryEntry
+from replicator.retry import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -323,27 +323,6 @@ _RELOOK = frozenset(
 
 
 # --- finding the coordinator -----------------------------------------------------------------
-
-
-class Backoff:
-    """Exponential delays with jitter: ``first``, doubling up to ``cap``, each drawn from
-    [half, whole] so that a cluster's agents do not retry in lockstep."""
-
-    def __init__(
-        self, first: float = 0.1, cap: float = 3.0, rng: random.Random | None = None
-    ) -> None:
-        self.first = first
-        self.cap = cap
-        self._next = first
-        self._rng = rng or random.Random()  # noqa: S311 (jitter, not secrecy)
-
-    def next(self) -> float:
-        delay = self._next * self._rng.uniform(0.5, 1.0)
-        self._next = min(self.cap, self._next * 2)
-        return delay
-
-    def reset(self) -> None:
-        self._next = self.first
 
 
 async def find_coordinator(

@@ -54,6 +54,7 @@ from replicator.contract import (
 from replicator.coordinator import SERVICE as COORDINATOR_SERVICE
 from replicator.coordinator import CoordinatorHost, CoordinatorServicer
 from replicator.coordinator_messages import cluster_view_json
+from replicator.datachannel import DataListener
 from replicator.logs import configure as configure_logging
 from replicator.metrics import (
     NO_METRICS,
@@ -69,7 +70,7 @@ from replicator.peer import SERVICE as PEER_SERVICE
 from replicator.peer import PeerClient
 from replicator.peer_service import PeerServicer
 from replicator.registry import Registry, RegistryEntry, open_registry
-from replicator.server import RpcServer, ServerError, advertised_address
+from replicator.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.store import LocalStore, StoreError
 from replicator.watcher import DirectoryWatcher
 
@@ -106,6 +107,19 @@ class DaemonOptions:
     """How long a restore round waits before ``replicator.errors`` says what for."""
     metrics: str | None = None
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
+    data_port: int | None = 0
+    """TCP port of the data channel on the ``listen`` host (0: any free one, told to peers
+    over gRPC); None: no data channel, item bytes travel in gRPC chunks."""
+
+
+def _data_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    if value == "auto":
+        return 0
+    if not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
+    return int(value)
 
 
 def _host_port(value: str) -> str:
@@ -174,6 +188,14 @@ def parse_args(
         default=env.get("MTC_METRICS") or None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default [MTC_METRICS]",
     )
+    p.add_argument(
+        "--data-port",
+        type=_data_port,
+        default=_data_port(env.get("MTC_DATA_PORT", "auto")),
+        help="TCP port for item bytes beside gRPC, on the --listen host: a number, 'auto' "
+        "(any free port, told to peers over gRPC) or 'off' (bytes in gRPC chunks) "
+        "[MTC_DATA_PORT]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if a.checkpoint_dir is None:
@@ -193,6 +215,7 @@ def parse_args(
         rescan_seconds=a.rescan_seconds,
         report_after_seconds=a.report_after_seconds,
         metrics=a.metrics,
+        data_port=a.data_port,
     )
 
 
@@ -300,7 +323,18 @@ class Daemon:
             len(report.discarded),
         )
         rpc = RpcServer()
-        peer = PeerServicer(self.store, self.executor, self.accepts_job, metrics=self.metrics)
+        channel: DataListener | None = None
+        if self.opts.data_port is not None:
+            try:
+                channel = DataListener(split_host_port(self.opts.listen)[0], self.opts.data_port)
+            except OSError as exc:
+                log.error("%s", exc)
+                self.exit_code = 3
+                self.store.close()
+                return
+        peer = PeerServicer(
+            self.store, self.executor, self.accepts_job, metrics=self.metrics, channel=channel
+        )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups
         coordinator = CoordinatorServicer(
@@ -316,11 +350,15 @@ class Daemon:
             log.error("%s", exc)
             self.exit_code = 3
             self.store.close()
+            if channel is not None:
+                await channel.close()
             return
         self.advertise = self.opts.advertise or advertised_address(self.listen_address)
         self.ctx.advertise = self.advertise
         self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics)
         await rpc.start()
+        if channel is not None:
+            channel.start()
         # A yaml written while we were down has no events left to tell: trust it.
         self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
@@ -339,7 +377,8 @@ class Daemon:
             )
             resumed.start()
         log.info(
-            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s metrics=%s",
+            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s metrics=%s "
+            "data-port=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.listen_address,
@@ -347,6 +386,7 @@ class Daemon:
             self.opts.backup,
             __version__,
             self._metrics_server.address if self._metrics_server else None,
+            channel.port if channel is not None else "off",
         )
         await rpc.set_serving()
         try:
@@ -360,6 +400,8 @@ class Daemon:
             log.info("stopping")
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
+            if channel is not None:
+                await channel.close()
             if self.incarnation is not None:
                 await self.incarnation.stop()
             watcher.stop()

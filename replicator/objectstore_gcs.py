@@ -64,7 +64,7 @@ from replicator.objectstore_transfer import (
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import Backoff, RetryPolicy, call_translated
+from replicator.retry import RetryPolicy, RetryState, call_translated
 
 log = logging.getLogger(__name__)
 
@@ -371,7 +371,7 @@ class GcsObjectStore:
             what=what,
             size=size,
             crc32c=b64_crc32c(blob.crc32c),
-            backoff=Backoff(self.policy, is_transient, what=what),
+            backoff=RetryState(self.policy, is_transient, what=what),
         )
 
     def get_bytes(self, key: str) -> bytes:

@@ -63,7 +63,7 @@ from replicator.objectstore_transfer import (
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import Backoff, RetryPolicy, call_translated
+from replicator.retry import RetryPolicy, RetryState, call_translated
 
 if TYPE_CHECKING:
     from botocore.response import StreamingBody
@@ -413,7 +413,7 @@ class S3ObjectStore:
             what=what,
             size=first["ContentLength"],
             crc32c=expected,
-            backoff=Backoff(self.policy, is_transient, what=what),
+            backoff=RetryState(self.policy, is_transient, what=what),
         )
 
     def get_bytes(self, key: str) -> bytes:

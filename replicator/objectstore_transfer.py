@@ -20,7 +20,7 @@ from typing import TypeVar
 import google_crc32c
 
 from replicator.objectstore import ChecksumMismatch, ObjectStoreError
-from replicator.retry import Backoff
+from replicator.retry import RetryState
 
 R = TypeVar("R")
 
@@ -129,7 +129,7 @@ def verified_chunks(
     what: str,
     size: int,
     crc32c: int | None,
-    backoff: Backoff,
+    backoff: RetryState,
 ) -> Iterator[bytes]:
     """Stream an object of ``size`` bytes, resuming after transient errors, then verify it.
 

@@ -2,12 +2,13 @@
 I/O module.
 
 ``PeerClient`` pushes a committed item to another daemon, pulls one (staged, verified and
-committed exactly as the receiving daemon does it, through ``transfer.receive_item``) and
-lists what a daemon holds, over one grpc.aio channel per address with explicit message
-limits, keepalives and a deadline on every call. A push streams its chunks only after the
-receiver accepted its header (``GO_AHEAD``), so answers never race the chunks. A peer's
-status code is translated into our exceptions in one place, ``_rpc_error``. The service
-itself is ``peer_service``.
+committed exactly as the receiving daemon does it) and lists what a daemon holds, over one
+grpc.aio channel per address with explicit message limits, keepalives and a deadline on
+every call. A push streams its chunks only after the receiver accepted its header
+(``GO_AHEAD``), so answers never race the chunks. When the other daemon offers its data
+channel (``datachannel``), the bytes go there instead of into chunks, and gRPC carries
+only the header and the verdict. A peer's status code is translated into our exceptions
+in one place, ``_rpc_error``. The service itself is ``peer_service``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from replicator import datachannel
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator.contract import JOB_NAME_RE
+from replicator.datachannel import TOKEN_BYTES, ChannelBroken, ChannelProtocolError
 from replicator.logs import JobLog
 from replicator.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from replicator.metrics import NO_METRICS, Metrics, TransferKind
@@ -48,6 +51,11 @@ GO_AHEAD = ("mtc-send-chunks", "1")
 """Initial metadata a receiver sends once it accepted a push's header: only then does the
 sender stream chunks. Otherwise the receiver's answer (already held, or a refusal) races
 the sender's writes, and grpc.aio can then report "Internal error from Core" instead."""
+DATA_CHANNEL_KEY = "mtc-data-channel"
+"""Initial metadata beside ``GO_AHEAD`` offering the receiver's data channel for a push's
+bytes: ``"<port> <token as hex>"``."""
+VERDICT_SECONDS = 5.0
+"""After the data connection broke, how long to wait for the other side's status."""
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
 lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
@@ -148,6 +156,28 @@ async def chunks_of(
         yield c.file_index, c.offset, c.data, c.crc32c  # each access of a bytes field copies
 
 
+def channel_offer(port: int, token: bytes) -> tuple[int, bytes] | None:
+    """A data channel offered by the other daemon, checked: ``(port, token)``, or None
+    when none was offered; ``TransferError`` when the offer is malformed."""
+    if port == 0 and not token:
+        return None
+    if not 0 < port < 65536 or len(token) != TOKEN_BYTES:
+        raise TransferError(f"malformed data channel offer: port {port}, {len(token)}-byte token")
+    return port, token
+
+
+def push_offer(metadata: tuple[tuple[str, str | bytes], ...]) -> tuple[int, bytes] | None:
+    """The data channel offered in a push's go-ahead metadata, if any (see ``channel_offer``)."""
+    for key, value in metadata:
+        if key == DATA_CHANNEL_KEY:
+            port, _, token = str(value).partition(" ")
+            try:
+                return channel_offer(int(port), bytes.fromhex(token))
+            except ValueError:
+                raise TransferError(f"malformed data channel offer {str(value)!r:.80}") from None
+    return None
+
+
 def fill_chunk(chunk: pb.Chunk, file_index: int, offset: int, data: bytes, crc32c: int) -> None:
     """Fill a message's chunk in place: building a Chunk and wrapping it copies data twice."""
     chunk.file_index = file_index
@@ -183,7 +213,8 @@ class PeerClient:
     Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second;
     a pull whose size is not known in advance gets ``timeout + max_transfer_seconds``.
     A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
-    the client makes a small pool and shuts it down in ``close``).
+    the client makes a small pool and shuts it down in ``close``). With ``data_channel``,
+    transfers ask for the other daemon's data channel and use it when it is offered.
     """
 
     def __init__(
@@ -194,8 +225,10 @@ class PeerClient:
         max_transfer_seconds: float = 3600.0,
         executor: Executor | None = None,
         metrics: Metrics = NO_METRICS,
+        data_channel: bool = True,
     ) -> None:
         self.timeout = timeout
+        self.data_channel = data_channel
         self.metrics = metrics
         self.min_rate = min_rate
         self.max_transfer_seconds = max_transfer_seconds
@@ -248,23 +281,40 @@ class PeerClient:
             item=item_ref(manifest.item),
             manifest=raw,
             manifest_digest=hashlib.sha256(raw).hexdigest(),
+            data_channel=self.data_channel,
         )
         t0 = time.monotonic()
         call = method(timeout=self._deadline(manifest.total_bytes))
         cut_short = False
+        broken: ChannelBroken | None = None
         try:
             try:
                 await call.write(pb.PushItemRequest(header=header))
-                if GO_AHEAD in tuple(await call.initial_metadata() or ()):
-                    with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
-                        for index, offset, buf, crc in chunks:
-                            request = pb.PushItemRequest()
-                            fill_chunk(request.chunk, index, offset, buf, crc)
-                            await call.write(request)
+                metadata = tuple(await call.initial_metadata() or ())
+                if GO_AHEAD in metadata:
+                    try:
+                        offer = push_offer(metadata)
+                    except TransferError as exc:
+                        raise PeerError(address, f"push of {manifest.item}: {exc}") from None
+                    if offer is not None:
+                        try:
+                            await self._send_over_channel(address, offer, manifest, data_path)
+                        except ChannelBroken as exc:
+                            broken = exc  # the peer's status, if it has one, says more
+                    else:
+                        await self._send_chunks(call, manifest, data_path)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 cut_short = True  # the peer ended the call mid-stream; its status says why
-            response = await call
+            if broken is None:
+                response = await call
+            else:
+                try:
+                    response = await asyncio.wait_for(asyncio.shield(call), VERDICT_SECONDS)
+                except TimeoutError:
+                    raise PeerUnavailable(
+                        address, f"push of {manifest.item} to {address}: {broken}"
+                    ) from None
         except grpc.aio.AioRpcError as exc:
             if cut_short and exc.code() is grpc.StatusCode.INTERNAL:
                 # A peer drains the stream before it answers, so this is rare: a write was
@@ -293,6 +343,26 @@ class PeerClient:
             self.metrics.transfer(TransferKind.REPLICATE_OUT, response.bytes_received, dt)
         return response.already_had
 
+    async def _send_chunks(
+        self, call: grpc.aio.StreamUnaryCall[Any, Any], manifest: Manifest, data_path: Path
+    ) -> None:
+        with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
+            for index, offset, buf, crc in chunks:
+                request = pb.PushItemRequest()
+                fill_chunk(request.chunk, index, offset, buf, crc)
+                await call.write(request)
+
+    async def _send_over_channel(
+        self, address: str, offer: tuple[int, bytes], manifest: Manifest, data_path: Path
+    ) -> None:
+        port, token = offer
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(
+            None, datachannel.connect, address, port, token, self.timeout
+        )
+        with sock:
+            await datachannel.send_staged(manifest, data_path, sock, idle_timeout=self.timeout)
+
     async def pull_item(
         self,
         address: str,
@@ -316,7 +386,11 @@ class PeerClient:
             request_serializer=pb.PullItemRequest.SerializeToString,
             response_deserializer=pb.PullItemResponse.FromString,
         )
-        request = pb.PullItemRequest(item=item_ref(item), manifest_digest=expected_digest or "")
+        request = pb.PullItemRequest(
+            item=item_ref(item),
+            manifest_digest=expected_digest or "",
+            data_channel=self.data_channel,
+        )
         t0 = time.monotonic()
         stream = call(request, timeout=self._deadline(total_bytes))
         try:
@@ -334,9 +408,22 @@ class PeerClient:
             if manifest.total_bytes > room:
                 raise StoreError(f"{item}: {manifest.total_bytes} bytes do not fit ({room} free)")
             try:
-                nbytes = await receive_item(store, manifest, chunks_of(responses), self.executor)
-            except TransferError as exc:
+                offer = channel_offer(first.header.data_port, first.header.data_token)
+                if offer is None:
+                    nbytes = await receive_item(
+                        store, manifest, chunks_of(responses), self.executor
+                    )
+                else:
+                    nbytes = await self._receive_over_channel(address, offer, store, manifest)
+                    if await anext(responses, None) is not None:
+                        raise TransferError("a message came after the data channel's bytes")
+            except (TransferError, ChannelProtocolError) as exc:
                 raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+            except ChannelBroken as exc:
+                # The sender's status, if it failed, says more than the broken connection.
+                with contextlib.suppress(TimeoutError, StopAsyncIteration):
+                    await asyncio.wait_for(anext(responses), VERDICT_SECONDS)
+                raise PeerUnavailable(address, f"pull of {item} at {address}: {exc}") from None
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc, address, f"pull of {item}") from None
         finally:
@@ -353,6 +440,19 @@ class PeerClient:
         )
         self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
         return manifest
+
+    async def _receive_over_channel(
+        self, address: str, offer: tuple[int, bytes], store: LocalStore, manifest: Manifest
+    ) -> int:
+        port, token = offer
+        loop = asyncio.get_running_loop()
+        sock = await loop.run_in_executor(
+            None, datachannel.connect, address, port, token, self.timeout
+        )
+        with sock:
+            return await datachannel.receive_staged(
+                store, manifest, sock, idle_timeout=self.timeout
+            )
 
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         """The committed items ``address`` holds (of ``job`` only, when given)."""

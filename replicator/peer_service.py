@@ -26,10 +26,25 @@ import grpc.aio
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.contract import JOB_NAME_RE
+from replicator.datachannel import (
+    ChannelBroken,
+    ChannelProtocolError,
+    DataListener,
+    receive_staged,
+    send_staged,
+)
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
 from replicator.metrics import NO_METRICS, Metrics, TransferKind
-from replicator.peer import GO_AHEAD, chunks_of, fill_chunk, item_id, item_ref, rate
+from replicator.peer import (
+    DATA_CHANNEL_KEY,
+    GO_AHEAD,
+    chunks_of,
+    fill_chunk,
+    item_id,
+    item_ref,
+    rate,
+)
 from replicator.store import LocalStore, StoreError
 from replicator.transfer import (
     RESERVE_BYTES,
@@ -62,7 +77,7 @@ class Busy(Exception):
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that turns a servicer-side exception into a gRPC status."""
     cause = exc.__cause__ if isinstance(exc, StoreError) else exc
-    if isinstance(exc, (ManifestError, TransferError)):
+    if isinstance(exc, (ManifestError, TransferError, ChannelProtocolError)):
         code = grpc.StatusCode.INVALID_ARGUMENT
     elif isinstance(exc, CorruptItem):
         code = grpc.StatusCode.DATA_LOSS
@@ -74,7 +89,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     elif isinstance(exc, Busy):
         code = grpc.StatusCode.ABORTED
-    elif isinstance(exc, Cancelled):
+    elif isinstance(exc, (Cancelled, ChannelBroken)):
         code = grpc.StatusCode.UNAVAILABLE
     elif isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -120,10 +135,16 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         max_item_bytes: int | None = None,
         reserve_bytes: int = RESERVE_BYTES,
         metrics: Metrics = NO_METRICS,
+        channel: DataListener | None = None,
+        channel_timeout: float = 30.0,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
-        margin (``room_on``) and minus what pushes in flight will still write."""
+        margin (``room_on``) and minus what pushes in flight will still write. With a
+        ``channel``, transfers that ask for it move their bytes there; ``channel_timeout``
+        bounds the wait for its connection and any stall on it."""
         self.store = store
+        self.channel = channel
+        self.channel_timeout = channel_timeout
         self.executor = executor
         self.accepts_job = accepts_job
         self.max_item_bytes = max_item_bytes
@@ -179,17 +200,37 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if item in self._inflight:
             raise Busy(f"{item}: another transfer of this item is in flight")
         self._inflight[item] = manifest.total_bytes
+        ticket = (
+            self.channel.issue()
+            if self.channel is not None and first.header.data_channel and manifest.total_bytes
+            else None
+        )
         try:
-            await context.send_initial_metadata((GO_AHEAD,))
-            nbytes = await receive_item(self.store, manifest, chunks_of(requests), self.executor)
+            if ticket is None:
+                await context.send_initial_metadata((GO_AHEAD,))
+                nbytes = await receive_item(
+                    self.store, manifest, chunks_of(requests), self.executor
+                )
+            else:
+                assert self.channel is not None
+                offer = f"{self.channel.port} {ticket.token_hex}"
+                await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
+                sock = await self.channel.connection(ticket, self.channel_timeout)
+                nbytes = await receive_staged(
+                    self.store, manifest, sock, idle_timeout=self.channel_timeout
+                )
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
             raise
         except Exception:
-            await _drain(requests, manifest.total_bytes)
+            if ticket is None:  # on the data channel, no chunks are in flight to race
+                await _drain(requests, manifest.total_bytes)
             raise
         finally:
             del self._inflight[item]
+            if ticket is not None:
+                assert self.channel is not None
+                self.channel.withdraw(ticket)  # closes its connection
         dt = time.monotonic() - t0
         jlog.info(
             "received %s from %s: %d bytes in %.3fs (%.1f MB/s)",
@@ -217,18 +258,31 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             digest = manifest.digest
             if request.manifest_digest and request.manifest_digest != digest:
                 raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
-            yield pb.PullItemResponse(
-                header=pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
-            )
+            header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
             data = self.store.data_path(item)
-            try:
-                with contextlib.closing(iter_chunks(manifest, data)) as chunks:
-                    for index, offset, buf, crc in chunks:
-                        response = pb.PullItemResponse()
-                        fill_chunk(response.chunk, index, offset, buf, crc)
-                        yield response
-            except FileNotFoundError:
-                raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+            if self.channel is not None and request.data_channel and manifest.total_bytes:
+                ticket = self.channel.issue()
+                try:
+                    header.data_port = self.channel.port
+                    header.data_token = ticket.token
+                    yield pb.PullItemResponse(header=header)
+                    sock = await self.channel.connection(ticket, self.channel_timeout)
+                    try:
+                        await send_staged(manifest, data, sock, idle_timeout=self.channel_timeout)
+                    except FileNotFoundError:
+                        raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+                finally:
+                    self.channel.withdraw(ticket)  # closes its connection
+            else:
+                yield pb.PullItemResponse(header=header)
+                try:
+                    with contextlib.closing(iter_chunks(manifest, data)) as chunks:
+                        for index, offset, buf, crc in chunks:
+                            response = pb.PullItemResponse()
+                            fill_chunk(response.chunk, index, offset, buf, crc)
+                            yield response
+                except FileNotFoundError:
+                    raise NotHeld(f"{item}: deleted (retention) while being sent") from None
             dt = time.monotonic() - t0
             JobLog(log, item.job, item.rank).info(
                 "sent %s to %s: %d bytes in %.3fs (%.1f MB/s)",

@@ -44,6 +44,7 @@ KUBELET_DIR = "/var/lib/kubelet"
 HOST_DIR = "/var/lib/mtc"
 RAM_DIR = f"{HOST_DIR}/ramdisk"
 GRPC_PORT = 7070
+DATA_PORT = 7071
 METRICS_PORT = 9464
 PLUGIN_HEALTH_PORT = 9808
 REGISTRAR_HEALTH_PORT = 9809
@@ -445,12 +446,14 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_CHECKPOINT_DIR", "value": RAM_DIR},
             {"name": "MTC_LISTEN", "value": f"0.0.0.0:{GRPC_PORT}"},
             {"name": "MTC_ADVERTISE", "value": f"$(POD_IP):{GRPC_PORT}"},
+            {"name": "MTC_DATA_PORT", "value": str(DATA_PORT)},
             {"name": "MTC_METRICS", "value": f"0.0.0.0:{METRICS_PORT}"},
             {"name": "HOME", "value": SCRATCH_DIR},
         ],
         "envFrom": [{"configMapRef": {"name": config_map}}, {"secretRef": secret}],
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         # Opening the store re-hashes what a crash left unhashed: give it minutes.

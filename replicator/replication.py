@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 
 from replicator.cluster import replication_targets
 from replicator.contract import JobConfig
-from replicator.coordinator_client import Backoff
 from replicator.logs import JobLog
 from replicator.manifest import Cancelled, CorruptItem, Manifest
 from replicator.peer import PeerClient, PeerError
 from replicator.planner import rank_items
+from replicator.retry import Backoff
 from replicator.store import LocalStore, StoreError
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,10 @@
-"""Retries with jittered exponential backoff, bounded in attempts and in time. Pure.
+"""Jittered exponential backoff, and the bounded storage retries built on it. Pure.
 
-Whether an error is worth another try is the caller's decision (each storage backend has one
-function for it); this module only decides how long to wait and when to give up. Clock,
-sleep and randomness are injected so tests never wait.
+``Backoff`` is the one delay schedule of the project: object-storage retries here, and the
+agent's waits for its coordinator and its peers elsewhere. Whether an error is worth another
+try is the caller's decision (each storage backend has one function for it); ``RetryState``
+counts tries and gives up after so many, or so long. Clock, sleep and randomness are injected so
+tests never wait.
 """
 
 from __future__ import annotations
@@ -17,6 +19,46 @@ from typing import TypeVar
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Backoff:
+    """Waits that grow from ``first`` by ``multiplier`` up to ``cap``, each one jittered.
+
+    "Equal jitter": the n-th wait is drawn from [step/2, step] with step = first *
+    multiplier**(n-1), capped, so waits still grow under throttling while a cluster's
+    clients spread out instead of retrying in step. The defaults suit control-plane calls
+    (the coordinator, the registry). ``rand`` gives uniform numbers in [0, 1).
+    """
+
+    def __init__(
+        self,
+        first: float = 0.1,
+        cap: float = 3.0,
+        *,
+        multiplier: float = 2.0,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        if not 0 <= first <= cap:
+            raise ValueError(f"need 0 <= first <= cap, got first={first}, cap={cap}")
+        if multiplier < 1:
+            raise ValueError(f"need multiplier >= 1, got {multiplier}")
+        self.first = first
+        self.cap = cap
+        self.multiplier = multiplier
+        self.rand = rand
+        # The step itself, not a count of waits: a count would overflow ``multiplier**n``
+        # after about a thousand waits, which a dead peer retried forever does reach.
+        self._step = first
+
+    def next(self) -> float:
+        """Seconds to wait now; the next call's step is larger, up to ``cap``."""
+        step = self._step
+        self._step = min(self.cap, step * self.multiplier)
+        return step / 2 + step / 2 * self.rand()
+
+    def reset(self) -> None:
+        """Start again from ``first``, after a success."""
+        self._step = self.first
 
 
 @dataclass(frozen=True)
@@ -41,20 +83,15 @@ class RetryPolicy:
         if self.deadline < 0 or self.multiplier < 1:
             raise ValueError(f"need deadline >= 0 and multiplier >= 1, got {self}")
 
-    def delay(self, failures: int, rand: float) -> float:
-        """The wait after ``failures`` failed tries, for ``rand`` uniform in [0, 1).
-
-        "Equal jitter": half the exponential step is kept, half is random, so waits still
-        grow under throttling while many clients spread out instead of retrying in step.
-        """
-        step = min(self.max_delay, self.first_delay * self.multiplier ** (failures - 1))
-        return step / 2 + step / 2 * rand
+    def backoff(self, rand: Callable[[], float] = random.random) -> Backoff:
+        """The waits between this policy's tries, the first one before the second try."""
+        return Backoff(self.first_delay, self.max_delay, multiplier=self.multiplier, rand=rand)
 
 
 NO_RETRY = RetryPolicy(attempts=1)
 
 
-class Backoff:
+class RetryState:
     """The retry state of one operation: call ``failed`` with each error it raises.
 
     Usable around a plain call (``call_with_retry``) and inside loops that resume where
@@ -76,7 +113,7 @@ class Backoff:
         self.what = what
         self.clock = clock
         self.sleep = sleep
-        self.rand = rand
+        self.backoff = policy.backoff(rand)
         self.failures = 0
         self.started = clock()
 
@@ -85,7 +122,7 @@ class Backoff:
         self.failures += 1
         if not self.is_transient(exc):
             raise exc
-        wait = self.policy.delay(self.failures, self.rand())
+        wait = self.backoff.next()
         elapsed = self.clock() - self.started
         if self.failures >= self.policy.attempts or elapsed + wait > self.policy.deadline:
             log.warning(
@@ -119,12 +156,12 @@ def call_with_retry(
     rand: Callable[[], float] = random.random,
 ) -> T:
     """``fn()``, tried again after transient errors as ``policy`` allows."""
-    backoff = Backoff(policy, is_transient, what=what, clock=clock, sleep=sleep, rand=rand)
+    state = RetryState(policy, is_transient, what=what, clock=clock, sleep=sleep, rand=rand)
     while True:
         try:
             return fn()
         except Exception as exc:  # is_transient decides; anything else is re-raised
-            backoff.failed(exc)
+            state.failed(exc)
 
 
 def call_translated(

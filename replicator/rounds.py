@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from replicator.contract import JobConfig
 from replicator.coordination import JoinRejected, Phase
 from replicator.coordinator_client import (
-    Backoff,
     CoordinatorClient,
     CoordinatorError,
     MustRejoin,
@@ -31,6 +30,7 @@ from replicator.objectstore import ObjectStoreError
 from replicator.peer import PeerClient, PeerError
 from replicator.planner import Source
 from replicator.registry import Registry
+from replicator.retry import Backoff
 from replicator.roundplan import Fetch
 from replicator.store import LocalStore, StoreError
 

@@ -257,6 +257,10 @@ class ItemWriter:
             raise CorruptItem(
                 f"{self._where(file_index)}: chunk at offset {offset} fails its crc32c"
             )
+        return self._place(file_index, offset, len(data), crc32c)
+
+    def _place(self, file_index: int, offset: int, size: int, crc32c: int) -> int:
+        """Check a verified slice's place in the stream and extend its file's crc."""
         while self._index < file_index:
             self._finish_file()
         entry = self._files[file_index]
@@ -264,21 +268,32 @@ class ItemWriter:
             raise TransferError(
                 f"{self._where(file_index)}: chunk at offset {offset}, expected {self._offset}"
             )
-        if offset + len(data) > entry.size:
+        if offset + size > entry.size:
             raise TransferError(
-                f"{self._where(file_index)}: data up to {offset + len(data)} bytes, "
+                f"{self._where(file_index)}: data up to {offset + size} bytes, "
                 f"the manifest says {entry.size}"
             )
         if self._fd is None:
             self._fd = self._create(entry)
-        self._crc = crc32c_combine(self._crc, crc32c, len(data))
-        self._offset += len(data)
-        self.bytes_written += len(data)
+        self._crc = crc32c_combine(self._crc, crc32c, size)
+        self._offset += size
+        self.bytes_written += size
         return self._fd
 
     def write(self, file_index: int, offset: int, data: bytes, crc32c: int) -> None:
         """``accept`` and write one chunk, in the calling thread."""
         write_all(self.accept(file_index, offset, data, crc32c), data)
+        self.release()
+
+    def write_raw(self, file_index: int, offset: int, data: bytes) -> None:
+        """Write a slice that came without a checksum of its own (the data channel's): its
+        file's size and whole-file crc32c, checked when the file completes, still cover it."""
+        if not 0 < len(data) <= MAX_CHUNK:
+            raise TransferError(f"{self.manifest.item}: slice of {len(data)} bytes")
+        if file_index >= len(self._files) or file_index < self._index:
+            raise TransferError(f"{self.manifest.item}: slice for file {file_index} out of order")
+        fd = self._place(file_index, offset, len(data), google_crc32c.value(data))
+        write_all(fd, data)
         self.release()
 
     def release(self) -> None:

@@ -1,16 +1,18 @@
 """Measure the peer data plane against a raw-socket copy of the same bytes, in one run.
 
 Two real daemons on tmpfs (``/dev/shm`` subdirectories): daemon A holds a committed item,
-daemon B serves the job as another rank. Each round (interleaved, so both sides meet the
-same page-cache conditions):
+daemon B serves the job as another rank. Each round (interleaved, so every transfer meets
+the same page-cache conditions):
 
 - raw: a tiny sender/receiver pair of processes copies A's item files over one loopback TCP
   socket (``sendfile`` out, ``recv_into`` + ``write`` in) into a fresh tmpfs directory;
 - push: ``PeerClient.push_item`` (the code a daemon runs after ingest; here in this
   process, with the daemon's malloc tuning and uvloop) sends the item to daemon B, which
-  verifies every chunk and file and commits it (B is restarted with an empty store each
-  round, so its destination starts from the same state as the raw copy's);
-- pull: ``PeerClient.pull_item`` restores the item from daemon A into a local store here.
+  verifies every file's crc32c and commits it: once over B's data channel (what daemons
+  do by default) and once in gRPC chunks (``--data-port off``). B is restarted with an
+  empty store before each, so its destination starts from the same state as the raw copy's;
+- pull: ``PeerClient.pull_item`` restores the item from daemon A into a local store here,
+  over A's data channel and in gRPC chunks.
 
 Prints seconds and MB/s (median and best of the rounds), the push/raw ratio, daemon B's CPU
 seconds per GiB received and its peak RSS. Numbers are only comparable within one run (see
@@ -216,7 +218,10 @@ class Round:
     raw_cpu: float
     push: float
     push_cpu: float
+    push_chunks: float
+    push_chunks_cpu: float
     pull: float
+    pull_chunks: float
     b_rss_before: float
     b_peak_rss: float
 
@@ -227,61 +232,74 @@ async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> 
     local = LocalStore(root / "c")
     local.open()
     results = []
-    async with PeerClient() as client:
-        await client.list_items(a.address)  # connect before timing anything
-        for r in range(rounds):
-            # A fresh daemon B each round, with an empty store: every destination starts
-            # from the same state (the raw copy's is deleted after each round too).
+    async with PeerClient() as client, PeerClient(data_channel=False) as chunked:
+        for c in (client, chunked):
+            await c.list_items(a.address)  # connect before timing anything
+
+        async def push(c: PeerClient) -> tuple[float, float, float]:
+            """Seconds, B's CPU seconds and B's peak RSS of one push into a fresh B."""
             b = start_daemon(root / "b")
             try:
-                await client.list_items(b.address)
-                rss_before = b.memory_mib("VmRSS")
-
-                async def push(b: Daemon = b) -> tuple[float, float]:
-                    warm_pages(root, size)
-                    cpu0, t0 = b.cpu_seconds(), time.perf_counter()
-                    assert not await client.push_item(b.address, manifest, data)
-                    return time.perf_counter() - t0, b.cpu_seconds() - cpu0
-
-                def raw(r: int = r) -> dict[str, float]:
-                    warm_pages(root, size)
-                    dest = root / f"raw-{r}"
-                    result = raw_copy(data, dest)
-                    shutil.rmtree(dest)
-                    return result
-
-                # Alternate the order: whoever goes first may meet colder tmpfs pages.
-                if r % 2 == 0:
-                    raw_result = raw()
-                    push_s, push_cpu = await push()
-                else:
-                    push_s, push_cpu = await push()
-                    raw_result = raw()
+                await c.list_items(b.address)
+                warm_pages(root, size)
+                cpu0, t0 = b.cpu_seconds(), time.perf_counter()
+                assert not await c.push_item(b.address, manifest, data)
+                seconds, cpu = time.perf_counter() - t0, b.cpu_seconds() - cpu0
                 peak = b.memory_mib("VmHWM")
             finally:
                 b.stop()
             shutil.rmtree(root / "b" / ".mtc" / "items" / JOB)
+            return seconds, cpu, peak
+
+        async def pull(c: PeerClient) -> float:
             warm_pages(root, size)
             t0 = time.perf_counter()
-            await client.pull_item(
+            await c.pull_item(
                 a.address, manifest.item, local, manifest.digest, total_bytes=manifest.total_bytes
             )
-            pull_s = time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
             local.delete(manifest.item)
+            return seconds
+
+        def raw(r: int) -> dict[str, float]:
+            warm_pages(root, size)
+            dest = root / f"raw-{r}"
+            result = raw_copy(data, dest)
+            shutil.rmtree(dest)
+            return result
+
+        b = start_daemon(root / "b")
+        rss_before = b.memory_mib("VmRSS")
+        b.stop()
+        for r in range(rounds):
+            # Alternate the order: whoever goes first may meet colder tmpfs pages.
+            if r % 2 == 0:
+                raw_result = raw(r)
+                push_s, push_cpu, peak = await push(client)
+                chunks_s, chunks_cpu, _ = await push(chunked)
+                pull_s, pull_chunks_s = await pull(client), await pull(chunked)
+            else:
+                pull_chunks_s, pull_s = await pull(chunked), await pull(client)
+                chunks_s, chunks_cpu, _ = await push(chunked)
+                push_s, push_cpu, peak = await push(client)
+                raw_result = raw(r)
             results.append(
                 Round(
                     raw_result["seconds"],
                     raw_result["cpu"],
                     push_s,
                     push_cpu,
+                    chunks_s,
+                    chunks_cpu,
                     pull_s,
+                    pull_chunks_s,
                     rss_before,
                     peak,
                 )
             )
             print(
-                f"round {r + 1}: raw {raw_result['seconds']:.3f}s  push {push_s:.3f}s  "
-                f"pull {pull_s:.3f}s",
+                f"round {r + 1}: raw {raw_result['seconds']:.3f}s  push {push_s:.3f}s "
+                f"(chunks {chunks_s:.3f}s)  pull {pull_s:.3f}s (chunks {pull_chunks_s:.3f}s)",
                 flush=True,
             )
     local.close()
@@ -291,34 +309,43 @@ async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> 
 def report(size: int, files: int, results: list[Round]) -> None:
     gib = size / (1 << 30)
 
-    def stats(values: list[float]) -> tuple[float, float]:
+    def stats(key: str) -> tuple[float, float]:
+        values = [getattr(r, key) for r in results]
         return statistics.median(values), min(values)
 
-    raw, push, pull = (stats([getattr(r, k) for r in results]) for k in ("raw", "push", "pull"))
+    raw, push = stats("raw"), stats("push")
     print(f"\nitem: {size >> 20} MiB in {files} files, tmpfs -> tmpfs over loopback")
     print(f"{len(results)} interleaved rounds; median (and best) of each")
-    print(f"{'transfer':50} {'seconds':>15} {'MB/s':>13} {'vs raw':>6}")
+    print(f"{'transfer':56} {'seconds':>15} {'MB/s':>13} {'vs raw':>6}")
     rows = [
         ("raw socket copy (sendfile -> recv_into + write)", raw),
-        ("gRPC push A -> daemon B (crc32c verified, commit)", push),
-        ("gRPC pull from daemon A (restore from peer)", pull),
+        ("push to daemon B, data channel (crc32c, commit)", push),
+        ("push to daemon B, gRPC chunks (crc32c, commit)", stats("push_chunks")),
+        ("pull from daemon A, data channel (restore from peer)", stats("pull")),
+        ("pull from daemon A, gRPC chunks (restore from peer)", stats("pull_chunks")),
     ]
     for name, (median, best) in rows:
         print(
-            f"{name:50} {median:6.3f} ({best:6.3f}) "
+            f"{name:56} {median:6.3f} ({best:6.3f}) "
             f"{size / median / 1e6:5.0f} ({size / best / 1e6:5.0f}) {raw[0] / median:5.2f}x"
         )
     print(
         f"push / raw throughput ratio: {raw[0] / push[0]:.2f} median, "
         f"{raw[1] / push[1]:.2f} best (target >= 0.8)"
     )
-    cpu_b = statistics.median(r.push_cpu for r in results) / gib
-    cpu_raw = statistics.median(r.raw_cpu for r in results) / gib
-    print(f"CPU seconds per GiB received: daemon B {cpu_b:.2f}, raw receiver {cpu_raw:.2f}")
+    cpu = {
+        k: statistics.median(getattr(r, k) for r in results) / gib
+        for k in Round.__annotations__
+        if k.endswith("cpu")
+    }
+    print(
+        f"CPU seconds per GiB received: daemon B {cpu['push_cpu']:.2f} (data channel), "
+        f"{cpu['push_chunks_cpu']:.2f} (gRPC chunks); raw receiver {cpu['raw_cpu']:.2f}"
+    )
     peak = max(r.b_peak_rss for r in results)
     before = statistics.median(r.b_rss_before for r in results)
     print(
-        f"daemon B peak RSS (VmHWM): {peak:.0f} MiB at most; {before:.0f} MiB before the push "
+        f"daemon B peak RSS (VmHWM): {peak:.0f} MiB at most; {before:.0f} MiB at start "
         f"(item {size >> 20} MiB)"
     )
 

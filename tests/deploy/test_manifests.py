@@ -119,6 +119,7 @@ def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
     assert e["NODE_NAME"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     ports = {p["name"]: p["containerPort"] for p in replicator["ports"]}
     assert ports["grpc"] == port
+    assert ports["data"] == int(e["MTC_DATA_PORT"]) != port
     assert ports["metrics"] == int(e["MTC_METRICS"].rsplit(":", 1)[1])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replicator[probe]["grpc"] == {"port": port}, probe

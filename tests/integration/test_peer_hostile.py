@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import json
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -114,6 +115,7 @@ def header(
     raw: bytes | None = None,
     digest: str | None = None,
     ref: dict[str, Any] | None = None,
+    data_channel: bool = False,
 ) -> pb.PushItemRequest:
     raw = canonical(body or content(job)) if raw is None else raw
     item = ref or {"job": job, "step": STEP, "rank": 0, "worker": 0}
@@ -122,6 +124,7 @@ def header(
             item=pb.ItemRef(**item),
             manifest=raw,
             manifest_digest=hashlib.sha256(raw).hexdigest() if digest is None else digest,
+            data_channel=data_channel,
         )
     )
 
@@ -401,6 +404,133 @@ def test_a_push_cancelled_midway_leaves_nothing(victim: Victim) -> None:
     call.cancel()
     gate.set()
     assert_unharmed(victim, before)
+
+
+# --- the data channel -----------------------------------------------------------------------------
+
+DC_STEP = STEP + 20
+"""Data-channel attacks push a step of their own: never committed, so never "already held"."""
+BODY = SMALL + BIG
+"""What a data-channel sender writes: every file's bytes in manifest order."""
+
+
+def flip(data: bytes, at: int) -> bytes:
+    out = bytearray(data)
+    out[at] ^= 0x01
+    return bytes(out)
+
+
+def dc_header(job: str, step: int) -> pb.PushItemRequest:
+    ref = {"job": job, "step": step, "rank": 0, "worker": 0}
+    return header(content(job, step=step), job=job, ref=ref, data_channel=True)
+
+
+def dc_push(
+    v: Victim, step: int, attack: Callable[[int, bytes], None]
+) -> grpc.Future[pb.PushItemResponse]:
+    """Start a push that asks for the data channel, hand the offer to ``attack``, then end
+    the request stream; the call, for its verdict."""
+    gate = threading.Event()
+
+    def requests() -> Iterator[pb.PushItemRequest]:
+        yield dc_header(v.job, step)
+        gate.wait(20)
+
+    call = v.stub.PushItem.future(requests(), timeout=20)
+    try:
+        offer = dict(call.initial_metadata())["mtc-data-channel"]
+        port, token = offer.split()
+        attack(int(port), bytes.fromhex(token))
+    finally:
+        gate.set()
+    return call
+
+
+def send_on_channel(port: int, payload: bytes) -> None:
+    """Connect, write ``payload`` (token included), end the stream, wait for the close."""
+    # The receiver may give up before all is sent.
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as s,
+        contextlib.suppress(OSError),
+    ):
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+
+
+DC_ATTACKS: dict[str, tuple[Callable[[bytes], bytes], Code, str]] = {
+    "stream-ends-early": (lambda token: token + BODY[:-100], Code.UNAVAILABLE, "closed after"),
+    "more-bytes-than-the-manifest": (
+        lambda token: token + BODY + b"junk",
+        Code.INVALID_ARGUMENT,
+        "more bytes",
+    ),
+    "a-flipped-byte": (lambda token: token + flip(BODY, 1000), Code.DATA_LOSS, "big.bin"),
+    "only-the-token": (lambda token: token, Code.UNAVAILABLE, "closed after 0"),
+}
+
+
+@pytest.mark.parametrize("name", list(DC_ATTACKS))
+def test_a_hostile_data_channel_sender_is_refused_and_changes_nothing(
+    victim: Victim, name: str
+) -> None:
+    payload, code, detail = DC_ATTACKS[name]
+    before = snapshot(victim.ckpt)
+    call = dc_push(victim, DC_STEP, lambda port, token: send_on_channel(port, payload(token)))
+    with pytest.raises(grpc.RpcError) as refused:
+        call.result()
+    assert refused.value.code() == code, refused.value.details()
+    assert detail in refused.value.details()
+    assert_unharmed(victim, before)
+
+
+def test_a_wrong_or_reused_token_is_shut_out(victim: Victim) -> None:
+    """Wrong tokens are closed without effect on the push they guess at; the right one
+    delivers the item; the same token again is closed too."""
+    step = DC_STEP + 1
+    tokens: list[bytes] = []
+
+    def attack(port: int, token: bytes) -> None:
+        tokens.append(token)
+        for guess in (flip(token, 0), token[:-1] + b"\x00", b"\x00" * len(token)):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(guess + BODY)
+                s.settimeout(10)
+                with contextlib.suppress(ConnectionResetError):
+                    assert s.recv(1) == b"", "a wrong token was answered"
+        send_on_channel(port, token + BODY)
+
+    reply = dc_push(victim, step, attack).result()
+    assert reply.bytes_received == len(BODY)
+    data = item_dir(victim.ckpt, victim.job, step) / "data"
+    assert (data / "state" / "big.bin").read_bytes() == BIG
+    port = int(victim.daemon.log().rsplit("data-port=", 1)[1].split()[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(tokens[0] + BODY)
+        s.settimeout(10)
+        with contextlib.suppress(ConnectionResetError):
+            assert s.recv(1) == b"", "a used token was answered"
+
+
+def test_a_data_channel_push_cancelled_midway_leaves_nothing(victim: Victim) -> None:
+    before = snapshot(victim.ckpt)
+    calls: list[grpc.Future[pb.PushItemResponse]] = []
+    conn: list[socket.socket] = []
+
+    def attack(port: int, token: bytes) -> None:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.append(s)
+        s.sendall(token + BODY[: len(BODY) // 2])
+
+    calls.append(dc_push(victim, DC_STEP, attack))
+    wait_until(
+        lambda: list((victim.ckpt / ".mtc" / "staging").glob("*/data/meta")),
+        "the first file written",
+        daemon=victim.daemon,
+    )
+    calls[0].cancel()
+    assert_unharmed(victim, before)
+    conn[0].close()
 
 
 def test_the_daemon_still_takes_a_valid_push_afterwards(victim: Victim) -> None:

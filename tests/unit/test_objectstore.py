@@ -38,7 +38,7 @@ from replicator.objectstore_transfer import (
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import Backoff, RetryPolicy
+from replicator.retry import RetryPolicy, RetryState
 
 SMALL_CHUNK = 1000
 
@@ -393,7 +393,7 @@ def test_verified_chunks_resume_and_verify() -> None:
                 raise failures.pop()
             yield data[i : i + 1000]
 
-    backoff = Backoff(RetryPolicy(first_delay=0.0), lambda e: True, sleep=lambda _: None)
+    backoff = RetryState(RetryPolicy(first_delay=0.0), lambda e: True, sleep=lambda _: None)
     got = verified_chunks(
         open_at, what="k", size=len(data), crc32c=google_crc32c.value(data), backoff=backoff
     )

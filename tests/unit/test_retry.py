@@ -1,4 +1,4 @@
-"""Backoff and retry (``replicator.retry``), and each cloud backend's one error classifier.
+"""Backoff and retries (``replicator.retry``), and each cloud backend's one error classifier.
 
 Pure: a fake clock and sleep, no sockets; vendor exceptions are built in memory.
 """
@@ -17,7 +17,7 @@ from replicator.objectstore import (
     PreconditionFailed,
     TransientError,
 )
-from replicator.retry import Backoff, RetryPolicy, call_with_retry
+from replicator.retry import Backoff, RetryPolicy, RetryState, call_with_retry
 
 
 class FakeTime:
@@ -56,20 +56,68 @@ def retry(fn: Callable[[], str], policy: RetryPolicy, t: FakeTime, rand: float =
     )
 
 
-# --- the policy ------------------------------------------------------------------------------
+# --- the backoff -----------------------------------------------------------------------------
+
+
+def waits(backoff: Backoff, n: int) -> list[float]:
+    return [backoff.next() for _ in range(n)]
 
 
 def test_delays_grow_exponentially_up_to_the_cap() -> None:
-    policy = RetryPolicy(first_delay=1.0, max_delay=5.0, multiplier=2.0)
     # rand=1 is the top of each jitter range: the full exponential step.
-    assert [policy.delay(n, 1.0) for n in range(1, 6)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    backoff = Backoff(1.0, 5.0, multiplier=2.0, rand=lambda: 1.0)
+    assert waits(backoff, 5) == [1.0, 2.0, 4.0, 5.0, 5.0]
 
 
 def test_jitter_keeps_at_least_half_the_step() -> None:
-    policy = RetryPolicy(first_delay=1.0, max_delay=8.0)
-    assert policy.delay(3, 0.0) == 2.0
-    assert policy.delay(3, 0.5) == 3.0
-    assert all(2.0 <= policy.delay(3, r / 10) <= 4.0 for r in range(10))
+    def third_wait(rand: float) -> float:
+        return waits(Backoff(1.0, 8.0, rand=lambda: rand), 3)[-1]
+
+    assert third_wait(0.0) == 2.0
+    assert third_wait(0.5) == 3.0
+    assert all(2.0 <= third_wait(r / 10) <= 4.0 for r in range(10))
+
+
+def test_the_defaults_are_the_coordinator_waits() -> None:
+    """From 0.1 s, doubling, capped at 3 s: what agents wait for their coordinator."""
+    assert waits(Backoff(rand=lambda: 1.0), 7) == [0.1, 0.2, 0.4, 0.8, 1.6, 3.0, 3.0]
+    assert waits(Backoff(rand=lambda: 0.0), 2) == [0.05, 0.1]
+
+
+def test_reset_starts_again_from_the_first_delay() -> None:
+    backoff = Backoff(0.5, 15.0, rand=lambda: 1.0)
+    assert waits(backoff, 3) == [0.5, 1.0, 2.0]
+    backoff.reset()
+    assert waits(backoff, 2) == [0.5, 1.0]
+
+
+def test_each_wait_draws_its_own_jitter() -> None:
+    draws = iter([0.0, 1.0, 0.5])
+    assert waits(Backoff(1.0, 10.0, rand=lambda: next(draws)), 3) == [0.5, 2.0, 3.0]
+
+
+def test_a_backoff_used_forever_stays_at_the_cap() -> None:
+    """A dead peer is retried for hours: the thousandth wait must not overflow."""
+    backoff = Backoff(0.5, 15.0, rand=lambda: 1.0)
+    assert waits(backoff, 5000)[-1] == 15.0
+    assert waits(Backoff(0.0, 1.0), 5000)[-1] == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"first": -1.0}, {"first": 5.0, "cap": 1.0}, {"multiplier": 0.5}],
+)
+def test_bad_backoffs_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="need"):
+        Backoff(**kwargs)
+
+
+def test_a_policy_gives_its_own_backoff() -> None:
+    policy = RetryPolicy(first_delay=0.25, max_delay=1.0, multiplier=3.0)
+    assert waits(policy.backoff(rand=lambda: 1.0), 3) == [0.25, 0.75, 1.0]
+
+
+# --- the policy ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -143,20 +191,20 @@ def test_time_is_bounded() -> None:
     assert t.now - 100.0 <= policy.deadline
 
 
-def test_backoff_serves_a_resuming_loop() -> None:
+def test_retry_state_serves_a_resuming_loop() -> None:
     """A download that resumes after each transient error shares one budget."""
     t = FakeTime()
-    backoff = Backoff(
+    state = RetryState(
         RetryPolicy(attempts=3, first_delay=0.5),
         is_transient,
         clock=t.clock,
         sleep=t.sleep,
         rand=lambda: 0.0,
     )
-    backoff.failed(TransientError("reset"))
-    backoff.failed(TransientError("reset"))
+    state.failed(TransientError("reset"))
+    state.failed(TransientError("reset"))
     with pytest.raises(TransientError):
-        backoff.failed(TransientError("reset"))
+        state.failed(TransientError("reset"))
     assert t.sleeps == [0.25, 0.5]
 
 

@@ -32,14 +32,16 @@ class Chunk(_message.Message):
     def __init__(self, file_index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("item", "manifest", "manifest_digest")
+    __slots__ = ("item", "manifest", "manifest_digest", "data_channel")
     ITEM_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     item: ItemRef
     manifest: bytes
     manifest_digest: str
-    def __init__(self, item: _Optional[_Union[ItemRef, _Mapping]] = ..., manifest: _Optional[bytes] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
+    data_channel: bool
+    def __init__(self, item: _Optional[_Union[ItemRef, _Mapping]] = ..., manifest: _Optional[bytes] = ..., manifest_digest: _Optional[str] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class PushItemRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -58,20 +60,26 @@ class PushItemResponse(_message.Message):
     def __init__(self, already_had: _Optional[bool] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class PullItemRequest(_message.Message):
-    __slots__ = ("item", "manifest_digest")
+    __slots__ = ("item", "manifest_digest", "data_channel")
     ITEM_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     item: ItemRef
     manifest_digest: str
-    def __init__(self, item: _Optional[_Union[ItemRef, _Mapping]] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
+    data_channel: bool
+    def __init__(self, item: _Optional[_Union[ItemRef, _Mapping]] = ..., manifest_digest: _Optional[str] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("manifest", "manifest_digest")
+    __slots__ = ("manifest", "manifest_digest", "data_port", "data_token")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_TOKEN_FIELD_NUMBER: _ClassVar[int]
     manifest: bytes
     manifest_digest: str
-    def __init__(self, manifest: _Optional[bytes] = ..., manifest_digest: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_token: bytes
+    def __init__(self, manifest: _Optional[bytes] = ..., manifest_digest: _Optional[str] = ..., data_port: _Optional[int] = ..., data_token: _Optional[bytes] = ...) -> None: ...
 
 class PullItemResponse(_message.Message):
     __slots__ = ("header", "chunk")

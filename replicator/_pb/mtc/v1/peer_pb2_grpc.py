@@ -63,6 +63,13 @@ class PeerServicer:
         sender streams chunks only after it (otherwise the answer, already_had or a refusal,
         comes without it). A receiver that fails mid-stream drains what is in flight (up to
         the item's size) before it answers, so the sender sees the real status.
+        Data channel: when the header asked for it and the receiver has one, the go-ahead
+        also carries `mtc-data-channel: <port> <token as 32 hex digits>`. The sender then
+        sends no chunks: it connects to that TCP port on the host it reached this service at,
+        writes the 16 token bytes, then every non-empty file's bytes in manifest order and
+        nothing else, shuts its side down and closes the request stream. The receiver checks
+        every file's size and crc32c as it arrives and answers as for chunks; a connection that
+        closes early is UNAVAILABLE, one with extra bytes INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
