@@ -233,9 +233,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 self.channel.withdraw(ticket)  # closes its connection
         dt = time.monotonic() - t0
         jlog.info(
-            "received %s from %s: %d bytes in %.3fs (%.1f MB/s)",
+            "received %s from %s %s: %d bytes in %.3fs (%.1f MB/s)",
             item,
             peer,
+            "in gRPC chunks" if ticket is None else "over the data channel",
             nbytes,
             dt,
             rate(nbytes, dt),
@@ -260,7 +261,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
             header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
             data = self.store.data_path(item)
+            via = "in gRPC chunks"
             if self.channel is not None and request.data_channel and manifest.total_bytes:
+                via = "over the data channel"
                 ticket = self.channel.issue()
                 try:
                     header.data_port = self.channel.port
@@ -285,9 +288,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                     raise NotHeld(f"{item}: deleted (retention) while being sent") from None
             dt = time.monotonic() - t0
             JobLog(log, item.job, item.rank).info(
-                "sent %s to %s: %d bytes in %.3fs (%.1f MB/s)",
+                "sent %s to %s %s: %d bytes in %.3fs (%.1f MB/s)",
                 item,
                 context.peer(),
+                via,
                 manifest.total_bytes,
                 dt,
                 rate(manifest.total_bytes, dt),

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import re
 import shutil
 import socket
 import threading
@@ -146,7 +147,7 @@ def test_push_copies_the_item_to_the_peer_byte_for_byte(pushed: Pair) -> None:
     assert read_tree(copy / "data") == read_tree(p.data)
     assert tree_shape(copy / "data") == tree_shape(p.data)  # empty dir and file included
     assert list((p.b_ckpt / ".mtc" / "staging").iterdir()) == []
-    assert f"received {p.item} from" in p.b.log()
+    assert re.search(f"received {p.item} from \\S+ over the data channel", p.b.log())
 
 
 def test_a_second_push_is_answered_at_once(pushed: Pair) -> None:
@@ -173,7 +174,39 @@ def test_pull_restores_the_item_into_another_store(pushed: Pair, tmp_path: Path)
         assert list(store.staging_root.iterdir()) == []
     finally:
         store.close()
-    assert f"sent {p.item} to" in p.b.log()
+    assert re.search(f"sent {p.item} to \\S+ over the data channel", p.b.log())
+
+
+def test_without_a_data_channel_on_either_side_bytes_go_in_chunks(
+    pair: Pair, tmp_path: Path
+) -> None:
+    """A daemon with ``--data-port off`` offers none to a client that asks; a client that
+    does not ask gets none from a daemon that has one. Either way the item arrives whole."""
+    store = LocalStore(tmp_path / "d")
+    store.open()
+    try:
+        with (
+            ram_disk(tmp_path / "c", "64m") as c_ckpt,
+            running_daemon(c_ckpt, extra=("--data-port", "off")) as c,
+        ):
+            assert "data-port=off" in c.log()
+            accept_job(c_ckpt, c, pair.job)
+            assert (
+                with_client(lambda cl: cl.push_item(c.address, pair.manifest, pair.data)) is False
+            )
+            assert re.search(f"received {pair.item} from \\S+ in gRPC chunks", c.log())
+            copy = item_dir(c_ckpt, pair.job, STEP) / "data"
+            assert read_tree(copy) == read_tree(pair.data)
+
+        async def pull_in_chunks() -> Manifest:
+            async with PeerClient(timeout=10.0, data_channel=False) as client:
+                return await client.pull_item(pair.a.address, pair.item, store)
+
+        assert asyncio.run(pull_in_chunks()) == pair.manifest
+        assert read_tree(store.data_path(pair.item)) == read_tree(pair.data)
+        assert re.search(f"sent {pair.item} to \\S+ in gRPC chunks", pair.a.log())
+    finally:
+        store.close()
 
 
 def test_pull_refuses_another_digest_and_a_missing_item(pushed: Pair, tmp_path: Path) -> None:
