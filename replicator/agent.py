@@ -598,13 +598,9 @@ class Incarnation:
         )
         protected = set(self._uploading)
         if self.member is not None:
-            protected |= self.member.protected
-            # A step newer than the restorable one the coordinator last named may become the
-            # cluster's restorable step (and be ordered backed up) before we hear of it.
-            # Unbounded for now: a step may only go once the coordinator's restorable step
-            # passed it, since ranks report their newest replicated step, not what they hold.
-            floor = self.member.restorable
-            protected |= {i.step for i in have if floor is None or i.step > floor}
+            # The restorable step, the steps that may become restorable next, and what our
+            # progress reports promised the coordinator (see ClusterMember.retained).
+            protected |= self.member.retained(complete_steps(self.config, have))
         doomed = retention(self.config, have, protected)
         if self.member is not None:
             doomed += retention_of_copies(self.config, have, protected)

@@ -141,18 +141,30 @@ def _check_rank(config: JobConfig, rank: int) -> None:
 # --- steady state ----------------------------------------------------------------------------
 
 
-def restorable_step(config: JobConfig, reported: Mapping[int, int | None]) -> int | None:
+def restorable_step(
+    config: JobConfig,
+    reported: Mapping[int, int | None],
+    held: Mapping[int, frozenset[int]] | None = None,
+) -> int | None:
     """The cluster's restorable step: the newest step complete on every rank.
 
     ``reported`` maps each rank to its newest step committed locally and on its replication
     targets. Every rank saves the same steps, so the oldest of those newest steps is
     complete everywhere, provided ranks keep it: agents must pass this step to
-    ``planner.retention`` as protected. None while any rank has none or has not reported.
+    ``planner.retention`` as protected. ``held`` maps ranks to the steps they promised to
+    keep (a rank missing from it keeps every step): the answer is then the newest step at
+    most that oldest one which every rank promised. None while any rank has none or has
+    not reported, or no step qualifies.
     """
     newest = [reported.get(r) for r in range(config.nodes)]
     if any(s is None for s in newest):
         return None
-    return min(s for s in newest if s is not None)
+    bound = min(s for s in newest if s is not None)
+    promises = [held[r] for r in range(config.nodes) if held is not None and r in held]
+    if not promises:
+        return bound
+    common = frozenset.intersection(*promises)
+    return max((s for s in common if s <= bound), default=None)
 
 
 def backup_uploaders(config: JobConfig) -> frozenset[int]:

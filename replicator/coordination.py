@@ -76,6 +76,9 @@ class ProgressAnswer:
     """Upload this step now, if set (the same order goes to every uploader)."""
     addresses: Mapping[int, str] = field(default_factory=dict)
     """Every rank's newest known peer address (a restarted daemon's port may change)."""
+    keep_steps: frozenset[int] = frozenset()
+    """Steps newer than the restorable one that may become restorable next: some rank has
+    replicated them or is pushing them, so every rank keeps its own items of them."""
 
 
 class JobCoordinator:
@@ -95,6 +98,13 @@ class JobCoordinator:
         self.exclude: set[SourceKey] = set()
         self.backups: Mapping[int, CommitRecord] = {}
         self.replicated: dict[int, int | None] = {}
+        self.held: dict[int, frozenset[int]] = {}
+        """Each rank's promise: the steps it keeps until its next report is answered."""
+        self.replicating: dict[int, int] = {}
+        """Each rank's push in flight."""
+        self.restorable: int | None = None
+        """The newest restorable step answered so far: never lowered, since ranks that
+        heard it keep it, while a newer promise may leave it out."""
         self.uploaded: dict[int, int | None] = {}
         self.backup_in_flight: int | None = None
         self.last_backup: LastBackup | None = None
@@ -236,9 +246,13 @@ class JobCoordinator:
             self.addresses = {r: m.inventory.address for r, m in self.members.items()}
             self.pin_consumed = self.pinned
             self.replicated = {}
+            self.held = {}
+            self.replicating = {}
+            self.restorable = None
             if self.plan is not None:
                 # The restored step is complete everywhere: it is the restorable step.
                 self.replicated = dict.fromkeys(range(self.config.nodes), self.plan.step)
+                self.restorable = self.plan.step
 
     # --- steady state --------------------------------------------------------------------------
 
@@ -251,8 +265,14 @@ class JobCoordinator:
         uploaded_step: int | None,
         now: float,
         address: str = "",
+        held: frozenset[int] | None = None,
+        replicating: int | None = None,
     ) -> ProgressAnswer | None:
-        """Fold in a rank's progress; None when the rank is not of the released round."""
+        """Fold in a rank's progress; None when the rank is not of the released round.
+
+        ``held`` is the rank's new promise (None: it keeps every step), ``replicating`` the
+        step it is pushing now.
+        """
         if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
         if self.adopting and rank not in self.released_incarnations:
@@ -265,13 +285,24 @@ class JobCoordinator:
             self.replicated[rank] = max(replicated_step, self.replicated.get(rank) or 0)
         if uploaded_step is not None:
             self.uploaded[rank] = max(uploaded_step, self.uploaded.get(rank) or 0)
+        if held is None:
+            self.held.pop(rank, None)
+        else:
+            self.held[rank] = held
+        if replicating is None:
+            self.replicating.pop(rank, None)
+        else:
+            self.replicating[rank] = replicating
         uploaders = backup_uploaders(self.config)
         if self.backup_in_flight is not None and all(
             (self.uploaded.get(r) or -1) >= self.backup_in_flight for r in uploaders
         ):
             self.last_backup = LastBackup(self.backup_in_flight, now)
             self.backup_in_flight = None
-        restorable = restorable_step(self.config, self.replicated)
+        newest = restorable_step(self.config, self.replicated, self.held)
+        if newest is not None and (self.restorable is None or newest > self.restorable):
+            self.restorable = newest
+        restorable = self.restorable
         if (
             self.backup_in_flight is None
             and restorable is not None
@@ -281,7 +312,10 @@ class JobCoordinator:
         order = self.backup_in_flight if rank in uploaders else None
         if order is not None and (self.uploaded.get(rank) or -1) >= order:
             order = None  # this rank is done with it; the others are still uploading
-        return ProgressAnswer(restorable, order, dict(self.addresses))
+        wanted = {s for s in self.replicated.values() if s is not None}
+        wanted |= set(self.replicating.values())
+        keep = frozenset(s for s in wanted if restorable is None or s > restorable)
+        return ProgressAnswer(restorable, order, dict(self.addresses), keep)
 
     def note_committed_backup(self, step: int, at: float) -> None:
         """A committed backup found in the store (at start): the interval counts from it."""

@@ -33,6 +33,7 @@ from replicator.coordinator_messages import (
     SERVICE,
     BadMessage,
     check_address,
+    check_held_steps,
     check_incarnation,
     check_job,
     inventory_items,
@@ -448,6 +449,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             uploaded_step=request.uploaded_step if request.HasField("uploaded_step") else None,
             now=self.clock(),
             address=check_address(request.address) if request.address else "",
+            held=check_held_steps(request.held_steps) if request.reports_holdings else None,
+            replicating=(
+                request.replicating_step if request.HasField("replicating_step") else None
+            ),
         )
         if answer is None:
             raise NotInReleasedRound(
@@ -460,6 +465,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if answer.backup_step is not None:
             response.backup_step = answer.backup_step
         response.addresses.update(answer.addresses)
+        response.keep_steps.extend(sorted(answer.keep_steps))
         return response
 
 

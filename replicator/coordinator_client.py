@@ -21,7 +21,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -30,6 +30,7 @@ import grpc.aio
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator.coordination import JoinRejected, ProgressAnswer
 from replicator.coordinator_messages import (
+    MAX_HELD_STEPS,
     MAX_WAIT_SECONDS,
     SERVICE,
     BadMessage,
@@ -280,9 +281,12 @@ class CoordinatorClient:
         replicated_step: int | None,
         uploaded_step: int | None = None,
         address: str = "",
+        held: Collection[int] | None = None,
+        replicating_step: int | None = None,
     ) -> ProgressAnswer:
         """Steady state: fold in this rank's progress; the answer may order a backup.
 
+        ``held`` promises the steps this rank keeps until the answer (None: all of them).
         Raises ``NotAMember`` when this incarnation is not of the released round.
         """
         request = pb.ReportProgressRequest(
@@ -292,6 +296,9 @@ class CoordinatorClient:
             replicated_step=replicated_step,
             uploaded_step=uploaded_step,
             address=address,
+            held_steps=sorted(held or ()),
+            reports_holdings=held is not None,
+            replicating_step=replicating_step,
         )
         try:
             response = await self._progress(request, timeout=self.timeout)
@@ -308,6 +315,7 @@ class CoordinatorClient:
             ),
             backup_step=response.backup_step if response.HasField("backup_step") else None,
             addresses=addresses,
+            keep_steps=frozenset(response.keep_steps[:MAX_HELD_STEPS]),
         )
 
 

@@ -83,6 +83,16 @@ def check_count(values: Sequence[Any], what: str, limit: int = MAX_ITEMS) -> Non
         raise BadMessage(f"{what}: {len(values)} entries, at most {limit}")
 
 
+MAX_HELD_STEPS = 1024
+"""Most steps a progress report may promise to keep (a rank keeps a handful)."""
+
+
+def check_held_steps(steps: Sequence[int]) -> frozenset[int]:
+    """A progress report's promised steps, bounded."""
+    check_count(steps, "held_steps", MAX_HELD_STEPS)
+    return frozenset(steps)
+
+
 # --- items -----------------------------------------------------------------------------------
 
 

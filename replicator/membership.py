@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +34,11 @@ log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 1.0
 """Seconds between progress reports (each also happens after a new step)."""
+UNCONFIRMED_KEPT = 2
+"""Own complete steps newer than the restorable one kept regardless (the newest ones):
+what the ranks are about to report as replicated. Anything else above the restorable step
+is kept only while the coordinator asks for it or a promise covers it, so a stalled peer
+costs a bounded number of steps in RAM, not every save."""
 
 
 class ReportError(Protocol):
@@ -72,6 +77,15 @@ class ClusterMember:
         """The cluster's restorable step, as the coordinator last said: never deleted."""
         self.uploading: int | None = None
         self.uploaded: int | None = None
+        self.keep_steps: frozenset[int] = frozenset()
+        """Steps the coordinator last asked every rank to keep (they may become restorable)."""
+        self._promised: frozenset[int] | None = None
+        """The steps the coordinator believes this rank keeps (the last answered report's);
+        None: no holdings reported yet, so the coordinator may name any step."""
+        self._offer: frozenset[int] | None = None
+        """What the next report promises (set by ``retained``)."""
+        self._offering: frozenset[int] | None = None
+        """The promise of the report in flight: kept until it is answered."""
         self._client: CoordinatorClient | None = None
         self._backup_task: asyncio.Task[None] | None = None
         self._last_report = 0.0
@@ -108,6 +122,28 @@ class ClusterMember:
         """Steps retention must keep: the restorable one and the one being uploaded."""
         return {s for s in (self.restorable, self.uploading) if s is not None}
 
+    def retained(self, complete: Sequence[int]) -> set[int]:
+        """Of this rank's complete steps (ascending), those retention must keep now.
+
+        The restorable step, the upload, what the coordinator asked for and the newest
+        ``UNCONFIRMED_KEPT`` are wanted; the next report promises exactly those. A step
+        outside them still stays while a promise made earlier (answered, or in flight)
+        covers it: the coordinator may be naming it restorable from that promise.
+        """
+        wanted = self.protected | self.keep_steps | set(complete[-UNCONFIRMED_KEPT:])
+        self._offer = frozenset(s for s in complete if s in wanted)
+        keep = set(wanted)
+        if self._promised is None or self.restorable is None:
+            # No promise yet, or no step known complete everywhere (a rank that stalled
+            # before its first report may hold any): the coordinator may name any step.
+            floor = self.restorable
+            keep |= {s for s in complete if floor is None or s > floor}
+        else:
+            keep |= self._promised
+        if self._offering is not None:
+            keep |= self._offering
+        return keep
+
     async def stop(self) -> None:
         await self.replication.stop()
         if self._backup_task is not None and not self._backup_task.done():
@@ -133,6 +169,7 @@ class ClusterMember:
             if entry is None:
                 return
             self._client = CoordinatorClient.for_entry(entry)
+        offer = self._offering = self._offer
         try:
             answer = await self._client.report_progress(
                 self.config.node_rank,
@@ -140,15 +177,26 @@ class ClusterMember:
                 replicated_step=self.replication.newest_replicated,
                 uploaded_step=self.uploaded,
                 address=self.ctx.advertise,
+                held=offer,
+                replicating_step=self.replication.pushing,
             )
         except CoordinatorError as exc:
-            # The coordinator moved or restarted: look it up again on the next report.
+            # The coordinator moved or restarted: look it up again on the next report. It
+            # may have taken the new promise or not: keep both.
             self._log.warning("progress report failed: %s", exc)
+            if self._promised is not None:
+                self._promised = None if offer is None else self._promised | offer
+            self._offering = None
             await self._client.close()
             self._client = None
             return
-        if answer.restorable_step is not None:
+        # The answer was computed with this promise: it replaces the older one, and the
+        # restorable step it names is kept from here on (``protected``).
+        self._promised, self._offering = offer, None
+        self.keep_steps = answer.keep_steps
+        if answer.restorable_step is not None and answer.restorable_step != self.restorable:
             self.restorable = answer.restorable_step
+            self._log.info("restorable step of the cluster: %d", self.restorable)
         self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
         self.replication.update_addresses(answer.addresses)
         step = answer.backup_step

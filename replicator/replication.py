@@ -44,6 +44,8 @@ class Replication:
         self.addresses: dict[int, str] = {}
         self.newest_replicated: int | None = None
         """Newest own step committed here AND on every target."""
+        self.pushing: int | None = None
+        """The step being pushed now, if any (the coordinator asks every rank to keep it)."""
         self._wanted: int | None = None
         self._task: asyncio.Task[None] | None = None
         self._backoff = Backoff(RETRY_FIRST, RETRY_MAX)
@@ -85,7 +87,12 @@ class Replication:
         # the agent offers the step again (on its next rescan).
         while self._wanted is not None and self._wanted != self.newest_replicated:
             step = self._wanted
-            if await self.replicate(step):
+            self.pushing = step
+            try:
+                done = await self.replicate(step)
+            finally:
+                self.pushing = None
+            if done:
                 self._backoff.reset()
             else:
                 self._retry_at = time.monotonic() + self._backoff.next()

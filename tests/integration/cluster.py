@@ -103,12 +103,14 @@ class Cluster:
         root = self.dirs[rank] / ".mtc" / "items" / self.job
         if not root.is_dir():
             return set()
-        return {
-            (int(step.name), item.name)
-            for step in root.iterdir()
-            for item in step.iterdir()
-            if (item / "MANIFEST.json").exists()
-        }
+        held = set()
+        for step in root.iterdir():
+            try:
+                items = list(step.iterdir())
+            except FileNotFoundError:
+                continue  # retention removed it while we looked
+            held |= {(int(step.name), i.name) for i in items if (i / "MANIFEST.json").exists()}
+        return held
 
     def holder(self, rank: int, step: int) -> int:
         """The one other rank holding a peer copy of ``rank``'s item of ``step``."""

@@ -182,6 +182,19 @@ def test_restorable_step_is_the_newest_step_complete_everywhere() -> None:
     assert restorable_step(config, {0: 30, 1: 50, 2: 40, 7: 1}) == 30  # not a rank: ignored
 
 
+def test_restorable_step_is_one_every_rank_promised_to_keep() -> None:
+    config = cfg(3)
+    reported = {0: 30, 1: 20, 2: 40}
+    everything = frozenset(range(0, 50, 10))
+    assert restorable_step(config, reported, {0: everything, 1: everything}) == 20
+    # Rank 0 dropped 20: the newest step all still keep, below the oldest newest one.
+    assert restorable_step(config, reported, {0: frozenset({10, 30}), 1: everything}) == 10
+    # Nothing in common at or below 20: no restorable step (ranks keep the last one named).
+    assert restorable_step(config, reported, {0: frozenset({30}), 2: frozenset({40})}) is None
+    # A rank missing from ``held`` keeps everything; an empty promise keeps nothing.
+    assert restorable_step(config, reported, {2: frozenset()}) is None
+
+
 def test_backup_uploaders_one_per_equivalence_class() -> None:
     assert backup_uploaders(cfg(4)) == {0, 1, 2, 3}
     assert backup_uploaders(cfg(4, dp=1)) == {0, 1, 2, 3}

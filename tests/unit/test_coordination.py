@@ -201,6 +201,63 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     assert c.backup_in_flight == 20
 
 
+def test_promises_bound_the_restorable_step_and_it_never_goes_back() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    release(c, "a")
+
+    def report(rank: int, replicated: int, held: set[int], pushing: int | None = None) -> None:
+        c.report_progress(
+            rank,
+            f"a{rank}",
+            replicated_step=replicated,
+            uploaded_step=None,
+            now=1.0,
+            held=frozenset(held),
+            replicating=pushing,
+        )
+
+    for r in range(3):
+        report(r, 9, {5, 8, 9})
+    # Rank 3 stalled at 5 while the others went on: the restored step stays restorable.
+    answer = c.report_progress(3, "a3", replicated_step=5, uploaded_step=None, now=1.0)
+    assert answer is not None
+    assert answer.restorable_step == 5
+    assert answer.keep_steps == {9}  # what the others replicated may be next
+    # Rank 3 comes back pushing 9; the others keep it (it is asked for), and once rank 3
+    # replicated it, 9 is restorable.
+    report(3, 5, {5, 9}, pushing=9)
+    answer = c.report_progress(
+        0, "a0", replicated_step=9, uploaded_step=None, now=1.0, held=frozenset({5, 9})
+    )
+    assert answer is not None
+    assert answer.restorable_step == 5
+    assert answer.keep_steps == {9}
+    report(3, 9, {5, 9})
+    assert c.restorable == 9
+    # A later promise without 9 does not take it back: ranks that heard 9 keep it.
+    report(1, 12, {12})
+    answer = c.report_progress(2, "a2", replicated_step=12, uploaded_step=None, now=1.0)
+    assert answer is not None
+    assert answer.restorable_step == 9
+
+
+def test_a_step_a_rank_no_longer_holds_is_never_named_restorable() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a")
+    release(c, "a")
+    for r in range(4):
+        c.report_progress(
+            r,
+            f"a{r}",
+            replicated_step=12,
+            uploaded_step=None,
+            now=1.0,
+            held=frozenset({5, 12} if r != 2 else {5, 13}),
+        )
+    assert c.restorable == 5  # everyone replicated 12, but rank 2 dropped it
+
+
 def test_only_replica_zero_uploads_with_data_parallelism() -> None:
     c = JobCoordinator(config(dp=2), VIEW)
     everyone_joins(c, "a", (0,))

@@ -179,23 +179,29 @@ class ReportRestoreResponse(_message.Message):
     def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ...) -> None: ...
 
 class ReportProgressRequest(_message.Message):
-    __slots__ = ("job", "rank", "incarnation_id", "replicated_step", "uploaded_step", "address")
+    __slots__ = ("job", "rank", "incarnation_id", "replicated_step", "uploaded_step", "address", "held_steps", "reports_holdings", "replicating_step")
     JOB_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_STEP_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HELD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_HOLDINGS_FIELD_NUMBER: _ClassVar[int]
+    REPLICATING_STEP_FIELD_NUMBER: _ClassVar[int]
     job: str
     rank: int
     incarnation_id: str
     replicated_step: int
     uploaded_step: int
     address: str
-    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., replicated_step: _Optional[int] = ..., uploaded_step: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+    held_steps: _containers.RepeatedScalarFieldContainer[int]
+    reports_holdings: bool
+    replicating_step: int
+    def __init__(self, job: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation_id: _Optional[str] = ..., replicated_step: _Optional[int] = ..., uploaded_step: _Optional[int] = ..., address: _Optional[str] = ..., held_steps: _Optional[_Iterable[int]] = ..., reports_holdings: _Optional[bool] = ..., replicating_step: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ("coordinator", "restorable_step", "backup_step", "addresses")
+    __slots__ = ("coordinator", "restorable_step", "backup_step", "addresses", "keep_steps")
     class AddressesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -207,8 +213,10 @@ class ReportProgressResponse(_message.Message):
     RESTORABLE_STEP_FIELD_NUMBER: _ClassVar[int]
     BACKUP_STEP_FIELD_NUMBER: _ClassVar[int]
     ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_STEPS_FIELD_NUMBER: _ClassVar[int]
     coordinator: CoordinatorIdentity
     restorable_step: int
     backup_step: int
     addresses: _containers.ScalarMap[int, str]
-    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., restorable_step: _Optional[int] = ..., backup_step: _Optional[int] = ..., addresses: _Optional[_Mapping[int, str]] = ...) -> None: ...
+    keep_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, coordinator: _Optional[_Union[CoordinatorIdentity, _Mapping]] = ..., restorable_step: _Optional[int] = ..., backup_step: _Optional[int] = ..., addresses: _Optional[_Mapping[int, str]] = ..., keep_steps: _Optional[_Iterable[int]] = ...) -> None: ...
