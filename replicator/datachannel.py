@@ -38,9 +38,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from replicator import fsutil
-from replicator.manifest import Cancelled, CorruptItem, Manifest, data_file
+from replicator.manifest import Cancelled, Manifest
 from replicator.store import LocalStore, StoreError
-from replicator.transfer import MAX_CHUNK, ItemWriter
+from replicator.transfer import MAX_CHUNK, ItemWriter, item_files, short_file
 
 T = TypeVar("T")
 
@@ -296,11 +296,8 @@ def send_item(
     """
     set_idle_timeout(sock, idle_timeout)
     sent = 0
-    for entry in manifest.files:
-        if entry.size == 0:
-            continue
-        fd = os.open(data_file(data, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
+    with contextlib.closing(item_files(manifest, data)) as files:
+        for _, entry, fd in files:
             offset = 0
             while offset < entry.size:
                 if cancelled():
@@ -311,14 +308,9 @@ def send_item(
                 except OSError as exc:
                     raise ChannelBroken(f"{manifest.item}: data connection failed: {exc}") from None
                 if n == 0:
-                    raise CorruptItem(
-                        f"{manifest.item}: {entry.path or 'the file'} ends at {offset} bytes, "
-                        f"its manifest says {entry.size}"
-                    )
+                    raise short_file(manifest, entry, offset)
                 offset += n
                 sent += n
-        finally:
-            os.close(fd)
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_WR)
     return sent

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -352,15 +353,17 @@ class PeerClient:
                 fill_chunk(request.chunk, index, offset, buf, crc)
                 await call.write(request)
 
+    async def _connect(self, address: str, offer: tuple[int, bytes]) -> socket.socket:
+        """The data connection the other daemon offered, its token presented."""
+        port, token = offer
+        return await asyncio.get_running_loop().run_in_executor(
+            None, datachannel.connect, address, port, token, self.timeout
+        )
+
     async def _send_over_channel(
         self, address: str, offer: tuple[int, bytes], manifest: Manifest, data_path: Path
     ) -> None:
-        port, token = offer
-        loop = asyncio.get_running_loop()
-        sock = await loop.run_in_executor(
-            None, datachannel.connect, address, port, token, self.timeout
-        )
-        with sock:
+        with await self._connect(address, offer) as sock:
             await datachannel.send_staged(manifest, data_path, sock, idle_timeout=self.timeout)
 
     async def pull_item(
@@ -444,12 +447,7 @@ class PeerClient:
     async def _receive_over_channel(
         self, address: str, offer: tuple[int, bytes], store: LocalStore, manifest: Manifest
     ) -> int:
-        port, token = offer
-        loop = asyncio.get_running_loop()
-        sock = await loop.run_in_executor(
-            None, datachannel.connect, address, port, token, self.timeout
-        )
-        with sock:
+        with await self._connect(address, offer) as sock:
             return await datachannel.receive_staged(
                 store, manifest, sock, idle_timeout=self.timeout
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import os
@@ -125,25 +126,38 @@ def iter_chunks(
     """
     if not 0 < chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk size {chunk_size} is outside 1..{MAX_CHUNK}")
-    for index, entry in enumerate(manifest.files):
-        if entry.size == 0:
-            continue
-        fd = os.open(data_file(data, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
+    with contextlib.closing(item_files(manifest, data)) as files:
+        for index, entry, fd in files:
             offset = 0
             while offset < entry.size:
                 if cancelled():
                     raise Cancelled(str(manifest.item))
                 buf = os.read(fd, min(chunk_size, entry.size - offset))
                 if not buf:
-                    raise CorruptItem(
-                        f"{manifest.item}: {entry.path or 'the file'} ends at {offset} bytes, "
-                        f"its manifest says {entry.size}"
-                    )
+                    raise short_file(manifest, entry, offset)
                 yield index, offset, buf, google_crc32c.value(buf)
                 offset += len(buf)
+
+
+def item_files(manifest: Manifest, data: Path) -> Generator[tuple[int, FileEntry, int]]:
+    """``(file_index, entry, descriptor)`` of every non-empty file of a committed item, in
+    manifest order, opened without following symlinks; each closed when the next is due."""
+    for index, entry in enumerate(manifest.files):
+        if entry.size == 0:
+            continue
+        fd = os.open(data_file(data, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            yield index, entry, fd
         finally:
             os.close(fd)
+
+
+def short_file(manifest: Manifest, entry: FileEntry, offset: int) -> CorruptItem:
+    """A local file ended before its manifest's size: the local copy is bad."""
+    return CorruptItem(
+        f"{manifest.item}: {entry.path or 'the file'} ends at {offset} bytes, "
+        f"its manifest says {entry.size}"
+    )
 
 
 # --- receiving ---------------------------------------------------------------------------------
