@@ -61,6 +61,11 @@ class ChannelBroken(Exception):
     """The data connection failed (closed early, idle too long, never opened): retryable."""
 
 
+class ChannelUnreachable(ChannelBroken):
+    """The data connection could not be opened at all (a firewall, another network): the
+    caller falls back to gRPC chunks for this peer for a while."""
+
+
 class ChannelProtocolError(ValueError):
     """The other side broke the data channel's protocol (for example, extra bytes)."""
 
@@ -209,7 +214,9 @@ def connect(address: str, port: int, token: bytes, timeout: float) -> socket.soc
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        raise ChannelBroken(f"cannot open the data connection to {host}:{port}: {exc}") from None
+        raise ChannelUnreachable(
+            f"cannot open the data connection to {host}:{port}: {exc}"
+        ) from None
     try:
         set_idle_timeout(sock, timeout)
         sock.sendall(token)

@@ -31,7 +31,12 @@ import grpc.aio
 from replicator import datachannel
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator.contract import JOB_NAME_RE
-from replicator.datachannel import TOKEN_BYTES, ChannelBroken, ChannelProtocolError
+from replicator.datachannel import (
+    TOKEN_BYTES,
+    ChannelBroken,
+    ChannelProtocolError,
+    ChannelUnreachable,
+)
 from replicator.logs import JobLog
 from replicator.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from replicator.metrics import NO_METRICS, Metrics, TransferKind
@@ -55,6 +60,8 @@ the sender's writes, and grpc.aio can then report "Internal error from Core" ins
 DATA_CHANNEL_KEY = "mtc-data-channel"
 """Initial metadata beside ``GO_AHEAD`` offering the receiver's data channel for a push's
 bytes: ``"<port> <token as hex>"``."""
+CHUNKS_AFTER_UNREACHABLE = 300.0
+"""Seconds a peer whose data channel could not be reached gets gRPC chunks instead."""
 VERDICT_SECONDS = 5.0
 """After the data connection broke, how long to wait for the other side's status."""
 MAX_MESSAGE_BYTES = 16 << 20
@@ -238,6 +245,8 @@ class PeerClient:
             max_workers=2, thread_name_prefix="mtc-peer"
         )
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._no_channel: dict[str, float] = {}
+        """Peers whose data channel could not be reached, until when (monotonic)."""
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -264,14 +273,34 @@ class PeerClient:
             return self.timeout + self.max_transfer_seconds
         return self.timeout + nbytes / self.min_rate
 
+    def _channel_ok(self, address: str) -> bool:
+        return self.data_channel and self._no_channel.get(address, 0.0) <= time.monotonic()
+
+    def _channel_unreachable(self, address: str, exc: ChannelUnreachable) -> None:
+        self._no_channel[address] = time.monotonic() + CHUNKS_AFTER_UNREACHABLE
+        log.warning(
+            "data channel of %s unreachable (%s): gRPC chunks for the next %.0f s",
+            address,
+            exc,
+            CHUNKS_AFTER_UNREACHABLE,
+        )
+
     async def push_item(self, address: str, manifest: Manifest, data_path: Path) -> bool:
         """Send a committed item; True when the peer already held it (nothing was sent).
 
         Raises ``CorruptItem`` when the bytes sent do not match the manifest (the peer
         answered DATA_LOSS, or the local copy is short), ``PeerUnavailable`` when trying
         again later may work (unreachable, deadline, busy, full), ``PeerError`` otherwise
-        (for example, the peer does not take this job now: FAILED_PRECONDITION).
+        (for example, the peer does not take this job now: FAILED_PRECONDITION). A data
+        channel that cannot be reached is not an error: the item goes in chunks.
         """
+        try:
+            return await self._push(address, manifest, data_path, self._channel_ok(address))
+        except ChannelUnreachable as exc:
+            self._channel_unreachable(address, exc)
+            return await self._push(address, manifest, data_path, False)
+
+    async def _push(self, address: str, manifest: Manifest, data_path: Path, channel: bool) -> bool:
         method = self._channel(address).stream_unary(
             _method("PushItem"),
             request_serializer=pb.PushItemRequest.SerializeToString,
@@ -282,7 +311,7 @@ class PeerClient:
             item=item_ref(manifest.item),
             manifest=raw,
             manifest_digest=hashlib.sha256(raw).hexdigest(),
-            data_channel=self.data_channel,
+            data_channel=channel,
         )
         t0 = time.monotonic()
         call = method(timeout=self._deadline(manifest.total_bytes))
@@ -300,6 +329,8 @@ class PeerClient:
                     if offer is not None:
                         try:
                             await self._send_over_channel(address, offer, manifest, data_path)
+                        except ChannelUnreachable:
+                            raise  # push_item tries again in chunks; this call is cancelled
                         except ChannelBroken as exc:
                             broken = exc  # the peer's status, if it has one, says more
                     else:
@@ -382,8 +413,28 @@ class PeerClient:
         Raises ``CorruptItem`` on any checksum or size mismatch (nothing is committed),
         ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
         a malformed stream, ``PeerUnavailable`` when trying again later may work, and
-        ``StoreError`` when the local store cannot take it.
+        ``StoreError`` when the local store cannot take it. A data channel that cannot be
+        reached is not an error: the item comes in chunks.
         """
+        args = (address, item, store, expected_digest)
+        try:
+            return await self._pull(
+                *args, total_bytes=total_bytes, channel=self._channel_ok(address)
+            )
+        except ChannelUnreachable as exc:
+            self._channel_unreachable(address, exc)
+            return await self._pull(*args, total_bytes=total_bytes, channel=False)
+
+    async def _pull(
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None,
+        *,
+        total_bytes: int | None,
+        channel: bool,
+    ) -> Manifest:
         call = self._channel(address).unary_stream(
             _method("PullItem"),
             request_serializer=pb.PullItemRequest.SerializeToString,
@@ -392,7 +443,7 @@ class PeerClient:
         request = pb.PullItemRequest(
             item=item_ref(item),
             manifest_digest=expected_digest or "",
-            data_channel=self.data_channel,
+            data_channel=channel,
         )
         t0 = time.monotonic()
         stream = call(request, timeout=self._deadline(total_bytes))
@@ -422,6 +473,8 @@ class PeerClient:
                         raise TransferError("a message came after the data channel's bytes")
             except (TransferError, ChannelProtocolError) as exc:
                 raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+            except ChannelUnreachable:
+                raise  # pull_item tries again in chunks; this call is cancelled
             except ChannelBroken as exc:
                 # The sender's status, if it failed, says more than the broken connection.
                 with contextlib.suppress(TimeoutError, StopAsyncIteration):

@@ -29,6 +29,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from replicator import datachannel
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.daemon import SERVER_GRACE_SECONDS
@@ -222,6 +223,52 @@ def test_pull_refuses_another_digest_and_a_missing_item(pushed: Pair, tmp_path: 
             with_client(lambda c: c.pull_item(p.b.address, missing, store))
         assert store.manifests() == {}
         assert list(store.staging_root.iterdir()) == []
+    finally:
+        store.close()
+
+
+def test_an_unreachable_data_channel_falls_back_to_chunks(
+    pair: Pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As behind a firewall that lets gRPC through but not the data port: the transfer is
+    cancelled and redone in chunks, and the peer gets chunks without a try for a while."""
+    tries: list[int] = []
+
+    def firewalled(address: str, port: int, token: bytes, timeout: float) -> socket.socket:
+        tries.append(port)
+        raise datachannel.ChannelUnreachable(f"cannot open the data connection to port {port}")
+
+    monkeypatch.setattr(datachannel, "connect", firewalled)
+    store = LocalStore(tmp_path / "e")
+    store.open()
+    try:
+        with (
+            ram_disk(tmp_path / "c", "64m") as c_ckpt,
+            running_daemon(c_ckpt) as c,
+        ):
+            accept_job(c_ckpt, c, pair.job)
+
+            async def scenario() -> tuple[bool, Manifest, Manifest]:
+                async with PeerClient(timeout=10.0) as client:
+                    pushed = await client.push_item(c.address, pair.manifest, pair.data)
+                    pulled = await client.pull_item(c.address, pair.item, store)
+                    store.delete(pair.item)
+                    again = await client.pull_item(c.address, pair.item, store)
+                    return pushed, pulled, again
+
+            pushed, pulled, again = asyncio.run(scenario())
+            assert pushed is False
+            assert pulled == again == pair.manifest
+            assert len(tries) == 1  # the pulls did not try the port again
+            assert re.search(f"received {pair.item} from \\S+ in gRPC chunks", c.log())
+            assert len(re.findall(f"sent {pair.item} to \\S+ in gRPC chunks", c.log())) == 2
+            wait_until(
+                lambda: f"push of {pair.item} from" in c.log() and "cancelled" in c.log(),
+                "the abandoned data-channel push cancelled on the daemon",
+                daemon=c,
+            )
+            assert list((c_ckpt / ".mtc" / "staging").iterdir()) == []
+        assert read_tree(store.data_path(pair.item)) == read_tree(pair.data)
     finally:
         store.close()
 
