@@ -23,6 +23,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check replicator client csi tests scripts
 	$(VENV)/bin/ruff format --check replicator client csi tests scripts
+	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -31,7 +31,7 @@ from client.torch_io import (
     save_state_dict,
     share_restore,
 )
-from replicator.contract import ConfigError, Framework, JobConfig
+from replicator.core.contract import ConfigError, Framework, JobConfig
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -4,7 +4,7 @@ Owns: publishing ``replicator.yaml``, waiting for the daemon to consume it, rela
 ``replicator.errors`` / ``replicator.failed``, and turning this worker's restore marker into a
 step path the way Orbax (``<dir>/<N>``) or the PyTorch reference client (``<dir>/step=<N>``)
 does. Does file I/O in CHECKPOINT_DIR only; imports the standard library, PyYAML and
-``replicator.contract``, nothing else. ``plan_restore`` is the pure decision; the rest acts.
+``replicator.core.contract``, nothing else. ``plan_restore`` is the pure decision; the rest acts.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Literal, TypedDict, Unpack
 
 import yaml
 
-from replicator import contract
-from replicator.contract import Framework, JobConfig
+from replicator.core import contract
+from replicator.core.contract import Framework, JobConfig
 
 log = logging.getLogger(__name__)
 

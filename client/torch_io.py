@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from client.handshake import RestoreResult
-from replicator import contract
-from replicator.fsutil import fsync_dir
+from replicator.core import contract
+from replicator.local.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from csi.ramdisk import ensure_ram_disk
 from csi.server import CsiServer, EndpointError, parse_endpoint
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
 from replicator import __version__
-from replicator.logs import configure as configure_logging
-from replicator.metrics import MetricsError, MetricsServer, serve, split_address
+from replicator.obs.logs import configure as configure_logging
+from replicator.obs.metrics import MetricsError, MetricsServer, serve, split_address
 
 log = logging.getLogger("csi.plugin")
 

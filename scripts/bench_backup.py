@@ -35,10 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicator.backup import BackupStore  # noqa: E402
-from replicator.daemon import tune_malloc  # noqa: E402
-from replicator.manifest import ItemId, Manifest, build_manifest  # noqa: E402
-from replicator.objectstore import open_object_store  # noqa: E402
+from replicator.core.manifest import ItemId, Manifest  # noqa: E402
+from replicator.local.hashing import build_manifest  # noqa: E402
+from replicator.node.daemon import tune_malloc  # noqa: E402
+from replicator.storage.backup import BackupStore  # noqa: E402
+from replicator.storage.stores import open_object_store  # noqa: E402
 from tests import storage_servers as servers  # noqa: E402
 
 JOB = "bench"

@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from replicator.backup import BackupStore
-from replicator.manifest import ItemId
-from replicator.objectstore import FileObjectStore
-from replicator.store import LocalStore
+from replicator.core.manifest import ItemId
+from replicator.local.store import LocalStore
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import FileObjectStore
 
 
 def make_step(path: Path, size: int, files: int) -> None:

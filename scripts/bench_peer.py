@@ -41,10 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicator.daemon import tune_malloc
-from replicator.manifest import ItemId, Manifest
-from replicator.peer import PeerClient
-from replicator.store import LocalStore
+from replicator.core.manifest import ItemId, Manifest
+from replicator.local.store import LocalStore
+from replicator.node.daemon import tune_malloc
+from replicator.transport.peer import PeerClient
 
 try:
     import uvloop
@@ -146,7 +146,7 @@ class Daemon:
 
 def start_daemon(ckpt: Path) -> Daemon:
     log = ckpt.parent / f"{ckpt.name}.log"
-    args = [sys.executable, "-m", "replicator.daemon", "--checkpoint-dir", str(ckpt)]
+    args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
     args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5"]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)

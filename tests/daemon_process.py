@@ -43,7 +43,7 @@ class DaemonProcess:
         args = [
             sys.executable,
             "-m",
-            "replicator.daemon",
+            "replicator.node.daemon",
             "--checkpoint-dir",
             str(self.checkpoint_dir),
             "--listen",

@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from replicator import render
+from replicator.tools import render
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from replicator import render
+from replicator.tools import render
 from tests.deploy.k8s import DEPLOY, Obj, container, env, validate
 
 JOBSET = DEPLOY / "examples" / "jobset.yaml"

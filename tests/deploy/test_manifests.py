@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator import render
+from replicator.tools import render
 from tests.deploy.k8s import DEPLOY, Obj, container, env, kustomize, name_of, only, validate
 
 KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))

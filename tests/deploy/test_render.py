@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from replicator import cli, render
+from replicator.tools import cli, render
 from tests.deploy.k8s import (
     DEPLOY,
     Obj,

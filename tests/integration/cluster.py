@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from replicator.backup import BackupStore
-from replicator.objectstore import open_object_store
+from replicator.storage.backup import BackupStore
+from replicator.storage.stores import open_object_store
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     ERRORS,

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from replicator.backup import BackupStore, CommitRecord, commit_key, data_key, manifest_key
-from replicator.manifest import (
-    CorruptItem,
-    ItemId,
-    Manifest,
-    build_manifest,
-    verify_item,
-)
-from replicator.objectstore import (
+from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from replicator.core.manifest import CorruptItem, ItemId, Manifest
+from replicator.local.hashing import build_manifest, verify_item
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import (
     ChecksumMismatch,
     FileObjectStore,
     ObjectStore,

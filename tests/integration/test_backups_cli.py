@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 
-from replicator import backup_ops as ops
-from replicator.backup import BackupStore
-from replicator.manifest import ItemId, build_manifest
-from replicator.objectstore import FileObjectStore, open_object_store
+from replicator.core.manifest import ItemId
+from replicator.local.hashing import build_manifest
+from replicator.storage import backup_ops as ops
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import FileObjectStore
+from replicator.storage.stores import open_object_store
 from tests.storage_servers import Bucket
 
 pytestmark = pytest.mark.integration
@@ -87,7 +89,7 @@ def backup(tmp_path: Path, job: str) -> Backup:
 
 def mtc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "replicator.cli", "backups", *args],
+        [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -337,7 +339,7 @@ def test_the_cli_works_on_bucket_urls(
 
     def mtc(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "replicator.cli", "backups", *args],
+            [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
             check=False,
             capture_output=True,
             text=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.objectstore import open_object_store
+from replicator.storage.stores import open_object_store
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.storage_servers import Bucket, fault_proxy, gcs_create_only, gcs_env
 

@@ -19,11 +19,7 @@ import pytest
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import coordinator_pb2_grpc
-from replicator.backup import CommitRecord
-from replicator.contract import BackupInterval, Framework, JobConfig
-from replicator.coordination import JoinRejected, Phase
-from replicator.coordinator import SERVICE, CoordinatorHost, CoordinatorServicer
-from replicator.coordinator_client import (
+from replicator.cluster.client import (
     CoordinatorChanged,
     CoordinatorClient,
     CoordinatorError,
@@ -33,12 +29,16 @@ from replicator.coordinator_client import (
     WrongCoordinator,
     find_coordinator,
 )
-from replicator.coordinator_messages import FailedFetch, RoundState, cluster_view_json
-from replicator.manifest import ItemId
-from replicator.objectstore import TransientError
-from replicator.planner import Source
-from replicator.registry import Registry, RegistryEntry, open_registry
-from replicator.server import RpcServer
+from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from replicator.cluster.registry import Registry, RegistryEntry, open_registry
+from replicator.cluster.service import SERVICE, CoordinatorHost, CoordinatorServicer
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import BackupInterval, Framework, JobConfig
+from replicator.core.coordination import JoinRejected, Phase
+from replicator.core.manifest import ItemId
+from replicator.core.policy import Source
+from replicator.storage.objectstore import TransientError
+from replicator.transport.server import RpcServer
 
 T = TypeVar("T")
 JOB = "train"

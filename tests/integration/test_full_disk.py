@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from replicator.backup import BackupStore
-from replicator.manifest import ItemId, build_manifest
-from replicator.objectstore import FileObjectStore
+from replicator.core.manifest import ItemId
+from replicator.local.hashing import build_manifest
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import FileObjectStore
 from tests.integration.helpers import (
     config_text,
     make_step,

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicator.metrics import (
+from replicator.obs.metrics import (
     MetricsError,
     PrometheusMetrics,
     TransferKind,

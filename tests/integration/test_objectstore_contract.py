@@ -32,10 +32,12 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator import manifest as manifest_mod
-from replicator import objectstore as objectstore_mod
-from replicator.fsutil import TMP_PREFIX
-from replicator.objectstore import (
+from replicator.core import manifest as manifest_mod
+from replicator.core.retry import RetryPolicy
+from replicator.local.fsutil import TMP_PREFIX
+from replicator.storage import objectstore as objectstore_mod
+from replicator.storage.gcs import GcsObjectStore
+from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
     FileObjectStore,
@@ -43,11 +45,9 @@ from replicator.objectstore import (
     PermissionDenied,
     PreconditionFailed,
     TransientError,
-    open_object_store,
 )
-from replicator.objectstore_gcs import GcsObjectStore
-from replicator.objectstore_s3 import MIN_PART_SIZE, S3ObjectStore
-from replicator.retry import RetryPolicy
+from replicator.storage.s3 import MIN_PART_SIZE, S3ObjectStore
+from replicator.storage.stores import open_object_store
 from tests.storage_servers import (
     Bucket,
     FaultProxy,

@@ -141,7 +141,7 @@ def test_a_restore_pin_rolls_one_node_back_to_an_older_backup(
 ) -> None:
     daemon = start_daemon(backup=backup_dir)
     yaml_text = _save_backed_up_steps(ckpt, backup_dir, job, daemon, (1, 2))
-    mtc = [sys.executable, "-m", "replicator.cli", "backups", "restore", backup_dir.as_uri()]
+    mtc = [sys.executable, "-m", "replicator.tools.cli", "backups", "restore", backup_dir.as_uri()]
     done = subprocess.run(
         [*mtc, "--job", job, "--step", "1", "--yes"], check=False, capture_output=True, text=True
     )

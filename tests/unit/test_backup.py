@@ -1,4 +1,4 @@
-"""Tests for ``replicator.backup.BackupStore`` on the in-memory and the file object stores.
+"""Tests for ``replicator.storage.backup.BackupStore`` on the in-memory and the file object stores.
 
 Uploads, create-only commits, listing and verified downloads; every way a backup object
 can differ from what its COMMIT pinned must surface as ``CorruptItem``.
@@ -14,23 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from replicator.backup import (
-    BackupStore,
-    CommitRecord,
-    commit_key,
-    data_key,
-    manifest_key,
-)
-from replicator.manifest import (
-    CorruptItem,
-    ItemId,
-    ItemKind,
-    Manifest,
-    ManifestError,
-    build_manifest,
-    verify_item,
-)
-from replicator.objectstore import (
+from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
+from replicator.local.hashing import build_manifest, verify_item
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import (
     FileObjectStore,
     MemoryObjectStore,
     ObjectStore,
@@ -261,7 +249,7 @@ def test_garbage_commit_is_skipped_with_a_warning(
     backup: BackupStore, uploaded: Uploaded, garbage: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     backup.objects.put_bytes(commit_key(JOB, 6), garbage)
-    with caplog.at_level(logging.WARNING, logger="replicator.backup"):
+    with caplog.at_level(logging.WARNING, logger="replicator.storage.backup"):
         steps = backup.committed_steps(JOB)
     assert steps == {100: uploaded.record}
     assert any("job/6/COMMIT" in r.getMessage() for r in caplog.records)

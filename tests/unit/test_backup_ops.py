@@ -1,4 +1,4 @@
-"""Tests for ``replicator.backup_ops``: the retention policy (with hypothesis properties), the
+"""Tests for ``replicator.storage.backup_ops``: the retention policy (hypothesis properties), the
 restore pin as hostile input, and listing, verifying and pruning real backups made by
 ``BackupStore`` on the in-memory object store.
 """
@@ -20,13 +20,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicator import backup_ops as ops
-from replicator.backup import BackupStore, CommitRecord, commit_key, data_key, manifest_key
-from replicator.backups_cli import ProgressBar
-from replicator.contract import JOB_NAME_RE
-from replicator.manifest import FileEntry, ItemId, ItemKind, Manifest, build_manifest
-from replicator.objectstore import MemoryObjectStore
-from replicator.registry import PREFIX as REGISTRY_PREFIX
+from replicator.cluster.registry import PREFIX as REGISTRY_PREFIX
+from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from replicator.core.contract import JOB_NAME_RE
+from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
+from replicator.local.hashing import build_manifest
+from replicator.storage import backup_ops as ops
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import MemoryObjectStore
+from replicator.tools.backups import ProgressBar
 
 JOB = "job"
 HOUR = 3600.0

@@ -30,7 +30,7 @@ from client import (
     plan_restore,
     publish_config,
 )
-from replicator import contract
+from replicator.core import contract
 
 
 class Fast(TypedDict):

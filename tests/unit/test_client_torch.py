@@ -20,7 +20,7 @@ from client import (
     save_state_dict,
     share_restore,
 )
-from replicator import contract
+from replicator.core import contract
 from tests.torch_trees import assert_same, zeros_like
 
 torch = pytest.importorskip("torch")

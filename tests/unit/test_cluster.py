@@ -1,4 +1,4 @@
-"""Tests for ``replicator.cluster``: the peer layout and steady-state decisions (pure)."""
+"""Tests for ``replicator.core.layout``: the peer layout and steady-state decisions (pure)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.cluster import (
+from replicator.core.contract import Framework, JobConfig
+from replicator.core.layout import (
     Holders,
     backup_items,
     backup_uploaders,
@@ -24,8 +25,7 @@ from replicator.cluster import (
     restorable_step,
     waiting_message,
 )
-from replicator.contract import Framework, JobConfig
-from replicator.manifest import ItemId
+from replicator.core.manifest import ItemId
 
 
 def cfg(

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.contract``: the ``replicator.yaml`` handshake and the file names.
+"""Tests for ``replicator.core.contract``: the ``replicator.yaml`` handshake and the file names.
 
 Pure and fast: no files, no sockets. The texts below are what real clients write (see
 PROTOCOL.md in the shared docs); a test that changes one of them must say which client
@@ -15,8 +15,8 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from replicator import contract
-from replicator.contract import (
+from replicator.core import contract
+from replicator.core.contract import (
     BackupInterval,
     ConfigError,
     Framework,

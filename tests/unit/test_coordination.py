@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
-from replicator.backup import CommitRecord
-from replicator.contract import BackupInterval, Framework, JobConfig
-from replicator.coordination import JobCoordinator, Join, JoinRejected, Phase
-from replicator.manifest import ItemId
-from replicator.planner import Source
-from replicator.roundplan import NodeInventory, SourceKey
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import BackupInterval, Framework, JobConfig
+from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase
+from replicator.core.manifest import ItemId
+from replicator.core.policy import Source
+from replicator.core.restore_plan import NodeInventory, SourceKey
 
 JOB = "job"
 VIEW = '{"nodes": 4}'

@@ -14,17 +14,7 @@ import grpc
 import pytest
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator.backup import CommitRecord
-from replicator.contract import BackupInterval, Framework, JobConfig
-from replicator.coordination import JoinRejected, Phase, RankStatus
-from replicator.coordinator import (
-    CoordinatorHost,
-    CoordinatorServicer,
-    NotHosted,
-    NotInReleasedRound,
-    status_for,
-)
-from replicator.coordinator_messages import (
+from replicator.cluster.messages import (
     MAX_ITEMS,
     BadMessage,
     FailedFetch,
@@ -42,9 +32,19 @@ from replicator.coordinator_messages import (
     source_keys,
     status_message,
 )
-from replicator.manifest import ItemId
-from replicator.planner import Source
-from replicator.roundplan import Fetch, SourceKey
+from replicator.cluster.service import (
+    CoordinatorHost,
+    CoordinatorServicer,
+    NotHosted,
+    NotInReleasedRound,
+    status_for,
+)
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import BackupInterval, Framework, JobConfig
+from replicator.core.coordination import JoinRejected, Phase, RankStatus
+from replicator.core.manifest import ItemId
+from replicator.core.policy import Source
+from replicator.core.restore_plan import Fetch, SourceKey
 
 JOB = "train"
 IDENTITY = pb.CoordinatorIdentity(job=JOB, coordinator_id="c1")

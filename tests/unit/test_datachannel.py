@@ -1,4 +1,4 @@
-"""Tests for ``replicator.datachannel``: the ticketed listener and the byte movers.
+"""Tests for ``replicator.transport.datachannel``: the ticketed listener and the byte movers.
 
 Real sockets on loopback (and socket pairs), real files in ``tmp_path``. The whole data
 channel between daemon processes, with hostile senders, is tested in
@@ -18,8 +18,10 @@ from typing import TypeVar
 
 import pytest
 
-from replicator import datachannel
-from replicator.datachannel import (
+from replicator.core.manifest import CorruptItem, ItemId, Manifest
+from replicator.local.hashing import build_manifest, verify_item
+from replicator.transport import datachannel
+from replicator.transport.datachannel import (
     TOKEN_BYTES,
     Abort,
     ChannelBroken,
@@ -28,8 +30,7 @@ from replicator.datachannel import (
     receive_into,
     send_item,
 )
-from replicator.manifest import CorruptItem, ItemId, Manifest, build_manifest, verify_item
-from replicator.transfer import ItemWriter
+from replicator.transport.transfer import ItemWriter
 
 T = TypeVar("T")
 ITEM = ItemId("job", 3, 1, 0)

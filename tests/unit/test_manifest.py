@@ -1,4 +1,4 @@
-"""Tests for ``replicator.manifest``: building, serialising, parsing hostile input, verifying.
+"""Tests for ``replicator.core.manifest``: building, serialising, parsing hostile input, verifying.
 
 Real files in ``tmp_path``; no sockets, no subprocesses.
 """
@@ -13,17 +13,17 @@ from typing import Any
 import google_crc32c
 import pytest
 
-from replicator import manifest as manifest_mod
-from replicator.manifest import (
+from replicator.core import manifest as manifest_mod
+from replicator.core.manifest import (
     CorruptItem,
     FileEntry,
     ItemId,
     ItemKind,
     Manifest,
     ManifestError,
-    build_manifest,
-    verify_item,
 )
+from replicator.local import hashing
+from replicator.local.hashing import build_manifest, verify_item
 
 ITEM = ItemId("job-1", 42, 3, 1)
 
@@ -94,7 +94,7 @@ def test_build_manifest_on_a_single_file(tmp_path: Path) -> None:
 def test_build_manifest_crosses_chunk_boundaries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(manifest_mod, "CHUNK", 7)
+    monkeypatch.setattr(hashing, "CHUNK", 7)
     data = os.urandom(100)
     (tmp_path / "f").write_bytes(data)
     assert build_manifest(ITEM, tmp_path / "f").files[0].crc32c == google_crc32c.value(data)

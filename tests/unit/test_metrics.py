@@ -1,4 +1,4 @@
-"""``replicator.metrics`` and ``csi.metrics``: what each call records, per-job series, ages
+"""``replicator.obs.metrics`` and ``csi.metrics``: what each call records, per-job series, ages
 computed at scrape time, and the no-op default. The HTTP endpoint is tested with sockets in
 ``tests/integration/test_metrics.py``."""
 
@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi.metrics import PrometheusCallMetrics
-from replicator.daemon import parse_args as daemon_args
-from replicator.metrics import (
+from replicator.node.daemon import parse_args as daemon_args
+from replicator.obs.metrics import (
     NO_METRICS,
     ErrorKind,
     Metrics,

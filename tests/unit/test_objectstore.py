@@ -18,10 +18,11 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator import manifest as manifest_mod
-from replicator import objectstore as objectstore_mod
-from replicator.fsutil import TMP_PREFIX
-from replicator.objectstore import (
+from replicator.core.retry import RetryPolicy, RetryState
+from replicator.local import hashing
+from replicator.local.fsutil import TMP_PREFIX
+from replicator.storage import objectstore as objectstore_mod
+from replicator.storage.objectstore import (
     ChecksumMismatch,
     FileObjectStore,
     MemoryObjectStore,
@@ -29,16 +30,15 @@ from replicator.objectstore import (
     ObjectStore,
     PreconditionFailed,
     TransientError,
-    open_object_store,
     split_bucket_url,
 )
-from replicator.objectstore_transfer import (
+from replicator.storage.parts import (
     b64_crc32c,
     crc32c_b64,
     upload_parts,
     verified_chunks,
 )
-from replicator.retry import RetryPolicy, RetryState
+from replicator.storage.stores import open_object_store
 
 SMALL_CHUNK = 1000
 
@@ -51,7 +51,7 @@ BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Exercise multi-chunk paths with small data: both modules imported CHUNK by value."""
-    monkeypatch.setattr(manifest_mod, "CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(hashing, "CHUNK", SMALL_CHUNK)
     monkeypatch.setattr(objectstore_mod, "CHUNK", SMALL_CHUNK)
 
 
@@ -228,13 +228,13 @@ def test_file_store_reads_in_chunks_of_the_real_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.undo()  # the real CHUNK: a file bigger than one real chunk
-    data = os.urandom(manifest_mod.CHUNK * 2 + 1)
+    data = os.urandom(hashing.CHUNK * 2 + 1)
     src = tmp_path / "big"
     src.write_bytes(data)
     store = FileObjectStore(tmp_path / "bucket")
     store.put_file("big", src)
     chunks = list(store.read_chunks("big"))
-    assert [len(c) for c in chunks] == [manifest_mod.CHUNK, manifest_mod.CHUNK, 1]
+    assert [len(c) for c in chunks] == [hashing.CHUNK, hashing.CHUNK, 1]
     assert b"".join(chunks) == data
 
 
@@ -272,7 +272,7 @@ def test_open_relative_path_is_rejected(url: str) -> None:
 
 def test_open_s3_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("boto3")
-    from replicator.objectstore_s3 import S3ObjectStore
+    from replicator.storage.s3 import S3ObjectStore
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens there
     store = open_object_store("s3://bucket/some/prefix/")
@@ -286,7 +286,7 @@ def test_open_s3_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_open_gs_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("google.cloud.storage")
-    from replicator.objectstore_gcs import GcsObjectStore
+    from replicator.storage.gcs import GcsObjectStore
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent")  # made on first use
@@ -306,8 +306,8 @@ def test_a_missing_sdk_names_the_extra(
     url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # None makes the import fail
-    monkeypatch.delitem(sys.modules, "replicator.objectstore_s3", raising=False)
-    monkeypatch.delitem(sys.modules, "replicator.objectstore_gcs", raising=False)
+    monkeypatch.delitem(sys.modules, "replicator.storage.s3", raising=False)
+    monkeypatch.delitem(sys.modules, "replicator.storage.gcs", raising=False)
     with pytest.raises(ValueError, match=re.escape(extra)):
         open_object_store(url)
 

@@ -8,11 +8,11 @@ import grpc
 import grpc.aio
 import pytest
 
-from replicator.manifest import Cancelled, CorruptItem, ManifestError
-from replicator.peer import ItemNotFound, PeerError, PeerUnavailable, _rpc_error
-from replicator.peer_service import Busy, NotHeld, Refused, TooLarge, status_for
-from replicator.store import StoreError
-from replicator.transfer import TransferError
+from replicator.core.manifest import Cancelled, CorruptItem, ManifestError
+from replicator.local.store import StoreError
+from replicator.transport.peer import ItemNotFound, PeerError, PeerUnavailable, _rpc_error
+from replicator.transport.service import Busy, NotHeld, Refused, TooLarge, status_for
+from replicator.transport.transfer import TransferError
 
 Code = grpc.StatusCode
 

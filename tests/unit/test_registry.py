@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
-from replicator.registry import (
+from replicator.cluster.registry import (
     MalformedEntry,
     Registry,
     RegistryEntry,
@@ -20,6 +19,7 @@ from replicator.registry import (
     new_coordinator_id,
     open_registry,
 )
+from replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
 
 BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
     "file": lambda tmp: FileObjectStore(tmp / "registry"),
@@ -142,7 +142,7 @@ class TestRegistry:
         caplog: pytest.LogCaptureFixture,
     ) -> None:
         objects.put_bytes(entry_key("job"), MALFORMED[case])
-        with caplog.at_level(logging.WARNING, logger="replicator.registry"):
+        with caplog.at_level(logging.WARNING, logger="replicator.cluster.registry"):
             assert registry.lookup("job") is None
         assert "ignoring registry entry _registry/job.json of job=job" in caplog.text
         # A malformed entry is nobody's to unregister, and a new registration replaces it.

@@ -1,4 +1,4 @@
-"""Backoff and retries (``replicator.retry``), and each cloud backend's one error classifier.
+"""Backoff and retries (``replicator.core.retry``), and each cloud backend's one error classifier.
 
 Pure: a fake clock and sleep, no sockets; vendor exceptions are built in memory.
 """
@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from replicator.objectstore import (
+from replicator.core.retry import Backoff, RetryPolicy, RetryState, call_with_retry
+from replicator.storage.objectstore import (
     BucketNotFound,
     ObjectNotFound,
     ObjectStoreError,
@@ -17,7 +18,6 @@ from replicator.objectstore import (
     PreconditionFailed,
     TransientError,
 )
-from replicator.retry import Backoff, RetryPolicy, RetryState, call_with_retry
 
 
 class FakeTime:
@@ -246,7 +246,7 @@ def client_error(code: str, status: int, operation: str = "GetObject") -> Except
 )
 def test_s3_errors_are_classified(code: str, status: int, expected: type[Exception]) -> None:
     pytest.importorskip("boto3")
-    from replicator.objectstore_s3 import translate
+    from replicator.storage.s3 import translate
 
     mapped = translate(client_error(code, status), "get b/k")
     assert type(mapped) is expected
@@ -259,7 +259,7 @@ def test_s3_transport_errors_are_transient() -> None:
     import botocore.exceptions as bexc
     import urllib3.exceptions
 
-    from replicator.objectstore_s3 import translate
+    from replicator.storage.s3 import translate
 
     for exc in [
         bexc.EndpointConnectionError(endpoint_url="http://x"),
@@ -297,7 +297,7 @@ def test_gcs_errors_are_classified(status: int, message: str, expected: type[Exc
     pytest.importorskip("google.cloud.storage")
     from google.api_core import exceptions as gapi
 
-    from replicator.objectstore_gcs import translate
+    from replicator.storage.gcs import translate
 
     error = gapi.from_http_status(status, message)  # type: ignore[no-untyped-call]
     mapped = translate(error, "get b/k")
@@ -310,7 +310,7 @@ def test_gcs_transport_errors_are_transient() -> None:
     import requests
     from google.cloud.storage.exceptions import DataCorruption
 
-    from replicator.objectstore_gcs import translate
+    from replicator.storage.gcs import translate
 
     for exc in [
         requests.ConnectionError("reset"),

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.roundplan``: the restore round's plan, a pure function of joins."""
+"""Tests for ``replicator.core.restore_plan``: the restore round's plan, pure in joins."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.backup import CommitRecord
-from replicator.cluster import backup_items, holders
-from replicator.contract import Framework, JobConfig
-from replicator.manifest import ItemId
-from replicator.planner import Source, worker_slots
-from replicator.roundplan import (
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import Framework, JobConfig
+from replicator.core.layout import backup_items, holders
+from replicator.core.manifest import ItemId
+from replicator.core.policy import Source, worker_slots
+from replicator.core.restore_plan import (
     Fetch,
     NodeInventory,
     RoundPlan,

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.store.LocalStore``: taking, committing, crash recovery and locking.
+"""Tests for ``replicator.local.store.LocalStore``: taking, committing, crash recovery and locking.
 
 Real files in ``tmp_path`` (the store's whole point is renames on one filesystem); no
 sockets, no subprocesses.
@@ -12,15 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from replicator.contract import STORE_DIR
-from replicator.manifest import (
-    CorruptItem,
-    ItemId,
-    ItemKind,
-    Manifest,
-    build_manifest,
-)
-from replicator.store import DATA, MANIFEST_FILE, LocalStore, OpenReport, StoreError
+from replicator.core.contract import STORE_DIR
+from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest
+from replicator.local.hashing import build_manifest
+from replicator.local.store import DATA, MANIFEST_FILE, LocalStore, OpenReport, StoreError
 
 ITEM = ItemId("job", 10, 0, 0)
 

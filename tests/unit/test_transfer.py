@@ -1,4 +1,4 @@
-"""Tests for ``replicator.transfer``: crc32c arithmetic, chunked reading, verified writing.
+"""Tests for ``replicator.transport.transfer``: crc32c arithmetic, chunked reads, verified writes.
 
 Real files in ``tmp_path``; no sockets. The gRPC layer on top is tested against real daemon
 processes in ``tests/integration/test_peer*.py``.
@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.manifest import CorruptItem, ItemId, Manifest, build_manifest, verify_item
-from replicator.transfer import (
+from replicator.core.manifest import CorruptItem, ItemId, Manifest
+from replicator.local.hashing import build_manifest, verify_item
+from replicator.transport.transfer import (
     MAX_CHUNK,
     ItemWriter,
     TransferError,

@@ -1,0 +1,369 @@
+"""The job coordinator's client side: calling it and finding it. I/O module (gRPC, registry).
+
+``CoordinatorClient`` is what an agent uses to join, poll the round, report its restore
+and its progress, in our own types. It checks the coordinator's identity in every answer,
+so a stale registry entry or a restarted coordinator is noticed at the next call, and it
+turns gRPC statuses into our exceptions in one place (``_call_error``). What an agent does
+about each:
+
+- ``NoCoordinator`` (and ``WrongCoordinator``): look the registry up again, with backoff;
+- ``MustRejoin`` (``CoordinatorChanged``, ``NotAMember``): join again, then poll;
+- ``JoinRejected``: this rank's ``replicator.yaml`` can never join; say so, do not retry;
+- ``CoordinatorError``: anything else; retry with backoff.
+
+``find_coordinator`` reads the registry with jittered backoff (DESIGN.md, "Rounds and
+incarnations").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator.cluster.messages import (
+    MAX_HELD_STEPS,
+    MAX_WAIT_SECONDS,
+    SERVICE,
+    BadMessage,
+    FailedFetch,
+    RoundState,
+    address_map,
+    failure_message,
+    held_items,
+    round_state,
+)
+from replicator.cluster.registry import COORDINATOR_ID_RE, Registry, RegistryEntry
+from replicator.core.coordination import JoinRejected, ProgressAnswer
+from replicator.core.manifest import ItemId
+from replicator.core.retry import Backoff
+from replicator.storage.objectstore import ObjectStoreError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20
+"""A join of ``MAX_ITEMS`` items is about 7 MB; the default receive limit is 4 MiB."""
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A coordinator node lost without a FIN is noticed during a long poll in ~40 s.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CALL_TIMEOUT = 10.0
+"""Deadline of every call, on top of a long poll's wait."""
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class CoordinatorError(Exception):
+    """A call to the coordinator failed (the client side)."""
+
+
+class NoCoordinator(CoordinatorError):
+    """No coordinator of the job answers there: look the registry up again (with backoff)."""
+
+
+class WrongCoordinator(NoCoordinator):
+    """The address answers for another job: the registry entry is stale."""
+
+
+class MustRejoin(CoordinatorError):
+    """This incarnation is not (or no longer) a member of the coordinator's round: join again."""
+
+
+class NotAMember(MustRejoin):
+    """Progress from an incarnation that is not of the released round."""
+
+
+class CoordinatorChanged(MustRejoin):
+    """The coordinator restarted (another id answers) and lost the joins: join again.
+
+    Raised once per change; the client expects the new id afterwards.
+    """
+
+    def __init__(self, message: str, old_id: str, new_id: str) -> None:
+        super().__init__(message)
+        self.old_id = old_id
+        self.new_id = new_id
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+class CoordinatorClient:
+    """The agent's calls to job ``job``'s coordinator at ``address``, in our own types.
+
+    Every answer must name ``job``; the first one fixes the coordinator's id, and a later
+    answer with another id raises ``CoordinatorChanged`` (its state is gone: join again).
+    gRPC errors become ``NoCoordinator``, ``JoinRejected``, ``NotAMember`` or
+    ``CoordinatorError`` (see the module docstring). Create it in the event loop that uses it.
+    """
+
+    def __init__(self, job: str, address: str, *, timeout: float = CALL_TIMEOUT) -> None:
+        self.job = job
+        self.address = address
+        self.timeout = timeout
+        self.coordinator_id: str | None = None
+        """The id that answered first; None before any answer."""
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        method = f"/{SERVICE}/"
+        self._join = self._channel.unary_unary(
+            method + "Join",
+            request_serializer=pb.JoinRequest.SerializeToString,
+            response_deserializer=pb.JoinResponse.FromString,
+        )
+        self._status = self._channel.unary_unary(
+            method + "RoundStatus",
+            request_serializer=pb.RoundStatusRequest.SerializeToString,
+            response_deserializer=pb.RoundStatusResponse.FromString,
+        )
+        self._restore = self._channel.unary_unary(
+            method + "ReportRestore",
+            request_serializer=pb.ReportRestoreRequest.SerializeToString,
+            response_deserializer=pb.ReportRestoreResponse.FromString,
+        )
+        self._progress = self._channel.unary_unary(
+            method + "ReportProgress",
+            request_serializer=pb.ReportProgressRequest.SerializeToString,
+            response_deserializer=pb.ReportProgressResponse.FromString,
+        )
+
+    @classmethod
+    def for_entry(cls, entry: RegistryEntry, *, timeout: float = CALL_TIMEOUT) -> CoordinatorClient:
+        return cls(entry.job, entry.address, timeout=timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> CoordinatorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _call_error(self, exc: grpc.aio.AioRpcError, method: str) -> Exception:
+        """The one place that turns the coordinator's gRPC status into our exceptions."""
+        code = exc.code()
+        details = exc.details() or ""
+        message = f"{method} of job {self.job} at {self.address}: {code.name}: {details}"
+        if code in _RELOOK:
+            return NoCoordinator(message)
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            return JoinRejected(details) if method == "Join" else NotAMember(message)
+        return CoordinatorError(message)
+
+    def _check(self, identity: pb.CoordinatorIdentity, method: str) -> None:
+        if identity.job != self.job:
+            raise WrongCoordinator(
+                f"{method} at {self.address}: a coordinator of job {identity.job!r:.80} "
+                f"answered, not one of job {self.job}"
+            )
+        new = identity.coordinator_id
+        if not COORDINATOR_ID_RE.fullmatch(new):
+            raise CoordinatorError(f"{method} at {self.address}: bad coordinator id {new!r:.80}")
+        old, self.coordinator_id = self.coordinator_id, new
+        if old is not None and old != new:
+            raise CoordinatorChanged(
+                f"the coordinator of job {self.job} at {self.address} restarted "
+                f"(id {old} -> {new}); join again",
+                old,
+                new,
+            )
+
+    async def join(
+        self,
+        rank: int,
+        incarnation_id: str,
+        cluster_view: str,
+        address: str,
+        items: Mapping[ItemId, str],
+    ) -> int:
+        """Join (or re-join) the current round; returns the round the join counts for."""
+        request = pb.JoinRequest(
+            job=self.job,
+            rank=rank,
+            incarnation_id=incarnation_id,
+            cluster_view=cluster_view,
+            address=address,
+            items=held_items(items),
+        )
+        try:
+            response = await self._join(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._call_error(exc, "Join") from None
+        self._check(response.coordinator, "Join")
+        return response.round
+
+    async def round_status(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        *,
+        seen: RoundState | None = None,
+        wait_seconds: float = 0.0,
+    ) -> RoundState:
+        """The round as ``rank`` should see it.
+
+        With ``wait_seconds`` (at most 30) this is a long poll: it answers once the round,
+        state or plan version differs from ``seen`` (the last answer for ``round_``; None
+        when there was none, which answers at once), or when the wait is over.
+        """
+        wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
+        request = pb.RoundStatusRequest(
+            job=self.job,
+            rank=rank,
+            incarnation_id=incarnation_id,
+            round=round_,
+            wait_seconds=wait,
+        )
+        if seen is not None and seen.round == round_:
+            _, request.seen_state, request.seen_plan_version = seen.key
+        try:
+            response = await self._status(request, timeout=wait + self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._call_error(exc, "RoundStatus") from None
+        self._check(response.coordinator, "RoundStatus")
+        try:
+            return round_state(response, self.job, rank)
+        except BadMessage as exc:
+            raise CoordinatorError(f"RoundStatus at {self.address}: {exc}") from None
+
+    async def report_restore(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        plan_version: int,
+        *,
+        ready: bool,
+        failures: Sequence[FailedFetch] = (),
+        addresses: Mapping[int, str] | None = None,
+    ) -> None:
+        """Report the outcome of plan ``plan_version`` of ``round_``: ``ready`` when every
+        assigned item is present and verified; ``failures`` are the sources that failed
+        (``addresses``, the status's, names PEER holders in the coordinator's log)."""
+        known = addresses or {}
+        request = pb.ReportRestoreRequest(
+            job=self.job,
+            rank=rank,
+            incarnation_id=incarnation_id,
+            round=round_,
+            plan_version=plan_version,
+            ready=ready,
+            failures=[
+                failure_message(f, "" if f.fetch.holder is None else known.get(f.fetch.holder, ""))
+                for f in failures
+            ],
+        )
+        try:
+            response = await self._restore(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._call_error(exc, "ReportRestore") from None
+        self._check(response.coordinator, "ReportRestore")
+
+    async def report_progress(
+        self,
+        rank: int,
+        incarnation_id: str,
+        *,
+        replicated_step: int | None,
+        uploaded_step: int | None = None,
+        address: str = "",
+        held: Collection[int] | None = None,
+        replicating_step: int | None = None,
+    ) -> ProgressAnswer:
+        """Steady state: fold in this rank's progress; the answer may order a backup.
+
+        ``held`` promises the steps this rank keeps until the answer (None: all of them).
+        Raises ``NotAMember`` when this incarnation is not of the released round.
+        """
+        request = pb.ReportProgressRequest(
+            job=self.job,
+            rank=rank,
+            incarnation_id=incarnation_id,
+            replicated_step=replicated_step,
+            uploaded_step=uploaded_step,
+            address=address,
+            held_steps=sorted(held or ()),
+            reports_holdings=held is not None,
+            replicating_step=replicating_step,
+        )
+        try:
+            response = await self._progress(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise self._call_error(exc, "ReportProgress") from None
+        self._check(response.coordinator, "ReportProgress")
+        try:
+            addresses = address_map(response.addresses)
+        except BadMessage as exc:
+            raise CoordinatorError(f"ReportProgress at {self.address}: {exc}") from None
+        return ProgressAnswer(
+            restorable_step=(
+                response.restorable_step if response.HasField("restorable_step") else None
+            ),
+            backup_step=response.backup_step if response.HasField("backup_step") else None,
+            addresses=addresses,
+            keep_steps=frozenset(response.keep_steps[:MAX_HELD_STEPS]),
+        )
+
+
+_RELOOK = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        # A server that stops cancels the calls in flight.
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+# --- finding the coordinator -----------------------------------------------------------------
+
+
+async def find_coordinator(
+    registry: Registry,
+    job: str,
+    *,
+    timeout: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    backoff: Backoff | None = None,
+) -> RegistryEntry:
+    """``job``'s registry entry, looked up until one appears or ``timeout`` seconds pass.
+
+    The entry only says where to look: the caller's first call checks who answers there.
+    Raises ``NoCoordinator`` at the deadline ("no coordinator for job J yet", or that the
+    registry is unreachable when reading it failed).
+    """
+    delays = backoff or Backoff()
+    deadline = clock() + timeout
+    failure: ObjectStoreError | None = None
+    while True:
+        try:
+            entry = await asyncio.to_thread(registry.lookup, job)
+        except ObjectStoreError as exc:
+            failure, entry = exc, None
+            log.warning("registry %s unreadable for job=%s: %s", registry.url, job, exc)
+        else:
+            failure = None
+        if entry is not None:
+            return entry
+        remaining = deadline - clock()
+        if remaining <= 0:
+            if failure is not None:
+                raise NoCoordinator(f"the registry {registry.url} is unreachable: {failure}")
+            raise NoCoordinator(f"no coordinator for job {job} yet")
+        await sleep(min(remaining, delays.next()))

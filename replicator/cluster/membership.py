@@ -1,0 +1,241 @@
+"""An incarnation's membership in its job's cluster (``nodes > 1``). I/O: gRPC and the store.
+
+Restore goes through the coordinator's round (``rounds``). In steady state each committed
+step is pushed to this rank's replication targets (``replication``), and progress reports
+to the coordinator return the cluster's restorable step (which retention must keep) and
+backup orders (one step at a time, uploaded by one replica per data-parallel class).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from replicator.cluster.client import CoordinatorClient, CoordinatorError
+from replicator.cluster.registry import Registry
+from replicator.cluster.replication import Replication
+from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.core.contract import JobConfig
+from replicator.core.layout import backup_items
+from replicator.core.manifest import Cancelled, ItemId, ManifestError
+from replicator.local.store import LocalStore
+from replicator.obs.logs import JobLog
+from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
+from replicator.storage.upload import ItemNotHeld, upload_step
+from replicator.transport.peer import PeerClient
+
+log = logging.getLogger(__name__)
+
+PROGRESS_EVERY = 1.0
+"""Seconds between progress reports (each also happens after a new step)."""
+UNCONFIRMED_KEPT = 2
+"""Own complete steps newer than the restorable one kept regardless (the newest ones):
+what the ranks are about to report as replicated. Anything else above the restorable step
+is kept only while the coordinator asks for it or a promise covers it, so a stalled peer
+costs a bounded number of steps in RAM, not every save."""
+
+
+class ReportError(Protocol):
+    """The incarnation's ``error``: log a problem, count it by kind, tell the workload."""
+
+    def __call__(self, message: str, step: int | None, kind: ErrorKind = ..., /) -> None: ...
+
+
+@dataclass
+class MemberContext:
+    config: JobConfig
+    incarnation_id: str
+    store: LocalStore
+    backups: BackupStore | None
+    peers: PeerClient
+    registry: Registry
+    advertise: str
+    run_thread: Callable[..., Awaitable[object]]
+    verify_local: Callable[[ItemId], Awaitable[None]]
+    fetch_backup: Callable[[ItemId], Awaitable[None]]
+    error: ReportError
+    report_after: float = 60.0
+    metrics: Metrics = NO_METRICS
+
+
+class ClusterMember:
+    """Everything this rank does with the other ranks of its job."""
+
+    def __init__(self, ctx: MemberContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.replication = Replication(
+            ctx.config, ctx.store, ctx.peers, lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION)
+        )
+        self.restorable: int | None = None
+        """The cluster's restorable step, as the coordinator last said: never deleted."""
+        self.uploading: int | None = None
+        self.uploaded: int | None = None
+        self.keep_steps: frozenset[int] = frozenset()
+        """Steps the coordinator last asked every rank to keep (they may become restorable)."""
+        self._promised: frozenset[int] | None = None
+        """The steps the coordinator believes this rank keeps (the last answered report's);
+        None: no holdings reported yet, so the coordinator may name any step."""
+        self._offer: frozenset[int] | None = None
+        """What the next report promises (set by ``retained``)."""
+        self._offering: frozenset[int] | None = None
+        """The promise of the report in flight: kept until it is answered."""
+        self._client: CoordinatorClient | None = None
+        self._backup_task: asyncio.Task[None] | None = None
+        self._last_report = 0.0
+        self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
+
+    async def restore(self) -> RoundOutcome:
+        participant = RoundParticipant(
+            RoundContext(
+                config=self.config,
+                incarnation_id=self.ctx.incarnation_id,
+                store=self.ctx.store,
+                peers=self.ctx.peers,
+                registry=self.ctx.registry,
+                advertise=self.ctx.advertise,
+                verify_local=self.ctx.verify_local,
+                fetch_backup=self.ctx.fetch_backup,
+                error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
+                report_after=self.ctx.report_after,
+            )
+        )
+        outcome = await participant.run()
+        self.adopt(outcome)
+        return outcome
+
+    def adopt(self, outcome: RoundOutcome) -> None:
+        self.replication.set_addresses(outcome.addresses)
+        self._client = CoordinatorClient(self.config.job_name, outcome.coordinator)
+        if outcome.step is not None:
+            self.restorable = outcome.step
+            self.replication.newest_replicated = outcome.step
+
+    @property
+    def protected(self) -> set[int]:
+        """Steps retention must keep: the restorable one and the one being uploaded."""
+        return {s for s in (self.restorable, self.uploading) if s is not None}
+
+    def retained(self, complete: Sequence[int]) -> set[int]:
+        """Of this rank's complete steps (ascending), those retention must keep now.
+
+        The restorable step, the upload, what the coordinator asked for and the newest
+        ``UNCONFIRMED_KEPT`` are wanted; the next report promises exactly those. A step
+        outside them still stays while a promise made earlier (answered, or in flight)
+        covers it: the coordinator may be naming it restorable from that promise.
+        """
+        wanted = self.protected | self.keep_steps | set(complete[-UNCONFIRMED_KEPT:])
+        self._offer = frozenset(s for s in complete if s in wanted)
+        keep = set(wanted)
+        if self._promised is None or self.restorable is None:
+            # No promise yet, or no step known complete everywhere (a rank that stalled
+            # before its first report may hold any): the coordinator may name any step.
+            floor = self.restorable
+            keep |= {s for s in complete if floor is None or s > floor}
+        else:
+            keep |= self._promised
+        if self._offering is not None:
+            keep |= self._offering
+        return keep
+
+    async def stop(self) -> None:
+        await self.replication.stop()
+        if self._backup_task is not None and not self._backup_task.done():
+            self._backup_task.cancel()
+            await asyncio.gather(self._backup_task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
+        """After a rescan or a new step: replicate it, and report progress (throttled)."""
+        if newest_step is not None:
+            self.replication.committed(newest_step)
+        self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
+        now = time.monotonic()
+        if not force and now - self._last_report < PROGRESS_EVERY:
+            return
+        self._last_report = now
+        await self._report()
+
+    async def _report(self) -> None:
+        if self._client is None:
+            entry = await asyncio.to_thread(self.ctx.registry.lookup, self.config.job_name)
+            if entry is None:
+                return
+            self._client = CoordinatorClient.for_entry(entry)
+        offer = self._offering = self._offer
+        try:
+            answer = await self._client.report_progress(
+                self.config.node_rank,
+                self.ctx.incarnation_id,
+                replicated_step=self.replication.newest_replicated,
+                uploaded_step=self.uploaded,
+                address=self.ctx.advertise,
+                held=offer,
+                replicating_step=self.replication.pushing,
+            )
+        except CoordinatorError as exc:
+            # The coordinator moved or restarted: look it up again on the next report. It
+            # may have taken the new promise or not: keep both.
+            self._log.warning("progress report failed: %s", exc)
+            if self._promised is not None:
+                self._promised = None if offer is None else self._promised | offer
+            self._offering = None
+            await self._client.close()
+            self._client = None
+            return
+        # The answer was computed with this promise: it replaces the older one, and the
+        # restorable step it names is kept from here on (``protected``).
+        self._promised, self._offering = offer, None
+        self.keep_steps = answer.keep_steps
+        if answer.restorable_step is not None and answer.restorable_step != self.restorable:
+            self.restorable = answer.restorable_step
+            self._log.info("restorable step of the cluster: %d", self.restorable)
+        self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
+        self.replication.update_addresses(answer.addresses)
+        step = answer.backup_step
+        if step is not None and self.ctx.backups is not None and self.uploading is None:
+            self.uploading = step
+            self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
+
+    async def _upload(self, step: int) -> None:
+        backups = self.ctx.backups
+        assert backups is not None
+        self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
+        try:
+            await upload_step(
+                backups,
+                self.ctx.store,
+                self.config,
+                step,
+                [i.key for i in backup_items(self.config, step)],
+                run_thread=self.ctx.run_thread,
+                log=self._log,
+                metrics=self.ctx.metrics,
+            )
+            self.uploaded = step
+        except ItemNotHeld as exc:
+            # Retention dropped it before the order arrived (a newer step became restorable
+            # meanwhile): call the order done, so the coordinator's next order names a step
+            # we hold instead of waiting on this one forever.
+            self._log.info("backup of step %d skipped: %s is no longer held", step, exc.item)
+            self.uploaded = step
+        except PreconditionFailed:
+            self.uploaded = step  # committed already, by another uploader
+            self.ctx.metrics.backed_up(self.config.job_name, step, time.time())
+        except Cancelled:
+            pass
+        except (ObjectStoreError, OSError, ManifestError) as exc:
+            self.ctx.error(
+                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
+                step,
+                ErrorKind.BACKUP,
+            )
+        finally:
+            self.uploading = None

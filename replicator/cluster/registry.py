@@ -1,0 +1,212 @@
+"""The registry: where job J's coordinator listens. I/O module (through an ObjectStore).
+
+One small JSON object per job, ``_registry/<job>.json``, on any ``ObjectStore``: a
+``file://`` directory for local runs and tests, the backup bucket (``gs://``, ``s3://``) in
+production. ``_registry`` can never be a job's backup prefix: job names start with a letter
+or digit. An entry only says where to look. It is never trusted: the coordinator answers
+every call with its job and id, and an agent that reaches one that does not serve its job
+looks the registry up again (DESIGN.md, "Rounds and incarnations").
+
+Last writer wins: ``register`` overwrites whatever is there, because the newest coordinator
+of a job is the one to find, and object stores offer no portable compare-and-swap. That is
+safe because a stale or superseded entry costs an agent one failed call and a re-lookup,
+never a wrong join. Readers never see half an entry: every backend publishes a whole object
+at once (temp + rename for files).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from replicator.core.contract import JOB_NAME_RE
+from replicator.storage.objectstore import ObjectNotFound, ObjectStore
+from replicator.storage.stores import open_object_store
+
+log = logging.getLogger(__name__)
+
+PREFIX = "_registry/"
+FORMAT_VERSION = 1
+MAX_ENTRY_BYTES = 4096
+"""An entry is about 150 bytes; a larger object is not one of ours."""
+COORDINATOR_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_HOSTNAME_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_PORT_RE = re.compile(r"[1-9][0-9]{0,4}")
+_FIELDS = ("job", "address", "coordinator_id", "registered_at")
+
+
+class MalformedEntry(ValueError):
+    """A registry entry (or one being registered) breaks a rule; the message names it."""
+
+
+def check_job(job: str) -> str:
+    if not isinstance(job, str) or not JOB_NAME_RE.fullmatch(job) or ".." in job:
+        raise MalformedEntry(f"bad job name {job!r:.80}")
+    return job
+
+
+def check_address(address: str) -> str:
+    """``host:port`` with a DNS name, an IPv4 address or a bracketed IPv6 address."""
+    if not isinstance(address, str) or len(address) > 261:
+        raise MalformedEntry(f"bad address {address!r:.80}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not _PORT_RE.fullmatch(port) or int(port) > 65535:
+        raise MalformedEntry(f"address {address!r:.80} needs host:port with a port 1-65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise MalformedEntry(f"bad IPv6 address in {address!r:.80}") from None
+        return address
+    labels = host.split(".")
+    if len(host) > 253 or not all(_HOSTNAME_LABEL_RE.fullmatch(label) for label in labels):
+        raise MalformedEntry(f"bad host in address {address!r:.80}")
+    return address
+
+
+def new_coordinator_id() -> str:
+    """A random id for one coordinator's life (it tells a restarted coordinator apart)."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    """Job ``job``'s coordinator listens at ``address``; validated on construction."""
+
+    job: str
+    address: str
+    """``host:port`` of the coordinator's gRPC server, as agents must dial it."""
+    coordinator_id: str
+    """Random per coordinator life; the coordinator returns it with every answer."""
+    registered_at: float
+    """Wall-clock seconds of the registration, for diagnostics (clocks differ by node)."""
+
+    def __post_init__(self) -> None:
+        check_job(self.job)
+        check_address(self.address)
+        if not isinstance(self.coordinator_id, str) or not COORDINATOR_ID_RE.fullmatch(
+            self.coordinator_id
+        ):
+            raise MalformedEntry(f"bad coordinator id {self.coordinator_id!r:.80}")
+        at = self.registered_at
+        number = isinstance(at, int | float) and not isinstance(at, bool)
+        if not number or not math.isfinite(at) or at < 0:
+            raise MalformedEntry(f"bad registration time {at!r:.40}")
+
+    def to_json(self) -> bytes:
+        body = {
+            "version": FORMAT_VERSION,
+            "job": self.job,
+            "address": self.address,
+            "coordinator_id": self.coordinator_id,
+            "registered_at": self.registered_at,
+        }
+        return json.dumps(body, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> RegistryEntry:
+        """Parse an entry from storage anyone with bucket access may have written."""
+        if len(raw) > MAX_ENTRY_BYTES:
+            raise MalformedEntry(f"{len(raw)} bytes, more than {MAX_ENTRY_BYTES}")
+        try:
+            data: Any = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise MalformedEntry(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise MalformedEntry("not a JSON object")
+        version = data.get("version")
+        if type(version) is not int or version != FORMAT_VERSION:  # true == 1 in Python
+            raise MalformedEntry(f"unsupported version {version!r:.40}")
+        missing = [k for k in _FIELDS if k not in data]
+        if missing:
+            raise MalformedEntry(f"missing {', '.join(missing)}")
+        # Types and values are checked in __post_init__, before anything else looks at them.
+        return cls(
+            job=data["job"],
+            address=data["address"],
+            coordinator_id=data["coordinator_id"],
+            registered_at=data["registered_at"],
+        )
+
+
+def _no_constant(name: str) -> float:
+    # Python's json accepts NaN and Infinity; no entry of ours has them.
+    raise MalformedEntry(f"{name} is not a registration time")
+
+
+def entry_key(job: str) -> str:
+    return f"{PREFIX}{check_job(job)}.json"
+
+
+class Registry:
+    """Coordinator addresses by job, on one ObjectStore.
+
+    Store errors other than "not found" (``ObjectStoreError``) propagate: the caller retries
+    with backoff, and says "registry unreachable" rather than "no coordinator yet".
+    """
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+
+    @property
+    def url(self) -> str:
+        return self.objects.url
+
+    def register(self, entry: RegistryEntry) -> None:
+        """Publish ``entry`` for its job, replacing any older one (last writer wins)."""
+        self.objects.put_bytes(entry_key(entry.job), entry.to_json())
+        log.info(
+            "registered coordinator job=%s address=%s id=%s",
+            entry.job,
+            entry.address,
+            entry.coordinator_id,
+        )
+
+    def lookup(self, job: str) -> RegistryEntry | None:
+        """The registered coordinator of ``job``, or None if none or the entry is malformed.
+
+        A malformed entry is logged and treated as absent: agents keep waiting (and say so
+        in ``replicator.errors``) until a coordinator registers over it.
+        """
+        key = entry_key(job)
+        try:
+            raw = self.objects.get_bytes(key)
+        except ObjectNotFound:
+            return None
+        try:
+            entry = RegistryEntry.from_json(raw)
+        except MalformedEntry as exc:
+            log.warning("ignoring registry entry %s of job=%s: %s", key, job, exc)
+            return None
+        if entry.job != job:
+            log.warning(
+                "ignoring registry entry %s of job=%s: it names job %s", key, job, entry.job
+            )
+            return None
+        return entry
+
+    def unregister(self, job: str, coordinator_id: str) -> bool:
+        """Remove ``job``'s entry if it is still ``coordinator_id``'s; True if removed.
+
+        Best effort: read, compare, delete is not atomic on object stores, so a newer
+        registration landing in between is removed too. A live coordinator therefore
+        re-registers when it finds its job's entry missing (never when it finds another
+        coordinator's, which is newer).
+        """
+        current = self.lookup(job)
+        if current is None or current.coordinator_id != coordinator_id:
+            return False
+        self.objects.delete(entry_key(job))
+        log.info("unregistered coordinator job=%s id=%s", job, coordinator_id)
+        return True
+
+
+def open_registry(url: str) -> Registry:
+    """The registry at a storage URL (``file:///abs/path``; gs:// and s3:// as the stores)."""
+    return Registry(open_object_store(url))

@@ -1,0 +1,226 @@
+"""The agent's side of a cluster restore round (``nodes > 1``). I/O: gRPC and the store.
+
+Find the job's coordinator in the registry, join with this node's inventory, wait until
+every rank joined, obtain and verify the planned items in the order given (local, peer,
+equivalent, backup), report, and return once the coordinator released the round: only
+then may markers appear, and every rank's markers name the same step. While waiting, the
+agent says in ``replicator.errors`` what it waits for, well before the clients' 300 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+from replicator.cluster.client import (
+    CoordinatorClient,
+    CoordinatorError,
+    MustRejoin,
+    NoCoordinator,
+    find_coordinator,
+)
+from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from replicator.cluster.registry import Registry
+from replicator.core.contract import JobConfig
+from replicator.core.coordination import JoinRejected, Phase
+from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
+from replicator.core.policy import Source
+from replicator.core.restore_plan import Fetch
+from replicator.core.retry import Backoff
+from replicator.local.store import LocalStore, StoreError
+from replicator.storage.objectstore import ObjectStoreError
+from replicator.transport.peer import PeerClient, PeerError
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 10.0
+
+
+class RoundFailed(Exception):
+    """The round can never complete for this rank (its config is rejected): fatal."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A released round: the step (None: fresh start) and what each target is stored as."""
+
+    step: int | None
+    source: str | None
+    stored_as: Mapping[ItemId, ItemId]
+    """Target item -> the item holding its data here (itself, or a data-parallel equivalent)."""
+    addresses: Mapping[int, str]
+    coordinator: str
+
+
+@dataclass
+class RoundContext:
+    """What a participant needs from its incarnation."""
+
+    config: JobConfig
+    incarnation_id: str
+    store: LocalStore
+    peers: PeerClient
+    registry: Registry
+    advertise: str
+    verify_local: Callable[[ItemId], Awaitable[None]]
+    fetch_backup: Callable[[ItemId], Awaitable[None]]
+    """Download a committed backup item into the store (verified); raises on failure."""
+    error: Callable[[str, int | None], None]
+    report_after: float = 60.0
+    """Seconds of waiting before ``replicator.errors`` says what for (clients give up at 300)."""
+
+
+class RoundParticipant:
+    """Takes this rank through one restore round."""
+
+    def __init__(self, ctx: RoundContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self._started = time.monotonic()
+        self._last_said = ""
+
+    def _say_waiting(self, message: str) -> None:
+        """Tell the workload what we wait for, once the wait got long, once per change."""
+        if time.monotonic() - self._started < self.ctx.report_after or message == self._last_said:
+            return
+        self._last_said = message
+        self.ctx.error(message, None)
+
+    def _inventory(self) -> dict[ItemId, str]:
+        return {i: m.digest for i, m in self.ctx.store.manifests(self.config.job_name).items()}
+
+    async def run(self) -> RoundOutcome:
+        backoff = Backoff()
+        job = self.config.job_name
+        while True:
+            try:
+                entry = await find_coordinator(self.ctx.registry, job, timeout=POLL_SECONDS)
+            except NoCoordinator as exc:
+                self._say_waiting(f"no coordinator for job {job} yet ({exc}); rank 0 hosts it")
+                await asyncio.sleep(backoff.next())
+                continue
+            client = CoordinatorClient.for_entry(entry)
+            try:
+                outcome = await self._member(client)
+                if outcome is not None:
+                    return outcome
+                backoff.reset()
+            except JoinRejected as exc:
+                raise RoundFailed(str(exc)) from None
+            except MustRejoin as exc:
+                log.info("rejoining the round of job %s: %s", job, exc)
+            except CoordinatorError as exc:
+                self._say_waiting(f"cannot reach the coordinator of job {job}: {exc}")
+                await asyncio.sleep(backoff.next())
+            finally:
+                await client.close()
+
+    async def _member(self, client: CoordinatorClient) -> RoundOutcome | None:
+        """One membership: join, follow the round; None means join again."""
+        rank, inc = self.config.node_rank, self.ctx.incarnation_id
+        round_ = await client.join(
+            rank, inc, cluster_view_json(self.config), self.ctx.advertise, self._inventory()
+        )
+        state: RoundState | None = None
+        done_version = -1
+        while True:
+            # Return in time to say what we wait for once ``report_after`` has passed.
+            report_in = self._started + self.ctx.report_after - time.monotonic()
+            wait = POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
+            state = await client.round_status(rank, inc, round_, seen=state, wait_seconds=wait)
+            round_ = state.round
+            if state.phase is None:
+                return None
+            if state.phase is Phase.WAITING:
+                self._say_waiting(state.message)
+            elif state.phase is Phase.FETCH and state.plan_version != done_version:
+                ready, failures = await self._obtain(state)
+                await client.report_restore(
+                    rank, inc, state.round, state.plan_version,
+                    ready=ready, failures=failures, addresses=state.addresses,
+                )  # fmt: skip
+                done_version = state.plan_version
+            elif state.phase is Phase.RELEASED:
+                return self._outcome(state, client.address)
+
+    async def _obtain(self, state: RoundState) -> tuple[bool, list[FailedFetch]]:
+        """Make every assigned item present and verified; False when one has no source left."""
+        failures: list[FailedFetch] = []
+        ready = True
+        for target, fetches in state.assignments.items():
+            if not await self._obtain_one(target, fetches, state.addresses, failures):
+                ready = False
+        return ready, failures
+
+    async def _obtain_one(
+        self,
+        target: ItemId,
+        fetches: list[Fetch],
+        addresses: Mapping[int, str],
+        failures: list[FailedFetch],
+    ) -> bool:
+        store = self.ctx.store
+        for f in fetches:
+            try:
+                held = store.get(f.item)
+                if held is not None and held.digest == f.digest:
+                    await self.ctx.verify_local(f.item)
+                elif f.source is Source.LOCAL:
+                    raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
+                elif f.source is Source.PEER:
+                    if f.holder is None or f.holder not in addresses:
+                        raise PeerError("?", f"no address for rank {f.holder}")
+                    await self.ctx.peers.pull_item(addresses[f.holder], f.item, store, f.digest)
+                else:
+                    await self.ctx.fetch_backup(f.item)
+                    fetched = store.get(f.item)
+                    if fetched is None or fetched.digest != f.digest:
+                        raise CorruptItem(f"{f.item}: the backup copy differs from the plan")
+            except CorruptItem as exc:
+                self.ctx.error(
+                    f"step {f.item.step}: {f.source.value} copy of {f.item} is corrupt "
+                    f"({exc}); not used",
+                    f.item.step,
+                )
+                failures.append(FailedFetch(f, True, str(exc)))
+                if store.get(f.item) is not None and f.source is Source.LOCAL:
+                    store.delete(f.item)
+                continue
+            except (
+                PeerError,
+                ObjectStoreError,
+                StoreError,
+                ManifestError,
+                OSError,
+                KeyError,
+            ) as exc:
+                self.ctx.error(
+                    f"step {f.item.step}: cannot use the {f.source.value} copy of {f.item}: {exc}",
+                    f.item.step,
+                )
+                failures.append(FailedFetch(f, False, str(exc)))
+                continue
+            except Cancelled:
+                raise
+            log.info("round: %s ready from %s (%s)", target, f.source.value, f.item)
+            return True
+        return False
+
+    def _outcome(self, state: RoundState, coordinator: str) -> RoundOutcome:
+        stored_as: dict[ItemId, ItemId] = {}
+        sources: set[Source] = set()
+        for target, fetches in state.assignments.items():
+            for f in fetches:
+                held = self.ctx.store.get(f.item)
+                if held is not None and held.digest == f.digest:
+                    stored_as[target] = f.item
+                    sources.add(f.source)
+                    break
+            else:
+                raise StoreError(f"{target}: released, but no verified copy is here any more")
+        order = list(Source)
+        source = max(sources, key=order.index).value if sources else None
+        return RoundOutcome(state.step, source, stored_as, dict(state.addresses), coordinator)

@@ -1,0 +1,488 @@
+"""The job coordinator's server side: hosting coordinators and serving them over gRPC. I/O module.
+
+``CoordinatorHost`` keeps the ``JobCoordinator`` state machines this daemon hosts (one per
+job whose rank 0 runs here), each with a random id and a change signal for long polls.
+``CoordinatorServicer`` serves ``mtc.v1.Coordinator`` in the daemon's asyncio loop: every
+request is checked completely first, then handed to the pure state machine; our exceptions
+become one status code in ``status_for``. Agents call it through
+``replicator.cluster.client`` (DESIGN.md, "Rounds and incarnations").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, Protocol
+
+import grpc
+import grpc.aio
+
+from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from replicator.cluster.messages import (
+    MAX_CLUSTER_VIEW_CHARS,
+    MAX_DETAIL_CHARS,
+    MAX_WAIT_SECONDS,
+    SERVICE,
+    BadMessage,
+    check_address,
+    check_held_steps,
+    check_incarnation,
+    check_job,
+    inventory_items,
+    seen_key,
+    source_keys,
+    status_key,
+    status_message,
+)
+from replicator.cluster.registry import new_coordinator_id
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import JOB_NAME_RE, JobConfig
+from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase
+from replicator.core.restore_plan import NodeInventory
+from replicator.obs.logs import JobLog
+
+__all__ = [
+    "BACKUPS_TTL",
+    "SERVICE",
+    "BackupsFor",
+    "BackupsUnavailable",
+    "CoordinatorHost",
+    "CoordinatorServicer",
+    "HostedJob",
+    "NotHosted",
+    "NotInReleasedRound",
+    "status_for",
+]
+
+log = logging.getLogger(__name__)
+
+BACKUPS_TTL = 5.0
+"""How long one listing of the committed backups serves joins: a round's joins arrive
+together, and listing a bucket per join would cost N listings for N nodes."""
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class NotHosted(LookupError):
+    """This daemon hosts no coordinator for the job."""
+
+
+class NotInReleasedRound(Exception):
+    """The caller's incarnation is not a member of the released round; it must join again."""
+
+
+class BackupsUnavailable(Exception):
+    """The committed backups could not be listed: planning without them could lose steps."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that turns a servicer-side exception into a gRPC status."""
+    if isinstance(exc, BadMessage):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, NotHosted):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, JoinRejected | NotInReleasedRound):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, BackupsUnavailable):
+        code = grpc.StatusCode.UNAVAILABLE
+    else:
+        code = grpc.StatusCode.INTERNAL
+    return code, str(exc) or type(exc).__name__
+
+
+# --- hosting ---------------------------------------------------------------------------------
+
+
+@dataclass
+class HostedJob:
+    """One coordinator this daemon hosts: the state machine, its id, its change signal."""
+
+    coordinator: JobCoordinator
+    coordinator_id: str
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) on every change, so that long polls look again."""
+
+    @property
+    def job(self) -> str:
+        return self.coordinator.config.job_name
+
+    @property
+    def identity(self) -> pb.CoordinatorIdentity:
+        return pb.CoordinatorIdentity(job=self.job, coordinator_id=self.coordinator_id)
+
+    def addresses(self) -> dict[int, str]:
+        return {r: m.inventory.address for r, m in self.coordinator.members.items()}
+
+    def notify(self) -> None:
+        changed, self.changed = self.changed, asyncio.Event()
+        changed.set()
+
+
+class CoordinatorHost:
+    """The coordinators this daemon hosts, by job. Used from the daemon's event loop only."""
+
+    def __init__(self, new_id: Callable[[], str] = new_coordinator_id) -> None:
+        self._new_id = new_id
+        self._jobs: dict[str, HostedJob] = {}
+
+    def host(
+        self, config: JobConfig, cluster_view: str, *, resume_steady: bool = False
+    ) -> JobCoordinator:
+        """Host ``config``'s job (this node accepted its ``replicator.yaml`` as rank 0).
+
+        A new incarnation of rank 0 with the same cluster-wide keys keeps the coordinator:
+        the state machine opens the new round when the ranks re-join. Other keys replace it
+        with a new one (and a new id, so agents notice and re-join under rank 0's config).
+        """
+        job = config.job_name
+        current = self._jobs.get(job)
+        if current is not None and current.coordinator.cluster_view == cluster_view:
+            return current.coordinator
+        hosted = HostedJob(JobCoordinator(config, cluster_view), self._new_id())
+        if resume_steady:
+            hosted.coordinator.resume_steady()
+        self._jobs[job] = hosted
+        if current is not None:
+            current.notify()
+        log.info(
+            "hosting the coordinator job=%s id=%s nodes=%d",
+            job,
+            hosted.coordinator_id,
+            config.nodes,
+        )
+        return hosted.coordinator
+
+    def drop(self, job: str) -> None:
+        """Stop hosting ``job``'s coordinator (this node no longer runs its rank 0)."""
+        hosted = self._jobs.pop(job, None)
+        if hosted is not None:
+            hosted.notify()  # long polls answer NOT_FOUND now, not at their deadline
+            log.info("dropped the coordinator job=%s id=%s", job, hosted.coordinator_id)
+
+    def close(self) -> None:
+        """Drop every coordinator, before the server stops, so long polls end at once."""
+        for job in list(self._jobs):
+            self.drop(job)
+
+    def get(self, job: str) -> HostedJob | None:
+        return self._jobs.get(job)
+
+    def coordinator_id(self, job: str) -> str | None:
+        """What to register for ``job`` (``RegistryEntry.coordinator_id``), if hosted."""
+        hosted = self._jobs.get(job)
+        return None if hosted is None else hosted.coordinator_id
+
+    def jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+
+# --- the service -----------------------------------------------------------------------------
+
+BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
+
+
+class RestorePins(Protocol):
+    """Operators' restore pins (``mtc backups restore``); blocking I/O, run in threads."""
+
+    def pinned_step(self, job: str) -> int | None:
+        """The committed step the job's next round must use, if a valid pin names one."""
+        ...
+
+    def consumed(self, job: str, step: int) -> None:
+        """A round planned under the pin of ``step`` was released: remove that pin."""
+        ...
+
+
+Listing = tuple[Mapping[int, CommitRecord], int | None]
+"""A job's committed backups and its pinned step."""
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """``mtc.v1.Coordinator`` over a ``CoordinatorHost``; handlers run in the daemon's loop.
+
+    ``backups_for(job)`` lists the job's committed backups (blocking I/O: it runs in a
+    thread); ``clock`` is wall-clock seconds for backup intervals.
+    """
+
+    def __init__(
+        self,
+        host: CoordinatorHost,
+        backups_for: BackupsFor,
+        *,
+        clock: Callable[[], float] = time.time,
+        backups_ttl: float = BACKUPS_TTL,
+        pins: RestorePins | None = None,
+    ) -> None:
+        self.host = host
+        self.backups_for = backups_for
+        self.pins = pins
+        self.clock = clock
+        self.backups_ttl = backups_ttl
+        self._backups: dict[str, tuple[float, Listing]] = {}
+        self._listing: dict[str, asyncio.Future[Listing]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def register(self, server: grpc.aio.Server) -> None:
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+
+    # --- shared checks ---
+
+    def _hosted(self, job: str, rank: int) -> HostedJob:
+        hosted = self.host.get(job)
+        if hosted is None:
+            raise NotHosted(f"this daemon hosts no coordinator for job {job}")
+        nodes = hosted.coordinator.config.nodes
+        if rank >= nodes:
+            raise BadMessage(f"rank {rank} is out of range for the {nodes} nodes of job {job}")
+        return hosted
+
+    def _list(self, job: str) -> Listing:
+        return self.backups_for(job), (self.pins.pinned_step(job) if self.pins else None)
+
+    async def _committed_backups(self, job: str) -> Listing:
+        """The job's committed backups and pin, listed at most once per ``backups_ttl`` (one
+        listing in flight, shared by the joins that wait for it)."""
+        loop = asyncio.get_running_loop()
+        cached = self._backups.get(job)
+        if cached is not None and loop.time() - cached[0] < self.backups_ttl:
+            return cached[1]
+        listing = self._listing.get(job)
+        if listing is None:
+            listing = asyncio.ensure_future(asyncio.to_thread(self._list, job))
+            self._listing[job] = listing
+            listing.add_done_callback(functools.partial(self._listed, job))
+        try:
+            backups = await asyncio.shield(listing)
+        except Exception as exc:
+            raise BackupsUnavailable(f"cannot list the backups of job {job}: {exc}") from exc
+        self._backups[job] = (loop.time(), backups)
+        return backups
+
+    def _listed(self, job: str, listing: asyncio.Future[Listing]) -> None:
+        self._listing.pop(job, None)
+        if not listing.cancelled():
+            listing.exception()  # retrieved here too: its joins may all have gone
+
+    # --- handlers ---
+
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.JoinResponse:
+        try:
+            return await self._join(request)
+        except Exception as exc:
+            await _abort(context, "Join", request, exc)
+
+    async def _join(self, request: pb.JoinRequest) -> pb.JoinResponse:
+        job = check_job(request.job)
+        incarnation = check_incarnation(request.incarnation_id)
+        address = check_address(request.address)
+        if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
+            raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
+        items = inventory_items(job, request.items)
+        self._hosted(job, request.rank)  # NOT_FOUND before listing any backups
+        backups, pinned = await self._committed_backups(job)
+        hosted = self._hosted(job, request.rank)  # it may have been replaced meanwhile
+        rank = request.rank
+        inventory = NodeInventory(rank, address, items)
+        coordinator = hosted.coordinator
+        round_ = coordinator.join(
+            Join(rank, incarnation, request.cluster_view, inventory), backups, pinned
+        )
+        if coordinator.phase is not Phase.WAITING:
+            # Planned: the listing served this round's joins. The next round (a job restart
+            # seconds later) must list again, or it plans without a backup committed since.
+            self._backups.pop(job, None)
+        if backups:
+            newest = max(backups)
+            coordinator.note_committed_backup(newest, backups[newest].created)
+        hosted.notify()
+        JobLog(log, job, rank).info(
+            "join: incarnation %s at %s with %d items counts for round %d (%s)",
+            incarnation,
+            address,
+            len(items),
+            round_,
+            coordinator.phase.value,
+        )
+        return pb.JoinResponse(coordinator=hosted.identity, round=round_)
+
+    async def RoundStatus(
+        self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RoundStatusResponse:
+        try:
+            return await self._round_status(request)
+        except Exception as exc:
+            await _abort(context, "RoundStatus", request, exc)
+
+    async def _round_status(self, request: pb.RoundStatusRequest) -> pb.RoundStatusResponse:
+        job = check_job(request.job)
+        incarnation = check_incarnation(request.incarnation_id)
+        rank = request.rank
+        seen = seen_key(request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(request.wait_seconds, MAX_WAIT_SECONDS)
+        looked_at: tuple[Join | None, tuple[object, ...]] | None = None
+        while True:
+            hosted = self._hosted(job, rank)
+            changed = hosted.changed
+            c = hosted.coordinator
+            # The rank's answer depends on these only: a wake-up for another rank's join
+            # that changed none of them costs this waiter no status computation.
+            member = c.members.get(rank)
+            state = (hosted.coordinator_id, c.round, c.phase, c.plan_version)
+            remaining = deadline - loop.time()
+            fresh = looked_at is None or looked_at[0] is not member or looked_at[1] != state
+            if fresh or remaining <= 0:
+                looked_at = (member, state)
+                status = c.status(rank, incarnation)
+                if status_key(status) != seen or remaining <= 0:
+                    return status_message(hosted.identity, status, hosted.addresses())
+            try:
+                async with asyncio.timeout(remaining):
+                    await changed.wait()
+            except TimeoutError:
+                pass  # answer with what there is now
+
+    async def ReportRestore(
+        self, request: pb.ReportRestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportRestoreResponse:
+        try:
+            return self._report_restore(request)
+        except Exception as exc:
+            await _abort(context, "ReportRestore", request, exc)
+
+    def _report_restore(self, request: pb.ReportRestoreRequest) -> pb.ReportRestoreResponse:
+        job = check_job(request.job)
+        incarnation = check_incarnation(request.incarnation_id)
+        rank = request.rank
+        hosted = self._hosted(job, rank)
+        nodes = hosted.coordinator.config.nodes
+        failed = source_keys(request.failures, job, rank, nodes)
+        jlog = JobLog(log, job, rank)
+        for failure, key in zip(request.failures, failed, strict=True):
+            holder = "the backup" if key.holder is None else f"rank {key.holder}"
+            jlog.warning(
+                "restore: %s from %s failed (%s): %s",
+                key.item,
+                holder,
+                "corrupt" if failure.corrupt else "unavailable",
+                failure.detail[:MAX_DETAIL_CHARS],
+                step=key.item.step,
+            )
+        coordinator = hosted.coordinator
+        coordinator.report_restore(
+            rank,
+            incarnation,
+            request.round,
+            request.plan_version,
+            ready=request.ready,
+            failed=failed,
+        )
+        self._consume_pin(job, coordinator)
+        hosted.notify()
+        jlog.info(
+            "restore report: ready=%s for round %d plan %d; now round %d plan %d (%s)",
+            request.ready,
+            request.round,
+            request.plan_version,
+            coordinator.round,
+            coordinator.plan_version,
+            coordinator.phase.value,
+        )
+        return pb.ReportRestoreResponse(coordinator=hosted.identity)
+
+    def _consume_pin(self, job: str, coordinator: JobCoordinator) -> None:
+        pinned = coordinator.pin_consumed
+        if pinned is None or self.pins is None:
+            return
+        coordinator.pin_consumed = None
+        plan = coordinator.plan
+        restored = None if plan is None else plan.step
+        if restored == pinned:
+            log.info("restore pin honored: step %d", pinned, extra={"job": job})
+        else:
+            log.warning(
+                "restore pin of step %d could not be honored (no verified copy left); "
+                "restored step %s instead",
+                pinned,
+                restored,
+                extra={"job": job},
+            )
+        pins = self.pins
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(pins.consumed, job, pinned), name=f"unpin-{job}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._unpinned)
+
+    def _unpinned(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cannot remove a used restore pin: %s", task.exception())
+
+    async def ReportProgress(
+        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportProgressResponse:
+        try:
+            return self._report_progress(request)
+        except Exception as exc:
+            await _abort(context, "ReportProgress", request, exc)
+
+    def _report_progress(self, request: pb.ReportProgressRequest) -> pb.ReportProgressResponse:
+        job = check_job(request.job)
+        incarnation = check_incarnation(request.incarnation_id)
+        rank = request.rank
+        hosted = self._hosted(job, rank)
+        answer = hosted.coordinator.report_progress(
+            rank,
+            incarnation,
+            replicated_step=(
+                request.replicated_step if request.HasField("replicated_step") else None
+            ),
+            uploaded_step=request.uploaded_step if request.HasField("uploaded_step") else None,
+            now=self.clock(),
+            address=check_address(request.address) if request.address else "",
+            held=check_held_steps(request.held_steps) if request.reports_holdings else None,
+            replicating=(
+                request.replicating_step if request.HasField("replicating_step") else None
+            ),
+        )
+        if answer is None:
+            raise NotInReleasedRound(
+                f"rank {rank} (incarnation {incarnation}) of job {job} is not a member of the "
+                "released round; join again"
+            )
+        response = pb.ReportProgressResponse(coordinator=hosted.identity)
+        if answer.restorable_step is not None:
+            response.restorable_step = answer.restorable_step
+        if answer.backup_step is not None:
+            response.backup_step = answer.backup_step
+        response.addresses.update(answer.addresses)
+        response.keep_steps.extend(sorted(answer.keep_steps))
+        return response
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any, exc: Exception
+) -> NoReturn:
+    code, message = status_for(exc)
+    job = getattr(request, "job", "")
+    rank = getattr(request, "rank", None)
+    # Refused requests are hostile input: a job name that is not one goes to the log quoted.
+    extra = {"job": job if JOB_NAME_RE.fullmatch(job) else repr(job[:80]), "rank": rank}
+    if code is grpc.StatusCode.INTERNAL:
+        log.error(
+            "%s from %s failed: %s", method, context.peer(), message, exc_info=exc, extra=extra
+        )
+    else:
+        log.warning(
+            "%s from %s refused: %s: %s", method, context.peer(), code.name, message, extra=extra
+        )
+    await context.abort(code, message)

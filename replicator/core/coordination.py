@@ -1,0 +1,323 @@
+"""The coordinator's decisions for one job: rounds, joins, the plan, readiness, backup orders.
+
+Pure: a state machine fed with joins and reports (and the time, for backup intervals); the
+gRPC servicer around it only translates messages. It holds nothing that joins cannot
+rebuild, so a restarted coordinator recovers by letting agents re-join (DESIGN.md,
+"Rounds and incarnations").
+
+The rules that keep every rank in ONE round of the new incarnation:
+- a round is released (markers may appear) only when every rank joined it and reported
+  ready for the current plan;
+- after a release, a join with a new incarnation id opens a new round, and the new round
+  admits each rank only with an incarnation id other than the one it had in the released
+  round (a stale agent of the old run can never complete the new round);
+- a new incarnation of a rank during a round in progress restarts that round's planning
+  (the rank's inventory may have changed), keeping the other ranks' joins;
+- the same rank and incarnation joining again is idempotent (a dropped connection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import JobConfig
+from replicator.core.layout import backup_uploaders, missing_ranks, restorable_step, waiting_message
+from replicator.core.manifest import ItemId
+from replicator.core.policy import LastBackup, backup_due
+from replicator.core.restore_plan import Fetch, NodeInventory, RoundPlan, SourceKey, plan_round
+
+
+class JoinRejected(ValueError):
+    """A join that can never be admitted: the text says what to fix."""
+
+
+class Phase(StrEnum):
+    WAITING = "waiting"
+    """Not every rank joined the current round."""
+    FETCH = "fetch"
+    """Planned: ranks obtain and verify their items."""
+    RELEASED = "released"
+    """Every rank is ready: markers may be published."""
+
+
+@dataclass(frozen=True)
+class Join:
+    """One rank's join: who it is, what it runs and what it holds."""
+
+    rank: int
+    incarnation_id: str
+    cluster_view: str
+    """The cluster-wide keys of its ``replicator.yaml`` as canonical JSON."""
+    inventory: NodeInventory
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """The round as one rank should see it."""
+
+    round: int
+    phase: Phase | None
+    """None: this incarnation is not a member of the current round; it must join again."""
+    plan_version: int = 0
+    step: int | None = None
+    """The restored step in FETCH and RELEASED; None means a fresh start."""
+    assignments: Mapping[ItemId, tuple[Fetch, ...]] = field(default_factory=dict)
+    missing: tuple[int, ...] = ()
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class ProgressAnswer:
+    restorable_step: int | None
+    backup_step: int | None
+    """Upload this step now, if set (the same order goes to every uploader)."""
+    addresses: Mapping[int, str] = field(default_factory=dict)
+    """Every rank's newest known peer address (a restarted daemon's port may change)."""
+    keep_steps: frozenset[int] = frozenset()
+    """Steps newer than the restorable one that may become restorable next: some rank has
+    replicated them or is pushing them, so every rank keeps its own items of them."""
+
+
+class JobCoordinator:
+    """Rounds and steady state of one job, as seen by the coordinator on rank 0's node."""
+
+    def __init__(self, config: JobConfig, cluster_view: str) -> None:
+        self.config = config
+        self.cluster_view = cluster_view
+        self.round = 1
+        self.phase = Phase.WAITING
+        self.members: dict[int, Join] = {}
+        self.released_incarnations: dict[int, str] = {}
+        """Each rank's incarnation in the last released round."""
+        self.plan: RoundPlan | None = None
+        self.plan_version = 0
+        self.ready: set[int] = set()
+        self.exclude: set[SourceKey] = set()
+        self.backups: Mapping[int, CommitRecord] = {}
+        self.replicated: dict[int, int | None] = {}
+        self.held: dict[int, frozenset[int]] = {}
+        """Each rank's promise: the steps it keeps until its next report is answered."""
+        self.replicating: dict[int, int] = {}
+        """Each rank's push in flight."""
+        self.restorable: int | None = None
+        """The newest restorable step answered so far: never lowered, since ranks that
+        heard it keep it, while a newer promise may leave it out."""
+        self.uploaded: dict[int, int | None] = {}
+        self.backup_in_flight: int | None = None
+        self.last_backup: LastBackup | None = None
+        self.addresses: dict[int, str] = {}
+        """Each rank's peer address: from the joins, then from progress reports."""
+        self.adopting = False
+        """A coordinator restarted in steady state: it admits each rank's first report."""
+        self.pinned: int | None = None
+        """An operator's restore pin (``mtc backups restore``): the step the round must use."""
+        self.pin_consumed: int | None = None
+        """The pin a released round was planned under: it has served, whatever was restored
+        (kept, it would roll a much later restart back to this step)."""
+
+    def resume_steady(self) -> None:
+        """Rank 0's daemon restarted while the job ran: take the running ranks back.
+
+        Nothing of the released round survived, and joins come only with a new incarnation,
+        so steady-state ranks are admitted by their progress reports: each rank's first
+        report names its incarnation. The restorable step is rebuilt from the reports
+        (a minimum over all ranks, so it can only be too old, never too new). A join opens a
+        new round as after any release, and the adopted incarnations can never join it.
+        """
+        self.phase = Phase.RELEASED
+        self.adopting = True
+
+    # --- restore rounds ----------------------------------------------------------------------
+
+    def join(
+        self, join: Join, backups: Mapping[int, CommitRecord], pinned: int | None = None
+    ) -> int:
+        """Admit a join; returns the round it counts for. Raises ``JoinRejected``.
+
+        ``backups`` and ``pinned`` are the backup store as the join found it.
+        """
+        if not 0 <= join.rank < self.config.nodes:
+            raise JoinRejected(f"rank {join.rank} is out of range for {self.config.nodes} nodes")
+        if join.inventory.rank != join.rank:
+            raise JoinRejected(f"inventory of rank {join.inventory.rank} sent as rank {join.rank}")
+        if join.cluster_view != self.cluster_view:
+            raise JoinRejected(
+                f"rank {join.rank}'s replicator.yaml disagrees with rank 0's on the cluster-wide "
+                f"keys: {join.cluster_view} vs {self.cluster_view}; every rank of job "
+                f"{self.config.job_name} must be started with the same settings"
+            )
+        current = self.members.get(join.rank)
+        if current is not None and current.incarnation_id == join.incarnation_id:
+            if self.phase is Phase.WAITING:
+                self.members[join.rank] = join  # a re-join may carry a fresher inventory
+            return self.round
+        if self.released_incarnations.get(join.rank) == join.incarnation_id:
+            # An agent of the released run: never a member of a newer round.
+            return self.round
+        if self.phase is not Phase.WAITING:
+            self.adopting = False
+            self._new_round(keep_members=self.phase is Phase.FETCH)
+        self.members[join.rank] = join
+        self.backups = backups
+        self.pinned = pinned
+        if len(self.members) == self.config.nodes:
+            self._plan()
+        return self.round
+
+    def _new_round(self, *, keep_members: bool) -> None:
+        if not keep_members:
+            self.members = {}
+        self.round += 1
+        self.phase = Phase.WAITING
+        self.plan = None
+        self.ready = set()
+        self.exclude = set()
+
+    def _plan(self) -> None:
+        inventories = {r: m.inventory for r, m in self.members.items()}
+        plan = None
+        if self.pinned is not None:
+            plan = plan_round(
+                self.config, inventories, self.backups, exclude=self.exclude, only_step=self.pinned
+            )
+            # A pinned step nobody can serve any more (its copies failed): the round goes on
+            # with the last-known-good step rather than wait for an operator forever.
+        if plan is None:
+            plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
+        self.plan = plan
+        self.plan_version += 1
+        self.phase = Phase.FETCH
+        self.ready = set()
+
+    def status(self, rank: int, incarnation_id: str) -> RankStatus:
+        member = self.members.get(rank)
+        if member is None or member.incarnation_id != incarnation_id:
+            return RankStatus(self.round, None, message="not a member of the current round")
+        if self.phase is Phase.WAITING:
+            missing = tuple(missing_ranks(self.config, self.members))
+            return RankStatus(
+                self.round,
+                Phase.WAITING,
+                missing=missing,
+                message=waiting_message(self.config, missing),
+            )
+        plan = self.plan
+        return RankStatus(
+            self.round,
+            self.phase,
+            plan_version=self.plan_version,
+            step=None if plan is None else plan.step,
+            assignments={} if plan is None else dict(plan.for_rank(rank)),
+        )
+
+    def report_restore(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        plan_version: int,
+        *,
+        ready: bool,
+        failed: Collection[SourceKey] = (),
+    ) -> None:
+        """A rank's outcome for a plan; stale reports (old round or plan) are ignored."""
+        member = self.members.get(rank)
+        if (
+            member is None
+            or member.incarnation_id != incarnation_id
+            or round_ != self.round
+            or plan_version != self.plan_version
+            or self.phase is not Phase.FETCH
+        ):
+            return
+        self.exclude.update(failed)
+        if not ready:
+            # The rank tried every source of an item: plan without the failed copies (an
+            # older step, or a fresh start), and every rank works to the new version.
+            self._plan()
+            return
+        self.ready.add(rank)
+        if len(self.ready) == self.config.nodes:
+            self.phase = Phase.RELEASED
+            self.released_incarnations = {r: m.incarnation_id for r, m in self.members.items()}
+            self.addresses = {r: m.inventory.address for r, m in self.members.items()}
+            self.pin_consumed = self.pinned
+            self.replicated = {}
+            self.held = {}
+            self.replicating = {}
+            self.restorable = None
+            if self.plan is not None:
+                # The restored step is complete everywhere: it is the restorable step.
+                self.replicated = dict.fromkeys(range(self.config.nodes), self.plan.step)
+                self.restorable = self.plan.step
+
+    # --- steady state --------------------------------------------------------------------------
+
+    def report_progress(
+        self,
+        rank: int,
+        incarnation_id: str,
+        *,
+        replicated_step: int | None,
+        uploaded_step: int | None,
+        now: float,
+        address: str = "",
+        held: frozenset[int] | None = None,
+        replicating: int | None = None,
+    ) -> ProgressAnswer | None:
+        """Fold in a rank's progress; None when the rank is not of the released round.
+
+        ``held`` is the rank's new promise (None: it keeps every step), ``replicating`` the
+        step it is pushing now.
+        """
+        if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
+            return None
+        if self.adopting and rank not in self.released_incarnations:
+            self.released_incarnations[rank] = incarnation_id
+        if self.released_incarnations.get(rank) != incarnation_id:
+            return None
+        if address:
+            self.addresses[rank] = address
+        if replicated_step is not None:
+            self.replicated[rank] = max(replicated_step, self.replicated.get(rank) or 0)
+        if uploaded_step is not None:
+            self.uploaded[rank] = max(uploaded_step, self.uploaded.get(rank) or 0)
+        if held is None:
+            self.held.pop(rank, None)
+        else:
+            self.held[rank] = held
+        if replicating is None:
+            self.replicating.pop(rank, None)
+        else:
+            self.replicating[rank] = replicating
+        uploaders = backup_uploaders(self.config)
+        if self.backup_in_flight is not None and all(
+            (self.uploaded.get(r) or -1) >= self.backup_in_flight for r in uploaders
+        ):
+            self.last_backup = LastBackup(self.backup_in_flight, now)
+            self.backup_in_flight = None
+        newest = restorable_step(self.config, self.replicated, self.held)
+        if newest is not None and (self.restorable is None or newest > self.restorable):
+            self.restorable = newest
+        restorable = self.restorable
+        if (
+            self.backup_in_flight is None
+            and restorable is not None
+            and backup_due(self.config.backup_interval, restorable, self.last_backup, now)
+        ):
+            self.backup_in_flight = restorable
+        order = self.backup_in_flight if rank in uploaders else None
+        if order is not None and (self.uploaded.get(rank) or -1) >= order:
+            order = None  # this rank is done with it; the others are still uploading
+        wanted = {s for s in self.replicated.values() if s is not None}
+        wanted |= set(self.replicating.values())
+        keep = frozenset(s for s in wanted if restorable is None or s > restorable)
+        return ProgressAnswer(restorable, order, dict(self.addresses), keep)
+
+    def note_committed_backup(self, step: int, at: float) -> None:
+        """A committed backup found in the store (at start): the interval counts from it."""
+        if self.last_backup is None or step > self.last_backup.step:
+            self.last_backup = LastBackup(step, at)

@@ -1,0 +1,236 @@
+"""Pure decisions of the agent: what the workload handed over, what to restore from where,
+what to keep, and when to back up. No I/O: every function maps state to a decision, so the
+rules are unit-tested without files, sockets or sleeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import BackupInterval, JobConfig, parse_save_name, parse_step_dir
+from replicator.core.manifest import ItemId
+
+
+class Source(StrEnum):
+    """Tiers a restored item can come from, fastest first."""
+
+    LOCAL = "local"
+    PEER = "peer"
+    BACKUP = "backup"
+
+
+def worker_slots(config: JobConfig) -> range:
+    """Workers that own an item of their own.
+
+    A ``.save`` job has one file per worker. A step-directory job hands over one ``<N>/``
+    per node, shared by its workers (each writes its own shard files inside), so the node's
+    item is worker 0's and every worker's marker points at it.
+    """
+    return range(config.workers_per_node) if config.framework.item_is_file else range(1)
+
+
+def rank_items(config: JobConfig, step: int, rank: int | None = None) -> list[ItemId]:
+    r = config.node_rank if rank is None else rank
+    return [ItemId(config.job_name, step, r, w) for w in worker_slots(config)]
+
+
+def marker_item(config: JobConfig, step: int, worker: int) -> ItemId:
+    """The item whose data worker ``worker``'s restore marker points at."""
+    slot = worker if config.framework.item_is_file else 0
+    return ItemId(config.job_name, step, config.node_rank, slot)
+
+
+def complete_steps(
+    config: JobConfig, have: Collection[ItemId], rank: int | None = None
+) -> list[int]:
+    """Steps for which ``have`` holds every item of the rank, ascending."""
+    held = set(have)
+    r = config.node_rank if rank is None else rank
+    steps = {i.step for i in held if i.job == config.job_name and i.rank == r}
+    return sorted(s for s in steps if all(i in held for i in rank_items(config, s, r)))
+
+
+# --- restore ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestoreCandidate:
+    """A step this rank could restore, with each item's sources in the order to try them."""
+
+    step: int
+    sources: Mapping[ItemId, tuple[Source, ...]]
+
+
+def plan_restore(
+    config: JobConfig, local: Collection[ItemId], backups: Mapping[int, CommitRecord]
+) -> list[RestoreCandidate]:
+    """Every restorable step for this rank, newest first.
+
+    A step qualifies when each of the rank's items has a source: a local copy (verified
+    when used) or a committed backup. The caller falls back down the list when a source
+    turns out corrupt, so one bad copy costs a step, never a wrong restore.
+    """
+    held = set(local)
+    steps = {i.step for i in held if i.job == config.job_name and i.rank == config.node_rank}
+    steps |= set(backups)
+    plan = []
+    for step in sorted(steps, reverse=True):
+        sources: dict[ItemId, tuple[Source, ...]] = {}
+        for item in rank_items(config, step):
+            options = []
+            if item in held:
+                options.append(Source.LOCAL)
+            if step in backups and backups[step].has(item):
+                options.append(Source.BACKUP)
+            if not options:
+                break
+            sources[item] = tuple(options)
+        else:
+            plan.append(RestoreCandidate(step, sources))
+    return plan
+
+
+# --- retention -------------------------------------------------------------------------------
+
+
+def retention(
+    config: JobConfig, have: Collection[ItemId], protected: Collection[int]
+) -> list[ItemId]:
+    """Items of this job and rank that may be deleted.
+
+    Keeps the newest complete step, every newer (still arriving) step and every protected
+    step (being uploaded); older steps go, with the workload's links to them. With no
+    complete step nothing is deleted: the newest restorable copy must never be dropped.
+    """
+    complete = complete_steps(config, have)
+    if not complete:
+        return []
+    newest = complete[-1]
+    keep = set(protected) | {newest}
+    return sorted(
+        i
+        for i in have
+        if i.job == config.job_name
+        and i.rank == config.node_rank
+        and i.step < newest
+        and i.step not in keep
+    )
+
+
+# --- backups ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LastBackup:
+    step: int
+    at: float
+    """Wall-clock seconds when it was committed."""
+
+
+def backup_due(interval: BackupInterval, step: int, last: LastBackup | None, now: float) -> bool:
+    """Whether ``step`` should be uploaded now.
+
+    With no backup yet, the first complete step goes at once: until then a lost cluster
+    loses everything.
+    """
+    if last is None:
+        return True
+    if step <= last.step:
+        return False
+    if interval.steps is not None:
+        return step - last.step >= interval.steps
+    assert interval.minutes is not None
+    return now - last.at >= interval.minutes * 60
+
+
+# --- hand-offs from the workload -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One top-level name in CHECKPOINT_DIR, as ``lstat`` saw it."""
+
+    name: str
+    is_dir: bool
+    is_file: bool
+    mtime: float
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A finished step the workload handed over: item -> name in CHECKPOINT_DIR."""
+
+    step: int
+    names: Mapping[ItemId, str]
+
+
+def find_handoffs(
+    config: JobConfig,
+    entries: Collection[Entry],
+    closed: Collection[str],
+    now: float,
+    settle_seconds: float,
+) -> list[Handoff]:
+    """Finished steps ready to take, oldest first.
+
+    A ``<N>/`` directory (a real one, never the symlink a client made of a marker) is
+    complete on arrival because it was published by one rename. ``.save`` files are written
+    in place, so one counts as finished once it was closed after writing, or has not changed
+    for ``settle_seconds`` (close events can be lost); the step needs all its workers' files.
+    """
+    found: list[Handoff] = []
+    if not config.framework.item_is_file:
+        for e in entries:
+            step = parse_step_dir(e.name)
+            if step is not None and e.is_dir:
+                found.append(
+                    Handoff(step, {ItemId(config.job_name, step, config.node_rank, 0): e.name})
+                )
+        return sorted(found, key=lambda h: h.step)
+    by_step: dict[int, dict[ItemId, str]] = {}
+    for e in entries:
+        parts = parse_save_name(e.name)
+        if (
+            parts is None
+            or not e.is_file
+            or parts.job != config.job_name
+            or parts.rank != config.node_rank
+            or parts.worker >= config.workers_per_node
+        ):
+            continue
+        if e.name not in closed and now - e.mtime < settle_seconds:
+            continue
+        by_step.setdefault(parts.step, {})[
+            ItemId(parts.job, parts.step, parts.rank, parts.worker)
+        ] = e.name
+    for step, names in sorted(by_step.items()):
+        if len(names) == config.workers_per_node:
+            found.append(Handoff(step, names))
+    return found
+
+
+def retention_of_copies(
+    config: JobConfig, have: Collection[ItemId], protected: Collection[int]
+) -> list[ItemId]:
+    """Peer copies (other ranks' items of this job held here) that may be deleted.
+
+    Per owning rank, the newest step held is kept (it may be that rank's only other copy
+    of its newest checkpoint), and so is every protected step (the cluster's restorable
+    step, which a restore round may need from here); older copies go.
+    """
+    newest: dict[int, int] = {}
+    for i in have:
+        if i.job == config.job_name and i.rank != config.node_rank:
+            newest[i.rank] = max(newest.get(i.rank, i.step), i.step)
+    keep = set(protected)
+    return sorted(
+        i
+        for i in have
+        if i.job == config.job_name
+        and i.rank != config.node_rank
+        and i.step < newest[i.rank]
+        and i.step not in keep
+    )

@@ -1,0 +1,689 @@
+"""One job incarnation on this node: restore, markers, then steady-state ingest, backup, GC.
+
+The decisions come from ``core.policy`` (pure); this module performs them: blocking disk and
+object-store work runs in the daemon's bounded thread pool, and every step is published
+atomically so a ``kill -9`` at any point leaves committed data intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from replicator.cluster.membership import ClusterMember, MemberContext
+from replicator.cluster.registry import Registry
+from replicator.cluster.rounds import RoundFailed
+from replicator.core.backup_layout import CommitRecord
+from replicator.core.contract import (
+    ERRORS_FILE,
+    FAILED_FILE,
+    PRERESTORE_FILE,
+    JobConfig,
+    marker_name,
+    parse_config,
+)
+from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
+from replicator.core.policy import (
+    Entry,
+    Handoff,
+    LastBackup,
+    RestoreCandidate,
+    Source,
+    backup_due,
+    complete_steps,
+    find_handoffs,
+    marker_item,
+    plan_restore,
+    rank_items,
+    retention,
+    retention_of_copies,
+)
+from replicator.local import fsutil
+from replicator.local.store import LocalStore, StoreError
+from replicator.obs.logs import JobLog
+from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
+from replicator.storage.backup import BackupStore
+from replicator.storage.backup_ops import StorePins
+from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
+from replicator.storage.upload import ItemNotHeld, upload_step
+from replicator.transport.peer import PeerClient
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+STATE_FILE = "incarnation.json"
+
+
+class RestoreBlocked(Exception):
+    """No step could be restored although one exists: fatal, the job must not start fresh."""
+
+
+class Phase(StrEnum):
+    RESTORING = "restoring"
+    """The workload waits for markers: a restarted daemon must (re)do the restore."""
+    STEADY = "steady"
+    """Markers were published: a restarted daemon resumes ingesting."""
+
+
+@dataclass
+class AgentContext:
+    """What every incarnation on this daemon shares."""
+
+    checkpoint_dir: Path
+    store: LocalStore
+    backups: BackupStore | None
+    executor: Executor
+    closed_files: set[str] = field(default_factory=set)
+    """Top-level names seen closed after writing (inotify), for ``.save`` hand-offs."""
+    settle_seconds: float = 10.0
+    rescan_seconds: float = 2.0
+    env: dict[str, str] = field(default_factory=dict)
+    clock: Callable[[], float] = time.time
+    peers: PeerClient | None = None
+    """The peer data plane; needed by jobs with ``nodes > 1``."""
+    registry: Registry | None = None
+    """Where coordinators are found; needed by jobs with ``nodes > 1``."""
+    advertise: str = ""
+    """This node's peer address, as other nodes reach it."""
+    report_after: float = 60.0
+    """Seconds a restore round may wait before ``replicator.errors`` says what for."""
+    metrics: Metrics = NO_METRICS
+
+
+@dataclass(frozen=True)
+class SavedIncarnation:
+    """What survives a daemon restart: the accepted config and how far the handshake got."""
+
+    config_text: str
+    incarnation_id: str
+    phase: Phase
+
+
+def save_state(store: LocalStore, state: SavedIncarnation | None) -> None:
+    path = store.root / STATE_FILE
+    if state is None:
+        path.unlink(missing_ok=True)
+        return
+    body = {"config": state.config_text, "id": state.incarnation_id, "phase": state.phase.value}
+    fsutil.atomic_write_bytes(path, json.dumps(body).encode())
+
+
+def load_state(store: LocalStore) -> SavedIncarnation | None:
+    try:
+        body = json.loads((store.root / STATE_FILE).read_bytes())
+        return SavedIncarnation(str(body["config"]), str(body["id"]), Phase(body["phase"]))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable %s: %s", STATE_FILE, exc)
+        return None
+
+
+def list_top(checkpoint_dir: Path) -> list[Entry]:
+    """``lstat`` every top-level name (hidden ones excluded)."""
+    entries = []
+    with os.scandir(checkpoint_dir) as it:
+        for e in it:
+            if e.name.startswith("."):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            entries.append(
+                Entry(
+                    e.name,
+                    e.is_dir(follow_symlinks=False),
+                    e.is_file(follow_symlinks=False),
+                    st.st_mtime,
+                )
+            )
+    return entries
+
+
+def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
+    """Handshake step 3: remove stale files we published; never data, never jax-init-info."""
+    removed = []
+    with os.scandir(checkpoint_dir) as it:
+        for e in it:
+            path = Path(e.path)
+            stale = (
+                e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE)
+                or e.name.endswith(".restore")
+                or e.name.startswith(fsutil.TMP_PREFIX)
+            )
+            if not stale and e.is_symlink():
+                # `<N>` / `step=<N>` links that clients made of our markers.
+                stale = store.owns_link_target(os.readlink(path))
+            if stale and not e.is_dir(follow_symlinks=False):
+                path.unlink(missing_ok=True)
+                removed.append(e.name)
+    # No link into a view is left, so the previous incarnations' views are garbage.
+    store.drop_views()
+    return removed
+
+
+class Incarnation:
+    """The life of one accepted ``replicator.yaml`` on this node."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        ctx: AgentContext,
+        *,
+        config_text: str,
+        incarnation_id: str | None = None,
+        resume_steady: bool = False,
+    ) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.id = incarnation_id or uuid.uuid4().hex[:16]
+        self.config_text = config_text
+        self.log = JobLog(log, config.job_name, config.node_rank)
+        self.phase = Phase.STEADY if resume_steady else Phase.RESTORING
+        self._wake = asyncio.Event()
+        self._stopping = threading.Event()
+        self._futures: set[asyncio.Future[Any]] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._started_at = time.monotonic()
+        self._backup_task: asyncio.Task[None] | None = None
+        self._uploading: set[int] = set()
+        self._last_backup: LastBackup | None = None
+        self._unreachable: list[str] = []
+        self._commits: dict[int, CommitRecord] | None = None
+        """Committed backups as last listed during a cluster restore."""
+        self.member: ClusterMember | None = None
+        """The job's other ranks: set for ``nodes > 1``."""
+        """Restore sources that failed for a reason other than corrupt bytes."""
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.ctx.metrics.serving(self.config.job_name)
+        self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
+        self._stopping.set()
+        tasks = [t for t in (self._task, self._backup_task) if t is not None and not t.done()]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        if self.member is not None:
+            await self.member.stop()
+        if self._futures:
+            await asyncio.wait(list(self._futures), timeout=timeout)
+
+    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
+        fut = asyncio.get_running_loop().run_in_executor(self.ctx.executor, fn, *args)
+        self._futures.add(fut)
+        fut.add_done_callback(self._futures.discard)
+        return await fut
+
+    def _cancelled(self) -> bool:
+        return self._stopping.is_set()
+
+    def error(
+        self, message: str, step: int | None = None, kind: ErrorKind = ErrorKind.OTHER
+    ) -> None:
+        """A non-fatal problem: log it and tell the workload through ``replicator.errors``."""
+        self.log.warning(message, step=step)
+        self.ctx.metrics.error(kind)
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        line = f"{stamp} job={self.config.job_name} rank={self.config.node_rank}: {message}"
+        try:
+            fsutil.append_line(self.ctx.checkpoint_dir / ERRORS_FILE, line)
+        except OSError as exc:
+            self.log.error("cannot write %s: %s", ERRORS_FILE, exc)
+
+    async def _run(self) -> None:
+        try:
+            if self.config.nodes > 1:
+                self.member = self._join_cluster()
+            if self.phase is Phase.RESTORING:
+                self.persist()
+                await self._ingest_ready()
+                if self.member is not None:
+                    await self._cluster_restore(self.member)
+                else:
+                    await self._restore_and_publish()
+                self.phase = Phase.STEADY
+                self.persist()
+            elif self.member is None:
+                await self._load_last_backup()
+            await self._steady()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._stopping.is_set():
+                # Work cut short by stop() (Cancelled); the next incarnation owns the files.
+                self.log.info("incarnation stopped: %s", exc)
+                return
+            self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
+            if self.phase is Phase.RESTORING:
+                self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
+            text = (
+                f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
+                f"{type(exc).__name__}: {exc}\nSee the replicator's log on this node; restart the "
+                "job to retry (committed checkpoints are kept)."
+            )
+            fsutil.atomic_write_bytes(self.ctx.checkpoint_dir / FAILED_FILE, text.encode())
+
+    def _join_cluster(self) -> ClusterMember:
+        ctx = self.ctx
+        if ctx.peers is None or ctx.registry is None:
+            raise RestoreBlocked(
+                f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
+                "to find its coordinator"
+            )
+        return ClusterMember(
+            MemberContext(
+                config=self.config,
+                incarnation_id=self.id,
+                store=ctx.store,
+                backups=ctx.backups,
+                peers=ctx.peers,
+                registry=ctx.registry,
+                advertise=ctx.advertise,
+                run_thread=self._thread,
+                verify_local=self._verify_local,
+                fetch_backup=self._fetch_backup_item,
+                error=self.error,
+                report_after=ctx.report_after,
+                metrics=ctx.metrics,
+            )
+        )
+
+    async def _verify_local(self, item: ItemId) -> None:
+        t0 = time.monotonic()
+        manifest = await self._thread(self.ctx.store.verify, item, self._cancelled)
+        self.ctx.metrics.transfer(
+            TransferKind.RESTORE_LOCAL, manifest.total_bytes, time.monotonic() - t0
+        )
+
+    def _since_start(self) -> float:
+        return time.monotonic() - self._started_at
+
+    async def _fetch_backup_item(self, item: ItemId) -> None:
+        # One listing serves every backup fetch of a round; list again only for a step
+        # committed after it (the coordinator's own listing may be newer than ours).
+        if self._commits is None or item.step not in self._commits:
+            self._commits = await self._backup_commits()
+        commits = self._commits
+        if item.step not in commits:
+            raise CorruptItem(f"{item}: no committed backup of step {item.step}")
+        await self._thread(self._fetch_backup, commits[item.step], item)
+
+    async def _cluster_restore(self, member: ClusterMember) -> None:
+        started = time.monotonic()
+        try:
+            outcome = await member.restore()
+        except RoundFailed as exc:
+            raise RestoreBlocked(f"the restore round cannot complete: {exc}") from None
+        # Items newer than the agreed step belong to an abandoned run: kept, they would
+        # pass for the newest checkpoint and make retention delete the new saves.
+        abandoned = [
+            i
+            for i in self.ctx.store.manifests(self.config.job_name)
+            if outcome.step is None or i.step > outcome.step
+        ]
+        if outcome.step is None and abandoned:
+            # Never silent: this node held parts of a checkpoint the cluster cannot complete.
+            where = "in the backup" if self.ctx.backups is not None else "in a backup (none is set)"
+            steps = sorted({i.step for i in abandoned})
+            self.error(
+                f"no step of job {self.config.job_name} is complete on every rank or {where}: "
+                f"starting fresh, dropping this node's incomplete steps {steps}",
+                kind=ErrorKind.RESTORE,
+            )
+        if abandoned:
+            self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
+            await self._thread(self._delete_items, abandoned)
+        await self._thread(self._publish_markers, outcome.step, outcome.source, outcome.stored_as)
+        self.log.info(
+            "restore round done: step=%s source=%s in %.2fs",
+            outcome.step,
+            outcome.source,
+            time.monotonic() - started,
+            step=outcome.step,
+        )
+        self.ctx.metrics.restore_done(self.config.job_name, outcome.step, self._since_start())
+
+    def persist(self) -> None:
+        save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
+
+    # --- restore ---------------------------------------------------------------------------
+
+    async def _backup_commits(self) -> dict[int, CommitRecord]:
+        if self.ctx.backups is None:
+            return {}
+        try:
+            return await self._thread(self.ctx.backups.committed_steps, self.config.job_name)
+        except (ObjectStoreError, OSError) as exc:
+            self.error(
+                f"cannot list backups at {self.ctx.backups.url}: {exc}", None, ErrorKind.BACKUP
+            )
+            return {}
+
+    async def _load_last_backup(self) -> dict[int, CommitRecord]:
+        """List the committed backups; the interval counts from the newest."""
+        commits = await self._backup_commits()
+        if commits:
+            newest = commits[max(commits)]
+            self._last_backup = LastBackup(newest.step, newest.created)
+            self.ctx.metrics.backed_up(self.config.job_name, newest.step, newest.created)
+        return commits
+
+    async def _restore_and_publish(self) -> None:
+        commits = await self._load_last_backup()
+        local = self.ctx.store.manifests(self.config.job_name).keys()
+        plan = plan_restore(self.config, local, commits)
+        pins = StorePins(self.ctx.backups.objects) if self.ctx.backups is not None else None
+        pinned = None
+        if pins is not None:
+            pinned = await self._thread(pins.pinned_step, self.config.job_name)
+            # An operator's pin goes first; the usual order stays as the fallback.
+            plan.sort(key=lambda c: c.step != pinned)
+        started = time.monotonic()
+        chosen: tuple[int, str] | None = None
+        for candidate in plan:
+            source = await self._try_candidate(candidate, commits)
+            if source is not None:
+                chosen = (candidate.step, source)
+                break
+        if chosen is None and self._unreachable:
+            # A checkpoint exists but this node could not get it (full disk, store down):
+            # an empty marker would make the job silently train from scratch.
+            raise RestoreBlocked(
+                "a committed checkpoint exists but could not be restored: "
+                + "; ".join(self._unreachable)
+            )
+        step, source = chosen if chosen else (None, None)
+        if pins is not None and pinned is not None:
+            if step == pinned:
+                # Rolled back on purpose: newer steps would pass for the newest checkpoint.
+                newer = [i for i in self.ctx.store.manifests(self.config.job_name) if i.step > step]
+                await self._thread(self._delete_items, newer)
+            await self._thread(pins.consumed, self.config.job_name, pinned)
+        await self._thread(self._publish_markers, step, source)
+        self.log.info(
+            "restore done: step=%s source=%s in %.2fs",
+            step,
+            source,
+            time.monotonic() - started,
+            step=step,
+        )
+        self.ctx.metrics.restore_done(self.config.job_name, step, self._since_start())
+
+    async def _try_candidate(
+        self, cand: RestoreCandidate, commits: dict[int, CommitRecord]
+    ) -> str | None:
+        """Make every item of the step present and verified; the tier used, or None."""
+        used: set[Source] = set()
+        for item, sources in cand.sources.items():
+            for source in sources:
+                try:
+                    if source is Source.LOCAL:
+                        await self._verify_local(item)
+                    else:
+                        await self._thread(self._fetch_backup, commits[cand.step], item)
+                except CorruptItem as exc:
+                    self.error(
+                        f"step {cand.step}: {source.value} copy is corrupt ({exc}); not used",
+                        cand.step,
+                        ErrorKind.RESTORE,
+                    )
+                    if source is Source.LOCAL:
+                        await self._thread(self.ctx.store.delete, item)
+                    continue
+                except (ObjectStoreError, StoreError, OSError) as exc:
+                    message = (
+                        f"step {cand.step}: cannot use the {source.value} copy of {item}: {exc}"
+                    )
+                    self.error(message, cand.step, ErrorKind.RESTORE)
+                    self._unreachable.append(message)
+                    continue
+                used.add(source)
+                break
+            else:
+                self.error(
+                    f"step {cand.step} has no usable copy of {item}; trying an older step",
+                    cand.step,
+                    ErrorKind.RESTORE,
+                )
+                return None
+        return Source.BACKUP.value if Source.BACKUP in used else Source.LOCAL.value
+
+    def _fetch_backup(self, record: CommitRecord, item: ItemId) -> None:
+        assert self.ctx.backups is not None
+        staged = self.ctx.store.new_staging()
+        try:
+            t0 = time.monotonic()
+            manifest = self.ctx.backups.fetch_item(record, item, staged, self._cancelled)
+            self.ctx.store.commit_staged(staged, manifest)
+            dt = max(time.monotonic() - t0, 1e-9)
+            self.log.info(
+                "restored %s from backup: %d bytes in %.2fs (%.1f MB/s)",
+                item,
+                manifest.total_bytes,
+                dt,
+                manifest.total_bytes / dt / 1e6,
+                step=item.step,
+            )
+            self.ctx.metrics.transfer(TransferKind.RESTORE_BACKUP, manifest.total_bytes, dt)
+        finally:
+            fsutil.remove_tree(staged)
+
+    def _publish_markers(
+        self,
+        step: int | None,
+        source: str | None,
+        stored_as: Mapping[ItemId, ItemId] | None = None,
+    ) -> None:
+        """Handshake steps 6-7: ``replicator.prerestore`` first, then one marker per worker."""
+        d = self.ctx.checkpoint_dir
+        body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
+        fsutil.atomic_write_bytes(d / PRERESTORE_FILE, body.encode())
+        for w in range(self.config.workers_per_node):
+            name = d / marker_name(self.config.job_name, step or 0, self.config.node_rank, w)
+            name.unlink(missing_ok=True)
+            if step is None:
+                # An empty regular file is complete the moment it exists.
+                os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            else:
+                wanted = marker_item(self.config, step, w)
+                held = (stored_as or {}).get(wanted, wanted)  # or a data-parallel equivalent
+                target = self.ctx.store.expose(held, self.id)
+                os.symlink(target, name)
+
+    # --- steady state ----------------------------------------------------------------------
+
+    async def _steady(self) -> None:
+        while not self._stopping.is_set():
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
+            # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.ctx.rescan_seconds):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self._ingest_ready()
+            # An upload that ended (its task wakes us) no longer protects its step.
+            await self._collect_garbage()
+            await self._after_steps(force=False)
+
+    async def _ingest_ready(self) -> None:
+        entries = await self._thread(list_top, self.ctx.checkpoint_dir)
+        handoffs = find_handoffs(
+            self.config,
+            entries,
+            set(self.ctx.closed_files),
+            self.ctx.clock(),
+            self.ctx.settle_seconds,
+        )
+        for pending in await self._thread(self._pending_ingest):
+            handoffs.append(Handoff(pending.step, {pending: ""}))
+        for handoff in sorted(handoffs, key=lambda h: h.step):
+            await self._ingest(handoff)
+
+    def _pending_ingest(self) -> list[ItemId]:
+        return [i for i in self.ctx.store.pending_ingest() if i.job == self.config.job_name]
+
+    async def _ingest(self, handoff: Handoff) -> None:
+        for item, name in handoff.names.items():
+            t0 = time.monotonic()
+            try:
+                if name:
+                    await self._thread(self.ctx.store.take, self.ctx.checkpoint_dir / name, item)
+                    self.ctx.closed_files.discard(name)
+                manifest = await self._thread(self.ctx.store.commit_ingested, item, self._cancelled)
+            except FileNotFoundError:
+                continue  # the workload or a rescan raced us; the next scan sees the truth
+            except ManifestError as exc:
+                self.error(
+                    f"step {item.step}: cannot keep {name or item}: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
+                await self._thread(self.ctx.store.discard_ingest, item)
+                continue
+            except (StoreError, OSError) as exc:
+                self.error(
+                    f"step {item.step}: ingest failed, will retry: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
+                continue
+            dt = max(time.monotonic() - t0, 1e-9)
+            self.log.info(
+                "ingested %s: %d files, %d bytes in %.3fs (%.1f MB/s)",
+                item,
+                len(manifest.files),
+                manifest.total_bytes,
+                dt,
+                manifest.total_bytes / dt / 1e6,
+                step=item.step,
+            )
+            self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
+        await self._collect_garbage()
+        if self.member is not None:
+            await self._after_steps(force=True)  # replicate the new step at once
+
+    async def _after_steps(self, *, force: bool) -> None:
+        """Replicate and report (a cluster job), or back up on the interval (one node)."""
+        if self.member is None:
+            self._maybe_backup()
+            return
+        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
+        await self.member.tick(steps[-1] if steps else None, force=force)
+
+    async def _collect_garbage(self) -> None:
+        have = self.ctx.store.manifests(self.config.job_name).keys()
+        self.ctx.metrics.committed(
+            self.config.job_name, max(complete_steps(self.config, have), default=None)
+        )
+        protected = set(self._uploading)
+        if self.member is not None:
+            # The restorable step, the steps that may become restorable next, and what our
+            # progress reports promised the coordinator (see ClusterMember.retained).
+            protected |= self.member.retained(complete_steps(self.config, have))
+        doomed = retention(self.config, have, protected)
+        if self.member is not None:
+            doomed += retention_of_copies(self.config, have, protected)
+        if doomed:
+            await self._thread(self._delete_items, doomed)
+
+    def _delete_items(self, items: list[ItemId]) -> None:
+        doomed = set(items)
+        for e in os.scandir(self.ctx.checkpoint_dir):
+            # The workload's `<N>` link to a restored step we now delete would dangle.
+            if e.is_symlink() and self.ctx.store.item_of_link(os.readlink(e.path)) in doomed:
+                Path(e.path).unlink(missing_ok=True)
+        for item in items:
+            self.ctx.store.drop_views(item)
+            self.ctx.store.delete(item)
+            self.log.info("deleted %s (retention)", item, step=item.step)
+
+    # --- backup ----------------------------------------------------------------------------
+
+    def _maybe_backup(self) -> None:
+        if self.ctx.backups is None or (self._backup_task and not self._backup_task.done()):
+            return
+        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
+        if not steps or not backup_due(
+            self.config.backup_interval, steps[-1], self._last_backup, self.ctx.clock()
+        ):
+            return
+        step = steps[-1]
+        self._uploading.add(step)
+        self._backup_task = asyncio.create_task(self._backup(step), name=f"backup-{step}")
+
+    async def _backup(self, step: int) -> None:
+        backups = self.ctx.backups
+        assert backups is not None
+        try:
+            keys = [
+                i.key for r in range(self.config.nodes) for i in rank_items(self.config, step, r)
+            ]
+            await upload_step(
+                backups,
+                self.ctx.store,
+                self.config,
+                step,
+                keys,
+                run_thread=self._thread,
+                log=self.log,
+                metrics=self.ctx.metrics,
+                cancelled=self._cancelled,
+            )
+            self._last_backup = LastBackup(step, self.ctx.clock())
+        except ItemNotHeld:
+            return  # dropped meanwhile: a newer step exists and is due instead
+        except PreconditionFailed:
+            self._last_backup = LastBackup(step, self.ctx.clock())
+            self.ctx.metrics.backed_up(self.config.job_name, step, self.ctx.clock())
+        except Cancelled:
+            pass
+        except (ObjectStoreError, OSError, ManifestError) as exc:
+            self.error(
+                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
+                step,
+                ErrorKind.BACKUP,
+            )
+        finally:
+            self._uploading.discard(step)
+            self.wake()
+
+
+def restore_saved(ctx: AgentContext) -> Incarnation | None:
+    """The incarnation a restarted daemon resumes, if it had one."""
+    saved = load_state(ctx.store)
+    if saved is None:
+        return None
+    try:
+        config = parse_config(saved.config_text, ctx.env)
+    except ValueError as exc:
+        log.warning("not resuming the saved incarnation: %s", exc)
+        return None
+    return Incarnation(
+        config,
+        ctx,
+        config_text=saved.config_text,
+        incarnation_id=saved.incarnation_id,
+        resume_steady=saved.phase is Phase.STEADY,
+    )

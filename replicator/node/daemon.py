@@ -1,0 +1,579 @@
+"""``mtc-replicator``: the per-node daemon process. Owns the process lifecycle.
+
+One asyncio loop (uvloop when available) supervises: it watches CHECKPOINT_DIR, accepts
+each new ``replicator.yaml`` (re-reading a partial one until it settles), runs one
+incarnation at a time, and on SIGTERM stops within seconds without corrupting anything.
+Blocking disk and storage work runs in a bounded thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from replicator import __version__
+from replicator.local import fsutil
+
+try:
+    import uvloop
+except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
+    uvloop = None  # type: ignore[assignment]
+from replicator.cluster.messages import cluster_view_json
+from replicator.cluster.registry import Registry, RegistryEntry, open_registry
+from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
+from replicator.cluster.service import CoordinatorHost, CoordinatorServicer
+from replicator.core.contract import (
+    CONFIG_FILE,
+    ERRORS_FILE,
+    FAILED_FILE,
+    MAX_CONFIG_BYTES,
+    PRERESTORE_FILE,
+    ConfigError,
+    IncompleteConfigError,
+    JobConfig,
+    parse_config,
+    parse_save_name,
+)
+from replicator.local.store import LocalStore, StoreError
+from replicator.local.watcher import DirectoryWatcher
+from replicator.node.agent import (
+    AgentContext,
+    Incarnation,
+    cleanup_workload_files,
+    restore_saved,
+    save_state,
+)
+from replicator.node.agent import Phase as AgentPhase
+from replicator.obs.logs import configure as configure_logging
+from replicator.obs.metrics import (
+    NO_METRICS,
+    ErrorKind,
+    Metrics,
+    MetricsError,
+    MetricsServer,
+    PrometheusMetrics,
+    serve,
+)
+from replicator.storage.backup import BackupStore
+from replicator.storage.backup_ops import StorePins
+from replicator.storage.stores import open_object_store
+from replicator.transport.datachannel import DataListener
+from replicator.transport.peer import SERVICE as PEER_SERVICE
+from replicator.transport.peer import PeerClient
+from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
+from replicator.transport.service import PeerServicer
+
+log = logging.getLogger("replicator.node.daemon")
+
+READY_LINE = "daemon ready"
+SERVER_GRACE_SECONDS = 5.0
+"""How long transfers in flight may finish after SIGTERM before they are cancelled."""
+
+
+_OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
+
+
+def _is_own_output(name: str) -> bool:
+    """Files only the daemon writes: its reports, its markers and their temp files."""
+    return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    checkpoint_dir: Path
+    listen: str
+    advertise: str | None = None
+    backup: str | None = None
+    registry: str | None = None
+    log_level: str = "INFO"
+    threads: int = 4
+    settle_seconds: float = 10.0
+    """How long a ``.save`` file must stay unchanged to count as finished without a close event."""
+    config_wait_seconds: float = 30.0
+    """How long a partial or empty ``replicator.yaml`` is re-read before it is judged."""
+    rescan_seconds: float = 2.0
+    report_after_seconds: float = 60.0
+    """How long a restore round waits before ``replicator.errors`` says what for."""
+    metrics: str | None = None
+    """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
+    data_port: int | None = 0
+    """TCP port of the data channel on the ``listen`` host (0: any free one, told to peers
+    over gRPC); None: no data channel, item bytes travel in gRPC chunks."""
+
+
+def _data_port(value: str) -> int | None:
+    if value == "off":
+        return None
+    if value == "auto":
+        return 0
+    if not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
+    return int(value)
+
+
+def _host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return value
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> DaemonOptions:
+    """Flags win over ``MTC_*`` environment variables (the Kubernetes way to configure)."""
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(
+        prog="mtc-replicator", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=env.get("MTC_CHECKPOINT_DIR"),
+        help="the RAM disk shared with the training job [MTC_CHECKPOINT_DIR]",
+    )
+    p.add_argument(
+        "--listen",
+        type=_host_port,
+        default=env.get("MTC_LISTEN", "0.0.0.0:7070"),
+        help="gRPC address for peers and the coordinator [MTC_LISTEN]",
+    )
+    p.add_argument(
+        "--advertise",
+        type=_host_port,
+        default=env.get("MTC_ADVERTISE"),
+        help="address other nodes use to reach this one [MTC_ADVERTISE]",
+    )
+    p.add_argument(
+        "--backup",
+        default=env.get("MTC_BACKUP"),
+        help="backup location: file:///path, gs://bucket/prefix, s3://bucket/prefix [MTC_BACKUP]",
+    )
+    p.add_argument(
+        "--registry",
+        default=env.get("MTC_REGISTRY"),
+        help="where job coordinators register; defaults to --backup [MTC_REGISTRY]",
+    )
+    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
+    p.add_argument("--threads", type=int, default=int(env.get("MTC_THREADS", "4")))
+    p.add_argument(
+        "--settle-seconds", type=float, default=float(env.get("MTC_SETTLE_SECONDS", "10"))
+    )
+    p.add_argument(
+        "--config-wait-seconds", type=float, default=float(env.get("MTC_CONFIG_WAIT_SECONDS", "30"))
+    )
+    p.add_argument(
+        "--rescan-seconds", type=float, default=float(env.get("MTC_RESCAN_SECONDS", "2"))
+    )
+    p.add_argument(
+        "--report-after-seconds",
+        type=float,
+        default=float(env.get("MTC_REPORT_AFTER_SECONDS", "60")),
+        help="a waiting restore round says what it waits for in replicator.errors after this",
+    )
+    p.add_argument(
+        "--metrics",
+        type=_host_port,
+        default=env.get("MTC_METRICS") or None,
+        help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default [MTC_METRICS]",
+    )
+    p.add_argument(
+        "--data-port",
+        type=_data_port,
+        default=_data_port(env.get("MTC_DATA_PORT", "auto")),
+        help="TCP port for item bytes beside gRPC, on the --listen host: a number, 'auto' "
+        "(any free port, told to peers over gRPC) or 'off' (bytes in gRPC chunks) "
+        "[MTC_DATA_PORT]",
+    )
+    p.add_argument("--version", action="version", version=__version__)
+    a = p.parse_args(argv)
+    if a.checkpoint_dir is None:
+        p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
+    if a.threads < 1:
+        p.error("--threads must be >= 1")
+    return DaemonOptions(
+        checkpoint_dir=a.checkpoint_dir.absolute(),
+        listen=a.listen,
+        advertise=a.advertise,
+        backup=a.backup,
+        registry=a.registry or a.backup,
+        log_level=a.log_level,
+        threads=a.threads,
+        settle_seconds=a.settle_seconds,
+        config_wait_seconds=a.config_wait_seconds,
+        rescan_seconds=a.rescan_seconds,
+        report_after_seconds=a.report_after_seconds,
+        metrics=a.metrics,
+        data_port=a.data_port,
+    )
+
+
+def tune_malloc() -> None:
+    """Raise glibc's mmap and trim thresholds: large buffers otherwise churn page faults."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+
+
+@dataclass
+class _PendingConfig:
+    text: str
+    first_seen: float
+    changed_at: float
+
+
+class Daemon:
+    """Supervises incarnations on one CHECKPOINT_DIR."""
+
+    VALID_SETTLE = 0.1
+    """A valid handshake must read the same twice this far apart (non-atomic writers)."""
+    INVALID_SETTLE = 1.0
+
+    def __init__(self, opts: DaemonOptions) -> None:
+        self.opts = opts
+        self.store = LocalStore(opts.checkpoint_dir)
+        backups = BackupStore(open_object_store(opts.backup)) if opts.backup else None
+        self._prometheus = PrometheusMetrics() if opts.metrics else None
+        self.metrics: Metrics = self._prometheus or NO_METRICS
+        self._metrics_server: MetricsServer | None = None
+        self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
+        self.ctx = AgentContext(
+            checkpoint_dir=opts.checkpoint_dir,
+            store=self.store,
+            backups=backups,
+            executor=self.executor,
+            settle_seconds=opts.settle_seconds,
+            rescan_seconds=opts.rescan_seconds,
+            env=dict(os.environ),
+            metrics=self.metrics,
+        )
+        self.incarnation: Incarnation | None = None
+        self._pending: _PendingConfig | None = None
+        self._config_finished = False
+        """Whether the yaml's writer is done: closed after writing or renamed into place."""
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.exit_code = 0
+        self.listen_address: str | None = None
+        """The address the gRPC server is bound to (port 0 resolved), once it is."""
+        self.advertise: str | None = opts.advertise
+        """The address other nodes use to reach this one (defaults to the bound address)."""
+        self.registry: Registry | None = open_registry(opts.registry) if opts.registry else None
+        self.coordinators = CoordinatorHost()
+        self.ctx.registry = self.registry
+        self.ctx.report_after = opts.report_after_seconds
+
+    def accepts_job(self, job: str) -> bool:
+        """Peers may push items of the job this node serves now, and of no other."""
+        return self.incarnation is not None and self.incarnation.config.job_name == job
+
+    def _on_event(self, name: str | None, finished: bool) -> None:
+        if name is not None and _is_own_output(name):
+            # Our own writes (an error line, a marker) must not wake us: an error written
+            # on every wake-up would otherwise become a busy loop.
+            return
+        if name == CONFIG_FILE:
+            self._config_finished = finished
+        elif name and parse_save_name(name) is not None:
+            # Only `.save` files need "closed after writing"; other names (our unique temp
+            # files among them) would make the set grow for the daemon's whole life.
+            if finished:
+                self.ctx.closed_files.add(name)
+            else:
+                self.ctx.closed_files.discard(name)  # written again after its close
+        self._wake.set()
+        if self.incarnation is not None:
+            self.incarnation.wake()
+
+    def _request_stop(self) -> None:
+        self._stop.set()
+        self._wake.set()  # the loop may sit in a one-second wait for file events
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_stop)
+        self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            report = await loop.run_in_executor(self.executor, self.store.open)
+        except StoreError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            return
+        log.info(
+            "store opened: %d items, %d pending ingest, %d discarded",
+            report.items,
+            len(report.pending_ingest),
+            len(report.discarded),
+        )
+        rpc = RpcServer()
+        channel: DataListener | None = None
+        if self.opts.data_port is not None:
+            try:
+                channel = DataListener(split_host_port(self.opts.listen)[0], self.opts.data_port)
+            except OSError as exc:
+                log.error("%s", exc)
+                self.exit_code = 3
+                self.store.close()
+                return
+        peer = PeerServicer(
+            self.store, self.executor, self.accepts_job, metrics=self.metrics, channel=channel
+        )
+        rpc.add_service(PEER_SERVICE, peer.register)
+        backups = self.ctx.backups
+        coordinator = CoordinatorServicer(
+            self.coordinators,
+            lambda job: backups.committed_steps(job) if backups else {},
+            pins=StorePins(backups.objects) if backups else None,
+        )
+        rpc.add_service(COORDINATOR_SERVICE, coordinator.register)
+        try:
+            self.listen_address = rpc.bind(self.opts.listen)
+            self._serve_metrics()
+        except (ServerError, MetricsError) as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            self.store.close()
+            if channel is not None:
+                await channel.close()
+            return
+        self.advertise = self.opts.advertise or advertised_address(self.listen_address)
+        self.ctx.advertise = self.advertise
+        self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics)
+        await rpc.start()
+        if channel is not None:
+            channel.start()
+        # A yaml written while we were down has no events left to tell: trust it.
+        self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
+        watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
+        watcher.start(loop)
+        resumed = restore_saved(self.ctx)
+        if resumed is not None:
+            log.info(
+                "resuming incarnation %s of job %s (phase %s)",
+                resumed.id,
+                resumed.config.job_name,
+                resumed.phase,
+            )
+            self.incarnation = resumed
+            await self._host_coordinator(
+                resumed.config, resume_steady=resumed.phase is AgentPhase.STEADY
+            )
+            resumed.start()
+        log.info(
+            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s metrics=%s "
+            "data-port=%s",
+            READY_LINE,
+            self.opts.checkpoint_dir,
+            self.listen_address,
+            self.advertise,
+            self.opts.backup,
+            __version__,
+            self._metrics_server.address if self._metrics_server else None,
+            channel.port if channel is not None else "off",
+        )
+        await rpc.set_serving()
+        try:
+            while not self._stop.is_set():
+                tick = 0.05 if self._pending is not None else 1.0
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=tick)
+                self._wake.clear()
+                await self._check_config()
+        finally:
+            log.info("stopping")
+            self.coordinators.close()  # long polls answer at once instead of being cut off
+            await rpc.stop(SERVER_GRACE_SECONDS)
+            if channel is not None:
+                await channel.close()
+            if self.incarnation is not None:
+                await self.incarnation.stop()
+            watcher.stop()
+            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.store.close()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+            log.info("stopped")
+
+    def _serve_metrics(self) -> None:
+        """Serve ``/metrics`` from a thread when ``--metrics`` asks for it."""
+        if self._prometheus is not None and self.opts.metrics is not None:
+            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics)
+
+    # --- the handshake file ----------------------------------------------------------------
+
+    def _read_config(self) -> str | None:
+        path = self.opts.checkpoint_dir / CONFIG_FILE
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return raw.decode("utf-8", errors="replace")
+
+    async def _check_config(self) -> None:
+        # Taken before the read: a close seen now covers the text we read, while one that
+        # arrives during the read may follow a write our read missed.
+        closed = self._config_finished
+        text = await asyncio.get_running_loop().run_in_executor(self.executor, self._read_config)
+        now = time.monotonic()
+        if text is None:
+            self._pending = None
+            return
+        if self._pending is None:
+            self._pending = _PendingConfig(text, now, now)
+        elif self._pending.text != text:
+            self._pending.text, self._pending.changed_at = text, now
+        pending = self._pending
+        stable = now - pending.changed_at
+        waited = now - pending.first_seen
+        if not text.strip():
+            if waited >= self.opts.config_wait_seconds:
+                log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
+                await self._end_incarnation()
+                self._delete_config(text)
+            return
+        # A non-atomic writer's half can parse as a whole config (a truncated job name, or
+        # `nodes: 1` of `nodes: 16`): judge it once the writer closed it, or after the .save
+        # settle time when the close event was lost.
+        finished = closed or stable >= self.opts.settle_seconds
+        try:
+            config = parse_config(text, self.ctx.env)
+        except IncompleteConfigError as exc:
+            if waited >= self.opts.config_wait_seconds:
+                await self._reject(text, exc, f"after {waited:.0f}s of waiting for a complete file")
+            return
+        except ConfigError as exc:
+            if stable >= self.INVALID_SETTLE and finished:
+                await self._reject(text, exc, "")
+            return
+        if stable >= self.VALID_SETTLE and finished:
+            await self._accept(config, text)
+
+    async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
+        log.error("rejecting %s%s: %s", CONFIG_FILE, f" {when}" if when else "", exc)
+        self.metrics.error(ErrorKind.CONFIG)
+        await self._end_incarnation()
+        message = (
+            f"{exc}{' (' + when + ')' if when else ''}.\n"
+            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename); "
+            "committed checkpoints on this node were not touched.\n"
+        )
+        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
+        self._delete_config(text)
+
+    def _delete_config(self, accepted: str) -> None:
+        # Only the text we judged: a newer handshake written meanwhile must survive.
+        if self._read_config() == accepted:
+            (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
+            self._config_finished = False
+        self._pending = None
+
+    async def _host_coordinator(
+        self, config: JobConfig | None, *, resume_steady: bool = False
+    ) -> None:
+        """Host the job's coordinator when this node is its rank 0; drop any other.
+
+        A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
+        released round, which keeps stale agents out of the new one). A daemon restarted
+        while its job runs (``resume_steady``) hosts one that takes the running ranks back.
+        """
+        keep = (
+            config.job_name
+            if config is not None and config.node_rank == 0 and config.nodes > 1
+            else None
+        )
+        for job in self.coordinators.jobs():
+            if job != keep:
+                old = self.coordinators.coordinator_id(job)
+                self.coordinators.drop(job)
+                if self.registry is not None and old is not None:
+                    await asyncio.to_thread(self.registry.unregister, job, old)
+        if config is None or keep is None or self.registry is None:
+            return
+        self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
+        coordinator_id = self.coordinators.coordinator_id(keep)
+        assert coordinator_id is not None
+        assert self.advertise is not None
+        entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time())
+        await asyncio.to_thread(self.registry.register, entry)
+        log.info(
+            "hosting the coordinator of job %s at %s (id %s)", keep, self.advertise, coordinator_id
+        )
+
+    async def _end_incarnation(self) -> None:
+        if self.incarnation is not None:
+            log.info(
+                "stopping incarnation %s of job %s",
+                self.incarnation.id,
+                self.incarnation.config.job_name,
+            )
+            await self.incarnation.stop()
+            self.incarnation = None
+            save_state(self.store, None)
+
+    async def _accept(self, config: JobConfig, text: str) -> None:
+        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8)."""
+        if config.unknown_keys:
+            log.warning(
+                "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
+            )
+        await self._end_incarnation()
+        removed = await asyncio.get_running_loop().run_in_executor(
+            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+        )
+        self.incarnation = Incarnation(config, self.ctx, config_text=text)
+        log.info(
+            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
+            "(removed %d stale files)",
+            CONFIG_FILE,
+            config.job_name,
+            config.node_rank,
+            config.nodes,
+            config.framework.value,
+            config.workers_per_node,
+            self.incarnation.id,
+            len(removed),
+        )
+        # Persist before the yaml goes: a crash in between must still end in markers.
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.incarnation.persist)
+        await self._host_coordinator(config)
+        self._delete_config(text)
+        self.incarnation.start()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    configure_logging(opts.log_level)
+    tune_malloc()
+    try:
+        daemon = Daemon(opts)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if uvloop is None:
+        asyncio.run(daemon.run())
+    else:
+        uvloop.run(daemon.run())
+    return daemon.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The backup tier: item upload, step commit and verified download on an ObjectStore.
+
+Layout below the backup URL (DESIGN.md, "Backups")::
+
+    <job>/<step>/<rank>-<worker>/<files...>        item data (``data`` for a file item)
+    <job>/<step>/<rank>-<worker>.manifest.json     written after the item's files
+    <job>/<step>/COMMIT                            written last, create-only
+
+Only a step with a ``COMMIT`` is restorable; the COMMIT pins each item's manifest digest,
+so an object changed after the commit is detected. The daemon never overwrites or deletes
+anything under a committed step. I/O goes through the ObjectStore; no vendor code here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from pathlib import Path
+
+import google_crc32c
+
+from replicator.core.backup_layout import (
+    COMMIT,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+)
+from replicator.core.manifest import (
+    CancelCheck,
+    Cancelled,
+    CorruptItem,
+    ItemId,
+    ItemKind,
+    Manifest,
+    ManifestError,
+)
+from replicator.local.hashing import data_file
+from replicator.storage.objectstore import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    ObjectStore,
+    PreconditionFailed,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _never() -> bool:
+    return False
+
+
+class BackupStore:
+    """Backups of checkpoint items on one ObjectStore."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+
+    @property
+    def url(self) -> str:
+        return self.objects.url
+
+    def upload_item(self, manifest: Manifest, data: Path, cancelled: CancelCheck = _never) -> None:
+        """Upload an item's files, then its manifest. Safe to repeat before the COMMIT."""
+        if self.objects.head(commit_key(manifest.item.job, manifest.item.step)) is not None:
+            raise PreconditionFailed(f"{manifest.item}: step is already committed")
+        for entry in manifest.files:
+            if cancelled():
+                raise Cancelled(str(manifest.item))
+            # The manifest's crc32c: a file changed since it was taken is never uploaded.
+            self.objects.put_file(
+                data_key(manifest.item, entry.path), data_file(data, entry), crc32c=entry.crc32c
+            )
+        self.objects.put_bytes(manifest_key(manifest.item), manifest.to_json())
+
+    def try_commit(
+        self, job: str, step: int, item_keys: Collection[str], now: float | None = None
+    ) -> CommitRecord | None:
+        """Write the step's COMMIT if every listed item's manifest is there.
+
+        Returns the commit (ours or one another writer made first), or None when items are
+        still missing. Create-only, so two writers can never replace each other's COMMIT.
+        """
+        existing = self.read_commit(job, step)
+        if existing is not None:
+            return existing
+        digests: dict[str, str] = {}
+        for key in sorted(item_keys):
+            rank, _, worker = key.partition("-")
+            item = ItemId(job, step, int(rank), int(worker))
+            try:
+                digests[key] = Manifest.from_json(self.objects.get_bytes(manifest_key(item))).digest
+            except ObjectNotFound:
+                return None
+        record = CommitRecord(job, step, digests, time.time() if now is None else now)
+        try:
+            self.objects.put_bytes(commit_key(job, step), record.to_json(), if_absent=True)
+        except PreconditionFailed:
+            return self.read_commit(job, step)
+        log.info("backup committed job=%s step=%d items=%d", job, step, len(digests))
+        return record
+
+    def read_commit(self, job: str, step: int) -> CommitRecord | None:
+        found = self.read_commit_raw(job, step)
+        return None if found is None else found[0]
+
+    def read_commit_raw(self, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
+        """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
+        try:
+            raw = self.objects.get_bytes(commit_key(job, step))
+        except ObjectNotFound:
+            return None
+        record = CommitRecord.from_json(raw)
+        if record.job != job or record.step != step:
+            raise ManifestError(
+                f"COMMIT at {commit_key(job, step)} names {record.job}/{record.step}"
+            )
+        return record, raw
+
+    def committed_steps(self, job: str) -> dict[int, CommitRecord]:
+        """Every committed step of ``job``; unreadable COMMITs are logged and skipped."""
+        found: dict[int, CommitRecord] = {}
+        for info in self.objects.list(f"{job}/"):
+            parts = info.key.split("/")
+            if len(parts) != 3 or parts[2] != COMMIT or not parts[1].isdigit():
+                continue
+            try:
+                record = self.read_commit(job, int(parts[1]))
+            except (ManifestError, ObjectNotFound) as exc:
+                log.warning("ignoring backup %s: %s", info.key, exc)
+                continue
+            if record is not None:
+                found[record.step] = record
+        return found
+
+    def fetch_item(
+        self, record: CommitRecord, item: ItemId, staged: Path, cancelled: CancelCheck = _never
+    ) -> Manifest:
+        """Download one committed item into ``staged/data``, verifying every byte.
+
+        Raises ``CorruptItem`` when anything differs from what the COMMIT pinned.
+        """
+        expected = record.items.get(item.key)
+        if expected is None or not record.has(item):
+            raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
+        try:
+            manifest = Manifest.from_json(self.objects.get_bytes(manifest_key(item)))
+        except ObjectNotFound:
+            raise CorruptItem(f"{item}: backup manifest is missing") from None
+        except ManifestError as exc:
+            raise CorruptItem(f"{item}: backup manifest is invalid: {exc}") from None
+        if manifest.digest != expected or manifest.item != item:
+            raise CorruptItem(f"{item}: backup manifest was modified after its COMMIT")
+        data = staged / "data"
+        if manifest.kind is ItemKind.DIR:
+            data.mkdir()
+            for d in manifest.dirs:
+                (data / d).mkdir(parents=True, exist_ok=True)
+        for entry in manifest.files:
+            crc, size = 0, 0
+            try:
+                with open(data_file(data, entry), "xb") as out:
+                    for chunk in self.objects.read_chunks(data_key(item, entry.path)):
+                        if cancelled():
+                            raise Cancelled(str(item))
+                        size += len(chunk)
+                        if size > entry.size:
+                            break
+                        crc = google_crc32c.extend(crc, chunk)
+                        out.write(chunk)
+            except ObjectNotFound:
+                raise CorruptItem(
+                    f"{item}: backup object {entry.path or 'data'} is missing"
+                ) from None
+            except ChecksumMismatch as exc:
+                raise CorruptItem(f"{item}: backup object {entry.path or 'data'}: {exc}") from None
+            if size != entry.size or crc != entry.crc32c:
+                raise CorruptItem(
+                    f"{item}: backup object {entry.path or 'data'} does not match its manifest "
+                    f"(size {size} vs {entry.size})"
+                )
+        return manifest

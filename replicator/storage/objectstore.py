@@ -1,0 +1,318 @@
+"""Object storage backends behind one small interface. I/O module.
+
+Backups and (later) the registry only need: put a file, stream an object back, put a
+small object (optionally create-only), read it, head, list and delete. ``FileObjectStore``
+serves ``file://`` URLs and local runs; ``MemoryObjectStore`` is a real implementation held
+in memory, for unit tests. ``s3://`` (``storage.s3``) and ``gs://`` (``storage.gcs``)
+plug in behind the same interface; their SDKs are optional and imported only when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlparse
+
+import google_crc32c
+
+from replicator.local import fsutil
+from replicator.local.hashing import CHUNK, read_chunks
+
+
+class ObjectStoreError(Exception):
+    """A backend operation failed; ``transient`` says whether a retry may help."""
+
+    transient = False
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a retry may help: our errors say so; anything else is not ours to retry."""
+    return isinstance(exc, ObjectStoreError) and exc.transient
+
+
+class ObjectNotFound(ObjectStoreError):
+    pass
+
+
+class PreconditionFailed(ObjectStoreError):
+    """A create-only write found the object already there."""
+
+
+class TransientError(ObjectStoreError):
+    """Throttling, a server error, a timeout or a dropped connection: worth a retry."""
+
+    transient = True
+
+
+class PermissionDenied(ObjectStoreError):
+    """Credentials are missing, wrong or not allowed: retrying cannot help."""
+
+
+class BucketNotFound(ObjectStoreError):
+    """The bucket in the store's URL does not exist."""
+
+
+class ChecksumMismatch(ObjectStoreError):
+    """Bytes did not match their checksum: a source that changed, or a damaged object.
+
+    Raised before a bad upload becomes visible, and at the end of a download whose bytes
+    the store's own checksum does not confirm (the caller must discard what it received).
+    """
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    mtime: float
+
+
+class ObjectStore(Protocol):
+    """Keys are ``/``-separated and relative to the store's URL prefix."""
+
+    url: str
+
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        """Upload a file; with ``crc32c`` raise ``ChecksumMismatch`` if its bytes differ.
+
+        Either the whole file becomes the object or the object is left as it was.
+        """
+        ...
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        """Stream an object; raises ``ChecksumMismatch`` at the end if the store's own
+        checksum disagrees with what was streamed (cloud backends)."""
+        ...
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write a small object; with ``if_absent`` raise ``PreconditionFailed`` if it exists.
+
+        A cloud backend that retries a create-only write whose answer was lost may find its
+        own object there and raise ``PreconditionFailed``: callers re-read to see who won.
+        """
+        ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def head(self, key: str) -> ObjectInfo | None: ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``, in key order."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+
+def check_key(key: str) -> str:
+    """``key`` if it is safe (relative, no empty, ``.`` or ``..`` part), else ValueError."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"unsafe object key {key!r}")
+    return key
+
+
+class FileObjectStore:
+    """Objects as files under a directory; writes are temp + rename (+ fsync: real disks)."""
+
+    def __init__(self, root: Path, url: str | None = None) -> None:
+        self.root = root
+        self.url = url or root.as_uri()
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = fsutil.tmp_name(dest)
+        try:
+            crc = 0
+            with open(tmp, "wb") as out:
+                for chunk in read_chunks(src):
+                    crc = google_crc32c.extend(crc, chunk)
+                    out.write(chunk)
+                check_crc32c(key, crc, crc32c)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, dest)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise _translate(exc, key) from exc
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ObjectNotFound(key)  # a directory is a key prefix, not an object
+            while chunk := os.read(fd, CHUNK):
+                yield chunk
+        finally:
+            os.close(fd)
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not if_absent:
+            fsutil.atomic_write_bytes(dest, data, durable=True)
+            return
+        tmp = fsutil.tmp_name(dest)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            # link(2) fails if the name exists: an atomic create-only publish.
+            os.link(tmp, dest)
+        except FileExistsError:
+            raise PreconditionFailed(f"{key} already exists") from None
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        fsutil.fsync_dir(dest.parent)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+
+    def head(self, key: str) -> ObjectInfo | None:
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            return None  # a directory is a key prefix, not an object
+        return ObjectInfo(key, st.st_size, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        if base:
+            try:
+                check_key(base)
+            except ValueError:
+                return  # no safe key starts with it; walking it could leave the root
+        start = self.root / base if base else self.root
+        if not start.is_dir():
+            return
+        found: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, self.root)
+            for name in filenames:
+                if name.startswith(fsutil.TMP_PREFIX):
+                    continue
+                key = name if rel_dir == "." else f"{rel_dir}/{name}"
+                if key.startswith(prefix):
+                    st = os.stat(os.path.join(dirpath, name))
+                    found.append(ObjectInfo(key, st.st_size, st.st_mtime))
+        yield from sorted(found, key=lambda o: o.key)
+
+    def delete(self, key: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._path(key).unlink()
+
+
+def check_crc32c(key: str, actual: int, expected: int | None) -> None:
+    """Raise ``ChecksumMismatch`` unless ``expected`` is None or equals ``actual``."""
+    if expected is not None and actual != expected:
+        raise ChecksumMismatch(
+            f"{key}: source has crc32c {actual:08x}, expected {expected:08x} "
+            "(it changed since its checksum was taken); not uploaded"
+        )
+
+
+def _translate(exc: OSError, key: str) -> ObjectStoreError:
+    # Below an object, or a directory (a key prefix): no object has that key either.
+    if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+        return ObjectNotFound(key)
+    if exc.errno in (errno.EAGAIN, errno.EINTR, errno.EBUSY):
+        return TransientError(f"{key}: {exc}")
+    return ObjectStoreError(f"{key}: {exc}")
+
+
+class MemoryObjectStore:
+    """A complete object store in a dict, for unit tests of backup logic."""
+
+    def __init__(self, url: str = "memory://") -> None:
+        self.url = url
+        self._objects: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+        self._clock = 0.0
+
+    def _put(self, key: str, data: bytes) -> None:
+        with self._lock:
+            self._clock += 1.0
+            self._objects[check_key(key)] = (data, self._clock)
+
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        check_key(key)
+        data = src.read_bytes()
+        check_crc32c(key, google_crc32c.value(data), crc32c)
+        self._put(key, data)
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        data = self.get_bytes(key)
+        for i in range(0, len(data), CHUNK):
+            yield data[i : i + CHUNK]
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        check_key(key)
+        with self._lock:
+            if if_absent and key in self._objects:
+                raise PreconditionFailed(f"{key} already exists")
+            self._clock += 1.0
+            self._objects[check_key(key)] = (data, self._clock)
+
+    def get_bytes(self, key: str) -> bytes:
+        check_key(key)
+        with self._lock:
+            try:
+                return self._objects[key][0]
+            except KeyError:
+                raise ObjectNotFound(key) from None
+
+    def head(self, key: str) -> ObjectInfo | None:
+        check_key(key)
+        with self._lock:
+            found = self._objects.get(key)
+        return None if found is None else ObjectInfo(key, len(found[0]), found[1])
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        with self._lock:
+            items = sorted((k, v) for k, v in self._objects.items() if k.startswith(prefix))
+        for key, (data, mtime) in items:
+            yield ObjectInfo(key, len(data), mtime)
+
+    def delete(self, key: str) -> None:
+        check_key(key)
+        with self._lock:
+            self._objects.pop(key, None)
+
+
+def split_bucket_url(url: str, scheme: str) -> tuple[str, str]:
+    """``(bucket, prefix)`` of ``scheme://bucket/prefix``; the prefix is "" or ends in "/"."""
+    parsed = urlparse(url)
+    if parsed.scheme != scheme or not parsed.netloc:
+        raise ValueError(f"expected {scheme}://bucket/prefix, got {url!r}")
+    if parsed.query or parsed.fragment or parsed.params:
+        raise ValueError(f"storage URL {url!r} must not have a query or fragment")
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_key(prefix)
+    return parsed.netloc, f"{prefix}/" if prefix else ""

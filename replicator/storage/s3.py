@@ -1,0 +1,478 @@
+"""``s3://bucket/prefix`` on boto3, for AWS S3 and any S3-compatible server. I/O module.
+
+Credentials, region and endpoint come from boto3's standard chain only (``AWS_*``
+variables, ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, config files, instance roles).
+
+Integrity: every object carries its crc32c as metadata (``x-amz-meta-crc32c``), set before
+the upload starts, and every request body is sent with ``Content-MD5`` and
+``x-amz-checksum-crc32c`` so the server refuses damaged bytes; the MD5 ETag it answers is
+compared too (single-part objects and parts, unless KMS or customer-key encryption makes
+the ETag something else). Downloads are checked against the metadata crc32c and S3's own
+full-object checksum when it has one.
+
+Files larger than ``part_size`` go up as multipart uploads, parts sent in parallel from a
+bounded window (``storage.parts``): an upload holds at most ``workers + 1`` parts in
+memory (160 MiB with the defaults); a download streams ``chunk_size`` pieces. A process
+that dies mid-upload leaves an invisible incomplete upload: give the bucket an
+``AbortIncompleteMultipartUpload`` lifecycle rule.
+
+Retries: botocore's own are off; ``translate`` is the one place that maps botocore and
+urllib3 errors to ours and decides what is transient, and ``RetryPolicy`` how long to try.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import boto3
+import botocore.exceptions as bexc
+import google_crc32c
+import urllib3.exceptions
+from botocore.config import Config
+
+from replicator.core.retry import RetryPolicy, RetryState, call_translated
+from replicator.local.fsutil import TMP_PREFIX
+from replicator.local.hashing import CHUNK, file_crc32c
+from replicator.storage.objectstore import (
+    BucketNotFound,
+    ChecksumMismatch,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStoreError,
+    PermissionDenied,
+    PreconditionFailed,
+    TransientError,
+    check_crc32c,
+    check_key,
+    is_transient,
+    split_bucket_url,
+)
+from replicator.storage.parts import (
+    b64_crc32c,
+    crc32c_b64,
+    md5_digest,
+    read_small_file,
+    upload_parts,
+    verified_chunks,
+)
+
+if TYPE_CHECKING:
+    from botocore.response import StreamingBody
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MIN_PART_SIZE = 5 * 1024 * 1024
+"""S3's smallest part (all but the last)."""
+MAX_PARTS = 10_000
+"""S3's most parts per upload: larger files get larger parts."""
+DEFAULT_PART_SIZE = 32 * 1024 * 1024
+DEFAULT_WORKERS = 4
+META_CRC32C = "crc32c"
+_HEX_CRC_RE = re.compile(r"[0-9a-f]{8}")
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestLimitExceeded",
+        "TooManyRequestsException",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        # The body arrived damaged; the part is still in memory, so resending fixes it.
+        "BadDigest",
+        "XAmzContentSHA256Mismatch",
+        # A concurrent conditional write to the same key: S3 asks for a retry.
+        "ConditionalRequestConflict",
+        "OperationAborted",
+    }
+)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AccountProblem",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_NO_MD5_ETAG = frozenset({"aws:kms", "aws:kms:dsse"})
+
+
+def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
+    """Our error for a botocore/urllib3 one, or None if ``exc`` is not a storage error.
+
+    The one place that decides what is transient: throttling, 5xx, timeouts and broken
+    connections are; permissions, a missing bucket and bad requests are not.
+    """
+    if isinstance(exc, ObjectStoreError):
+        return exc
+    if isinstance(exc, bexc.ClientError):
+        error: Mapping[str, Any] = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        message = f"{what}: {code or status} {error.get('Message', '')}".rstrip()
+        if code == "NoSuchBucket":
+            return BucketNotFound(message)
+        if code in _NOT_FOUND_CODES:
+            return ObjectNotFound(what)
+        if code == "PreconditionFailed" or status == 412:
+            return PreconditionFailed(message)
+        if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
+            return TransientError(message)
+        if code in _DENIED_CODES or status in (401, 403):
+            return PermissionDenied(message)
+        return ObjectStoreError(message)
+    if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
+        return PermissionDenied(f"{what}: no usable AWS credentials ({exc})")
+    if isinstance(
+        exc,
+        bexc.HTTPClientError  # timeouts, closed connections, broken response streams
+        | bexc.ConnectionError  # cannot connect (not the builtin ConnectionError)
+        | bexc.IncompleteReadError
+        | urllib3.exceptions.HTTPError
+        | ConnectionError
+        | TimeoutError,
+    ):
+        return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, bexc.BotoCoreError):
+        return ObjectStoreError(f"{what}: {exc}")
+    return None
+
+
+def _etag_is_md5(response: Mapping[str, Any]) -> bool:
+    return (
+        response.get("ServerSideEncryption") not in _NO_MD5_ETAG
+        and "SSECustomerAlgorithm" not in response
+    )
+
+
+def _check_response(what: str, response: Mapping[str, Any], md5: bytes, crc: int) -> None:
+    """Raise a (transient) error if the server reports other bytes than we sent."""
+    etag = str(response.get("ETag", "")).strip('"')
+    if _etag_is_md5(response) and etag and etag != md5.hex():
+        raise TransientError(
+            f"{what}: server stored other bytes (ETag {etag}, sent MD5 {md5.hex()})"
+        )
+    echoed = response.get("ChecksumCRC32C")
+    if echoed is not None and b64_crc32c(echoed) != crc:
+        raise TransientError(f"{what}: server stored other bytes (crc32c {echoed})")
+
+
+class S3ObjectStore:
+    """An ``ObjectStore`` on one bucket and key prefix."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        url: str | None = None,
+        client: S3Client | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        workers: int = DEFAULT_WORKERS,
+        chunk_size: int = CHUNK,
+        policy: RetryPolicy | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        if part_size < MIN_PART_SIZE:
+            raise ValueError(f"S3 parts must be at least {MIN_PART_SIZE} bytes, got {part_size}")
+        if prefix and not prefix.endswith("/"):
+            prefix += "/"
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = url or f"s3://{bucket}/{prefix}"
+        self.part_size = part_size
+        self.workers = workers
+        self.chunk_size = chunk_size
+        self.policy = policy or RetryPolicy()
+        self.client: S3Client = client or boto3.session.Session().client(
+            "s3",
+            config=Config(
+                retries={"total_max_attempts": 1},  # ours decide (``translate``)
+                connect_timeout=10,
+                read_timeout=timeout,
+                max_pool_connections=max(10, 2 * workers),
+            ),
+        )
+        self._bucket_checked = False
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> S3ObjectStore:
+        bucket, prefix = split_bucket_url(url, "s3")
+        return cls(bucket, prefix, url=url, **kwargs)
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with vendor errors translated and transient ones retried."""
+        return call_translated(fn, self.policy, translate, is_transient, what=what)
+
+    def _ensure_bucket(self) -> None:
+        """Check once that the bucket exists and we may list it, so a missing bucket is
+        reported as such (a HEAD of a key cannot tell it from a missing object)."""
+        if self._bucket_checked:
+            return
+        what = f"bucket {self.url}"
+        try:
+            self._call(
+                what,
+                lambda: self.client.list_objects_v2(
+                    Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1
+                ),
+            )
+        except BucketNotFound:
+            raise BucketNotFound(f"{what} does not exist") from None
+        self._bucket_checked = True  # a race only repeats the check
+
+    # --- writes ---------------------------------------------------------------------------
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        name = self._name(key)
+        self._ensure_bucket()
+        self._put_object(name, data, if_absent=if_absent)
+
+    def _put_object(self, name: str, data: bytes, *, if_absent: bool = False) -> None:
+        what = f"put {self.bucket}/{name}"
+        crc = google_crc32c.value(data)
+        md5 = md5_digest(data)
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+
+        def put() -> None:
+            response = self.client.put_object(
+                Bucket=self.bucket,
+                Key=name,
+                Body=data,
+                ContentMD5=base64.b64encode(md5).decode(),
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=crc32c_b64(crc),
+                Metadata={META_CRC32C: f"{crc:08x}"},
+                **extra,
+            )
+            _check_response(what, response, md5, crc)
+
+        self._call(what, put)
+
+    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+        name = self._name(key)
+        self._ensure_bucket()
+        t0 = time.monotonic()
+        size = os.stat(src).st_size
+        if size <= self.part_size:
+            data = read_small_file(src, self.part_size)
+            check_crc32c(key, google_crc32c.value(data), crc32c)
+            self._put_object(name, data)
+            parts = 1
+        else:
+            part_size = max(self.part_size, -(-size // MAX_PARTS))
+            parts = self._put_multipart(key, name, src, crc32c, part_size)
+        dt = max(time.monotonic() - t0, 1e-9)
+        log.debug(
+            "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",
+            name,
+            size,
+            parts,
+            dt,
+            size / dt / 1e6,
+        )
+
+    def _put_multipart(
+        self, key: str, name: str, src: Path, crc32c: int | None, part_size: int
+    ) -> int:
+        what = f"multipart put {self.bucket}/{name}"
+        # The crc32c goes into metadata when the upload is created, before any byte is sent.
+        expected = crc32c if crc32c is not None else file_crc32c(src)[1]
+        created = self._call(
+            what,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket,
+                Key=name,
+                ChecksumAlgorithm="CRC32C",
+                Metadata={META_CRC32C: f"{expected:08x}"},
+            ),
+        )
+        upload_id = created["UploadId"]
+        try:
+            done, _, crc = upload_parts(
+                src,
+                part_size,
+                self.workers,
+                lambda number, data: self._upload_part(name, upload_id, number, data),
+                name="s3-put",
+            )
+            check_crc32c(key, crc, expected)
+            parts = [part for part, _ in done]
+            completed = self._call(
+                what,
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=name,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                ),
+            )
+        except BaseException:
+            with contextlib.suppress(ObjectStoreError):
+                self._call(
+                    f"abort {what}",
+                    lambda: self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=name, UploadId=upload_id
+                    ),
+                )
+            raise
+        # A multipart ETag is the MD5 of the parts' MD5s: the server joined our parts.
+        etag = str(completed.get("ETag", "")).strip('"')
+        joined = hashlib.md5(b"".join(md5 for _, md5 in done), usedforsecurity=False)
+        expected_etag = f"{joined.hexdigest()}-{len(done)}"
+        if _etag_is_md5(completed) and etag and etag != expected_etag:
+            raise ChecksumMismatch(f"{what}: server assembled ETag {etag}, not {expected_etag}")
+        return len(done)
+
+    def _upload_part(
+        self, name: str, upload_id: str, number: int, data: bytes
+    ) -> tuple[CompletedPartTypeDef, bytes]:
+        what = f"part {number} of {self.bucket}/{name}"
+        crc = google_crc32c.value(data)
+        md5 = md5_digest(data)
+
+        def put() -> CompletedPartTypeDef:
+            response = self.client.upload_part(
+                Bucket=self.bucket,
+                Key=name,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=data,
+                ContentMD5=base64.b64encode(md5).decode(),
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=crc32c_b64(crc),
+            )
+            _check_response(what, response, md5, crc)
+            return {
+                "PartNumber": number,
+                "ETag": response["ETag"],
+                "ChecksumCRC32C": crc32c_b64(crc),
+            }
+
+        return self._call(what, put), md5
+
+    # --- reads ----------------------------------------------------------------------------
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        name = self._name(key)
+        self._ensure_bucket()
+        what = f"get {self.bucket}/{name}"
+        first = self._call(what, lambda: self.client.get_object(Bucket=self.bucket, Key=name))
+        etag = first["ETag"]
+        expected = _stored_crc32c(what, first)
+        unread: list[StreamingBody] = [first["Body"]]
+
+        def open_at(offset: int) -> Iterator[bytes]:
+            try:
+                if unread:
+                    body = unread.pop()
+                else:
+                    body = self.client.get_object(
+                        Bucket=self.bucket, Key=name, Range=f"bytes={offset}-", IfMatch=etag
+                    )["Body"]
+                with contextlib.closing(body):
+                    yield from body.iter_chunks(self.chunk_size)
+            except Exception as exc:
+                mapped = translate(exc, what)
+                if isinstance(mapped, PreconditionFailed):
+                    raise ChecksumMismatch(f"{what}: object changed while downloading") from exc
+                if mapped is None or mapped is exc:
+                    raise
+                raise mapped from exc
+
+        yield from verified_chunks(
+            open_at,
+            what=what,
+            size=first["ContentLength"],
+            crc32c=expected,
+            backoff=RetryState(self.policy, is_transient, what=what),
+        )
+
+    def get_bytes(self, key: str) -> bytes:
+        return b"".join(self.read_chunks(key))
+
+    def head(self, key: str) -> ObjectInfo | None:
+        name = self._name(key)
+        self._ensure_bucket()
+        what = f"head {self.bucket}/{name}"
+        try:
+            response = self._call(
+                what, lambda: self.client.head_object(Bucket=self.bucket, Key=name)
+            )
+        except ObjectNotFound:
+            return None
+        return ObjectInfo(key, response["ContentLength"], response["LastModified"].timestamp())
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self._ensure_bucket()
+        what = f"list {self.url} {prefix!r}"
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        while True:
+            page = self._call(what, lambda: self.client.list_objects_v2(**args))
+            for obj in page.get("Contents", []):
+                key = obj["Key"][len(self.prefix) :]
+                if _listable(key):
+                    yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args["ContinuationToken"] = token
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._ensure_bucket()
+        with contextlib.suppress(ObjectNotFound):
+            self._call(
+                f"delete {self.bucket}/{name}",
+                lambda: self.client.delete_object(Bucket=self.bucket, Key=name),
+            )
+
+
+def _stored_crc32c(what: str, response: Mapping[str, Any]) -> int | None:
+    """The crc32c the store vouches for: our metadata and S3's full-object checksum."""
+    meta = response.get("Metadata", {}).get(META_CRC32C, "")
+    ours = int(meta, 16) if _HEX_CRC_RE.fullmatch(meta) else None
+    # A multipart object's checksum is a checksum of checksums unless it is FULL_OBJECT.
+    kind = response.get("ChecksumType")
+    whole = kind == "FULL_OBJECT" or (kind is None and "-" not in str(response.get("ETag", "")))
+    theirs = b64_crc32c(response.get("ChecksumCRC32C")) if whole else None
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ChecksumMismatch(f"{what}: metadata crc32c {ours:08x}, S3 says {theirs:08x}")
+    return ours if ours is not None else theirs
+
+
+def _listable(key: str) -> bool:
+    """Keys that are ours to show: safe, and not a writer's temp object."""
+    try:
+        check_key(key)
+    except ValueError:
+        return False
+    return not key.rsplit("/", 1)[-1].startswith(TMP_PREFIX)

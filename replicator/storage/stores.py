@@ -1,0 +1,49 @@
+"""Opening the object store a URL names: ``file://``, ``s3://`` or ``gs://``. I/O module.
+
+The one place that knows every backend; each cloud SDK is imported only when its scheme is
+used, so a node that backs up to one cloud never needs the other's SDK, and the backends
+never import each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from replicator.storage.objectstore import FileObjectStore, ObjectStore
+
+
+def open_object_store(url: str) -> ObjectStore:
+    """The backend for a URL: ``file:///abs/path`` (or a plain absolute path),
+    ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
+
+    Cloud credentials and endpoints come from each SDK's standard chain (``AWS_*`` variables,
+    ``AWS_ENDPOINT_URL_S3``, config files, instance roles; Application Default Credentials,
+    ``STORAGE_EMULATOR_HOST``). A missing SDK is a ValueError that names the pip extra.
+    """
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL must be file:///absolute/path, got {url!r}")
+        path = Path(unquote(parsed.path))
+        if not path.is_absolute():
+            raise ValueError(f"backup path must be absolute, got {url!r}")
+        return FileObjectStore(path, url if parsed.scheme else path.as_uri())
+    if parsed.scheme == "s3":
+        try:
+            from replicator.storage.s3 import S3ObjectStore
+        except ImportError as exc:
+            raise ValueError(
+                f"s3:// storage needs boto3: pip install 'mtc-replicator[s3]' ({exc})"
+            ) from None
+        return S3ObjectStore.from_url(url)
+    if parsed.scheme == "gs":
+        try:
+            from replicator.storage.gcs import GcsObjectStore
+        except ImportError as exc:
+            raise ValueError(
+                f"gs:// storage needs google-cloud-storage: pip install 'mtc-replicator[gcs]' "
+                f"({exc})"
+            ) from None
+        return GcsObjectStore.from_url(url)
+    raise ValueError(f"unsupported storage URL {url!r}: use file://, gs:// or s3://")

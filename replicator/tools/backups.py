@@ -1,0 +1,562 @@
+"""``mtc backups list|verify|restore|prune``: the operator's view of a backup location.
+
+Argument wiring, text and JSON output, a progress bar and exit codes; every decision is in
+``replicator.storage.backup_ops``. Exit codes: 0 done (and everything verified), 1 corruption found
+or the operation refused or failed, 2 bad usage. Works on any URL ``open_object_store``
+takes, through the ``ObjectStore`` interface only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from replicator.core.manifest import ManifestError
+from replicator.storage import backup_ops as ops
+from replicator.storage.objectstore import ObjectStore, ObjectStoreError
+from replicator.storage.stores import open_object_store
+
+PROG = "mtc backups"
+
+
+class ProgressBar:
+    """Bytes read of a known total on one line of ``stream``, redrawn at most every
+    ``interval`` seconds so a fast local read is not slowed down by drawing."""
+
+    def __init__(
+        self,
+        stream: TextIO,
+        total: int,
+        label: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        interval: float = 0.2,
+        width: int = 24,
+    ) -> None:
+        self.stream, self.total, self.label = stream, total, label
+        self.clock, self.interval, self.width = clock, interval, width
+        self.done = 0
+        self._drawn_at: float | None = None
+        self._last_len = 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        now = self.clock()
+        if self._drawn_at is None or now - self._drawn_at >= self.interval:
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        share = min(1.0, self.done / self.total) if self.total else 1.0
+        filled = int(share * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        line = (
+            f"{self.label} [{bar}] {ops.human_bytes(self.done)} / "
+            f"{ops.human_bytes(self.total)} {share:4.0%}"
+        )
+        # Pad over a longer previous line ("1023 B" is longer than "1.0 KiB").
+        self.stream.write(f"\r{line.ljust(self._last_len)}")
+        self._last_len = len(line)
+        self.stream.flush()
+        self._drawn_at = now
+
+    def close(self) -> None:
+        """Draw the final state and end the line."""
+        self._draw(self.clock())
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+class _NoBar:
+    def __call__(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(args: argparse.Namespace, total: int, label: str) -> ProgressBar | _NoBar:
+    if args.progress or sys.stderr.isatty():
+        return ProgressBar(sys.stderr, total, label)
+    return _NoBar()
+
+
+# --- argument wiring -----------------------------------------------------------------------
+
+
+def _job(value: str) -> str:
+    if not ops.is_job_name(value):
+        raise argparse.ArgumentTypeError(f"not a job name: {value!r:.80}")
+    return value
+
+
+def _count(value: str) -> int:
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+def _minutes(value: str) -> float:
+    m = float(value)
+    if not m >= 0 or m == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of minutes >= 0, got {value!r:.40}")
+    return m
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``backups`` and its four commands on the ``mtc`` parser."""
+    p = subparsers.add_parser(
+        "backups",
+        help="list, verify, pin a restore from, or prune a backup location",
+        description="Operate on backups: file:///abs/path, gs://bucket/prefix, s3://bucket/prefix",
+    )
+    sub = p.add_subparsers(dest="backups_command", required=True)
+
+    def command(name: str, help_text: str, *, job_required: bool = True) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_text, description=help_text)
+        c.add_argument("url", help="backup location (the daemon's --backup)")
+        c.add_argument("--job", type=_job, required=job_required, help="the job's name")
+        return c
+
+    ls = command("list", "jobs and steps: state, items, size, age", job_required=False)
+    ls.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    verify = command("verify", "re-read committed steps and check every byte")
+    verify.add_argument("--step", type=_count, help="only this step (default: every one)")
+    verify.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    restore = command("restore", "make the job's next restore round use one committed step")
+    which = restore.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=_count, help="the committed step to restore")
+    which.add_argument("--clear", action="store_true", help="remove the job's restore pin")
+    restore.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    restore.add_argument(
+        "--no-verify", action="store_true", help="pin without re-reading the step first"
+    )
+
+    prune = command("prune", "delete old steps by a retention policy (dry run unless --apply)")
+    prune.add_argument(
+        "--keep-last", type=_count, default=0, metavar="N", help="the N newest committed steps"
+    )
+    for period, unit in (("hourly", "hours"), ("daily", "days (UTC)"), ("weekly", "ISO weeks")):
+        prune.add_argument(
+            f"--keep-{period}",
+            type=_count,
+            default=0,
+            metavar="N",
+            help=f"the newest step of each of the N newest {unit} that have one",
+        )
+    prune.add_argument(
+        "--min-age-minutes",
+        type=_minutes,
+        default=ops.DEFAULT_MIN_AGE_SECONDS / 60,
+        metavar="M",
+        help="a step without COMMIT written to within M minutes is kept as uploading "
+        "(default %(default)g)",
+    )
+    prune.add_argument(
+        "--verify-newest",
+        action="store_true",
+        help="verify from the newest step down; keep the newest that verifies",
+    )
+    prune.add_argument("--apply", action="store_true", help="delete (default: only show)")
+    prune.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    for c in (verify, restore, prune):
+        c.add_argument(
+            "--progress", action="store_true", help="progress bar on stderr even if not a TTY"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one ``mtc backups`` command; the exit code."""
+    commands: dict[str, Callable[[argparse.Namespace, ObjectStore, float], int]] = {
+        "list": _list,
+        "verify": _verify,
+        "restore": _restore,
+        "prune": _prune,
+    }
+    try:
+        objects = open_object_store(args.url)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    except ObjectStoreError as exc:
+        return _fail(str(exc))
+    try:
+        return commands[args.backups_command](args, objects, time.time())
+    except (ObjectStoreError, ops.PinError, ManifestError) as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:
+        # Output piped into `head`: stop quietly, and keep the exit-time flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _print_json(body: object) -> None:
+    print(json.dumps(body, indent=2, sort_keys=True))
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> None:
+    """Columns padded to their widest cell; the last column is left ragged."""
+    widths = [max(len(r[i]) for r in (headers, *rows)) for i in range(len(headers) - 1)]
+    for row in (headers, *rows):
+        cells = [c.ljust(w) for c, w in zip(row, widths, strict=False)]
+        print(indent + "  ".join([*cells, row[-1]]).rstrip())
+
+
+# --- list ----------------------------------------------------------------------------------
+
+
+def _pin_json(pin: ops.RestorePin | None) -> dict[str, Any] | None:
+    return None if pin is None else pin.to_dict()
+
+
+def _number(x: float | None) -> float | None:
+    """JSON has no NaN or Infinity (a hostile COMMIT's time can be either)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _step_json(s: ops.StepListing, now: float) -> dict[str, Any]:
+    at = s.commit.created if s.commit is not None else s.newest_object_at
+    return {
+        "step": s.step,
+        "state": s.state(now).value,
+        "items": s.items,
+        "objects": s.objects,
+        "bytes": s.bytes,
+        "committed_at": _number(s.commit.created) if s.commit is not None else None,
+        "newest_object_at": s.newest_object_at,
+        "age_seconds": _number(now - at),
+        "commit_error": s.commit_error,
+    }
+
+
+def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    jobs = [args.job] if args.job else ops.list_jobs(objects)
+    out: list[dict[str, Any]] = []
+    for job in jobs:
+        listing = ops.scan_job(objects, job)
+        try:
+            pin, pin_error = ops.read_restore_pin(objects, job), None
+        except ops.MalformedPin as exc:
+            pin, pin_error = None, str(exc)
+        out.append(
+            {
+                "job": job,
+                "steps": [_step_json(s, now) for s in listing.steps],
+                "restore_pin": _pin_json(pin),
+                "restore_pin_error": pin_error,
+                "stray_objects": list(listing.stray),
+            }
+        )
+    if args.json:
+        _print_json({"url": objects.url, "jobs": out})
+        return 0
+    print(objects.url)
+    if not out:
+        print("no backups")
+    for job in out:
+        _print_job(job, now)
+    return 0
+
+
+def _print_job(job: dict[str, Any], now: float) -> None:
+    steps = job["steps"]
+    states: dict[str, int] = {}
+    for s in steps:
+        states[s["state"]] = states.get(s["state"], 0) + 1
+    summary = ", ".join(f"{n} {state}" for state, n in states.items()) or "no backups"
+    total = ops.human_bytes(sum(s["bytes"] for s in steps))
+    print(f"job {job['job']}: {summary} ({total})")
+    pin = job["restore_pin"]
+    if pin is not None:
+        age = ops.human_age(now - pin["requested_at"])
+        who = f" by {pin['requested_by']}" if pin["requested_by"] else ""
+        print(f"  next restore pinned to step {pin['step']} (requested {age} ago{who})")
+    if job["restore_pin_error"]:
+        print(f"  restore pin unusable: {job['restore_pin_error']}")
+    if job["stray_objects"]:
+        stray = job["stray_objects"]
+        print(f"  {len(stray)} object(s) outside any step, e.g. {stray[0]}")
+    if steps:
+        rows = [
+            [
+                str(s["step"]),
+                s["state"],
+                str(s["items"]),
+                str(s["objects"]),
+                ops.human_bytes(s["bytes"]),
+                ops.human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
+            ]
+            for s in steps
+        ]
+        _table(["STEP", "STATE", "ITEMS", "OBJECTS", "SIZE", "AGE"], rows)
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+def _verdict_json(v: ops.StepVerdict) -> dict[str, Any]:
+    return {
+        "job": v.job,
+        "step": v.step,
+        "status": "OK" if v.ok else "CORRUPT",
+        "items": v.items,
+        "objects_checked": v.objects_checked,
+        "bytes_checked": v.bytes_checked,
+        "problems": [
+            {"kind": p.kind.value, "item": p.item, "key": p.key, "detail": p.detail}
+            for p in v.problems
+        ],
+        "unexpected_objects": list(v.unexpected),
+    }
+
+
+def _print_verdict(v: ops.StepVerdict) -> None:
+    status = "OK" if v.ok else "CORRUPT"
+    size = ops.human_bytes(v.bytes_checked)
+    counts = f"{v.items} items, {v.objects_checked} objects, {size}"
+    print(f"job {v.job} step {v.step}: {status} ({counts})")
+    for p in v.problems:
+        where = " ".join(x for x in (f"item {p.item}" if p.item else "", p.key or "") if x)
+        print(f"  {p.kind.value.replace('_', ' ')}: {where}: {p.detail}")
+    if v.unexpected:
+        n, first = len(v.unexpected), v.unexpected[0]
+        print(f"  note: {n} object(s) the COMMIT does not name, e.g. {first}")
+
+
+def _verify_steps(
+    args: argparse.Namespace, objects: ObjectStore, job: str, steps: Sequence[int]
+) -> list[ops.StepVerdict] | None:
+    """Verify ``steps`` under one progress bar; None if one of them has no COMMIT."""
+    plans = [ops.plan_verify(objects, job, s) for s in steps]
+    if any(not p.committed for p in plans):
+        return None
+    bar = _bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
+    try:
+        return [ops.run_verify(objects, p, bar) for p in plans]
+    finally:
+        bar.close()
+
+
+def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    job = args.job
+    if args.step is not None:
+        steps = [args.step]
+    else:
+        listing = ops.scan_job(objects, job)
+        steps = [s.step for s in listing.steps if s.commit or s.commit_error]
+    verdicts = _verify_steps(args, objects, job, steps)
+    if verdicts is None:
+        return _fail(f"step {args.step} of job {job} is not committed")
+    ok = all(v.ok for v in verdicts)
+    if args.json:
+        _print_json(
+            {
+                "url": objects.url,
+                "job": job,
+                "ok": ok,
+                "steps": [_verdict_json(v) for v in verdicts],
+            }
+        )
+    elif not verdicts:
+        print(f"job {job} has no committed backups in {objects.url}")
+    else:
+        for v in verdicts:
+            _print_verdict(v)
+        bad = sum(1 for v in verdicts if not v.ok)
+        print(f"{len(verdicts)} step(s) verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
+    return 0 if ok else 1
+
+
+# --- restore -------------------------------------------------------------------------------
+
+
+def _whoami() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    who = f"{user}@{socket.gethostname()}"
+    return who if who.isprintable() else "?"
+
+
+def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    job = args.job
+    if args.clear:
+        if ops.clear_restore_pin(objects, job):
+            print(f"job {job}: restore pin removed; the next restore takes the newest step")
+        else:
+            print(f"job {job} had no restore pin")
+        return 0
+    step = args.step
+    found = ops.read_commit_raw(objects, job, step)
+    if found is None:
+        return _fail(
+            f"step {step} of job {job} is not committed; `mtc backups list` shows which are"
+        )
+    try:
+        old = ops.read_restore_pin(objects, job)
+        replaces = f" (replacing the pin of step {old.step})" if old is not None else ""
+    except ops.MalformedPin:
+        replaces = " (replacing a malformed pin)"
+    if not args.yes:
+        if not sys.stdin.isatty():
+            return _fail("confirm with --yes (stdin is not a terminal)", 2)
+        answer = input(f"Pin job {job}'s next restore to backup step {step}{replaces}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing pinned")
+            return 1
+    if not args.no_verify:
+        verdicts = _verify_steps(args, objects, job, [step])
+        if verdicts is None:
+            return _fail(f"step {step} of job {job} is not committed any more")
+        if not verdicts[0].ok:
+            _print_verdict(verdicts[0])
+            return _fail(f"step {step} of job {job} is corrupt: nothing pinned")
+    pin = ops.RestorePin(job, step, now, ops.commit_digest(found[1]), _whoami()[:256])
+    ops.write_restore_pin(objects, pin)
+    checked = "unverified" if args.no_verify else "verified"
+    print(
+        f"job {job}: the next restore round will use backup step {step} ({checked}){replaces}; "
+        f"pin at {ops.pin_key(job)}"
+    )
+    return 0
+
+
+# --- prune ---------------------------------------------------------------------------------
+
+
+def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    job = args.job
+    policy = ops.RetentionPolicy(
+        args.keep_last,
+        args.keep_hourly,
+        args.keep_daily,
+        args.keep_weekly,
+        args.min_age_minutes * 60,
+    )
+    if not (policy.keep_last or policy.keep_hourly or policy.keep_daily or policy.keep_weekly):
+        return _fail(
+            "give a retention policy: at least one of --keep-last/-hourly/-daily/-weekly", 2
+        )
+    listing = ops.scan_job(objects, job)
+    try:
+        pin = ops.read_restore_pin(objects, job)
+    except ops.MalformedPin as exc:
+        return _fail(f"{exc}; fix it or remove it (mtc backups restore --clear) before pruning")
+    verdicts: list[ops.StepVerdict] = []
+    newest_verified: int | None = None
+    if args.verify_newest:
+        committed = [s.step for s in listing.steps if s.commit is not None]
+        bars: list[ProgressBar | _NoBar] = []
+
+        def bar_for(plan: ops.VerifyPlan) -> ops.Progress:
+            bars.append(_bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
+            return bars[-1]
+
+        try:
+            newest_verified, verdicts = ops.find_newest_verified(objects, job, committed, bar_for)
+        finally:
+            for b in bars:
+                b.close()
+    facts = ops.prune_facts(
+        listing,
+        pinned=pin.step if pin is not None else None,
+        verify_requested=args.verify_newest,
+        newest_verified=newest_verified,
+    )
+    decisions = ops.plan_prune(policy, facts, now)
+    deletions = (
+        ops.apply_prune(
+            objects, job, decisions, min_age_seconds=policy.min_age_seconds, now=time.time()
+        )
+        if args.apply
+        else []
+    )
+    sizes = {s.step: s for s in listing.steps}
+    doomed = [d for d in decisions if d.action is ops.Action.DELETE]
+    if args.json:
+        _print_json(
+            {
+                "url": objects.url,
+                "job": job,
+                "apply": args.apply,
+                "policy": {
+                    "keep_last": policy.keep_last,
+                    "keep_hourly": policy.keep_hourly,
+                    "keep_daily": policy.keep_daily,
+                    "keep_weekly": policy.keep_weekly,
+                    "min_age_seconds": policy.min_age_seconds,
+                },
+                "restore_pin": _pin_json(pin),
+                "verified": [_verdict_json(v) for v in verdicts],
+                "steps": [
+                    {
+                        "step": d.step,
+                        "state": d.state.value,
+                        "action": d.action.value,
+                        "reasons": list(d.reasons),
+                        "objects": sizes[d.step].objects,
+                        "bytes": sizes[d.step].bytes,
+                    }
+                    for d in decisions
+                ],
+                "deleted": [
+                    {"step": x.step, "objects": x.objects, "bytes": x.bytes}
+                    for x in deletions
+                    if x.skipped is None
+                ],
+                "skipped": [{"step": x.step, "reason": x.skipped} for x in deletions if x.skipped],
+            }
+        )
+        return 0
+    mode = "deleting" if args.apply else "dry run: nothing is deleted, add --apply to delete"
+    print(f"job {job} in {objects.url}: prune ({mode})")
+    for v in verdicts:
+        _print_verdict(v)
+    if not decisions:
+        print("  no backups")
+        return 0
+    rows = []
+    for d in decisions:
+        s = sizes[d.step]
+        at = s.commit.created if s.commit is not None else s.newest_object_at
+        rows.append(
+            [
+                str(d.step),
+                d.state.value,
+                d.action.value,
+                ops.human_bytes(s.bytes),
+                ops.human_age(now - at),
+                ", ".join(d.reasons),
+            ]
+        )
+    _table(["STEP", "STATE", "ACTION", "SIZE", "AGE", "WHY"], rows)
+    if not args.apply:
+        count = sum(sizes[d.step].objects for d in doomed)
+        size = ops.human_bytes(sum(sizes[d.step].bytes for d in doomed))
+        print(f"would delete {len(doomed)} step(s): {count} objects, {size}")
+        return 0
+    done = [x for x in deletions if x.skipped is None]
+    size = ops.human_bytes(sum(x.bytes for x in done))
+    print(f"deleted {len(done)} step(s): {sum(x.objects for x in done)} objects, {size}")
+    for x in deletions:
+        if x.skipped:
+            print(f"  left step {x.step}: {x.skipped}")
+    return 0

@@ -1,0 +1,48 @@
+"""``mtc``: the operator CLI. I/O only through the commands it dispatches to.
+
+Built-in commands are ``backups`` and ``render``. Other commands plug in through the
+``mtc.commands`` entry-point group: each names a module with ``add_parser(subparsers)`` and
+``run(args) -> int``, like the built-in ones. ``mtc demo`` comes that way from
+``replicator.demo``, so that the product never imports the demo (an import contract holds
+this) while ``mtc demo`` works wherever the distribution is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from replicator import __version__
+from replicator.tools import backups as backups_cli
+from replicator.tools import render
+
+COMMANDS_GROUP = "mtc.commands"
+
+
+def _plugins() -> dict[str, ModuleType]:
+    return {ep.name: ep.load() for ep in entry_points(group=COMMANDS_GROUP)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="mtc", description="Operate the multi-tier checkpoint replicator."
+    )
+    p.add_argument("--version", action="version", version=__version__)
+    sub = p.add_subparsers(dest="command", required=True)
+    commands: dict[str, ModuleType] = {"backups": backups_cli, "render": render}
+    commands.update(_plugins())
+    for name in sorted(commands):
+        commands[name].add_parser(sub)
+    a = p.parse_args(argv)
+    command = commands.get(a.command)
+    if command is None:
+        p.error(f"unknown command {a.command}")
+    result: int = command.run(a)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

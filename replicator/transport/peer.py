@@ -1,0 +1,525 @@
+"""The peer data plane on gRPC: wire conventions shared by both ends, and ``PeerClient``.
+I/O module.
+
+``PeerClient`` pushes a committed item to another daemon, pulls one (staged, verified and
+committed exactly as the receiving daemon does it) and lists what a daemon holds, over one
+grpc.aio channel per address with explicit message limits, keepalives and a deadline on
+every call. A push streams its chunks only after the receiver accepted its header
+(``GO_AHEAD``), so answers never race the chunks. When the other daemon offers its data
+channel (``datachannel``), the bytes go there instead of into chunks, and gRPC carries
+only the header and the verdict. A peer's status code is translated into our exceptions
+in one place, ``_rpc_error``. The service itself is ``transport.service``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from replicator._pb.mtc.v1 import peer_pb2 as pb
+from replicator.core.contract import JOB_NAME_RE
+from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
+from replicator.local.store import LocalStore, StoreError
+from replicator.obs.logs import JobLog
+from replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from replicator.transport import datachannel
+from replicator.transport.datachannel import (
+    TOKEN_BYTES,
+    ChannelBroken,
+    ChannelProtocolError,
+    ChannelUnreachable,
+)
+from replicator.transport.transfer import (
+    Chunk,
+    TransferError,
+    check_manifest,
+    iter_chunks,
+    receive_item,
+    room_on,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "mtc.v1.Peer"
+GO_AHEAD = ("mtc-send-chunks", "1")
+"""Initial metadata a receiver sends once it accepted a push's header: only then does the
+sender stream chunks. Otherwise the receiver's answer (already held, or a refusal) races
+the sender's writes, and grpc.aio can then report "Internal error from Core" instead."""
+DATA_CHANNEL_KEY = "mtc-data-channel"
+"""Initial metadata beside ``GO_AHEAD`` offering the receiver's data channel for a push's
+bytes: ``"<port> <token as hex>"``."""
+CHUNKS_AFTER_UNREACHABLE = 300.0
+"""Seconds a peer whose data channel could not be reached gets gRPC chunks instead."""
+VERDICT_SECONDS = 5.0
+"""After the data connection broke, how long to wait for the other side's status."""
+MAX_MESSAGE_BYTES = 16 << 20
+"""Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
+lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
+
+_MESSAGE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    # A peer that vanishes mid-transfer (node lost, no FIN) is detected in ~40 s, not hours.
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *_MESSAGE_OPTIONS,
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    # Accept the clients' keepalive pings during a stalled transfer instead of GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    # Without this a second daemon on the same fixed port would silently share it.
+    ("grpc.so_reuseport", 0),
+]
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+class PeerError(Exception):
+    """A call to a peer failed; ``retryable`` says whether trying again later may work."""
+
+    retryable = False
+
+    def __init__(self, address: str, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.code = code
+
+
+class PeerUnavailable(PeerError):
+    """The peer is unreachable, too slow, full or busy."""
+
+    retryable = True
+
+
+class ItemNotFound(PeerError):
+    """The peer holds no such committed item."""
+
+
+_RETRYABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
+)
+
+
+def _rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
+    """The one place that turns a peer's gRPC status into our exception types."""
+    code = exc.code()
+    message = f"{what} at {address}: {code.name}: {exc.details() or ''}"
+    if code is grpc.StatusCode.DATA_LOSS:
+        return CorruptItem(message)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return ItemNotFound(address, message, code)
+    if code in _RETRYABLE:
+        return PeerUnavailable(address, message, code)
+    return PeerError(address, message, code)
+
+
+# --- wire conventions ---------------------------------------------------------------------------
+
+
+def item_id(ref: pb.ItemRef) -> ItemId:
+    """An ``ItemRef`` from the wire, its job name checked like a manifest's."""
+    if not JOB_NAME_RE.fullmatch(ref.job) or ".." in ref.job:
+        raise TransferError(f"unsafe job name {ref.job!r:.80}")
+    return ItemId(ref.job, ref.step, ref.rank, ref.worker)
+
+
+def item_ref(item: ItemId) -> pb.ItemRef:
+    return pb.ItemRef(job=item.job, step=item.step, rank=item.rank, worker=item.worker)
+
+
+async def chunks_of(
+    messages: AsyncIterator[pb.PushItemRequest] | AsyncIterator[pb.PullItemResponse],
+) -> AsyncIterator[Chunk]:
+    """The chunks that follow a transfer's header, as ``transfer.receive_item`` takes them."""
+    async for message in messages:
+        if message.WhichOneof("body") != "chunk":
+            raise TransferError("only chunks may follow the header")
+        c = message.chunk
+        yield c.file_index, c.offset, c.data, c.crc32c  # each access of a bytes field copies
+
+
+def channel_offer(port: int, token: bytes) -> tuple[int, bytes] | None:
+    """A data channel offered by the other daemon, checked: ``(port, token)``, or None
+    when none was offered; ``TransferError`` when the offer is malformed."""
+    if port == 0 and not token:
+        return None
+    if not 0 < port < 65536 or len(token) != TOKEN_BYTES:
+        raise TransferError(f"malformed data channel offer: port {port}, {len(token)}-byte token")
+    return port, token
+
+
+def push_offer(metadata: tuple[tuple[str, str | bytes], ...]) -> tuple[int, bytes] | None:
+    """The data channel offered in a push's go-ahead metadata, if any (see ``channel_offer``)."""
+    for key, value in metadata:
+        if key == DATA_CHANNEL_KEY:
+            port, _, token = str(value).partition(" ")
+            try:
+                return channel_offer(int(port), bytes.fromhex(token))
+            except ValueError:
+                raise TransferError(f"malformed data channel offer {str(value)!r:.80}") from None
+    return None
+
+
+def fill_chunk(chunk: pb.Chunk, file_index: int, offset: int, data: bytes, crc32c: int) -> None:
+    """Fill a message's chunk in place: building a Chunk and wrapping it copies data twice."""
+    chunk.file_index = file_index
+    chunk.offset = offset
+    chunk.data = data
+    chunk.crc32c = crc32c
+
+
+def rate(nbytes: int, seconds: float) -> float:
+    """MB/s, for the transfer log lines."""
+    return nbytes / max(seconds, 1e-9) / 1e6
+
+
+# --- the client --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    """One committed item a peer holds."""
+
+    item: ItemId
+    digest: str
+    total_bytes: int
+
+
+def _method(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+class PeerClient:
+    """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
+
+    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second;
+    a pull whose size is not known in advance gets ``timeout + max_transfer_seconds``.
+    A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
+    the client makes a small pool and shuts it down in ``close``). With ``data_channel``,
+    transfers ask for the other daemon's data channel and use it when it is offered.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 30.0,
+        min_rate: float = 25e6,
+        max_transfer_seconds: float = 3600.0,
+        executor: Executor | None = None,
+        metrics: Metrics = NO_METRICS,
+        data_channel: bool = True,
+    ) -> None:
+        self.timeout = timeout
+        self.data_channel = data_channel
+        self.metrics = metrics
+        self.min_rate = min_rate
+        self.max_transfer_seconds = max_transfer_seconds
+        self._own_executor = executor is None
+        self.executor: Executor = executor or ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="mtc-peer"
+        )
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._no_channel: dict[str, float] = {}
+        """Peers whose data channel could not be reached, until when (monotonic)."""
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            await channel.close()
+        if self._own_executor:
+            self.executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _deadline(self, nbytes: int | None) -> float:
+        if nbytes is None:
+            return self.timeout + self.max_transfer_seconds
+        return self.timeout + nbytes / self.min_rate
+
+    def _channel_ok(self, address: str) -> bool:
+        return self.data_channel and self._no_channel.get(address, 0.0) <= time.monotonic()
+
+    def _channel_unreachable(self, address: str, exc: ChannelUnreachable) -> None:
+        self._no_channel[address] = time.monotonic() + CHUNKS_AFTER_UNREACHABLE
+        log.warning(
+            "data channel of %s unreachable (%s): gRPC chunks for the next %.0f s",
+            address,
+            exc,
+            CHUNKS_AFTER_UNREACHABLE,
+        )
+
+    async def push_item(self, address: str, manifest: Manifest, data_path: Path) -> bool:
+        """Send a committed item; True when the peer already held it (nothing was sent).
+
+        Raises ``CorruptItem`` when the bytes sent do not match the manifest (the peer
+        answered DATA_LOSS, or the local copy is short), ``PeerUnavailable`` when trying
+        again later may work (unreachable, deadline, busy, full), ``PeerError`` otherwise
+        (for example, the peer does not take this job now: FAILED_PRECONDITION). A data
+        channel that cannot be reached is not an error: the item goes in chunks.
+        """
+        try:
+            return await self._push(address, manifest, data_path, self._channel_ok(address))
+        except ChannelUnreachable as exc:
+            self._channel_unreachable(address, exc)
+            return await self._push(address, manifest, data_path, False)
+
+    async def _push(self, address: str, manifest: Manifest, data_path: Path, channel: bool) -> bool:
+        method = self._channel(address).stream_unary(
+            _method("PushItem"),
+            request_serializer=pb.PushItemRequest.SerializeToString,
+            response_deserializer=pb.PushItemResponse.FromString,
+        )
+        raw = manifest.to_json()
+        header = pb.PushHeader(
+            item=item_ref(manifest.item),
+            manifest=raw,
+            manifest_digest=hashlib.sha256(raw).hexdigest(),
+            data_channel=channel,
+        )
+        t0 = time.monotonic()
+        call = method(timeout=self._deadline(manifest.total_bytes))
+        cut_short = False
+        broken: ChannelBroken | None = None
+        try:
+            try:
+                await call.write(pb.PushItemRequest(header=header))
+                metadata = tuple(await call.initial_metadata() or ())
+                if GO_AHEAD in metadata:
+                    try:
+                        offer = push_offer(metadata)
+                    except TransferError as exc:
+                        raise PeerError(address, f"push of {manifest.item}: {exc}") from None
+                    if offer is not None:
+                        try:
+                            await self._send_over_channel(address, offer, manifest, data_path)
+                        except ChannelUnreachable:
+                            raise  # push_item tries again in chunks; this call is cancelled
+                        except ChannelBroken as exc:
+                            broken = exc  # the peer's status, if it has one, says more
+                    else:
+                        await self._send_chunks(call, manifest, data_path)
+                await call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                cut_short = True  # the peer ended the call mid-stream; its status says why
+            if broken is None:
+                response = await call
+            else:
+                try:
+                    response = await asyncio.wait_for(asyncio.shield(call), VERDICT_SECONDS)
+                except TimeoutError:
+                    raise PeerUnavailable(
+                        address, f"push of {manifest.item} to {address}: {broken}"
+                    ) from None
+        except grpc.aio.AioRpcError as exc:
+            if cut_short and exc.code() is grpc.StatusCode.INTERNAL:
+                # A peer drains the stream before it answers, so this is rare: a write was
+                # in flight when the call ended, and grpc.aio replaced the peer's status.
+                raise PeerUnavailable(
+                    address,
+                    f"push of {manifest.item} at {address}: the peer ended it mid-stream "
+                    "(its reason is in its log)",
+                    exc.code(),
+                ) from None
+            raise _rpc_error(exc, address, f"push of {manifest.item}") from None
+        finally:
+            call.cancel()  # a no-op once answered; after a local read error, stop the peer
+        dt = time.monotonic() - t0
+        JobLog(log, manifest.item.job, manifest.item.rank).info(
+            "pushed %s to %s: %s",
+            manifest.item,
+            address,
+            "already held"
+            if response.already_had
+            else f"{response.bytes_received} bytes in {dt:.3f}s "
+            f"({rate(response.bytes_received, dt):.1f} MB/s)",
+            step=manifest.item.step,
+        )
+        if not response.already_had:
+            self.metrics.transfer(TransferKind.REPLICATE_OUT, response.bytes_received, dt)
+        return response.already_had
+
+    async def _send_chunks(
+        self, call: grpc.aio.StreamUnaryCall[Any, Any], manifest: Manifest, data_path: Path
+    ) -> None:
+        with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
+            for index, offset, buf, crc in chunks:
+                request = pb.PushItemRequest()
+                fill_chunk(request.chunk, index, offset, buf, crc)
+                await call.write(request)
+
+    async def _connect(self, address: str, offer: tuple[int, bytes]) -> socket.socket:
+        """The data connection the other daemon offered, its token presented."""
+        port, token = offer
+        return await asyncio.get_running_loop().run_in_executor(
+            None, datachannel.connect, address, port, token, self.timeout
+        )
+
+    async def _send_over_channel(
+        self, address: str, offer: tuple[int, bytes], manifest: Manifest, data_path: Path
+    ) -> None:
+        with await self._connect(address, offer) as sock:
+            await datachannel.send_staged(manifest, data_path, sock, idle_timeout=self.timeout)
+
+    async def pull_item(
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None = None,
+        *,
+        total_bytes: int | None = None,
+    ) -> Manifest:
+        """Fetch ``item`` into ``store``, verified chunk by chunk and file by file, committed
+        with its manifest last; its manifest. ``total_bytes`` (from a listing) tightens the
+        deadline.
+
+        Raises ``CorruptItem`` on any checksum or size mismatch (nothing is committed),
+        ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
+        a malformed stream, ``PeerUnavailable`` when trying again later may work, and
+        ``StoreError`` when the local store cannot take it. A data channel that cannot be
+        reached is not an error: the item comes in chunks.
+        """
+        args = (address, item, store, expected_digest)
+        try:
+            return await self._pull(
+                *args, total_bytes=total_bytes, channel=self._channel_ok(address)
+            )
+        except ChannelUnreachable as exc:
+            self._channel_unreachable(address, exc)
+            return await self._pull(*args, total_bytes=total_bytes, channel=False)
+
+    async def _pull(
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None,
+        *,
+        total_bytes: int | None,
+        channel: bool,
+    ) -> Manifest:
+        call = self._channel(address).unary_stream(
+            _method("PullItem"),
+            request_serializer=pb.PullItemRequest.SerializeToString,
+            response_deserializer=pb.PullItemResponse.FromString,
+        )
+        request = pb.PullItemRequest(
+            item=item_ref(item),
+            manifest_digest=expected_digest or "",
+            data_channel=channel,
+        )
+        t0 = time.monotonic()
+        stream = call(request, timeout=self._deadline(total_bytes))
+        try:
+            responses = aiter(stream)
+            first = await anext(responses, None)
+            if first is None or first.WhichOneof("body") != "header":
+                raise PeerError(address, f"pull of {item} at {address}: no header came first")
+            try:
+                manifest = check_manifest(first.header.manifest, first.header.manifest_digest, item)
+            except (ManifestError, TransferError) as exc:
+                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+            if expected_digest and first.header.manifest_digest != expected_digest:
+                raise PeerError(address, f"pull of {item} at {address}: another digest came")
+            room = room_on(store.root)
+            if manifest.total_bytes > room:
+                raise StoreError(f"{item}: {manifest.total_bytes} bytes do not fit ({room} free)")
+            try:
+                offer = channel_offer(first.header.data_port, first.header.data_token)
+                if offer is None:
+                    nbytes = await receive_item(
+                        store, manifest, chunks_of(responses), self.executor
+                    )
+                else:
+                    nbytes = await self._receive_over_channel(address, offer, store, manifest)
+                    if await anext(responses, None) is not None:
+                        raise TransferError("a message came after the data channel's bytes")
+            except (TransferError, ChannelProtocolError) as exc:
+                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+            except ChannelUnreachable:
+                raise  # pull_item tries again in chunks; this call is cancelled
+            except ChannelBroken as exc:
+                # The sender's status, if it failed, says more than the broken connection.
+                with contextlib.suppress(TimeoutError, StopAsyncIteration):
+                    await asyncio.wait_for(anext(responses), VERDICT_SECONDS)
+                raise PeerUnavailable(address, f"pull of {item} at {address}: {exc}") from None
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, address, f"pull of {item}") from None
+        finally:
+            stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
+        dt = time.monotonic() - t0
+        JobLog(log, item.job, item.rank).info(
+            "pulled %s from %s: %d bytes in %.3fs (%.1f MB/s)",
+            item,
+            address,
+            nbytes,
+            dt,
+            rate(nbytes, dt),
+            step=item.step,
+        )
+        self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
+        return manifest
+
+    async def _receive_over_channel(
+        self, address: str, offer: tuple[int, bytes], store: LocalStore, manifest: Manifest
+    ) -> int:
+        with await self._connect(address, offer) as sock:
+            return await datachannel.receive_staged(
+                store, manifest, sock, idle_timeout=self.timeout
+            )
+
+    async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
+        """The committed items ``address`` holds (of ``job`` only, when given)."""
+        call = self._channel(address).unary_unary(
+            _method("ListItems"),
+            request_serializer=pb.ListItemsRequest.SerializeToString,
+            response_deserializer=pb.ListItemsResponse.FromString,
+        )
+        try:
+            response = await call(pb.ListItemsRequest(job=job or ""), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _rpc_error(exc, address, "list of items") from None
+        infos = []
+        for info in response.items:
+            try:
+                infos.append(ItemInfo(item_id(info.item), info.manifest_digest, info.total_bytes))
+            except TransferError as exc:
+                raise PeerError(address, f"list of items at {address}: {exc}") from None
+        return infos
