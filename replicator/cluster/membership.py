@@ -1,6 +1,9 @@
-"""An incarnation's membership in its job's cluster (``nodes > 1``). I/O: gRPC and the store.
+"""An incarnation's membership in its job: every job, one node or many. I/O: the coordinator
+link and the store.
 
-Restore goes through the coordinator's round (``rounds``). In steady state each committed
+A one-node job is a cluster of one whose coordinator its own daemon hosts (``cluster.link``),
+so there is one restore path and one backup path. Restore goes through the coordinator's
+round (``cluster.rounds``). In steady state each committed
 step is pushed to this rank's replication targets (``replication``), and progress reports
 to the coordinator return the cluster's restorable step (which retention must keep) and
 backup orders (one step at a time, uploaded by one replica per data-parallel class).
@@ -15,8 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from replicator.cluster.client import CoordinatorClient, CoordinatorError
-from replicator.cluster.registry import Registry
+from replicator.cluster.client import CoordinatorError, NoCoordinator
+from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.replication import Replication
 from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
 from replicator.core.contract import JobConfig
@@ -53,8 +56,9 @@ class MemberContext:
     incarnation_id: str
     store: LocalStore
     backups: BackupStore | None
-    peers: PeerClient
-    registry: Registry
+    peers: PeerClient | None
+    """The peer plane; None only where there are no peers (a one-node job)."""
+    finder: CoordinatorFinder
     advertise: str
     run_thread: Callable[..., Awaitable[object]]
     verify_local: Callable[[ItemId], Awaitable[None]]
@@ -86,7 +90,7 @@ class ClusterMember:
         """What the next report promises (set by ``retained``)."""
         self._offering: frozenset[int] | None = None
         """The promise of the report in flight: kept until it is answered."""
-        self._client: CoordinatorClient | None = None
+        self._client: CoordinatorLink | None = None
         self._backup_task: asyncio.Task[None] | None = None
         self._last_report = 0.0
         self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
@@ -98,7 +102,7 @@ class ClusterMember:
                 incarnation_id=self.ctx.incarnation_id,
                 store=self.ctx.store,
                 peers=self.ctx.peers,
-                registry=self.ctx.registry,
+                finder=self.ctx.finder,
                 advertise=self.ctx.advertise,
                 verify_local=self.ctx.verify_local,
                 fetch_backup=self.ctx.fetch_backup,
@@ -112,7 +116,7 @@ class ClusterMember:
 
     def adopt(self, outcome: RoundOutcome) -> None:
         self.replication.set_addresses(outcome.addresses)
-        self._client = CoordinatorClient(self.config.job_name, outcome.coordinator)
+        self._client = self.ctx.finder.open(self.config.job_name, outcome.coordinator)
         if outcome.step is not None:
             self.restorable = outcome.step
             self.replication.newest_replicated = outcome.step
@@ -130,7 +134,9 @@ class ClusterMember:
         outside them still stays while a promise made earlier (answered, or in flight)
         covers it: the coordinator may be naming it restorable from that promise.
         """
-        wanted = self.protected | self.keep_steps | set(complete[-UNCONFIRMED_KEPT:])
+        # With one node nothing waits for a peer's confirmation: the newest step is it.
+        unconfirmed = 1 if self.config.nodes == 1 else UNCONFIRMED_KEPT
+        wanted = self.protected | self.keep_steps | set(complete[-unconfirmed:])
         self._offer = frozenset(s for s in complete if s in wanted)
         keep = set(wanted)
         if self._promised is None or self.restorable is None:
@@ -165,10 +171,10 @@ class ClusterMember:
 
     async def _report(self) -> None:
         if self._client is None:
-            entry = await asyncio.to_thread(self.ctx.registry.lookup, self.config.job_name)
-            if entry is None:
+            try:
+                self._client = await self.ctx.finder.find(self.config.job_name, timeout=0)
+            except NoCoordinator:
                 return
-            self._client = CoordinatorClient.for_entry(entry)
         offer = self._offering = self._offer
         try:
             answer = await self._client.report_progress(

@@ -34,7 +34,7 @@ class Replication:
     """Which of this rank's steps its replication targets hold, and the pushes to get there."""
 
     def __init__(
-        self, config: JobConfig, store: LocalStore, peers: PeerClient, on_error: ErrorSink
+        self, config: JobConfig, store: LocalStore, peers: PeerClient | None, on_error: ErrorSink
     ) -> None:
         self.config = config
         self.store = store
@@ -69,6 +69,11 @@ class Replication:
         A step that failed is offered again on every rescan; it is retried with a jittered
         exponential backoff, so a dead peer costs a few connection attempts, not a loop.
         """
+        if not self.targets:
+            # Nobody to push to (one node): committed here is as replicated as it gets.
+            if self.newest_replicated is None or step > self.newest_replicated:
+                self.newest_replicated = step
+            return
         if self._wanted is None or step > self._wanted:
             self._wanted = step
             self._retry_at = 0.0  # a new step is tried at once
@@ -116,7 +121,7 @@ class Replication:
 
     async def _push_all(self, target: int, manifests: list[Manifest], step: int) -> bool:
         address = self.addresses.get(target)
-        if address is None:
+        if address is None or self.peers is None:
             self.on_error(f"step {step}: no address known for peer rank {target}", step)
             return False
         try:

@@ -1,6 +1,7 @@
-"""The agent's side of a cluster restore round (``nodes > 1``). I/O: gRPC and the store.
+"""The agent's side of a restore round, for every job. I/O: the coordinator link and the store.
 
-Find the job's coordinator in the registry, join with this node's inventory, wait until
+Find the job's coordinator (in the registry for a cluster job, in this daemon for a
+one-node job: ``cluster.link``), join with this node's inventory, wait until
 every rank joined, obtain and verify the planned items in the order given (local, peer,
 equivalent, backup), report, and return once the coordinator released the round: only
 then may markers appear, and every rank's markers name the same step. While waiting, the
@@ -15,15 +16,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from replicator.cluster.client import (
-    CoordinatorClient,
-    CoordinatorError,
-    MustRejoin,
-    NoCoordinator,
-    find_coordinator,
-)
+from replicator.cluster.client import CoordinatorError, MustRejoin, NoCoordinator
+from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
-from replicator.cluster.registry import Registry
 from replicator.core.contract import JobConfig
 from replicator.core.coordination import JoinRejected, Phase
 from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
@@ -53,6 +48,9 @@ class RoundOutcome:
     """Target item -> the item holding its data here (itself, or a data-parallel equivalent)."""
     addresses: Mapping[int, str]
     coordinator: str
+    unavailable: tuple[str, ...] = ()
+    """Sources this rank could not use for a reason other than corrupt bytes (a full disk,
+    an unreachable store or peer): with a fresh start, the job must not start from scratch."""
 
 
 @dataclass
@@ -62,8 +60,9 @@ class RoundContext:
     config: JobConfig
     incarnation_id: str
     store: LocalStore
-    peers: PeerClient
-    registry: Registry
+    peers: PeerClient | None
+    """The peer plane; None where no peer can hold anything (a one-node job)."""
+    finder: CoordinatorFinder
     advertise: str
     verify_local: Callable[[ItemId], Awaitable[None]]
     fetch_backup: Callable[[ItemId], Awaitable[None]]
@@ -81,6 +80,10 @@ class RoundParticipant:
         self.config = ctx.config
         self._started = time.monotonic()
         self._last_said = ""
+        self._unavailable: list[str] = []
+        self._obtained: dict[ItemId, Fetch] = {}
+        """The source each target came from (a one-node job's local and backup copies are
+        the same item, so the store alone cannot tell which was used)."""
 
     def _say_waiting(self, message: str) -> None:
         """Tell the workload what we wait for, once the wait got long, once per change."""
@@ -97,12 +100,11 @@ class RoundParticipant:
         job = self.config.job_name
         while True:
             try:
-                entry = await find_coordinator(self.ctx.registry, job, timeout=POLL_SECONDS)
+                client = await self.ctx.finder.find(job, timeout=POLL_SECONDS)
             except NoCoordinator as exc:
                 self._say_waiting(f"no coordinator for job {job} yet ({exc}); rank 0 hosts it")
                 await asyncio.sleep(backoff.next())
                 continue
-            client = CoordinatorClient.for_entry(entry)
             try:
                 outcome = await self._member(client)
                 if outcome is not None:
@@ -118,7 +120,7 @@ class RoundParticipant:
             finally:
                 await client.close()
 
-    async def _member(self, client: CoordinatorClient) -> RoundOutcome | None:
+    async def _member(self, client: CoordinatorLink) -> RoundOutcome | None:
         """One membership: join, follow the round; None means join again."""
         rank, inc = self.config.node_rank, self.ctx.incarnation_id
         round_ = await client.join(
@@ -171,9 +173,10 @@ class RoundParticipant:
                 elif f.source is Source.LOCAL:
                     raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
                 elif f.source is Source.PEER:
-                    if f.holder is None or f.holder not in addresses:
+                    peers = self.ctx.peers
+                    if peers is None or f.holder is None or f.holder not in addresses:
                         raise PeerError("?", f"no address for rank {f.holder}")
-                    await self.ctx.peers.pull_item(addresses[f.holder], f.item, store, f.digest)
+                    await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
                 else:
                     await self.ctx.fetch_backup(f.item)
                     fetched = store.get(f.item)
@@ -197,15 +200,17 @@ class RoundParticipant:
                 OSError,
                 KeyError,
             ) as exc:
-                self.ctx.error(
-                    f"step {f.item.step}: cannot use the {f.source.value} copy of {f.item}: {exc}",
-                    f.item.step,
+                message = (
+                    f"step {f.item.step}: cannot use the {f.source.value} copy of {f.item}: {exc}"
                 )
+                self.ctx.error(message, f.item.step)
                 failures.append(FailedFetch(f, False, str(exc)))
+                self._unavailable.append(message)
                 continue
             except Cancelled:
                 raise
             log.info("round: %s ready from %s (%s)", target, f.source.value, f.item)
+            self._obtained[target] = f
             return True
         return False
 
@@ -213,7 +218,9 @@ class RoundParticipant:
         stored_as: dict[ItemId, ItemId] = {}
         sources: set[Source] = set()
         for target, fetches in state.assignments.items():
-            for f in fetches:
+            used = self._obtained.get(target)
+            tried_first = [used] if used is not None and used in fetches else []
+            for f in [*tried_first, *fetches]:
                 held = self.ctx.store.get(f.item)
                 if held is not None and held.digest == f.digest:
                     stored_as[target] = f.item
@@ -223,4 +230,11 @@ class RoundParticipant:
                 raise StoreError(f"{target}: released, but no verified copy is here any more")
         order = list(Source)
         source = max(sources, key=order.index).value if sources else None
-        return RoundOutcome(state.step, source, stored_as, dict(state.addresses), coordinator)
+        return RoundOutcome(
+            state.step,
+            source,
+            stored_as,
+            dict(state.addresses),
+            coordinator,
+            tuple(self._unavailable),
+        )

@@ -1,11 +1,13 @@
-"""The job coordinator's server side: hosting coordinators and serving them over gRPC. I/O module.
+"""The job coordinator's server side: hosting coordinators and serving them. I/O module.
 
 ``CoordinatorHost`` keeps the ``JobCoordinator`` state machines this daemon hosts (one per
-job whose rank 0 runs here), each with a random id and a change signal for long polls.
-``CoordinatorServicer`` serves ``mtc.v1.Coordinator`` in the daemon's asyncio loop: every
-request is checked completely first, then handed to the pure state machine; our exceptions
-become one status code in ``status_for``. Agents call it through
-``replicator.cluster.client`` (DESIGN.md, "Rounds and incarnations").
+job whose rank 0 runs here, one-node jobs included), each with a random id and a change
+signal for long polls. ``Coordinators`` is the service in our own types: backup listings,
+restore pins, long polls around the pure state machine. Two transports reach it:
+``CoordinatorServicer`` serves ``mtc.v1.Coordinator`` over gRPC (every request is checked
+completely first; our exceptions become one status code in ``status_for``), and
+``cluster.link.LocalCoordinator`` calls it in process for a one-node job. Agents call it
+through ``cluster.link`` (docs/architecture.md, "Restore rounds").
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -29,6 +31,7 @@ from replicator.cluster.messages import (
     MAX_WAIT_SECONDS,
     SERVICE,
     BadMessage,
+    StatusKey,
     check_address,
     check_held_steps,
     check_incarnation,
@@ -42,8 +45,15 @@ from replicator.cluster.messages import (
 from replicator.cluster.registry import new_coordinator_id
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import JOB_NAME_RE, JobConfig
-from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase
-from replicator.core.restore_plan import NodeInventory
+from replicator.core.coordination import (
+    JobCoordinator,
+    Join,
+    JoinRejected,
+    Phase,
+    ProgressAnswer,
+    RankStatus,
+)
+from replicator.core.restore_plan import NodeInventory, SourceKey
 from replicator.obs.logs import JobLog
 
 __all__ = [
@@ -53,9 +63,12 @@ __all__ = [
     "BackupsUnavailable",
     "CoordinatorHost",
     "CoordinatorServicer",
+    "Coordinators",
     "HostedJob",
+    "Identity",
     "NotHosted",
     "NotInReleasedRound",
+    "Progress",
     "status_for",
 ]
 
@@ -99,6 +112,15 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 # --- hosting ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who answers a coordinator call: every answer names it, so callers notice a stale
+    registry entry (another job) or a restarted coordinator (another id)."""
+
+    job: str
+    coordinator_id: str
+
+
 @dataclass
 class HostedJob:
     """One coordinator this daemon hosts: the state machine, its id, its change signal."""
@@ -107,14 +129,16 @@ class HostedJob:
     coordinator_id: str
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (and replaced) on every change, so that long polls look again."""
+    backups_noted: bool = False
+    """Whether a coordinator restarted in steady state has read the newest backup's time."""
 
     @property
     def job(self) -> str:
         return self.coordinator.config.job_name
 
     @property
-    def identity(self) -> pb.CoordinatorIdentity:
-        return pb.CoordinatorIdentity(job=self.job, coordinator_id=self.coordinator_id)
+    def identity(self) -> Identity:
+        return Identity(self.job, self.coordinator_id)
 
     def addresses(self) -> dict[int, str]:
         return {r: m.inventory.address for r, m in self.coordinator.members.items()}
@@ -203,11 +227,28 @@ Listing = tuple[Mapping[int, CommitRecord], int | None]
 """A job's committed backups and its pinned step."""
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    """``mtc.v1.Coordinator`` over a ``CoordinatorHost``; handlers run in the daemon's loop.
+@dataclass(frozen=True)
+class Progress:
+    """A rank's ReportProgress, in our types."""
 
-    ``backups_for(job)`` lists the job's committed backups (blocking I/O: it runs in a
-    thread); ``clock`` is wall-clock seconds for backup intervals.
+    replicated_step: int | None
+    uploaded_step: int | None = None
+    address: str = ""
+    held: frozenset[int] | None = None
+    """The rank's promise (None: it keeps every step)."""
+    replicating_step: int | None = None
+
+
+class Coordinators:
+    """The coordinator calls of every job this daemon hosts, in our own types.
+
+    One implementation serves both transports: ``CoordinatorServicer`` (gRPC, for the ranks
+    of a cluster job on other nodes) and ``cluster.link.LocalCoordinator`` (in process, for a
+    one-node job), so every restore goes through the same rounds. Callers pass checked
+    values; errors are ours (``NotHosted``, ``JoinRejected``, ``NotInReleasedRound``,
+    ``BackupsUnavailable``, ``BadMessage``). ``backups_for(job)`` lists the job's committed
+    backups (blocking I/O: it runs in a thread); ``clock`` is wall-clock seconds for backup
+    intervals. Used from the daemon's event loop only.
     """
 
     def __init__(
@@ -228,17 +269,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._listing: dict[str, asyncio.Future[Listing]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def register(self, server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
-
-    # --- shared checks ---
-
-    def _hosted(self, job: str, rank: int) -> HostedJob:
+    def hosted(self, job: str, rank: int) -> HostedJob:
         hosted = self.host.get(job)
         if hosted is None:
             raise NotHosted(f"this daemon hosts no coordinator for job {job}")
         nodes = hosted.coordinator.config.nodes
-        if rank >= nodes:
+        if not 0 <= rank < nodes:
             raise BadMessage(f"rank {rank} is out of range for the {nodes} nodes of job {job}")
         return hosted
 
@@ -269,32 +305,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not listing.cancelled():
             listing.exception()  # retrieved here too: its joins may all have gone
 
-    # --- handlers ---
-
-    async def Join(
-        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.JoinResponse:
-        try:
-            return await self._join(request)
-        except Exception as exc:
-            await _abort(context, "Join", request, exc)
-
-    async def _join(self, request: pb.JoinRequest) -> pb.JoinResponse:
-        job = check_job(request.job)
-        incarnation = check_incarnation(request.incarnation_id)
-        address = check_address(request.address)
-        if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
-            raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
-        items = inventory_items(job, request.items)
-        self._hosted(job, request.rank)  # NOT_FOUND before listing any backups
+    async def join(
+        self, job: str, incarnation: str, cluster_view: str, inventory: NodeInventory
+    ) -> tuple[Identity, int]:
+        """Admit a join; returns who answered and the round it counts for."""
+        rank = inventory.rank
+        self.hosted(job, rank)  # NOT_FOUND before listing any backups
         backups, pinned = await self._committed_backups(job)
-        hosted = self._hosted(job, request.rank)  # it may have been replaced meanwhile
-        rank = request.rank
-        inventory = NodeInventory(rank, address, items)
+        hosted = self.hosted(job, rank)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
-        round_ = coordinator.join(
-            Join(rank, incarnation, request.cluster_view, inventory), backups, pinned
-        )
+        round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
         if coordinator.phase is not Phase.WAITING:
             # Planned: the listing served this round's joins. The next round (a job restart
             # seconds later) must list again, or it plans without a backup committed since.
@@ -306,31 +326,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         JobLog(log, job, rank).info(
             "join: incarnation %s at %s with %d items counts for round %d (%s)",
             incarnation,
-            address,
-            len(items),
+            inventory.address,
+            len(inventory.items),
             round_,
             coordinator.phase.value,
         )
-        return pb.JoinResponse(coordinator=hosted.identity, round=round_)
+        return hosted.identity, round_
 
-    async def RoundStatus(
-        self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RoundStatusResponse:
-        try:
-            return await self._round_status(request)
-        except Exception as exc:
-            await _abort(context, "RoundStatus", request, exc)
-
-    async def _round_status(self, request: pb.RoundStatusRequest) -> pb.RoundStatusResponse:
-        job = check_job(request.job)
-        incarnation = check_incarnation(request.incarnation_id)
-        rank = request.rank
-        seen = seen_key(request)
+    async def round_status(
+        self, job: str, rank: int, incarnation: str, seen: StatusKey | None, wait: float
+    ) -> tuple[Identity, RankStatus, dict[int, str]]:
+        """The round as ``rank`` sees it, once it differs from ``seen`` or ``wait`` passed;
+        with the members' addresses."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(request.wait_seconds, MAX_WAIT_SECONDS)
+        deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
         looked_at: tuple[Join | None, tuple[object, ...]] | None = None
         while True:
-            hosted = self._hosted(job, rank)
+            hosted = self.hosted(job, rank)
             changed = hosted.changed
             c = hosted.coordinator
             # The rank's answer depends on these only: a wake-up for another rank's join
@@ -343,60 +355,42 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 looked_at = (member, state)
                 status = c.status(rank, incarnation)
                 if status_key(status) != seen or remaining <= 0:
-                    return status_message(hosted.identity, status, hosted.addresses())
+                    return hosted.identity, status, hosted.addresses()
             try:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
             except TimeoutError:
                 pass  # answer with what there is now
 
-    async def ReportRestore(
-        self, request: pb.ReportRestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReportRestoreResponse:
-        try:
-            return self._report_restore(request)
-        except Exception as exc:
-            await _abort(context, "ReportRestore", request, exc)
-
-    def _report_restore(self, request: pb.ReportRestoreRequest) -> pb.ReportRestoreResponse:
-        job = check_job(request.job)
-        incarnation = check_incarnation(request.incarnation_id)
-        rank = request.rank
-        hosted = self._hosted(job, rank)
-        nodes = hosted.coordinator.config.nodes
-        failed = source_keys(request.failures, job, rank, nodes)
-        jlog = JobLog(log, job, rank)
-        for failure, key in zip(request.failures, failed, strict=True):
-            holder = "the backup" if key.holder is None else f"rank {key.holder}"
-            jlog.warning(
-                "restore: %s from %s failed (%s): %s",
-                key.item,
-                holder,
-                "corrupt" if failure.corrupt else "unavailable",
-                failure.detail[:MAX_DETAIL_CHARS],
-                step=key.item.step,
-            )
+    def report_restore(
+        self,
+        job: str,
+        rank: int,
+        incarnation: str,
+        round_: int,
+        plan_version: int,
+        *,
+        ready: bool,
+        failed: Sequence[SourceKey] = (),
+    ) -> Identity:
+        """A rank's outcome for a plan (stale ones are ignored by the state machine)."""
+        hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
         coordinator.report_restore(
-            rank,
-            incarnation,
-            request.round,
-            request.plan_version,
-            ready=request.ready,
-            failed=failed,
+            rank, incarnation, round_, plan_version, ready=ready, failed=failed
         )
         self._consume_pin(job, coordinator)
         hosted.notify()
-        jlog.info(
+        JobLog(log, job, rank).info(
             "restore report: ready=%s for round %d plan %d; now round %d plan %d (%s)",
-            request.ready,
-            request.round,
-            request.plan_version,
+            ready,
+            round_,
+            plan_version,
             coordinator.round,
             coordinator.plan_version,
             coordinator.phase.value,
         )
-        return pb.ReportRestoreResponse(coordinator=hosted.identity)
+        return hosted.identity
 
     def _consume_pin(self, job: str, coordinator: JobCoordinator) -> None:
         pinned = coordinator.pin_consumed
@@ -427,39 +421,141 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if not task.cancelled() and task.exception() is not None:
             log.warning("cannot remove a used restore pin: %s", task.exception())
 
-    async def ReportProgress(
-        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReportProgressResponse:
-        try:
-            return self._report_progress(request)
-        except Exception as exc:
-            await _abort(context, "ReportProgress", request, exc)
-
-    def _report_progress(self, request: pb.ReportProgressRequest) -> pb.ReportProgressResponse:
-        job = check_job(request.job)
-        incarnation = check_incarnation(request.incarnation_id)
-        rank = request.rank
-        hosted = self._hosted(job, rank)
-        answer = hosted.coordinator.report_progress(
+    async def report_progress(
+        self, job: str, rank: int, incarnation: str, progress: Progress
+    ) -> tuple[Identity, ProgressAnswer]:
+        """Fold in a rank's steady-state progress; the answer may order a backup."""
+        hosted = self.hosted(job, rank)
+        coordinator = hosted.coordinator
+        if coordinator.adopting and not hosted.backups_noted:
+            # Restarted in steady state: the backup interval counts from the newest
+            # committed backup, as after a round's joins, not from nothing.
+            hosted.backups_noted = True
+            backups, _ = await self._committed_backups(job)
+            if backups:
+                newest = max(backups)
+                coordinator.note_committed_backup(newest, backups[newest].created)
+        answer = coordinator.report_progress(
             rank,
             incarnation,
-            replicated_step=(
-                request.replicated_step if request.HasField("replicated_step") else None
-            ),
-            uploaded_step=request.uploaded_step if request.HasField("uploaded_step") else None,
+            replicated_step=progress.replicated_step,
+            uploaded_step=progress.uploaded_step,
             now=self.clock(),
-            address=check_address(request.address) if request.address else "",
-            held=check_held_steps(request.held_steps) if request.reports_holdings else None,
-            replicating=(
-                request.replicating_step if request.HasField("replicating_step") else None
-            ),
+            address=progress.address,
+            held=progress.held,
+            replicating=progress.replicating_step,
         )
         if answer is None:
             raise NotInReleasedRound(
                 f"rank {rank} (incarnation {incarnation}) of job {job} is not a member of the "
                 "released round; join again"
             )
-        response = pb.ReportProgressResponse(coordinator=hosted.identity)
+        return hosted.identity, answer
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """``mtc.v1.Coordinator`` over ``Coordinators``; handlers run in the daemon's loop.
+
+    Every request is hostile input: it is checked completely (``cluster.messages``) before
+    the state machine sees it, and our exceptions become one status code in ``status_for``.
+    """
+
+    def __init__(self, coordinators: Coordinators) -> None:
+        self.coordinators = coordinators
+        self.host = coordinators.host
+
+    def register(self, server: grpc.aio.Server) -> None:
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+
+    async def Join(
+        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.JoinResponse:
+        try:
+            job = check_job(request.job)
+            incarnation = check_incarnation(request.incarnation_id)
+            address = check_address(request.address)
+            if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
+                raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
+            items = inventory_items(job, request.items)
+            inventory = NodeInventory(request.rank, address, items)
+            identity, round_ = await self.coordinators.join(
+                job, incarnation, request.cluster_view, inventory
+            )
+            return pb.JoinResponse(coordinator=_identity(identity), round=round_)
+        except Exception as exc:
+            await _abort(context, "Join", request, exc)
+
+    async def RoundStatus(
+        self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RoundStatusResponse:
+        try:
+            job = check_job(request.job)
+            incarnation = check_incarnation(request.incarnation_id)
+            identity, status, addresses = await self.coordinators.round_status(
+                job, request.rank, incarnation, seen_key(request), request.wait_seconds
+            )
+            return status_message(_identity(identity), status, addresses)
+        except Exception as exc:
+            await _abort(context, "RoundStatus", request, exc)
+
+    async def ReportRestore(
+        self, request: pb.ReportRestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportRestoreResponse:
+        try:
+            job = check_job(request.job)
+            incarnation = check_incarnation(request.incarnation_id)
+            rank = request.rank
+            nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
+            failed = source_keys(request.failures, job, rank, nodes)
+            jlog = JobLog(log, job, rank)
+            for failure, key in zip(request.failures, failed, strict=True):
+                holder = "the backup" if key.holder is None else f"rank {key.holder}"
+                jlog.warning(
+                    "restore: %s from %s failed (%s): %s",
+                    key.item,
+                    holder,
+                    "corrupt" if failure.corrupt else "unavailable",
+                    failure.detail[:MAX_DETAIL_CHARS],
+                    step=key.item.step,
+                )
+            identity = self.coordinators.report_restore(
+                job,
+                rank,
+                incarnation,
+                request.round,
+                request.plan_version,
+                ready=request.ready,
+                failed=failed,
+            )
+            return pb.ReportRestoreResponse(coordinator=_identity(identity))
+        except Exception as exc:
+            await _abort(context, "ReportRestore", request, exc)
+
+    async def ReportProgress(
+        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReportProgressResponse:
+        try:
+            job = check_job(request.job)
+            incarnation = check_incarnation(request.incarnation_id)
+            progress = Progress(
+                replicated_step=(
+                    request.replicated_step if request.HasField("replicated_step") else None
+                ),
+                uploaded_step=(
+                    request.uploaded_step if request.HasField("uploaded_step") else None
+                ),
+                address=check_address(request.address) if request.address else "",
+                held=check_held_steps(request.held_steps) if request.reports_holdings else None,
+                replicating_step=(
+                    request.replicating_step if request.HasField("replicating_step") else None
+                ),
+            )
+            identity, answer = await self.coordinators.report_progress(
+                job, request.rank, incarnation, progress
+            )
+        except Exception as exc:
+            await _abort(context, "ReportProgress", request, exc)
+        response = pb.ReportProgressResponse(coordinator=_identity(identity))
         if answer.restorable_step is not None:
             response.restorable_step = answer.restorable_step
         if answer.backup_step is not None:
@@ -467,6 +563,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         response.addresses.update(answer.addresses)
         response.keep_steps.extend(sorted(answer.keep_steps))
         return response
+
+
+def _identity(identity: Identity) -> pb.CoordinatorIdentity:
+    return pb.CoordinatorIdentity(job=identity.job, coordinator_id=identity.coordinator_id)
 
 
 async def _abort(

@@ -295,7 +295,7 @@ class JobCoordinator:
             self.replicating[rank] = replicating
         uploaders = backup_uploaders(self.config)
         if self.backup_in_flight is not None and all(
-            (self.uploaded.get(r) or -1) >= self.backup_in_flight for r in uploaders
+            self._has_uploaded(r, self.backup_in_flight) for r in uploaders
         ):
             self.last_backup = LastBackup(self.backup_in_flight, now)
             self.backup_in_flight = None
@@ -310,12 +310,16 @@ class JobCoordinator:
         ):
             self.backup_in_flight = restorable
         order = self.backup_in_flight if rank in uploaders else None
-        if order is not None and (self.uploaded.get(rank) or -1) >= order:
+        if order is not None and self._has_uploaded(rank, order):
             order = None  # this rank is done with it; the others are still uploading
         wanted = {s for s in self.replicated.values() if s is not None}
         wanted |= set(self.replicating.values())
         keep = frozenset(s for s in wanted if restorable is None or s > restorable)
         return ProgressAnswer(restorable, order, dict(self.addresses), keep)
+
+    def _has_uploaded(self, rank: int, step: int) -> bool:
+        done = self.uploaded.get(rank)
+        return done is not None and done >= step  # step 0 is a step like any other
 
     def note_committed_backup(self, step: int, at: float) -> None:
         """A committed backup found in the store (at start): the interval counts from it."""

@@ -9,7 +9,6 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, JobConfig, parse_save_name, parse_step_dir
 from replicator.core.manifest import ItemId
 
@@ -51,46 +50,6 @@ def complete_steps(
     r = config.node_rank if rank is None else rank
     steps = {i.step for i in held if i.job == config.job_name and i.rank == r}
     return sorted(s for s in steps if all(i in held for i in rank_items(config, s, r)))
-
-
-# --- restore ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RestoreCandidate:
-    """A step this rank could restore, with each item's sources in the order to try them."""
-
-    step: int
-    sources: Mapping[ItemId, tuple[Source, ...]]
-
-
-def plan_restore(
-    config: JobConfig, local: Collection[ItemId], backups: Mapping[int, CommitRecord]
-) -> list[RestoreCandidate]:
-    """Every restorable step for this rank, newest first.
-
-    A step qualifies when each of the rank's items has a source: a local copy (verified
-    when used) or a committed backup. The caller falls back down the list when a source
-    turns out corrupt, so one bad copy costs a step, never a wrong restore.
-    """
-    held = set(local)
-    steps = {i.step for i in held if i.job == config.job_name and i.rank == config.node_rank}
-    steps |= set(backups)
-    plan = []
-    for step in sorted(steps, reverse=True):
-        sources: dict[ItemId, tuple[Source, ...]] = {}
-        for item in rank_items(config, step):
-            options = []
-            if item in held:
-                options.append(Source.LOCAL)
-            if step in backups and backups[step].has(item):
-                options.append(Source.BACKUP)
-            if not options:
-                break
-            sources[item] = tuple(options)
-        else:
-            plan.append(RestoreCandidate(step, sources))
-    return plan
 
 
 # --- retention -------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
 """One job incarnation on this node: restore, markers, then steady-state ingest, backup, GC.
 
-The decisions come from ``core.policy`` (pure); this module performs them: blocking disk and
-object-store work runs in the daemon's bounded thread pool, and every step is published
-atomically so a ``kill -9`` at any point leaves committed data intact.
+Every job, one node or many, restores through its coordinator's round and backs up on its
+coordinator's orders (``cluster.membership``); a one-node job's coordinator is hosted by
+this daemon and called in process. The decisions come from ``core`` (pure); this module
+performs them: blocking disk and object-store work runs in the daemon's bounded thread
+pool, and every step is published atomically so a ``kill -9`` at any point leaves
+committed data intact.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
 from replicator.cluster.membership import ClusterMember, MemberContext
 from replicator.cluster.registry import Registry
 from replicator.cluster.rounds import RoundFailed
+from replicator.cluster.service import Coordinators
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import (
     ERRORS_FILE,
@@ -34,19 +39,13 @@ from replicator.core.contract import (
     marker_name,
     parse_config,
 )
-from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
+from replicator.core.manifest import CorruptItem, ItemId, ManifestError
 from replicator.core.policy import (
     Entry,
     Handoff,
-    LastBackup,
-    RestoreCandidate,
-    Source,
-    backup_due,
     complete_steps,
     find_handoffs,
     marker_item,
-    plan_restore,
-    rank_items,
     retention,
     retention_of_copies,
 )
@@ -55,9 +54,6 @@ from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.storage.backup import BackupStore
-from replicator.storage.backup_ops import StorePins
-from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
-from replicator.storage.upload import ItemNotHeld, upload_step
 from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
@@ -70,7 +66,7 @@ class RestoreBlocked(Exception):
     """No step could be restored although one exists: fatal, the job must not start fresh."""
 
 
-class Phase(StrEnum):
+class IncarnationPhase(StrEnum):
     RESTORING = "restoring"
     """The workload waits for markers: a restarted daemon must (re)do the restore."""
     STEADY = "steady"
@@ -95,6 +91,8 @@ class AgentContext:
     """The peer data plane; needed by jobs with ``nodes > 1``."""
     registry: Registry | None = None
     """Where coordinators are found; needed by jobs with ``nodes > 1``."""
+    coordinators: Coordinators | None = None
+    """The coordinators this daemon hosts: a one-node job calls its own in process."""
     advertise: str = ""
     """This node's peer address, as other nodes reach it."""
     report_after: float = 60.0
@@ -108,7 +106,7 @@ class SavedIncarnation:
 
     config_text: str
     incarnation_id: str
-    phase: Phase
+    phase: IncarnationPhase
 
 
 def save_state(store: LocalStore, state: SavedIncarnation | None) -> None:
@@ -123,7 +121,9 @@ def save_state(store: LocalStore, state: SavedIncarnation | None) -> None:
 def load_state(store: LocalStore) -> SavedIncarnation | None:
     try:
         body = json.loads((store.root / STATE_FILE).read_bytes())
-        return SavedIncarnation(str(body["config"]), str(body["id"]), Phase(body["phase"]))
+        return SavedIncarnation(
+            str(body["config"]), str(body["id"]), IncarnationPhase(body["phase"])
+        )
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError) as exc:
@@ -192,21 +192,16 @@ class Incarnation:
         self.id = incarnation_id or uuid.uuid4().hex[:16]
         self.config_text = config_text
         self.log = JobLog(log, config.job_name, config.node_rank)
-        self.phase = Phase.STEADY if resume_steady else Phase.RESTORING
+        self.phase = IncarnationPhase.STEADY if resume_steady else IncarnationPhase.RESTORING
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
         self._futures: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
-        self._backup_task: asyncio.Task[None] | None = None
-        self._uploading: set[int] = set()
-        self._last_backup: LastBackup | None = None
-        self._unreachable: list[str] = []
         self._commits: dict[int, CommitRecord] | None = None
-        """Committed backups as last listed during a cluster restore."""
+        """Committed backups as last listed during a restore round."""
         self.member: ClusterMember | None = None
-        """The job's other ranks: set for ``nodes > 1``."""
-        """Restore sources that failed for a reason other than corrupt bytes."""
+        """This rank in its job (every job has one once the incarnation runs)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -220,11 +215,9 @@ class Incarnation:
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
         self._stopping.set()
-        tasks = [t for t in (self._task, self._backup_task) if t is not None and not t.done()]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=timeout)
         if self.member is not None:
             await self.member.stop()
         if self._futures:
@@ -254,20 +247,14 @@ class Incarnation:
 
     async def _run(self) -> None:
         try:
-            if self.config.nodes > 1:
-                self.member = self._join_cluster()
-            if self.phase is Phase.RESTORING:
+            member = self.member = self._join()
+            if self.phase is IncarnationPhase.RESTORING:
                 self.persist()
-                await self._ingest_ready()
-                if self.member is not None:
-                    await self._cluster_restore(self.member)
-                else:
-                    await self._restore_and_publish()
-                self.phase = Phase.STEADY
+                await self._ingest_ready(member)
+                await self._restore(member)
+                self.phase = IncarnationPhase.STEADY
                 self.persist()
-            elif self.member is None:
-                await self._load_last_backup()
-            await self._steady()
+            await self._steady(member)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -276,7 +263,7 @@ class Incarnation:
                 self.log.info("incarnation stopped: %s", exc)
                 return
             self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
-            if self.phase is Phase.RESTORING:
+            if self.phase is IncarnationPhase.RESTORING:
                 self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
             text = (
                 f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
@@ -285,13 +272,20 @@ class Incarnation:
             )
             fsutil.atomic_write_bytes(self.ctx.checkpoint_dir / FAILED_FILE, text.encode())
 
-    def _join_cluster(self) -> ClusterMember:
+    def _join(self) -> ClusterMember:
         ctx = self.ctx
-        if ctx.peers is None or ctx.registry is None:
+        finder: CoordinatorFinder
+        if self.config.nodes == 1:
+            if ctx.coordinators is None:
+                raise RestoreBlocked("this daemon hosts no coordinators")
+            finder = LocalFinder(ctx.coordinators)
+        elif ctx.peers is None or ctx.registry is None:
             raise RestoreBlocked(
                 f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
                 "to find its coordinator"
             )
+        else:
+            finder = RegistryFinder(ctx.registry)
         return ClusterMember(
             MemberContext(
                 config=self.config,
@@ -299,7 +293,7 @@ class Incarnation:
                 store=ctx.store,
                 backups=ctx.backups,
                 peers=ctx.peers,
-                registry=ctx.registry,
+                finder=finder,
                 advertise=ctx.advertise,
                 run_thread=self._thread,
                 verify_local=self._verify_local,
@@ -323,19 +317,31 @@ class Incarnation:
     async def _fetch_backup_item(self, item: ItemId) -> None:
         # One listing serves every backup fetch of a round; list again only for a step
         # committed after it (the coordinator's own listing may be newer than ours).
+        if self.ctx.backups is None:
+            raise CorruptItem(f"{item}: no backup is set")
         if self._commits is None or item.step not in self._commits:
-            self._commits = await self._backup_commits()
+            # A listing that fails raises: the copy is unavailable (fail closed), not corrupt.
+            self._commits = await self._thread(
+                self.ctx.backups.committed_steps, self.config.job_name
+            )
         commits = self._commits
         if item.step not in commits:
             raise CorruptItem(f"{item}: no committed backup of step {item.step}")
         await self._thread(self._fetch_backup, commits[item.step], item)
 
-    async def _cluster_restore(self, member: ClusterMember) -> None:
+    async def _restore(self, member: ClusterMember) -> None:
         started = time.monotonic()
         try:
             outcome = await member.restore()
         except RoundFailed as exc:
             raise RestoreBlocked(f"the restore round cannot complete: {exc}") from None
+        if outcome.step is None and outcome.unavailable:
+            # A checkpoint exists but this node could not get it (full disk, store down):
+            # an empty marker would make the job silently train from scratch.
+            raise RestoreBlocked(
+                "a committed checkpoint exists but could not be restored: "
+                + "; ".join(outcome.unavailable)
+            )
         # Items newer than the agreed step belong to an abandoned run: kept, they would
         # pass for the newest checkpoint and make retention delete the new saves.
         abandoned = [
@@ -369,106 +375,6 @@ class Incarnation:
         save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
 
     # --- restore ---------------------------------------------------------------------------
-
-    async def _backup_commits(self) -> dict[int, CommitRecord]:
-        if self.ctx.backups is None:
-            return {}
-        try:
-            return await self._thread(self.ctx.backups.committed_steps, self.config.job_name)
-        except (ObjectStoreError, OSError) as exc:
-            self.error(
-                f"cannot list backups at {self.ctx.backups.url}: {exc}", None, ErrorKind.BACKUP
-            )
-            return {}
-
-    async def _load_last_backup(self) -> dict[int, CommitRecord]:
-        """List the committed backups; the interval counts from the newest."""
-        commits = await self._backup_commits()
-        if commits:
-            newest = commits[max(commits)]
-            self._last_backup = LastBackup(newest.step, newest.created)
-            self.ctx.metrics.backed_up(self.config.job_name, newest.step, newest.created)
-        return commits
-
-    async def _restore_and_publish(self) -> None:
-        commits = await self._load_last_backup()
-        local = self.ctx.store.manifests(self.config.job_name).keys()
-        plan = plan_restore(self.config, local, commits)
-        pins = StorePins(self.ctx.backups.objects) if self.ctx.backups is not None else None
-        pinned = None
-        if pins is not None:
-            pinned = await self._thread(pins.pinned_step, self.config.job_name)
-            # An operator's pin goes first; the usual order stays as the fallback.
-            plan.sort(key=lambda c: c.step != pinned)
-        started = time.monotonic()
-        chosen: tuple[int, str] | None = None
-        for candidate in plan:
-            source = await self._try_candidate(candidate, commits)
-            if source is not None:
-                chosen = (candidate.step, source)
-                break
-        if chosen is None and self._unreachable:
-            # A checkpoint exists but this node could not get it (full disk, store down):
-            # an empty marker would make the job silently train from scratch.
-            raise RestoreBlocked(
-                "a committed checkpoint exists but could not be restored: "
-                + "; ".join(self._unreachable)
-            )
-        step, source = chosen if chosen else (None, None)
-        if pins is not None and pinned is not None:
-            if step == pinned:
-                # Rolled back on purpose: newer steps would pass for the newest checkpoint.
-                newer = [i for i in self.ctx.store.manifests(self.config.job_name) if i.step > step]
-                await self._thread(self._delete_items, newer)
-            await self._thread(pins.consumed, self.config.job_name, pinned)
-        await self._thread(self._publish_markers, step, source)
-        self.log.info(
-            "restore done: step=%s source=%s in %.2fs",
-            step,
-            source,
-            time.monotonic() - started,
-            step=step,
-        )
-        self.ctx.metrics.restore_done(self.config.job_name, step, self._since_start())
-
-    async def _try_candidate(
-        self, cand: RestoreCandidate, commits: dict[int, CommitRecord]
-    ) -> str | None:
-        """Make every item of the step present and verified; the tier used, or None."""
-        used: set[Source] = set()
-        for item, sources in cand.sources.items():
-            for source in sources:
-                try:
-                    if source is Source.LOCAL:
-                        await self._verify_local(item)
-                    else:
-                        await self._thread(self._fetch_backup, commits[cand.step], item)
-                except CorruptItem as exc:
-                    self.error(
-                        f"step {cand.step}: {source.value} copy is corrupt ({exc}); not used",
-                        cand.step,
-                        ErrorKind.RESTORE,
-                    )
-                    if source is Source.LOCAL:
-                        await self._thread(self.ctx.store.delete, item)
-                    continue
-                except (ObjectStoreError, StoreError, OSError) as exc:
-                    message = (
-                        f"step {cand.step}: cannot use the {source.value} copy of {item}: {exc}"
-                    )
-                    self.error(message, cand.step, ErrorKind.RESTORE)
-                    self._unreachable.append(message)
-                    continue
-                used.add(source)
-                break
-            else:
-                self.error(
-                    f"step {cand.step} has no usable copy of {item}; trying an older step",
-                    cand.step,
-                    ErrorKind.RESTORE,
-                )
-                return None
-        return Source.BACKUP.value if Source.BACKUP in used else Source.LOCAL.value
 
     def _fetch_backup(self, record: CommitRecord, item: ItemId) -> None:
         assert self.ctx.backups is not None
@@ -514,7 +420,7 @@ class Incarnation:
 
     # --- steady state ----------------------------------------------------------------------
 
-    async def _steady(self) -> None:
+    async def _steady(self, member: ClusterMember) -> None:
         while not self._stopping.is_set():
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
             # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
@@ -522,12 +428,12 @@ class Incarnation:
                 async with asyncio.timeout(self.ctx.rescan_seconds):
                     await self._wake.wait()
             self._wake.clear()
-            await self._ingest_ready()
-            # An upload that ended (its task wakes us) no longer protects its step.
-            await self._collect_garbage()
-            await self._after_steps(force=False)
+            await self._ingest_ready(member)
+            # An upload that ended no longer protects its step.
+            await self._collect_garbage(member)
+            await self._after_steps(member, force=False)
 
-    async def _ingest_ready(self) -> None:
+    async def _ingest_ready(self, member: ClusterMember) -> None:
         entries = await self._thread(list_top, self.ctx.checkpoint_dir)
         handoffs = find_handoffs(
             self.config,
@@ -539,12 +445,12 @@ class Incarnation:
         for pending in await self._thread(self._pending_ingest):
             handoffs.append(Handoff(pending.step, {pending: ""}))
         for handoff in sorted(handoffs, key=lambda h: h.step):
-            await self._ingest(handoff)
+            await self._ingest(member, handoff)
 
     def _pending_ingest(self) -> list[ItemId]:
         return [i for i in self.ctx.store.pending_ingest() if i.job == self.config.job_name]
 
-    async def _ingest(self, handoff: Handoff) -> None:
+    async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
         for item, name in handoff.names.items():
             t0 = time.monotonic()
             try:
@@ -580,31 +486,24 @@ class Incarnation:
                 step=item.step,
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
-        await self._collect_garbage()
-        if self.member is not None:
-            await self._after_steps(force=True)  # replicate the new step at once
+        await self._collect_garbage(member)
+        await self._after_steps(member, force=True)  # replicate the new step at once
 
-    async def _after_steps(self, *, force: bool) -> None:
-        """Replicate and report (a cluster job), or back up on the interval (one node)."""
-        if self.member is None:
-            self._maybe_backup()
-            return
+    async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
+        """Replicate and report: the coordinator's answers order backups."""
         steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
-        await self.member.tick(steps[-1] if steps else None, force=force)
+        await member.tick(steps[-1] if steps else None, force=force)
 
-    async def _collect_garbage(self) -> None:
+    async def _collect_garbage(self, member: ClusterMember) -> None:
         have = self.ctx.store.manifests(self.config.job_name).keys()
         self.ctx.metrics.committed(
             self.config.job_name, max(complete_steps(self.config, have), default=None)
         )
-        protected = set(self._uploading)
-        if self.member is not None:
-            # The restorable step, the steps that may become restorable next, and what our
-            # progress reports promised the coordinator (see ClusterMember.retained).
-            protected |= self.member.retained(complete_steps(self.config, have))
+        # The restorable step, the upload, the steps that may become restorable next, and
+        # what our progress reports promised the coordinator (see ClusterMember.retained).
+        protected = member.retained(complete_steps(self.config, have))
         doomed = retention(self.config, have, protected)
-        if self.member is not None:
-            doomed += retention_of_copies(self.config, have, protected)
+        doomed += retention_of_copies(self.config, have, protected)
         if doomed:
             await self._thread(self._delete_items, doomed)
 
@@ -618,56 +517,6 @@ class Incarnation:
             self.ctx.store.drop_views(item)
             self.ctx.store.delete(item)
             self.log.info("deleted %s (retention)", item, step=item.step)
-
-    # --- backup ----------------------------------------------------------------------------
-
-    def _maybe_backup(self) -> None:
-        if self.ctx.backups is None or (self._backup_task and not self._backup_task.done()):
-            return
-        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
-        if not steps or not backup_due(
-            self.config.backup_interval, steps[-1], self._last_backup, self.ctx.clock()
-        ):
-            return
-        step = steps[-1]
-        self._uploading.add(step)
-        self._backup_task = asyncio.create_task(self._backup(step), name=f"backup-{step}")
-
-    async def _backup(self, step: int) -> None:
-        backups = self.ctx.backups
-        assert backups is not None
-        try:
-            keys = [
-                i.key for r in range(self.config.nodes) for i in rank_items(self.config, step, r)
-            ]
-            await upload_step(
-                backups,
-                self.ctx.store,
-                self.config,
-                step,
-                keys,
-                run_thread=self._thread,
-                log=self.log,
-                metrics=self.ctx.metrics,
-                cancelled=self._cancelled,
-            )
-            self._last_backup = LastBackup(step, self.ctx.clock())
-        except ItemNotHeld:
-            return  # dropped meanwhile: a newer step exists and is due instead
-        except PreconditionFailed:
-            self._last_backup = LastBackup(step, self.ctx.clock())
-            self.ctx.metrics.backed_up(self.config.job_name, step, self.ctx.clock())
-        except Cancelled:
-            pass
-        except (ObjectStoreError, OSError, ManifestError) as exc:
-            self.error(
-                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
-                step,
-                ErrorKind.BACKUP,
-            )
-        finally:
-            self._uploading.discard(step)
-            self.wake()
 
 
 def restore_saved(ctx: AgentContext) -> Incarnation | None:
@@ -685,5 +534,5 @@ def restore_saved(ctx: AgentContext) -> Incarnation | None:
         ctx,
         config_text=saved.config_text,
         incarnation_id=saved.incarnation_id,
-        resume_steady=saved.phase is Phase.STEADY,
+        resume_steady=saved.phase is IncarnationPhase.STEADY,
     )

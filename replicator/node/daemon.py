@@ -33,7 +33,7 @@ except ImportError:  # uvloop has no Windows build; asyncio's loop works, just s
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
-from replicator.cluster.service import CoordinatorHost, CoordinatorServicer
+from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
 from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -51,11 +51,11 @@ from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
     AgentContext,
     Incarnation,
+    IncarnationPhase,
     cleanup_workload_files,
     restore_saved,
     save_state,
 )
-from replicator.node.agent import Phase as AgentPhase
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import (
     NO_METRICS,
@@ -338,12 +338,12 @@ class Daemon:
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups
-        coordinator = CoordinatorServicer(
+        self.ctx.coordinators = Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
             pins=StorePins(backups.objects) if backups else None,
         )
-        rpc.add_service(COORDINATOR_SERVICE, coordinator.register)
+        rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
         try:
             self.listen_address = rpc.bind(self.opts.listen)
             self._serve_metrics()
@@ -374,7 +374,7 @@ class Daemon:
             )
             self.incarnation = resumed
             await self._host_coordinator(
-                resumed.config, resume_steady=resumed.phase is AgentPhase.STEADY
+                resumed.config, resume_steady=resumed.phase is IncarnationPhase.STEADY
             )
             resumed.start()
         log.info(
@@ -491,22 +491,27 @@ class Daemon:
     ) -> None:
         """Host the job's coordinator when this node is its rank 0; drop any other.
 
+        A cluster job's coordinator is registered for the other ranks to find; a one-node
+        job's is called in process by its agent only, so it needs no registry.
+
         A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
         released round, which keeps stale agents out of the new one). A daemon restarted
         while its job runs (``resume_steady``) hosts one that takes the running ranks back.
         """
-        keep = (
-            config.job_name
-            if config is not None and config.node_rank == 0 and config.nodes > 1
-            else None
-        )
+        keep = config.job_name if config is not None and config.node_rank == 0 else None
         for job in self.coordinators.jobs():
-            if job != keep:
-                old = self.coordinators.coordinator_id(job)
+            hosted = self.coordinators.get(job)
+            if job != keep and hosted is not None:
                 self.coordinators.drop(job)
-                if self.registry is not None and old is not None:
-                    await asyncio.to_thread(self.registry.unregister, job, old)
-        if config is None or keep is None or self.registry is None:
+                if self.registry is not None and hosted.coordinator.config.nodes > 1:
+                    await asyncio.to_thread(self.registry.unregister, job, hosted.coordinator_id)
+        if config is None or keep is None:
+            return
+        if config.nodes == 1:
+            # A one-node job's agent calls it in process: nothing to register.
+            self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
+            return
+        if self.registry is None:
             return
         self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
         coordinator_id = self.coordinators.coordinator_id(keep)

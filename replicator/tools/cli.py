@@ -10,6 +10,7 @@ this) while ``mtc demo`` works wherever the distribution is installed.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
@@ -20,10 +21,19 @@ from replicator.tools import backups as backups_cli
 from replicator.tools import render
 
 COMMANDS_GROUP = "mtc.commands"
+log = logging.getLogger(__name__)
 
 
 def _plugins() -> dict[str, ModuleType]:
-    return {ep.name: ep.load() for ep in entry_points(group=COMMANDS_GROUP)}
+    """The installed plug-in commands; one whose module is absent (the image ships without
+    the demo) is left out rather than breaking every other command."""
+    found = {}
+    for ep in entry_points(group=COMMANDS_GROUP):
+        try:
+            found[ep.name] = ep.load()
+        except ImportError as exc:
+            log.debug("mtc %s is not available here: %s", ep.name, exc)
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,9 +29,10 @@ from replicator.cluster.client import (
     WrongCoordinator,
     find_coordinator,
 )
+from replicator.cluster.link import LocalCoordinator, LocalFinder
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
-from replicator.cluster.service import SERVICE, CoordinatorHost, CoordinatorServicer
+from replicator.cluster.service import SERVICE, CoordinatorHost, Coordinators, CoordinatorServicer
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JoinRejected, Phase
@@ -90,7 +91,7 @@ async def serving(
     host: CoordinatorHost, backups_for: BackupsFor = no_backups
 ) -> AsyncIterator[str]:
     rpc = RpcServer()
-    rpc.add_service(SERVICE, CoordinatorServicer(host, backups_for).register)
+    rpc.add_service(SERVICE, CoordinatorServicer(Coordinators(host, backups_for)).register)
     address = rpc.bind("127.0.0.1:0")
     await rpc.start()
     try:
@@ -570,3 +571,65 @@ def test_find_coordinator_says_when_the_registry_is_unreachable() -> None:
     fake = FakeTime()
     with pytest.raises(NoCoordinator, match=r"memory://down is unreachable.*connection reset"):
         run(find_coordinator(registry, JOB, timeout=5, clock=fake.clock, sleep=fake.sleep))
+
+
+# --- the in-process link (a one-node job's) answers as the wire does ---------------------------
+
+
+def test_the_in_process_link_answers_as_the_wire_does() -> None:
+    """The same coordinator, called over gRPC and in process: equal answers, equal errors."""
+
+    async def scenario() -> None:
+        host = CoordinatorHost()
+        host.host(config(), VIEW)
+        servicer = CoordinatorServicer(Coordinators(host, no_backups))
+        local = LocalCoordinator(servicer.coordinators, JOB)
+        rpc = RpcServer()
+        rpc.add_service(SERVICE, servicer.register)
+        address = rpc.bind("127.0.0.1:0")
+        await rpc.start()
+        try:
+            async with CoordinatorClient(JOB, address, timeout=5.0) as wire:
+                links = {0: wire, 1: local, 2: wire, 3: local}
+                for r, link in links.items():
+                    await link.join(r, f"a{r}", VIEW, peer_address(r), own(r, 10))
+                for r in range(NODES):
+                    over_wire = await status(wire, r, f"a{r}")
+                    in_process = await local.round_status(r, f"a{r}", 1)
+                    assert over_wire == in_process
+                    assert over_wire.phase is Phase.FETCH
+                    assert over_wire.addresses == {p: peer_address(p) for p in range(NODES)}
+                    state = over_wire
+                    await links[r].report_restore(
+                        r, f"a{r}", state.round, state.plan_version, ready=True
+                    )
+                released = await local.round_status(0, "a0", 1)
+                assert released == await status(wire, 0, "a0")
+                assert released.phase is Phase.RELEASED
+                assert released.step == 10
+                # Not a member: both say "join again", neither answers for another rank.
+                assert (await local.round_status(1, "stale", 1)).phase is None
+                assert (await status(wire, 1, "stale")).phase is None
+                for link in (wire, local):
+                    with pytest.raises(NotAMember):
+                        await link.report_progress(1, "stale", replicated_step=10)
+                answers = [
+                    await link.report_progress(r, f"a{r}", replicated_step=10, held={10})
+                    for r, link in links.items()
+                ]
+                assert answers[-1] == await wire.report_progress(
+                    3, "a3", replicated_step=10, held={10}
+                )
+                assert answers[-1].restorable_step == 10
+                # The coordinator goes: both links say there is none, so agents look again.
+                host.drop(JOB)
+                for link in (wire, local):
+                    with pytest.raises(NoCoordinator):
+                        await link.round_status(0, "a0", 1)
+                with pytest.raises(NoCoordinator):
+                    await LocalFinder(servicer.coordinators).find(JOB, timeout=0)
+        finally:
+            host.close()
+            await rpc.stop(0.5)
+
+    run(scenario())

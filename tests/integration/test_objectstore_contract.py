@@ -32,8 +32,8 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator.core import manifest as manifest_mod
 from replicator.core.retry import RetryPolicy
+from replicator.local import hashing
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.storage import objectstore as objectstore_mod
 from replicator.storage.gcs import GcsObjectStore
@@ -105,7 +105,7 @@ def gcs_store(url: str, **kwargs: object) -> GcsObjectStore:
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """As in the server-less suite; cloud stores get ``chunk_size`` instead."""
-    monkeypatch.setattr(manifest_mod, "CHUNK", SMALL_CHUNK)
+    monkeypatch.setattr(hashing, "CHUNK", SMALL_CHUNK)
     monkeypatch.setattr(objectstore_mod, "CHUNK", SMALL_CHUNK)
 
 

@@ -201,6 +201,22 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     assert c.backup_in_flight == 20
 
 
+def test_a_backup_of_step_0_completes_like_any_other() -> None:
+    """Step 0 is falsy in Python, never in the protocol: its upload ends the order."""
+    c = JobCoordinator(config(nodes=1), '{"nodes": 1}')
+    c.join(join(0, "a0", view='{"nodes": 1}'), {})
+    c.report_restore(0, "a0", c.round, c.plan_version, ready=True)
+    first = c.report_progress(0, "a0", replicated_step=0, uploaded_step=None, now=1.0)
+    assert first is not None
+    assert first.backup_step == 0  # the first restorable step goes up at once
+    done = c.report_progress(0, "a0", replicated_step=0, uploaded_step=0, now=2.0)
+    assert done is not None
+    assert done.backup_step is None
+    assert c.last_backup is not None
+    assert c.last_backup.step == 0
+    assert c.backup_in_flight is None
+
+
 def test_promises_bound_the_restorable_step_and_it_never_goes_back() -> None:
     c = JobCoordinator(config(), VIEW)
     everyone_joins(c, "a")

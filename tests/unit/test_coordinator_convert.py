@@ -34,6 +34,7 @@ from replicator.cluster.messages import (
 )
 from replicator.cluster.service import (
     CoordinatorHost,
+    Coordinators,
     CoordinatorServicer,
     NotHosted,
     NotInReleasedRound,
@@ -301,7 +302,7 @@ def servicer(hosted: bool = True) -> tuple[CoordinatorServicer, list[str]]:
     host = CoordinatorHost()
     if hosted:
         host.host(CONFIG, cluster_view_json(CONFIG))
-    return CoordinatorServicer(host, backups_for), listed
+    return CoordinatorServicer(Coordinators(host, backups_for)), listed
 
 
 def join_request(**change: Any) -> pb.JoinRequest:

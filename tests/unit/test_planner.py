@@ -12,13 +12,10 @@ from replicator.core.policy import (
     Entry,
     Handoff,
     LastBackup,
-    RestoreCandidate,
-    Source,
     backup_due,
     complete_steps,
     find_handoffs,
     marker_item,
-    plan_restore,
     retention,
     retention_of_copies,
     worker_slots,
@@ -54,56 +51,6 @@ def test_complete_steps() -> None:
     assert complete_steps(SAVE, [*have, item(3, worker=0)]) == [1, 3]
     assert complete_steps(SAVE, [item(4, rank=0), item(4, rank=0, worker=1)]) == []
     assert complete_steps(SAVE, [item(4, rank=0), item(4, rank=0, worker=1)], rank=0) == [4]
-
-
-# --- restore -------------------------------------------------------------------------------------
-
-
-def test_plan_restore_newest_first_and_local_preferred() -> None:
-    local = [item(10), item(30), item(20)]
-    backups = {20: commit(20, "1-0"), 40: commit(40, "1-0", "0-0")}
-    plan = plan_restore(ORBAX, local, backups)
-    assert [c.step for c in plan] == [40, 30, 20, 10]
-    assert plan[0] == RestoreCandidate(40, {item(40): (Source.BACKUP,)})
-    assert plan[1].sources == {item(30): (Source.LOCAL,)}
-    assert plan[2].sources == {item(20): (Source.LOCAL, Source.BACKUP)}
-    assert plan[3].sources == {item(10): (Source.LOCAL,)}
-
-
-def test_plan_restore_nothing_to_restore() -> None:
-    assert plan_restore(ORBAX, [], {}) == []
-    # Other ranks' and jobs' items are not this rank's checkpoint.
-    assert plan_restore(ORBAX, [item(5, rank=0), item(6, job="other")], {}) == []
-
-
-def test_plan_restore_backup_without_this_rank_is_skipped() -> None:
-    backups = {7: commit(7, "0-0", "2-0"), 8: commit(8, "0-0", "1-0")}
-    assert [c.step for c in plan_restore(ORBAX, [], backups)] == [8]
-
-
-def test_plan_restore_save_job_needs_every_worker() -> None:
-    local = [item(10, worker=0), item(10, worker=1), item(20, worker=0), item(30, worker=1)]
-    backups = {
-        30: commit(30, "1-0"),  # covers worker 0 of step 30; worker 1 is local
-        40: commit(40, "1-0"),  # worker 1 of step 40 is nowhere
-        50: commit(50, "1-0", "1-1"),
-    }
-    plan = plan_restore(SAVE, local, backups)
-    assert [c.step for c in plan] == [50, 30, 10]
-    assert plan[1].sources == {
-        item(30, worker=0): (Source.BACKUP,),
-        item(30, worker=1): (Source.LOCAL,),
-    }
-    assert plan[2].sources == {
-        item(10, worker=0): (Source.LOCAL,),
-        item(10, worker=1): (Source.LOCAL,),
-    }
-    assert set(plan[0].sources) == {item(50, worker=0), item(50, worker=1)}
-
-
-def test_plan_restore_step_dir_job_with_several_workers_needs_one_item() -> None:
-    plan = plan_restore(ORBAX_4_WORKERS, [item(3)], {})
-    assert plan == [RestoreCandidate(3, {item(3): (Source.LOCAL,)})]
 
 
 # --- retention -----------------------------------------------------------------------------------

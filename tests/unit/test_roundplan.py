@@ -559,3 +559,83 @@ def test_plan_round_property(
     # First choices among peers are spread as evenly as the copies allow.
     if requests and math.prod(len(h) for h in requests.values()) <= 4096:
         assert max(plan.load().values()) == brute_force_max_load(requests)
+
+
+# --- a one-node job: the same round plans its restore ------------------------------------------
+# (These replace the tests of the one-node planner that restore used to have besides rounds.)
+
+ONE = cfg(nodes=1)
+
+
+def one(step: int, worker: int = 0) -> ItemId:
+    return ItemId(JOB, step, 0, worker)
+
+
+def commit_of(step: int, *items: ItemId) -> CommitRecord:
+    return CommitRecord(JOB, step, {i.key: digest(i) for i in items}, created=0.0)
+
+
+def test_one_node_newest_step_first_and_local_before_backup() -> None:
+    local = {0: inventory(0, [one(10), one(30), one(20)])}
+    backups = {20: commit_of(20, one(20)), 40: commit_of(40, one(40))}
+    plan = plan_round(ONE, local, backups)
+    assert plan is not None
+    assert plan.step == 40
+    assert plan.candidates == (40, 30, 20, 10)
+    assert [f.source for f in plan.sources[one(40)]] == [Source.BACKUP]
+    both = plan_round(ONE, local, backups, only_step=20)
+    assert both is not None
+    assert [f.source for f in both.sources[one(20)]] == [Source.LOCAL, Source.BACKUP]
+    # A failed source costs that source, then the step: never a wrong restore.
+    older = plan_round(ONE, local, backups, exclude={SourceKey(None, one(40))})
+    assert older is not None
+    assert older.step == 30
+    assert [f.source for f in older.sources[one(30)]] == [Source.LOCAL]
+
+
+def test_one_node_nothing_to_restore() -> None:
+    assert plan_round(ONE, {0: inventory(0, [])}, {}) is None
+    # Another job's items are not this job's checkpoint.
+    other = NodeInventory(0, "x:1", {ItemId("other", 6, 0, 0): digest(one(6))})
+    assert plan_round(ONE, {0: other}, {}) is None
+
+
+def test_one_node_backup_without_this_rank_is_skipped() -> None:
+    backups = {
+        7: CommitRecord(JOB, 7, {"1-0": digest(one(7))}, created=0.0),
+        8: commit_of(8, one(8)),
+    }
+    plan = plan_round(ONE, {0: inventory(0, [])}, backups)
+    assert plan is not None
+    assert plan.candidates == (8,)
+
+
+def test_one_node_save_job_needs_every_worker() -> None:
+    save = cfg(nodes=1, framework=Framework.PYTORCH, workers=2)
+    local = {0: inventory(0, [one(10, 0), one(10, 1), one(20, 0), one(30, 1)])}
+    backups = {
+        30: commit_of(30, one(30, 0)),  # covers worker 0 of step 30; worker 1 is local
+        40: commit_of(40, one(40, 0)),  # worker 1 of step 40 is nowhere
+        50: commit_of(50, one(50, 0), one(50, 1)),
+    }
+    plan = plan_round(save, local, backups)
+    assert plan is not None
+    assert plan.candidates == (50, 30, 10)
+    assert set(plan.sources) == {one(50, 0), one(50, 1)}
+    at30 = plan_round(save, local, backups, only_step=30)
+    assert at30 is not None
+    assert [f.source for f in at30.sources[one(30, 0)]] == [Source.BACKUP]
+    assert [f.source for f in at30.sources[one(30, 1)]] == [Source.LOCAL]
+    at10 = plan_round(save, local, backups, only_step=10)
+    assert at10 is not None
+    assert {t: [f.source for f in s] for t, s in at10.sources.items()} == {
+        one(10, 0): [Source.LOCAL],
+        one(10, 1): [Source.LOCAL],
+    }
+
+
+def test_one_node_step_dir_job_with_several_workers_needs_one_item() -> None:
+    plan = plan_round(cfg(nodes=1, workers=4), {0: inventory(0, [one(3)])}, {})
+    assert plan is not None
+    assert plan.step == 3
+    assert {t: [f.source for f in s] for t, s in plan.sources.items()} == {one(3): [Source.LOCAL]}

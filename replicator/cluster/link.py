@@ -1,0 +1,236 @@
+"""How an agent reaches its job's coordinator: over gRPC, or in process. I/O module.
+
+Every job restores through the same round (``cluster.rounds``) and reports progress the
+same way (``cluster.membership``); only the link to the coordinator differs:
+
+- a cluster job (``nodes > 1``) finds rank 0's coordinator in the registry and calls it
+  over gRPC (``RegistryFinder`` → ``cluster.client.CoordinatorClient``);
+- a one-node job calls the coordinator its own daemon hosts, in process, with no registry
+  and no port (``LocalFinder`` → ``LocalCoordinator``).
+
+Both links answer in our own types and raise the same exceptions (see ``cluster.client``),
+and both check who answers, so a replaced coordinator is noticed the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
+
+from replicator.cluster.client import (
+    CoordinatorChanged,
+    CoordinatorClient,
+    CoordinatorError,
+    NoCoordinator,
+    NotAMember,
+    WrongCoordinator,
+    find_coordinator,
+)
+from replicator.cluster.messages import MAX_WAIT_SECONDS, BadMessage, FailedFetch, RoundState
+from replicator.cluster.registry import Registry
+from replicator.cluster.service import (
+    BackupsUnavailable,
+    Coordinators,
+    Identity,
+    NotHosted,
+    NotInReleasedRound,
+    Progress,
+)
+from replicator.core.coordination import Phase, ProgressAnswer, RankStatus
+from replicator.core.manifest import ItemId
+from replicator.core.restore_plan import NodeInventory
+
+LOCAL_ADDRESS = "in-process"
+"""What a one-node job's link calls its coordinator's address (in logs)."""
+
+
+class CoordinatorFinder(Protocol):
+    """Where a job's coordinator is, as a link to call it."""
+
+    async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
+        """A link to ``job``'s coordinator; ``NoCoordinator`` when none is there in time."""
+        ...
+
+    def open(self, job: str, address: str) -> CoordinatorLink:
+        """A link to the coordinator that released this agent's round, at ``address``."""
+        ...
+
+
+class RegistryFinder:
+    """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
+        entry = await find_coordinator(self.registry, job, timeout=timeout)
+        return CoordinatorClient.for_entry(entry)
+
+    def open(self, job: str, address: str) -> CoordinatorLink:
+        return CoordinatorClient(job, address)
+
+
+class LocalFinder:
+    """A one-node job's coordinator: hosted by this daemon, called in process."""
+
+    def __init__(self, coordinators: Coordinators) -> None:
+        self.coordinators = coordinators
+
+    async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
+        if self.coordinators.host.get(job) is None:
+            raise NoCoordinator(f"this daemon hosts no coordinator for job {job}")
+        return LocalCoordinator(self.coordinators, job)
+
+    def open(self, job: str, address: str) -> CoordinatorLink:
+        return LocalCoordinator(self.coordinators, job)
+
+
+class LocalCoordinator:
+    """``CoordinatorLink`` to a coordinator in this process: same calls, no wire.
+
+    The inputs are this daemon's own, so the wire's hostile-input checks have nothing to
+    check; the answers go through the same identity check as a gRPC client's.
+    """
+
+    def __init__(self, coordinators: Coordinators, job: str) -> None:
+        self.coordinators = coordinators
+        self.job = job
+        self.coordinator_id: str | None = None
+
+    @property
+    def address(self) -> str:
+        return LOCAL_ADDRESS
+
+    def _check(self, identity: Identity, method: str) -> None:
+        if identity.job != self.job:
+            raise WrongCoordinator(f"{method}: the coordinator of job {identity.job} answered")
+        old, self.coordinator_id = self.coordinator_id, identity.coordinator_id
+        if old is not None and old != identity.coordinator_id:
+            raise CoordinatorChanged(
+                f"the coordinator of job {self.job} was replaced "
+                f"(id {old} -> {identity.coordinator_id}); join again",
+                old,
+                identity.coordinator_id,
+            )
+
+    def _error(self, exc: Exception, method: str) -> Exception:
+        """The same exceptions a gRPC client raises for the same statuses."""
+        message = f"{method} of job {self.job} ({LOCAL_ADDRESS}): {exc}"
+        if isinstance(exc, NotHosted):
+            return NoCoordinator(message)
+        if isinstance(exc, NotInReleasedRound):
+            return NotAMember(message)
+        return CoordinatorError(message)
+
+    async def join(
+        self,
+        rank: int,
+        incarnation_id: str,
+        cluster_view: str,
+        address: str,
+        items: Mapping[ItemId, str],
+    ) -> int:
+        inventory = NodeInventory(rank, address, dict(items))
+        try:
+            identity, round_ = await self.coordinators.join(
+                self.job, incarnation_id, cluster_view, inventory
+            )
+        except (NotHosted, BackupsUnavailable, BadMessage) as exc:
+            raise self._error(exc, "Join") from None
+        self._check(identity, "Join")
+        return round_
+
+    async def round_status(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        *,
+        seen: RoundState | None = None,
+        wait_seconds: float = 0.0,
+    ) -> RoundState:
+        wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
+        key = seen.key if seen is not None and seen.round == round_ else None
+        try:
+            identity, status, addresses = await self.coordinators.round_status(
+                self.job, rank, incarnation_id, key, wait
+            )
+        except (NotHosted, BadMessage) as exc:
+            raise self._error(exc, "RoundStatus") from None
+        self._check(identity, "RoundStatus")
+        return round_state_of(status, addresses)
+
+    async def report_restore(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        plan_version: int,
+        *,
+        ready: bool,
+        failures: Sequence[FailedFetch] = (),
+        addresses: Mapping[int, str] | None = None,
+    ) -> None:
+        try:
+            identity = self.coordinators.report_restore(
+                self.job,
+                rank,
+                incarnation_id,
+                round_,
+                plan_version,
+                ready=ready,
+                failed=[f.fetch.key for f in failures],
+            )
+        except (NotHosted, BadMessage) as exc:
+            raise self._error(exc, "ReportRestore") from None
+        self._check(identity, "ReportRestore")
+
+    async def report_progress(
+        self,
+        rank: int,
+        incarnation_id: str,
+        *,
+        replicated_step: int | None,
+        uploaded_step: int | None = None,
+        address: str = "",
+        held: Collection[int] | None = None,
+        replicating_step: int | None = None,
+    ) -> ProgressAnswer:
+        progress = Progress(
+            replicated_step,
+            uploaded_step,
+            address,
+            None if held is None else frozenset(held),
+            replicating_step,
+        )
+        try:
+            identity, answer = await self.coordinators.report_progress(
+                self.job, rank, incarnation_id, progress
+            )
+        except (NotHosted, NotInReleasedRound, BackupsUnavailable, BadMessage) as exc:
+            raise self._error(exc, "ReportProgress") from None
+        self._check(identity, "ReportProgress")
+        return answer
+
+    async def close(self) -> None:
+        """Nothing to release: no channel."""
+
+
+CoordinatorLink = CoordinatorClient | LocalCoordinator
+"""What an agent calls its coordinator through: the same calls, answers and exceptions."""
+
+
+def round_state_of(status: RankStatus, addresses: Mapping[int, str]) -> RoundState:
+    """``status`` as a gRPC client would have decoded it (addresses only once planned)."""
+    planned = status.phase in (Phase.FETCH, Phase.RELEASED)
+    return RoundState(
+        round=status.round,
+        phase=status.phase,
+        plan_version=status.plan_version,
+        step=status.step if planned else None,
+        assignments={t: list(f) for t, f in status.assignments.items()} if planned else {},
+        missing=status.missing,
+        message=status.message,
+        addresses=dict(addresses) if planned else {},
+    )
