@@ -91,6 +91,9 @@ class JobConfig:
     backup_interval: BackupInterval = field(default_factory=BackupInterval)
     unknown_keys: tuple[str, ...] = ()
     """Keys we ignored; the daemon logs them at warning level."""
+    assumed: tuple[str, ...] = ()
+    """What was not written and was assumed, one sentence each (MaxText's first multi-tier
+    release writes no ``framework``); the daemon warns in its log and ``replicator.errors``."""
 
     @property
     def nodes_per_replica(self) -> int:
@@ -126,6 +129,12 @@ class ConfigError(ValueError):
         super().__init__(f"replicator.yaml: {key!r} = {shown} is invalid: {rule}")
 
 
+NO_FRAMEWORK_ASSUMED = (
+    "replicator.yaml has no 'framework' key: assuming 'orbax' (MaxText's first multi-tier "
+    "release writes none); write 'framework: orbax' to silence this warning"
+)
+
+
 class IncompleteConfigError(ConfigError):
     """The text does not (yet) parse to a mapping with every required key.
 
@@ -134,9 +143,10 @@ class IncompleteConfigError(ConfigError):
     """
 
 
-_REQUIRED = ("job-name", "framework", "node-rank", "nodes")
+_REQUIRED = ("job-name", "node-rank", "nodes")
 _KNOWN = {
     *_REQUIRED,
+    "framework",
     "peer-ranks",
     "peers-per-node",
     "assume-data-parallelism",
@@ -317,7 +327,13 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
             "must match [A-Za-z0-9][A-Za-z0-9._-]{0,126} (no '/', no '..')",
         )
 
-    fw_raw = data["framework"]
+    assumed: list[str] = []
+    fw_raw = data.get("framework")
+    if fw_raw is None:
+        # MaxText's first multi-tier release (late 2024) writes no framework; it saves
+        # Orbax step directories, the only framework that ever omitted the key.
+        fw_raw = Framework.ORBAX.value
+        assumed.append(NO_FRAMEWORK_ASSUMED)
     if not isinstance(fw_raw, str) or fw_raw not in {f.value for f in Framework}:
         allowed = ", ".join(f.value for f in Framework)
         raise ConfigError("framework", fw_raw, f"must be one of: {allowed}")
@@ -383,6 +399,7 @@ def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
         workers_per_node=workers,
         backup_interval=interval,
         unknown_keys=tuple(sorted(k for k in data if k not in _KNOWN)),
+        assumed=tuple(assumed),
     )
 
 

@@ -249,6 +249,8 @@ class Incarnation:
         try:
             member = self.member = self._join()
             if self.phase is IncarnationPhase.RESTORING:
+                for assumption in self.config.assumed:
+                    self.error(assumption, kind=ErrorKind.CONFIG)
                 self.persist()
                 await self._ingest_ready(member)
                 await self._restore(member)

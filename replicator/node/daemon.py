@@ -457,7 +457,12 @@ class Daemon:
         try:
             config = parse_config(text, self.ctx.env)
         except IncompleteConfigError as exc:
-            if waited >= self.opts.config_wait_seconds:
+            if closed and stable >= self.VALID_SETTLE:
+                # Closed or renamed into place and unchanged since: nothing more is coming,
+                # so the missing key is final. Without the event (an in-place writer that
+                # has not closed it, or a lost event) the bounded wait below still applies.
+                await self._reject(text, exc, "")
+            elif waited >= self.opts.config_wait_seconds:
                 await self._reject(text, exc, f"after {waited:.0f}s of waiting for a complete file")
             return
         except ConfigError as exc:

@@ -13,6 +13,7 @@ import pytest
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     CONFIG,
+    ERRORS,
     FAILED,
     PRERESTORE,
     backup_commits,
@@ -198,3 +199,59 @@ def test_empty_yaml_that_stays_empty_stops_the_job(
     assert read_prerestore(ckpt)["restore-step"] == 2
     assert read_tree(marker) == payload(2, seed=job)
     assert top_level_step_dirs(ckpt) == set()
+
+
+# --- the first MaxText multi-tier generation: no framework key --------------------------------
+
+MAXTEXT_FIRST = (
+    "job-name: {job}\nnode-rank: 0\nnodes: 1\nworkers-per-node: 1\npeer-ranks: []\n"
+    "backup-interval-minutes: 30"
+)
+
+
+def test_maxtext_first_generation_yaml_works_as_orbax(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """Byte for byte what that release writes: no framework, a flow list, no trailing
+    newline, renamed into place. It restores, and its steps are taken and backed up."""
+    daemon = start_daemon(backup=backup_dir)
+    write_yaml_atomic(ckpt, MAXTEXT_FIRST.format(job=job))
+    wait_markers(ckpt, job, 0, daemon)
+    assert not (ckpt / FAILED).exists()
+    errors = (ckpt / ERRORS).read_text()
+    assert "no 'framework' key: assuming 'orbax'" in errors, errors
+    assert "assuming 'orbax'" in daemon.log()
+
+    make_step(ckpt, 1, payload(1, seed=job))
+    wait_ingested(ckpt, job, 1, daemon)
+    # The first complete step is backed up at once (then every 30 minutes).
+    wait_until(lambda: backup_commits(backup_dir, job) == {1}, "step 1 backed up", daemon=daemon)
+    assert read_tree(item_dir(ckpt, job, 1) / "data") == payload(1, seed=job)
+
+
+def test_a_settled_yaml_missing_a_key_fails_at_once(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon()  # --config-wait-seconds 1.5: the old verdict came after that
+    text = MAXTEXT_FIRST.format(job=job).replace("nodes: 1\n", "")
+    written = time.monotonic()
+    write_yaml_atomic(ckpt, text)
+    wait_until((ckpt / FAILED).exists, f"{FAILED} written", daemon=daemon, interval=0.01)
+    assert time.monotonic() - written < 1.0, "a renamed-in file was waited on as if partial"
+    failed = (ckpt / FAILED).read_text()
+    assert "'nodes'" in failed, failed
+    assert "required key is missing" in failed, failed
+    wait_until(lambda: not (ckpt / CONFIG).exists(), "the yaml deleted", daemon=daemon)
+
+
+def test_an_open_in_place_writer_still_gets_its_patience(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """The PyTorch reference writes in place: a part lacking a key, left open for longer
+    than any settle time, is not judged until the writer is done."""
+    daemon = start_daemon()
+    text = config_text(job)
+    split = text.index("nodes:")
+    write_yaml_in_place(ckpt, text, split=split, pause=1.0)
+    wait_markers(ckpt, job, 0, daemon)
+    assert not (ckpt / FAILED).exists()

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from replicator.core import contract
 from replicator.core.contract import (
+    NO_FRAMEWORK_ASSUMED,
     BackupInterval,
     ConfigError,
     Framework,
@@ -584,7 +585,7 @@ def test_not_a_mapping_is_incomplete(text: str) -> None:
     assert len(str(info.value)) < 300
 
 
-@pytest.mark.parametrize("key", ["job-name", "framework", "node-rank", "nodes"])
+@pytest.mark.parametrize("key", ["job-name", "node-rank", "nodes"])
 def test_missing_required_key_is_incomplete(key: str) -> None:
     with pytest.raises(IncompleteConfigError) as info:
         parse_config(doc(**{key.replace("-", "_"): None}))
@@ -594,12 +595,45 @@ def test_missing_required_key_is_incomplete(key: str) -> None:
 
 
 @pytest.mark.parametrize("empty", ["", "~", "null"])
-@pytest.mark.parametrize("key", ["job-name", "framework", "node-rank", "nodes"])
+@pytest.mark.parametrize("key", ["job-name", "node-rank", "nodes"])
 def test_required_key_without_a_value_is_incomplete(key: str, empty: str) -> None:
     # `nodes: ` is exactly what a writer leaves between the key and the value.
     with pytest.raises(IncompleteConfigError) as info:
         parse_config(doc(**{key.replace("-", "_"): empty}))
     assert info.value.key == key
+
+
+# MaxText's first multi-tier release (late 2024), byte for byte: no framework, a flow list,
+# no trailing newline.
+MAXTEXT_FIRST = (
+    "job-name: j\nnode-rank: 0\nnodes: 1\nworkers-per-node: 1\npeer-ranks: []\n"
+    "backup-interval-minutes: 30"
+)
+
+
+@pytest.mark.parametrize("empty", [None, "", "~"])
+def test_a_file_without_framework_is_orbax_with_the_assumption_said(empty: str | None) -> None:
+    text = MAXTEXT_FIRST if empty is None else f"framework: {empty}\n{MAXTEXT_FIRST}"
+    cfg = parse_config(text)
+    assert cfg.framework is Framework.ORBAX
+    assert cfg.assumed == (NO_FRAMEWORK_ASSUMED,)
+    assert "framework" in NO_FRAMEWORK_ASSUMED
+    assert "orbax" in NO_FRAMEWORK_ASSUMED
+    assert cfg.unknown_keys == ()
+    assert (cfg.job_name, cfg.node_rank, cfg.nodes, cfg.peer_ranks) == ("j", 0, 1, ())
+    assert cfg.backup_interval == BackupInterval(minutes=30, steps=None)
+    # Written, it is taken as written and nothing is assumed.
+    assert parse_config(f"framework: orbax\n{MAXTEXT_FIRST}").assumed == ()
+    assert parse_config(doc()).assumed == ()
+
+
+def test_a_file_without_framework_is_still_validated() -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(MAXTEXT_FIRST.replace("nodes: 1", "nodes: 0"))
+    assert info.value.key == "nodes"
+    with pytest.raises(IncompleteConfigError) as missing:
+        parse_config(MAXTEXT_FIRST.replace("nodes: 1\n", ""))
+    assert missing.value.key == "nodes"
 
 
 def test_missing_key_wins_over_invalid_values() -> None:
@@ -611,7 +645,7 @@ def test_missing_key_wins_over_invalid_values() -> None:
 def required_value_starts(text: str) -> list[int]:
     """Offsets at which the value of each required key begins in ``text``."""
     starts = []
-    for key in ("job-name", "framework", "node-rank", "nodes"):
+    for key in ("job-name", "node-rank", "nodes"):
         match = re.search(rf"^{re.escape(key)}: ", text, re.MULTILINE)
         assert match is not None
         starts.append(match.end())
