@@ -1,5 +1,5 @@
 """Client library for training jobs: the handshake with the node's replicator, and saving
-and loading steps in the layout it expects (PROTOCOL.md).
+and loading steps in the layout it expects (docs/protocol.md).
 
 Importing it needs only the standard library and PyYAML; the torch helpers import torch
 when they are called. It never imports gRPC, watchdog or cloud SDKs.

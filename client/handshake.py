@@ -33,7 +33,7 @@ Clock = Callable[[], float]
 Sleep = Callable[[float], None]
 
 DEFAULT_TIMEOUT = 300.0
-"""Seconds; the deadline every existing client uses (PROTOCOL.md, handshake step 8)."""
+"""Seconds; the deadline every existing client uses (docs/protocol.md, handshake step 8)."""
 _PROGRESS_EVERY = 30.0
 
 

@@ -15,8 +15,9 @@ the same page-cache conditions):
   over A's data channel and in gRPC chunks.
 
 Prints seconds and MB/s (median and best of the rounds), the push/raw ratio, daemon B's CPU
-seconds per GiB received and its peak RSS. Numbers are only comparable within one run (see
-FACTS.md on tmpfs first touch).
+seconds per GiB received and its peak RSS. Numbers are only comparable within one run: writes into
+already-allocated tmpfs pages measured 3-5x faster than the first touch of fresh pages
+(~1.2 GB/s), so page state, not the code, can set a run's speed.
 
     .venv/bin/python scripts/bench_peer.py --size-mib 1024
 """

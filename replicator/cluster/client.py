@@ -11,8 +11,8 @@ about each:
 - ``JoinRejected``: this rank's ``replicator.yaml`` can never join; say so, do not retry;
 - ``CoordinatorError``: anything else; retry with backoff.
 
-``find_coordinator`` reads the registry with jittered backoff (DESIGN.md, "Rounds and
-incarnations").
+``find_coordinator`` reads the registry with jittered backoff (docs/architecture.md,
+"Rounds and incarnations").
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One small JSON object per job, ``_registry/<job>.json``, on any ``ObjectStore``:
 production. ``_registry`` can never be a job's backup prefix: job names start with a letter
 or digit. An entry only says where to look. It is never trusted: the coordinator answers
 every call with its job and id, and an agent that reaches one that does not serve its job
-looks the registry up again (DESIGN.md, "Rounds and incarnations").
+looks the registry up again (docs/architecture.md, "Rounds and incarnations").
 
 Last writer wins: ``register`` overwrites whatever is there, because the newest coordinator
 of a job is the one to find, and object stores offer no portable compare-and-swap. That is

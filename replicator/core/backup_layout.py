@@ -1,6 +1,6 @@
 """Where backups live in a bucket, and the COMMIT record that makes a step restorable. Pure.
 
-Layout below the backup URL (DESIGN.md, "Backups")::
+Layout below the backup URL (docs/architecture.md, "Backups")::
 
     <job>/<step>/<rank>-<worker>/<files...>        item data (``data`` for a file item)
     <job>/<step>/<rank>-<worker>.manifest.json     written after the item's files

@@ -1,7 +1,7 @@
 """The workload contract: names in CHECKPOINT_DIR and the ``replicator.yaml`` handshake.
 
-Pure: no I/O, no gRPC, no cloud SDKs, so ``client/`` imports it too. PROTOCOL.md in the
-project's shared docs is the specification; every rule here cites its behaviour, not a wish.
+Pure: no I/O, no gRPC, no cloud SDKs, so ``client/`` imports it too. docs/protocol.md is the
+specification; every rule here cites its behaviour, not a wish.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Pure: a state machine fed with joins and reports (and the time, for backup intervals); the
 gRPC servicer around it only translates messages. It holds nothing that joins cannot
-rebuild, so a restarted coordinator recovers by letting agents re-join (DESIGN.md,
+rebuild, so a restarted coordinator recovers by letting agents re-join (docs/architecture.md,
 "Rounds and incarnations").
 
 The rules that keep every rank in ONE round of the new incarnation:

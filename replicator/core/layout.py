@@ -2,7 +2,7 @@
 restorable step, who uploads backups, who has not joined the restore round).
 
 Pure: no I/O, no clocks, no randomness, so every node computes the same layout from the
-same config without talking to the others (DESIGN.md, "The cluster-wide protocol"). The
+same config without talking to the others (docs/architecture.md, "Steady state across nodes"). The
 restore round's plan lives in ``replicator.core.restore_plan``.
 """
 
@@ -36,8 +36,8 @@ def peer_offsets(config: JobConfig) -> tuple[int, ...]:
     The same offsets for every rank make the layout a circulant graph, so each rank receives
     exactly as many copies as it sends (memory stays even across nodes), and no offset is 0
     or a multiple of ``nodes`` (never self). Equivalent ranks sit at multiples of
-    ``nodes_per_replica``; with data parallelism they come first (PROTOCOL.md, "Peer
-    choice"), the rest are spread over the non-equivalent offsets. Without data parallelism
+    ``nodes_per_replica``; with data parallelism they come first (docs/protocol.md,
+    "Peer choice"), the rest are spread over the non-equivalent offsets. Without data parallelism
     ``nodes_per_replica == nodes``, so there are no equivalent offsets.
     """
     count = min(config.peers_per_node, config.nodes - 1)
@@ -77,8 +77,8 @@ def replication_targets(config: JobConfig) -> tuple[int, ...]:
 
     With data parallelism a peer that is an equivalent rank already holds an equivalent
     checkpoint of its own, which restores this rank as well as a copy would and fails with
-    the same node; copying to it costs memory and bandwidth for nothing (PROTOCOL.md, "Data
-    parallelism"). So equivalents stay in the layout (they are where a lost rank restores
+    the same node; copying to it costs memory and bandwidth for nothing (docs/protocol.md,
+    "Data parallelism"). So equivalents stay in the layout (they are where a lost rank restores
     from) but receive no pushes.
     """
     equivalent = set(config.equivalent_ranks(config.node_rank))
@@ -171,7 +171,7 @@ def backup_uploaders(config: JobConfig) -> frozenset[int]:
     """Ranks that upload their items for a backup: one per equivalence class.
 
     Equivalent items restore each other, so one replica's upload backs up every replica
-    (PROTOCOL.md, "Data parallelism"): replica 0, the ranks below ``nodes_per_replica``,
+    (docs/protocol.md, "Data parallelism"): replica 0, the ranks below ``nodes_per_replica``,
     always the same so that a restore from backup knows where to look. Without data
     parallelism that is every rank.
     """

@@ -3,7 +3,8 @@
 An item is one (job, step, rank, worker) checkpoint: a directory tree or a single file. Its
 manifest lists every file's relative path, size and crc32c, and is the item's commit point
 wherever the item lives (local store, peer, backup). Parsing treats the JSON as hostile
-input. ``build_manifest`` and ``verify_item`` read files; everything else is pure.
+input. Pure: building and verifying a manifest against files on disk is
+``replicator.local.hashing``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Pure: the coordinator calls ``plan_round`` with the joins it holds (each live rank's
 inventory) and the committed backups, and re-plans with failed copies excluded. It holds no
-other state, so a restarted coordinator recomputes the same plan from re-joins (DESIGN.md,
-"Restore round"). Agents perform the fetches and verify every byte against ``Fetch.digest``.
+other state, so a restarted coordinator recomputes the same plan from re-joins
+(docs/architecture.md, "Restore rounds"). Agents perform the fetches and verify every byte
+against ``Fetch.digest``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The backup tier: item upload, step commit and verified download on an ObjectStore.
 
-Layout below the backup URL (DESIGN.md, "Backups")::
+Layout below the backup URL (docs/architecture.md, "Backups")::
 
     <job>/<step>/<rank>-<worker>/<files...>        item data (``data`` for a file item)
     <job>/<step>/<rank>-<worker>.manifest.json     written after the item's files

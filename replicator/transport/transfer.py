@@ -43,7 +43,8 @@ Chunk = tuple[int, int, bytes, int]
 """``(file_index, offset, data, crc32c)``: one slice of one file of an item."""
 
 SEND_CHUNK = 1 << 20
-"""Bytes per chunk we send: 1 MiB messages measured fastest over gRPC (FACTS.md)."""
+"""Bytes per chunk we send: 1 MiB messages measured fastest over gRPC here (64 KiB was 3-4x
+slower, 4 MiB slightly slower)."""
 MAX_CHUNK = 4 << 20
 """The protocol's bound on one chunk's data."""
 RESERVE_BYTES = 64 << 20

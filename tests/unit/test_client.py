@@ -1,4 +1,4 @@
-"""The client's handshake against a small in-test daemon that follows PROTOCOL.md."""
+"""The client's handshake against a small in-test daemon that follows docs/protocol.md."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class FakeClock:
         self.now += seconds
 
 
-# --- The daemon's side, as PROTOCOL.md describes it -----------------------------------------
+# --- The daemon's side, as docs/protocol.md describes it -----------------------------------------
 
 
 def store_step(ckpt: Path, step: int, rank: int = 0, worker: int = 0, job: str = JOB) -> str:

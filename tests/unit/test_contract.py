@@ -1,7 +1,7 @@
 """Tests for ``replicator.core.contract``: the ``replicator.yaml`` handshake and the file names.
 
 Pure and fast: no files, no sockets. The texts below are what real clients write (see
-PROTOCOL.md in the shared docs); a test that changes one of them must say which client
+docs/protocol.md); a test that changes one of them must say which client
 changed.
 """
 
@@ -358,7 +358,7 @@ def test_unknown_key_with_an_odd_value_does_not_fail_the_file() -> None:
     assert cfg.unknown_keys == ("future-option", "other")
 
 
-# --- Validation: one ConfigError per rule of the PROTOCOL.md table ------------------------------
+# --- Validation: one ConfigError per rule of the docs/protocol.md table --------------------------
 
 LONG_NAME = "a" * 128
 

@@ -1,0 +1,49 @@
+"""Relative links in README.md and docs/ point at files that exist, and at headings they have.
+
+Anchors are GitHub's: the heading lowercased, punctuation other than ``-`` and ``_`` dropped,
+spaces turned into ``-``. Links inside fenced code blocks and to other sites are not checked.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+)$", re.MULTILINE)
+
+
+def _anchors(page: Path) -> set[str]:
+    text = FENCE.sub("", page.read_text())
+    return {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in HEADING.findall(text)
+    }
+
+
+def _links(page: Path) -> list[str]:
+    text = FENCE.sub("", page.read_text())
+    return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page: Path) -> None:
+    broken = []
+    for target in _links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+            broken.append(f"{target}: no such heading")
+    assert not broken, broken
+
+
+def test_every_docs_page_is_linked_from_the_readme() -> None:
+    linked = {t.partition("#")[0] for t in _links(ROOT / "README.md")}
+    pages = {f"docs/{p.name}" for p in PAGES[1:]}
+    assert pages <= linked, sorted(pages - linked)
