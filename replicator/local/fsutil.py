@@ -26,14 +26,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = False) -> None:
+def atomic_write_bytes(
+    path: Path, data: bytes, *, durable: bool = False, mode: int | None = None
+) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one.
 
-    ``durable`` adds fsyncs, for disks that survive a power loss (tmpfs does not).
+    ``durable`` adds fsyncs, for disks that survive a power loss (tmpfs does not); ``mode``
+    is set before a byte is written (a private key is never readable by others).
     """
     tmp = tmp_name(path)
     try:
         with open(tmp, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             f.write(data)
             if durable:
                 f.flush()

@@ -74,6 +74,7 @@ from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import PeerServicer
+from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
 
@@ -111,6 +112,13 @@ class DaemonOptions:
     data_port: int | None = 0
     """TCP port of the data channel on the ``listen`` host (0: any free one, told to peers
     over gRPC); None: no data channel, item bytes travel in gRPC chunks."""
+    tls_cert: str | None = None
+    """This node's certificate (PEM); with ``tls_key`` and ``tls_ca``, mutual TLS on every
+    port and every call; None: plaintext, unauthenticated (a warning at start)."""
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str = DEFAULT_SERVER_NAME
+    """The DNS name every node certificate carries; clients check it."""
 
 
 def _data_port(value: str) -> int | None:
@@ -197,8 +205,30 @@ def parse_args(
         "(any free port, told to peers over gRPC) or 'off' (bytes in gRPC chunks) "
         "[MTC_DATA_PORT]",
     )
+    p.add_argument(
+        "--tls-cert",
+        default=env.get("MTC_TLS_CERT") or None,
+        help="this node's certificate (PEM); with --tls-key and --tls-ca: mutual TLS on the "
+        "gRPC and data ports and every call to peers and coordinators [MTC_TLS_CERT]",
+    )
+    p.add_argument(
+        "--tls-key", default=env.get("MTC_TLS_KEY") or None, help="its key (PEM) [MTC_TLS_KEY]"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=env.get("MTC_TLS_CA") or None,
+        help="the CA every peer's certificate must chain to (PEM) [MTC_TLS_CA]",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        default=env.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
+        help="the DNS name in every node certificate, checked by clients "
+        "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
+    if bool(a.tls_cert) + bool(a.tls_key) + bool(a.tls_ca) not in (0, 3):
+        p.error("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
     if a.checkpoint_dir is None:
         p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
     if a.threads < 1:
@@ -217,6 +247,10 @@ def parse_args(
         report_after_seconds=a.report_after_seconds,
         metrics=a.metrics,
         data_port=a.data_port,
+        tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
+        tls_ca=a.tls_ca,
+        tls_server_name=a.tls_server_name,
     )
 
 
@@ -248,6 +282,9 @@ class Daemon:
 
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
+        self.tls: TlsMaterial | None = open_material(
+            opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
+        )
         self.store = LocalStore(opts.checkpoint_dir)
         backups = BackupStore(open_object_store(opts.backup)) if opts.backup else None
         self._prometheus = PrometheusMetrics() if opts.metrics else None
@@ -327,7 +364,8 @@ class Daemon:
         channel: DataListener | None = None
         if self.opts.data_port is not None:
             try:
-                channel = DataListener(split_host_port(self.opts.listen)[0], self.opts.data_port)
+                host = split_host_port(self.opts.listen)[0]
+                channel = DataListener(host, self.opts.data_port, tls=self.tls)
             except OSError as exc:
                 log.error("%s", exc)
                 self.exit_code = 3
@@ -345,7 +383,8 @@ class Daemon:
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
         try:
-            self.listen_address = rpc.bind(self.opts.listen)
+            credentials = self.tls.server_credentials() if self.tls is not None else None
+            self.listen_address = rpc.bind(self.opts.listen, credentials)
             self._serve_metrics()
         except (ServerError, MetricsError) as exc:
             log.error("%s", exc)
@@ -377,15 +416,23 @@ class Daemon:
                 resumed.config, resume_steady=resumed.phase is IncarnationPhase.STEADY
             )
             resumed.start()
+        if self.tls is None:
+            log.warning(
+                "TLS is off: the gRPC port %s and the data port are unauthenticated and "
+                "unencrypted; anyone who reaches them can read, push and restore checkpoints "
+                "and join jobs. Pass --tls-cert, --tls-key and --tls-ca (SECURITY.md)",
+                self.listen_address,
+            )
         log.info(
-            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s metrics=%s "
-            "data-port=%s",
+            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s tls=%s "
+            "metrics=%s data-port=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.listen_address,
             self.advertise,
             self.opts.backup,
             __version__,
+            "on" if self.tls is not None else "off",
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",
         )
@@ -575,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_malloc()
     try:
         daemon = Daemon(opts)
-    except ValueError as exc:
+    except (ValueError, TlsError) as exc:
         log.error("%s", exc)
         return 2
     if uvloop is None:

@@ -1,6 +1,6 @@
 """``mtc``: the operator CLI. I/O only through the commands it dispatches to.
 
-Built-in commands are ``backups`` and ``render``. Other commands plug in through the
+Built-in commands are ``backups``, ``certs`` and ``render``. Other commands plug in through the
 ``mtc.commands`` entry-point group: each names a module with ``add_parser(subparsers)`` and
 ``run(args) -> int``, like the built-in ones. ``mtc demo`` comes that way from
 ``replicator.demo``, so that the product never imports the demo (an import contract holds
@@ -18,7 +18,7 @@ from types import ModuleType
 
 from replicator import __version__
 from replicator.tools import backups as backups_cli
-from replicator.tools import render
+from replicator.tools import certs, render
 
 COMMANDS_GROUP = "mtc.commands"
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
-    commands: dict[str, ModuleType] = {"backups": backups_cli, "render": render}
+    commands: dict[str, ModuleType] = {"backups": backups_cli, "certs": certs, "render": render}
     commands.update(_plugins())
     for name in sorted(commands):
         commands[name].add_parser(sub)

@@ -11,6 +11,7 @@ import logging
 import socket
 from collections.abc import Callable
 
+import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -44,11 +45,15 @@ class RpcServer:
         register(self._server)
         self._services.append(name)
 
-    def bind(self, listen: str) -> str:
-        """Listen on ``HOST:PORT``; the bound address, with port 0 replaced by the real one."""
+    def bind(self, listen: str, credentials: grpc.ServerCredentials | None = None) -> str:
+        """Listen on ``HOST:PORT`` (with TLS when ``credentials`` are given); the bound
+        address, with port 0 replaced by the real one."""
         host, _ = split_host_port(listen)
         try:
-            port = self._server.add_insecure_port(listen)
+            if credentials is None:
+                port = self._server.add_insecure_port(listen)
+            else:
+                port = self._server.add_secure_port(listen, credentials)
         except RuntimeError as exc:
             raise ServerError(f"cannot listen on {listen}: {exc}") from None
         if port == 0:

@@ -8,8 +8,10 @@ channel between daemon processes, with hostile senders, is tested in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -20,6 +22,7 @@ import pytest
 
 from replicator.core.manifest import CorruptItem, ItemId, Manifest
 from replicator.local.hashing import build_manifest, verify_item
+from replicator.tools import certs
 from replicator.transport import datachannel
 from replicator.transport.datachannel import (
     TOKEN_BYTES,
@@ -30,7 +33,9 @@ from replicator.transport.datachannel import (
     receive_into,
     send_item,
 )
+from replicator.transport.tls import TlsMaterial
 from replicator.transport.transfer import ItemWriter
+from tests.tls import node_tls
 
 T = TypeVar("T")
 ITEM = ItemId("job", 3, 1, 0)
@@ -327,3 +332,117 @@ def test_a_local_file_shorter_than_its_manifest_is_corrupt(
         send_item(pair[0], manifest, data, idle_timeout=5)
     drain.join(timeout=5)
     assert got  # what was there went out before the short file was noticed
+
+
+# --- under mutual TLS ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca() -> certs.Pair:
+    return certs.new_ca()
+
+
+def tls_run(material: TlsMaterial, fn: Callable[[DataListener], Awaitable[T]]) -> T:
+    async def main() -> T:
+        listener = DataListener("127.0.0.1", tls=material)
+        listener.start()
+        try:
+            return await fn(listener)
+        finally:
+            await listener.close()
+
+    return asyncio.run(main())
+
+
+def test_an_item_crosses_a_tls_connection_verified(tmp_path: Path, ca: certs.Pair) -> None:
+    server_tls = node_tls(tmp_path / "server", ca).material()
+    client_tls = node_tls(tmp_path / "client", ca).material()
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "big").write_bytes(os.urandom(3 * (1 << 20) + 17))
+    (src / "small").write_bytes(b"x" * 100)
+    manifest = build_manifest(ITEM, src)
+
+    async def scenario(listener: DataListener) -> int:
+        ticket = listener.issue()
+        loop = asyncio.get_running_loop()
+        client = await loop.run_in_executor(
+            None, datachannel.connect, f"127.0.0.1:{listener.port - 1}", listener.port,
+            ticket.token, 5.0, client_tls,
+        )  # fmt: skip
+        server = await listener.connection(ticket, timeout=5)
+        assert isinstance(server, ssl.SSLSocket)
+        assert isinstance(client, ssl.SSLSocket)
+        assert server.version() == "TLSv1.3"
+        sender = loop.run_in_executor(
+            None, lambda: send_item(client, manifest, src, idle_timeout=5.0)
+        )
+        received = await loop.run_in_executor(None, receive, manifest, tmp_path / "staged", server)
+        assert await sender == manifest.total_bytes
+        client.close()
+        server.close()
+        return received
+
+    assert tls_run(server_tls, scenario) == manifest.total_bytes
+    verify_item(manifest, tmp_path / "staged" / "data")
+
+
+@pytest.mark.parametrize("who", ["plaintext", "no certificate", "another CA", "expired"])
+def test_a_connection_without_a_valid_certificate_gets_no_ticket(
+    tmp_path: Path, ca: certs.Pair, who: str
+) -> None:
+    server_tls = node_tls(tmp_path / "server", ca).material()
+
+    async def scenario(listener: DataListener) -> bool:
+        ticket = listener.issue()
+        loop = asyncio.get_running_loop()
+
+        def attack() -> None:
+            raw = socket.create_connection(("127.0.0.1", listener.port), timeout=5)
+            try:
+                if who == "plaintext":
+                    with contextlib.suppress(OSError):  # reset: the token is not TLS
+                        raw.sendall(ticket.token)  # the token alone, as before TLS
+                        raw.recv(1)
+                    return
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.load_verify_locations(cadata=ca.cert.decode())
+                context.check_hostname = False
+                if who == "another CA":
+                    other = certs.new_ca()
+                    own = node_tls(tmp_path / "other", other, trust=ca)
+                    context.load_cert_chain(own.files.cert, own.files.key)
+                elif who == "expired":
+                    own = node_tls(tmp_path / "expired", ca, expired=True)
+                    context.load_cert_chain(own.files.cert, own.files.key)
+                with contextlib.suppress(OSError):
+                    secure = context.wrap_socket(raw, server_hostname="mtc-replicator")
+                    secure.sendall(ticket.token)
+                    secure.recv(1)
+            finally:
+                raw.close()
+
+        await loop.run_in_executor(None, attack)
+        try:
+            await listener.connection(ticket, timeout=0.5)
+        except ChannelBroken:
+            return False
+        return True
+
+    assert tls_run(server_tls, scenario) is False
+
+
+def test_a_client_refuses_a_server_of_another_ca(tmp_path: Path, ca: certs.Pair) -> None:
+    impostor = certs.new_ca()
+    server_tls = node_tls(tmp_path / "server", impostor).material()
+    client_tls = node_tls(tmp_path / "client", ca).material()
+
+    async def scenario(listener: DataListener) -> None:
+        ticket = listener.issue()
+        with pytest.raises(ChannelBroken, match="certificate verify failed"):
+            await asyncio.get_running_loop().run_in_executor(
+                None, datachannel.connect, f"127.0.0.1:{listener.port - 1}", listener.port,
+                ticket.token, 5.0, client_tls,
+            )  # fmt: skip
+
+    tls_run(server_tls, scenario)

@@ -1,0 +1,218 @@
+"""Mutual TLS for every network path between daemons: gRPC and the data channel. I/O module.
+
+``TlsMaterial`` owns the node's certificate, key and the CA that every peer's certificate
+must chain to (``--tls-cert``, ``--tls-key``, ``--tls-ca``). It re-reads the three files
+when they change: cert-manager and the kubelet rotate a mounted Secret in place (a new
+``..data`` directory swapped in by one rename), and a daemon must not restart for it.
+
+- The gRPC server takes ``server_credentials()``: gRPC asks for the certificate again at
+  every new connection's handshake, so a rotation applies to the next connection while
+  calls in flight keep theirs. Client certificates are required and must chain to the CA.
+- gRPC clients take ``channel_credentials()`` and ``channel_options()``; ``generation``
+  changes with every reload, so callers open new channels for new calls and let old ones
+  finish (``transport.peer.PeerClient``).
+- The data channel wraps its sockets with ``server_context()`` / ``client_context()``:
+  TLS 1.3, certificates required both ways, names checked.
+
+Every node's certificate carries one DNS name, ``server_name`` (``--tls-server-name``,
+default ``mtc-replicator``): nodes are reached at pod or host IPs that no certificate can
+list, so clients check that name instead of the address. What the CA signs is the trust
+boundary (SECURITY.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVER_NAME = "mtc-replicator"
+"""The DNS name every node certificate carries and every client checks."""
+MAX_PEM_BYTES = 1 << 20
+
+
+class TlsError(Exception):
+    """The TLS files cannot be used (missing, unreadable, or the key does not fit)."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Where the PEM files are."""
+
+    cert: Path
+    """This node's certificate chain (leaf first)."""
+    key: Path
+    """Its private key."""
+    ca: Path
+    """The CA bundle every peer's certificate must chain to."""
+
+
+@dataclass(frozen=True)
+class _Pem:
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+
+def _signature(files: TlsFiles) -> tuple[tuple[int, int, int], ...]:
+    """What changes when any file is replaced or rewritten (links followed, as mounted)."""
+    out = []
+    for path in (files.cert, files.key, files.ca):
+        st = os.stat(path)
+        out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise TlsError(f"cannot read the TLS {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_PEM_BYTES or b"-----BEGIN" not in data:
+        raise TlsError(f"the TLS {what} {path} is not a PEM file")
+    return data
+
+
+def _check(pem: _Pem, files: TlsFiles) -> None:
+    """Load the pair and the CA the way both ends will, so a bad file fails here, clearly."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(files.cert, files.key)
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsError(f"the TLS key {files.key} does not fit {files.cert}: {exc}") from None
+    try:
+        context.load_verify_locations(cadata=pem.ca.decode("ascii", "replace"))
+    except (ssl.SSLError, ValueError) as exc:
+        raise TlsError(f"the TLS CA {files.ca} holds no usable certificate: {exc}") from None
+
+
+class TlsMaterial:
+    """The node's TLS identity, re-read when its files change. Thread-safe."""
+
+    def __init__(self, files: TlsFiles, server_name: str = DEFAULT_SERVER_NAME) -> None:
+        self.files = files
+        self.server_name = server_name
+        self._lock = threading.Lock()
+        self._signature = _signature(files)
+        self._pem = self._load()
+        self.generation = 0
+        """Counts reloads: a client that opened channels at an older one opens new ones."""
+        self._served_generation = 0
+        self._contexts: dict[bool, tuple[int, ssl.SSLContext]] = {}
+
+    def _load(self) -> _Pem:
+        pem = _Pem(
+            _read(self.files.cert, "certificate"),
+            _read(self.files.key, "key"),
+            _read(self.files.ca, "CA"),
+        )
+        _check(pem, self.files)
+        return pem
+
+    def refresh(self) -> bool:
+        """Re-read the files if they changed; True when new material is in use.
+
+        A half-rotated set (a key that does not fit its certificate yet) keeps the old
+        material and is tried again at the next call: the kubelet swaps all files at once,
+        but a hand-made rotation may not.
+        """
+        with self._lock:
+            try:
+                signature = _signature(self.files)
+            except OSError as exc:
+                log.warning("TLS files unreadable, keeping the loaded ones: %s", exc)
+                return False
+            if signature == self._signature:
+                return False
+            try:
+                pem = self._load()
+            except TlsError as exc:
+                log.warning("new TLS files not usable yet, keeping the loaded ones: %s", exc)
+                return False
+            self._signature, self._pem = signature, pem
+            self.generation += 1
+            log.info("TLS certificate reloaded (generation %d)", self.generation)
+            return True
+
+    def _current(self) -> _Pem:
+        self.refresh()
+        with self._lock:
+            return self._pem
+
+    # --- gRPC ---------------------------------------------------------------------------
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Credentials that require a client certificate from the CA, re-read per handshake."""
+        pem = self._current()
+        return grpc.dynamic_ssl_server_credentials(
+            self._server_config(pem), self._fetch_server_config, require_client_authentication=True
+        )
+
+    @staticmethod
+    def _server_config(pem: _Pem) -> Any:
+        return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], pem.ca)
+
+    def _fetch_server_config(self) -> Any:
+        """gRPC's hook at each new connection: a new configuration, or None to keep it."""
+        pem = self._current()
+        with self._lock:
+            if self._served_generation == self.generation:
+                return None
+            self._served_generation = self.generation
+        return self._server_config(pem)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        pem = self._current()
+        return grpc.ssl_channel_credentials(
+            root_certificates=pem.ca, private_key=pem.key, certificate_chain=pem.cert
+        )
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        """Check the node name every certificate carries, not the address dialled."""
+        return [("grpc.ssl_target_name_override", self.server_name)]
+
+    # --- the data channel -----------------------------------------------------------------
+
+    def server_context(self) -> ssl.SSLContext:
+        return self._context(server=True)
+
+    def client_context(self) -> ssl.SSLContext:
+        return self._context(server=False)
+
+    def _context(self, *, server: bool) -> ssl.SSLContext:
+        pem = self._current()
+        with self._lock:
+            cached = self._contexts.get(server)
+            if cached is not None and cached[0] == self.generation:
+                return cached[1]
+            generation = self.generation
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=pem.ca.decode("ascii", "replace"))
+        context.load_cert_chain(self.files.cert, self.files.key)
+        if not server:
+            context.check_hostname = True
+        with self._lock:
+            self._contexts[server] = (generation, context)
+        return context
+
+
+def open_material(
+    cert: str | None, key: str | None, ca: str | None, server_name: str = DEFAULT_SERVER_NAME
+) -> TlsMaterial | None:
+    """The material the flags name: all three files, or none (plaintext, with a warning)."""
+    if not (cert or key or ca):
+        return None
+    if not (cert and key and ca):
+        raise TlsError("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
+    return TlsMaterial(TlsFiles(Path(cert), Path(key), Path(ca)), server_name)
