@@ -119,6 +119,9 @@ class DaemonOptions:
     tls_ca: str | None = None
     tls_server_name: str = DEFAULT_SERVER_NAME
     """The DNS name every node certificate carries; clients check it."""
+    health_listen: str | None = None
+    """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
+    TLS); None: only on the main port."""
 
 
 def _data_port(value: str) -> int | None:
@@ -225,6 +228,13 @@ def parse_args(
         help="the DNS name in every node certificate, checked by clients "
         "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
     )
+    p.add_argument(
+        "--health-listen",
+        type=_host_port,
+        default=env.get("MTC_HEALTH_LISTEN") or None,
+        help="also serve the gRPC health service alone, in plaintext, at HOST:PORT, for "
+        "kubelet probes when TLS is on; off by default [MTC_HEALTH_LISTEN]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if bool(a.tls_cert) + bool(a.tls_key) + bool(a.tls_ca) not in (0, 3):
@@ -251,6 +261,7 @@ def parse_args(
         tls_key=a.tls_key,
         tls_ca=a.tls_ca,
         tls_server_name=a.tls_server_name,
+        health_listen=a.health_listen,
     )
 
 
@@ -308,6 +319,8 @@ class Daemon:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.exit_code = 0
+        self.health_address: str | None = None
+        """The plaintext health-only address, when ``--health-listen`` asks for one."""
         self.listen_address: str | None = None
         """The address the gRPC server is bound to (port 0 resolved), once it is."""
         self.advertise: str | None = opts.advertise
@@ -385,6 +398,8 @@ class Daemon:
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
             self.listen_address = rpc.bind(self.opts.listen, credentials)
+            if self.opts.health_listen is not None:
+                self.health_address = rpc.bind_health(self.opts.health_listen)
             self._serve_metrics()
         except (ServerError, MetricsError) as exc:
             log.error("%s", exc)
@@ -425,7 +440,7 @@ class Daemon:
             )
         log.info(
             "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s tls=%s "
-            "metrics=%s data-port=%s",
+            "health=%s metrics=%s data-port=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.listen_address,
@@ -433,6 +448,7 @@ class Daemon:
             self.opts.backup,
             __version__,
             "on" if self.tls is not None else "off",
+            self.health_address,
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",
         )

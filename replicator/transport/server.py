@@ -38,6 +38,7 @@ class RpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._services: list[str] = []
         self._started = False
+        self._health_server: grpc.aio.Server | None = None
 
     def add_service(self, name: str, register: Callable[[grpc.aio.Server], None]) -> None:
         """``register`` adds the servicer (``add_XServicer_to_server``); ``name`` is the full
@@ -60,11 +61,28 @@ class RpcServer:
             raise ServerError(f"cannot listen on {listen}")
         return f"{host}:{port}"
 
+    def bind_health(self, listen: str) -> str:
+        """Also serve the health service alone, in plaintext, on ``listen``: kubelet's gRPC
+        probes cannot present a client certificate, and health says nothing about
+        checkpoints. Call before ``start``; the bound address."""
+        self._health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        host, _ = split_host_port(listen)
+        try:
+            port = self._health_server.add_insecure_port(listen)
+        except RuntimeError as exc:
+            raise ServerError(f"cannot listen for health checks on {listen}: {exc}") from None
+        if port == 0:
+            raise ServerError(f"cannot listen for health checks on {listen}")
+        return f"{host}:{port}"
+
     async def start(self) -> None:
         # Up but not ready until the daemon says so (``set_serving``).
         for name in ("", *self._services):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
+        if self._health_server is not None:
+            await self._health_server.start()
         self._started = True
 
     async def set_serving(self) -> None:
@@ -78,6 +96,8 @@ class RpcServer:
         self._started = False
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         log.info("gRPC server stopped")
 
 
