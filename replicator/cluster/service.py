@@ -229,7 +229,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._tasks: set[asyncio.Task[None]] = set()
 
     def register(self, server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)
 
     # --- shared checks ---
 
