@@ -83,7 +83,7 @@ class IdentityServicer(csi_pb2_grpc.IdentityServicer):
         return response
 
     def register(self, server: grpc.Server) -> None:
-        csi_pb2_grpc.add_IdentityServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        csi_pb2_grpc.add_IdentityServicer_to_server(self, server)
 
 
 class NodeServicer(csi_pb2_grpc.NodeServicer):
@@ -147,7 +147,7 @@ class NodeServicer(csi_pb2_grpc.NodeServicer):
         _unimplemented(context, "NodeExpandVolume")
 
     def register(self, server: grpc.Server) -> None:
-        csi_pb2_grpc.add_NodeServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        csi_pb2_grpc.add_NodeServicer_to_server(self, server)
 
 
 def _unimplemented(context: grpc.ServicerContext, method: str) -> NoReturn:

@@ -28,10 +28,10 @@ import grpc
 import grpc.aio
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator._pb.mtc.v1 import coordinator_pb2_grpc
 from replicator.cluster.messages import (
     MAX_HELD_STEPS,
     MAX_WAIT_SECONDS,
-    SERVICE,
     BadMessage,
     FailedFetch,
     RoundState,
@@ -117,27 +117,7 @@ class CoordinatorClient:
         self.coordinator_id: str | None = None
         """The id that answered first; None before any answer."""
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        method = f"/{SERVICE}/"
-        self._join = self._channel.unary_unary(
-            method + "Join",
-            request_serializer=pb.JoinRequest.SerializeToString,
-            response_deserializer=pb.JoinResponse.FromString,
-        )
-        self._status = self._channel.unary_unary(
-            method + "RoundStatus",
-            request_serializer=pb.RoundStatusRequest.SerializeToString,
-            response_deserializer=pb.RoundStatusResponse.FromString,
-        )
-        self._restore = self._channel.unary_unary(
-            method + "ReportRestore",
-            request_serializer=pb.ReportRestoreRequest.SerializeToString,
-            response_deserializer=pb.ReportRestoreResponse.FromString,
-        )
-        self._progress = self._channel.unary_unary(
-            method + "ReportProgress",
-            request_serializer=pb.ReportProgressRequest.SerializeToString,
-            response_deserializer=pb.ReportProgressResponse.FromString,
-        )
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     @classmethod
     def for_entry(cls, entry: RegistryEntry, *, timeout: float = CALL_TIMEOUT) -> CoordinatorClient:
@@ -199,7 +179,7 @@ class CoordinatorClient:
             items=held_items(items),
         )
         try:
-            response = await self._join(request, timeout=self.timeout)
+            response = await self._stub.Join(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "Join") from None
         self._check(response.coordinator, "Join")
@@ -231,7 +211,7 @@ class CoordinatorClient:
         if seen is not None and seen.round == round_:
             _, request.seen_state, request.seen_plan_version = seen.key
         try:
-            response = await self._status(request, timeout=wait + self.timeout)
+            response = await self._stub.RoundStatus(request, timeout=wait + self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "RoundStatus") from None
         self._check(response.coordinator, "RoundStatus")
@@ -268,7 +248,7 @@ class CoordinatorClient:
             ],
         )
         try:
-            response = await self._restore(request, timeout=self.timeout)
+            response = await self._stub.ReportRestore(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "ReportRestore") from None
         self._check(response.coordinator, "ReportRestore")
@@ -301,7 +281,7 @@ class CoordinatorClient:
             replicating_step=replicating_step,
         )
         try:
-            response = await self._progress(request, timeout=self.timeout)
+            response = await self._stub.ReportProgress(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "ReportProgress") from None
         self._check(response.coordinator, "ReportProgress")

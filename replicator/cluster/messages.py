@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field
-from typing import Any
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2
@@ -78,7 +77,7 @@ def check_address(address: str, what: str = "address") -> str:
         raise BadMessage(f"{what}: {exc}") from None
 
 
-def check_count(values: Sequence[Any], what: str, limit: int = MAX_ITEMS) -> None:
+def check_count(values: Sized, what: str, limit: int = MAX_ITEMS) -> None:
     if len(values) > limit:
         raise BadMessage(f"{what}: {len(values)} entries, at most {limit}")
 
@@ -273,11 +272,11 @@ def source_keys(
 _STATES = {Phase.WAITING: State.WAITING, Phase.FETCH: State.FETCH, Phase.RELEASED: State.RELEASED}
 _PHASES = {state: phase for phase, state in _STATES.items()}
 
-StatusKey = tuple[int, pb.RoundStatusResponse.State, int]
+StatusKey = tuple[int, State.ValueType, int]
 """(round, state, plan version): what a long poll compares to what its caller saw."""
 
 
-def state_of(phase: Phase | None) -> pb.RoundStatusResponse.State:
+def state_of(phase: Phase | None) -> State.ValueType:
     return State.REJOIN if phase is None else _STATES[phase]
 
 

@@ -465,7 +465,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.host = coordinators.host
 
     def register(self, server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)
 
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -29,6 +29,7 @@ import grpc
 import grpc.aio
 
 from replicator._pb.mtc.v1 import peer_pb2 as pb
+from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from replicator.local.store import LocalStore, StoreError
@@ -211,10 +212,6 @@ class ItemInfo:
     total_bytes: int
 
 
-def _method(name: str) -> str:
-    return f"/{SERVICE}/{name}"
-
-
 class PeerClient:
     """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
 
@@ -245,18 +242,20 @@ class PeerClient:
             max_workers=2, thread_name_prefix="mtc-peer"
         )
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, peer_pb2_grpc.PeerAsyncStub] = {}
         self._no_channel: dict[str, float] = {}
         """Peers whose data channel could not be reached, until when (monotonic)."""
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
+    def _stub(self, address: str) -> peer_pb2_grpc.PeerAsyncStub:
+        stub = self._stubs.get(address)
+        if stub is None:
             channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = channel
-        return channel
+            stub = self._stubs[address] = peer_pb2_grpc.PeerStub(channel)
+        return stub
 
     async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
+        channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for channel in channels:
             await channel.close()
         if self._own_executor:
@@ -301,11 +300,6 @@ class PeerClient:
             return await self._push(address, manifest, data_path, False)
 
     async def _push(self, address: str, manifest: Manifest, data_path: Path, channel: bool) -> bool:
-        method = self._channel(address).stream_unary(
-            _method("PushItem"),
-            request_serializer=pb.PushItemRequest.SerializeToString,
-            response_deserializer=pb.PushItemResponse.FromString,
-        )
         raw = manifest.to_json()
         header = pb.PushHeader(
             item=item_ref(manifest.item),
@@ -314,7 +308,7 @@ class PeerClient:
             data_channel=channel,
         )
         t0 = time.monotonic()
-        call = method(timeout=self._deadline(manifest.total_bytes))
+        call = self._stub(address).PushItem(timeout=self._deadline(manifest.total_bytes))
         cut_short = False
         broken: ChannelBroken | None = None
         try:
@@ -376,7 +370,10 @@ class PeerClient:
         return response.already_had
 
     async def _send_chunks(
-        self, call: grpc.aio.StreamUnaryCall[Any, Any], manifest: Manifest, data_path: Path
+        self,
+        call: grpc.aio.StreamUnaryCall[pb.PushItemRequest, pb.PushItemResponse],
+        manifest: Manifest,
+        data_path: Path,
     ) -> None:
         with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
             for index, offset, buf, crc in chunks:
@@ -435,18 +432,13 @@ class PeerClient:
         total_bytes: int | None,
         channel: bool,
     ) -> Manifest:
-        call = self._channel(address).unary_stream(
-            _method("PullItem"),
-            request_serializer=pb.PullItemRequest.SerializeToString,
-            response_deserializer=pb.PullItemResponse.FromString,
-        )
         request = pb.PullItemRequest(
             item=item_ref(item),
             manifest_digest=expected_digest or "",
             data_channel=channel,
         )
         t0 = time.monotonic()
-        stream = call(request, timeout=self._deadline(total_bytes))
+        stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
         try:
             responses = aiter(stream)
             first = await anext(responses, None)
@@ -507,13 +499,9 @@ class PeerClient:
 
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         """The committed items ``address`` holds (of ``job`` only, when given)."""
-        call = self._channel(address).unary_unary(
-            _method("ListItems"),
-            request_serializer=pb.ListItemsRequest.SerializeToString,
-            response_deserializer=pb.ListItemsResponse.FromString,
-        )
+        request = pb.ListItemsRequest(job=job or "")
         try:
-            response = await call(pb.ListItemsRequest(job=job or ""), timeout=self.timeout)
+            response = await self._stub(address).ListItems(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_error(exc, address, "list of items") from None
         infos = []

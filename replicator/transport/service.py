@@ -324,4 +324,4 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             await _abort(context, "ListItems", exc)
 
     def register(self, server: grpc.aio.Server) -> None:
-        peer_pb2_grpc.add_PeerServicer_to_server(self, server)  # type: ignore[no-untyped-call]
+        peer_pb2_grpc.add_PeerServicer_to_server(self, server)

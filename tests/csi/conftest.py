@@ -33,8 +33,8 @@ class CsiClient:
 
     def __init__(self, socket_path: Path) -> None:
         self.channel = grpc.insecure_channel(f"unix://{socket_path}")
-        self.identity = csi_pb2_grpc.IdentityStub(self.channel)  # type: ignore[no-untyped-call]
-        self.node = csi_pb2_grpc.NodeStub(self.channel)  # type: ignore[no-untyped-call]
+        self.identity = csi_pb2_grpc.IdentityStub(self.channel)
+        self.node = csi_pb2_grpc.NodeStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()

@@ -77,7 +77,7 @@ def test_an_unset_capability_is_told_apart_from_an_empty_one() -> None:
     ],
 )
 def test_read_only_from_the_flag_or_the_access_mode(
-    readonly: bool, mode: pb.VolumeCapability.AccessMode.Mode, expected: bool
+    readonly: bool, mode: pb.VolumeCapability.AccessMode.Mode.ValueType, expected: bool
 ) -> None:
     capability = pb.VolumeCapability(
         mount=pb.VolumeCapability.MountVolume(), access_mode=Mode(mode=mode)

@@ -438,7 +438,7 @@ class _OtherJob(coordinator_pb2_grpc.CoordinatorServicer):
 def test_an_answer_for_another_job_raises() -> None:
     async def scenario() -> None:
         server = grpc.aio.server()
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(_OtherJob(), server)  # type: ignore[no-untyped-call]
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(_OtherJob(), server)  # type: ignore[abstract]
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -439,6 +439,7 @@ def dc_push(
     call = v.stub.PushItem.future(requests(), timeout=20)
     try:
         offer = dict(call.initial_metadata())["mtc-data-channel"]
+        assert isinstance(offer, str)
         port, token = offer.split()
         attack(int(port), bytes.fromhex(token))
     finally:

@@ -1,8 +1,10 @@
-"""The committed gRPC stubs are exactly what the pinned grpcio-tools makes of proto/."""
+"""The committed gRPC stubs are exactly what the pinned grpcio-tools and mypy-protobuf make of
+proto/."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -13,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator() -> ModuleType:
+    pytest.importorskip("grpc_tools", reason="grpcio-tools is in the dev extra")
+    pytest.importorskip("mypy_protobuf", reason="mypy-protobuf is in the dev extra")
     spec = importlib.util.spec_from_file_location("gen_protos", ROOT / "scripts" / "gen_protos.py")
     assert spec is not None
     assert spec.loader is not None
@@ -24,7 +28,6 @@ def _generator() -> ModuleType:
 
 @pytest.mark.parametrize("package", ["replicator._pb", "csi._pb"])
 def test_stubs_are_current(tmp_path: Path, package: str) -> None:
-    pytest.importorskip("grpc_tools", reason="grpcio-tools is in the dev extra")
     gen = _generator()
     (target,) = [t for t in gen.TARGETS if t.package == package]
     committed = ROOT / target.directory
@@ -40,6 +43,18 @@ def test_stubs_are_current(tmp_path: Path, package: str) -> None:
         assert (tmp_path / "_pb" / rel).read_text() == (committed / rel).read_text(), (
             f"{target.directory}/{rel} is stale: run scripts/gen_protos.py"
         )
+
+
+def test_the_type_stub_plugins_are_found_beside_the_interpreter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """mypy-protobuf's protoc plugins need no PATH: the venv's bin/ is not always on it."""
+    gen = _generator()
+    monkeypatch.setenv("PATH", "")
+    for name in gen.PLUGINS:
+        path = gen.plugin(name)
+        assert path.name == name
+        assert os.access(path, os.X_OK)
 
 
 def test_stubs_import_without_a_top_level_proto_package() -> None:
