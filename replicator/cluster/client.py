@@ -45,6 +45,7 @@ from replicator.core.coordination import JoinRejected, ProgressAnswer
 from replicator.core.manifest import ItemId
 from replicator.core.retry import Backoff
 from replicator.storage.objectstore import ObjectStoreError
+from replicator.transport.tls import TlsMaterial, open_channel, refused_certificate
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,11 @@ class NoCoordinator(CoordinatorError):
 
 class WrongCoordinator(NoCoordinator):
     """The address answers for another job: the registry entry is stale."""
+
+
+class UntrustedCoordinator(NoCoordinator):
+    """The address failed the TLS handshake (its certificate does not chain to our CA, or
+    it does not speak TLS): the registry is not an identity, so it is never joined."""
 
 
 class MustRejoin(CoordinatorError):
@@ -110,18 +116,31 @@ class CoordinatorClient:
     ``CoordinatorError`` (see the module docstring). Create it in the event loop that uses it.
     """
 
-    def __init__(self, job: str, address: str, *, timeout: float = CALL_TIMEOUT) -> None:
+    def __init__(
+        self,
+        job: str,
+        address: str,
+        *,
+        timeout: float = CALL_TIMEOUT,
+        tls: TlsMaterial | None = None,
+    ) -> None:
         self.job = job
         self.address = address
         self.timeout = timeout
         self.coordinator_id: str | None = None
         """The id that answered first; None before any answer."""
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, CHANNEL_OPTIONS, tls)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     @classmethod
-    def for_entry(cls, entry: RegistryEntry, *, timeout: float = CALL_TIMEOUT) -> CoordinatorClient:
-        return cls(entry.job, entry.address, timeout=timeout)
+    def for_entry(
+        cls,
+        entry: RegistryEntry,
+        *,
+        timeout: float = CALL_TIMEOUT,
+        tls: TlsMaterial | None = None,
+    ) -> CoordinatorClient:
+        return cls(entry.job, entry.address, timeout=timeout, tls=tls)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -137,6 +156,11 @@ class CoordinatorClient:
         code = exc.code()
         details = exc.details() or ""
         message = f"{method} of job {self.job} at {self.address}: {code.name}: {details}"
+        if code is grpc.StatusCode.UNAVAILABLE and refused_certificate(details):
+            return UntrustedCoordinator(
+                f"refused the coordinator of job {self.job} at {self.address}: the TLS "
+                f"handshake failed ({details[:300]})"
+            )
         if code in _RELOOK:
             return NoCoordinator(message)
         if code is grpc.StatusCode.FAILED_PRECONDITION:

@@ -40,6 +40,7 @@ from replicator.cluster.service import (
 from replicator.core.coordination import Phase, ProgressAnswer, RankStatus
 from replicator.core.manifest import ItemId
 from replicator.core.restore_plan import NodeInventory
+from replicator.transport.tls import TlsMaterial
 
 LOCAL_ADDRESS = "in-process"
 """What a one-node job's link calls its coordinator's address (in logs)."""
@@ -58,17 +59,19 @@ class CoordinatorFinder(Protocol):
 
 
 class RegistryFinder:
-    """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC."""
+    """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC
+    (mutual TLS with ``tls``: an entry whose address fails the handshake is never joined)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, tls: TlsMaterial | None = None) -> None:
         self.registry = registry
+        self.tls = tls
 
     async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
         entry = await find_coordinator(self.registry, job, timeout=timeout)
-        return CoordinatorClient.for_entry(entry)
+        return CoordinatorClient.for_entry(entry, tls=self.tls)
 
     def open(self, job: str, address: str) -> CoordinatorLink:
-        return CoordinatorClient(job, address)
+        return CoordinatorClient(job, address, tls=self.tls)
 
 
 class LocalFinder:

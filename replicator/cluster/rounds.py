@@ -16,7 +16,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from replicator.cluster.client import CoordinatorError, MustRejoin, NoCoordinator
+from replicator.cluster.client import (
+    CoordinatorError,
+    MustRejoin,
+    NoCoordinator,
+    UntrustedCoordinator,
+)
 from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
 from replicator.core.contract import JobConfig
@@ -81,6 +86,7 @@ class RoundParticipant:
         self._started = time.monotonic()
         self._last_said = ""
         self._unavailable: list[str] = []
+        self._last_untrusted = ""
         self._obtained: dict[ItemId, Fetch] = {}
         """The source each target came from (a one-node job's local and backup copies are
         the same item, so the store alone cannot tell which was used)."""
@@ -114,6 +120,12 @@ class RoundParticipant:
                 raise RoundFailed(str(exc)) from None
             except MustRejoin as exc:
                 log.info("rejoining the round of job %s: %s", job, exc)
+            except UntrustedCoordinator as exc:
+                # Said at once, not after report_after: someone may be impersonating rank 0.
+                if str(exc) != self._last_untrusted:
+                    self._last_untrusted = str(exc)
+                    self.ctx.error(str(exc), None)
+                await asyncio.sleep(backoff.next())
             except CoordinatorError as exc:
                 self._say_waiting(f"cannot reach the coordinator of job {job}: {exc}")
                 await asyncio.sleep(backoff.next())

@@ -55,6 +55,7 @@ from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.storage.backup import BackupStore
 from replicator.transport.peer import PeerClient
+from replicator.transport.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +94,8 @@ class AgentContext:
     """Where coordinators are found; needed by jobs with ``nodes > 1``."""
     coordinators: Coordinators | None = None
     """The coordinators this daemon hosts: a one-node job calls its own in process."""
+    tls: TlsMaterial | None = None
+    """Mutual TLS for calls to other nodes' coordinators; None: plaintext."""
     advertise: str = ""
     """This node's peer address, as other nodes reach it."""
     report_after: float = 60.0
@@ -287,7 +290,7 @@ class Incarnation:
                 "to find its coordinator"
             )
         else:
-            finder = RegistryFinder(ctx.registry)
+            finder = RegistryFinder(ctx.registry, ctx.tls)
         return ClusterMember(
             MemberContext(
                 config=self.config,

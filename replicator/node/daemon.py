@@ -329,6 +329,7 @@ class Daemon:
         self.coordinators = CoordinatorHost()
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
+        self.ctx.tls = self.tls
 
     def accepts_job(self, job: str) -> bool:
         """Peers may push items of the job this node serves now, and of no other."""
@@ -410,7 +411,7 @@ class Daemon:
             return
         self.advertise = self.opts.advertise or advertised_address(self.listen_address)
         self.ctx.advertise = self.advertise
-        self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics)
+        self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics, tls=self.tls)
         await rpc.start()
         if channel is not None:
             channel.start()

@@ -42,6 +42,7 @@ from replicator.transport.datachannel import (
     ChannelProtocolError,
     ChannelUnreachable,
 )
+from replicator.transport.tls import TlsMaterial, open_channel
 from replicator.transport.transfer import (
     Chunk,
     TransferError,
@@ -231,8 +232,11 @@ class PeerClient:
         executor: Executor | None = None,
         metrics: Metrics = NO_METRICS,
         data_channel: bool = True,
+        tls: TlsMaterial | None = None,
     ) -> None:
         self.timeout = timeout
+        self.tls = tls
+        """Mutual TLS for every call and data connection; None: plaintext."""
         self.data_channel = data_channel
         self.metrics = metrics
         self.min_rate = min_rate
@@ -245,17 +249,28 @@ class PeerClient:
         self._stubs: dict[str, peer_pb2_grpc.PeerAsyncStub] = {}
         self._no_channel: dict[str, float] = {}
         """Peers whose data channel could not be reached, until when (monotonic)."""
+        self._generation = tls.generation if tls is not None else 0
+        self._retired: list[grpc.aio.Channel] = []
+        """Channels opened with certificates since rotated: calls in flight finish on them."""
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerAsyncStub:
+        if self.tls is not None:
+            self.tls.refresh()
+            if self.tls.generation != self._generation:
+                # New calls get the new certificate; old channels are closed with the client.
+                self._generation = self.tls.generation
+                self._retired.extend(self._channels.values())
+                self._channels, self._stubs = {}, {}
         stub = self._stubs.get(address)
         if stub is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, CHANNEL_OPTIONS, self.tls)
             self._channels[address] = channel
             stub = self._stubs[address] = peer_pb2_grpc.PeerStub(channel)
         return stub
 
     async def close(self) -> None:
         channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        channels, self._retired = [*channels, *self._retired], []
         for channel in channels:
             await channel.close()
         if self._own_executor:
@@ -385,7 +400,7 @@ class PeerClient:
         """The data connection the other daemon offered, its token presented."""
         port, token = offer
         return await asyncio.get_running_loop().run_in_executor(
-            None, datachannel.connect, address, port, token, self.timeout
+            None, datachannel.connect, address, port, token, self.timeout, self.tls
         )
 
     async def _send_over_channel(

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import grpc.aio
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,27 @@ class TlsMaterial:
         with self._lock:
             self._contexts[server] = (generation, context)
         return context
+
+
+def open_channel(
+    address: str, options: list[tuple[str, Any]], tls: TlsMaterial | None
+) -> grpc.aio.Channel:
+    """A channel to ``address``: mutual TLS with this node's certificate, or plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[*options, *tls.channel_options()]
+    )
+
+
+HANDSHAKE_FAILURES = ("CERTIFICATE_VERIFY_FAILED", "Ssl handshake failed", "handshake failed")
+"""What gRPC's error details say when the other side's certificate was refused."""
+
+
+def refused_certificate(details: str) -> bool:
+    """Whether a failed call's details say the TLS handshake failed (an untrusted peer, or
+    one that does not speak TLS), as opposed to an unreachable address."""
+    return any(marker in details for marker in HANDSHAKE_FAILURES)
 
 
 def open_material(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from replicator.storage.backup import BackupStore
 from replicator.storage.stores import open_object_store
+from replicator.tools import certs
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     ERRORS,
@@ -30,6 +31,7 @@ from tests.integration.helpers import (
     wait_until,
     write_yaml_atomic,
 )
+from tests.tls import node_tls
 
 NODES = 4
 FAST = ("--rescan-seconds", "0.3", "--settle-seconds", "2", "--config-wait-seconds", "3")
@@ -39,7 +41,13 @@ class Cluster:
     """One daemon per node, each on its own CHECKPOINT_DIR; one shared backup + registry."""
 
     def __init__(
-        self, root: Path, job: str, extra: tuple[str, ...] = (), *, backup: bool = True
+        self,
+        root: Path,
+        job: str,
+        extra: tuple[str, ...] = (),
+        *,
+        backup: bool = True,
+        tls: bool = True,
     ) -> None:
         self.root = root
         self.job = job
@@ -57,6 +65,12 @@ class Cluster:
         for d in self.dirs:
             d.mkdir()
         self.daemons: list[DaemonProcess | None] = [None] * NODES
+        self.ca = certs.new_ca() if tls else None
+        """Every node's certificate is its own, signed by this throwaway CA (TLS on)."""
+        self.tls = [
+            node_tls(root / "tls" / f"node{r}", self.ca) if self.ca is not None else None
+            for r in range(NODES)
+        ]
 
     def start(self, rank: int) -> DaemonProcess:
         daemon = DaemonProcess(
@@ -65,6 +79,7 @@ class Cluster:
             extra_args=(
                 *FAST,
                 *(() if self.has_backup else ("--registry", self.backup_url)),
+                *(tls.args() if (tls := self.tls[rank]) is not None else ()),
                 *self.extra,
             ),
             env=self.env,
