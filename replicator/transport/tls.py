@@ -103,8 +103,11 @@ class TlsMaterial:
         self.files = files
         self.server_name = server_name
         self._lock = threading.Lock()
-        self._signature = _signature(files)
         self._pem = self._load()
+        try:
+            self._signature = _signature(files)
+        except OSError as exc:
+            raise TlsError(f"cannot read the TLS files: {exc}") from None
         self.generation = 0
         """Counts reloads: a client that opened channels at an older one opens new ones."""
         self._served_generation = 0
@@ -201,7 +204,11 @@ class TlsMaterial:
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=pem.ca.decode("ascii", "replace"))
         context.load_cert_chain(self.files.cert, self.files.key)
-        if not server:
+        if server:
+            # No TLS 1.3 session tickets: a pushing client never reads, and closing a socket
+            # with unread tickets sends a reset that can cut the bytes still in flight.
+            context.num_tickets = 0
+        else:
             context.check_hostname = True
         with self._lock:
             self._contexts[server] = (generation, context)
