@@ -12,7 +12,10 @@ the same page-cache conditions):
   do by default) and once in gRPC chunks (``--data-port off``). B is restarted with an
   empty store before each, so its destination starts from the same state as the raw copy's;
 - pull: ``PeerClient.pull_item`` restores the item from daemon A into a local store here,
-  over A's data channel and in gRPC chunks.
+  over A's data channel and in gRPC chunks;
+- with mutual TLS (``--tls-cert`` etc., a throwaway CA made for the run): the same push into
+  a B started with TLS, and the same pull from a daemon A' with TLS that holds its own copy
+  of the item, both over the data channel (TLS 1.3 there, so no ``sendfile``).
 
 Prints seconds and MB/s (median and best of the rounds), the push/raw ratio, daemon B's CPU
 seconds per GiB received and its peak RSS. Numbers are only comparable within one run: writes into
@@ -45,7 +48,9 @@ from pathlib import Path
 from replicator.core.manifest import ItemId, Manifest
 from replicator.local.store import LocalStore
 from replicator.node.daemon import tune_malloc
+from replicator.tools import certs
 from replicator.transport.peer import PeerClient
+from replicator.transport.tls import TlsFiles, TlsMaterial
 
 try:
     import uvloop
@@ -145,10 +150,10 @@ class Daemon:
         self.proc.wait(30)
 
 
-def start_daemon(ckpt: Path) -> Daemon:
+def start_daemon(ckpt: Path, extra: tuple[str, ...] = ()) -> Daemon:
     log = ckpt.parent / f"{ckpt.name}.log"
     args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
-    args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5"]
+    args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
@@ -198,6 +203,19 @@ def make_item(ckpt: Path, size: int, files: int) -> Manifest:
     return manifest
 
 
+def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
+    """A node certificate from the run's throwaway CA."""
+    directory = root / "tls" / name
+    certs.write_node_files(directory, ca, certs.issue(ca))
+    return TlsFiles(
+        directory / certs.NODE_CERT, directory / certs.NODE_KEY, directory / certs.CA_CERT
+    )
+
+
+def tls_args(files: TlsFiles) -> tuple[str, ...]:
+    return ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
+
+
 # --- the run ----------------------------------------------------------------------------------
 
 
@@ -225,21 +243,36 @@ class Round:
     pull_chunks: float
     b_rss_before: float
     b_peak_rss: float
+    push_tls: float
+    push_tls_cpu: float
+    pull_tls: float
 
 
-async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> list[Round]:
+async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by its role)
+    root: Path,
+    a: Daemon,
+    a_tls: Daemon,
+    tls: TlsFiles,
+    b_tls_args: tuple[str, ...],
+    manifest: Manifest,
+    rounds: int,
+) -> list[Round]:
     size = manifest.total_bytes + manifest.total_bytes // 8
     data = root / "a" / ".mtc" / "items" / JOB / "1" / "0-0" / "data"
     local = LocalStore(root / "c")
     local.open()
     results = []
-    async with PeerClient() as client, PeerClient(data_channel=False) as chunked:
-        for c in (client, chunked):
-            await c.list_items(a.address)  # connect before timing anything
+    async with (
+        PeerClient() as client,
+        PeerClient(data_channel=False) as chunked,
+        PeerClient(tls=TlsMaterial(tls)) as secure,
+    ):
+        for c, holder in ((client, a), (chunked, a), (secure, a_tls)):
+            await c.list_items(holder.address)  # connect before timing anything
 
         async def push(c: PeerClient) -> tuple[float, float, float]:
             """Seconds, B's CPU seconds and B's peak RSS of one push into a fresh B."""
-            b = start_daemon(root / "b")
+            b = start_daemon(root / "b", b_tls_args if c is secure else ())
             try:
                 await c.list_items(b.address)
                 warm_pages(root, size)
@@ -254,9 +287,14 @@ async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> 
 
         async def pull(c: PeerClient) -> float:
             warm_pages(root, size)
+            holder = a_tls if c is secure else a
             t0 = time.perf_counter()
             await c.pull_item(
-                a.address, manifest.item, local, manifest.digest, total_bytes=manifest.total_bytes
+                holder.address,
+                manifest.item,
+                local,
+                manifest.digest,
+                total_bytes=manifest.total_bytes,
             )
             seconds = time.perf_counter() - t0
             local.delete(manifest.item)
@@ -277,11 +315,15 @@ async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> 
             if r % 2 == 0:
                 raw_result = raw(r)
                 push_s, push_cpu, peak = await push(client)
+                tls_s, tls_cpu, _ = await push(secure)
                 chunks_s, chunks_cpu, _ = await push(chunked)
                 pull_s, pull_chunks_s = await pull(client), await pull(chunked)
+                pull_tls_s = await pull(secure)
             else:
+                pull_tls_s = await pull(secure)
                 pull_chunks_s, pull_s = await pull(chunked), await pull(client)
                 chunks_s, chunks_cpu, _ = await push(chunked)
+                tls_s, tls_cpu, _ = await push(secure)
                 push_s, push_cpu, peak = await push(client)
                 raw_result = raw(r)
             results.append(
@@ -296,11 +338,15 @@ async def run_rounds(root: Path, a: Daemon, manifest: Manifest, rounds: int) -> 
                     pull_chunks_s,
                     rss_before,
                     peak,
+                    tls_s,
+                    tls_cpu,
+                    pull_tls_s,
                 )
             )
             print(
                 f"round {r + 1}: raw {raw_result['seconds']:.3f}s  push {push_s:.3f}s "
-                f"(chunks {chunks_s:.3f}s)  pull {pull_s:.3f}s (chunks {pull_chunks_s:.3f}s)",
+                f"(chunks {chunks_s:.3f}s, TLS {tls_s:.3f}s)  pull {pull_s:.3f}s "
+                f"(chunks {pull_chunks_s:.3f}s, TLS {pull_tls_s:.3f}s)",
                 flush=True,
             )
     local.close()
@@ -324,6 +370,8 @@ def report(size: int, files: int, results: list[Round]) -> None:
         ("push to daemon B, gRPC chunks (crc32c, commit)", stats("push_chunks")),
         ("pull from daemon A, data channel (restore from peer)", stats("pull")),
         ("pull from daemon A, gRPC chunks (restore from peer)", stats("pull_chunks")),
+        ("push to daemon B, data channel, mutual TLS 1.3", stats("push_tls")),
+        ("pull from daemon A', data channel, mutual TLS 1.3", stats("pull_tls")),
     ]
     for name, (median, best) in rows:
         print(
@@ -334,6 +382,11 @@ def report(size: int, files: int, results: list[Round]) -> None:
         f"push / raw throughput ratio: {raw[0] / push[0]:.2f} median, "
         f"{raw[1] / push[1]:.2f} best (target >= 0.8)"
     )
+    push_tls, pull_tls = stats("push_tls"), stats("pull_tls")
+    print(
+        f"with mutual TLS: push {raw[0] / push_tls[0]:.2f}x, pull {raw[0] / pull_tls[0]:.2f}x "
+        "of the raw copy, medians (target >= 0.7)"
+    )
     cpu = {
         k: statistics.median(getattr(r, k) for r in results) / gib
         for k in Round.__annotations__
@@ -341,7 +394,8 @@ def report(size: int, files: int, results: list[Round]) -> None:
     }
     print(
         f"CPU seconds per GiB received: daemon B {cpu['push_cpu']:.2f} (data channel), "
-        f"{cpu['push_chunks_cpu']:.2f} (gRPC chunks); raw receiver {cpu['raw_cpu']:.2f}"
+        f"{cpu['push_tls_cpu']:.2f} (with TLS), {cpu['push_chunks_cpu']:.2f} (gRPC chunks); "
+        f"raw receiver {cpu['raw_cpu']:.2f}"
     )
     peak = max(r.b_peak_rss for r in results)
     before = statistics.median(r.b_rss_before for r in results)
@@ -371,12 +425,16 @@ def main() -> None:
         for name in ("a", "b", "c"):
             (root / name).mkdir()
         manifest = make_item(root / "a", size, a.files)
+        shutil.copytree(root / "a", root / "a-tls", symlinks=True)  # A' holds the same item
+        ca = certs.new_ca()
+        mine, b_tls = make_tls(root, ca, "client"), tls_args(make_tls(root, ca, "b"))
         daemons.append(start_daemon(root / "a"))
+        daemons.append(start_daemon(root / "a-tls", tls_args(make_tls(root, ca, "a-tls"))))
         b = start_daemon(root / "b")
         take_job(root / "b")  # kept in B's store: every restart resumes the job
         b.stop()
         run = uvloop.run if uvloop is not None else asyncio.run
-        results = run(run_rounds(root, daemons[0], manifest, a.rounds))
+        results = run(run_rounds(root, *daemons, mine, b_tls, manifest, a.rounds))
         report(size, a.files, results)
     finally:
         for d in daemons:

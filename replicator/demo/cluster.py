@@ -27,11 +27,13 @@ from replicator.demo.single import (
     check,
     ram_disk,
     say,
+    throwaway_tls,
     wait_for_backups,
     wipe,
 )
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import FileObjectStore
+from replicator.tools import certs
 
 CRASH_AFTER = 15
 FAST = ("--rescan-seconds", "0.3", "--settle-seconds", "2", "--config-wait-seconds", "3")
@@ -160,18 +162,21 @@ def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) 
     work = workdir or Path(tempfile.mkdtemp(prefix="mtc-demo-cluster-"))
     work.mkdir(parents=True, exist_ok=True)
     backup = work / "backup"
+    ca = certs.new_ca()
     cluster: list[Node] = []
     for rank in range(nodes):
         ckpt = ram_disk(work, f"node{rank}")
         ckpt.mkdir(parents=True, exist_ok=True)
         log = work / f"node{rank}.log"
-        cluster.append(Node(rank, ckpt, Daemon(ckpt, backup, log, FAST, f"node {rank} daemon")))
+        args = (*FAST, *throwaway_tls(work, ca, f"node{rank}"))
+        cluster.append(Node(rank, ckpt, Daemon(ckpt, backup, log, args, f"node {rank} daemon")))
     failures: list[str] = []
     jobs: list[Job] = []
     saved: Saved = {}
     victim = 2 % nodes
     say(f"{nodes} nodes, one daemon + one trainer rank each; work dir: {work}")
     say(f"shared backup and coordinator registry: {backup.as_uri()}")
+    say(f"mutual TLS between daemons: a throwaway CA, one certificate per node in {work / 'tls'}")
     for n in cluster:
         say(f"  node {n.rank}: CHECKPOINT_DIR (RAM disk) {n.ckpt}")
     started = time.monotonic()

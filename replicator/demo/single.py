@@ -22,6 +22,7 @@ from pathlib import Path
 
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import FileObjectStore
+from replicator.tools import certs
 
 JOB = "demo"
 STEPS = 30
@@ -86,6 +87,18 @@ class Trainer:
             if e["event"] == kind:
                 return e
         raise DemoFailure(f"trainer never reported {kind!r}: {self.events}")
+
+
+def throwaway_tls(work: Path, ca: certs.Pair, name: str) -> tuple[str, ...]:
+    """A node certificate from the demo's own CA in ``work/tls/NAME``, as daemon flags: the
+    demo runs with mutual TLS on, as a cluster should (``mtc certs`` does this for real)."""
+    directory = work / "tls" / name
+    certs.write_node_files(directory, ca, certs.issue(ca))
+    return (
+        "--tls-cert", str(directory / certs.NODE_CERT),
+        "--tls-key", str(directory / certs.NODE_KEY),
+        "--tls-ca", str(directory / certs.CA_CERT),
+    )  # fmt: skip
 
 
 class Daemon:
@@ -187,7 +200,7 @@ def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:
     ckpt = ram_disk(work)
     ckpt.mkdir(parents=True, exist_ok=True)
     backup = work / "backup"
-    daemon = Daemon(ckpt, backup, work / "daemon.log")
+    daemon = Daemon(ckpt, backup, work / "daemon.log", throwaway_tls(work, certs.new_ca(), "node"))
     failures: list[str] = []
     say(f"CHECKPOINT_DIR (RAM disk): {ckpt}")
     say(f"backup: {backup.as_uri()}   work dir: {work}")
