@@ -4,7 +4,10 @@
 unit-tested without a cluster; ``run`` is the thin I/O wrapper behind ``mtc render``. The
 objects are the ones ``deploy/base`` holds (a test keeps the two equal): the CSI plugin
 (privileged, it mounts) and the replicator (unprivileged) in one DaemonSet per
-configuration, sharing the node's RAM disk.
+configuration, sharing the node's RAM disk, and the NetworkPolicy in front of them. TLS is
+on unless ``spec.tls.enabled`` is false: the replicator alone mounts the TLS Secret, and
+with ``spec.tls.certManager`` the cert-manager objects that make it are rendered too
+(``deploy/overlays/cert-manager``).
 """
 
 from __future__ import annotations
@@ -45,9 +48,25 @@ HOST_DIR = "/var/lib/mtc"
 RAM_DIR = f"{HOST_DIR}/ramdisk"
 GRPC_PORT = 7070
 DATA_PORT = 7071
+HEALTH_PORT = 7072
+"""The gRPC health service alone, in plaintext: kubelet's probes carry no client certificate."""
 METRICS_PORT = 9464
 PLUGIN_HEALTH_PORT = 9808
 REGISTRAR_HEALTH_PORT = 9809
+PROBE_PORTS = (HEALTH_PORT, PLUGIN_HEALTH_PORT, REGISTRAR_HEALTH_PORT)
+"""kubelet's probes; the NetworkPolicy admits them from any source (see ``network_policy``)."""
+DEFAULT_TLS_SECRET = "mtc-replicator-tls"  # noqa: S105 (a Secret's name)
+TLS_DIR = "/etc/mtc/tls"
+TLS_SERVER_NAME = "mtc-replicator"
+"""The one DNS name in every node certificate, the daemon's ``--tls-server-name`` default
+(``transport.tls.DEFAULT_SERVER_NAME``; a test keeps them equal)."""
+TLS_SECRET_MODE = 0o440
+"""Root and the pod's fsGroup (the replicator's gid) may read the key; nobody else."""
+DEFAULT_METRICS_NAMESPACE = "monitoring"
+CERT_MANAGER_API = "cert-manager.io/v1"
+SELF_SIGNED_ISSUER = "mtc-selfsigned"
+CA_NAME = "mtc-ca"
+"""The CA's Certificate, its Secret and the Issuer that signs with it."""
 
 _BUILTIN_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -68,6 +87,8 @@ SPEC_FIELDS = frozenset(
         "s3",
         "credentialsSecretName",
         "serviceAccountAnnotations",
+        "tls",
+        "metricsNamespace",
     }
 )
 IGNORED_GKE_FIELDS = frozenset(
@@ -82,8 +103,8 @@ IGNORED_GKE_FIELDS = frozenset(
 mount, and the replicator has no such options. Accepted so GKE configurations render."""
 
 # The patterns are the CRD's (deploy/base/crd.yaml); a test feeds both the same bad input.
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _BUCKET = r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]"
 BUCKET_RE = re.compile(_BUCKET)
 OBJECT_URL_RE = re.compile(rf"(gs|s3)://{_BUCKET}(/\S*)?")
@@ -95,6 +116,7 @@ _LABEL_KEY = re.compile(
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 )
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+_TLS_FIELDS = frozenset({"enabled", "secretName", "certManager"})
 _TOLERATION_FIELDS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
 _EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 SCRATCH_DIR = "/tmp"  # noqa: S108 (a private emptyDir: the root filesystem is read-only)
@@ -137,6 +159,14 @@ class NodeConfig:
     """A Secret whose keys become the replicator's environment (static S3 keys)."""
     sa_annotations: tuple[tuple[str, str], ...] = ()
     """For workload identity: ``iam.gke.io/gcp-service-account``, ``eks.amazonaws.com/role-arn``."""
+    tls: bool = True
+    """Mutual TLS on the replicator's gRPC and data ports; False: plaintext (the daemon warns)."""
+    tls_secret: str = DEFAULT_TLS_SECRET
+    """The ``kubernetes.io/tls`` Secret (``tls.crt``, ``tls.key``, ``ca.crt``) it mounts."""
+    cert_manager: bool = False
+    """Also render the cert-manager Issuers and Certificates that make ``tls_secret``."""
+    metrics_namespace: str = DEFAULT_METRICS_NAMESPACE
+    """The one namespace the NetworkPolicy lets scrape the metrics port."""
     ignored: tuple[str, ...] = ()
     """GKE fields present in the input that have no effect here."""
 
@@ -163,6 +193,12 @@ def _string(
 def _int(value: object, field: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RenderError(field, f"expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _bool(value: object, field: str) -> bool:
+    if not isinstance(value, bool):
+        raise RenderError(field, f"expected true or false, got {value!r}")
     return value
 
 
@@ -223,10 +259,10 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
     _choice(cr.get("apiVersion"), "apiVersion", (API_VERSION, GKE_API_VERSION))
     _choice(cr.get("kind"), "kind", (KIND,))
     meta = _mapping(cr.get("metadata"), "metadata")
-    name = _string(meta.get("name"), "metadata.name", _DNS_LABEL, "a DNS label (RFC 1123)")
+    name = _string(meta.get("name"), "metadata.name", DNS_LABEL_RE, "a DNS label (RFC 1123)")
     namespace = DEFAULT_NAMESPACE
     if meta.get("namespace") is not None:
-        namespace = _string(meta["namespace"], "metadata.namespace", _DNS_LABEL, "a DNS label")
+        namespace = _string(meta["namespace"], "metadata.namespace", DNS_LABEL_RE, "a DNS label")
     spec = _mapping(cr.get("spec"), "spec")
     for key in spec:
         if key not in SPEC_FIELDS and key not in IGNORED_GKE_FIELDS:
@@ -299,11 +335,31 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         secret = _string(
             spec["credentialsSecretName"],
             "spec.credentialsSecretName",
-            _DNS_SUBDOMAIN,
+            DNS_SUBDOMAIN_RE,
             "a Secret name",
         )
     annotations = _string_map(
         spec.get("serviceAccountAnnotations", {}), "spec.serviceAccountAnnotations", _LABEL_KEY
+    )
+    tls = _mapping(spec.get("tls", {}), "spec.tls")
+    for key in tls:
+        if key not in _TLS_FIELDS:
+            raise RenderError(f"spec.tls.{key}", "unknown field")
+    tls_enabled = _bool(tls.get("enabled", True), "spec.tls.enabled")
+    cert_manager = _bool(tls.get("certManager", False), "spec.tls.certManager")
+    if cert_manager and not tls_enabled:
+        raise RenderError("spec.tls.certManager", "needs spec.tls.enabled")
+    tls_secret = _string(
+        tls.get("secretName", DEFAULT_TLS_SECRET),
+        "spec.tls.secretName",
+        DNS_SUBDOMAIN_RE,
+        "a Secret name",
+    )
+    metrics_namespace = _string(
+        spec.get("metricsNamespace", DEFAULT_METRICS_NAMESPACE),
+        "spec.metricsNamespace",
+        DNS_LABEL_RE,
+        "a namespace name",
     )
     return NodeConfig(
         name=name,
@@ -324,6 +380,10 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         s3_region=s3_region,
         credentials_secret=secret,
         sa_annotations=tuple(sorted(annotations.items())),
+        tls=tls_enabled,
+        tls_secret=tls_secret,
+        cert_manager=cert_manager,
+        metrics_namespace=metrics_namespace,
         ignored=tuple(sorted(k for k in spec if k in IGNORED_GKE_FIELDS)),
     )
 
@@ -373,8 +433,9 @@ def _resources(cpu: str, memory: str, memory_limit: str | None) -> Manifest:
 
 
 def _grpc_probe(period: int, failures: int) -> Manifest:
+    # The plaintext health-only port: kubelet cannot present a client certificate to 7070.
     return {
-        "grpc": {"port": GRPC_PORT},
+        "grpc": {"port": HEALTH_PORT},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -433,6 +494,20 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
     secret: Manifest = {"name": c.credentials_secret or DEFAULT_CREDENTIALS_SECRET}
     # The default Secret is optional (GCS and IRSA need none); a named one must exist.
     secret["optional"] = c.credentials_secret is None
+    tls_env: list[Manifest] = []
+    mounts: list[Manifest] = [
+        {"name": "mtc-dir", "mountPath": HOST_DIR, "mountPropagation": "HostToContainer"},
+        {"name": "tmp", "mountPath": SCRATCH_DIR},
+    ]
+    if c.tls:
+        tls_env = [
+            {"name": "MTC_TLS_CERT", "value": f"{TLS_DIR}/tls.crt"},
+            {"name": "MTC_TLS_KEY", "value": f"{TLS_DIR}/tls.key"},
+            {"name": "MTC_TLS_CA", "value": f"{TLS_DIR}/ca.crt"},
+        ]
+        # The only container that mounts the Secret: not the plugin, not the sidecars, and
+        # never a training pod (the CSI volume is the RAM disk only).
+        mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     return {
         "name": "replicator",
         "image": c.image,
@@ -448,6 +523,8 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_ADVERTISE", "value": f"$(POD_IP):{GRPC_PORT}"},
             {"name": "MTC_DATA_PORT", "value": str(DATA_PORT)},
             {"name": "MTC_METRICS", "value": f"0.0.0.0:{METRICS_PORT}"},
+            {"name": "MTC_HEALTH_LISTEN", "value": f"0.0.0.0:{HEALTH_PORT}"},
+            *tls_env,
             {"name": "HOME", "value": SCRATCH_DIR},
         ],
         "envFrom": [{"configMapRef": {"name": config_map}}, {"secretRef": secret}],
@@ -455,6 +532,7 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "data", "containerPort": DATA_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+            {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"},
         ],
         # Opening the store re-hashes what a crash left unhashed: give it minutes.
         "startupProbe": _grpc_probe(period=5, failures=120),
@@ -471,10 +549,7 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
         # No memory limit: tmpfs pages the replicator writes (peer copies, restores) are
         # charged to its cgroup, so a limit below the RAM disk's size would OOM-kill it.
         "resources": _resources("500m", "512Mi", None),
-        "volumeMounts": [
-            {"name": "mtc-dir", "mountPath": HOST_DIR, "mountPropagation": "HostToContainer"},
-            {"name": "tmp", "mountPath": SCRATCH_DIR},
-        ],
+        "volumeMounts": mounts,
     }
 
 
@@ -534,14 +609,36 @@ def _host_path(name: str, path: str, kind: str) -> Manifest:
     return {"name": name, "hostPath": {"path": path, "type": kind}}
 
 
+def _selector(c: NodeConfig) -> dict[str, str]:
+    """The DaemonSet's pod selector, which the NetworkPolicy uses too."""
+    return {k: v for k, v in _labels(c).items() if k != "app.kubernetes.io/part-of"}
+
+
 def daemonset(c: NodeConfig, config_map: str) -> Manifest:
-    selector = {k: v for k, v in _labels(c).items() if k != "app.kubernetes.io/part-of"}
+    pod_security: Manifest = {"seccompProfile": {"type": "RuntimeDefault"}}
+    volumes: list[Manifest] = [
+        _host_path("plugin-dir", f"{KUBELET_DIR}/plugins/{DRIVER_NAME}", "DirectoryOrCreate"),
+        _host_path("registration-dir", f"{KUBELET_DIR}/plugins_registry", "Directory"),
+        _host_path("pods-dir", f"{KUBELET_DIR}/pods", "Directory"),
+        _host_path("mtc-dir", HOST_DIR, "DirectoryOrCreate"),
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    if c.tls:
+        # Secret files are root's; fsGroup gives them the replicator's group, so its key is
+        # readable without being world-readable. Not optional: no Secret, no start.
+        pod_security["fsGroup"] = c.run_as_group
+        volumes.append(
+            {
+                "name": "tls",
+                "secret": {"secretName": c.tls_secret, "defaultMode": TLS_SECRET_MODE},
+            }
+        )
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": _meta(f"mtc-node-{c.name}", c),
         "spec": {
-            "selector": {"matchLabels": selector},
+            "selector": {"matchLabels": _selector(c)},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
                 "metadata": {
@@ -559,26 +656,114 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
                     "nodeSelector": {"kubernetes.io/os": "linux", **dict(c.node_selector)},
                     "tolerations": [dict(t) for t in c.tolerations],
                     "terminationGracePeriodSeconds": 30,
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": pod_security,
                     "initContainers": [_plugin(c, config_map)],
                     "containers": [_replicator(c, config_map), _registrar(), _liveness_probe()],
-                    "volumes": [
-                        _host_path(
-                            "plugin-dir",
-                            f"{KUBELET_DIR}/plugins/{DRIVER_NAME}",
-                            "DirectoryOrCreate",
-                        ),
-                        _host_path(
-                            "registration-dir", f"{KUBELET_DIR}/plugins_registry", "Directory"
-                        ),
-                        _host_path("pods-dir", f"{KUBELET_DIR}/pods", "Directory"),
-                        _host_path("mtc-dir", HOST_DIR, "DirectoryOrCreate"),
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
-                    ],
+                    "volumes": volumes,
                 },
             },
         },
     }
+
+
+def _tcp(*ports: int) -> list[Manifest]:
+    return [{"protocol": "TCP", "port": p} for p in ports]
+
+
+def network_policy(c: NodeConfig) -> Manifest:
+    """Ingress to the node stack's pods: peers on gRPC and data, one namespace on metrics,
+    kubelet's probes from anywhere (their source differs by CNI; they say only healthy or
+    not), nothing else. Egress stays open (peers, coordinator, object store)."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(f"mtc-node-{c.name}", c),
+        "spec": {
+            "podSelector": {"matchLabels": _selector(c)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": _selector(c)}}],
+                    "ports": _tcp(GRPC_PORT, DATA_PORT),
+                },
+                {
+                    "from": [
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {"kubernetes.io/metadata.name": c.metrics_namespace}
+                            }
+                        }
+                    ],
+                    "ports": _tcp(METRICS_PORT),
+                },
+                {"ports": _tcp(*PROBE_PORTS)},
+            ],
+        },
+    }
+
+
+def _cert_manager_meta(name: str, c: NodeConfig) -> Manifest:
+    # Shared by every configuration of the namespace (one CA, so all node pools trust each
+    # other): no instance label.
+    return {"name": name, "namespace": c.namespace, "labels": {"app.kubernetes.io/part-of": "mtc"}}
+
+
+def _issuer_ref(name: str) -> Manifest:
+    return {"group": "cert-manager.io", "kind": "Issuer", "name": name}
+
+
+def cert_manager_objects(c: NodeConfig) -> list[Manifest]:
+    """A self-signed CA and the node certificate in ``tls_secret``, as
+    ``deploy/components/cert-manager`` holds them; cert-manager renews the Secret in place
+    and the daemon re-reads it without a restart."""
+    return [
+        {
+            "apiVersion": CERT_MANAGER_API,
+            "kind": "Issuer",
+            "metadata": _cert_manager_meta(SELF_SIGNED_ISSUER, c),
+            "spec": {"selfSigned": {}},
+        },
+        {
+            "apiVersion": CERT_MANAGER_API,
+            "kind": "Certificate",
+            "metadata": _cert_manager_meta(CA_NAME, c),
+            "spec": {
+                "isCA": True,
+                "commonName": "mtc-replicator CA",
+                "secretName": CA_NAME,
+                "duration": "87600h",
+                "renewBefore": "720h",
+                # A renewed CA keeps its key: what it signed before still verifies.
+                "privateKey": {"algorithm": "ECDSA", "size": 256, "rotationPolicy": "Never"},
+                "issuerRef": _issuer_ref(SELF_SIGNED_ISSUER),
+            },
+        },
+        {
+            "apiVersion": CERT_MANAGER_API,
+            "kind": "Issuer",
+            "metadata": _cert_manager_meta(CA_NAME, c),
+            "spec": {"ca": {"secretName": CA_NAME}},
+        },
+        {
+            "apiVersion": CERT_MANAGER_API,
+            "kind": "Certificate",
+            "metadata": _cert_manager_meta(c.tls_secret, c),
+            "spec": {
+                "secretName": c.tls_secret,
+                "dnsNames": [TLS_SERVER_NAME],
+                "usages": ["digital signature", "server auth", "client auth"],
+                "duration": "2160h",
+                "renewBefore": "720h",
+                "privateKey": {
+                    "algorithm": "ECDSA",
+                    "size": 256,
+                    "encoding": "PKCS8",
+                    "rotationPolicy": "Always",
+                },
+                "issuerRef": _issuer_ref(CA_NAME),
+            },
+        },
+    ]
 
 
 def manifests(c: NodeConfig) -> list[Manifest]:
@@ -652,6 +837,9 @@ def manifests(c: NodeConfig) -> list[Manifest]:
             "data": data,
         }
     )
+    out.append(network_policy(c))
+    if c.cert_manager:
+        out.extend(cert_manager_objects(c))
     out.append(daemonset(c, config_map))
     return out
 
@@ -681,7 +869,7 @@ def to_yaml(objects: Sequence[Manifest]) -> str:
 
 
 def _file_name(index: int, obj: Manifest) -> str:
-    # One object per kind, and no content hash in the name: a new render overwrites the old.
+    # Numbered in apply order, and no content hash in the name: a new render overwrites the old.
     return f"{index:02d}-{obj['kind'].lower()}.yaml"
 
 

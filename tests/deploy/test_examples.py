@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 
 from replicator.tools import render
-from tests.deploy.k8s import DEPLOY, Obj, container, env, validate
+from tests.deploy.k8s import DEPLOY, Obj, all_containers, container, env, secret_volumes, validate
 
 JOBSET = DEPLOY / "examples" / "jobset.yaml"
 
@@ -50,3 +50,24 @@ def test_jobset_gives_the_client_what_replicator_yaml_needs() -> None:
     assert "NODE_RANK=$((SLICE_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX))" in command
     # The replicator moves what the trainer writes: same uid as the default configuration.
     assert _pod_spec()["securityContext"]["runAsUser"] == render.WORKLOAD_UID
+
+
+def _strings(node: object) -> list[str]:
+    if isinstance(node, dict):
+        return [s for k, v in node.items() for s in (str(k), *_strings(v))]
+    if isinstance(node, list):
+        return [s for item in node for s in _strings(item)]
+    return [node] if isinstance(node, str) else []
+
+
+def test_jobset_gets_no_tls_material() -> None:
+    # The node certificate's key is the cluster's trust: only the replicator container mounts
+    # it (tests/deploy/test_manifests.py). A training pod gets the RAM disk and nothing else.
+    jobset = yaml.safe_load(JOBSET.read_text())
+    pod = _pod_spec()
+    assert secret_volumes(pod) == {}
+    assert render.DEFAULT_TLS_SECRET not in _strings(jobset)
+    assert not [s for s in _strings(jobset) if s.startswith("MTC_TLS_")]
+    for c in all_containers(pod):
+        assert not [r for r in c.get("envFrom", []) if "secretRef" in r], c["name"]
+        assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]

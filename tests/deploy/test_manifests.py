@@ -1,18 +1,58 @@
 """Every kustomization builds, every object is valid for Kubernetes 1.32, and the node stack
-keeps the properties it depends on (privileges, propagation, paths, names that must agree)."""
+keeps the properties it depends on (privileges, propagation, paths, names that must agree,
+TLS on with the Secret in the replicator alone, the NetworkPolicy's rules)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from replicator.tools import render
-from tests.deploy.k8s import DEPLOY, Obj, container, env, kustomize, name_of, only, validate
+from replicator.node import daemon
+from replicator.tools import certs, render
+from replicator.transport import tls
+from tests.deploy.k8s import (
+    DEPLOY,
+    REPO,
+    Obj,
+    all_containers,
+    cert_manager_errors,
+    check_cert_manager_chain,
+    container,
+    env,
+    ingress_rules,
+    kustomize,
+    name_of,
+    network_probe_ports,
+    only,
+    secret_volumes,
+    tls_volume,
+    validate,
+)
+from tests.deploy.k8s import pod_of as _pod
 
-KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+KUSTOMIZATION_FILES = sorted(DEPLOY.rglob("kustomization.yaml"))
+COMPONENTS = [
+    p.parent for p in KUSTOMIZATION_FILES if yaml.safe_load(p.read_text())["kind"] == "Component"
+]
+KUSTOMIZATIONS = [p.parent for p in KUSTOMIZATION_FILES if p.parent not in COMPONENTS]
+CERT_MANAGER_OVERLAY = DEPLOY / "overlays" / "cert-manager"
+CERT_MANAGER_COMPONENT = DEPLOY / "components" / "cert-manager"
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
+NODE_STACK_KINDS = {
+    "CustomResourceDefinition",
+    "Namespace",
+    "PriorityClass",
+    "CSIDriver",
+    "ServiceAccount",
+    "ConfigMap",
+    "DaemonSet",
+    "NetworkPolicy",
+}
+TLS_SECRET = "mtc-replicator-tls"  # noqa: S105 (a Secret's name)
 
 
 def _id(path: Path) -> str:
@@ -20,7 +60,13 @@ def _id(path: Path) -> str:
 
 
 def test_the_kustomizations_are_the_expected_ones() -> None:
-    assert [_id(p) for p in KUSTOMIZATIONS] == ["base", "overlays/gke", "overlays/s3"]
+    assert [_id(p) for p in KUSTOMIZATIONS] == [
+        "base",
+        "overlays/cert-manager",
+        "overlays/gke",
+        "overlays/s3",
+    ]
+    assert [_id(p) for p in COMPONENTS] == ["components/cert-manager"]
 
 
 @pytest.fixture(params=KUSTOMIZATIONS, ids=_id)
@@ -29,21 +75,9 @@ def built(request: pytest.FixtureRequest) -> list[Obj]:
     return kustomize(path)
 
 
-def _pod(objs: list[Obj]) -> Obj:
-    spec: Obj = only(objs, "DaemonSet")["spec"]["template"]["spec"]
-    return spec
-
-
 def test_every_object_is_valid(built: list[Obj]) -> None:
-    assert {o["kind"] for o in built} == {
-        "CustomResourceDefinition",
-        "Namespace",
-        "PriorityClass",
-        "CSIDriver",
-        "ServiceAccount",
-        "ConfigMap",
-        "DaemonSet",
-    }
+    kinds = {o["kind"] for o in built}
+    assert kinds - {"Issuer", "Certificate"} == NODE_STACK_KINDS
     for obj in built:
         validate(obj)
 
@@ -121,8 +155,200 @@ def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
     assert ports["grpc"] == port
     assert ports["data"] == int(e["MTC_DATA_PORT"]) != port
     assert ports["metrics"] == int(e["MTC_METRICS"].rsplit(":", 1)[1])
+    # The probes ask the plaintext health-only port: the gRPC port wants a client certificate.
+    health = int(e["MTC_HEALTH_LISTEN"].rsplit(":", 1)[1])
+    assert ports["health"] == health not in (port, ports["data"], ports["metrics"])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert replicator[probe]["grpc"] == {"port": port}, probe
+        assert replicator[probe]["grpc"] == {"port": health}, probe
+
+
+def test_no_probe_targets_the_grpc_or_data_port(built: list[Obj]) -> None:
+    probes = network_probe_ports(_pod(built))
+    assert len(probes) == 5  # the replicator's three, the plugin's and the registrar's liveness
+    assert not {k: v for k, v in probes.items() if v in (render.GRPC_PORT, render.DATA_PORT)}
+
+
+# --- TLS -----------------------------------------------------------------------------------
+
+
+def _tls_volume(pod: Obj) -> str:
+    return tls_volume(pod, TLS_SECRET)
+
+
+def test_tls_is_on_and_points_into_the_secret(built: list[Obj]) -> None:
+    pod = _pod(built)
+    replicator = container(pod, "replicator")
+    e = env(replicator)
+    (mount,) = [m for m in replicator["volumeMounts"] if m["name"] == _tls_volume(pod)]
+    assert mount["readOnly"] is True
+    assert "subPath" not in mount  # a subPath mount never sees a rotated Secret
+    # The keys of a kubernetes.io/tls Secret, as cert-manager and `mtc certs secret` write them.
+    assert e["MTC_TLS_CERT"] == f"{mount['mountPath']}/{certs.NODE_CERT}"
+    assert e["MTC_TLS_KEY"] == f"{mount['mountPath']}/{certs.NODE_KEY}"
+    assert e["MTC_TLS_CA"] == f"{mount['mountPath']}/{certs.CA_CERT}"
+    # Every node certificate carries the daemon's default server name; nothing overrides it.
+    assert "MTC_TLS_SERVER_NAME" not in e
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"].get("optional", False) is False  # no Secret: wait, never plaintext
+
+
+def test_the_tls_secret_reaches_the_replicator_only(built: list[Obj]) -> None:
+    pod = _pod(built)
+    tls_volume = _tls_volume(pod)
+    mounted_by = sorted(
+        c["name"]
+        for c in all_containers(pod)
+        for m in c.get("volumeMounts", [])
+        if m["name"] == tls_volume
+    )
+    assert mounted_by == ["replicator"]
+    # Nor does any container take it as environment.
+    for c in all_containers(pod):
+        refs = [r["secretRef"]["name"] for r in c.get("envFrom", []) if "secretRef" in r]
+        refs += [
+            e["valueFrom"]["secretKeyRef"]["name"]
+            for e in c.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})
+        ]
+        assert TLS_SECRET not in refs, c["name"]
+    # The Secrets the pod holds: the TLS one, and the replicator's optional backup keys.
+    assert set(secret_volumes(pod).values()) == {TLS_SECRET}
+
+
+def test_the_tls_key_is_readable_by_the_replicator_and_not_by_others(built: list[Obj]) -> None:
+    pod = _pod(built)
+    (volume,) = [v for v in pod["volumes"] if v["name"] == _tls_volume(pod)]
+    mode = volume["secret"]["defaultMode"]
+    assert mode & 0o007 == 0, oct(mode)  # nothing for other uids
+    assert mode & 0o222 == 0, oct(mode)  # and read-only
+    sc = container(pod, "replicator")["securityContext"]
+    # Secret files are root's: a non-root replicator reads through the pod's fsGroup, which
+    # kubelet gives the files, with the group bits of the mode.
+    assert sc["runAsUser"] != 0
+    assert pod["securityContext"]["fsGroup"] == sc["runAsGroup"]
+    assert mode & 0o040, oct(mode)
+
+
+def _daemon_options(replicator: Obj) -> daemon.DaemonOptions:
+    """What ``mtc-replicator`` makes of the container's environment (kubelet's $(VAR)
+    expansion and the downward API replaced by stand-ins)."""
+    values: dict[str, str] = {}
+    for item in replicator["env"]:
+        value = item.get("value", "10.0.0.7")
+        values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], value)
+    return daemon.parse_args([], values)
+
+
+def test_the_daemon_reads_the_environment_as_meant(built: list[Obj]) -> None:
+    replicator = container(_pod(built), "replicator")
+    options = _daemon_options(replicator)
+    e = env(replicator)
+    assert (options.tls_cert, options.tls_key, options.tls_ca) == (
+        e["MTC_TLS_CERT"],
+        e["MTC_TLS_KEY"],
+        e["MTC_TLS_CA"],
+    )
+    assert options.tls_server_name == tls.DEFAULT_SERVER_NAME == certs.DEFAULT_SERVER_NAME
+    ports = {p["name"]: p["containerPort"] for p in replicator["ports"]}
+    assert options.health_listen == f"0.0.0.0:{ports['health']}"
+    assert options.listen == f"0.0.0.0:{ports['grpc']}"
+    assert options.data_port == ports["data"]
+
+
+# --- the NetworkPolicy ---------------------------------------------------------------------
+
+
+def _expected_ingress(
+    objs: list[Obj], metrics_namespace: str = "monitoring"
+) -> set[tuple[str, int]]:
+    selector = only(objs, "DaemonSet")["spec"]["selector"]["matchLabels"]
+    peers = "pods:" + ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+    return {
+        (peers, render.GRPC_PORT),
+        (peers, render.DATA_PORT),
+        (f"namespace:kubernetes.io/metadata.name={metrics_namespace}", render.METRICS_PORT),
+        ("*", render.HEALTH_PORT),
+        ("*", render.PLUGIN_HEALTH_PORT),
+        ("*", render.REGISTRAR_HEALTH_PORT),
+    }
+
+
+def test_network_policy_admits_exactly_peers_metrics_and_probes(built: list[Obj]) -> None:
+    policy = only(built, "NetworkPolicy")
+    ds = only(built, "DaemonSet")
+    assert policy["metadata"]["namespace"] == ds["metadata"]["namespace"]
+    # It selects the node stack's pods, isolates their ingress and leaves egress alone.
+    assert policy["spec"]["podSelector"] == {"matchLabels": ds["spec"]["selector"]["matchLabels"]}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert "egress" not in policy["spec"]
+    assert ingress_rules(policy) == _expected_ingress(built)
+
+
+def test_network_policy_covers_every_port_and_probe(built: list[Obj]) -> None:
+    pod = _pod(built)
+    rules = ingress_rules(only(built, "NetworkPolicy"))
+    declared = {p["containerPort"] for c in all_containers(pod) for p in c.get("ports", [])}
+    assert {port for _, port in rules} == declared
+    # kubelet's source address is not portable: every probe's port is open to any source.
+    anywhere = {port for peer, port in rules if peer == "*"}
+    assert set(network_probe_ports(pod).values()) == anywhere
+
+
+# --- cert-manager --------------------------------------------------------------------------
+
+
+def test_the_cert_manager_overlay_makes_the_mounted_secret() -> None:
+    objs = kustomize(CERT_MANAGER_OVERLAY)
+    check_cert_manager_chain(objs, TLS_SECRET)
+    # The overlay is deploy/base plus the component, nothing else.
+    base = {name_of(o) for o in kustomize(DEPLOY / "base")}
+    component = {name_of(o) for o in kustomize(CERT_MANAGER_COMPONENT)}
+    assert {name_of(o) for o in objs} == base | component
+    assert {o["kind"] for o in kustomize(CERT_MANAGER_COMPONENT)} == {"Issuer", "Certificate"}
+
+
+def _overlay(tmp_path: Path, text: str) -> Path:
+    """A kustomization in a temporary directory; ``../../base``-style paths are made to reach
+    the repository's deploy/ (kustomize refuses absolute ones)."""
+    directory = tmp_path / "overlay"
+    directory.mkdir()
+    there = os.path.relpath(DEPLOY, directory)
+    (directory / "kustomization.yaml").write_text(text.replace("../../", f"{there}/"))
+    return directory
+
+
+@pytest.mark.parametrize(("overlay", "scheme"), [("gke", "gs://"), ("s3", "s3://")])
+def test_cert_manager_composes_with_the_other_overlays(
+    tmp_path: Path, overlay: str, scheme: str
+) -> None:
+    # As docs/deploy.md says: an overlay that adds the component.
+    kustomization = {
+        "resources": [f"../../overlays/{overlay}"],
+        "components": ["../../components/cert-manager"],
+    }
+    objs = kustomize(_overlay(tmp_path, yaml.safe_dump(kustomization)))
+    check_cert_manager_chain(objs, TLS_SECRET)
+    assert only(objs, "ConfigMap")["data"]["MTC_BACKUP"].startswith(scheme)
+
+
+def _docs_metrics_patch() -> str:
+    """The overlay docs/deploy.md shows for another metrics namespace."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    blocks: list[str] = [
+        b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "NetworkPolicy" in b
+    ]
+    assert len(blocks) == 1, "docs/deploy.md shows one NetworkPolicy patch"
+    return blocks[0]
+
+
+def test_the_documented_patch_changes_the_metrics_namespace(tmp_path: Path) -> None:
+    patch = _docs_metrics_patch()
+    (namespace,) = re.findall(r"kubernetes\.io~1metadata\.name\n\s+value: (\S+)\n", patch)
+    assert namespace != "monitoring"
+    objs = kustomize(_overlay(tmp_path, patch))
+    policy = only(objs, "NetworkPolicy")
+    validate(policy)
+    assert ingress_rules(policy) == _expected_ingress(objs, metrics_namespace=namespace)
 
 
 def test_sidecars_are_pinned_and_find_the_plugin(built: list[Obj]) -> None:
@@ -188,3 +414,49 @@ def test_overlays_set_a_backup(overlay: str, scheme: str) -> None:
 
 def test_base_has_no_backup() -> None:
     assert "MTC_BACKUP" not in only(kustomize(DEPLOY / "base"), "ConfigMap")["data"]
+
+
+def _node_certificate() -> Obj:
+    certificates = [o for o in kustomize(CERT_MANAGER_COMPONENT) if o["kind"] == "Certificate"]
+    (node,) = [c for c in certificates if not c["spec"].get("isCA")]
+    return node
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("secretName", None),
+        ("dnsName", ["mtc-replicator"]),  # a typo: unknown field
+        ("usages", ["server auth", "client authentication"]),
+        ("privateKey", {"algorithm": "ECDSA", "size": 255}),
+        ("privateKey", {"algorithm": "EC"}),
+        ("privateKey", {"algorithm": "ECDSA", "rotationPolicy": "Sometimes"}),
+        ("duration", "90d"),
+        ("duration", "30m"),
+        ("renewBefore", "2400h"),
+        ("issuerRef", {"kind": "Issuer"}),
+        ("isCA", "true"),
+    ],
+)
+def test_the_cert_manager_check_catches_mistakes(field: str, value: object) -> None:
+    certificate = _node_certificate()
+    assert cert_manager_errors(certificate) == []
+    if value is None:
+        del certificate["spec"][field]
+    else:
+        certificate["spec"][field] = value
+    assert cert_manager_errors(certificate)
+
+
+@pytest.mark.parametrize(
+    "spec", [{}, {"selfSigned": {}, "ca": {"secretName": "a"}}, {"ca": {}}, {"vault": {}}]
+)
+def test_the_cert_manager_check_catches_bad_issuers(spec: Obj) -> None:
+    issuer = {
+        "apiVersion": "cert-manager.io/v1",
+        "kind": "Issuer",
+        "metadata": {"name": "i", "namespace": "mtc-system"},
+        "spec": spec,
+    }
+    assert cert_manager_errors(issuer)
+    assert cert_manager_errors(issuer | {"spec": {"selfSigned": {}}}) == []

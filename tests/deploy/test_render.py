@@ -1,5 +1,5 @@
 """``mtc render``: field mapping, errors that name the field, agreement with the CRD's schema
-and with deploy/base, and the CLI wrapper."""
+and with deploy/base (and deploy/overlays/cert-manager), and the CLI wrapper."""
 
 from __future__ import annotations
 
@@ -16,13 +16,20 @@ from replicator.tools import cli, render
 from tests.deploy.k8s import (
     DEPLOY,
     Obj,
+    all_containers,
+    check_cert_manager_chain,
     container,
     cr_errors,
     crd,
+    env,
+    ingress_rules,
     kustomize,
     load_all,
     name_of,
+    network_probe_ports,
     only,
+    secret_volumes,
+    tls_volume,
     validate,
 )
 
@@ -61,6 +68,7 @@ def test_example_renders_valid_manifests() -> None:
         "CSIDriver",
         "ServiceAccount",
         "ConfigMap",
+        "NetworkPolicy",
         "DaemonSet",
     ]
     for obj in objs:
@@ -87,6 +95,103 @@ def test_defaults() -> None:
         "envFrom"
     ]
     assert "annotations" not in only(objs, "ServiceAccount")["metadata"]
+    # TLS is on, with the default Secret; no cert-manager objects unless asked for.
+    assert (config.tls, config.tls_secret, config.cert_manager) == (
+        True,
+        render.DEFAULT_TLS_SECRET,
+        False,
+    )
+    assert secret_volumes(pod) == {"tls": "mtc-replicator-tls"}
+    assert {"MTC_TLS_CERT", "MTC_TLS_KEY", "MTC_TLS_CA"} <= set(env(replicator))
+    assert not [o for o in objs if o["kind"] in ("Issuer", "Certificate")]
+    assert config.metrics_namespace == "monitoring"
+
+
+# --- TLS and the NetworkPolicy -------------------------------------------------------------
+
+TLS_ENV = {"MTC_TLS_CERT", "MTC_TLS_KEY", "MTC_TLS_CA"}
+
+
+def test_tls_secret_is_mounted_by_the_replicator_only() -> None:
+    objs = render.render(cr(tls={"secretName": "node-certs"}))
+    pod = _pod(objs)
+    volume = tls_volume(pod, "node-certs")
+    mounted_by = [
+        c["name"]
+        for c in all_containers(pod)
+        for m in c.get("volumeMounts", [])
+        if m["name"] == volume
+    ]
+    assert mounted_by == ["replicator"]
+    replicator = container(pod, "replicator")
+    (mount,) = [m for m in replicator["volumeMounts"] if m["name"] == volume]
+    assert mount["readOnly"] is True
+    e = env(replicator)
+    for name in TLS_ENV:
+        assert e[name].startswith(mount["mountPath"] + "/"), name
+    for c in all_containers(pod):
+        if c["name"] != "replicator":
+            assert not TLS_ENV & set(env(c)), c["name"]
+    for obj in objs:
+        validate(obj)
+
+
+def test_tls_key_is_readable_by_a_root_replicator_too() -> None:
+    objs = render.render(cr(runAsUser=0, runAsGroup=0))
+    pod = _pod(objs)
+    assert pod["securityContext"]["fsGroup"] == 0
+    (volume,) = [v for v in pod["volumes"] if v["name"] == tls_volume(pod, "mtc-replicator-tls")]
+    assert volume["secret"]["defaultMode"] & 0o007 == 0
+    for obj in objs:
+        validate(obj)
+
+
+def test_tls_disabled_renders_no_tls_and_no_mount() -> None:
+    objs = render.render(cr(tls={"enabled": False}))
+    pod = _pod(objs)
+    replicator = container(pod, "replicator")
+    assert not TLS_ENV & set(env(replicator))
+    assert secret_volumes(pod) == {}
+    assert "fsGroup" not in pod["securityContext"]
+    assert {m["name"] for m in replicator["volumeMounts"]} == {"mtc-dir", "tmp"}
+    # The same ports, probes and NetworkPolicy as with TLS: only the Secret is gone.
+    with_tls = render.render(cr())
+    assert network_probe_ports(pod) == network_probe_ports(_pod(with_tls))
+    assert only(objs, "NetworkPolicy") == only(with_tls, "NetworkPolicy")
+    for obj in objs:
+        validate(obj)
+
+
+def test_cert_manager_objects_make_the_mounted_secret() -> None:
+    objs = render.render(cr(tls={"certManager": True, "secretName": "node-certs"}))
+    check_cert_manager_chain(objs, "node-certs")
+    assert only(objs, "DaemonSet") == only(
+        render.render(cr(tls={"secretName": "node-certs"})), "DaemonSet"
+    )
+
+
+def test_network_policy_follows_the_configuration() -> None:
+    objs = render.render(
+        cr(metricsNamespace="prometheus") | {"metadata": {"name": "h100", "namespace": "ml"}}
+    )
+    policy = only(objs, "NetworkPolicy")
+    validate(policy)
+    selector = "app.kubernetes.io/instance=h100,app.kubernetes.io/name=mtc-node"
+    assert policy["metadata"]["namespace"] == "ml"
+    assert policy["spec"]["podSelector"]["matchLabels"] == _pod_labels(objs)
+    assert ingress_rules(policy) == {
+        (f"pods:{selector}", 7070),
+        (f"pods:{selector}", 7071),
+        ("namespace:kubernetes.io/metadata.name=prometheus", 9464),
+        ("*", 7072),
+        ("*", 9808),
+        ("*", 9809),
+    }
+
+
+def _pod_labels(objs: list[Obj]) -> dict[str, str]:
+    labels: dict[str, str] = only(objs, "DaemonSet")["spec"]["selector"]["matchLabels"]
+    return labels
 
 
 def test_every_field_maps() -> None:
@@ -299,6 +404,20 @@ BAD: list[tuple[str, Obj, str, bool]] = [
         "spec.serviceAccountAnnotations.a",
         True,
     ),
+    ("tls list", cr(tls=[]), "spec.tls", True),
+    ("tls field", cr(tls={"enable": False}), "spec.tls.enable", True),
+    ("tls enabled string", cr(tls={"enabled": "false"}), "spec.tls.enabled", True),
+    ("tls cert-manager int", cr(tls={"certManager": 1}), "spec.tls.certManager", True),
+    ("tls secret name", cr(tls={"secretName": "TLS"}), "spec.tls.secretName", True),
+    ("tls empty secret", cr(tls={"secretName": ""}), "spec.tls.secretName", True),
+    (
+        "cert-manager without tls",
+        cr(tls={"enabled": False, "certManager": True}),
+        "spec.tls.certManager",
+        False,
+    ),
+    ("metrics namespace", cr(metricsNamespace="Monitoring"), "spec.metricsNamespace", True),
+    ("metrics namespace int", cr(metricsNamespace=3), "spec.metricsNamespace", True),
     ("unknown field", cr(bucket="x"), "spec.bucket", True),
     ("spec list", cr() | {"spec": []}, "spec", True),
     ("no name", cr() | {"metadata": {}}, "metadata.name", False),
@@ -329,8 +448,18 @@ def test_the_crd_schema_uses_render_s_patterns() -> None:
     assert spec["cloudStorageBucketName"]["pattern"] == f"^{render.BUCKET_RE.pattern}$"
     assert spec["inMemoryVolumeSize"]["pattern"] == f"^{render.QUANTITY_RE.pattern}$"
     assert spec["s3"]["properties"]["endpointUrl"]["pattern"] == f"^{render.HTTP_URL_RE.pattern}$"
+    tls_spec = spec["tls"]["properties"]
+    assert tls_spec["secretName"]["pattern"] == f"^{render.DNS_SUBDOMAIN_RE.pattern}$"
+    assert set(tls_spec) == {"enabled", "secretName", "certManager"}
+    assert tls_spec["enabled"]["type"] == tls_spec["certManager"]["type"] == "boolean"
+    assert spec["metricsNamespace"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
     fields = set(spec)
     assert fields == set(render.SPEC_FIELDS) | set(render.IGNORED_GKE_FIELDS)
+
+
+def test_the_crd_accepts_every_tls_setting() -> None:
+    for tls in ({}, {"enabled": False}, {"certManager": True, "secretName": "a.b-c"}):
+        assert not cr_errors(cr(tls=tls, metricsNamespace="prom")), tls
 
 
 def test_example_configuration_is_valid_for_the_crd() -> None:
@@ -347,13 +476,16 @@ def _without_config_map_hash(objs: list[Obj]) -> dict[str, Obj]:
     return {name_of(o): o for o in load_all(text)}
 
 
-def test_render_produces_what_deploy_base_holds() -> None:
+@pytest.mark.parametrize(
+    ("kustomization", "tls"), [("base", {}), ("overlays/cert-manager", {"certManager": True})]
+)
+def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None:
     base = _without_config_map_hash(
-        [o for o in kustomize(DEPLOY / "base") if o["kind"] != "CustomResourceDefinition"]
+        [o for o in kustomize(DEPLOY / kustomization) if o["kind"] != "CustomResourceDefinition"]
     )
     config_map = base["ConfigMap/mtc-node-default-config"]
     rendered = _without_config_map_hash(
-        render.render(cr(inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"]))
+        render.render(cr(inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"], tls=tls))
     )
     # deploy/base has no backup location; everything else must be the same objects.
     config_map["data"]["MTC_BACKUP"] = "gs://ckpt-bucket/mtc"
@@ -382,7 +514,7 @@ def test_cli_writes_a_kustomization_directory(
     assert cli.main(["render", str(EXAMPLE), "-o", str(out)]) == 0
     written = sorted(p.name for p in out.iterdir())
     assert "kustomization.yaml" in written
-    assert len(written) == 7
+    assert len(written) == 8
     built = kustomize(out)
     assert _without_config_map_hash(built) == _without_config_map_hash(
         render.render(yaml.safe_load(EXAMPLE.read_text()))
