@@ -48,7 +48,7 @@ from typing import TypeVar
 from replicator.core.manifest import Cancelled, Manifest
 from replicator.local import fsutil
 from replicator.local.store import LocalStore, StoreError
-from replicator.transport.tls import TlsMaterial
+from replicator.transport.tls import TlsMaterial, TlsStream
 from replicator.transport.transfer import MAX_CHUNK, ItemWriter, item_files, short_file
 
 T = TypeVar("T")
@@ -66,6 +66,14 @@ SEND_SLICE = 64 << 20
 """Bytes per ``sendfile`` call: between two, a cancelled transfer stops."""
 TLS_SEND_BYTES = 1 << 20
 """Bytes read and handed to OpenSSL per send on a TLS connection."""
+
+
+Conn = socket.socket | TlsStream
+"""A data connection: a plain socket, or TLS over one."""
+
+
+def raw_socket(conn: Conn) -> socket.socket:
+    return conn.sock if isinstance(conn, TlsStream) else conn
 
 
 class ChannelBroken(Exception):
@@ -97,7 +105,7 @@ class Ticket:
 
     def __init__(self, token: bytes, loop: asyncio.AbstractEventLoop) -> None:
         self.token = token
-        self.connected: asyncio.Future[socket.socket] = loop.create_future()
+        self.connected: asyncio.Future[Conn] = loop.create_future()
 
     @property
     def token_hex(self) -> str:
@@ -148,7 +156,7 @@ class DataListener:
             ticket.connected.result().close()
         ticket.connected.cancel()
 
-    async def connection(self, ticket: Ticket, timeout: float) -> socket.socket:
+    async def connection(self, ticket: Ticket, timeout: float) -> Conn:
         """The ticket's connection, blocking, once its token arrived; ``ChannelBroken`` if
         none came within ``timeout`` seconds."""
         try:
@@ -179,12 +187,13 @@ class DataListener:
 
     async def _handshake(self, conn: socket.socket, peer: object) -> None:
         self._handshakes += 1
+        accepted: Conn = conn
         try:
             if self.tls is None:
                 reading = _read_exactly(conn, TOKEN_BYTES)
                 token = await asyncio.wait_for(reading, HANDSHAKE_SECONDS)
             else:
-                conn, token = await asyncio.to_thread(_tls_accept, conn, self.tls)
+                accepted, token = await asyncio.to_thread(_tls_accept, conn, self.tls)
         except (TimeoutError, OSError, ChannelBroken) as exc:
             log.warning("data channel: %s sent no token: %s", peer, exc or type(exc).__name__)
             conn.close()
@@ -200,7 +209,7 @@ class DataListener:
             conn.close()
             return
         conn.setblocking(True)
-        ticket.connected.set_result(conn)
+        ticket.connected.set_result(accepted)
 
     def _match(self, token: bytes) -> Ticket | None:
         for known, ticket in self._tickets.items():
@@ -209,20 +218,21 @@ class DataListener:
         return None
 
 
-def _tls_accept(conn: socket.socket, tls: TlsMaterial) -> tuple[socket.socket, bytes]:
+def _tls_accept(conn: socket.socket, tls: TlsMaterial) -> tuple[TlsStream, bytes]:
     """The TLS handshake (a client certificate from the CA required), then the token, both
     within ``HANDSHAKE_SECONDS``; blocking, so it runs in a thread."""
     conn.setblocking(True)
     conn.settimeout(HANDSHAKE_SECONDS)
-    secure = tls.server_context().wrap_socket(conn, server_side=True)
-    token = b""
-    while len(token) < TOKEN_BYTES:
-        more = secure.recv(TOKEN_BYTES - len(token))
-        if not more:
-            secure.close()
-            raise ChannelBroken(f"closed after {len(token)} of {TOKEN_BYTES} bytes")
-        token += more
-    return secure, token
+    stream = TlsStream(conn, tls.server_context(), server_side=True)
+    stream.handshake()
+    token = bytearray(TOKEN_BYTES)
+    view, got = memoryview(token), 0
+    while got < TOKEN_BYTES:
+        n = stream.recv_into(view[got:])
+        if n == 0:
+            raise ChannelBroken(f"closed after {got} of {TOKEN_BYTES} bytes")
+        got += n
+    return stream, bytes(token)
 
 
 async def _read_exactly(conn: socket.socket, n: int) -> bytes:
@@ -241,9 +251,9 @@ async def _read_exactly(conn: socket.socket, n: int) -> bytes:
 
 def connect(
     address: str, port: int, token: bytes, timeout: float, tls: TlsMaterial | None = None
-) -> socket.socket:
+) -> Conn:
     """Open the data connection to ``address``'s host (the one gRPC reached), with TLS when
-    ``tls`` is given, and present the token; a blocking socket whose stalls time out after
+    ``tls`` is given, and present the token; blocking, its stalls timing out after
     ``timeout`` seconds."""
     host = _unbracket(address.rpartition(":")[0])
     try:
@@ -252,27 +262,32 @@ def connect(
         raise ChannelUnreachable(
             f"cannot open the data connection to {host}:{port}: {exc}"
         ) from None
+    conn: Conn = sock
     try:
-        if tls is not None:
-            sock = tls.client_context().wrap_socket(sock, server_hostname=tls.server_name)
         set_idle_timeout(sock, timeout)
-        sock.sendall(token)
+        if tls is not None:
+            conn = TlsStream(
+                sock, tls.client_context(), server_side=False, server_hostname=tls.server_name
+            )
+            conn.handshake()
+        conn.sendall(token)
     except OSError as exc:
         sock.close()
         raise ChannelBroken(f"data connection to {host}:{port} failed: {exc}") from None
-    return sock
+    return conn
 
 
 # --- moving the bytes (blocking: run in a thread) ----------------------------------------------
 
 
-def set_idle_timeout(sock: socket.socket, seconds: float) -> None:
+def set_idle_timeout(conn: Conn, seconds: float) -> None:
     """Make ``sock`` blocking, its sends and receives giving up after ``seconds`` stalled.
 
     ``SO_RCVTIMEO``/``SO_SNDTIMEO`` rather than ``settimeout``: Python implements the latter
     with a non-blocking socket, under which ``MSG_WAITALL`` returns whatever has arrived and
     ``sendfile`` stops at a full send buffer.
     """
+    sock = raw_socket(conn)
     sock.settimeout(None)
     whole = int(seconds)
     value = struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -299,12 +314,12 @@ def _receive_failed(exc: OSError, idle: float) -> ChannelBroken:
 
 
 class _TlsReader:
-    """Whole slices off a TLS socket (no ``MSG_WAITALL`` there, and OpenSSL hands over one
-    16 KiB record per call): received into one reused buffer, then one copy into the
-    ``bytes`` that google_crc32c insists on."""
+    """Whole slices off a TLS stream (no ``MSG_WAITALL`` there: OpenSSL hands over one
+    16 KiB record per read), into one reused buffer, then one copy into the ``bytes`` that
+    google_crc32c insists on."""
 
-    def __init__(self, sock: ssl.SSLSocket, idle: float) -> None:
-        self.sock = sock
+    def __init__(self, stream: TlsStream, idle: float) -> None:
+        self.stream = stream
         self.idle = idle
         self.buffer = bytearray(min(RECV_BYTES, MAX_CHUNK))
         self.view = memoryview(self.buffer)
@@ -313,7 +328,7 @@ class _TlsReader:
         got = 0
         try:
             while got < n:
-                more = self.sock.recv_into(self.view[got:n], n - got)
+                more = self.stream.recv_into(self.view[got:n])
                 if not more:
                     break
                 got += more
@@ -324,7 +339,7 @@ class _TlsReader:
 
 def receive_into(
     writer: ItemWriter,
-    sock: socket.socket,
+    sock: Conn,
     *,
     idle_timeout: float,
     cancelled: Callable[[], bool] = _never,
@@ -338,7 +353,7 @@ def receive_into(
     manifest = writer.manifest
     set_idle_timeout(sock, idle_timeout)
     recv: Callable[[int], bytes]
-    if isinstance(sock, ssl.SSLSocket):
+    if isinstance(sock, TlsStream):
         recv = _TlsReader(sock, idle_timeout)
     else:
         recv = functools.partial(_recv, sock, idle=idle_timeout)
@@ -361,7 +376,7 @@ def receive_into(
 
 
 def send_item(
-    sock: socket.socket,
+    sock: Conn,
     manifest: Manifest,
     data: Path,
     *,
@@ -377,8 +392,7 @@ def send_item(
     """
     set_idle_timeout(sock, idle_timeout)
     sent = 0
-    secure = isinstance(sock, ssl.SSLSocket)
-    buffer = bytearray(TLS_SEND_BYTES) if secure else bytearray()
+    buffer = bytearray(TLS_SEND_BYTES) if isinstance(sock, TlsStream) else bytearray()
     with contextlib.closing(item_files(manifest, data)) as files:
         for _, entry, fd in files:
             offset = 0
@@ -386,7 +400,7 @@ def send_item(
                 if cancelled():
                     raise Cancelled(str(manifest.item))
                 try:
-                    if secure:
+                    if isinstance(sock, TlsStream):
                         n = _send_through_tls(sock, fd, offset, entry.size - offset, buffer)
                     else:
                         count = min(SEND_SLICE, entry.size - offset)
@@ -401,13 +415,11 @@ def send_item(
         # The descriptor's half-close, also under TLS (no close_notify, which would wait for
         # the other side's): the manifest fixes every length, so a cut is told from an end
         # by the byte count, and bytes past the end are refused.
-        socket.socket.shutdown(sock, socket.SHUT_WR)
+        raw_socket(sock).shutdown(socket.SHUT_WR)
     return sent
 
 
-def _send_through_tls(
-    sock: socket.socket, fd: int, offset: int, left: int, buffer: bytearray
-) -> int:
+def _send_through_tls(sock: TlsStream, fd: int, offset: int, left: int, buffer: bytearray) -> int:
     """Read one buffer's worth of the file at ``offset`` and send it; the bytes sent."""
     view = memoryview(buffer)[: min(len(buffer), left)]
     n = os.preadv(fd, [view], offset)
@@ -421,7 +433,7 @@ class Abort:
     blocked receive or ``sendfile`` returns at once."""
 
     def __init__(self) -> None:
-        self.sock: socket.socket | None = None
+        self.sock: Conn | None = None
         self._event = threading.Event()
 
     def __call__(self) -> bool:
@@ -431,8 +443,7 @@ class Abort:
         self._event.set()
         if self.sock is not None:
             with contextlib.suppress(OSError):
-                # The descriptor's shutdown, not TLS's: the blocked call holds the TLS state.
-                socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
+                raw_socket(self.sock).shutdown(socket.SHUT_RDWR)
 
 
 async def in_thread(fn: Callable[[], T], abort: Abort, name: str) -> T:
@@ -458,7 +469,7 @@ async def in_thread(fn: Callable[[], T], abort: Abort, name: str) -> T:
 
 
 async def receive_staged(
-    store: LocalStore, manifest: Manifest, sock: socket.socket, *, idle_timeout: float
+    store: LocalStore, manifest: Manifest, sock: Conn, *, idle_timeout: float
 ) -> int:
     """Stage, verify and commit an item arriving on ``sock``; the bytes written.
 
@@ -487,9 +498,7 @@ async def receive_staged(
         fsutil.remove_tree(staged)  # gone already when the commit renamed it
 
 
-async def send_staged(
-    manifest: Manifest, data: Path, sock: socket.socket, *, idle_timeout: float
-) -> int:
+async def send_staged(manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float) -> int:
     """``send_item`` in a thread of its own; cancelling the awaiting task stops it."""
     abort = Abort()
     abort.sock = sock

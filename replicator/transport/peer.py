@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -396,7 +395,7 @@ class PeerClient:
                 fill_chunk(request.chunk, index, offset, buf, crc)
                 await call.write(request)
 
-    async def _connect(self, address: str, offer: tuple[int, bytes]) -> socket.socket:
+    async def _connect(self, address: str, offer: tuple[int, bytes]) -> datachannel.Conn:
         """The data connection the other daemon offered, its token presented."""
         port, token = offer
         return await asyncio.get_running_loop().run_in_executor(

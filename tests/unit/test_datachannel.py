@@ -33,7 +33,7 @@ from replicator.transport.datachannel import (
     receive_into,
     send_item,
 )
-from replicator.transport.tls import TlsMaterial
+from replicator.transport.tls import TlsMaterial, TlsStream
 from replicator.transport.transfer import ItemWriter
 from tests.tls import node_tls
 
@@ -371,8 +371,8 @@ def test_an_item_crosses_a_tls_connection_verified(tmp_path: Path, ca: certs.Pai
             ticket.token, 5.0, client_tls,
         )  # fmt: skip
         server = await listener.connection(ticket, timeout=5)
-        assert isinstance(server, ssl.SSLSocket)
-        assert isinstance(client, ssl.SSLSocket)
+        assert isinstance(server, TlsStream)
+        assert isinstance(client, TlsStream)
         assert server.version() == "TLSv1.3"
         sender = loop.run_in_executor(
             None, lambda: send_item(client, manifest, src, idle_timeout=5.0)
