@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -55,6 +55,7 @@ from tests.integration.helpers import (
     wait_until,
     write_yaml_atomic,
 )
+from tests.integration.test_coordinator_service import run
 from tests.integration.test_peer import publish_step
 from tests.tls import NodeTls, node_tls
 
@@ -62,13 +63,6 @@ pytestmark = pytest.mark.integration
 T = TypeVar("T")
 JOB = "secretjob"
 STEP = 2
-
-
-def run(coro: Awaitable[T], timeout: float = 60.0) -> T:
-    async def bounded() -> T:
-        return await asyncio.wait_for(coro, timeout)
-
-    return asyncio.run(bounded())
 
 
 def accept_job(ckpt: Path, daemon: DaemonProcess, job: str = JOB) -> None:

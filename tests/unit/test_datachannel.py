@@ -41,9 +41,9 @@ T = TypeVar("T")
 ITEM = ItemId("job", 3, 1, 0)
 
 
-def run(fn: Callable[[DataListener], Awaitable[T]]) -> T:
+def run(fn: Callable[[DataListener], Awaitable[T]], tls: TlsMaterial | None = None) -> T:
     async def main() -> T:
-        listener = DataListener("127.0.0.1")
+        listener = DataListener("127.0.0.1", tls=tls)
         listener.start()
         try:
             return await fn(listener)
@@ -342,18 +342,6 @@ def ca() -> certs.Pair:
     return certs.new_ca()
 
 
-def tls_run(material: TlsMaterial, fn: Callable[[DataListener], Awaitable[T]]) -> T:
-    async def main() -> T:
-        listener = DataListener("127.0.0.1", tls=material)
-        listener.start()
-        try:
-            return await fn(listener)
-        finally:
-            await listener.close()
-
-    return asyncio.run(main())
-
-
 def test_an_item_crosses_a_tls_connection_verified(tmp_path: Path, ca: certs.Pair) -> None:
     server_tls = node_tls(tmp_path / "server", ca).material()
     client_tls = node_tls(tmp_path / "client", ca).material()
@@ -383,7 +371,7 @@ def test_an_item_crosses_a_tls_connection_verified(tmp_path: Path, ca: certs.Pai
         server.close()
         return received
 
-    assert tls_run(server_tls, scenario) == manifest.total_bytes
+    assert run(scenario, server_tls) == manifest.total_bytes
     verify_item(manifest, tmp_path / "staged" / "data")
 
 
@@ -429,7 +417,7 @@ def test_a_connection_without_a_valid_certificate_gets_no_ticket(
             return False
         return True
 
-    assert tls_run(server_tls, scenario) is False
+    assert run(scenario, server_tls) is False
 
 
 def test_a_client_refuses_a_server_of_another_ca(tmp_path: Path, ca: certs.Pair) -> None:
@@ -445,4 +433,4 @@ def test_a_client_refuses_a_server_of_another_ca(tmp_path: Path, ca: certs.Pair)
                 ticket.token, 5.0, client_tls,
             )  # fmt: skip
 
-    tls_run(server_tls, scenario)
+    run(scenario, server_tls)
