@@ -467,11 +467,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def register(self, server: grpc.aio.Server) -> None:
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)
 
+    def _served(self, job: str) -> str:
+        """``job``, unless its coordinator is a one-node job's: that one answers its own
+        daemon in process only, never the network (nobody else may join or report)."""
+        hosted = self.host.get(job)
+        if hosted is not None and hosted.coordinator.config.nodes == 1:
+            raise NotHosted(f"this daemon hosts no coordinator for job {job}")
+        return job
+
     async def Join(
         self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.JoinResponse:
         try:
-            job = check_job(request.job)
+            job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             address = check_address(request.address)
             if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
@@ -489,7 +497,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.RoundStatusResponse:
         try:
-            job = check_job(request.job)
+            job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             identity, status, addresses = await self.coordinators.round_status(
                 job, request.rank, incarnation, seen_key(request), request.wait_seconds
@@ -502,7 +510,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: pb.ReportRestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReportRestoreResponse:
         try:
-            job = check_job(request.job)
+            job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             rank = request.rank
             nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
@@ -535,7 +543,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReportProgressResponse:
         try:
-            job = check_job(request.job)
+            job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             progress = Progress(
                 replicated_step=(

@@ -633,3 +633,25 @@ def test_the_in_process_link_answers_as_the_wire_does() -> None:
             await rpc.stop(0.5)
 
     run(scenario())
+
+
+def test_a_one_node_jobs_coordinator_is_not_served_over_the_network() -> None:
+    """A one-node job's coordinator answers its own daemon in process only: over gRPC it
+    is not there, so nobody on the network can join its rounds or report for it."""
+    one = config(nodes=1)
+
+    async def scenario() -> None:
+        host = CoordinatorHost()
+        host.host(one, cluster_view_json(one))
+        async with serving(host) as address, CoordinatorClient(JOB, address) as client:
+            with pytest.raises(NoCoordinator, match="hosts no coordinator"):
+                await client.join(0, "intruder", cluster_view_json(one), peer_address(0), {})
+            with pytest.raises(NoCoordinator):
+                await client.round_status(0, "intruder", 1)
+            with pytest.raises(NoCoordinator):
+                await client.report_progress(0, "intruder", replicated_step=1)
+            hosted = host.get(JOB)
+            assert hosted is not None
+            assert hosted.coordinator.members == {}
+
+    run(scenario())
