@@ -228,7 +228,9 @@ def test_an_unreachable_data_channel_falls_back_to_chunks(
     cancelled and redone in chunks, and the peer gets chunks without a try for a while."""
     tries: list[int] = []
 
-    def firewalled(address: str, port: int, token: bytes, timeout: float) -> socket.socket:
+    def firewalled(
+        address: str, port: int, token: bytes, timeout: float, tls: object = None
+    ) -> socket.socket:
         tries.append(port)
         raise datachannel.ChannelUnreachable(f"cannot open the data connection to port {port}")
 
