@@ -7,6 +7,8 @@ turns gRPC statuses into our exceptions in one place (``_call_error``). What an 
 about each:
 
 - ``NoCoordinator`` (and ``WrongCoordinator``): look the registry up again, with backoff;
+  ``UntrustedCoordinator`` (the address failed mutual TLS) also goes to
+  ``replicator.errors`` at once: the registry is not an identity;
 - ``MustRejoin`` (``CoordinatorChanged``, ``NotAMember``): join again, then poll;
 - ``JoinRejected``: this rank's ``replicator.yaml`` can never join; say so, do not retry;
 - ``CoordinatorError``: anything else; retry with backoff.
