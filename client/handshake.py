@@ -457,7 +457,11 @@ def _read_prerestore(directory: Path, who: _Who) -> tuple[int | None, str | None
     if not isinstance(data, dict):
         return None, None
     step_raw = data.get("restore-step")
-    step = int(step_raw) if isinstance(step_raw, int | str) and str(step_raw).isdigit() else None
+    step = (
+        int(step_raw)
+        if isinstance(step_raw, int | str) and contract.ascii_digits(str(step_raw))
+        else None
+    )
     source = data.get("restore-source")
     if source is None and data.get("restore-backup") is not None:
         source = "backup"  # The prior daemon names the backup instead.

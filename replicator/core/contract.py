@@ -32,6 +32,15 @@ MAX_WORKERS_PER_NODE = 1024
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
+
+
+def ascii_digits(text: str) -> bool:
+    """Whether ``text`` is a non-empty run of ASCII digits. ``str.isdigit`` alone also says
+    yes to "²" or "١٢", which ``int`` then refuses: a name a pod or a bucket writer chose
+    must never crash the daemon."""
+    return text.isascii() and text.isdigit()
+
+
 """Plain decimal, no padding: the only spelling markers use, so one step has one name."""
 _MARKER_BODY = (
     r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})"

@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from replicator.core.contract import JOB_NAME_RE, STORE_DIR
+from replicator.core.contract import JOB_NAME_RE, STORE_DIR, ascii_digits
 from replicator.core.manifest import (
     CancelCheck,
     CorruptItem,
@@ -58,10 +58,10 @@ class OpenReport:
 
 
 def _parse_item_path(job: str, step: str, key: str) -> ItemId | None:
-    if not JOB_NAME_RE.fullmatch(job) or not step.isdigit():
+    if not JOB_NAME_RE.fullmatch(job) or not ascii_digits(step):
         return None
     rank, sep, worker = key.partition("-")
-    if not (sep and rank.isdigit() and worker.isdigit()):
+    if not (sep and ascii_digits(rank) and ascii_digits(worker)):
         return None
     return ItemId(job, int(step), int(rank), int(worker))
 

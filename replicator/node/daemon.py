@@ -43,6 +43,7 @@ from replicator.core.contract import (
     ConfigError,
     IncompleteConfigError,
     JobConfig,
+    ascii_digits,
     parse_config,
     parse_save_name,
 )
@@ -129,14 +130,14 @@ def _data_port(value: str) -> int | None:
         return None
     if value == "auto":
         return 0
-    if not value.isdigit() or not 0 <= int(value) <= 65535:
+    if not ascii_digits(value) or not 0 <= int(value) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
     return int(value)
 
 
 def _host_port(value: str) -> str:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not ascii_digits(port) or not 0 <= int(port) <= 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
     return value
 

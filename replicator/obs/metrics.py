@@ -304,7 +304,7 @@ def split_address(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:9464`` for IPv6) as (host, port); raises ``ValueError``."""
     host, sep, port = address.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
         raise ValueError(f"expected HOST:PORT, got {address!r}")
     return host, int(port)
 

@@ -27,6 +27,7 @@ from replicator.core.backup_layout import (
     data_key,
     manifest_key,
 )
+from replicator.core.contract import ascii_digits
 from replicator.core.manifest import (
     CancelCheck,
     Cancelled,
@@ -123,7 +124,7 @@ class BackupStore:
         found: dict[int, CommitRecord] = {}
         for info in self.objects.list(f"{job}/"):
             parts = info.key.split("/")
-            if len(parts) != 3 or parts[2] != COMMIT or not parts[1].isdigit():
+            if len(parts) != 3 or parts[2] != COMMIT or not ascii_digits(parts[1]):
                 continue
             try:
                 record = self.read_commit(job, int(parts[1]))

@@ -159,6 +159,17 @@ def test_try_commit_waits_for_every_item(backup: BackupStore, tmp_path: Path) ->
     assert backup.committed_steps(JOB) == {7: record}
 
 
+@pytest.mark.parametrize("step", ["²", "\u0661\u0662"])
+def test_a_commit_under_a_non_ascii_digit_step_is_ignored(
+    backup: BackupStore, uploaded: Uploaded, step: str
+) -> None:
+    """A bucket writer's ``job/²/COMMIT``: ``"²".isdigit()`` is true and ``int("²")`` fails;
+    the listing skips it instead of failing every restore."""
+    before = backup.committed_steps(uploaded.record.job)
+    backup.objects.put_bytes(f"{uploaded.record.job}/{step}/COMMIT", uploaded.record.to_json())
+    assert backup.committed_steps(uploaded.record.job) == before
+
+
 def test_try_commit_never_overwrites_commit(backup: BackupStore, uploaded: Uploaded) -> None:
     before = backup.objects.get_bytes(commit_key(JOB, 100))
     again = backup.try_commit(JOB, 100, ["0-0"], now=9999.0)

@@ -427,6 +427,7 @@ def test_a_stale_renamed_marker_is_replaced(ckpt: Path) -> None:
         ({"restore-step": 3, "restore-source": "backup"}, "backup"),
         ({"restore-step": 3, "restore-backup": "2025-01-01_00-00"}, "backup"),
         ({"restore-step": 3}, None),
+        ({"restore-step": "²", "restore-source": "local"}, "local"),
         (None, None),
     ],
 )

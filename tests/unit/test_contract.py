@@ -23,6 +23,7 @@ from replicator.core.contract import (
     Framework,
     IncompleteConfigError,
     JobConfig,
+    ascii_digits,
     expand_vars,
     marker_name,
     parse_config,
@@ -904,6 +905,25 @@ def test_step_dir(name: str, step: int) -> None:
 )
 def test_not_a_step_dir(name: str) -> None:
     assert parse_step_dir(name) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0", True),
+        ("1234", True),
+        ("", False),
+        ("²", False),
+        ("\u0661\u0662", False),
+        ("1²", False),
+        ("-1", False),
+        (" 1", False),
+    ],
+)
+def test_ascii_digits(text: str, expected: bool) -> None:
+    assert ascii_digits(text) is expected
+    if expected:
+        assert int(text) >= 0
 
 
 # --- expand_vars -------------------------------------------------------------------------------

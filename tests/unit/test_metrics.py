@@ -203,7 +203,9 @@ def test_split_address(address: str, expected: tuple[str, int]) -> None:
     assert split_address(address) == expected
 
 
-@pytest.mark.parametrize("address", ["9464", ":9464", "host:", "host:port", "host:65536"])
+@pytest.mark.parametrize(
+    "address", ["9464", ":9464", "host:", "host:port", "host:65536", "host:²", "host:\u0661\u0662"]
+)
 def test_split_address_refuses(address: str) -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         split_address(address)
@@ -219,6 +221,22 @@ def test_csi_calls_count_by_method_and_code() -> None:
     assert value(r, "mtc_csi_calls_total", method="NodePublishVolume", code="INVALID_ARGUMENT") == 1
     assert value(r, "mtc_csi_call_seconds_count", method="NodePublishVolume") == 2
     assert value(r, "mtc_csi_call_seconds_count", method="Probe") == 1
+
+
+@pytest.mark.parametrize(
+    "flags", [("--data-port", "²"), ("--listen", "127.0.0.1:²"), ("--metrics", "h:\u0661\u0662")]
+)
+def test_non_ascii_digits_in_daemon_flags_are_usage_errors(
+    flags: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``"²".isdigit()`` is true and ``int("²")`` fails: our rule in the message, not
+    argparse's "invalid value" for a ValueError escaping the check."""
+    with pytest.raises(SystemExit) as exited:
+        daemon_args(["--checkpoint-dir", "/ckpt", *flags], {})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected" in err, err
+    assert "invalid _" not in err, err
 
 
 def test_daemon_metrics_are_off_by_default_and_set_by_flag_or_environment() -> None:

@@ -218,6 +218,22 @@ def test_reopen_indexes_committed_items(store: LocalStore) -> None:
         new.close()
 
 
+@pytest.mark.parametrize(("step", "key"), [("²", "0-0"), ("1", "²-0"), ("1", "0-\u0661")])
+def test_open_ignores_names_with_non_ascii_digits(store: LocalStore, step: str, key: str) -> None:
+    """``"²".isdigit()`` is true and ``int("²")`` fails: such a name, planted by anyone who
+    can write the RAM disk, must not crash the daemon at every start."""
+    ingest(store, ITEM)
+    store.commit_ingested(ITEM)
+    planted = store.root / "items" / ITEM.job / step / key
+    planted.mkdir(parents=True)
+    new, report = reopen(store)
+    try:
+        assert report.items == 1
+        assert list(new.manifests(ITEM.job)) == [ITEM]
+    finally:
+        new.close()
+
+
 def test_open_discards_an_item_without_manifest(store: LocalStore) -> None:
     ingest(store, ITEM)
     store.commit_ingested(ITEM)
