@@ -319,12 +319,25 @@ def _int_list(key: str, value: object) -> list[int]:
 def parse_config(text: str, env: Mapping[str, str] | None = None) -> JobConfig:
     """Parse and validate one ``replicator.yaml``.
 
+    ``$VAR`` and ``${VAR}`` expand from ``env``: the caller passes only the variables it
+    allows (the daemon: ``--expand-vars``), never its own credentials. An error names the
+    value as written, never as expanded, since ``replicator.failed`` is read by the pod.
     Raises ``IncompleteConfigError`` when the text may be a partial write and
     ``ConfigError`` for every other problem; never any other exception.
     """
     env = env if env is not None else {}
     raw = _load_mapping(text)
     data = {k: _expand(v, env) for k, v in raw.items()}
+    try:
+        return _validated(data)
+    except ConfigError as exc:
+        written = raw.get(exc.key, exc.value)
+        if written != data.get(exc.key, written):
+            raise ConfigError(exc.key, written, exc.rule + " (after $VAR expansion)") from None
+        raise
+
+
+def _validated(data: Mapping[str, Any]) -> JobConfig:
 
     job = data["job-name"]
     if not isinstance(job, str):

@@ -87,6 +87,7 @@ class AgentContext:
     settle_seconds: float = 10.0
     rescan_seconds: float = 2.0
     env: dict[str, str] = field(default_factory=dict)
+    """The variables `$VAR` in a `replicator.yaml` may name (`--expand-vars`); no others."""
     clock: Callable[[], float] = time.time
     peers: PeerClient | None = None
     """The peer data plane; needed by jobs with ``nodes > 1``."""

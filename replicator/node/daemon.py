@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -92,6 +93,19 @@ def _is_own_output(name: str) -> bool:
     return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
 
 
+DEFAULT_EXPAND_VARS = ("NODE_NAME",)
+"""What the DaemonSet sets for handshakes to name: the node (Kubernetes downward API)."""
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _var_names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    for name in names:
+        if not _VAR_NAME.fullmatch(name):
+            raise argparse.ArgumentTypeError(f"not an environment variable name: {name!r}")
+    return names
+
+
 @dataclass(frozen=True)
 class DaemonOptions:
     checkpoint_dir: Path
@@ -123,6 +137,9 @@ class DaemonOptions:
     health_listen: str | None = None
     """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
     TLS); None: only on the main port."""
+    expand_vars: tuple[str, ...] = DEFAULT_EXPAND_VARS
+    """The environment variables ``$VAR`` in ``replicator.yaml`` may name; no others (the
+    daemon's credentials live in its environment, and the pod reads what it writes)."""
 
 
 def _data_port(value: str) -> int | None:
@@ -236,6 +253,13 @@ def parse_args(
         help="also serve the gRPC health service alone, in plaintext, at HOST:PORT, for "
         "kubelet probes when TLS is on; off by default [MTC_HEALTH_LISTEN]",
     )
+    p.add_argument(
+        "--expand-vars",
+        type=_var_names,
+        default=_var_names(env.get("MTC_EXPAND_VARS", ",".join(DEFAULT_EXPAND_VARS))),
+        help="comma-separated environment variables that $VAR in replicator.yaml may name; "
+        "no others are expanded (default: %(default)s) [MTC_EXPAND_VARS]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if bool(a.tls_cert) + bool(a.tls_key) + bool(a.tls_ca) not in (0, 3):
@@ -263,6 +287,7 @@ def parse_args(
         tls_ca=a.tls_ca,
         tls_server_name=a.tls_server_name,
         health_listen=a.health_listen,
+        expand_vars=a.expand_vars,
     )
 
 
@@ -310,7 +335,7 @@ class Daemon:
             executor=self.executor,
             settle_seconds=opts.settle_seconds,
             rescan_seconds=opts.rescan_seconds,
-            env=dict(os.environ),
+            env={k: os.environ[k] for k in opts.expand_vars if k in os.environ},
             metrics=self.metrics,
         )
         self.incarnation: Incarnation | None = None

@@ -3,18 +3,22 @@ non-atomic writers and the empty "stop this job" file."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
     FAILED,
+    FAST_ARGS,
     PRERESTORE,
     backup_commits,
     config_text,
@@ -255,3 +259,50 @@ def test_an_open_in_place_writer_still_gets_its_patience(
     write_yaml_in_place(ckpt, text, split=split, pause=1.0)
     wait_markers(ckpt, job, 0, daemon)
     assert not (ckpt / FAILED).exists()
+
+
+# --- $VAR expansion: an allow-list, never the daemon's secrets ---------------------------------
+
+
+def test_var_expansion_never_reads_the_daemons_secrets(ckpt: Path, job: str) -> None:
+    """The daemon's environment holds its credentials; a pod's ``replicator.yaml`` naming them
+    gets nothing: unexpanded, refused, and ``replicator.failed`` quotes what was written."""
+    # AWS's documented example keys; the first is a valid job name, so expanded it would be
+    # taken: markers named after it, or the key in replicator.failed.
+    env = {
+        "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI-K7MDENG-bPxRfiCYEXAMPLEKEY",
+        "AWS_ACCESS_KEY_ID": "AKIAIOSFODNN7EXAMPLE",
+    }
+    with running_daemon_env(ckpt, env) as daemon:
+        for text in (
+            config_text("$AWS_SECRET_ACCESS_KEY"),
+            config_text("${AWS_ACCESS_KEY_ID}"),
+        ):
+            write_yaml_atomic(ckpt, text)
+            wait_until((ckpt / FAILED).exists, f"{FAILED} written", daemon=daemon)
+            failed = (ckpt / FAILED).read_text()
+            assert "'job-name'" in failed, failed
+            assert "AWS_" in failed, failed  # the name as written
+            for value in env.values():
+                assert value not in failed
+                assert value not in daemon.log()
+                assert not any(value in p.name for p in ckpt.iterdir())
+            (ckpt / FAILED).unlink()
+
+
+def test_an_allowed_variable_expands(ckpt: Path, job: str) -> None:
+    with running_daemon_env(ckpt, {"NODE_NAME": "node-7"}) as daemon:
+        write_yaml_atomic(
+            ckpt, config_text(job).replace(f"job-name: {job}", f"job-name: {job}-$NODE_NAME")
+        )
+        wait_markers(ckpt, f"{job}-node-7", 0, daemon)
+
+
+@contextlib.contextmanager
+def running_daemon_env(ckpt: Path, env: dict[str, str]) -> Iterator[DaemonProcess]:
+    daemon = DaemonProcess(ckpt, extra_args=FAST_ARGS, env=env)
+    try:
+        yield daemon.start()
+    finally:
+        if daemon.running:
+            daemon.stop(timeout=10)

@@ -1190,3 +1190,13 @@ def test_counts_have_a_sane_upper_bound(key: str, value: str) -> None:
 def test_zero_padded_step_dirs_are_not_steps(name: str) -> None:
     # Markers spell steps without padding; "012/" and "12/" must not both claim step 12.
     assert parse_step_dir(name) is None
+
+
+def test_an_error_quotes_the_value_as_written_not_as_expanded() -> None:
+    """``replicator.failed`` is read by the pod: an expanded value must not reach it."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(doc(job_name="$TOKEN"), {"TOKEN": "s3cr3t/value"})
+    assert info.value.key == "job-name"
+    assert info.value.value == "$TOKEN"
+    assert "s3cr3t" not in str(info.value)
+    assert "after $VAR expansion" in str(info.value)

@@ -239,6 +239,16 @@ def test_non_ascii_digits_in_daemon_flags_are_usage_errors(
     assert "invalid _" not in err, err
 
 
+def test_expand_vars_default_flag_and_environment() -> None:
+    base = ["--checkpoint-dir", "/ckpt"]
+    assert daemon_args(base, {}).expand_vars == ("NODE_NAME",)
+    assert daemon_args(base, {"MTC_EXPAND_VARS": "A, B_2"}).expand_vars == ("A", "B_2")
+    assert daemon_args([*base, "--expand-vars", ""], {}).expand_vars == ()
+    with pytest.raises(SystemExit) as exited:
+        daemon_args([*base, "--expand-vars", "A,$B"], {})
+    assert exited.value.code == 2
+
+
 def test_daemon_metrics_are_off_by_default_and_set_by_flag_or_environment() -> None:
     base = ["--checkpoint-dir", "/ckpt"]
     assert daemon_args(base, {}).metrics is None
