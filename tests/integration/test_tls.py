@@ -27,6 +27,7 @@ import grpc
 import grpc.aio
 import pytest
 from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicator._pb.mtc.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from replicator._pb.mtc.v1 import peer_pb2 as pb
@@ -393,3 +394,22 @@ def test_half_the_tls_flags_is_a_usage_error(tmp_path: Path) -> None:
     )
     assert missing.returncode == 2
     assert "cannot read the TLS CA" in missing.stdout + missing.stderr
+
+
+def test_the_plaintext_health_port_serves_health_and_nothing_else(tmp_path: Path) -> None:
+    """``--health-listen`` is for kubelet probes, which have no certificate: it answers the
+    health service in plaintext and refuses every other call."""
+    me = node_tls(tmp_path / "tls", certs.new_ca())
+    with (
+        ram_disk(tmp_path / "ckpt", "32m") as ckpt,
+        running_daemon(ckpt, extra=(*me.args(), "--health-listen", "127.0.0.1:0")) as daemon,
+    ):
+        health = daemon.log().rsplit("health=", 1)[1].split()[0]
+        with grpc.insecure_channel(health) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                peer_pb2_grpc.PeerStub(channel).ListItems(pb.ListItemsRequest(), timeout=5)
+            assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED  # type: ignore[attr-defined]
