@@ -207,13 +207,7 @@ def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
     """A node certificate from the run's throwaway CA."""
     directory = root / "tls" / name
     certs.write_node_files(directory, ca, certs.issue(ca))
-    return TlsFiles(
-        directory / certs.NODE_CERT, directory / certs.NODE_KEY, directory / certs.CA_CERT
-    )
-
-
-def tls_args(files: TlsFiles) -> tuple[str, ...]:
-    return ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
+    return certs.node_files(directory)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -427,9 +421,11 @@ def main() -> None:
         manifest = make_item(root / "a", size, a.files)
         shutil.copytree(root / "a", root / "a-tls", symlinks=True)  # A' holds the same item
         ca = certs.new_ca()
-        mine, b_tls = make_tls(root, ca, "client"), tls_args(make_tls(root, ca, "b"))
+        mine, b_tls = make_tls(root, ca, "client"), certs.daemon_flags(make_tls(root, ca, "b"))
         daemons.append(start_daemon(root / "a"))
-        daemons.append(start_daemon(root / "a-tls", tls_args(make_tls(root, ca, "a-tls"))))
+        daemons.append(
+            start_daemon(root / "a-tls", certs.daemon_flags(make_tls(root, ca, "a-tls")))
+        )
         b = start_daemon(root / "b")
         take_job(root / "b")  # kept in B's store: every restart resumes the job
         b.stop()

@@ -19,13 +19,10 @@ class NodeTls:
 
     @property
     def files(self) -> TlsFiles:
-        return TlsFiles(
-            self.root / certs.NODE_CERT, self.root / certs.NODE_KEY, self.root / certs.CA_CERT
-        )
+        return certs.node_files(self.root)
 
     def args(self) -> tuple[str, ...]:
-        f = self.files
-        return ("--tls-cert", str(f.cert), "--tls-key", str(f.key), "--tls-ca", str(f.ca))
+        return certs.daemon_flags(self.files)
 
     def material(self) -> TlsMaterial:
         return TlsMaterial(self.files)

@@ -109,7 +109,41 @@ class CoordinatorChanged(MustRejoin):
 # --- the client ------------------------------------------------------------------------------
 
 
-class CoordinatorClient:
+class IdentityChecked:
+    """What every link to a coordinator shares: the checks on who answered.
+
+    An answer must name ``job``; the first one fixes the coordinator's id, and a later
+    answer with another id raises ``CoordinatorChanged`` once (its state is gone: join
+    again), the new id expected from then on.
+    """
+
+    job: str
+    address: str
+    """Where the coordinator answers (for messages)."""
+    coordinator_id: str | None
+    """The id that answered first; None before any answer."""
+
+    def _check_answer(self, answered_job: str, answered_id: str, method: str) -> None:
+        if answered_job != self.job:
+            raise WrongCoordinator(
+                f"{method} at {self.address}: a coordinator of job {answered_job!r:.80} "
+                f"answered, not one of job {self.job}"
+            )
+        if not COORDINATOR_ID_RE.fullmatch(answered_id):
+            raise CoordinatorError(
+                f"{method} at {self.address}: bad coordinator id {answered_id!r:.80}"
+            )
+        old, self.coordinator_id = self.coordinator_id, answered_id
+        if old is not None and old != answered_id:
+            raise CoordinatorChanged(
+                f"the coordinator of job {self.job} at {self.address} restarted "
+                f"(id {old} -> {answered_id}); join again",
+                old,
+                answered_id,
+            )
+
+
+class CoordinatorClient(IdentityChecked):
     """The agent's calls to job ``job``'s coordinator at ``address``, in our own types.
 
     Every answer must name ``job``; the first one fixes the coordinator's id, and a later
@@ -170,22 +204,7 @@ class CoordinatorClient:
         return CoordinatorError(message)
 
     def _check(self, identity: pb.CoordinatorIdentity, method: str) -> None:
-        if identity.job != self.job:
-            raise WrongCoordinator(
-                f"{method} at {self.address}: a coordinator of job {identity.job!r:.80} "
-                f"answered, not one of job {self.job}"
-            )
-        new = identity.coordinator_id
-        if not COORDINATOR_ID_RE.fullmatch(new):
-            raise CoordinatorError(f"{method} at {self.address}: bad coordinator id {new!r:.80}")
-        old, self.coordinator_id = self.coordinator_id, new
-        if old is not None and old != new:
-            raise CoordinatorChanged(
-                f"the coordinator of job {self.job} at {self.address} restarted "
-                f"(id {old} -> {new}); join again",
-                old,
-                new,
-            )
+        self._check_answer(identity.job, identity.coordinator_id, method)
 
     async def join(
         self,

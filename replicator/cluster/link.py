@@ -19,12 +19,11 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from replicator.cluster.client import (
-    CoordinatorChanged,
     CoordinatorClient,
     CoordinatorError,
+    IdentityChecked,
     NoCoordinator,
     NotAMember,
-    WrongCoordinator,
     find_coordinator,
 )
 from replicator.cluster.messages import MAX_WAIT_SECONDS, BadMessage, FailedFetch, RoundState
@@ -89,7 +88,7 @@ class LocalFinder:
         return LocalCoordinator(self.coordinators, job)
 
 
-class LocalCoordinator:
+class LocalCoordinator(IdentityChecked):
     """``CoordinatorLink`` to a coordinator in this process: same calls, no wire.
 
     The inputs are this daemon's own, so the wire's hostile-input checks have nothing to
@@ -99,23 +98,11 @@ class LocalCoordinator:
     def __init__(self, coordinators: Coordinators, job: str) -> None:
         self.coordinators = coordinators
         self.job = job
+        self.address = LOCAL_ADDRESS
         self.coordinator_id: str | None = None
 
-    @property
-    def address(self) -> str:
-        return LOCAL_ADDRESS
-
     def _check(self, identity: Identity, method: str) -> None:
-        if identity.job != self.job:
-            raise WrongCoordinator(f"{method}: the coordinator of job {identity.job} answered")
-        old, self.coordinator_id = self.coordinator_id, identity.coordinator_id
-        if old is not None and old != identity.coordinator_id:
-            raise CoordinatorChanged(
-                f"the coordinator of job {self.job} was replaced "
-                f"(id {old} -> {identity.coordinator_id}); join again",
-                old,
-                identity.coordinator_id,
-            )
+        self._check_answer(identity.job, identity.coordinator_id, method)
 
     def _error(self, exc: Exception, method: str) -> Exception:
         """The same exceptions a gRPC client raises for the same statuses."""

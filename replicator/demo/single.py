@@ -94,11 +94,7 @@ def throwaway_tls(work: Path, ca: certs.Pair, name: str) -> tuple[str, ...]:
     demo runs with mutual TLS on, as a cluster should (``mtc certs`` does this for real)."""
     directory = work / "tls" / name
     certs.write_node_files(directory, ca, certs.issue(ca))
-    return (
-        "--tls-cert", str(directory / certs.NODE_CERT),
-        "--tls-key", str(directory / certs.NODE_KEY),
-        "--tls-ca", str(directory / certs.CA_CERT),
-    )  # fmt: skip
+    return certs.daemon_flags(certs.node_files(directory))
 
 
 class Daemon:

@@ -29,9 +29,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from replicator.local import fsutil
+from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
 
-DEFAULT_SERVER_NAME = "mtc-replicator"
-"""Keep in step with ``transport.tls.DEFAULT_SERVER_NAME`` (a test checks they agree)."""
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 NODE_CERT, NODE_KEY = "tls.crt", "tls.key"
 
@@ -147,6 +146,16 @@ def write_node_files(directory: Path, ca: Pair, node: Pair) -> None:
     """What a daemon mounts: ``tls.crt``, ``tls.key`` and ``ca.crt`` (no CA key)."""
     write_pair(directory, node, NODE_CERT, NODE_KEY)
     fsutil.atomic_write_bytes(directory / CA_CERT, ca.cert)
+
+
+def node_files(directory: Path) -> TlsFiles:
+    """The files ``write_node_files`` wrote in ``directory``."""
+    return TlsFiles(directory / NODE_CERT, directory / NODE_KEY, directory / CA_CERT)
+
+
+def daemon_flags(files: TlsFiles) -> tuple[str, ...]:
+    """``mtc-replicator``'s flags for ``files``."""
+    return ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
 
 
 def init(directory: Path, server_name: str, days: int) -> tuple[Pair, bool]:
