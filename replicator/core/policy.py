@@ -172,24 +172,43 @@ def find_handoffs(
 
 
 def retention_of_copies(
-    config: JobConfig, have: Collection[ItemId], protected: Collection[int]
+    config: JobConfig,
+    have: Collection[ItemId],
+    protected: Collection[int],
+    pushing: Collection[int],
 ) -> list[ItemId]:
     """Peer copies (other ranks' items of this job held here) that may be deleted.
 
-    Per owning rank, the newest step held is kept (it may be that rank's only other copy
-    of its newest checkpoint), and so is every protected step (the cluster's restorable
-    step, which a restore round may need from here); older copies go.
+    Call it only once this config's restore round was released: a round plans from every
+    copy it finds, whatever the layout says. ``pushing`` are the ranks that replicate to
+    this node now (``admission.expected_pushers``). Steps are measured against this rank's
+    newest complete step, the anchor, never against a copy's step: a pushed far-future step
+    must not make real steps look old. Protected steps (the restorable step, which the next
+    restore round may need from here) always stay. Of a pushing rank, the newest copy at
+    most the anchor stays (it may be that rank's only other copy of the checkpoint both
+    hold), as does every newer one (it is still arriving here); older ones go. A rank that
+    no longer pushes here (the layout or this node's rank changed) keeps only copies at or
+    after the anchor, and a rank the job no longer has (a resize) keeps none: no round of
+    this config plans an item of it. Before this rank's first complete step every copy
+    of a rank in the job stays.
     """
-    newest: dict[int, int] = {}
-    for i in have:
-        if i.job == config.job_name and i.rank != config.node_rank:
-            newest[i.rank] = max(newest.get(i.rank, i.step), i.step)
+    complete = complete_steps(config, have)
+    anchor = complete[-1] if complete else None
+    pushers = set(pushing)
+    copies = [i for i in have if i.job == config.job_name and i.rank != config.node_rank]
+    newest_kept: dict[int, int] = {}
+    for i in copies:
+        if i.rank in pushers and anchor is not None and i.step <= anchor:
+            newest_kept[i.rank] = max(newest_kept.get(i.rank, i.step), i.step)
     keep = set(protected)
-    return sorted(
-        i
-        for i in have
-        if i.job == config.job_name
-        and i.rank != config.node_rank
-        and i.step < newest[i.rank]
-        and i.step not in keep
-    )
+
+    def doomed(i: ItemId) -> bool:
+        if not 0 <= i.rank < config.nodes:
+            return True
+        if anchor is None or i.step in keep:
+            return False
+        if i.rank in pushers:
+            return i.step < newest_kept.get(i.rank, i.step)
+        return i.step < anchor
+
+    return sorted(i for i in copies if doomed(i))

@@ -30,6 +30,7 @@ from replicator.cluster.membership import ClusterMember, MemberContext
 from replicator.cluster.registry import Registry
 from replicator.cluster.rounds import RoundFailed
 from replicator.cluster.service import Coordinators
+from replicator.core.admission import expected_pushers
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import (
     ERRORS_FILE,
@@ -509,7 +510,10 @@ class Incarnation:
         # what our progress reports promised the coordinator (see ClusterMember.retained).
         protected = member.retained(complete_steps(self.config, have))
         doomed = retention(self.config, have, protected)
-        doomed += retention_of_copies(self.config, have, protected)
+        if self.phase is IncarnationPhase.STEADY:
+            # Not during the restore round: it plans from every copy held, whatever its rank.
+            pushing = expected_pushers(self.config)
+            doomed += retention_of_copies(self.config, have, protected, pushing)
         if doomed:
             await self._thread(self._delete_items, doomed)
 

@@ -262,12 +262,43 @@ def test_retention_of_copies_keeps_each_owners_newest_and_protected_steps() -> N
         for r, steps in {0: (1, 2, 3), 1: (1, 2, 3), 2: (2, 5)}.items()
         for s in steps
     ] + [ItemId("other", 1, 1, 0)]
-    doomed = retention_of_copies(cfg, have, protected={2})
-    # Own items (rank 0) and other jobs are never copies; rank 1 keeps 3 (newest) and 2
-    # (protected); rank 2 keeps 5 and 2.
+    doomed = retention_of_copies(cfg, have, protected={2}, pushing={1, 2})
+    # Own items (rank 0) and other jobs are never copies. Against this rank's newest step
+    # (3): rank 1 keeps 3 (its newest up to it) and 2 (protected); rank 2 keeps 2 (its
+    # newest up to 3) and 5 (newer, still arriving here).
     assert doomed == [ItemId("j", 1, 1, 0)]
-    assert retention_of_copies(cfg, have, protected=()) == [
+    assert retention_of_copies(cfg, have, protected=(), pushing={1, 2}) == [
         ItemId("j", 1, 1, 0),
         ItemId("j", 2, 1, 0),
-        ItemId("j", 2, 2, 0),
+    ]
+
+
+def test_a_far_future_copy_never_makes_real_copies_look_old() -> None:
+    """Measured against a copy's own newest step, a pushed step 10**15 would doom every
+    real copy of its rank; against this rank's newest step it dooms nothing."""
+    cfg = JobConfig(job_name="j", framework=Framework.ORBAX, node_rank=0, nodes=4)
+    have = [item(s, 0, job="j") for s in (9, 10)] + [item(s, 3, job="j") for s in (9, 10, 10**15)]
+    assert retention_of_copies(cfg, have, protected=(), pushing={3}) == [item(9, 3, job="j")]
+
+
+def test_before_its_first_own_step_a_node_keeps_every_copy_of_its_job() -> None:
+    cfg = JobConfig(job_name="j", framework=Framework.ORBAX, node_rank=0, nodes=4)
+    have = [item(s, 3, job="j") for s in (1, 2, 10**15)] + [item(1, 2, job="j")]
+    assert retention_of_copies(cfg, have, protected=(), pushing={3}) == []
+
+
+def test_copies_of_ranks_that_left_are_collected() -> None:
+    """After a resize (rank >= nodes) every copy goes, protected step or not: no round of
+    this config plans such an item. A rank in the job that no longer pushes here (the
+    layout changed) keeps what a restore may still want: protected steps and steps at or
+    after this rank's newest."""
+    cfg = JobConfig(job_name="j", framework=Framework.ORBAX, node_rank=0, nodes=4)
+    own = [item(s, 0, job="j") for s in (5, 6)]
+    resized = [item(s, r, job="j") for r in (4, 7) for s in (5, 6)]
+    moved = [item(s, 2, job="j") for s in (4, 5, 6, 7)]
+    doomed = retention_of_copies(cfg, own + resized + moved, protected={5, 6}, pushing={3})
+    assert doomed == sorted([*resized, item(4, 2, job="j")])
+    assert retention_of_copies(cfg, own + moved, protected=(), pushing={3}) == [
+        item(4, 2, job="j"),
+        item(5, 2, job="j"),
     ]
