@@ -35,6 +35,7 @@ from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.core.admission import MAX_STEP_LEAD, Served
 from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -138,6 +139,8 @@ class DaemonOptions:
     """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
     TLS); None: only on the main port."""
     expand_vars: tuple[str, ...] = DEFAULT_EXPAND_VARS
+    max_step_lead: int = MAX_STEP_LEAD
+    """How far ahead of this rank's newest own step a peer's push may be (``core.admission``)."""
     """The environment variables ``$VAR`` in ``replicator.yaml`` may name; no others (the
     daemon's credentials live in its environment, and the pod reads what it writes)."""
 
@@ -260,6 +263,13 @@ def parse_args(
         help="comma-separated environment variables that $VAR in replicator.yaml may name; "
         "no others are expanded (default: %(default)s) [MTC_EXPAND_VARS]",
     )
+    p.add_argument(
+        "--max-step-lead",
+        type=int,
+        default=int(env.get("MTC_MAX_STEP_LEAD", str(MAX_STEP_LEAD))),
+        help="refuse a peer's push of a step more than this far ahead of this rank's newest "
+        "own step (from 0 before its first) (default: %(default)s) [MTC_MAX_STEP_LEAD]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if bool(a.tls_cert) + bool(a.tls_key) + bool(a.tls_ca) not in (0, 3):
@@ -268,6 +278,8 @@ def parse_args(
         p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
     if a.threads < 1:
         p.error("--threads must be >= 1")
+    if a.max_step_lead < 1:
+        p.error("--max-step-lead must be >= 1")
     return DaemonOptions(
         checkpoint_dir=a.checkpoint_dir.absolute(),
         listen=a.listen,
@@ -288,6 +300,7 @@ def parse_args(
         tls_server_name=a.tls_server_name,
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,
+        max_step_lead=a.max_step_lead,
     )
 
 
@@ -357,9 +370,13 @@ class Daemon:
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.tls = self.tls
 
-    def accepts_job(self, job: str) -> bool:
-        """Peers may push items of the job this node serves now, and of no other."""
-        return self.incarnation is not None and self.incarnation.config.job_name == job
+    def serving(self) -> Served | None:
+        """What peers may push here: the job this node serves now, and its newest own step."""
+        if self.incarnation is None:
+            return None
+        config = self.incarnation.config
+        own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
+        return Served(config, max(own, default=None))
 
     def _on_event(self, name: str | None, finished: bool) -> None:
         if name is not None and _is_own_output(name):
@@ -412,7 +429,12 @@ class Daemon:
                 self.store.close()
                 return
         peer = PeerServicer(
-            self.store, self.executor, self.accepts_job, metrics=self.metrics, channel=channel
+            self.store,
+            self.executor,
+            self.serving,
+            max_step_lead=self.opts.max_step_lead,
+            metrics=self.metrics,
+            channel=channel,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups

@@ -1,10 +1,12 @@
 """The ``mtc.v1.Peer`` service: what a daemon answers to other daemons. I/O module.
 
 Handlers run in the daemon's asyncio loop (grpc.aio). A push is hostile input: its header is
-checked completely (job name, manifest safety, digest, item, size, whether this node takes
-the job) before anything touches the disk; its chunks then go through
+checked completely before anything touches the disk or a data-channel token is issued:
+whether this node takes the item at all (``core.admission``: its job, its rank, its step),
+then the manifest's safety, digest and size; its chunks then go through
 ``transfer.receive_item`` into a staging directory, and the item is committed with its
-manifest last. A push of an item already held with the same digest is answered at once.
+manifest last. A push of an item already held with the same digest is answered at once;
+one with another digest is refused, never committed in its place.
 Our exceptions become status codes in one place, ``status_for``; every transfer is logged
 with its bytes, seconds and MB/s.
 """
@@ -25,6 +27,14 @@ import grpc.aio
 
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
+from replicator.core.admission import (
+    MAX_STEP_LEAD,
+    Admission,
+    Served,
+    Verdict,
+    admit_copy,
+    admit_push,
+)
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
 from replicator.local.store import LocalStore, StoreError
@@ -62,6 +72,14 @@ class Refused(Exception):
     """The request is well formed but this node will not serve it (wrong job, other digest)."""
 
 
+class NotAllowed(Exception):
+    """The caller may not send this item here: not a rank that pushes to this node."""
+
+
+class Conflict(Exception):
+    """Another item with this id is committed here; a push never replaces it."""
+
+
 class NotHeld(Exception):
     """This node holds no such committed item."""
 
@@ -79,6 +97,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     cause = exc.__cause__ if isinstance(exc, StoreError) else exc
     if isinstance(exc, (ManifestError, TransferError, ChannelProtocolError)):
         code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, NotAllowed):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, Conflict):
+        code = grpc.StatusCode.ALREADY_EXISTS
     elif isinstance(exc, CorruptItem):
         code = grpc.StatusCode.DATA_LOSS
     elif isinstance(exc, Refused):
@@ -123,6 +145,20 @@ async def _drain(requests: AsyncIterator[pb.PushItemRequest], budget: int) -> No
                 return
 
 
+def _refuse_unless(admission: Admission) -> None:
+    """Raise the exception ``status_for`` turns into the verdict's status code."""
+    if admission.accepted:
+        return
+    reason = admission.reason
+    if admission.verdict is Verdict.NOT_IN_JOB:
+        raise TransferError(reason)
+    if admission.verdict is Verdict.NOT_A_PUSHER:
+        raise NotAllowed(reason)
+    if admission.verdict is Verdict.CONFLICT:
+        raise Conflict(reason)
+    raise Refused(reason)  # NOT_SERVED, TOO_FAR_AHEAD: FAILED_PRECONDITION
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """``mtc.v1.Peer`` over this node's store; handlers run in the daemon's asyncio loop."""
 
@@ -130,8 +166,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self,
         store: LocalStore,
         executor: Executor,
-        accepts_job: Callable[[str], bool],
+        serving: Callable[[], Served | None],
         *,
+        max_step_lead: int = MAX_STEP_LEAD,
         max_item_bytes: int | None = None,
         reserve_bytes: int = RESERVE_BYTES,
         metrics: Metrics = NO_METRICS,
@@ -141,12 +178,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
         ``channel``, transfers that ask for it move their bytes there; ``channel_timeout``
-        bounds the wait for its connection and any stall on it."""
+        bounds the wait for its connection and any stall on it. ``serving`` says what this
+        node serves now (None: no job), read for every push; ``max_step_lead`` bounds how
+        far ahead of this rank's newest step a pushed step may be."""
         self.store = store
         self.channel = channel
         self.channel_timeout = channel_timeout
         self.executor = executor
-        self.accepts_job = accepts_job
+        self.serving = serving
+        self.max_step_lead = max_step_lead
         self.max_item_bytes = max_item_bytes
         self.reserve_bytes = reserve_bytes
         self.metrics = metrics
@@ -158,17 +198,22 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         incoming = sum(self._inflight.values())
         return room_on(self.store.root, self.reserve_bytes) - incoming
 
-    def _check_push(self, header: pb.PushHeader) -> Manifest:
+    def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
+        """The pushed manifest, checked, and whether the same copy is held already."""
         item = item_id(header.item)
-        if not self.accepts_job(item.job):
-            raise Refused(f"this node does not take items of job {item.job!r} now")
+        _refuse_unless(admit_push(self.serving(), item, max_lead=self.max_step_lead))
         manifest = check_manifest(header.manifest, header.manifest_digest, item)
+        held = self.store.get(item)
+        admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
+        if admission.verdict is Verdict.ALREADY_HELD:
+            return manifest, True
+        _refuse_unless(admission)
         room = self._room()
         if manifest.total_bytes > room:
             raise TooLarge(
                 f"{item}: {manifest.total_bytes} bytes do not fit, this node can take {room}"
             )
-        return manifest
+        return manifest, False
 
     async def PushItem(
         self,
@@ -190,11 +235,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         first = await anext(requests, None)
         if first is None or first.WhichOneof("body") != "header":
             raise TransferError("a push starts with its header")
-        manifest = self._check_push(first.header)
+        manifest, held = self._check_push(first.header)
         item = manifest.item
         jlog = JobLog(log, item.job, item.rank)
-        held = self.store.get(item)
-        if held is not None and held.digest == first.header.manifest_digest:
+        if held:
             jlog.info("push of %s from %s: already held", item, peer, step=item.step)
             return pb.PushItemResponse(already_had=True)
         if item in self._inflight:

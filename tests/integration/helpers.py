@@ -94,6 +94,20 @@ def running_daemon(ckpt: Path, *, extra: tuple[str, ...] = ()) -> Iterator[Daemo
         print(f"--- daemon log {daemon.log_path} ---\n{daemon.log()[-20000:]}")
 
 
+RECEIVER: dict[str, Any] = {"rank": 1, "nodes": 2, "peers_per_node": 1}
+"""``config_text`` keys for a daemon that tests push rank 0's items to: in this layout rank 0
+replicates to rank 1 (a one-node job takes no pushes, and nobody pushes a node its own rank).
+Such a daemon waits in its restore round for the whole test (no rank 0 ever registers), so
+it needs ``receiver_args``."""
+
+
+def receiver_args(ckpt: Path) -> tuple[str, ...]:
+    """Daemon flags for a ``RECEIVER``: a registry of its own to wait in, beside ``ckpt``."""
+    registry = ckpt.parent / f"{ckpt.name}-registry"
+    registry.mkdir(exist_ok=True)
+    return ("--registry", registry.as_uri(), "--report-after-seconds", "3600")
+
+
 # --- waiting ---------------------------------------------------------------------------------
 
 

@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import google_crc32c
 import grpc
@@ -40,10 +40,12 @@ from replicator.transport.peer import ItemInfo, ItemNotFound, PeerClient, PeerEr
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,
+    RECEIVER,
     config_text,
     item_dir,
     ram_disk,
     read_tree,
+    receiver_args,
     running_daemon,
     sha256_tree,
     wait_ingested,
@@ -65,13 +67,15 @@ def with_client(fn: Callable[[PeerClient], Awaitable[T]]) -> T:
     return asyncio.run(main())
 
 
-def accept_job(ckpt: Path, daemon: DaemonProcess, job: str) -> None:
-    """Hand the daemon a ``replicator.yaml`` of ``job``: from then on it takes the job's items.
+def accept_job(ckpt: Path, daemon: DaemonProcess, job: str, **keys: Any) -> None:
+    """Hand the daemon a ``replicator.yaml`` of ``job``: from then on it serves the job.
 
-    A one-node job, so the daemon needs no coordinator: the peer data plane is what is
-    tested here, with the test process in the role of the pushing and pulling daemon.
+    A one-node job by default, so the daemon needs no coordinator; with ``RECEIVER`` keys
+    it takes pushes of rank 0's items and waits in its restore round meanwhile. The peer
+    data plane is what is tested here, with the test process in the role of the pushing
+    and pulling daemon.
     """
-    write_yaml_atomic(ckpt, config_text(job, nodes=1))
+    write_yaml_atomic(ckpt, config_text(job, **({"nodes": 1} | keys)))
     wait_until(
         lambda: not (ckpt / CONFIG).exists() and f"accepted {CONFIG}: job={job}" in daemon.log(),
         f"{CONFIG} accepted",
@@ -118,9 +122,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         a_ckpt = stack.enter_context(ram_disk(root / "a", "64m"))
         b_ckpt = stack.enter_context(ram_disk(root / "b", "128m"))
         a = stack.enter_context(running_daemon(a_ckpt))
-        b = stack.enter_context(running_daemon(b_ckpt))
+        b = stack.enter_context(running_daemon(b_ckpt, extra=receiver_args(b_ckpt)))
         accept_job(a_ckpt, a, job)
-        accept_job(b_ckpt, b, job)
+        accept_job(b_ckpt, b, job, **RECEIVER)
         publish_step(a_ckpt, STEP)
         data = wait_ingested(a_ckpt, job, STEP, a)
         manifest = Manifest.from_json((item_dir(a_ckpt, job, STEP) / MANIFEST_FILE).read_bytes())
@@ -182,10 +186,10 @@ def test_without_a_data_channel_on_either_side_bytes_go_in_chunks(
     try:
         with (
             ram_disk(tmp_path / "c", "64m") as c_ckpt,
-            running_daemon(c_ckpt, extra=("--data-port", "off")) as c,
+            running_daemon(c_ckpt, extra=("--data-port", "off", *receiver_args(c_ckpt))) as c,
         ):
             assert "data-port=off" in c.log()
-            accept_job(c_ckpt, c, pair.job)
+            accept_job(c_ckpt, c, pair.job, **RECEIVER)
             assert (
                 with_client(lambda cl: cl.push_item(c.address, pair.manifest, pair.data)) is False
             )
@@ -240,9 +244,9 @@ def test_an_unreachable_data_channel_falls_back_to_chunks(
     try:
         with (
             ram_disk(tmp_path / "c", "64m") as c_ckpt,
-            running_daemon(c_ckpt) as c,
+            running_daemon(c_ckpt, extra=receiver_args(c_ckpt)) as c,
         ):
-            accept_job(c_ckpt, c, pair.job)
+            accept_job(c_ckpt, c, pair.job, **RECEIVER)
 
             async def scenario() -> tuple[bool, Manifest, Manifest]:
                 async with PeerClient(timeout=10.0) as client:
@@ -319,8 +323,8 @@ def test_daemon_memory_stays_flat_in_the_item_size(tmp_path: Path) -> None:
         src_ckpt = stack.enter_context(ram_disk(tmp_path / "src", "320m"))
         ckpt = stack.enter_context(ram_disk(tmp_path / "ckpt", "384m"))
         back = stack.enter_context(ram_disk(tmp_path / "back", "384m"))
-        daemon = stack.enter_context(running_daemon(ckpt))
-        accept_job(ckpt, daemon, job)
+        daemon = stack.enter_context(running_daemon(ckpt, extra=receiver_args(ckpt)))
+        accept_job(ckpt, daemon, job, **RECEIVER)
         src, digests = write_big_step_tmp(src_ckpt, 1, files=4, mib_each=size_mib // 4)
         manifest = build_manifest(ItemId(job, 1, 0, 0), src)
         assert manifest.total_bytes >= size_mib << 20
@@ -375,8 +379,11 @@ def test_sigterm_ends_a_stalled_push_within_the_grace_period(tmp_path: Path) -> 
         )
         gate.wait(30)  # the peer stalls with half the item sent
 
-    with ram_disk(tmp_path / "ckpt", "64m") as ckpt, running_daemon(ckpt) as daemon:
-        accept_job(ckpt, daemon, job)
+    with (
+        ram_disk(tmp_path / "ckpt", "64m") as ckpt,
+        running_daemon(ckpt, extra=receiver_args(ckpt)) as daemon,
+    ):
+        accept_job(ckpt, daemon, job, **RECEIVER)
         channel = grpc.insecure_channel(daemon.address)
         call = peer_pb2_grpc.PeerStub(channel).PushItem.future(requests(), timeout=60)
         staging = ckpt / ".mtc" / "staging"

@@ -30,11 +30,16 @@ from replicator._pb.mtc.v1 import peer_pb2_grpc
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     config_text,
+    expected_markers,
     item_dir,
+    make_step,
+    marker_names,
+    payload,
     ram_disk,
     read_text,
     running_daemon,
-    wait_markers,
+    sha256_tree,
+    stored_steps,
     wait_until,
     write_yaml_atomic,
 )
@@ -46,6 +51,12 @@ BIG = os.urandom(300 * 1024 + 7)
 SMALL = b"hello"
 
 
+NODES = 3
+VICTIM = 1
+"""The attacked daemon serves rank 1 of a 3-node job with one peer per node: rank 0 pushes
+to it (every attack below names rank 0's items), rank 2 does not, rank 3 is no rank."""
+
+
 @dataclass
 class Victim:
     job: str
@@ -54,6 +65,24 @@ class Victim:
     """A directory outside CHECKPOINT_DIR that attacks try to reach."""
     daemon: DaemonProcess
     stub: peer_pb2_grpc.PeerStub
+    others: dict[int, tuple[Path, DaemonProcess]]
+    """The job's other ranks, real daemons: CHECKPOINT_DIR and daemon."""
+
+
+def job_config(job: str, rank: int, nodes: int = NODES) -> str:
+    return config_text(job, rank=rank, nodes=nodes, peers_per_node=1)
+
+
+def wait_released(job: str, ckpt: Path, rank: int, step: int, daemon: DaemonProcess) -> None:
+    """The rank's restore round released (its markers of ``step``), its agent in steady state."""
+    want = expected_markers(job, step, rank=rank)
+    wait_until(lambda: marker_names(ckpt) == want, f"rank {rank}'s markers {want}", daemon=daemon)
+    state = ckpt / ".mtc" / "incarnation.json"
+    wait_until(
+        lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
+        f"rank {rank}'s incarnation in steady state",
+        daemon=daemon,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +91,29 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
     job = f"hostile-{uuid.uuid4().hex[:6]}"
     outside = root / "outside"
     outside.mkdir()
+    registry = root / "registry"
+    registry.mkdir()
     with contextlib.ExitStack() as stack:
-        ckpt = stack.enter_context(ram_disk(root / "ckpt", "64m"))
-        daemon = stack.enter_context(running_daemon(ckpt))
-        write_yaml_atomic(ckpt, config_text(job, nodes=1))
-        wait_markers(ckpt, job, 0, daemon)
-        # The handshake's last write: from here on the tree changes only if an attack gets in.
-        state = ckpt / ".mtc" / "incarnation.json"
-        wait_until(
-            lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
-            "the incarnation in steady state",
-            daemon=daemon,
+        ckpts = {r: stack.enter_context(ram_disk(root / f"ckpt{r}", "64m")) for r in range(NODES)}
+        daemons = {
+            r: stack.enter_context(running_daemon(d, extra=("--registry", registry.as_uri())))
+            for r, d in ckpts.items()
+        }
+        for r in range(NODES):
+            write_yaml_atomic(ckpts[r], job_config(job, r))
+        # Nothing saved: an empty round. From here on the victim's tree changes only if an
+        # attack gets in (its peers save nothing, so nothing is pushed to it).
+        for r in range(NODES):
+            wait_released(job, ckpts[r], r, 0, daemons[r])
+        channel = stack.enter_context(grpc.insecure_channel(daemons[VICTIM].address))
+        yield Victim(
+            job,
+            ckpts[VICTIM],
+            outside,
+            daemons[VICTIM],
+            peer_pb2_grpc.PeerStub(channel),
+            {r: (ckpts[r], daemons[r]) for r in range(NODES) if r != VICTIM},
         )
-        channel = stack.enter_context(grpc.insecure_channel(daemon.address))
-        yield Victim(job, ckpt, outside, daemon, peer_pb2_grpc.PeerStub(channel))
 
 
 # --- building (hostile) requests -----------------------------------------------------------------
@@ -543,3 +581,161 @@ def test_the_daemon_still_takes_a_valid_push_afterwards(victim: Victim) -> None:
     assert (data / "state" / "big.bin").read_bytes() == BIG
     again = victim.stub.PushItem(iter([header(job=victim.job), *good_chunks()]), timeout=10)
     assert again.already_had
+
+
+# --- who may push what: the layout, the step bound, committed copies ----------------------------
+
+
+def item_push(
+    job: str,
+    *,
+    rank: int = 0,
+    step: int = STEP,
+    worker: int = 0,
+    big: bytes = BIG,
+    data_channel: bool = False,
+) -> list[pb.PushItemRequest]:
+    """A well-formed push of one item (bytes ``SMALL`` and ``big``), whatever item it names."""
+    files = [
+        ["meta", len(SMALL), f"{crc(SMALL):08x}"],
+        ["state/big.bin", len(big), f"{crc(big):08x}"],
+    ]
+    body = content(job, step=step, rank=rank, worker=worker, files=files)
+    ref = {"job": job, "step": step, "rank": rank, "worker": worker}
+    half = len(big) // 2
+    chunks = [chunk(0, 0, SMALL), chunk(1, 0, big[:half]), chunk(1, half, big[half:])]
+    return [header(body, job=job, ref=ref, data_channel=data_channel), *chunks]
+
+
+FAR_FUTURE = 10**15
+
+LAYOUT_ATTACKS: dict[str, tuple[dict[str, int], Code, str]] = {
+    # A stray own item would pass for the trainer's save, and retention would then drop the
+    # real ones in its favour.
+    "the-receivers-own-rank": ({"rank": VICTIM}, Code.PERMISSION_DENIED, "own rank"),
+    "a-rank-that-pushes-elsewhere": ({"rank": 2}, Code.PERMISSION_DENIED, "does not replicate"),
+    "a-rank-past-the-job": ({"rank": NODES}, Code.INVALID_ARGUMENT, "is not in job"),
+    "the-largest-rank": ({"rank": 2**32 - 1}, Code.INVALID_ARGUMENT, "is not in job"),
+    "a-worker-without-an-item": ({"worker": 1}, Code.INVALID_ARGUMENT, "has no item"),
+    "a-step-far-in-the-future": ({"step": FAR_FUTURE}, Code.FAILED_PRECONDITION, "steps ahead"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_ATTACKS))
+def test_a_push_the_layout_does_not_send_here_is_refused(victim: Victim, name: str) -> None:
+    which, code, detail = LAYOUT_ATTACKS[name]
+    before = snapshot(victim.ckpt)
+    with pytest.raises(grpc.RpcError) as refused:
+        victim.stub.PushItem(iter(item_push(victim.job, **which)), timeout=10)
+    assert refused.value.code() == code, refused.value.details()
+    assert detail in refused.value.details()
+    assert_unharmed(victim, before)
+
+
+def test_a_refused_push_gets_no_data_channel_token(victim: Victim) -> None:
+    """The refusal comes in the gRPC handler, before a token is issued for the data channel."""
+    before = snapshot(victim.ckpt)
+    gate = threading.Event()
+
+    def requests() -> Iterator[pb.PushItemRequest]:
+        yield item_push(victim.job, rank=VICTIM, data_channel=True)[0]
+        gate.wait(20)
+
+    call = victim.stub.PushItem.future(requests(), timeout=20)
+    try:
+        offered = dict(call.initial_metadata() or ())
+        with pytest.raises(grpc.RpcError) as refused:
+            call.result(timeout=5)
+    finally:
+        gate.set()
+        call.cancel()
+    assert "mtc-data-channel" not in offered
+    assert refused.value.code() == Code.PERMISSION_DENIED, refused.value.details()
+    assert_unharmed(victim, before)
+
+
+def test_a_push_never_replaces_a_committed_copy(victim: Victim) -> None:
+    """Same item, other bytes: ALREADY_EXISTS, not "held" (the pusher must not count the step
+    as replicated here), and the committed copy stays byte for byte."""
+    step = STEP + 2
+    first = victim.stub.PushItem(iter(item_push(victim.job, step=step)), timeout=10)
+    assert first.bytes_received == len(SMALL) + len(BIG)
+    before = snapshot(victim.ckpt)
+    with pytest.raises(grpc.RpcError) as refused:
+        victim.stub.PushItem(iter(item_push(victim.job, step=step, big=flip(BIG, 7))), timeout=10)
+    assert refused.value.code() == Code.ALREADY_EXISTS, refused.value.details()
+    assert "never replaced" in refused.value.details()
+    assert_unharmed(victim, before)
+    data = item_dir(victim.ckpt, victim.job, step) / "data"
+    assert (data / "state" / "big.bin").read_bytes() == BIG
+    again = victim.stub.PushItem(iter(item_push(victim.job, step=step)), timeout=10)
+    assert again.already_had
+
+
+def test_a_far_future_push_never_costs_a_real_copy(victim: Victim) -> None:
+    """Retention keeps each rank's newest copy: a copy of step 10**15, once taken, made it
+    delete the rank's real copies. Refused now; after the victim's next save (its retention
+    runs, then it replicates) the real copy is still there. Last in the module: the victim
+    holds a step of its own from here on."""
+    real = STEP + 3
+    victim.stub.PushItem(iter(item_push(victim.job, step=real)), timeout=10)
+    copy = item_dir(victim.ckpt, victim.job, real)
+    kept = sha256_tree(copy)
+    with pytest.raises(grpc.RpcError) as refused:
+        victim.stub.PushItem(iter(item_push(victim.job, step=FAR_FUTURE)), timeout=10)
+    assert refused.value.code() == Code.FAILED_PRECONDITION, refused.value.details()
+    own = real + 1
+    make_step(victim.ckpt, own, payload(own, seed="victim"))
+    target_ckpt, target = victim.others[2]
+    wait_until(
+        lambda: own in stored_steps(target_ckpt, victim.job, rank=VICTIM),
+        f"the victim's step {own} replicated to rank 2",
+        daemon=target,
+    )
+    assert sha256_tree(copy) == kept
+    assert not item_dir(victim.ckpt, victim.job, FAR_FUTURE).exists()
+
+
+def test_copies_of_ranks_that_left_are_collected_after_the_next_round(tmp_path: Path) -> None:
+    """A 3-node job shrinks to 2: rank 0 held rank 2's copy, which no round of the new job
+    can use. It used to stay until the RAM disk was full; now it goes once the new job's
+    restore round is released, and every item the new job restored from stays."""
+    job = f"resize-{uuid.uuid4().hex[:6]}"
+    registry = tmp_path / "registry"
+    registry.mkdir()
+    step = 10
+    with contextlib.ExitStack() as stack:
+        ckpts = [stack.enter_context(ram_disk(tmp_path / f"n{r}", "64m")) for r in range(NODES)]
+        daemons = [
+            stack.enter_context(running_daemon(d, extra=("--registry", registry.as_uri())))
+            for d in ckpts
+        ]
+        for r in range(NODES):
+            write_yaml_atomic(ckpts[r], job_config(job, r))
+        for r in range(NODES):
+            wait_released(job, ckpts[r], r, 0, daemons[r])
+            os.unlink(ckpts[r] / expected_markers(job, 0, rank=r)[0])
+            make_step(ckpts[r], step, payload(step, seed=f"rank{r}"))
+        wait_until(
+            lambda: step in stored_steps(ckpts[0], job, rank=2),
+            "rank 2's copy at rank 0",
+            daemon=daemons[0],
+        )
+        wait_until(
+            lambda: step in stored_steps(ckpts[1], job, rank=0),
+            "rank 0's copy at rank 1",
+            daemon=daemons[1],
+        )
+        daemons[2].stop()  # rank 2's node leaves the job
+        for r in range(2):
+            write_yaml_atomic(ckpts[r], job_config(job, r, nodes=2))
+        for r in range(2):
+            wait_released(job, ckpts[r], r, step, daemons[r])
+        wait_until(
+            lambda: step not in stored_steps(ckpts[0], job, rank=2),
+            "rank 0 collected its copy of rank 2, which left the job",
+            daemon=daemons[0],
+        )
+        assert step in stored_steps(ckpts[0], job, rank=0)
+        assert step in stored_steps(ckpts[1], job, rank=1)
+        assert step in stored_steps(ckpts[1], job, rank=0)  # rank 0 still pushes to rank 1

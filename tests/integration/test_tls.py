@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -46,10 +46,12 @@ from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
+    RECEIVER,
     config_text,
     item_dir,
     ram_disk,
     read_text,
+    receiver_args,
     running_daemon,
     sha256_tree,
     wait_ingested,
@@ -66,8 +68,8 @@ JOB = "secretjob"
 STEP = 2
 
 
-def accept_job(ckpt: Path, daemon: DaemonProcess, job: str = JOB) -> None:
-    write_yaml_atomic(ckpt, config_text(job, nodes=1))
+def accept_job(ckpt: Path, daemon: DaemonProcess, job: str = JOB, **keys: Any) -> None:
+    write_yaml_atomic(ckpt, config_text(job, **({"nodes": 1} | keys)))
     wait_until(
         lambda: not (ckpt / CONFIG).exists() and f"accepted {CONFIG}: job={job}" in daemon.log(),
         f"{CONFIG} accepted",
@@ -103,9 +105,11 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
         a_ckpt = stack.enter_context(ram_disk(root / "a", "64m"))
         b_ckpt = stack.enter_context(ram_disk(root / "b", "1400m"))
         a = stack.enter_context(running_daemon(a_ckpt, extra=a_tls.args()))
-        b = stack.enter_context(running_daemon(b_ckpt, extra=b_tls.args()))
+        b = stack.enter_context(
+            running_daemon(b_ckpt, extra=(*b_tls.args(), *receiver_args(b_ckpt)))
+        )
         accept_job(a_ckpt, a)
-        accept_job(b_ckpt, b)
+        accept_job(b_ckpt, b, **RECEIVER)  # B takes pushes of rank 0's items
         publish_step(a_ckpt, STEP)
         data = wait_ingested(a_ckpt, JOB, STEP, a)
         manifest = Manifest.from_json((item_dir(a_ckpt, JOB, STEP) / MANIFEST_FILE).read_bytes())
