@@ -314,6 +314,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             with self._admitted(peer_host(context.peer())):
                 await self._pull(request, context)
         except Exception as exc:
+            if context.cancelled():  # the puller went away: a write failed, nobody to answer
+                log.info("PullItem from %s cancelled: %s", context.peer(), exc)
+                return
             await _abort(context, "PullItem", exc)
 
     async def _pull(
