@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -26,12 +27,15 @@ class DaemonProcess:
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
+        max_open_files: int | None = None,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.backup = backup
         self.extra_args = extra_args
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or checkpoint_dir.parent / f"{checkpoint_dir.name}.daemon.log"
+        self.max_open_files = max_open_files
+        """RLIMIT_NOFILE of the daemon, when given (a node with a low descriptor limit)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen: str | None = None
         """The gRPC address the daemon bound (its ``127.0.0.1:0`` resolved), once ready."""
@@ -54,6 +58,11 @@ class DaemonProcess:
         start_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        if self.max_open_files is not None:
+            # Set from outside at once (no preexec_fn in a threaded parent); the daemon opens
+            # few descriptors before its store.
+            limit = (self.max_open_files, self.max_open_files)
+            resource.prlimit(self.proc.pid, resource.RLIMIT_NOFILE, limit)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -15,13 +15,18 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import PurePosixPath
 from typing import Any
 
 from replicator.core.contract import JOB_NAME_RE
 
 MAX_FILES = 1_000_000
-MAX_PATH_CHARS = 4096
+MAX_PATH_BYTES = 4095
+"""Longest relative path, in bytes as the filesystem takes it: Linux's PATH_MAX less its NUL."""
+MAX_NAME_BYTES = 255
+"""Longest name of one path component: Linux's NAME_MAX."""
+MAX_DEPTH = 64
+"""Most components of one path. Real checkpoints nest a handful deep; the receiver opens
+every level of every file's path, so depth multiplies its work."""
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: larger than any single checkpoint shard we expect
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 1
@@ -170,13 +175,30 @@ def _checked_path(path: object, kind: ItemKind) -> str:
         if path != "":
             raise ManifestError(f"a file item has one entry with an empty path, got {path!r:.80}")
         return path
-    if not path or len(path) > MAX_PATH_CHARS:
-        raise ManifestError(f"path length must be 1..{MAX_PATH_CHARS}: {path!r:.80}")
+    return check_path(path)
+
+
+def check_path(path: str) -> str:
+    """``path`` if it is a safe relative path inside a tree item that any receiver can
+    create; ``ManifestError`` otherwise. ``build_manifest`` applies it too, so whatever this
+    node commits, it and its peers can read back."""
+    try:
+        # The bytes the filesystem will see: names read from disk that are not UTF-8 come
+        # back as surrogate escapes and round-trip; any other lone surrogate cannot be a name.
+        encoded = path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise ManifestError(f"path is not a file name: {path!r:.80}") from None
+    if not encoded or len(encoded) > MAX_PATH_BYTES:
+        raise ManifestError(f"path length must be 1..{MAX_PATH_BYTES} bytes: {path!r:.80}")
     if "\x00" in path or "\\" in path or path.startswith("/"):
         raise ManifestError(f"unsafe path {path!r:.80}")
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
+    parts = encoded.split(b"/")
+    if any(p in (b"", b".", b"..") for p in parts):
         raise ManifestError(f"unsafe path {path!r:.80}")
+    if len(parts) > MAX_DEPTH:
+        raise ManifestError(f"path deeper than {MAX_DEPTH} levels: {path!r:.80}")
+    if any(len(p) > MAX_NAME_BYTES for p in parts):
+        raise ManifestError(f"a name in the path is over {MAX_NAME_BYTES} bytes: {path!r:.80}")
     return path
 
 
@@ -194,12 +216,14 @@ def _check_layout(manifest: Manifest) -> None:
         if p in dirs:
             raise ManifestError(f"{p!r:.80} is listed as both file and directory")
     # Exactly the layout build_manifest produces: every parent of an entry is a listed dir.
+    # The immediate parent suffices (it is an entry too, so its own parent is checked), and
+    # keeps the check linear in the manifest's size, however deep its paths.
     for p in (*paths, *manifest.dirs):
-        for parent in PurePosixPath(p).parents:
-            if str(parent) != "." and str(parent) not in dirs:
-                raise ManifestError(f"parent directory of {p!r:.80} is not listed")
-            if str(parent) in file_set:
-                raise ManifestError(f"{str(parent)!r:.80} is a file and a parent directory")
+        parent = p.rpartition("/")[0]
+        if parent and parent not in dirs:
+            if parent in file_set:
+                raise ManifestError(f"{parent!r:.80} is a file and a parent directory")
+            raise ManifestError(f"parent directory of {p!r:.80} is not listed")
 
 
 CancelCheck = Callable[[], bool]

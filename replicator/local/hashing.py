@@ -23,6 +23,7 @@ from replicator.core.manifest import (
     ItemKind,
     Manifest,
     ManifestError,
+    check_path,
 )
 
 CHUNK = 4 * 1024 * 1024
@@ -55,7 +56,8 @@ def file_crc32c(path: Path, cancelled: CancelCheck = _never) -> tuple[int, int]:
 
 
 def walk_tree(root: Path) -> tuple[list[str], list[str]]:
-    """(dirs, files) below ``root`` as sorted relative POSIX paths; no symlinks allowed."""
+    """(dirs, files) below ``root`` as sorted relative POSIX paths; no symlinks allowed, and
+    no path a manifest could not carry (``check_path``)."""
     dirs: list[str] = []
     files: list[str] = []
     stack = [""]
@@ -63,7 +65,7 @@ def walk_tree(root: Path) -> tuple[list[str], list[str]]:
         rel = stack.pop()
         with os.scandir(root / rel if rel else root) as it:
             for entry in it:
-                sub = f"{rel}/{entry.name}" if rel else entry.name
+                sub = check_path(f"{rel}/{entry.name}" if rel else entry.name)
                 mode = entry.stat(follow_symlinks=False).st_mode
                 if stat.S_ISDIR(mode):
                     dirs.append(sub)

@@ -76,7 +76,7 @@ from replicator.transport.datachannel import DataListener
 from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
-from replicator.transport.service import PeerServicer
+from replicator.transport.service import IDLE_SECONDS, PeerServicer
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
@@ -139,10 +139,13 @@ class DaemonOptions:
     """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
     TLS); None: only on the main port."""
     expand_vars: tuple[str, ...] = DEFAULT_EXPAND_VARS
-    max_step_lead: int = MAX_STEP_LEAD
-    """How far ahead of this rank's newest own step a peer's push may be (``core.admission``)."""
     """The environment variables ``$VAR`` in ``replicator.yaml`` may name; no others (the
     daemon's credentials live in its environment, and the pod reads what it writes)."""
+    max_step_lead: int = MAX_STEP_LEAD
+    """How far ahead of this rank's newest own step a peer's push may be (``core.admission``)."""
+    idle_timeout_seconds: float = IDLE_SECONDS
+    """How long a transfer from or to a peer may make no progress before it is dropped,
+    its space reservation and staging with it."""
 
 
 def _data_port(value: str) -> int | None:
@@ -270,8 +273,17 @@ def parse_args(
         help="refuse a peer's push of a step more than this far ahead of this rank's newest "
         "own step (from 0 before its first) (default: %(default)s) [MTC_MAX_STEP_LEAD]",
     )
+    p.add_argument(
+        "--idle-timeout-seconds",
+        type=float,
+        default=float(env.get("MTC_IDLE_TIMEOUT_SECONDS", str(IDLE_SECONDS))),
+        help="a peer transfer with no progress this long is dropped, with its space "
+        "reservation and staging (default: %(default)s) [MTC_IDLE_TIMEOUT_SECONDS]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
+    if not a.idle_timeout_seconds > 0:
+        p.error("--idle-timeout-seconds must be > 0")
     if bool(a.tls_cert) + bool(a.tls_key) + bool(a.tls_ca) not in (0, 3):
         p.error("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
     if a.checkpoint_dir is None:
@@ -301,6 +313,7 @@ def parse_args(
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,
         max_step_lead=a.max_step_lead,
+        idle_timeout_seconds=a.idle_timeout_seconds,
     )
 
 
@@ -435,6 +448,7 @@ class Daemon:
             max_step_lead=self.opts.max_step_lead,
             metrics=self.metrics,
             channel=channel,
+            idle_timeout=self.opts.idle_timeout_seconds,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups

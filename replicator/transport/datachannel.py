@@ -41,7 +41,9 @@ import socket
 import ssl
 import struct
 import threading
+from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -60,6 +62,12 @@ HANDSHAKE_SECONDS = 10.0
 """A connection must present its token within this long, or it is closed."""
 MAX_HANDSHAKES = 64
 """Connections allowed to be presenting a token at once; more are closed at once."""
+MAX_HANDSHAKES_PER_PEER = 8
+"""Of those, from one peer address: idle connections from one host cannot take every slot."""
+MAX_TRANSFERS = 16
+"""Transfers on the data channel at once on one side (each holds a thread while it moves
+bytes); past it, or past ``MAX_TRANSFERS_PER_PEER`` for one peer, bytes go in gRPC chunks."""
+MAX_TRANSFERS_PER_PEER = 4
 RECV_BYTES = 1 << 20
 """Bytes per receive: a whole number of pages, like the raw copy it is measured against."""
 SEND_SLICE = 64 << 20
@@ -97,6 +105,46 @@ def _unbracket(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+class TransferPool:
+    """The threads that move data-channel bytes: at most ``size`` at once, at most
+    ``per_peer`` for one peer address. A transfer ``claim``s a slot before it offers or
+    asks for the channel, and goes in gRPC chunks when none is free, so no transfer ever
+    waits here for a thread. Used from one event loop."""
+
+    def __init__(self, size: int = MAX_TRANSFERS, per_peer: int = MAX_TRANSFERS_PER_PEER) -> None:
+        self.size = size
+        self.per_peer = per_peer
+        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="mtc-data")
+        self._busy: Counter[str] = Counter()
+
+    def claim(self, peer: str) -> bool:
+        """Take a slot for a transfer with ``peer``; False when none is free."""
+        if self._busy.total() >= self.size or self._busy[peer] >= self.per_peer:
+            return False
+        self._busy[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self._busy[peer] -= 1
+        if self._busy[peer] <= 0:
+            del self._busy[peer]
+
+    async def run(self, fn: Callable[[], T], abort: Abort) -> T:
+        """Run a blocking transfer on a pool thread (a GiB must not hold a worker of the
+        daemon's I/O pool); when the awaiting task is cancelled, abort the transfer and wait
+        for the thread to let go of what it uses before the caller cleans up."""
+        cf = self._executor.submit(fn)
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            abort.set()
+            concurrent.futures.wait([cf])
+            raise
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
 # --- the listener (the serving daemon) ---------------------------------------------------------
 
 
@@ -115,8 +163,16 @@ class Ticket:
 class DataListener:
     """A TCP listener whose connections are matched to tickets by their first 16 bytes."""
 
-    def __init__(self, host: str, port: int = 0, tls: TlsMaterial | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int = 0,
+        tls: TlsMaterial | None = None,
+        pool: TransferPool | None = None,
+    ) -> None:
         self.tls = tls
+        self.pool = pool or TransferPool()
+        """The threads of the transfers served on this listener's connections."""
         host = _unbracket(host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -126,7 +182,9 @@ class DataListener:
         self._sock.setblocking(False)
         self.port: int = self._sock.getsockname()[1]
         self._tickets: dict[bytes, Ticket] = {}
-        self._handshakes = 0
+        self._handshakes: Counter[str] = Counter()
+        """Connections presenting their token now, by peer address."""
+        self._tls_threads: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -143,6 +201,9 @@ class DataListener:
         for ticket in self._tickets.values():
             ticket.connected.cancel()
         self._tickets.clear()
+        self.pool.shutdown()
+        if self._tls_threads is not None:
+            self._tls_threads.shutdown(wait=False, cancel_futures=True)
 
     def issue(self) -> Ticket:
         """A new ticket; ``withdraw`` it when the transfer ends, connected or not."""
@@ -175,25 +236,43 @@ class DataListener:
                 log.warning("data channel: accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self._handshakes >= MAX_HANDSHAKES:
+            host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+            if self._handshakes.total() >= MAX_HANDSHAKES:
                 log.warning(
                     "data channel: %s refused, %d handshakes in flight", peer, MAX_HANDSHAKES
                 )
                 conn.close()
                 continue
-            task = asyncio.create_task(self._handshake(conn, peer))
+            if self._handshakes[host] >= MAX_HANDSHAKES_PER_PEER:
+                log.warning(
+                    "data channel: %s refused, %d handshakes in flight from %s",
+                    peer,
+                    MAX_HANDSHAKES_PER_PEER,
+                    host,
+                )
+                conn.close()
+                continue
+            self._handshakes[host] += 1  # counted here: the next accept must see it
+            task = asyncio.create_task(self._handshake(conn, peer, host))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _handshake(self, conn: socket.socket, peer: object) -> None:
-        self._handshakes += 1
+    async def _handshake(self, conn: socket.socket, peer: object, host: str) -> None:
         accepted: Conn = conn
         try:
             if self.tls is None:
                 reading = _read_exactly(conn, TOKEN_BYTES)
                 token = await asyncio.wait_for(reading, HANDSHAKE_SECONDS)
             else:
-                accepted, token = await asyncio.to_thread(_tls_accept, conn, self.tls)
+                if self._tls_threads is None:
+                    # Its own threads, one per handshake slot: stalled handshakes must not
+                    # hold the loop's default executor, which the connecting side uses too.
+                    self._tls_threads = ThreadPoolExecutor(
+                        max_workers=MAX_HANDSHAKES, thread_name_prefix="mtc-tls-accept"
+                    )
+                accepted, token = await asyncio.get_running_loop().run_in_executor(
+                    self._tls_threads, _tls_accept, conn, self.tls
+                )
         except (TimeoutError, OSError, ChannelBroken) as exc:
             log.warning("data channel: %s sent no token: %s", peer, exc or type(exc).__name__)
             conn.close()
@@ -202,7 +281,9 @@ class DataListener:
             conn.close()
             raise
         finally:
-            self._handshakes -= 1
+            self._handshakes[host] -= 1
+            if self._handshakes[host] <= 0:
+                del self._handshakes[host]
         ticket = self._match(token)
         if ticket is None:
             log.warning("data channel: %s presented an unknown or used token", peer)
@@ -446,30 +527,8 @@ class Abort:
                 raw_socket(self.sock).shutdown(socket.SHUT_RDWR)
 
 
-async def in_thread(fn: Callable[[], T], abort: Abort, name: str) -> T:
-    """Run a blocking transfer in a thread of its own (a GiB must not hold a worker of the
-    daemon's I/O pool); when the awaiting task is cancelled, abort the transfer and wait for
-    the thread to let go of what it uses before the caller cleans up."""
-    cf: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-    def run() -> None:
-        if cf.set_running_or_notify_cancel():
-            try:
-                cf.set_result(fn())
-            except BaseException as exc:
-                cf.set_exception(exc)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    try:
-        return await asyncio.wrap_future(cf)
-    except asyncio.CancelledError:
-        abort.set()
-        concurrent.futures.wait([cf])
-        raise
-
-
 async def receive_staged(
-    store: LocalStore, manifest: Manifest, sock: Conn, *, idle_timeout: float
+    store: LocalStore, manifest: Manifest, sock: Conn, *, idle_timeout: float, pool: TransferPool
 ) -> int:
     """Stage, verify and commit an item arriving on ``sock``; the bytes written.
 
@@ -491,19 +550,20 @@ async def receive_staged(
         return nbytes
 
     try:
-        return await in_thread(work, abort, f"mtc-recv-{manifest.item.step}")
+        return await pool.run(work, abort)
     except OSError as exc:
         raise StoreError(f"{manifest.item}: cannot stage the incoming copy: {exc}") from exc
     finally:
         fsutil.remove_tree(staged)  # gone already when the commit renamed it
 
 
-async def send_staged(manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float) -> int:
-    """``send_item`` in a thread of its own; cancelling the awaiting task stops it."""
+async def send_staged(
+    manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float, pool: TransferPool
+) -> int:
+    """``send_item`` on a thread of ``pool``; cancelling the awaiting task stops it."""
     abort = Abort()
     abort.sock = sock
-    return await in_thread(
+    return await pool.run(
         lambda: send_item(sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort),
         abort,
-        f"mtc-send-{manifest.item.step}",
     )

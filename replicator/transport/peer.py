@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,15 +40,19 @@ from replicator.transport.datachannel import (
     ChannelBroken,
     ChannelProtocolError,
     ChannelUnreachable,
+    TransferPool,
 )
 from replicator.transport.tls import TlsMaterial, open_channel
 from replicator.transport.transfer import (
     Chunk,
+    StreamIdle,
     TransferError,
     check_manifest,
+    idle_bounded,
     iter_chunks,
     receive_item,
     room_on,
+    within,
 )
 
 log = logging.getLogger(__name__)
@@ -65,6 +69,10 @@ CHUNKS_AFTER_UNREACHABLE = 300.0
 """Seconds a peer whose data channel could not be reached gets gRPC chunks instead."""
 VERDICT_SECONDS = 5.0
 """After the data connection broke, how long to wait for the other side's status."""
+BUSY_RETRIES = 4
+"""Tries of a push in chunks after its data channel failed, while the other side still
+counts the failed attempt as in flight (ABORTED), ``BUSY_SECONDS`` apart."""
+BUSY_SECONDS = 0.5
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
 lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
@@ -114,6 +122,11 @@ class PeerUnavailable(PeerError):
 
 class ItemNotFound(PeerError):
     """The peer holds no such committed item."""
+
+
+class ChannelFailed(PeerUnavailable):
+    """A transfer over the data channel failed there (refused, cut, idle, never connected):
+    ``PeerClient`` tries it again in gRPC chunks."""
 
 
 _RETRYABLE = frozenset(
@@ -240,6 +253,9 @@ class PeerClient:
         self.metrics = metrics
         self.min_rate = min_rate
         self.max_transfer_seconds = max_transfer_seconds
+        self.pool = TransferPool()
+        """Threads of this client's data-channel transfers, bounded per peer; a transfer
+        that finds no free slot goes in gRPC chunks."""
         self._own_executor = executor is None
         self.executor: Executor = executor or ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="mtc-peer"
@@ -272,6 +288,7 @@ class PeerClient:
         channels, self._retired = [*channels, *self._retired], []
         for channel in channels:
             await channel.close()
+        self.pool.shutdown()
         if self._own_executor:
             self.executor.shutdown(wait=True)
 
@@ -288,6 +305,18 @@ class PeerClient:
 
     def _channel_ok(self, address: str) -> bool:
         return self.data_channel and self._no_channel.get(address, 0.0) <= time.monotonic()
+
+    @contextlib.contextmanager
+    def _channel_slot(self, address: str) -> Iterator[bool]:
+        """Whether to ask ``address`` for its data channel: it is reachable and a thread
+        slot is free (held until the attempt ends)."""
+        host = address.rpartition(":")[0]
+        claimed = self._channel_ok(address) and self.pool.claim(host)
+        try:
+            yield claimed
+        finally:
+            if claimed:
+                self.pool.release(host)
 
     def _channel_unreachable(self, address: str, exc: ChannelUnreachable) -> None:
         self._no_channel[address] = time.monotonic() + CHUNKS_AFTER_UNREACHABLE
@@ -308,10 +337,21 @@ class PeerClient:
         channel that cannot be reached is not an error: the item goes in chunks.
         """
         try:
-            return await self._push(address, manifest, data_path, self._channel_ok(address))
+            with self._channel_slot(address) as channel:
+                return await self._push(address, manifest, data_path, channel)
         except ChannelUnreachable as exc:
             self._channel_unreachable(address, exc)
-            return await self._push(address, manifest, data_path, False)
+        except ChannelFailed as exc:
+            log.warning("%s: sending it again in gRPC chunks", exc)
+        for _ in range(BUSY_RETRIES):
+            try:
+                return await self._push(address, manifest, data_path, False)
+            except PeerUnavailable as exc:
+                # The failed attempt's cancel may not have reached the other side yet.
+                if exc.code is not grpc.StatusCode.ABORTED:
+                    raise
+                await asyncio.sleep(BUSY_SECONDS)
+        return await self._push(address, manifest, data_path, False)
 
     async def _push(self, address: str, manifest: Manifest, data_path: Path, channel: bool) -> bool:
         raw = manifest.to_json()
@@ -324,6 +364,7 @@ class PeerClient:
         t0 = time.monotonic()
         call = self._stub(address).PushItem(timeout=self._deadline(manifest.total_bytes))
         cut_short = False
+        offered = False
         broken: ChannelBroken | None = None
         try:
             try:
@@ -335,6 +376,7 @@ class PeerClient:
                     except TransferError as exc:
                         raise PeerError(address, f"push of {manifest.item}: {exc}") from None
                     if offer is not None:
+                        offered = True
                         try:
                             await self._send_over_channel(address, offer, manifest, data_path)
                         except ChannelUnreachable:
@@ -352,7 +394,7 @@ class PeerClient:
                 try:
                     response = await asyncio.wait_for(asyncio.shield(call), VERDICT_SECONDS)
                 except TimeoutError:
-                    raise PeerUnavailable(
+                    raise ChannelFailed(
                         address, f"push of {manifest.item} to {address}: {broken}"
                     ) from None
         except grpc.aio.AioRpcError as exc:
@@ -365,7 +407,10 @@ class PeerClient:
                     "(its reason is in its log)",
                     exc.code(),
                 ) from None
-            raise _rpc_error(exc, address, f"push of {manifest.item}") from None
+            error = _rpc_error(exc, address, f"push of {manifest.item}")
+            if offered and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                raise ChannelFailed(address, str(error), exc.code()) from None
+            raise error from None
         finally:
             call.cancel()  # a no-op once answered; after a local read error, stop the peer
         dt = time.monotonic() - t0
@@ -389,11 +434,12 @@ class PeerClient:
         manifest: Manifest,
         data_path: Path,
     ) -> None:
+        what = f"push of {manifest.item}"
         with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
             for index, offset, buf, crc in chunks:
                 request = pb.PushItemRequest()
                 fill_chunk(request.chunk, index, offset, buf, crc)
-                await call.write(request)
+                await within(call.write(request), self.timeout, what)
 
     async def _connect(self, address: str, offer: tuple[int, bytes]) -> datachannel.Conn:
         """The data connection the other daemon offered, its token presented."""
@@ -406,7 +452,9 @@ class PeerClient:
         self, address: str, offer: tuple[int, bytes], manifest: Manifest, data_path: Path
     ) -> None:
         with await self._connect(address, offer) as sock:
-            await datachannel.send_staged(manifest, data_path, sock, idle_timeout=self.timeout)
+            await datachannel.send_staged(
+                manifest, data_path, sock, idle_timeout=self.timeout, pool=self.pool
+            )
 
     async def pull_item(
         self,
@@ -429,12 +477,13 @@ class PeerClient:
         """
         args = (address, item, store, expected_digest)
         try:
-            return await self._pull(
-                *args, total_bytes=total_bytes, channel=self._channel_ok(address)
-            )
+            with self._channel_slot(address) as channel:
+                return await self._pull(*args, total_bytes=total_bytes, channel=channel)
         except ChannelUnreachable as exc:
             self._channel_unreachable(address, exc)
-            return await self._pull(*args, total_bytes=total_bytes, channel=False)
+        except ChannelFailed as exc:
+            log.warning("%s: fetching it again in gRPC chunks", exc)
+        return await self._pull(*args, total_bytes=total_bytes, channel=False)
 
     async def _pull(
         self,
@@ -453,13 +502,21 @@ class PeerClient:
         )
         t0 = time.monotonic()
         stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
+        offer: tuple[int, bytes] | None = None
         try:
-            responses = aiter(stream)
+            responses = idle_bounded(aiter(stream), self.timeout, f"pull of {item} at {address}")
             first = await anext(responses, None)
             if first is None or first.WhichOneof("body") != "header":
                 raise PeerError(address, f"pull of {item} at {address}: no header came first")
             try:
-                manifest = check_manifest(first.header.manifest, first.header.manifest_digest, item)
+                # Off the loop: a manifest may be 16 MiB of JSON to check.
+                manifest = await asyncio.get_running_loop().run_in_executor(
+                    self.executor,
+                    check_manifest,
+                    first.header.manifest,
+                    first.header.manifest_digest,
+                    item,
+                )
             except (ManifestError, TransferError) as exc:
                 raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
             if expected_digest and first.header.manifest_digest != expected_digest:
@@ -483,11 +540,16 @@ class PeerClient:
                 raise  # pull_item tries again in chunks; this call is cancelled
             except ChannelBroken as exc:
                 # The sender's status, if it failed, says more than the broken connection.
-                with contextlib.suppress(TimeoutError, StopAsyncIteration):
+                with contextlib.suppress(TimeoutError, StopAsyncIteration, StreamIdle):
                     await asyncio.wait_for(anext(responses), VERDICT_SECONDS)
-                raise PeerUnavailable(address, f"pull of {item} at {address}: {exc}") from None
+                raise ChannelFailed(address, f"pull of {item} at {address}: {exc}") from None
+        except StreamIdle as exc:
+            raise PeerUnavailable(address, f"pull of {item} at {address}: {exc}") from None
         except grpc.aio.AioRpcError as exc:
-            raise _rpc_error(exc, address, f"pull of {item}") from None
+            error = _rpc_error(exc, address, f"pull of {item}")
+            if offer is not None and exc.code() is grpc.StatusCode.UNAVAILABLE:
+                raise ChannelFailed(address, str(error), exc.code()) from None
+            raise error from None
         finally:
             stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
         dt = time.monotonic() - t0
@@ -508,7 +570,7 @@ class PeerClient:
     ) -> int:
         with await self._connect(address, offer) as sock:
             return await datachannel.receive_staged(
-                store, manifest, sock, idle_timeout=self.timeout
+                store, manifest, sock, idle_timeout=self.timeout, pool=self.pool
             )
 
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:

@@ -18,7 +18,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
@@ -58,14 +58,23 @@ from replicator.transport.peer import (
 )
 from replicator.transport.transfer import (
     RESERVE_BYTES,
+    StreamIdle,
     TransferError,
     check_manifest,
+    idle_bounded,
     iter_chunks,
     receive_item,
     room_on,
+    within,
 )
 
 log = logging.getLogger(__name__)
+
+IDLE_SECONDS = 30.0
+"""Default idle timeout of every transfer stream (``--idle-timeout-seconds``)."""
+MAX_TRANSFERS_PER_PEER = 32
+"""Pushes and pulls one peer address may have in flight here at once; more are refused
+RESOURCE_EXHAUSTED (a peer retries). A node makes one or two at a time."""
 
 
 class Refused(Exception):
@@ -92,6 +101,19 @@ class Busy(Exception):
     """Another transfer of the same item is in flight here; try again later."""
 
 
+class PeerOverLimit(Exception):
+    """One peer has as many transfers in flight here as it may."""
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string (``ipv4:10.0.0.1:5000``, ``ipv6:[::1]:5000``):
+    the limits per peer count connections from one host, whatever their ports."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that turns a servicer-side exception into a gRPC status."""
     cause = exc.__cause__ if isinstance(exc, StoreError) else exc
@@ -107,14 +129,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.FAILED_PRECONDITION
     elif isinstance(exc, NotHeld):
         code = grpc.StatusCode.NOT_FOUND
-    elif isinstance(exc, TooLarge):
+    elif isinstance(exc, (TooLarge, PeerOverLimit)):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
     elif isinstance(exc, Busy):
         code = grpc.StatusCode.ABORTED
-    elif isinstance(exc, (Cancelled, ChannelBroken)):
+    elif isinstance(exc, (Cancelled, ChannelBroken, StreamIdle)):
         code = grpc.StatusCode.UNAVAILABLE
     elif isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG:
+        code = grpc.StatusCode.INVALID_ARGUMENT  # the manifest's limits should catch it first
     else:
         code = grpc.StatusCode.INTERNAL
     return code, str(exc) or type(exc).__name__
@@ -173,17 +197,22 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         reserve_bytes: int = RESERVE_BYTES,
         metrics: Metrics = NO_METRICS,
         channel: DataListener | None = None,
-        channel_timeout: float = 30.0,
+        idle_timeout: float = IDLE_SECONDS,
+        max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
-        ``channel``, transfers that ask for it move their bytes there; ``channel_timeout``
-        bounds the wait for its connection and any stall on it. ``serving`` says what this
-        node serves now (None: no job), read for every push; ``max_step_lead`` bounds how
-        far ahead of this rank's newest step a pushed step may be."""
+        ``channel``, transfers that ask for it move their bytes there while it has a free
+        slot for the peer. ``idle_timeout`` bounds every wait on the other side: a header,
+        the next chunk, room to send one, the data connection, a stall on it. ``serving``
+        says what this node serves now (None: no job), read for every push;
+        ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
+        be."""
         self.store = store
         self.channel = channel
-        self.channel_timeout = channel_timeout
+        self.idle_timeout = idle_timeout
+        self.max_transfers_per_peer = max_transfers_per_peer
+        self._per_peer: dict[str, int] = {}
         self.executor = executor
         self.serving = serving
         self.max_step_lead = max_step_lead
@@ -198,11 +227,35 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         incoming = sum(self._inflight.values())
         return room_on(self.store.root, self.reserve_bytes) - incoming
 
-    def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
+    @contextlib.contextmanager
+    def _admitted(self, host: str) -> Iterator[None]:
+        """Count a transfer against its peer's limit for as long as it runs."""
+        if self._per_peer.get(host, 0) >= self.max_transfers_per_peer:
+            raise PeerOverLimit(
+                f"{host} has {self.max_transfers_per_peer} transfers in flight here already"
+            )
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        try:
+            yield
+        finally:
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
+
+    def _channel_slot(self, host: str, wanted: bool, nbytes: int) -> bool:
+        """Whether this transfer takes a data-channel slot (release it after)."""
+        return self.channel is not None and wanted and nbytes > 0 and self.channel.pool.claim(host)
+
+    async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
         """The pushed manifest, checked, and whether the same copy is held already."""
         item = item_id(header.item)
+        # Admission first: a push this node must not take costs no manifest parsing.
         _refuse_unless(admit_push(self.serving(), item, max_lead=self.max_step_lead))
-        manifest = check_manifest(header.manifest, header.manifest_digest, item)
+        # A header may carry 16 MiB of manifest: parse and check it off the event loop,
+        # which must keep answering health checks and other transfers meanwhile.
+        manifest = await asyncio.get_running_loop().run_in_executor(
+            self.executor, check_manifest, header.manifest, header.manifest_digest, item
+        )
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
         if admission.verdict is Verdict.ALREADY_HELD:
@@ -221,7 +274,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
     ) -> pb.PushItemResponse:
         try:
-            return await self._push(request_iterator, context)
+            with self._admitted(peer_host(context.peer())):
+                return await self._push(request_iterator, context)
         except Exception as exc:
             await _abort(context, "PushItem", exc)
 
@@ -232,10 +286,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> pb.PushItemResponse:
         t0 = time.monotonic()
         peer = context.peer()
-        first = await anext(requests, None)
+        idle = self.idle_timeout
+        first = await within(anext(requests, None), idle, "a push's header")
         if first is None or first.WhichOneof("body") != "header":
             raise TransferError("a push starts with its header")
-        manifest, held = self._check_push(first.header)
+        manifest, held = await self._check_push(first.header)
         item = manifest.item
         jlog = JobLog(log, item.job, item.rank)
         if held:
@@ -244,37 +299,42 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if item in self._inflight:
             raise Busy(f"{item}: another transfer of this item is in flight")
         self._inflight[item] = manifest.total_bytes
-        ticket = (
-            self.channel.issue()
-            if self.channel is not None and first.header.data_channel and manifest.total_bytes
-            else None
-        )
+        host = peer_host(peer)
+        slot = self._channel_slot(host, first.header.data_channel, manifest.total_bytes)
+        ticket = self.channel.issue() if slot and self.channel is not None else None
+        failed: Exception | None = None
         try:
             if ticket is None:
                 await context.send_initial_metadata((GO_AHEAD,))
-                nbytes = await receive_item(
-                    self.store, manifest, chunks_of(requests), self.executor
-                )
+                chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
+                nbytes = await receive_item(self.store, manifest, chunks, self.executor)
             else:
                 assert self.channel is not None
                 offer = f"{self.channel.port} {ticket.token_hex}"
                 await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
-                sock = await self.channel.connection(ticket, self.channel_timeout)
+                sock = await self.channel.connection(ticket, idle)
                 nbytes = await receive_staged(
-                    self.store, manifest, sock, idle_timeout=self.channel_timeout
+                    self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool
                 )
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
             raise
-        except Exception:
-            if ticket is None:  # on the data channel, no chunks are in flight to race
-                await _drain(requests, manifest.total_bytes)
-            raise
+        except Exception as exc:
+            failed = exc
         finally:
+            # Released before any draining: a stalled or hostile sender holds nothing.
             del self._inflight[item]
             if ticket is not None:
                 assert self.channel is not None
                 self.channel.withdraw(ticket)  # closes its connection
+            if slot:
+                assert self.channel is not None
+                self.channel.pool.release(host)
+        if failed is not None:
+            # On the data channel, no chunks are in flight to race; a stalled sender has none.
+            if ticket is None and not isinstance(failed, StreamIdle):
+                await _drain(idle_bounded(requests, idle, "drain"), manifest.total_bytes)
+            raise failed
         dt = time.monotonic() - t0
         jlog.info(
             "received %s from %s %s: %d bytes in %.3fs (%.1f MB/s)",
@@ -289,61 +349,82 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
         return pb.PushItemResponse(bytes_received=nbytes)
 
-    async def PullItem(
+    async def PullItem(  # type: ignore[override]  # writes with context.write, below
         self,
         request: pb.PullItemRequest,
         context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
-    ) -> AsyncIterator[pb.PullItemResponse]:
+    ) -> None:
+        # context.write, not yield: a write can then be given up on after the idle timeout
+        # when the puller stops reading, which a suspended generator's yield cannot.
         try:
-            t0 = time.monotonic()
-            item = item_id(request.item)
-            manifest = self.store.get(item)
-            if manifest is None:
-                raise NotHeld(f"{item}: not held here")
-            digest = manifest.digest
-            if request.manifest_digest and request.manifest_digest != digest:
-                raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
-            header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
-            data = self.store.data_path(item)
-            via = "in gRPC chunks"
-            if self.channel is not None and request.data_channel and manifest.total_bytes:
+            with self._admitted(peer_host(context.peer())):
+                await self._pull(request, context)
+        except Exception as exc:
+            if context.cancelled():  # the puller went away: a write failed, nobody to answer
+                log.info("PullItem from %s cancelled: %s", context.peer(), exc)
+                return
+            await _abort(context, "PullItem", exc)
+
+    async def _pull(
+        self,
+        request: pb.PullItemRequest,
+        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
+    ) -> None:
+        t0 = time.monotonic()
+        idle = self.idle_timeout
+        item = item_id(request.item)
+        manifest = self.store.get(item)
+        if manifest is None:
+            raise NotHeld(f"{item}: not held here")
+        digest = manifest.digest
+        if request.manifest_digest and request.manifest_digest != digest:
+            raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
+        header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
+        data = self.store.data_path(item)
+        host = peer_host(context.peer())
+        slot = self._channel_slot(host, request.data_channel, manifest.total_bytes)
+        what = f"pull of {item}"
+        try:
+            if slot:
+                assert self.channel is not None
                 via = "over the data channel"
                 ticket = self.channel.issue()
                 try:
                     header.data_port = self.channel.port
                     header.data_token = ticket.token
-                    yield pb.PullItemResponse(header=header)
-                    sock = await self.channel.connection(ticket, self.channel_timeout)
-                    try:
-                        await send_staged(manifest, data, sock, idle_timeout=self.channel_timeout)
-                    except FileNotFoundError:
-                        raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+                    await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+                    sock = await self.channel.connection(ticket, idle)
+                    await send_staged(
+                        manifest, data, sock, idle_timeout=idle, pool=self.channel.pool
+                    )
                 finally:
                     self.channel.withdraw(ticket)  # closes its connection
             else:
-                yield pb.PullItemResponse(header=header)
-                try:
-                    with contextlib.closing(iter_chunks(manifest, data)) as chunks:
-                        for index, offset, buf, crc in chunks:
-                            response = pb.PullItemResponse()
-                            fill_chunk(response.chunk, index, offset, buf, crc)
-                            yield response
-                except FileNotFoundError:
-                    raise NotHeld(f"{item}: deleted (retention) while being sent") from None
-            dt = time.monotonic() - t0
-            JobLog(log, item.job, item.rank).info(
-                "sent %s to %s %s: %d bytes in %.3fs (%.1f MB/s)",
-                item,
-                context.peer(),
-                via,
-                manifest.total_bytes,
-                dt,
-                rate(manifest.total_bytes, dt),
-                step=item.step,
-            )
-            self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
-        except Exception as exc:
-            await _abort(context, "PullItem", exc)
+                via = "in gRPC chunks"
+                await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+                with contextlib.closing(iter_chunks(manifest, data)) as chunks:
+                    for index, offset, buf, crc in chunks:
+                        response = pb.PullItemResponse()
+                        fill_chunk(response.chunk, index, offset, buf, crc)
+                        await within(context.write(response), idle, what)
+        except FileNotFoundError:
+            raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+        finally:
+            if slot:
+                assert self.channel is not None
+                self.channel.pool.release(host)
+        dt = time.monotonic() - t0
+        JobLog(log, item.job, item.rank).info(
+            "sent %s to %s %s: %d bytes in %.3fs (%.1f MB/s)",
+            item,
+            context.peer(),
+            via,
+            manifest.total_bytes,
+            dt,
+            rate(manifest.total_bytes, dt),
+            step=item.step,
+        )
+        self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
 
     async def ListItems(
         self,

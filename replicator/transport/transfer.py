@@ -18,7 +18,7 @@ import functools
 import hashlib
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import Executor
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
@@ -102,6 +102,10 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
 
 class TransferError(ValueError):
     """A byte stream breaks the protocol: out of order, out of range, or oversize."""
+
+
+class StreamIdle(Exception):
+    """The other side of a transfer sent (or took) nothing for the idle timeout."""
 
 
 def _never() -> bool:
@@ -319,9 +323,12 @@ class ItemWriter:
     def _finish_file(self) -> None:
         entry = self._files[self._index]
         if self._fd is None:
-            self._fd = self._create(entry)
-        self._done.append(self._fd)
-        self._fd = None
+            # Never handed out, so no write can be in flight: close it now. Holding it to
+            # ``release`` would keep one descriptor per empty file of a run (EMFILE).
+            os.close(self._create(entry))
+        else:
+            self._done.append(self._fd)
+            self._fd = None
         if self._offset != entry.size or self._crc != entry.crc32c:
             raise CorruptItem(
                 f"{self._where(self._index)}: received {self._offset} bytes with crc32c "
@@ -354,6 +361,29 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 # --- in an asyncio loop --------------------------------------------------------------------------
+
+
+async def within(step: Awaitable[T], idle: float, what: str) -> T:
+    """``step``, or ``StreamIdle`` when it makes no progress for ``idle`` seconds: whoever
+    is on the other side must not hold a transfer's reservation, staging and descriptors
+    for as long as it likes."""
+    try:
+        # A timeout scope, not wait_for: the step runs in the calling task, so cancelling
+        # that task (a stopping server) still reaches it first, as without a timeout.
+        async with asyncio.timeout(idle):
+            return await step
+    except TimeoutError:
+        raise StreamIdle(f"{what}: nothing for {idle:g}s") from None
+
+
+async def idle_bounded(messages: AsyncIterator[T], idle: float, what: str) -> AsyncIterator[T]:
+    """``messages``, each within ``idle`` seconds of the one before (see ``within``)."""
+    while True:
+        try:
+            message = await within(anext(messages), idle, what)
+        except StopAsyncIteration:
+            return
+        yield message
 
 
 class _Serial:

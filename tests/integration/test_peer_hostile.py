@@ -210,6 +210,33 @@ ATTACKS: dict[str, tuple[Attack, Code, str]] = {
         Code.INVALID_ARGUMENT,
         "unsafe path",
     ),
+    # Names the filesystem cannot take: once answered INTERNAL from deep in the writer.
+    "name-over-NAME_MAX": (
+        with_body(dirs=[], files=[["n" * 256, 5, f"{crc(SMALL):08x}"]]),
+        Code.INVALID_ARGUMENT,
+        "over 255 bytes",
+    ),
+    "path-over-PATH_MAX-in-bytes": (
+        with_body(
+            dirs=["/".join(["\u00e9" * 100] * n) for n in range(1, 21)],
+            files=[["/".join(["\u00e9" * 100] * 21), 5, f"{crc(SMALL):08x}"]],
+        ),
+        Code.INVALID_ARGUMENT,
+        "path length",
+    ),
+    "a-lone-surrogate-in-a-name": (
+        with_body(dirs=[], files=[["x\ud800", 5, f"{crc(SMALL):08x}"]]),
+        Code.INVALID_ARGUMENT,
+        "not a file name",
+    ),
+    "deeper-than-the-limit": (
+        with_body(
+            dirs=["/".join(["d"] * n) for n in range(1, 65)],
+            files=[["/".join(["d"] * 64 + ["f"]), 5, f"{crc(SMALL):08x}"]],
+        ),
+        Code.INVALID_ARGUMENT,
+        "deeper than",
+    ),
     # A name used as a file and as the directory of another: the only way a manifest can
     # alias one path through another (there is no way to declare a symlink at all).
     "path-through-a-file": (

@@ -178,6 +178,41 @@ def test_connections_past_the_handshake_limit_are_closed_at_once(
     assert run(scenario) == ([False, False], True)
 
 
+def test_one_host_cannot_take_every_handshake_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Silent connections from one address fill that address's slots only: another
+    address still presents its token and gets its ticket."""
+    monkeypatch.setattr(datachannel, "MAX_HANDSHAKES_PER_PEER", 2)
+
+    async def scenario(listener: DataListener) -> tuple[bool, bytes]:
+        silent = [await dial(listener.port, b"") for _ in range(2)]
+        await asyncio.sleep(0.2)
+        extra = await dial(listener.port, b"")
+        refused = await closed_by_peer(extra, within=2)
+        ticket = listener.issue()
+        other = socket.create_connection(
+            ("127.0.0.1", listener.port), timeout=5, source_address=("127.0.0.2", 0)
+        )
+        other.sendall(ticket.token + b"hello")
+        conn = await listener.connection(ticket, timeout=5)
+        assert isinstance(conn, socket.socket)
+        got = conn.recv(5, socket.MSG_WAITALL)
+        for s in (*silent, extra, other, conn):
+            s.close()
+        return refused, got
+
+    assert run(scenario) == (True, b"hello")
+
+
+def test_the_transfer_pool_bounds_threads_in_all_and_per_peer() -> None:
+    pool = datachannel.TransferPool(size=3, per_peer=2)
+    assert [pool.claim("a"), pool.claim("a"), pool.claim("a")] == [True, True, False]
+    assert [pool.claim("b"), pool.claim("c")] == [True, False]
+    pool.release("a")
+    assert pool.claim("c")
+    assert not pool.claim("a")
+    pool.shutdown()
+
+
 def test_a_port_in_use_is_a_clear_error() -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]

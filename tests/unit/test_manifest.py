@@ -197,6 +197,14 @@ HOSTILE: dict[str, dict[str, Any]] = {
     "NUL": with_file_path("x\x00y"),
     "path not a string": with_file_path(7),
     "overlong path": with_file_path("x" * 5000),
+    # Each below once reached the filesystem and failed there (ENAMETOOLONG, an encoding
+    # error), which a receiving daemon answered INTERNAL.
+    "name over NAME_MAX": with_file_path("x" * 256),
+    "path over PATH_MAX in bytes, not in characters": with_file_path(
+        "/".join(["\u00e9" * 127] * 20)
+    ),
+    "a lone surrogate": with_file_path("x\ud800"),
+    "deeper than MAX_DEPTH": with_file_path("/".join(["d"] * (manifest_mod.MAX_DEPTH + 1))),
     "huge size": with_entry(["a/b/c", manifest_mod.MAX_FILE_BYTES + 1, "00000000"]),
     "negative size": with_entry(["a/b/c", -1, "00000000"]),
     "bool size": with_entry(["a/b/c", True, "00000000"]),
@@ -293,6 +301,39 @@ def test_too_many_entries(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(good_dict()["files"]) + len(good_dict()["dirs"]) == 5
     with pytest.raises(ManifestError, match="more than 3"):
         Manifest.from_json(raw(good_dict()))
+
+
+def test_names_at_the_limits_and_undecodable_bytes_are_kept(tmp_path: Path) -> None:
+    """What a Linux filesystem can hold within the limits parses back: 255-byte names, a
+    path of MAX_DEPTH levels, and names that are not UTF-8 (surrogate escapes)."""
+    root = tmp_path / "step"
+    deep = root.joinpath(*["d"] * (manifest_mod.MAX_DEPTH - 1))
+    deep.mkdir(parents=True)
+    (deep / "f").write_bytes(b"x")
+    (root / ("n" * 255)).write_bytes(b"y")
+    (root / os.fsdecode(b"\xff\xfe")).write_bytes(b"z")
+    m = build_manifest(ITEM, root)
+    assert Manifest.from_json(m.to_json()) == m
+
+
+def test_build_manifest_refuses_a_tree_no_manifest_could_carry(tmp_path: Path) -> None:
+    root = tmp_path / "step"
+    root.joinpath(*["d"] * (manifest_mod.MAX_DEPTH + 1)).mkdir(parents=True)
+    with pytest.raises(ManifestError, match="deeper than"):
+        build_manifest(ITEM, root)
+
+
+def test_the_layout_check_is_linear_in_the_depth() -> None:
+    """Nested directories as deep as allowed, many times over: the check looks at each
+    entry's parent only (it once walked every ancestor of every entry)."""
+    d = good_dict()
+    d["dirs"] = [
+        "/".join(f"{t}x{i}" for i in range(depth))
+        for t in range(500)
+        for depth in range(1, manifest_mod.MAX_DEPTH + 1)
+    ]
+    d["files"] = []
+    assert len(Manifest.from_json(raw(d)).dirs) == 500 * manifest_mod.MAX_DEPTH
 
 
 def test_oversized_manifest(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 from pathlib import Path
 
 import google_crc32c
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.manifest import CorruptItem, ItemId, Manifest
+from replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest, verify_item
 from replicator.transport.transfer import (
     MAX_CHUNK,
@@ -239,3 +240,17 @@ def test_room_keeps_a_margin_of_at_most_a_sixteenth(tmp_path: Path) -> None:
     room = room_on(tmp_path, reserve=1 << 20)
     assert free - (1 << 20) - (1 << 22) <= room <= free  # statvfs moves a little meanwhile
     assert room_on(tmp_path, reserve=1 << 62) <= free - total // 16 + (1 << 22)
+
+
+def test_many_empty_files_hold_one_descriptor_at_a_time(tmp_path: Path) -> None:
+    """3,000 empty files under a limit of 128 descriptors: each is created and closed at
+    once (they were once held until the item was finished: EMFILE)."""
+    files = tuple(FileEntry(f"f{i:05d}", 0, 0) for i in range(3000))
+    manifest = Manifest(ItemId("job", 1, 0, 0), ItemKind.DIR, files)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
+    try:
+        ItemWriter(manifest, tmp_path).finish()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(os.listdir(tmp_path / "data")) == 3000
