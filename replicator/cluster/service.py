@@ -275,7 +275,7 @@ class Coordinators:
             raise NotHosted(f"this daemon hosts no coordinator for job {job}")
         nodes = hosted.coordinator.config.nodes
         if not 0 <= rank < nodes:
-            raise BadMessage(f"rank {rank} is out of range for the {nodes} nodes of job {job}")
+            raise BadMessage(f"rank {rank} is out of range for job {job}")
         return hosted
 
     def _list(self, job: str) -> Listing:
