@@ -145,20 +145,18 @@ def _expected_digest(
 
     Copies of one step can differ when a job went back to an older step and saved the
     newer step number again: a peer may still hold the abandoned timeline's bytes. The
-    owner's own copy is the authority (it replaced its old copy when it saved again), then
-    the committed backup (verified when it was committed), then the peers if they agree.
-    Disagreeing peers with no authority are all refused: mixing timelines would be a wrong
-    restore, and an older step is a safe one. So is an owner that disagrees with the
-    committed backup: an inventory is only a claim (a forged joiner can name any digest
-    for the rank it poses as), and the backup is the one record nobody can rewrite, so
-    the two must agree before either serves the item.
+    committed backup is the authority where it has the item: it is the one record no join
+    can rewrite, while an inventory is only a claim (a forged joiner posing as a missing
+    rank can name any digest for "its own" items). Then the owner's own copy (it replaced
+    its old copy when it saved again), then the peers if they agree. Disagreeing peers with
+    no authority are all refused: mixing timelines would be a wrong restore, and an older
+    step is a safe one. An owner that disagrees with the backup loses rather than voids the
+    step, so one false claim cannot push every rank back to an older step or a fresh start.
     """
-    committed = backup.items[item.key] if backup is not None and backup.has(item) else None
+    if backup is not None and backup.has(item):
+        return backup.items[item.key]
     if item.rank in copies:
-        owned = copies[item.rank]
-        return owned if committed is None or committed == owned else None
-    if committed is not None:
-        return committed
+        return copies[item.rank]
     digests = set(copies.values())
     return digests.pop() if len(digests) == 1 else None
 
@@ -265,7 +263,7 @@ def plan_round(
     serves as few items as possible (ties to the lower rank). ``exclude`` rules out copies
     that failed (for one restoring rank, or with ``restorer`` None for all); re-planning
     then falls back to other sources or an older step. A copy is a source only when its
-    digest agrees with the owner's own copy and the committed backup, where they exist.
+    digest is the committed backup's, or without one the owner's own copy's.
     ``only_step`` (an operator's restore pin) considers that step alone.
     """
     held = _index(config, inventories)
