@@ -325,7 +325,7 @@ class Coordinators:
         hosted = self.hosted(job, rank)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
         round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
-        if coordinator.phase is not Phase.WAITING:
+        if coordinator.phase is Phase.FETCH:
             # Planned: the listing served this round's joins. The next round (a job restart
             # seconds later) must list again, or it plans without a backup committed since.
             self._backups.pop(job, None)
