@@ -36,7 +36,7 @@ from replicator.cluster.service import (
     NotInReleasedRound,
     Progress,
 )
-from replicator.core.coordination import Phase, ProgressAnswer, RankStatus
+from replicator.core.coordination import Phase, ProgressAnswer, RankStatus, ReportRefused
 from replicator.core.manifest import ItemId
 from replicator.core.restore_plan import NodeInventory
 from replicator.transport.tls import TlsMaterial
@@ -172,7 +172,7 @@ class LocalCoordinator(IdentityChecked):
                 ready=ready,
                 failed=[f.fetch.key for f in failures],
             )
-        except (NotHosted, BadMessage) as exc:
+        except (NotHosted, BadMessage, ReportRefused) as exc:
             raise self._error(exc, "ReportRestore") from None
         self._check(identity, "ReportRestore")
 

@@ -52,6 +52,7 @@ from replicator.core.coordination import (
     Phase,
     ProgressAnswer,
     RankStatus,
+    ReportRefused,
 )
 from replicator.core.restore_plan import NodeInventory, SourceKey
 from replicator.obs.logs import JobLog
@@ -96,7 +97,7 @@ class BackupsUnavailable(Exception):
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that turns a servicer-side exception into a gRPC status."""
-    if isinstance(exc, BadMessage):
+    if isinstance(exc, BadMessage | ReportRefused):
         code = grpc.StatusCode.INVALID_ARGUMENT
     elif isinstance(exc, NotHosted):
         code = grpc.StatusCode.NOT_FOUND
@@ -156,19 +157,28 @@ class CoordinatorHost:
         self._jobs: dict[str, HostedJob] = {}
 
     def host(
-        self, config: JobConfig, cluster_view: str, *, resume_steady: bool = False
+        self,
+        config: JobConfig,
+        cluster_view: str,
+        *,
+        resume_steady: bool = False,
+        rank0_incarnation: str | None = None,
     ) -> JobCoordinator:
         """Host ``config``'s job (this node accepted its ``replicator.yaml`` as rank 0).
 
         A new incarnation of rank 0 with the same cluster-wide keys keeps the coordinator:
-        the state machine opens the new round when the ranks re-join. Other keys replace it
-        with a new one (and a new id, so agents notice and re-join under rank 0's config).
+        the state machine opens the new round when rank 0's ``rank0_incarnation`` joins (the
+        daemon names it: only it can tell a job restart from a stray join). Other keys
+        replace it with a new one (and a new id, so agents notice and re-join under rank
+        0's config).
         """
         job = config.job_name
         current = self._jobs.get(job)
         if current is not None and current.coordinator.cluster_view == cluster_view:
+            current.coordinator.rank0_incarnation = rank0_incarnation
             return current.coordinator
-        hosted = HostedJob(JobCoordinator(config, cluster_view), self._new_id())
+        coordinator = JobCoordinator(config, cluster_view, rank0_incarnation)
+        hosted = HostedJob(coordinator, self._new_id())
         if resume_steady:
             hosted.coordinator.resume_steady()
         self._jobs[job] = hosted
@@ -275,7 +285,7 @@ class Coordinators:
             raise NotHosted(f"this daemon hosts no coordinator for job {job}")
         nodes = hosted.coordinator.config.nodes
         if not 0 <= rank < nodes:
-            raise BadMessage(f"rank {rank} is out of range for the {nodes} nodes of job {job}")
+            raise BadMessage(f"rank {rank} is out of range for job {job}")
         return hosted
 
     def _list(self, job: str) -> Listing:
@@ -315,7 +325,7 @@ class Coordinators:
         hosted = self.hosted(job, rank)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
         round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
-        if coordinator.phase is not Phase.WAITING:
+        if coordinator.phase is Phase.FETCH:
             # Planned: the listing served this round's joins. The next round (a job restart
             # seconds later) must list again, or it plans without a backup committed since.
             self._backups.pop(job, None)
@@ -323,14 +333,26 @@ class Coordinators:
             newest = max(backups)
             coordinator.note_committed_backup(newest, backups[newest].created)
         hosted.notify()
-        JobLog(log, job, rank).info(
-            "join: incarnation %s at %s with %d items counts for round %d (%s)",
-            incarnation,
-            inventory.address,
-            len(inventory.items),
-            round_,
-            coordinator.phase.value,
-        )
+        jlog = JobLog(log, job, rank)
+        if coordinator.admitted(rank, incarnation):
+            jlog.info(
+                "join: incarnation %s at %s with %d items counts for round %d (%s%s)",
+                incarnation,
+                inventory.address,
+                len(inventory.items),
+                round_,
+                coordinator.phase.value,
+                "; waits for rank 0 to open the next" if rank in coordinator.pending else "",
+            )
+        else:
+            jlog.warning(
+                "join: incarnation %s at %s is not admitted to round %d (%s): an agent of "
+                "the released run, or not the rank 0 this daemon runs",
+                incarnation,
+                inventory.address,
+                round_,
+                coordinator.phase.value,
+            )
         return hosted.identity, round_
 
     async def round_status(
@@ -376,9 +398,13 @@ class Coordinators:
         """A rank's outcome for a plan (stale ones are ignored by the state machine)."""
         hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
-        coordinator.report_restore(
-            rank, incarnation, round_, plan_version, ready=ready, failed=failed
-        )
+        try:
+            coordinator.report_restore(
+                rank, incarnation, round_, plan_version, ready=ready, failed=failed
+            )
+        except ReportRefused as exc:
+            JobLog(log, job, rank).warning("restore report refused: %s", exc)
+            raise
         self._consume_pin(job, coordinator)
         hosted.notify()
         JobLog(log, job, rank).info(
@@ -515,6 +541,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             rank = request.rank
             nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
             failed = source_keys(request.failures, job, rank, nodes)
+            identity = self.coordinators.report_restore(
+                job,
+                rank,
+                incarnation,
+                request.round,
+                request.plan_version,
+                ready=request.ready,
+                failed=failed,
+            )
             jlog = JobLog(log, job, rank)
             for failure, key in zip(request.failures, failed, strict=True):
                 holder = "the backup" if key.holder is None else f"rank {key.holder}"
@@ -526,15 +561,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     failure.detail[:MAX_DETAIL_CHARS],
                     step=key.item.step,
                 )
-            identity = self.coordinators.report_restore(
-                job,
-                rank,
-                incarnation,
-                request.round,
-                request.plan_version,
-                ready=request.ready,
-                failed=failed,
-            )
             return pb.ReportRestoreResponse(coordinator=_identity(identity))
         except Exception as exc:
             await _abort(context, "ReportRestore", request, exc)

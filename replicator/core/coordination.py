@@ -8,9 +8,14 @@ rebuild, so a restarted coordinator recovers by letting agents re-join (docs/arc
 The rules that keep every rank in ONE round of the new incarnation:
 - a round is released (markers may appear) only when every rank joined it and reported
   ready for the current plan;
-- after a release, a join with a new incarnation id opens a new round, and the new round
-  admits each rank only with an incarnation id other than the one it had in the released
-  round (a stale agent of the old run can never complete the new round);
+- after a release, only rank 0's new incarnation opens a new round: the coordinator lives
+  in rank 0's daemon, which names that incarnation when it accepts the ``replicator.yaml``
+  (``rank0_incarnation``), so a stray or forged join cannot stop a running job. Another
+  rank's new incarnation waits (pending) and becomes a member when the round opens; the
+  new round admits each rank only with an incarnation id other than the one it had in the
+  released round (a stale agent of the old run can never complete the new round);
+- a member may report failed only the sources the current plan gave it, and its report
+  excludes them from its own restore only;
 - a new incarnation of a rank during a round in progress restarts that round's planning
   (the rank's inventory may have changed), keeping the other ranks' joins;
 - the same rank and incarnation joining again is idempotent (a dropped connection).
@@ -18,6 +23,7 @@ The rules that keep every rank in ONE round of the new incarnation:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -31,7 +37,12 @@ from replicator.core.restore_plan import Fetch, NodeInventory, RoundPlan, Source
 
 
 class JoinRejected(ValueError):
-    """A join that can never be admitted: the text says what to fix."""
+    """A join that can never be admitted: the text says what to fix, and carries nothing of
+    the job's (whoever asks may not be one of its ranks)."""
+
+
+class ReportRefused(ValueError):
+    """A restore report names a source the current plan did not give that rank: ignored."""
 
 
 class Phase(StrEnum):
@@ -84,12 +95,19 @@ class ProgressAnswer:
 class JobCoordinator:
     """Rounds and steady state of one job, as seen by the coordinator on rank 0's node."""
 
-    def __init__(self, config: JobConfig, cluster_view: str) -> None:
+    def __init__(
+        self, config: JobConfig, cluster_view: str, rank0_incarnation: str | None = None
+    ) -> None:
         self.config = config
         self.cluster_view = cluster_view
+        self.rank0_incarnation = rank0_incarnation
+        """Rank 0's current incarnation, as the hosting daemon accepted it; None: unknown
+        (any rank 0 join is taken for it)."""
         self.round = 1
         self.phase = Phase.WAITING
         self.members: dict[int, Join] = {}
+        self.pending: dict[int, Join] = {}
+        """Released: new incarnations of other ranks, waiting for rank 0's to open a round."""
         self.released_incarnations: dict[int, str] = {}
         """Each rank's incarnation in the last released round."""
         self.plan: RoundPlan | None = None
@@ -140,14 +158,14 @@ class JobCoordinator:
         ``backups`` and ``pinned`` are the backup store as the join found it.
         """
         if not 0 <= join.rank < self.config.nodes:
-            raise JoinRejected(f"rank {join.rank} is out of range for {self.config.nodes} nodes")
+            raise JoinRejected(f"rank {join.rank} is out of range for this job")
         if join.inventory.rank != join.rank:
             raise JoinRejected(f"inventory of rank {join.inventory.rank} sent as rank {join.rank}")
         if join.cluster_view != self.cluster_view:
             raise JoinRejected(
                 f"rank {join.rank}'s replicator.yaml disagrees with rank 0's on the cluster-wide "
-                f"keys: {join.cluster_view} vs {self.cluster_view}; every rank of job "
-                f"{self.config.job_name} must be started with the same settings"
+                f"keys ({_differing_keys(join.cluster_view, self.cluster_view)}); every rank "
+                "of the job must be started with the same settings"
             )
         current = self.members.get(join.rank)
         if current is not None and current.incarnation_id == join.incarnation_id:
@@ -157,9 +175,23 @@ class JobCoordinator:
         if self.released_incarnations.get(join.rank) == join.incarnation_id:
             # An agent of the released run: never a member of a newer round.
             return self.round
+        if (
+            join.rank == 0
+            and self.rank0_incarnation is not None
+            and join.incarnation_id != self.rank0_incarnation
+        ):
+            return self.round  # not the rank 0 this daemon runs: a stale agent or a forgery
+        if self.phase is Phase.RELEASED and join.rank != 0:
+            # Only rank 0's daemon can tell a job restart from a stray join: wait for it.
+            self.pending[join.rank] = join
+            return self.round
         if self.phase is not Phase.WAITING:
             self.adopting = False
+            opening = self.phase is Phase.RELEASED
             self._new_round(keep_members=self.phase is Phase.FETCH)
+            if opening:
+                self.members.update(self.pending)
+        self.pending = {}
         self.members[join.rank] = join
         self.backups = backups
         self.pinned = pinned
@@ -192,7 +224,22 @@ class JobCoordinator:
         self.phase = Phase.FETCH
         self.ready = set()
 
+    def admitted(self, rank: int, incarnation_id: str) -> bool:
+        """Whether this incarnation is a member of the current round, or waits for it."""
+        return any(
+            j is not None and j.incarnation_id == incarnation_id
+            for j in (self.members.get(rank), self.pending.get(rank))
+        )
+
     def status(self, rank: int, incarnation_id: str) -> RankStatus:
+        waiting = self.pending.get(rank)
+        if waiting is not None and waiting.incarnation_id == incarnation_id:
+            return RankStatus(
+                self.round,
+                Phase.WAITING,
+                missing=(0,),
+                message="waiting for rank 0 of the job to restart: it opens the next round",
+            )
         member = self.members.get(rank)
         if member is None or member.incarnation_id != incarnation_id:
             return RankStatus(self.round, None, message="not a member of the current round")
@@ -223,7 +270,11 @@ class JobCoordinator:
         ready: bool,
         failed: Collection[SourceKey] = (),
     ) -> None:
-        """A rank's outcome for a plan; stale reports (old round or plan) are ignored."""
+        """A rank's outcome for a plan; stale reports (old round or plan) are ignored.
+
+        Raises ``ReportRefused``, changing nothing, when a report of the current plan names
+        a source that plan did not give the rank, or is not ready without naming any.
+        """
         member = self.members.get(rank)
         if (
             member is None
@@ -233,7 +284,23 @@ class JobCoordinator:
             or self.phase is not Phase.FETCH
         ):
             return
-        self.exclude.update(failed)
+        assigned = {
+            f.key
+            for fetches in ({} if self.plan is None else self.plan.for_rank(rank)).values()
+            for f in fetches
+        }
+        foreign = [k for k in failed if k not in assigned]
+        if foreign:
+            holder = "the backup" if foreign[0].holder is None else f"rank {foreign[0].holder}"
+            raise ReportRefused(
+                f"rank {rank} reports {len(foreign)} failed sources that plan {plan_version} "
+                f"did not give it, such as {foreign[0].item} from {holder}; report ignored"
+            )
+        if not ready and not failed:
+            raise ReportRefused(f"rank {rank} is not ready but names no failed source; ignored")
+        # Its word counts for its own restore only: the copy may serve the others (a
+        # corrupt one fails their verification too, and they report it themselves).
+        self.exclude.update(SourceKey(k.holder, k.item, rank) for k in failed)
         if not ready:
             # The rank tried every source of an item: plan without the failed copies (an
             # older step, or a fresh start), and every rank works to the new version.
@@ -325,3 +392,15 @@ class JobCoordinator:
         """A committed backup found in the store (at start): the interval counts from it."""
         if self.last_backup is None or step > self.last_backup.step:
             self.last_backup = LastBackup(step, at)
+
+
+def _differing_keys(theirs: str, ours: str) -> str:
+    """The names (never the values) of the cluster-wide keys two views disagree on."""
+    try:
+        a, b = json.loads(theirs), json.loads(ours)
+    except (ValueError, RecursionError):
+        return "not a view of this version"
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return "not a view of this version"
+    keys = sorted(str(k) for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return ", ".join(keys)[:200]

@@ -40,6 +40,9 @@ class SourceKey:
     holder: int | None
     """The live rank serving it; None for the backup."""
     item: ItemId
+    restorer: int | None = None
+    """Excluded for this rank's restore only; None: for every rank's. A rank's report is
+    its word alone, so it must not take a copy away from the others (or its holder)."""
 
 
 @dataclass(frozen=True)
@@ -142,15 +145,18 @@ def _expected_digest(
 
     Copies of one step can differ when a job went back to an older step and saved the
     newer step number again: a peer may still hold the abandoned timeline's bytes. The
-    owner's own copy is the authority (it replaced its old copy when it saved again), then
-    the committed backup (verified when it was committed), then the peers if they agree.
-    Disagreeing peers with no authority are all refused: mixing timelines would be a wrong
-    restore, and an older step is a safe one.
+    committed backup is the authority where it has the item: it is the one record no join
+    can rewrite, while an inventory is only a claim (a forged joiner posing as a missing
+    rank can name any digest for "its own" items). Then the owner's own copy (it replaced
+    its old copy when it saved again), then the peers if they agree. Disagreeing peers with
+    no authority are all refused: mixing timelines would be a wrong restore, and an older
+    step is a safe one. An owner that disagrees with the backup loses rather than voids the
+    step, so one false claim cannot push every rank back to an older step or a fresh start.
     """
-    if item.rank in copies:
-        return copies[item.rank]
     if backup is not None and backup.has(item):
         return backup.items[item.key]
+    if item.rank in copies:
+        return copies[item.rank]
     digests = set(copies.values())
     return digests.pop() if len(digests) == 1 else None
 
@@ -175,17 +181,24 @@ def _item_sources(
         if expected is None:
             continue
         for holder, digest in copies.items():
-            if digest == expected and SourceKey(holder, item) not in exclude:
+            if digest == expected and not _excluded(exclude, holder, item, target.rank):
                 source = Source.LOCAL if holder == target.rank else Source.PEER
                 found.append(Fetch(source, item, holder, digest, equivalent))
         if (
             backup is not None
             and backup.has(item)
             and backup.items[item.key] == expected
-            and SourceKey(None, item) not in exclude
+            and not _excluded(exclude, None, item, target.rank)
         ):
             found.append(Fetch(Source.BACKUP, item, None, expected, equivalent))
     return found
+
+
+def _excluded(
+    exclude: Collection[SourceKey], holder: int | None, item: ItemId, restorer: int
+) -> bool:
+    """Whether the copy of ``item`` at ``holder`` is ruled out for ``restorer``'s restore."""
+    return SourceKey(holder, item) in exclude or SourceKey(holder, item, restorer) in exclude
 
 
 def _step_sources(
@@ -248,7 +261,9 @@ def plan_round(
     Per item the sources are ordered LOCAL, PEER, LOCAL then PEER equivalent, BACKUP,
     BACKUP equivalent. Among peers, first choices are spread so that the busiest holder
     serves as few items as possible (ties to the lower rank). ``exclude`` rules out copies
-    that failed; re-planning then falls back to other sources or an older step.
+    that failed (for one restoring rank, or with ``restorer`` None for all); re-planning
+    then falls back to other sources or an older step. A copy is a source only when its
+    digest is the committed backup's, or without one the owner's own copy's.
     ``only_step`` (an operator's restore pin) considers that step alone.
     """
     held = _index(config, inventories)

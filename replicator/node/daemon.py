@@ -630,6 +630,8 @@ class Daemon:
         while its job runs (``resume_steady``) hosts one that takes the running ranks back.
         """
         keep = config.job_name if config is not None and config.node_rank == 0 else None
+        # The incarnation that runs rank 0 here: the only one that may open a new round.
+        incarnation = None if self.incarnation is None else self.incarnation.id
         for job in self.coordinators.jobs():
             hosted = self.coordinators.get(job)
             if job != keep and hosted is not None:
@@ -640,11 +642,21 @@ class Daemon:
             return
         if config.nodes == 1:
             # A one-node job's agent calls it in process: nothing to register.
-            self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
+            self.coordinators.host(
+                config,
+                cluster_view_json(config),
+                resume_steady=resume_steady,
+                rank0_incarnation=incarnation,
+            )
             return
         if self.registry is None:
             return
-        self.coordinators.host(config, cluster_view_json(config), resume_steady=resume_steady)
+        self.coordinators.host(
+            config,
+            cluster_view_json(config),
+            resume_steady=resume_steady,
+            rank0_incarnation=incarnation,
+        )
         coordinator_id = self.coordinators.coordinator_id(keep)
         assert coordinator_id is not None
         assert self.advertise is not None

@@ -411,10 +411,42 @@ def test_a_disagreeing_cluster_view_is_rejected_with_the_reason() -> None:
     async def scenario() -> None:
         async with cluster() as (_, client):
             view = cluster_view_json(config(nodes=8))
-            with pytest.raises(JoinRejected, match="disagrees with rank 0"):
+            with pytest.raises(JoinRejected, match="disagrees with rank 0") as refused:
                 await join(client, 1, "a1", own(1, 5), view=view)
+            # The key's name, never rank 0's settings: whoever asked may be no rank of it.
+            assert "nodes" in str(refused.value)
+            assert VIEW not in str(refused.value)
+            assert f"{NODES}" not in str(refused.value).replace("rank 0", "")
+            with pytest.raises(CoordinatorError) as refused:
+                await join(client, 9, "a9", {})
+            assert str(refused.value).endswith("rank 9 is out of range for job train")
 
     run(scenario())
+
+
+def test_a_forged_owner_that_contradicts_the_backup_serves_no_one() -> None:
+    # Rank 2's node is gone; a joiner posing as rank 2 claims its step 7 with bytes of its
+    # own choosing. The committed backup says otherwise, so nobody is sent to its copy.
+    def backups_for(job: str) -> dict[int, CommitRecord]:
+        items = {f"{r}-0": digest(r, 7) for r in range(NODES)}
+        return {7: CommitRecord(job, 7, items, created=1.0)}
+
+    forged = "f" * 64
+
+    async def scenario() -> dict[int, RoundState]:
+        async with cluster(backups_for) as (_, client):
+            for r in range(NODES):
+                items = {ItemId(JOB, 7, 2, 0): forged} if r == 2 else own(r, 7)
+                await join(client, r, f"a{r}", items)
+            return {r: await status(client, r, f"a{r}") for r in range(NODES)}
+
+    states = run(scenario())
+    assert {s.step for s in states.values()} == {7}
+    for state in states.values():
+        for fetches in state.assignments.values():
+            assert all(f.digest != forged for f in fetches)
+    (mine,) = states[2].assignments.values()
+    assert [f.source for f in mine] == [Source.BACKUP]
 
 
 def test_an_invalid_request_is_an_error_of_ours() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase
+from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase, ReportRefused
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
 from replicator.core.restore_plan import NodeInventory, SourceKey
@@ -309,9 +309,13 @@ def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> N
     assert [a.restorable_step for a in first if a is not None] == [None, None, None, 7]
     # Each rank's first report fixed its incarnation: another one must join instead.
     assert c.report_progress(2, "other", replicated_step=9, uploaded_step=None, now=1.0) is None
-    # A job restart opens a round as after any release; the adopted agents stay out of it.
+    # A job restart opens a round as after any release (rank 0's new incarnation opens it;
+    # rank 1's waits for it); the adopted agents stay out of it.
     c.join(join(1, "new1", own(1, 7)), {})
+    assert c.phase is Phase.RELEASED
+    c.join(join(0, "new0", own(0, 7)), {})
     assert c.phase is Phase.WAITING
+    assert c.members[1].incarnation_id == "new1"
     assert c.report_progress(1, "s1", replicated_step=9, uploaded_step=None, now=1.0) is None
     assert c.status(1, "s1").phase is None
     assert not c.adopting
@@ -364,3 +368,112 @@ def test_a_pinned_step_nobody_can_serve_falls_back_to_the_newest() -> None:
     assert c.status(0, "a0").step == 5
     release(c, "a")
     assert c.pin_consumed == 3  # used up all the same: it must not surprise a later restart
+
+
+# --- hostile members and strangers (issue 16) ----------------------------------------------
+
+
+def _everyone_holds(c: JobCoordinator, inc: str, step: int) -> None:
+    """Every rank holds its own item of ``step`` and a copy of the next rank's."""
+    n = c.config.nodes
+    for r in range(n):
+        items = {**own(r, step), **own((r + 1) % n, step)}
+        c.join(join(r, f"{inc}{r}", items), {})
+
+
+def test_a_member_may_report_failed_only_the_sources_its_plan_gave_it() -> None:
+    c = JobCoordinator(config(), VIEW)
+    _everyone_holds(c, "a", 10)
+    assert c.plan is not None
+    version = c.plan_version
+    survivors = [
+        SourceKey(0, ItemId(JOB, 10, 0, 0)),  # rank 0's own copy
+        SourceKey(3, ItemId(JOB, 10, 0, 0)),  # a peer copy rank 0 might use
+        SourceKey(None, ItemId(JOB, 10, 1, 0)),  # the backup of rank 1's item
+    ]
+    for key in survivors:
+        with pytest.raises(ReportRefused, match="did not give it"):
+            c.report_restore(2, "a2", c.round, version, ready=False, failed=[key])
+    # Mixed with a source it was given: refused whole, nothing excluded.
+    mine = SourceKey(2, ItemId(JOB, 10, 2, 0))
+    with pytest.raises(ReportRefused):
+        c.report_restore(2, "a2", c.round, version, ready=False, failed=[mine, survivors[0]])
+    with pytest.raises(ReportRefused, match="names no failed source"):
+        c.report_restore(2, "a2", c.round, version, ready=False)
+    assert (c.plan_version, c.exclude, c.plan.step) == (version, set(), 10)
+    # A source it was given is excluded for its own restore only.
+    c.report_restore(2, "a2", c.round, version, ready=False, failed=[mine])
+    assert c.plan is not None
+    assert c.plan.step == 10
+    firsts = {t.rank: f[0] for t, f in c.plan.sources.items()}
+    assert (firsts[2].source, firsts[2].holder) == (Source.PEER, 1)
+    assert all(firsts[r].source is Source.LOCAL for r in (0, 1, 3))
+
+
+def test_an_equivalent_that_failed_for_one_rank_still_serves_its_owner() -> None:
+    c = JobCoordinator(config(dp=2), VIEW)  # ranks 0 and 2 are equivalent
+    record = CommitRecord(JOB, 10, {f"{r}-0": digest(r, 10) for r in range(4)}, 0.0)
+    for r in range(4):
+        c.join(join(r, f"a{r}", {} if r == 2 else own(r, 10)), {10: record})
+    assert c.plan is not None
+    (fetches,) = c.plan.for_rank(2).values()
+    equivalent = fetches[0]
+    assert (equivalent.source, equivalent.holder, equivalent.equivalent) == (Source.PEER, 0, True)
+    c.report_restore(2, "a2", c.round, c.plan_version, ready=False, failed=[equivalent.key])
+    # Rank 2's word takes nothing from rank 0, which still restores its own copy.
+    assert c.plan is not None
+    assert c.plan.step == 10
+    assert c.plan.for_rank(0)[ItemId(JOB, 10, 0, 0)][0].source is Source.LOCAL
+    assert c.plan.for_rank(2)[ItemId(JOB, 10, 2, 0)][0].source is Source.BACKUP
+
+
+def test_a_stray_join_in_steady_state_leaves_the_running_job_alone() -> None:
+    c = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    everyone_joins(c, "a", (5,))
+    release(c, "a")
+    for r in range(4):
+        c.report_progress(r, f"a{r}", replicated_step=5, uploaded_step=None, now=1.0)
+    # A leftover or forged joiner of rank 2, and one posing as rank 0.
+    c.join(join(2, "stray2", own(2, 5)), {})
+    c.join(join(0, "stray0", own(0, 5)), {})
+    assert (c.round, c.phase) == (1, Phase.RELEASED)
+    assert c.status(0, "stray0").phase is None
+    waiting = c.status(2, "stray2")
+    assert (waiting.phase, waiting.missing) == (Phase.WAITING, (0,))
+    # The released ranks go on: progress is answered and backups are ordered.
+    answers = [
+        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=2.0)
+        for r in range(4)
+    ]
+    assert all(a is not None for a in answers)
+    assert answers[-1] is not None
+    assert answers[-1].restorable_step == 10
+
+
+def test_a_real_restart_opens_the_round_when_rank_0_rejoins_in_any_order() -> None:
+    c = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    everyone_joins(c, "a", (5,))
+    release(c, "a")
+    c.rank0_incarnation = "b0"  # rank 0's daemon accepted the new replicator.yaml
+    for r in (3, 1):
+        c.join(join(r, f"b{r}", own(r, 5, 10)), {})
+    assert c.phase is Phase.RELEASED
+    c.join(join(0, "b0", own(0, 5, 10)), {})
+    assert (c.round, c.phase) == (2, Phase.WAITING)
+    assert c.status(3, "b3").missing == (2,)
+    c.join(join(2, "b2", own(2, 5, 10)), {})
+    assert (c.phase, c.status(1, "b1").step) == (Phase.FETCH, 10)
+
+
+def test_a_refused_join_carries_none_of_the_jobs_settings() -> None:
+    view = '{"job-name": "job", "nodes": 4, "workers-per-node": 1}'
+    c = JobCoordinator(config(), view)
+    theirs = '{"job-name": "job", "nodes": 5, "workers-per-node": 1}'
+    with pytest.raises(JoinRejected) as refused:
+        c.join(join(1, "x", view=theirs), {})
+    assert "nodes" in str(refused.value)
+    assert "4" not in str(refused.value)
+    assert view not in str(refused.value)
+    with pytest.raises(JoinRejected) as refused:
+        c.join(join(7, "x", view=view), {})
+    assert "4" not in str(refused.value)

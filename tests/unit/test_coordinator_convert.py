@@ -350,7 +350,7 @@ HUGE = [
         ({"incarnation_id": ""}, "incarnation_id"),
         ({"incarnation_id": "i" * 4096}, "incarnation_id"),
         ({"cluster_view": "v" * 5000}, "cluster_view"),
-        ({"rank": 4}, "out of range for the 4 nodes"),
+        ({"rank": 4}, "rank 4 is out of range for job "),
     ],
 )
 def test_hostile_joins_get_invalid_argument_before_anything_runs(

@@ -351,10 +351,32 @@ def test_owner_digest_wins_over_a_stale_peer_copy() -> None:
 def test_backup_digest_wins_when_the_owner_is_gone() -> None:
     item = _rank0_item()
     joins = healthy(FOUR, (20,), wiped=(0,))
-    joins[2] = inventory(2, joins[2].items, timeline="abandoned")
+    joins[2] = NodeInventory(2, joins[2].address, {**joins[2].items, item: digest(item, "x")})
     plan = plan_round(FOUR, joins, {20: backup(FOUR, 20)})
     assert plan is not None
     assert [(f.source, f.digest) for f in plan.sources[item]] == [(B, digest(item))]
+
+
+def test_an_owner_that_contradicts_the_committed_backup_serves_nobody() -> None:
+    # Rank 2's join claims its own step 20 with a digest the committed backup does not have
+    # (a forged joiner posing as rank 2): the backup decides, the claimed bytes are never
+    # anybody's source, and the step is still restored (one claim must not void it).
+    mine = ItemId(JOB, 20, 2, 0)
+    for config in (FOUR, DP2):  # with DP2, rank 0's item is an equivalent of rank 2's
+        joins = healthy(config, (10, 20))
+        forged = {**joins[2].items, mine: digest(mine, "forged")}
+        joins[2] = NodeInventory(2, joins[2].address, forged)
+        backups = {20: backup(config, 20, ranks=range(4))}
+        plan = plan_round(config, joins, backups)
+        assert plan is not None
+        assert plan.step == 20
+        for fetches in plan.sources.values():
+            assert all(f.digest == digest(f.item) for f in fetches)
+        assert all(f.holder != 2 for f in plan.sources[mine])
+        # The same claim with no backup to contradict it: the owner is the authority.
+        plan = plan_round(config, joins, {})
+        assert plan is not None
+        assert (plan.step, plan.sources[mine][0]) == (20, Fetch(L, mine, 2, forged[mine]))
 
 
 def test_peers_must_agree_when_nothing_else_tells() -> None:
