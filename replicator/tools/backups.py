@@ -331,12 +331,12 @@ def _print_job(job: dict[str, Any], now: float) -> None:
                 str(s["items"]),
                 str(s["objects"]),
                 ops.human_bytes(s["bytes"]),
-                ops.human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
                 s["signature"] or "-",
+                ops.human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
             ]
             for s in steps
         ]
-        _table(["STEP", "STATE", "ITEMS", "OBJECTS", "SIZE", "AGE", "SIGNATURE"], rows)
+        _table(["STEP", "STATE", "ITEMS", "OBJECTS", "SIZE", "SIGNATURE", "AGE"], rows)
 
 
 # --- verify --------------------------------------------------------------------------------
