@@ -27,6 +27,7 @@ from replicator.core.signed import (
     RecordTrust,
     Seal,
 )
+from replicator.node.daemon import parse_args
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore
 from replicator.tools import certs
@@ -269,3 +270,11 @@ def test_the_time_is_a_date(node: NodeTls, ca: certs.Pair) -> None:
     raw = sealed(trust_of(node), commit())
     with pytest.raises(RecordRefused, match="not a date"):
         reader(ca).check(COMMIT_KIND, raw, 1e300)
+
+
+@pytest.mark.parametrize(("env", "on"), [({}, False), ({"MTC_ACCEPT_UNSIGNED_RECORDS": "1"}, True)])
+def test_the_migration_flag_from_the_environment(env: dict[str, str], on: bool) -> None:
+    assert parse_args(["--checkpoint-dir", "/x"], env).accept_unsigned_records is on
+    assert parse_args(
+        ["--checkpoint-dir", "/x", "--accept-unsigned-records"], {}
+    ).accept_unsigned_records
