@@ -42,7 +42,7 @@ from replicator.cluster.messages import (
     held_items,
     round_state,
 )
-from replicator.cluster.registry import COORDINATOR_ID_RE, Registry, RegistryEntry
+from replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
 from replicator.core.coordination import JoinRejected, ProgressAnswer
 from replicator.core.manifest import ItemId
 from replicator.core.retry import Backoff
@@ -371,7 +371,8 @@ async def find_coordinator(
 
     The entry only says where to look: the caller's first call checks who answers there.
     Raises ``NoCoordinator`` at the deadline ("no coordinator for job J yet", or that the
-    registry is unreachable when reading it failed).
+    registry is unreachable when reading it failed), and ``UntrustedCoordinator`` at once
+    for an entry no node signed (the caller says so and looks again later).
     """
     delays = backoff or Backoff()
     deadline = clock() + timeout
@@ -379,6 +380,8 @@ async def find_coordinator(
     while True:
         try:
             entry = await asyncio.to_thread(registry.lookup, job)
+        except RefusedEntry as exc:
+            raise UntrustedCoordinator(str(exc)) from None
         except ObjectStoreError as exc:
             failure, entry = exc, None
             log.warning("registry %s unreadable for job=%s: %s", registry.url, job, exc)

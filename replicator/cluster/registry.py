@@ -12,6 +12,10 @@ of a job is the one to find, and object stores offer no portable compare-and-swa
 safe because a stale or superseded entry costs an agent one failed call and a re-lookup,
 never a wrong join. Readers never see half an entry: every backend publishes a whole object
 at once (temp + rename for files).
+
+Entries are signed by the registering node (``core.signed``, the whole entry, so every
+field is covered): with TLS on, an unsigned or forged entry is refused (``RefusedEntry``)
+and never dialled.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replicator.core.contract import JOB_NAME_RE
+from replicator.core.signed import OPEN, REGISTRY_KIND, RecordRefused, RecordTrust
 from replicator.storage.objectstore import ObjectNotFound, ObjectStore
 from replicator.storage.stores import open_object_store
 
@@ -33,8 +38,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "_registry/"
 FORMAT_VERSION = 1
-MAX_ENTRY_BYTES = 4096
-"""An entry is about 150 bytes; a larger object is not one of ours."""
+MAX_ENTRY_BYTES = 32 * 1024
+"""An entry is about 150 bytes, 1-3 KiB signed; a larger object is not one of ours."""
 COORDINATOR_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _HOSTNAME_LABEL_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 _PORT_RE = re.compile(r"[1-9][0-9]{0,4}")
@@ -43,6 +48,10 @@ _FIELDS = ("job", "address", "coordinator_id", "registered_at")
 
 class MalformedEntry(ValueError):
     """A registry entry (or one being registered) breaks a rule; the message names it."""
+
+
+class RefusedEntry(MalformedEntry):
+    """A registry entry is well formed but not signed by a node of the stack."""
 
 
 def check_job(job: str) -> str:
@@ -99,15 +108,19 @@ class RegistryEntry:
         if not number or not math.isfinite(at) or at < 0:
             raise MalformedEntry(f"bad registration time {at!r:.40}")
 
-    def to_json(self) -> bytes:
-        body = {
+    def body(self) -> dict[str, object]:
+        """Every field as stored: what a signature covers (``Registry.register``)."""
+        return {
             "version": FORMAT_VERSION,
             "job": self.job,
             "address": self.address,
             "coordinator_id": self.coordinator_id,
             "registered_at": self.registered_at,
         }
-        return json.dumps(body, sort_keys=True).encode()
+
+    def to_json(self, trust: RecordTrust = OPEN) -> bytes:
+        """The stored bytes, signed when ``trust`` can sign."""
+        return trust.seal(REGISTRY_KIND, self.body())
 
     @classmethod
     def from_json(cls, raw: bytes) -> RegistryEntry:
@@ -151,8 +164,10 @@ class Registry:
     with backoff, and says "registry unreachable" rather than "no coordinator yet".
     """
 
-    def __init__(self, objects: ObjectStore) -> None:
+    def __init__(self, objects: ObjectStore, trust: RecordTrust = OPEN) -> None:
         self.objects = objects
+        self.trust = trust
+        """Signs what ``register`` writes, and decides which entries ``lookup`` believes."""
 
     @property
     def url(self) -> str:
@@ -160,7 +175,7 @@ class Registry:
 
     def register(self, entry: RegistryEntry) -> None:
         """Publish ``entry`` for its job, replacing any older one (last writer wins)."""
-        self.objects.put_bytes(entry_key(entry.job), entry.to_json())
+        self.objects.put_bytes(entry_key(entry.job), entry.to_json(self.trust))
         log.info(
             "registered coordinator job=%s address=%s id=%s",
             entry.job,
@@ -172,7 +187,8 @@ class Registry:
         """The registered coordinator of ``job``, or None if none or the entry is malformed.
 
         A malformed entry is logged and treated as absent: agents keep waiting (and say so
-        in ``replicator.errors``) until a coordinator registers over it.
+        in ``replicator.errors``) until a coordinator registers over it. An entry ``trust``
+        refuses raises ``RefusedEntry``: someone may be redirecting the job's ranks.
         """
         key = entry_key(job)
         try:
@@ -189,6 +205,10 @@ class Registry:
                 "ignoring registry entry %s of job=%s: it names job %s", key, job, entry.job
             )
             return None
+        try:
+            self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
+        except RecordRefused as exc:
+            raise RefusedEntry(f"refused the registry entry {key} of job {job}: {exc}") from None
         return entry
 
     def unregister(self, job: str, coordinator_id: str) -> bool:
@@ -199,7 +219,10 @@ class Registry:
         re-registers when it finds its job's entry missing (never when it finds another
         coordinator's, which is newer).
         """
-        current = self.lookup(job)
+        try:
+            current = self.lookup(job)
+        except RefusedEntry:
+            return False  # not ours: ours are signed
         if current is None or current.coordinator_id != coordinator_id:
             return False
         self.objects.delete(entry_key(job))
@@ -207,6 +230,6 @@ class Registry:
         return True
 
 
-def open_registry(url: str) -> Registry:
+def open_registry(url: str, trust: RecordTrust = OPEN) -> Registry:
     """The registry at a storage URL (``file:///abs/path``; gs:// and s3:// as the stores)."""
-    return Registry(open_object_store(url))
+    return Registry(open_object_store(url), trust)

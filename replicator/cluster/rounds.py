@@ -98,6 +98,12 @@ class RoundParticipant:
         self._last_said = message
         self.ctx.error(message, None)
 
+    def _say_untrusted(self, exc: UntrustedCoordinator) -> None:
+        # Said at once, not after report_after: someone may be impersonating rank 0.
+        if str(exc) != self._last_untrusted:
+            self._last_untrusted = str(exc)
+            self.ctx.error(str(exc), None)
+
     def _inventory(self) -> dict[ItemId, str]:
         return {i: m.digest for i, m in self.ctx.store.manifests(self.config.job_name).items()}
 
@@ -107,6 +113,10 @@ class RoundParticipant:
         while True:
             try:
                 client = await self.ctx.finder.find(job, timeout=POLL_SECONDS)
+            except UntrustedCoordinator as exc:
+                self._say_untrusted(exc)
+                await asyncio.sleep(backoff.next())
+                continue
             except NoCoordinator as exc:
                 self._say_waiting(f"no coordinator for job {job} yet ({exc}); rank 0 hosts it")
                 await asyncio.sleep(backoff.next())
@@ -121,10 +131,7 @@ class RoundParticipant:
             except MustRejoin as exc:
                 log.info("rejoining the round of job %s: %s", job, exc)
             except UntrustedCoordinator as exc:
-                # Said at once, not after report_after: someone may be impersonating rank 0.
-                if str(exc) != self._last_untrusted:
-                    self._last_untrusted = str(exc)
-                    self.ctx.error(str(exc), None)
+                self._say_untrusted(exc)
                 await asyncio.sleep(backoff.next())
             except CoordinatorError as exc:
                 self._say_waiting(f"cannot reach the coordinator of job {job}: {exc}")

@@ -51,9 +51,12 @@ class CommitRecord:
     items: dict[str, str]
     created: float
 
+    def body(self) -> dict[str, object]:
+        """The record's fields, as stored (and signed: ``core.signed``)."""
+        return {"job": self.job, "step": self.step, "items": self.items, "created": self.created}
+
     def to_json(self) -> bytes:
-        body = {"job": self.job, "step": self.step, "items": self.items, "created": self.created}
-        return json.dumps(body, sort_keys=True).encode()
+        return json.dumps(self.body(), sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> CommitRecord:

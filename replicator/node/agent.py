@@ -365,6 +365,7 @@ class Incarnation:
                 f"starting fresh, dropping this node's incomplete steps {steps}",
                 kind=ErrorKind.RESTORE,
             )
+        self._tell_refused_commits()
         if abandoned:
             self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
             await self._thread(self._delete_items, abandoned)
@@ -377,6 +378,16 @@ class Incarnation:
             step=outcome.step,
         )
         self.ctx.metrics.restore_done(self.config.job_name, outcome.step, self._since_start())
+
+    def _tell_refused_commits(self) -> None:
+        """Say which COMMITs the round passed over because they were not believed (unsigned
+        or forged): the job restored an older step, or none, and must know why. Known where
+        the job's backups were listed: in rank 0's daemon (the coordinator's) and in any
+        daemon that fetched from the backup."""
+        backups = self.ctx.backups
+        refused = {} if backups is None else backups.refused.get(self.config.job_name, {})
+        for step, why in sorted(refused.items()):
+            self.error(f"{why}; never restored", step, kind=ErrorKind.RESTORE)
 
     def persist(self) -> None:
         save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))

@@ -77,6 +77,7 @@ from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import IDLE_SECONDS, PeerServicer
+from replicator.transport.signing import record_trust
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
@@ -135,6 +136,9 @@ class DaemonOptions:
     tls_ca: str | None = None
     tls_server_name: str = DEFAULT_SERVER_NAME
     """The DNS name every node certificate carries; clients check it."""
+    accept_unsigned_records: bool = False
+    """Believe unsigned COMMITs and registry entries (written before records were signed);
+    records whose signature fails are refused all the same. Only matters with TLS on."""
     health_listen: str | None = None
     """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
     TLS); None: only on the main port."""
@@ -156,6 +160,11 @@ def _data_port(value: str) -> int | None:
     if not ascii_digits(value) or not 0 <= int(value) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
     return int(value)
+
+
+def _flag(value: str) -> bool:
+    """An environment variable that turns something on: 1, true, yes, on (any case)."""
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def _host_port(value: str) -> str:
@@ -253,6 +262,14 @@ def parse_args(
         "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
     )
     p.add_argument(
+        "--accept-unsigned-records",
+        action="store_true",
+        default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
+        help="migration: also believe COMMITs and registry entries that carry no signature "
+        "(written by versions before signed records); a bad signature is refused all the "
+        "same [MTC_ACCEPT_UNSIGNED_RECORDS]",
+    )
+    p.add_argument(
         "--health-listen",
         type=_host_port,
         default=env.get("MTC_HEALTH_LISTEN") or None,
@@ -310,6 +327,7 @@ def parse_args(
         tls_key=a.tls_key,
         tls_ca=a.tls_ca,
         tls_server_name=a.tls_server_name,
+        accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,
         max_step_lead=a.max_step_lead,
@@ -349,7 +367,8 @@ class Daemon:
             opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
         )
         self.store = LocalStore(opts.checkpoint_dir)
-        backups = BackupStore(open_object_store(opts.backup)) if opts.backup else None
+        self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
+        backups = BackupStore(open_object_store(opts.backup), self.trust) if opts.backup else None
         self._prometheus = PrometheusMetrics() if opts.metrics else None
         self.metrics: Metrics = self._prometheus or NO_METRICS
         self._metrics_server: MetricsServer | None = None
@@ -377,7 +396,9 @@ class Daemon:
         """The address the gRPC server is bound to (port 0 resolved), once it is."""
         self.advertise: str | None = opts.advertise
         """The address other nodes use to reach this one (defaults to the bound address)."""
-        self.registry: Registry | None = open_registry(opts.registry) if opts.registry else None
+        self.registry: Registry | None = (
+            open_registry(opts.registry, self.trust) if opts.registry else None
+        )
         self.coordinators = CoordinatorHost()
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
@@ -455,7 +476,7 @@ class Daemon:
         self.ctx.coordinators = Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
-            pins=StorePins(backups.objects) if backups else None,
+            pins=StorePins(backups.objects, self.trust) if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
         try:
@@ -500,6 +521,16 @@ class Daemon:
                 "unencrypted; anyone who reaches them can read, push and restore checkpoints "
                 "and join jobs. Pass --tls-cert, --tls-key and --tls-ca (SECURITY.md)",
                 self.listen_address,
+            )
+            log.warning(
+                "without TLS material, COMMITs and registry entries are neither signed nor "
+                "checked: whoever can write the bucket chooses what a job restores"
+            )
+        elif self.opts.accept_unsigned_records:
+            log.warning(
+                "--accept-unsigned-records is on: unsigned COMMITs and registry entries are "
+                "believed, so whoever can write the bucket can choose what a job restores "
+                "and where its ranks join; turn it off once every record is signed"
             )
         log.info(
             "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s tls=%s "

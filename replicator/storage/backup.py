@@ -7,8 +7,10 @@ Layout below the backup URL (docs/architecture.md, "Backups")::
     <job>/<step>/COMMIT                            written last, create-only
 
 Only a step with a ``COMMIT`` is restorable; the COMMIT pins each item's manifest digest,
-so an object changed after the commit is detected. The daemon never overwrites or deletes
-anything under a committed step. I/O goes through the ObjectStore; no vendor code here.
+so an object changed after the commit is detected. The COMMIT is signed by the node that
+wrote it, and a COMMIT that ``trust`` refuses is never restored (``core.signed``). The daemon
+never overwrites or deletes anything under a committed step. I/O goes through the
+ObjectStore; no vendor code here.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from replicator.core.manifest import (
     Manifest,
     ManifestError,
 )
+from replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
 from replicator.local.hashing import data_file
 from replicator.storage.objectstore import (
     ChecksumMismatch,
@@ -53,10 +56,17 @@ def _never() -> bool:
 
 
 class BackupStore:
-    """Backups of checkpoint items on one ObjectStore."""
+    """Backups of checkpoint items on one ObjectStore.
 
-    def __init__(self, objects: ObjectStore) -> None:
+    ``trust`` signs the COMMITs written and decides which ones read are believed (``OPEN``:
+    neither signs nor checks, for processes without TLS material).
+    """
+
+    def __init__(self, objects: ObjectStore, trust: RecordTrust = OPEN) -> None:
         self.objects = objects
+        self.trust = trust
+        self.refused: dict[str, dict[int, str]] = {}
+        """Per job, the COMMITs the newest listing refused, and why (told to the job)."""
 
     @property
     def url(self) -> str:
@@ -96,7 +106,8 @@ class BackupStore:
                 return None
         record = CommitRecord(job, step, digests, time.time() if now is None else now)
         try:
-            self.objects.put_bytes(commit_key(job, step), record.to_json(), if_absent=True)
+            sealed = self.trust.seal(COMMIT_KIND, record.body())
+            self.objects.put_bytes(commit_key(job, step), sealed, if_absent=True)
         except PreconditionFailed:
             return self.read_commit(job, step)
         log.info("backup committed job=%s step=%d items=%d", job, step, len(digests))
@@ -108,6 +119,14 @@ class BackupStore:
 
     def read_commit_raw(self, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
         """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
+        found = self.read_commit_sealed(job, step)
+        return None if found is None else found[:2]
+
+    def read_commit_sealed(self, job: str, step: int) -> tuple[CommitRecord, bytes, Seal] | None:
+        """The step's COMMIT, its bytes, and what is known of its signature.
+
+        Raises ``RecordRefused`` (a ``ManifestError``) when ``trust`` does not believe it.
+        """
         try:
             raw = self.objects.get_bytes(commit_key(job, step))
         except ObjectNotFound:
@@ -117,22 +136,32 @@ class BackupStore:
             raise ManifestError(
                 f"COMMIT at {commit_key(job, step)} names {record.job}/{record.step}"
             )
-        return record, raw
+        try:
+            seal = self.trust.check(COMMIT_KIND, raw, record.created)
+        except RecordRefused as exc:
+            raise RecordRefused(f"COMMIT of job {job} step {step} refused: {exc}") from None
+        return record, raw, seal
 
     def committed_steps(self, job: str) -> dict[int, CommitRecord]:
         """Every committed step of ``job``; unreadable COMMITs are logged and skipped."""
         found: dict[int, CommitRecord] = {}
+        refused: dict[int, str] = {}
         for info in self.objects.list(f"{job}/"):
             parts = info.key.split("/")
             if len(parts) != 3 or parts[2] != COMMIT or not ascii_digits(parts[1]):
                 continue
             try:
                 record = self.read_commit(job, int(parts[1]))
+            except RecordRefused as exc:
+                log.warning("never restoring backup %s: %s", info.key, exc)
+                refused[int(parts[1])] = str(exc)
+                continue
             except (ManifestError, ObjectNotFound) as exc:
                 log.warning("ignoring backup %s: %s", info.key, exc)
                 continue
             if record is not None:
                 found[record.step] = record
+        self.refused[job] = refused
         return found
 
     def fetch_item(

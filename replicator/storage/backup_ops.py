@@ -36,6 +36,7 @@ from replicator.core.backup_layout import (
 )
 from replicator.core.contract import JOB_NAME_RE, STEP_DIR_RE
 from replicator.core.manifest import MAX_MANIFEST_BYTES, FileEntry, ItemId, Manifest, ManifestError
+from replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import ObjectInfo, ObjectNotFound, ObjectStore, ObjectStoreError
 
@@ -121,7 +122,11 @@ class StepListing:
     """Item manifests present: the items uploaded so far."""
     commit: CommitRecord | None
     commit_error: str | None = None
-    """Why a COMMIT object that exists could not be read."""
+    """Why a COMMIT object that exists could not be read, or was refused."""
+    seal: Seal | None = None
+    """What is known of the COMMIT's signature, when it was read and believed."""
+    commit_refused: bool = False
+    """The COMMIT is well formed but not believed (unsigned, or a bad signature)."""
 
     @property
     def items(self) -> int:
@@ -174,12 +179,17 @@ def list_jobs(objects: ObjectStore) -> list[str]:
     return sorted(jobs)
 
 
-def read_commit_raw(objects: ObjectStore, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
-    """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
-    return BackupStore(objects).read_commit_raw(job, step)
+def read_commit_raw(
+    objects: ObjectStore, job: str, step: int, trust: RecordTrust = OPEN
+) -> tuple[CommitRecord, bytes] | None:
+    """The step's COMMIT and its exact bytes (which a restore pin identifies it by).
+
+    Raises ``RecordRefused`` (a ``ManifestError``) when ``trust`` does not believe it.
+    """
+    return BackupStore(objects, trust).read_commit_raw(job, step)
 
 
-def scan_job(objects: ObjectStore, job: str) -> JobListing:
+def scan_job(objects: ObjectStore, job: str, trust: RecordTrust = OPEN) -> JobListing:
     """Every step of ``job`` with its size, items and COMMIT (one listing, one read per COMMIT)."""
     grouped, stray = group_steps(job, objects.list(f"{job}/"))
     steps: list[StepListing] = []
@@ -187,13 +197,15 @@ def scan_job(objects: ObjectStore, job: str) -> JobListing:
         names = {i.key[len(step_prefix(job, step)) :] for i in infos}
         commit: CommitRecord | None = None
         error: str | None = None
+        seal: Seal | None = None
+        refused = False
         if COMMIT in names:
             try:
-                found = read_commit_raw(objects, job, step)
+                found = BackupStore(objects, trust).read_commit_sealed(job, step)
             except ManifestError as exc:
-                error = str(exc)
+                error, refused = str(exc), isinstance(exc, RecordRefused)
             else:
-                commit = found[0] if found else None
+                commit, seal = (found[0], found[2]) if found else (None, None)
         steps.append(
             StepListing(
                 job=job,
@@ -204,6 +216,8 @@ def scan_job(objects: ObjectStore, job: str) -> JobListing:
                 manifests=sum(1 for n in names if _MANIFEST_NAME_RE.fullmatch(n)),
                 commit=commit,
                 commit_error=error,
+                seal=seal,
+                commit_refused=refused,
             )
         )
     return JobListing(job, tuple(steps), tuple(stray))
@@ -214,6 +228,8 @@ def scan_job(objects: ObjectStore, job: str) -> JobListing:
 
 class ProblemKind(StrEnum):
     INVALID_COMMIT = "invalid_commit"
+    UNTRUSTED_COMMIT = "untrusted_commit"
+    """Unsigned where a signature is required, or the signature does not hold."""
     MISSING_MANIFEST = "missing_manifest"
     INVALID_MANIFEST = "invalid_manifest"
     MANIFEST_DIGEST_MISMATCH = "manifest_digest_mismatch"
@@ -267,7 +283,7 @@ class StepVerdict:
         return not self.problems
 
 
-def plan_verify(objects: ObjectStore, job: str, step: int) -> VerifyPlan:
+def plan_verify(objects: ObjectStore, job: str, step: int, trust: RecordTrust = OPEN) -> VerifyPlan:
     """Read the step's COMMIT and every manifest it pins; list the data objects to check."""
     listed = {i.key: i for i in objects.list(step_prefix(job, step))}
     problems: list[Problem] = []
@@ -291,7 +307,10 @@ def plan_verify(objects: ObjectStore, job: str, step: int) -> VerifyPlan:
     try:
         if info is not None and info.size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"COMMIT of {info.size} bytes is too large")
-        found = read_commit_raw(objects, job, step)
+        found = read_commit_raw(objects, job, step, trust)
+    except RecordRefused as exc:
+        problems.append(Problem(ProblemKind.UNTRUSTED_COMMIT, str(exc), key=ckey))
+        return plan(True)
     except ManifestError as exc:
         problems.append(Problem(ProblemKind.INVALID_COMMIT, str(exc), key=ckey))
         return plan(True)
@@ -392,10 +411,14 @@ def run_verify(
 
 
 def verify_step(
-    objects: ObjectStore, job: str, step: int, progress: Progress = _no_progress
+    objects: ObjectStore,
+    job: str,
+    step: int,
+    progress: Progress = _no_progress,
+    trust: RecordTrust = OPEN,
 ) -> StepVerdict | None:
     """Verify one step end to end; None when it has no COMMIT at all."""
-    plan = plan_verify(objects, job, step)
+    plan = plan_verify(objects, job, step, trust)
     return run_verify(objects, plan, progress) if plan.committed else None
 
 
@@ -404,11 +427,12 @@ def find_newest_verified(
     job: str,
     steps: Iterable[int],
     progress: Callable[[VerifyPlan], Progress] = lambda _: _no_progress,
+    trust: RecordTrust = OPEN,
 ) -> tuple[int | None, list[StepVerdict]]:
     """Verify ``steps`` from the highest down until one is OK: (that step, the verdicts)."""
     verdicts: list[StepVerdict] = []
     for step in sorted(steps, reverse=True):
-        plan = plan_verify(objects, job, step)
+        plan = plan_verify(objects, job, step, trust)
         if not plan.committed:
             continue
         verdict = run_verify(objects, plan, progress(plan))
@@ -569,10 +593,13 @@ def clear_restore_pin(objects: ObjectStore, job: str, expected: RestorePin | Non
     return True
 
 
-def resolve_restore_pin(objects: ObjectStore, pin: RestorePin) -> CommitRecord:
-    """The COMMIT a pin names, if it is still exactly the one pinned; else ``StalePin``."""
+def resolve_restore_pin(
+    objects: ObjectStore, pin: RestorePin, trust: RecordTrust = OPEN
+) -> CommitRecord:
+    """The COMMIT a pin names, if it is still exactly the one pinned (and ``trust`` believes
+    it); else ``StalePin``."""
     try:
-        found = read_commit_raw(objects, pin.job, pin.step)
+        found = read_commit_raw(objects, pin.job, pin.step, trust)
     except ManifestError as exc:
         raise StalePin(f"pinned step {pin.step} of job {pin.job}: {exc}") from None
     if found is None:
@@ -805,15 +832,16 @@ class StorePins:
     ignored: the round then restores the last-known-good step, and the operator sees why.
     """
 
-    def __init__(self, objects: ObjectStore) -> None:
+    def __init__(self, objects: ObjectStore, trust: RecordTrust = OPEN) -> None:
         self.objects = objects
+        self.trust = trust
 
     def pinned_step(self, job: str) -> int | None:
         try:
             pin = read_restore_pin(self.objects, job)
             if pin is None:
                 return None
-            resolve_restore_pin(self.objects, pin)
+            resolve_restore_pin(self.objects, pin, self.trust)
         except (PinError, ObjectStoreError) as exc:
             log.warning("ignoring the restore pin of job %s: %s", job, exc)
             return None

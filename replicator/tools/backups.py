@@ -17,12 +17,16 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
 from replicator.core.manifest import ManifestError
+from replicator.core.signed import OPEN, RecordTrust
 from replicator.storage import backup_ops as ops
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
 from replicator.storage.stores import open_object_store
+from replicator.transport.signing import CaVerifier
+from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
 PROG = "mtc backups"
 
@@ -124,6 +128,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         c = sub.add_parser(name, help=help_text, description=help_text)
         c.add_argument("url", help="backup location (the daemon's --backup)")
         c.add_argument("--job", type=_job, required=job_required, help="the job's name")
+        c.add_argument(
+            "--tls-ca",
+            default=os.environ.get("MTC_TLS_CA") or None,
+            help="the nodes' CA (PEM): check that each COMMIT is signed by a node; without "
+            "it signatures are not checked [MTC_TLS_CA]",
+        )
+        c.add_argument(
+            "--tls-server-name",
+            default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
+            help="the DNS name in node certificates (default: %(default)s)",
+        )
+        c.add_argument(
+            "--accept-unsigned-records",
+            action="store_true",
+            help="with --tls-ca: take unsigned COMMITs (written before records were signed)",
+        )
         return c
 
     ls = command("list", "jobs and steps: state, items, size, age", job_required=False)
@@ -185,8 +205,9 @@ def run(args: argparse.Namespace) -> int:
         "prune": _prune,
     }
     try:
+        args.trust = _trust(args)
         objects = open_object_store(args.url)
-    except ValueError as exc:
+    except (ValueError, TlsError) as exc:
         return _fail(str(exc), 2)
     except ObjectStoreError as exc:
         return _fail(str(exc))
@@ -200,6 +221,14 @@ def run(args: argparse.Namespace) -> int:
         # Output piped into `head`: stop quietly, and keep the exit-time flush from failing too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _trust(args: argparse.Namespace) -> RecordTrust:
+    """Check COMMIT signatures against ``--tls-ca``, as the daemons do; without it, not."""
+    if not args.tls_ca:
+        return OPEN
+    verifier = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
+    return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
 
 
 def _fail(message: str, code: int = 1) -> int:
@@ -243,6 +272,7 @@ def _step_json(s: ops.StepListing, now: float) -> dict[str, Any]:
         "newest_object_at": s.newest_object_at,
         "age_seconds": _number(now - at),
         "commit_error": s.commit_error,
+        "signature": "refused" if s.commit_refused else s.seal.value if s.seal else None,
     }
 
 
@@ -250,7 +280,7 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     jobs = [args.job] if args.job else ops.list_jobs(objects)
     out: list[dict[str, Any]] = []
     for job in jobs:
-        listing = ops.scan_job(objects, job)
+        listing = ops.scan_job(objects, job, args.trust)
         try:
             pin, pin_error = ops.read_restore_pin(objects, job), None
         except ops.MalformedPin as exc:
@@ -301,11 +331,12 @@ def _print_job(job: dict[str, Any], now: float) -> None:
                 str(s["items"]),
                 str(s["objects"]),
                 ops.human_bytes(s["bytes"]),
+                s["signature"] or "-",
                 ops.human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
             ]
             for s in steps
         ]
-        _table(["STEP", "STATE", "ITEMS", "OBJECTS", "SIZE", "AGE"], rows)
+        _table(["STEP", "STATE", "ITEMS", "OBJECTS", "SIZE", "SIGNATURE", "AGE"], rows)
 
 
 # --- verify --------------------------------------------------------------------------------
@@ -344,7 +375,7 @@ def _verify_steps(
     args: argparse.Namespace, objects: ObjectStore, job: str, steps: Sequence[int]
 ) -> list[ops.StepVerdict] | None:
     """Verify ``steps`` under one progress bar; None if one of them has no COMMIT."""
-    plans = [ops.plan_verify(objects, job, s) for s in steps]
+    plans = [ops.plan_verify(objects, job, s, args.trust) for s in steps]
     if any(not p.committed for p in plans):
         return None
     bar = _bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
@@ -359,7 +390,7 @@ def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     if args.step is not None:
         steps = [args.step]
     else:
-        listing = ops.scan_job(objects, job)
+        listing = ops.scan_job(objects, job, args.trust)
         steps = [s.step for s in listing.steps if s.commit or s.commit_error]
     verdicts = _verify_steps(args, objects, job, steps)
     if verdicts is None:
@@ -405,7 +436,7 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
             print(f"job {job} had no restore pin")
         return 0
     step = args.step
-    found = ops.read_commit_raw(objects, job, step)
+    found = ops.read_commit_raw(objects, job, step, args.trust)
     if found is None:
         return _fail(
             f"step {step} of job {job} is not committed; `mtc backups list` shows which are"
@@ -455,7 +486,7 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         return _fail(
             "give a retention policy: at least one of --keep-last/-hourly/-daily/-weekly", 2
         )
-    listing = ops.scan_job(objects, job)
+    listing = ops.scan_job(objects, job, args.trust)
     try:
         pin = ops.read_restore_pin(objects, job)
     except ops.MalformedPin as exc:
@@ -471,7 +502,9 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
             return bars[-1]
 
         try:
-            newest_verified, verdicts = ops.find_newest_verified(objects, job, committed, bar_for)
+            newest_verified, verdicts = ops.find_newest_verified(
+                objects, job, committed, bar_for, args.trust
+            )
         finally:
             for b in bars:
                 b.close()

@@ -59,11 +59,16 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def new_ca(name: str = "mtc-replicator CA", *, days: int = 3650) -> Pair:
-    """A self-signed CA that may sign node certificates and nothing below them."""
+def new_ca(
+    name: str = "mtc-replicator CA", *, days: int = 3650, not_before: dt.datetime | None = None
+) -> Pair:
+    """A self-signed CA that may sign node certificates and nothing below them.
+
+    ``not_before`` moves the validity window (tests date records before today with it).
+    """
     key = _key()
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    start = _now() - dt.timedelta(minutes=5)  # clocks across a cluster differ a little
+    start = not_before or (_now() - dt.timedelta(minutes=5))  # clocks differ a little
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)

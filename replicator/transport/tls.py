@@ -153,6 +153,15 @@ class TlsMaterial:
         with self._lock:
             return self._pem
 
+    def identity(self) -> tuple[bytes, bytes]:
+        """The current certificate chain and key (PEM): what signs records (``signing``)."""
+        pem = self._current()
+        return pem.cert, pem.key
+
+    def ca_bundle(self) -> bytes:
+        """The current CA bundle (PEM)."""
+        return self._current().ca
+
     # --- gRPC ---------------------------------------------------------------------------
 
     def server_credentials(self) -> grpc.ServerCredentials:

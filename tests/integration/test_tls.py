@@ -286,6 +286,9 @@ def test_an_impostor_in_the_registry_is_refused_and_reported(tmp_path: Path) -> 
                     "--registry",
                     registry_dir.as_uri(),
                     *node_tls(tmp_path / "rank1-tls", ca).args(),
+                    # The entry is unsigned: let it through to the handshake this tests
+                    # (test_signed_records refuses it before any dial).
+                    "--accept-unsigned-records",
                 ),
             ) as rank1,
         ):

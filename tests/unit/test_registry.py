@@ -60,7 +60,7 @@ MALFORMED: dict[str, bytes] = {
     "not utf-8": b"\xff\xfe\x00",
     "a list": b"[1, 2]",
     "empty": b"",
-    "oversize": json.dumps(good_json(pad="x" * 5000)).encode(),
+    "oversize": json.dumps(good_json(pad="x" * 40000)).encode(),
     "no version": json.dumps({k: v for k, v in good_json().items() if k != "version"}).encode(),
     "version 2": json.dumps(good_json(version=2)).encode(),
     "version true": json.dumps(good_json(version=True)).encode(),
