@@ -7,11 +7,14 @@ or digit. An entry only says where to look. It is never trusted: the coordinator
 every call with its job and id, and an agent that reaches one that does not serve its job
 looks the registry up again (docs/architecture.md, "Rounds and incarnations").
 
-Last writer wins: ``register`` overwrites whatever is there, because the newest coordinator
-of a job is the one to find, and object stores offer no portable compare-and-swap. That is
-safe because a stale or superseded entry costs an agent one failed call and a re-lookup,
-never a wrong join. Readers never see half an entry: every backend publishes a whole object
-at once (temp + rename for files).
+An entry also records the job's owner (``core.ownership``): ``claim`` creates it
+create-only, and replaces it only for a rank 0 of the same owner, so a pod of another
+namespace cannot move a job's coordinator to its own node. Within one owner the newest
+registration wins, because the newest coordinator is the one to find and object stores
+offer no portable compare-and-swap; a stale entry costs an agent one failed call and a
+re-lookup, never a wrong join. Entries are never deleted by the daemon: an entry whose
+coordinator is gone keeps the job name its owner's. Readers never see half an entry: every
+backend publishes a whole object at once (temp + rename for files).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from replicator.core.contract import JOB_NAME_RE
-from replicator.storage.objectstore import ObjectNotFound, ObjectStore
+from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_claim
+from replicator.storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from replicator.storage.stores import open_object_store
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,10 @@ _FIELDS = ("job", "address", "coordinator_id", "registered_at")
 
 class MalformedEntry(ValueError):
     """A registry entry (or one being registered) breaks a rule; the message names it."""
+
+
+class OwnedByAnother(Exception):
+    """The job's registry entry belongs to another owner: this rank 0 may not take it."""
 
 
 def check_job(job: str) -> str:
@@ -86,9 +94,15 @@ class RegistryEntry:
     """Random per coordinator life; the coordinator returns it with every answer."""
     registered_at: float
     """Wall-clock seconds of the registration, for diagnostics (clocks differ by node)."""
+    owner: str = UNOWNED
+    """The job's owner (a namespace); absent in entries written before owners: unowned."""
 
     def __post_init__(self) -> None:
         check_job(self.job)
+        try:
+            check_owner(self.owner)
+        except BadOwner as exc:
+            raise MalformedEntry(str(exc)) from None
         check_address(self.address)
         if not isinstance(self.coordinator_id, str) or not COORDINATOR_ID_RE.fullmatch(
             self.coordinator_id
@@ -106,6 +120,7 @@ class RegistryEntry:
             "address": self.address,
             "coordinator_id": self.coordinator_id,
             "registered_at": self.registered_at,
+            "owner": self.owner,
         }
         return json.dumps(body, sort_keys=True).encode()
 
@@ -132,6 +147,7 @@ class RegistryEntry:
             address=data["address"],
             coordinator_id=data["coordinator_id"],
             registered_at=data["registered_at"],
+            owner=data.get("owner", UNOWNED),
         )
 
 
@@ -158,15 +174,51 @@ class Registry:
     def url(self) -> str:
         return self.objects.url
 
-    def register(self, entry: RegistryEntry) -> None:
-        """Publish ``entry`` for its job, replacing any older one (last writer wins)."""
-        self.objects.put_bytes(entry_key(entry.job), entry.to_json())
+    def claim(self, entry: RegistryEntry) -> None:
+        """Publish ``entry`` for its job unless the job belongs to another owner.
+
+        The first registration of a job is a create-only write, so of two first claims one
+        wins and the other compares owners with it. An existing entry is replaced only when
+        ``core.ownership.may_claim`` allows it; raises ``OwnedByAnother`` otherwise, leaving
+        the entry as it was. A malformed entry is nobody's and is replaced (only bucket
+        writers can plant one). Replacing after the read is not atomic: an entry deleted
+        and re-created by another owner in between would be overwritten, but daemons never
+        delete entries, so only a bucket writer can open that gap.
+        """
+        key = entry_key(entry.job)
+        data = entry.to_json()
+        for _ in range(3):
+            try:
+                self.objects.put_bytes(key, data, if_absent=True)
+                break
+            except PreconditionFailed:
+                pass
+            try:
+                raw = self.objects.get_bytes(key)
+            except ObjectNotFound:
+                continue  # gone since the create failed: try creating it again
+            current = self._parse(key, entry.job, raw)
+            if not may_claim(None if current is None else current.owner, entry.owner):
+                raise OwnedByAnother(
+                    f"job {entry.job} is registered to another owner; a job name belongs to "
+                    "the namespace that first ran it"
+                )
+            self.objects.put_bytes(key, data)
+            break
+        else:
+            raise OwnedByAnother(f"job {entry.job}'s registry entry keeps changing; try again")
         log.info(
-            "registered coordinator job=%s address=%s id=%s",
+            "registered coordinator job=%s address=%s id=%s owner=%s",
             entry.job,
             entry.address,
             entry.coordinator_id,
+            entry.owner or "(unowned)",
         )
+
+    def register(self, entry: RegistryEntry) -> None:
+        """Publish ``entry`` whoever owns the job (last writer wins): for tests and tools
+        that stand in for a bucket writer; daemons ``claim``."""
+        self.objects.put_bytes(entry_key(entry.job), entry.to_json())
 
     def lookup(self, job: str) -> RegistryEntry | None:
         """The registered coordinator of ``job``, or None if none or the entry is malformed.
@@ -179,6 +231,10 @@ class Registry:
             raw = self.objects.get_bytes(key)
         except ObjectNotFound:
             return None
+        return self._parse(key, job, raw)
+
+    @staticmethod
+    def _parse(key: str, job: str, raw: bytes) -> RegistryEntry | None:
         try:
             entry = RegistryEntry.from_json(raw)
         except MalformedEntry as exc:
@@ -190,21 +246,6 @@ class Registry:
             )
             return None
         return entry
-
-    def unregister(self, job: str, coordinator_id: str) -> bool:
-        """Remove ``job``'s entry if it is still ``coordinator_id``'s; True if removed.
-
-        Best effort: read, compare, delete is not atomic on object stores, so a newer
-        registration landing in between is removed too. A live coordinator therefore
-        re-registers when it finds its job's entry missing (never when it finds another
-        coordinator's, which is newer).
-        """
-        current = self.lookup(job)
-        if current is None or current.coordinator_id != coordinator_id:
-            return False
-        self.objects.delete(entry_key(job))
-        log.info("unregistered coordinator job=%s id=%s", job, coordinator_id)
-        return True
 
 
 def open_registry(url: str) -> Registry:

@@ -40,6 +40,7 @@ from replicator.core.contract import (
     parse_config,
 )
 from replicator.core.manifest import CorruptItem, ItemId, ManifestError
+from replicator.core.ownership import UNOWNED
 from replicator.core.policy import (
     Entry,
     Handoff,
@@ -190,9 +191,13 @@ class Incarnation:
         config_text: str,
         incarnation_id: str | None = None,
         resume_steady: bool = False,
+        owner: str = UNOWNED,
     ) -> None:
         self.config = config
         self.ctx = ctx
+        self.owner = owner
+        """Who this job belongs to (``core.ownership``), as read at the handshake; every
+        join carries it."""
         self.id = incarnation_id or uuid.uuid4().hex[:16]
         self.config_text = config_text
         self.log = JobLog(log, config.job_name, config.node_rank)
@@ -284,14 +289,14 @@ class Incarnation:
         if self.config.nodes == 1:
             if ctx.coordinators is None:
                 raise RestoreBlocked("this daemon hosts no coordinators")
-            finder = LocalFinder(ctx.coordinators)
+            finder = LocalFinder(ctx.coordinators, owner=self.owner)
         elif ctx.peers is None or ctx.registry is None:
             raise RestoreBlocked(
                 f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
                 "to find its coordinator"
             )
         else:
-            finder = RegistryFinder(ctx.registry, ctx.tls)
+            finder = RegistryFinder(ctx.registry, ctx.tls, owner=self.owner)
         return ClusterMember(
             MemberContext(
                 config=self.config,
