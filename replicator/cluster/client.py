@@ -45,6 +45,7 @@ from replicator.cluster.messages import (
 from replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
 from replicator.core.coordination import JoinRejected, ProgressAnswer
 from replicator.core.manifest import ItemId
+from replicator.core.ownership import UNOWNED
 from replicator.core.retry import Backoff
 from replicator.storage.objectstore import ObjectStoreError
 from replicator.transport.tls import TlsMaterial, open_channel, refused_certificate
@@ -159,10 +160,13 @@ class CoordinatorClient(IdentityChecked):
         *,
         timeout: float = CALL_TIMEOUT,
         tls: TlsMaterial | None = None,
+        owner: str = UNOWNED,
     ) -> None:
         self.job = job
         self.address = address
         self.timeout = timeout
+        self.owner = owner
+        """This node's owner, sent with every join (``core.ownership``)."""
         self.coordinator_id: str | None = None
         """The id that answered first; None before any answer."""
         self._channel = open_channel(address, CHANNEL_OPTIONS, tls)
@@ -175,8 +179,9 @@ class CoordinatorClient(IdentityChecked):
         *,
         timeout: float = CALL_TIMEOUT,
         tls: TlsMaterial | None = None,
+        owner: str = UNOWNED,
     ) -> CoordinatorClient:
-        return cls(entry.job, entry.address, timeout=timeout, tls=tls)
+        return cls(entry.job, entry.address, timeout=timeout, tls=tls, owner=owner)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -201,6 +206,8 @@ class CoordinatorClient(IdentityChecked):
             return NoCoordinator(message)
         if code is grpc.StatusCode.FAILED_PRECONDITION:
             return JoinRejected(details) if method == "Join" else NotAMember(message)
+        if code is grpc.StatusCode.PERMISSION_DENIED and method == "Join":
+            return JoinRejected(details)  # another owner's job: never ours to join
         return CoordinatorError(message)
 
     def _check(self, identity: pb.CoordinatorIdentity, method: str) -> None:
@@ -222,6 +229,7 @@ class CoordinatorClient(IdentityChecked):
             cluster_view=cluster_view,
             address=address,
             items=held_items(items),
+            owner=self.owner,
         )
         try:
             response = await self._stub.Join(request, timeout=self.timeout)

@@ -31,13 +31,21 @@ from replicator.cluster.registry import Registry
 from replicator.cluster.service import (
     BackupsUnavailable,
     Coordinators,
+    ForeignOwner,
     Identity,
     NotHosted,
     NotInReleasedRound,
     Progress,
 )
-from replicator.core.coordination import Phase, ProgressAnswer, RankStatus, ReportRefused
+from replicator.core.coordination import (
+    JoinRejected,
+    Phase,
+    ProgressAnswer,
+    RankStatus,
+    ReportRefused,
+)
 from replicator.core.manifest import ItemId
+from replicator.core.ownership import UNOWNED
 from replicator.core.restore_plan import NodeInventory
 from replicator.transport.tls import TlsMaterial
 
@@ -61,31 +69,36 @@ class RegistryFinder:
     """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC
     (mutual TLS with ``tls``: an entry whose address fails the handshake is never joined)."""
 
-    def __init__(self, registry: Registry, tls: TlsMaterial | None = None) -> None:
+    def __init__(
+        self, registry: Registry, tls: TlsMaterial | None = None, *, owner: str = UNOWNED
+    ) -> None:
         self.registry = registry
         self.tls = tls
+        self.owner = owner
+        """This node's owner, which every join carries."""
 
     async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
         entry = await find_coordinator(self.registry, job, timeout=timeout)
-        return CoordinatorClient.for_entry(entry, tls=self.tls)
+        return CoordinatorClient.for_entry(entry, tls=self.tls, owner=self.owner)
 
     def open(self, job: str, address: str) -> CoordinatorLink:
-        return CoordinatorClient(job, address, tls=self.tls)
+        return CoordinatorClient(job, address, tls=self.tls, owner=self.owner)
 
 
 class LocalFinder:
     """A one-node job's coordinator: hosted by this daemon, called in process."""
 
-    def __init__(self, coordinators: Coordinators) -> None:
+    def __init__(self, coordinators: Coordinators, *, owner: str = UNOWNED) -> None:
         self.coordinators = coordinators
+        self.owner = owner
 
     async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
         if self.coordinators.host.get(job) is None:
             raise NoCoordinator(f"this daemon hosts no coordinator for job {job}")
-        return LocalCoordinator(self.coordinators, job)
+        return LocalCoordinator(self.coordinators, job, owner=self.owner)
 
     def open(self, job: str, address: str) -> CoordinatorLink:
-        return LocalCoordinator(self.coordinators, job)
+        return LocalCoordinator(self.coordinators, job, owner=self.owner)
 
 
 class LocalCoordinator(IdentityChecked):
@@ -95,9 +108,10 @@ class LocalCoordinator(IdentityChecked):
     check; the answers go through the same identity check as a gRPC client's.
     """
 
-    def __init__(self, coordinators: Coordinators, job: str) -> None:
+    def __init__(self, coordinators: Coordinators, job: str, *, owner: str = UNOWNED) -> None:
         self.coordinators = coordinators
         self.job = job
+        self.owner = owner
         self.address = LOCAL_ADDRESS
         self.coordinator_id: str | None = None
 
@@ -124,8 +138,10 @@ class LocalCoordinator(IdentityChecked):
         inventory = NodeInventory(rank, address, dict(items))
         try:
             identity, round_ = await self.coordinators.join(
-                self.job, incarnation_id, cluster_view, inventory
+                self.job, incarnation_id, cluster_view, inventory, self.owner
             )
+        except ForeignOwner as exc:
+            raise JoinRejected(str(exc)) from None
         except (NotHosted, BackupsUnavailable, BadMessage) as exc:
             raise self._error(exc, "Join") from None
         self._check(identity, "Join")

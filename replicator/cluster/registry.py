@@ -7,15 +7,18 @@ or digit. An entry only says where to look. It is never trusted: the coordinator
 every call with its job and id, and an agent that reaches one that does not serve its job
 looks the registry up again (docs/architecture.md, "Rounds and incarnations").
 
-Last writer wins: ``register`` overwrites whatever is there, because the newest coordinator
-of a job is the one to find, and object stores offer no portable compare-and-swap. That is
-safe because a stale or superseded entry costs an agent one failed call and a re-lookup,
-never a wrong join. Readers never see half an entry: every backend publishes a whole object
-at once (temp + rename for files).
+An entry also records the job's owner (``core.ownership``): ``claim`` creates it
+create-only, and replaces it only for a rank 0 of the same owner, so a pod of another
+namespace cannot move a job's coordinator to its own node. Within one owner the newest
+registration wins, because the newest coordinator is the one to find and object stores
+offer no portable compare-and-swap; a stale entry costs an agent one failed call and a
+re-lookup, never a wrong join. Entries are never deleted by the daemon: an entry whose
+coordinator is gone keeps the job name its owner's. Readers never see half an entry: every
+backend publishes a whole object at once (temp + rename for files).
 
 Entries are signed by the registering node (``core.signed``, the whole entry, so every
-field is covered): with TLS on, an unsigned or forged entry is refused (``RefusedEntry``)
-and never dialled.
+field, the owner included, is covered): with TLS on, an unsigned or forged entry is refused
+(``RefusedEntry``), never dialled, and is nobody's when a rank 0 claims the job.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from replicator.core.contract import JOB_NAME_RE
+from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_claim
 from replicator.core.signed import OPEN, REGISTRY_KIND, RecordRefused, RecordTrust
-from replicator.storage.objectstore import ObjectNotFound, ObjectStore
+from replicator.storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from replicator.storage.stores import open_object_store
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,10 @@ class MalformedEntry(ValueError):
 
 class RefusedEntry(MalformedEntry):
     """A registry entry is well formed but not signed by a node of the stack."""
+
+
+class OwnedByAnother(Exception):
+    """The job's registry entry belongs to another owner: this rank 0 may not take it."""
 
 
 def check_job(job: str) -> str:
@@ -95,9 +103,15 @@ class RegistryEntry:
     """Random per coordinator life; the coordinator returns it with every answer."""
     registered_at: float
     """Wall-clock seconds of the registration, for diagnostics (clocks differ by node)."""
+    owner: str = UNOWNED
+    """The job's owner (a namespace); absent in entries written before owners: unowned."""
 
     def __post_init__(self) -> None:
         check_job(self.job)
+        try:
+            check_owner(self.owner)
+        except BadOwner as exc:
+            raise MalformedEntry(str(exc)) from None
         check_address(self.address)
         if not isinstance(self.coordinator_id, str) or not COORDINATOR_ID_RE.fullmatch(
             self.coordinator_id
@@ -116,6 +130,7 @@ class RegistryEntry:
             "address": self.address,
             "coordinator_id": self.coordinator_id,
             "registered_at": self.registered_at,
+            "owner": self.owner,
         }
 
     def to_json(self, trust: RecordTrust = OPEN) -> bytes:
@@ -145,6 +160,7 @@ class RegistryEntry:
             address=data["address"],
             coordinator_id=data["coordinator_id"],
             registered_at=data["registered_at"],
+            owner=data.get("owner", UNOWNED),
         )
 
 
@@ -173,15 +189,54 @@ class Registry:
     def url(self) -> str:
         return self.objects.url
 
-    def register(self, entry: RegistryEntry) -> None:
-        """Publish ``entry`` for its job, replacing any older one (last writer wins)."""
-        self.objects.put_bytes(entry_key(entry.job), entry.to_json(self.trust))
+    def claim(self, entry: RegistryEntry) -> None:
+        """Publish ``entry`` for its job unless the job belongs to another owner.
+
+        The first registration of a job is a create-only write, so of two first claims one
+        wins and the other compares owners with it. An existing entry is replaced only when
+        ``core.ownership.may_claim`` allows it; raises ``OwnedByAnother`` otherwise, leaving
+        the entry as it was. A malformed entry is nobody's and is replaced (only bucket
+        writers can plant one), and so is one ``trust`` refuses. Replacing after the read is
+        not atomic: an entry deleted and re-created by another owner in between would be
+        overwritten, but daemons never delete entries, so only a bucket writer can open
+        that gap.
+        """
+        key = entry_key(entry.job)
+        data = entry.to_json(self.trust)
+        for _ in range(3):
+            try:
+                self.objects.put_bytes(key, data, if_absent=True)
+                break
+            except PreconditionFailed:
+                pass
+            try:
+                raw = self.objects.get_bytes(key)
+            except ObjectNotFound:
+                continue  # gone since the create failed: try creating it again
+            current = self._parse(key, entry.job, raw)
+            if current is not None and not self._trusted(raw, current):
+                current = None  # a forgery names no owner worth keeping
+            if not may_claim(None if current is None else current.owner, entry.owner):
+                raise OwnedByAnother(
+                    f"job {entry.job} is registered to another owner; a job name belongs to "
+                    "the namespace that first ran it"
+                )
+            self.objects.put_bytes(key, data)
+            break
+        else:
+            raise OwnedByAnother(f"job {entry.job}'s registry entry keeps changing; try again")
         log.info(
-            "registered coordinator job=%s address=%s id=%s",
+            "registered coordinator job=%s address=%s id=%s owner=%s",
             entry.job,
             entry.address,
             entry.coordinator_id,
+            entry.owner or "(unowned)",
         )
+
+    def register(self, entry: RegistryEntry) -> None:
+        """Publish ``entry`` whoever owns the job (last writer wins): for tests and tools
+        that stand in for a bucket writer; daemons ``claim``."""
+        self.objects.put_bytes(entry_key(entry.job), entry.to_json(self.trust))
 
     def lookup(self, job: str) -> RegistryEntry | None:
         """The registered coordinator of ``job``, or None if none or the entry is malformed.
@@ -195,6 +250,18 @@ class Registry:
             raw = self.objects.get_bytes(key)
         except ObjectNotFound:
             return None
+        entry = self._parse(key, job, raw)
+        if entry is not None:
+            try:
+                self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
+            except RecordRefused as exc:
+                raise RefusedEntry(
+                    f"refused the registry entry {key} of job {job}: {exc}"
+                ) from None
+        return entry
+
+    @staticmethod
+    def _parse(key: str, job: str, raw: bytes) -> RegistryEntry | None:
         try:
             entry = RegistryEntry.from_json(raw)
         except MalformedEntry as exc:
@@ -205,28 +272,14 @@ class Registry:
                 "ignoring registry entry %s of job=%s: it names job %s", key, job, entry.job
             )
             return None
+        return entry
+
+    def _trusted(self, raw: bytes, entry: RegistryEntry) -> bool:
         try:
             self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
         except RecordRefused as exc:
-            raise RefusedEntry(f"refused the registry entry {key} of job {job}: {exc}") from None
-        return entry
-
-    def unregister(self, job: str, coordinator_id: str) -> bool:
-        """Remove ``job``'s entry if it is still ``coordinator_id``'s; True if removed.
-
-        Best effort: read, compare, delete is not atomic on object stores, so a newer
-        registration landing in between is removed too. A live coordinator therefore
-        re-registers when it finds its job's entry missing (never when it finds another
-        coordinator's, which is newer).
-        """
-        try:
-            current = self.lookup(job)
-        except RefusedEntry:
-            return False  # not ours: ours are signed
-        if current is None or current.coordinator_id != coordinator_id:
+            log.warning("registry entry of job=%s refused: %s", entry.job, exc)
             return False
-        self.objects.delete(entry_key(job))
-        log.info("unregistered coordinator job=%s id=%s", job, coordinator_id)
         return True
 
 

@@ -54,6 +54,7 @@ from replicator.core.coordination import (
     RankStatus,
     ReportRefused,
 )
+from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_join
 from replicator.core.restore_plan import NodeInventory, SourceKey
 from replicator.obs.logs import JobLog
 
@@ -65,6 +66,7 @@ __all__ = [
     "CoordinatorHost",
     "CoordinatorServicer",
     "Coordinators",
+    "ForeignOwner",
     "HostedJob",
     "Identity",
     "NotHosted",
@@ -91,18 +93,24 @@ class NotInReleasedRound(Exception):
     """The caller's incarnation is not a member of the released round; it must join again."""
 
 
+class ForeignOwner(PermissionError):
+    """A join from another owner than the job's: refused, with nothing about the job."""
+
+
 class BackupsUnavailable(Exception):
     """The committed backups could not be listed: planning without them could lose steps."""
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The one place that turns a servicer-side exception into a gRPC status."""
-    if isinstance(exc, BadMessage | ReportRefused):
+    if isinstance(exc, BadMessage | ReportRefused | BadOwner):
         code = grpc.StatusCode.INVALID_ARGUMENT
     elif isinstance(exc, NotHosted):
         code = grpc.StatusCode.NOT_FOUND
     elif isinstance(exc, JoinRejected | NotInReleasedRound):
         code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, ForeignOwner):
+        code = grpc.StatusCode.PERMISSION_DENIED
     elif isinstance(exc, BackupsUnavailable):
         code = grpc.StatusCode.UNAVAILABLE
     else:
@@ -128,6 +136,8 @@ class HostedJob:
 
     coordinator: JobCoordinator
     coordinator_id: str
+    owner: str = UNOWNED
+    """The job's owner (``core.ownership``): the only one whose joins are admitted."""
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (and replaced) on every change, so that long polls look again."""
     backups_noted: bool = False
@@ -163,22 +173,28 @@ class CoordinatorHost:
         *,
         resume_steady: bool = False,
         rank0_incarnation: str | None = None,
+        owner: str = UNOWNED,
     ) -> JobCoordinator:
-        """Host ``config``'s job (this node accepted its ``replicator.yaml`` as rank 0).
+        """Host ``config``'s job for ``owner`` (this node accepted its ``replicator.yaml`` as
+        rank 0).
 
-        A new incarnation of rank 0 with the same cluster-wide keys keeps the coordinator:
-        the state machine opens the new round when rank 0's ``rank0_incarnation`` joins (the
-        daemon names it: only it can tell a job restart from a stray join). Other keys
-        replace it with a new one (and a new id, so agents notice and re-join under rank
-        0's config).
+        A new incarnation of rank 0 with the same owner and cluster-wide keys keeps the
+        coordinator: the state machine opens the new round when rank 0's
+        ``rank0_incarnation`` joins (the daemon names it: only it can tell a job restart from
+        a stray join). Other keys replace it with a new one (and a new id, so agents notice
+        and re-join under rank 0's config).
         """
         job = config.job_name
         current = self._jobs.get(job)
-        if current is not None and current.coordinator.cluster_view == cluster_view:
+        if (
+            current is not None
+            and current.coordinator.cluster_view == cluster_view
+            and current.owner == owner
+        ):
             current.coordinator.rank0_incarnation = rank0_incarnation
             return current.coordinator
         coordinator = JobCoordinator(config, cluster_view, rank0_incarnation)
-        hosted = HostedJob(coordinator, self._new_id())
+        hosted = HostedJob(coordinator, self._new_id(), check_owner(owner))
         if resume_steady:
             hosted.coordinator.resume_steady()
         self._jobs[job] = hosted
@@ -288,6 +304,14 @@ class Coordinators:
             raise BadMessage(f"rank {rank} is out of range for job {job}")
         return hosted
 
+    def _admit(self, job: str, rank: int, owner: str) -> HostedJob:
+        """The job, if ``owner`` may join it: checked before anything else about the job
+        (its ranks, round or members) is looked at, so a refusal tells nothing of it."""
+        hosted = self.host.get(job)
+        if hosted is not None and not may_join(hosted.owner, owner):
+            raise ForeignOwner(f"join refused: job {job} belongs to another owner")
+        return self.hosted(job, rank)
+
     def _list(self, job: str) -> Listing:
         return self.backups_for(job), (self.pins.pinned_step(job) if self.pins else None)
 
@@ -316,13 +340,18 @@ class Coordinators:
             listing.exception()  # retrieved here too: its joins may all have gone
 
     async def join(
-        self, job: str, incarnation: str, cluster_view: str, inventory: NodeInventory
+        self,
+        job: str,
+        incarnation: str,
+        cluster_view: str,
+        inventory: NodeInventory,
+        owner: str = UNOWNED,
     ) -> tuple[Identity, int]:
-        """Admit a join; returns who answered and the round it counts for."""
+        """Admit a join of ``owner``'s; returns who answered and the round it counts for."""
         rank = inventory.rank
-        self.hosted(job, rank)  # NOT_FOUND before listing any backups
+        self._admit(job, rank, owner)  # before listing any backups
         backups, pinned = await self._committed_backups(job)
-        hosted = self.hosted(job, rank)  # it may have been replaced meanwhile
+        hosted = self._admit(job, rank, owner)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
         round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
         if coordinator.phase is Phase.FETCH:
@@ -510,10 +539,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             address = check_address(request.address)
             if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
                 raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
+            owner = check_owner(request.owner)
             items = inventory_items(job, request.items)
             inventory = NodeInventory(request.rank, address, items)
             identity, round_ = await self.coordinators.join(
-                job, incarnation, request.cluster_view, inventory
+                job, incarnation, request.cluster_view, inventory, owner
             )
             return pb.JoinResponse(coordinator=_identity(identity), round=round_)
         except Exception as exc:

@@ -41,6 +41,7 @@ from replicator.core.contract import (
     parse_config,
 )
 from replicator.core.manifest import CorruptItem, ItemId, ManifestError
+from replicator.core.ownership import UNOWNED
 from replicator.core.policy import (
     Entry,
     Handoff,
@@ -180,6 +181,11 @@ def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]
     return removed
 
 
+def new_incarnation_id() -> str:
+    """A fresh incarnation id: 16 hex digits, unique per accepted handshake."""
+    return uuid.uuid4().hex[:16]
+
+
 class Incarnation:
     """The life of one accepted ``replicator.yaml`` on this node."""
 
@@ -191,10 +197,14 @@ class Incarnation:
         config_text: str,
         incarnation_id: str | None = None,
         resume_steady: bool = False,
+        owner: str = UNOWNED,
     ) -> None:
         self.config = config
         self.ctx = ctx
-        self.id = incarnation_id or uuid.uuid4().hex[:16]
+        self.owner = owner
+        """Who this job belongs to (``core.ownership``), as read at the handshake; every
+        join carries it."""
+        self.id = incarnation_id or new_incarnation_id()
         self.config_text = config_text
         self.log = JobLog(log, config.job_name, config.node_rank)
         self.phase = IncarnationPhase.STEADY if resume_steady else IncarnationPhase.RESTORING
@@ -285,14 +295,14 @@ class Incarnation:
         if self.config.nodes == 1:
             if ctx.coordinators is None:
                 raise RestoreBlocked("this daemon hosts no coordinators")
-            finder = LocalFinder(ctx.coordinators)
+            finder = LocalFinder(ctx.coordinators, owner=self.owner)
         elif ctx.peers is None or ctx.registry is None:
             raise RestoreBlocked(
                 f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
                 "to find its coordinator"
             )
         else:
-            finder = RegistryFinder(ctx.registry, ctx.tls)
+            finder = RegistryFinder(ctx.registry, ctx.tls, owner=self.owner)
         return ClusterMember(
             MemberContext(
                 config=self.config,

@@ -32,7 +32,7 @@ try:
 except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
     uvloop = None  # type: ignore[assignment]
 from replicator.cluster.messages import cluster_view_json
-from replicator.cluster.registry import Registry, RegistryEntry, open_registry
+from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
 from replicator.core.admission import MAX_STEP_LEAD, Served
@@ -49,6 +49,7 @@ from replicator.core.contract import (
     parse_config,
     parse_save_name,
 )
+from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
 from replicator.local.store import LocalStore, StoreError
 from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
@@ -56,6 +57,7 @@ from replicator.node.agent import (
     Incarnation,
     IncarnationPhase,
     cleanup_workload_files,
+    new_incarnation_id,
     restore_saved,
     save_state,
 )
@@ -150,6 +152,9 @@ class DaemonOptions:
     idle_timeout_seconds: float = IDLE_SECONDS
     """How long a transfer from or to a peer may make no progress before it is dropped,
     its space reservation and staging with it."""
+    owner_file: Path | None = None
+    """The CSI plugin's ``owner.json``: whose pod published CHECKPOINT_DIR, read at every
+    handshake; None: jobs are unowned (local runs, the demo)."""
 
 
 def _data_port(value: str) -> int | None:
@@ -297,6 +302,14 @@ def parse_args(
         help="a peer transfer with no progress this long is dropped, with its space "
         "reservation and staging (default: %(default)s) [MTC_IDLE_TIMEOUT_SECONDS]",
     )
+    p.add_argument(
+        "--owner-file",
+        type=Path,
+        default=env.get("MTC_OWNER_FILE") or None,
+        help="the owner.json the CSI plugin writes (the namespace of the pod that published "
+        "CHECKPOINT_DIR); every job this node runs belongs to that namespace, and a job name "
+        "registered by another is refused; without it jobs are unowned [MTC_OWNER_FILE]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if not a.idle_timeout_seconds > 0:
@@ -332,6 +345,7 @@ def parse_args(
         expand_vars=a.expand_vars,
         max_step_lead=a.max_step_lead,
         idle_timeout_seconds=a.idle_timeout_seconds,
+        owner_file=a.owner_file.absolute() if a.owner_file is not None else None,
     )
 
 
@@ -504,17 +518,13 @@ class Daemon:
         watcher.start(loop)
         resumed = restore_saved(self.ctx)
         if resumed is not None:
-            log.info(
-                "resuming incarnation %s of job %s (phase %s)",
-                resumed.id,
-                resumed.config.job_name,
-                resumed.phase,
+            await self._resume(resumed)
+        if self.opts.owner_file is None:
+            log.warning(
+                "no --owner-file: every job on this node is unowned, and any pod that can "
+                "write a replicator.yaml can take over any unowned job's coordinator "
+                "(SECURITY.md)"
             )
-            self.incarnation = resumed
-            await self._host_coordinator(
-                resumed.config, resume_steady=resumed.phase is IncarnationPhase.STEADY
-            )
-            resumed.start()
         if self.tls is None:
             log.warning(
                 "TLS is off: the gRPC port %s and the data port are unauthenticated and "
@@ -534,7 +544,7 @@ class Daemon:
             )
         log.info(
             "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s tls=%s "
-            "health=%s metrics=%s data-port=%s",
+            "health=%s metrics=%s data-port=%s owner-file=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.listen_address,
@@ -545,6 +555,7 @@ class Daemon:
             self.health_address,
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",
+            self.opts.owner_file or "off",
         )
         await rpc.set_serving()
         try:
@@ -630,16 +641,37 @@ class Daemon:
             await self._accept(config, text)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
-        log.error("rejecting %s%s: %s", CONFIG_FILE, f" {when}" if when else "", exc)
+        await self._refuse(
+            text,
+            f"{exc}{' (' + when + ')' if when else ''}",
+            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename)",
+        )
+
+    async def _refuse(self, text: str, reason: str, remedy: str) -> None:
+        """Refuse the handshake ``text``: ``replicator.failed`` says why, nothing committed
+        is touched."""
+        log.error("rejecting %s: %s", CONFIG_FILE, reason)
         self.metrics.error(ErrorKind.CONFIG)
         await self._end_incarnation()
-        message = (
-            f"{exc}{' (' + when + ')' if when else ''}.\n"
-            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename); "
-            "committed checkpoints on this node were not touched.\n"
-        )
+        message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
         fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
         self._delete_config(text)
+
+    def _read_owner(self) -> str:
+        """The namespace this node's pod belongs to now (UNOWNED without ``--owner-file``);
+        raises ``BadOwner`` when the file is missing or malformed."""
+        path = self.opts.owner_file
+        if path is None:
+            return UNOWNED
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_OWNER_FILE_BYTES + 1)
+        except OSError as exc:
+            raise BadOwner(f"cannot read the owner file {path}: {exc.strerror or exc}") from None
+        try:
+            return parse_owner(raw).namespace
+        except BadOwner as exc:
+            raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
 
     def _delete_config(self, accepted: str) -> None:
         # Only the text we judged: a newer handshake written meanwhile must survive.
@@ -649,53 +681,83 @@ class Daemon:
         self._pending = None
 
     async def _host_coordinator(
-        self, config: JobConfig | None, *, resume_steady: bool = False
+        self,
+        config: JobConfig | None,
+        owner: str = UNOWNED,
+        *,
+        incarnation: str | None = None,
+        resume_steady: bool = False,
     ) -> None:
-        """Host the job's coordinator when this node is its rank 0; drop any other.
+        """Host the job's coordinator for ``owner`` when this node is its rank 0; drop any
+        other.
 
         A cluster job's coordinator is registered for the other ranks to find; a one-node
-        job's is called in process by its agent only, so it needs no registry.
+        job's is called in process by its agent only, so it needs no registry. Raises
+        ``OwnedByAnother`` (hosting nothing) when the job is registered to another owner.
+        Entries of dropped coordinators stay: they keep their job names their owners'.
 
         A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
-        released round, which keeps stale agents out of the new one). A daemon restarted
+        released round, which keeps stale agents out of the new one); ``incarnation``, the one
+        that runs rank 0 here, is the only one that may open a new round. A daemon restarted
         while its job runs (``resume_steady``) hosts one that takes the running ranks back.
         """
         keep = config.job_name if config is not None and config.node_rank == 0 else None
-        # The incarnation that runs rank 0 here: the only one that may open a new round.
-        incarnation = None if self.incarnation is None else self.incarnation.id
         for job in self.coordinators.jobs():
             hosted = self.coordinators.get(job)
             if job != keep and hosted is not None:
                 self.coordinators.drop(job)
-                if self.registry is not None and hosted.coordinator.config.nodes > 1:
-                    await asyncio.to_thread(self.registry.unregister, job, hosted.coordinator_id)
         if config is None or keep is None:
             return
+        view = cluster_view_json(config)
         if config.nodes == 1:
             # A one-node job's agent calls it in process: nothing to register.
             self.coordinators.host(
                 config,
-                cluster_view_json(config),
+                view,
                 resume_steady=resume_steady,
+                owner=owner,
                 rank0_incarnation=incarnation,
             )
             return
         if self.registry is None:
             return
         self.coordinators.host(
-            config,
-            cluster_view_json(config),
-            resume_steady=resume_steady,
-            rank0_incarnation=incarnation,
+            config, view, resume_steady=resume_steady, owner=owner, rank0_incarnation=incarnation
         )
         coordinator_id = self.coordinators.coordinator_id(keep)
         assert coordinator_id is not None
         assert self.advertise is not None
-        entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time())
-        await asyncio.to_thread(self.registry.register, entry)
+        entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time(), owner)
+        try:
+            await asyncio.to_thread(self.registry.claim, entry)
+        except OwnedByAnother:
+            self.coordinators.drop(keep)
+            raise
         log.info(
             "hosting the coordinator of job %s at %s (id %s)", keep, self.advertise, coordinator_id
         )
+
+    async def _resume(self, resumed: Incarnation) -> None:
+        """Resume the incarnation a restart interrupted, under the owner the node has now
+        (the same pod's, unless the handshake was refused before)."""
+        job = resumed.config.job_name
+        try:
+            resumed.owner = await asyncio.to_thread(self._read_owner)
+            await self._host_coordinator(
+                resumed.config,
+                resumed.owner,
+                incarnation=resumed.id,
+                resume_steady=resumed.phase is IncarnationPhase.STEADY,
+            )
+        except (BadOwner, OwnedByAnother) as exc:
+            log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            save_state(self.store, None)
+            text = f"mtc-replicator: not resuming job {job}: {exc}.\nRestart the job.\n"
+            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
+            return
+        log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
+        self.incarnation = resumed
+        resumed.start()
 
     async def _end_incarnation(self) -> None:
         if self.incarnation is not None:
@@ -714,11 +776,30 @@ class Daemon:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
+        loop = asyncio.get_running_loop()
+        try:
+            owner = await loop.run_in_executor(self.executor, self._read_owner)
+        except BadOwner as exc:
+            await self._refuse(
+                text,
+                f"cannot tell which namespace this node's pod belongs to: {exc}",
+                "The CSI plugin writes that file when it publishes the volume; restart the pod",
+            )
+            return
         await self._end_incarnation()
-        removed = await asyncio.get_running_loop().run_in_executor(
+        removed = await loop.run_in_executor(
             self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
         )
-        self.incarnation = Incarnation(config, self.ctx, config_text=text)
+        incarnation_id = new_incarnation_id()
+        try:
+            # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
+            await self._host_coordinator(config, owner, incarnation=incarnation_id)
+        except OwnedByAnother as exc:
+            await self._refuse(text, str(exc), "Choose another job name")
+            return
+        self.incarnation = Incarnation(
+            config, self.ctx, config_text=text, owner=owner, incarnation_id=incarnation_id
+        )
         log.info(
             "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
             "(removed %d stale files)",
@@ -732,8 +813,7 @@ class Daemon:
             len(removed),
         )
         # Persist before the yaml goes: a crash in between must still end in markers.
-        await asyncio.get_running_loop().run_in_executor(self.executor, self.incarnation.persist)
-        await self._host_coordinator(config)
+        await loop.run_in_executor(self.executor, self.incarnation.persist)
         self._delete_config(text)
         self.incarnation.start()
 

@@ -61,6 +61,8 @@ class Cluster:
         """Where the daemons back up (and register): a bucket URL replaces the directory."""
         self.env: dict[str, str] = {}
         """Extra environment of the daemons (a bucket's endpoint and credentials)."""
+        self.node_env: dict[int, dict[str, str]] = {}
+        """Extra environment of one node's daemon (its ``MTC_OWNER_FILE``)."""
         self.dirs = [root / f"node{r}" for r in range(NODES)]
         for d in self.dirs:
             d.mkdir()
@@ -82,7 +84,7 @@ class Cluster:
                 *(tls.args() if (tls := self.tls[rank]) is not None else ()),
                 *self.extra,
             ),
-            env=self.env,
+            env={**self.env, **self.node_env.get(rank, {})},
             log_path=self.root / f"node{rank}.log",
         )
         self.daemons[rank] = daemon.start()

@@ -12,6 +12,7 @@ import pytest
 
 from replicator.cluster.registry import (
     MalformedEntry,
+    OwnedByAnother,
     Registry,
     RegistryEntry,
     check_address,
@@ -38,9 +39,9 @@ def registry(objects: ObjectStore) -> Registry:
 
 
 def entry(
-    job: str = "job", port: int = 7000, cid: str = "a" * 32, at: float = 1.5
+    job: str = "job", port: int = 7000, cid: str = "a" * 32, at: float = 1.5, owner: str = ""
 ) -> RegistryEntry:
-    return RegistryEntry(job, f"10.0.0.1:{port}", cid, at)
+    return RegistryEntry(job, f"10.0.0.1:{port}", cid, at, owner)
 
 
 def good_json(**changes: object) -> dict[str, object]:
@@ -90,6 +91,8 @@ MALFORMED: dict[str, bytes] = {
     "time negative": json.dumps(good_json(registered_at=-1)).encode(),
     "time a string": json.dumps(good_json(registered_at="12")).encode(),
     "time a bool": json.dumps(good_json(registered_at=True)).encode(),
+    "owner not a namespace": json.dumps(good_json(owner="Team_A")).encode(),
+    "owner not a string": json.dumps(good_json(owner=["a"])).encode(),
 }
 
 
@@ -110,21 +113,46 @@ class TestRegistry:
         assert registry.lookup("job") == entry(port=7001, cid="new", at=2.0)
 
     def test_jobs_are_independent(self, registry: Registry) -> None:
-        registry.register(entry("a", cid="ca"))
-        registry.register(entry("b", cid="cb"))
-        registry.unregister("a", "ca")
-        assert registry.lookup("a") is None
-        assert registry.lookup("b") == entry("b", cid="cb")
+        registry.claim(entry("a", cid="ca", owner="team-a"))
+        registry.claim(entry("b", cid="cb", owner="team-b"))
+        assert registry.lookup("a") == entry("a", cid="ca", owner="team-a")
+        assert registry.lookup("b") == entry("b", cid="cb", owner="team-b")
 
-    def test_unregister_only_our_own_entry(self, registry: Registry) -> None:
-        registry.register(entry(cid="old"))
-        registry.register(entry(cid="new", port=7001))
-        # The superseded coordinator leaves: the newer entry stays.
-        assert registry.unregister("job", "old") is False
-        assert registry.lookup("job") == entry(cid="new", port=7001)
-        assert registry.unregister("job", "new") is True
-        assert registry.lookup("job") is None
-        assert registry.unregister("job", "new") is False  # nothing left: not an error
+    def test_the_first_claim_creates_and_records_the_owner(
+        self, registry: Registry, objects: ObjectStore
+    ) -> None:
+        registry.claim(entry(owner="team-a"))
+        assert registry.lookup("job") == entry(owner="team-a")
+        assert json.loads(objects.get_bytes(entry_key("job")))["owner"] == "team-a"
+
+    def test_the_same_owner_moves_the_coordinator(self, registry: Registry) -> None:
+        registry.claim(entry(cid="old", owner="team-a"))
+        registry.claim(entry(port=7001, cid="new", at=2.0, owner="team-a"))
+        assert registry.lookup("job") == entry(port=7001, cid="new", at=2.0, owner="team-a")
+
+    @pytest.mark.parametrize("claimant", ["team-b", ""])
+    def test_another_owner_is_refused_and_the_entry_kept(
+        self, registry: Registry, claimant: str
+    ) -> None:
+        registry.claim(entry(cid="victim", owner="team-a"))
+        with pytest.raises(OwnedByAnother, match="another owner"):
+            registry.claim(entry(port=7001, cid="thief", owner=claimant))
+        assert registry.lookup("job") == entry(cid="victim", owner="team-a")
+
+    def test_an_unowned_entry_is_claimed_by_the_first_owner(
+        self, registry: Registry, objects: ObjectStore
+    ) -> None:
+        # An entry of a daemon before owners existed: no "owner" key at all.
+        objects.put_bytes(entry_key("job"), json.dumps(good_json()).encode())
+        registry.claim(entry(owner="team-a"))
+        assert registry.lookup("job") == entry(owner="team-a")
+        with pytest.raises(OwnedByAnother):
+            registry.claim(entry(owner="team-b"))
+
+    def test_unowned_daemons_share_unowned_entries(self, registry: Registry) -> None:
+        registry.claim(entry(cid="one"))
+        registry.claim(entry(cid="two"))
+        assert registry.lookup("job") == entry(cid="two")
 
     def test_ipv6_and_dns_addresses(self, registry: Registry) -> None:
         for address in ("[::1]:50051", "[fe80::1%eth0]:1", "mtc-0.mtc.default.svc:65535"):
@@ -145,10 +173,9 @@ class TestRegistry:
         with caplog.at_level(logging.WARNING, logger="replicator.cluster.registry"):
             assert registry.lookup("job") is None
         assert "ignoring registry entry _registry/job.json of job=job" in caplog.text
-        # A malformed entry is nobody's to unregister, and a new registration replaces it.
-        assert registry.unregister("job", "c0ffee") is False
-        registry.register(entry())
-        assert registry.lookup("job") == entry()
+        # A malformed entry is nobody's: a claim replaces it.
+        registry.claim(entry(owner="team-a"))
+        assert registry.lookup("job") == entry(owner="team-a")
 
     def test_well_formed_reference_entry_parses(
         self, registry: Registry, objects: ObjectStore
@@ -204,6 +231,8 @@ def test_entries_are_validated_when_built() -> None:
         RegistryEntry("job", "a:1", "", 0.0)
     with pytest.raises(MalformedEntry, match="registration time"):
         RegistryEntry("job", "a:1", "id", float("inf"))
+    with pytest.raises(MalformedEntry, match="owner"):
+        RegistryEntry("job", "a:1", "id", 0.0, "-team")
     with pytest.raises(MalformedEntry, match="job name"):
         Registry(MemoryObjectStore()).lookup("../x")
     assert check_address("127.0.0.1:1") == "127.0.0.1:1"

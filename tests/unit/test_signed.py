@@ -249,8 +249,13 @@ def test_registry_refuses_an_unsigned_or_forged_entry(node: NodeTls, tmp_path: P
     objects.put_bytes("_registry/job.json", forged.to_json(trust_of(stranger)))
     with pytest.raises(RefusedEntry, match="not a node certificate"):
         registry.lookup("job")
-    # Not ours, so unregistering leaves it; a migrating reader takes an unsigned entry.
-    assert registry.unregister("job", "b" * 32) is False
+    # A forgery owns nothing: a signed claim of any owner replaces it.
+    squatter = RegistryEntry("job", "10.6.6.6:7070", "b" * 32, NOW, "team-b")
+    objects.put_bytes("_registry/job.json", squatter.to_json(trust_of(stranger)))
+    claimed = RegistryEntry("job", "10.0.0.1:7070", "c" * 32, NOW, "team-a")
+    registry.claim(claimed)
+    assert registry.lookup("job") == claimed
+    # A migrating reader takes an unsigned entry.
     objects.put_bytes("_registry/job.json", forged.to_json())
     assert Registry(objects, trust_of(node, accept_unsigned=True)).lookup("job") == forged
 

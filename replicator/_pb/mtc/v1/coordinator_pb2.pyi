@@ -90,6 +90,7 @@ class JoinRequest(_message.Message):
     CLUSTER_VIEW_FIELD_NUMBER: _builtins.int
     ADDRESS_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     rank: _builtins.int
     incarnation_id: _builtins.str
@@ -100,6 +101,11 @@ class JoinRequest(_message.Message):
     """
     address: _builtins.str
     """host:port of this node's Peer service."""
+    owner: _builtins.str
+    """The job's owner as this node knows it: the Kubernetes namespace of the pod that
+    published its CHECKPOINT_DIR (empty: unowned). A coordinator admits only its own
+    job's owner (PERMISSION_DENIED otherwise).
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldItem]:
         """Every committed item in the node's store for this job, its own and peer copies."""
@@ -113,10 +119,11 @@ class JoinRequest(_message.Message):
         cluster_view: _builtins.str = ...,
         address: _builtins.str = ...,
         items: _abc.Iterable[Global___HeldItem] | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cluster_view", b"cluster_view", "incarnation_id", b"incarnation_id", "items", b"items", "job", b"job", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cluster_view", b"cluster_view", "incarnation_id", b"incarnation_id", "items", b"items", "job", b"job", "owner", b"owner", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
