@@ -23,6 +23,16 @@ class OperationPending(CsiError):
     """Another call for the same target path is still in flight (ABORTED: retry later)."""
 
 
+class OwnerBusy(CsiError):
+    """A pod of another namespace still has the checkpoint directory (UNAVAILABLE: kubelet
+    retries, and the publish goes through once that pod's volume is unpublished)."""
+
+
+class CheckpointDirError(CsiError):
+    """The checkpoint directory is unsafe (a symlink, not a directory) or cannot be prepared
+    or emptied (FAILED_PRECONDITION)."""
+
+
 class RamDiskMissing(CsiError):
     """The RAM disk is not mounted, so there is nothing to publish (FAILED_PRECONDITION)."""
 

@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from csi.errors import RamDiskError
+from csi.checkpoint import DEFAULT_SUBDIR, CheckpointDir, check_subdir_name
+from csi.errors import CheckpointDirError, RamDiskError
 from csi.metrics import NO_CALL_METRICS, PrometheusCallMetrics
 from csi.mounter import Mounter, SystemMounter
 from csi.node import NodeVolumes
@@ -46,6 +47,8 @@ class PluginOptions:
     ram_size: int
     """Bytes."""
     driver_name: str = DEFAULT_DRIVER_NAME
+    checkpoint_subdir: str = DEFAULT_SUBDIR
+    """CHECKPOINT_DIR's name in the RAM disk: what pods get, never the RAM disk itself."""
     log_level: str = "INFO"
     metrics: str | None = None
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
@@ -84,6 +87,12 @@ def parse_args(
         help=f"CSI driver name, as the CSIDriver object names it (default {DEFAULT_DRIVER_NAME})"
         " [MTC_CSI_DRIVER_NAME]",
     )
+    p.add_argument(
+        "--checkpoint-subdir",
+        default=env.get("MTC_CHECKPOINT_SUBDIR", DEFAULT_SUBDIR),
+        help="the RAM disk's subdirectory that pods get as their volume, the daemon's "
+        f"CHECKPOINT_DIR (default {DEFAULT_SUBDIR}) [MTC_CHECKPOINT_SUBDIR]",
+    )
     p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--metrics",
@@ -104,6 +113,7 @@ def parse_args(
     try:
         socket_path = parse_endpoint(a.endpoint)
         ram_size = parse_size(a.ram_size)
+        check_subdir_name(a.checkpoint_subdir)
         if a.metrics is not None:
             split_address(a.metrics)
     except (EndpointError, SizeError, ValueError) as exc:
@@ -116,6 +126,7 @@ def parse_args(
         ram_dir=Path(os.path.normpath(a.ram_dir)),
         ram_size=ram_size,
         driver_name=a.driver_name,
+        checkpoint_subdir=a.checkpoint_subdir,
         log_level=a.log_level,
         metrics=a.metrics,
     )
@@ -125,10 +136,12 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; the process exit code."""
     try:
         ram = ensure_ram_disk(mounter, opts.ram_dir, opts.ram_size)
-    except RamDiskError as exc:
+        # Made now, not at the first publish: the daemon watches it from its start.
+        CheckpointDir(opts.ram_dir, opts.checkpoint_subdir).prepare()
+    except (RamDiskError, CheckpointDirError) as exc:
         log.error("%s", exc)
         return EXIT_STARTUP_FAILED
-    volumes = NodeVolumes(mounter, opts.ram_dir)
+    volumes = NodeVolumes(mounter, opts.ram_dir, subdir=opts.checkpoint_subdir)
     metrics = PrometheusCallMetrics() if opts.metrics else None
     server = CsiServer(opts.socket_path, metrics=metrics or NO_CALL_METRICS)
     server.add(IdentityServicer(opts.driver_name, __version__, volumes).register)
@@ -144,12 +157,14 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
             metrics_server.close()
         return EXIT_STARTUP_FAILED
     log.info(
-        "%s: endpoint=unix://%s driver=%s node=%s ram-dir=%s ram-device=%s version=%s metrics=%s",
+        "%s: endpoint=unix://%s driver=%s node=%s ram-dir=%s checkpoint-dir=%s ram-device=%s "
+        "version=%s metrics=%s",
         READY_LINE,
         opts.socket_path,
         opts.driver_name,
         opts.node_id,
         opts.ram_dir,
+        volumes.checkpoint.path,
         ram.device,
         __version__,
         metrics_server.address if metrics_server else None,

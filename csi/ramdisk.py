@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 import logging
 import mmap
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +25,10 @@ from csi.quantity import format_size
 
 log = logging.getLogger(__name__)
 
-RAM_DISK_MODE = 0o777
-"""Training pods run as any user and must write CHECKPOINT_DIR; only pods that mount the
-volume see it."""
+RAM_DISK_MODE = 0o1777
+"""Pods never see the root (they get its CHECKPOINT_DIR subdirectory); the daemon, another
+uid, creates its store here. The sticky bit keeps it from renaming or replacing what the
+plugin owns here: CHECKPOINT_DIR and ``owner.json``."""
 
 
 class Action(enum.Enum):
@@ -97,4 +100,15 @@ def ensure_ram_disk(mounter: Mounter, path: Path, size_bytes: int) -> MountInfo:
     mounted = mount_at(mounter.mounts(), str(path))
     if mounted is None or mounted.fs_type != "tmpfs":
         raise RamDiskError(f"the RAM disk at {path} is not mounted after setting it up")
+    _set_root_mode(path)
     return mounted
+
+
+def _set_root_mode(path: Path) -> None:
+    """A RAM disk mounted by an older plugin (mode 0777, no sticky bit) gets ours."""
+    try:
+        if stat.S_IMODE(path.stat().st_mode) != RAM_DISK_MODE:
+            os.chmod(path, RAM_DISK_MODE)
+            log.info("RAM disk %s: mode set to %04o", path, RAM_DISK_MODE)
+    except OSError as exc:
+        raise RamDiskError(f"cannot set the mode of the RAM disk at {path}: {exc}") from None

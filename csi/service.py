@@ -16,10 +16,12 @@ import grpc
 from csi._pb.csi.v1 import csi_pb2 as pb
 from csi._pb.csi.v1 import csi_pb2_grpc
 from csi.errors import (
+    CheckpointDirError,
     CsiError,
     InvalidRequest,
     MountError,
     OperationPending,
+    OwnerBusy,
     PublishConflict,
     RamDiskMissing,
     TargetCleanupError,
@@ -37,6 +39,8 @@ _STATUS: dict[type[CsiError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     PublishConflict: grpc.StatusCode.ALREADY_EXISTS,
     OperationPending: grpc.StatusCode.ABORTED,
+    OwnerBusy: grpc.StatusCode.UNAVAILABLE,
+    CheckpointDirError: grpc.StatusCode.FAILED_PRECONDITION,
     RamDiskMissing: grpc.StatusCode.FAILED_PRECONDITION,
     MountError: grpc.StatusCode.INTERNAL,
     TargetCleanupError: grpc.StatusCode.INTERNAL,

@@ -8,14 +8,27 @@ and csi-sanity expect: volume_id, target_path, volume_capability, then what we s
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from csi._pb.csi.v1 import csi_pb2 as pb
 from csi.errors import InvalidRequest
+from csi.owner import PodInfo
 
 EPHEMERAL_KEY = "csi.storage.k8s.io/ephemeral"
 """Set to "true" by kubelet for a CSI inline ephemeral volume (with podInfoOnMount)."""
+NAMESPACE_KEY = "csi.storage.k8s.io/pod.namespace"
+POD_NAME_KEY = "csi.storage.k8s.io/pod.name"
+POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
+SERVICE_ACCOUNT_KEY = "csi.storage.k8s.io/serviceAccount.name"
+
+# Kubernetes' own rules: a namespace is a DNS-1123 label; pod and service account names are
+# DNS-1123 subdomains; a UID is a UUID, accepted here as any short run of its characters.
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+_UID = re.compile(r"[A-Za-z0-9-]{1,128}")
 
 _READ_ONLY_MODES = frozenset(
     {
@@ -30,6 +43,7 @@ class Publish:
     volume_id: str
     target: Path
     readonly: bool
+    pod: PodInfo
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,28 @@ def validate_publish(request: pb.NodePublishVolumeRequest) -> Publish:
             "CSIDriver volumeLifecycleModes [Ephemeral] and podInfoOnMount: true"
         )
     readonly = request.readonly or capability.access_mode.mode in _READ_ONLY_MODES
-    return Publish(volume_id, target, readonly)
+    return Publish(volume_id, target, readonly, pod_info(request.volume_context))
+
+
+def pod_info(context: Mapping[str, str]) -> PodInfo:
+    """The pod kubelet names in volume_context; the namespace decides who owns the volume."""
+    fields = (
+        (NAMESPACE_KEY, _LABEL),
+        (POD_NAME_KEY, _SUBDOMAIN),
+        (POD_UID_KEY, _UID),
+        (SERVICE_ACCOUNT_KEY, _SUBDOMAIN),
+    )
+    values: list[str] = []
+    for key, pattern in fields:
+        value = context.get(key)
+        if value is None:
+            raise InvalidRequest(
+                f"volume_context has no {key}: give the CSIDriver podInfoOnMount: true"
+            )
+        if not pattern.fullmatch(value):
+            raise InvalidRequest(f"volume_context {key}={value!r} is not a valid name")
+        values.append(value)
+    return PodInfo(*values)
 
 
 def validate_unpublish(request: pb.NodeUnpublishVolumeRequest) -> Unpublish:

@@ -46,6 +46,12 @@ WORKLOAD_UID = 65532
 KUBELET_DIR = "/var/lib/kubelet"
 HOST_DIR = "/var/lib/mtc"
 RAM_DIR = f"{HOST_DIR}/ramdisk"
+CHECKPOINT_SUBDIR = "checkpoint"
+"""What pods get of the RAM disk (the daemon's CHECKPOINT_DIR); the store and the owner file
+are its siblings, out of their reach."""
+CHECKPOINT_DIR = f"{RAM_DIR}/{CHECKPOINT_SUBDIR}"
+STORE_DIR = f"{RAM_DIR}/store"
+OWNER_FILE = f"{RAM_DIR}/owner.json"
 GRPC_PORT = 7070
 DATA_PORT = 7071
 HEALTH_PORT = 7072
@@ -443,7 +449,8 @@ def _grpc_probe(period: int, failures: int) -> Manifest:
 
 
 def _plugin(c: NodeConfig, config_map: str) -> Manifest:
-    """The CSI node plugin: privileged, because it mounts the RAM disk and binds it into pods.
+    """The CSI node plugin: privileged, because it mounts the RAM disk and binds its
+    checkpoint subdirectory into pods.
 
     A native sidecar (an init container that keeps running): the replicator starts only
     after its startup probe saw the RAM disk mounted, so the replicator never writes into
@@ -459,6 +466,7 @@ def _plugin(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "CSI_ENDPOINT", "value": "unix:///csi/csi.sock"},
             _field_env("NODE_NAME", "spec.nodeName"),
             {"name": "MTC_RAM_DIR", "value": RAM_DIR},
+            {"name": "MTC_CHECKPOINT_SUBDIR", "value": CHECKPOINT_SUBDIR},
             {"name": "MTC_CSI_DRIVER_NAME", "value": DRIVER_NAME},
         ],
         "envFrom": [{"configMapRef": {"name": config_map}}],
@@ -506,7 +514,7 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_TLS_CA", "value": f"{TLS_DIR}/ca.crt"},
         ]
         # The only container that mounts the Secret: not the plugin, not the sidecars, and
-        # never a training pod (the CSI volume is the RAM disk only).
+        # never a training pod (the CSI volume is the RAM disk's checkpoint/ only).
         mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     return {
         "name": "replicator",
@@ -518,7 +526,9 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             _field_env("POD_NAME", "metadata.name"),
             _field_env("POD_NAMESPACE", "metadata.namespace"),
             _field_env("POD_IP", "status.podIP"),
-            {"name": "MTC_CHECKPOINT_DIR", "value": RAM_DIR},
+            {"name": "MTC_CHECKPOINT_DIR", "value": CHECKPOINT_DIR},
+            {"name": "MTC_STORE_DIR", "value": STORE_DIR},
+            {"name": "MTC_OWNER_FILE", "value": OWNER_FILE},
             {"name": "MTC_LISTEN", "value": f"0.0.0.0:{GRPC_PORT}"},
             {"name": "MTC_ADVERTISE", "value": f"$(POD_IP):{GRPC_PORT}"},
             {"name": "MTC_DATA_PORT", "value": str(DATA_PORT)},

@@ -18,11 +18,13 @@ from csi.errors import (
 )
 from csi.mounter import MemoryMounter
 from csi.mountinfo import MountInfo, mount_at, tmpfs_size
-from csi.node import Decision, NodeVolumes, check_target, decide_publish
+from csi.node import Decision, NodeVolumes, check_target, decide_publish, published_targets
+from csi.owner import PodInfo
 from csi.ramdisk import Action, ensure_ram_disk, plan_ram_disk
 from csi.validation import Publish, Unpublish
 
 SIZE = 64 * 2**20
+POD = PodInfo("team-a", "trainer-0", "uid-a0", "default")
 
 
 class Failing:
@@ -67,23 +69,23 @@ def visible(mounter: MemoryMounter, path: Path) -> MountInfo | None:
 # --- publish -------------------------------------------------------------------------------
 
 
-def test_publish_binds_the_ram_disk_onto_a_new_target(
+def test_publish_binds_the_checkpoint_dir_onto_a_new_target(
     volumes: NodeVolumes, mounter: MemoryMounter, ram: Path, pods: Path
 ) -> None:
     target = pods / "mount"
-    assert volumes.publish(Publish("v1", target, readonly=False)) is True
+    assert volumes.publish(Publish("v1", target, readonly=False, pod=POD)) is True
     assert target.is_dir()
     bind, disk = visible(mounter, target), visible(mounter, ram)
     assert bind is not None
     assert disk is not None
-    assert (bind.device, bind.root, bind.readonly) == (disk.device, "/", False)
+    assert (bind.device, bind.root, bind.readonly) == (disk.device, "/checkpoint", False)
 
 
 def test_publish_again_is_a_no_op(volumes: NodeVolumes, mounter: MemoryMounter, pods: Path) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=False))
+    volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     calls = len(mounter.calls)
-    assert volumes.publish(Publish("v1", target, readonly=False)) is False
+    assert volumes.publish(Publish("v1", target, readonly=False, pod=POD)) is False
     assert len(mounter.calls) == calls
 
 
@@ -91,12 +93,12 @@ def test_read_only_publish_is_a_bind_then_a_read_only_remount(
     volumes: NodeVolumes, mounter: MemoryMounter, pods: Path
 ) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=True))
+    volumes.publish(Publish("v1", target, readonly=True, pod=POD))
     assert [op for op, path in mounter.calls if path == str(target)] == ["bind", "remount_readonly"]
     bind = visible(mounter, target)
     assert bind is not None
     assert bind.readonly
-    assert volumes.publish(Publish("v1", target, readonly=True)) is False
+    assert volumes.publish(Publish("v1", target, readonly=True, pod=POD)) is False
 
 
 @pytest.mark.parametrize(("first", "second"), [(False, True), (True, False)])
@@ -104,9 +106,9 @@ def test_publish_in_the_other_mode_is_refused(
     volumes: NodeVolumes, pods: Path, first: bool, second: bool
 ) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=first))
+    volumes.publish(Publish("v1", target, readonly=first, pod=POD))
     with pytest.raises(PublishConflict, match="already published"):
-        volumes.publish(Publish("v1", target, readonly=second))
+        volumes.publish(Publish("v1", target, readonly=second, pod=POD))
 
 
 def test_publish_onto_someone_elses_mount_is_refused(
@@ -115,27 +117,27 @@ def test_publish_onto_someone_elses_mount_is_refused(
     target = pods / "mount"
     target.mkdir()
     mounter.mount_tmpfs(target, 4096, 0o755)  # same fs type, another filesystem
-    with pytest.raises(PublishConflict, match="not of the RAM disk"):
-        volumes.publish(Publish("v1", target, readonly=False))
+    with pytest.raises(PublishConflict, match="not of the checkpoint directory"):
+        volumes.publish(Publish("v1", target, readonly=False, pod=POD))
 
 
 def test_publish_onto_a_file_is_refused(volumes: NodeVolumes, pods: Path) -> None:
     target = pods / "mount"
     target.write_text("")
     with pytest.raises(PublishConflict, match="not a directory"):
-        volumes.publish(Publish("v1", target, readonly=False))
+        volumes.publish(Publish("v1", target, readonly=False, pod=POD))
 
 
 def test_publish_into_a_missing_parent_fails_cleanly(volumes: NodeVolumes, pods: Path) -> None:
     with pytest.raises(TargetCleanupError, match="cannot create"):
-        volumes.publish(Publish("v1", pods / "gone" / "mount", readonly=False))
+        volumes.publish(Publish("v1", pods / "gone" / "mount", readonly=False, pod=POD))
 
 
 def test_publish_without_a_ram_disk_is_refused(mounter: MemoryMounter, tmp_path: Path) -> None:
     volumes = NodeVolumes(mounter, tmp_path / "ram")
     assert not volumes.ram_disk_mounted()
     with pytest.raises(RamDiskMissing, match="not mounted"):
-        volumes.publish(Publish("v1", tmp_path / "mount", readonly=False))
+        volumes.publish(Publish("v1", tmp_path / "mount", readonly=False, pod=POD))
     assert not (tmp_path / "mount").exists()
 
 
@@ -144,7 +146,7 @@ def test_a_failed_bind_leaves_nothing_behind(
 ) -> None:
     mounter.before = Failing("bind")
     with pytest.raises(MountError, match="injected"):
-        volumes.publish(Publish("v1", pods / "mount", readonly=False))
+        volumes.publish(Publish("v1", pods / "mount", readonly=False, pod=POD))
     assert not (pods / "mount").exists()
 
 
@@ -154,7 +156,7 @@ def test_a_failed_read_only_remount_undoes_the_writable_bind(
     mounter.before = Failing("remount_readonly")
     target = pods / "mount"
     with pytest.raises(MountError, match="injected"):
-        volumes.publish(Publish("v1", target, readonly=True))
+        volumes.publish(Publish("v1", target, readonly=True, pod=POD))
     assert visible(mounter, target) is None
     assert not target.exists()
 
@@ -166,7 +168,7 @@ def test_a_target_that_existed_is_kept_after_a_failure(
     target.mkdir()
     mounter.before = Failing("bind")
     with pytest.raises(MountError):
-        volumes.publish(Publish("v1", target, readonly=False))
+        volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     assert target.is_dir()
 
 
@@ -177,7 +179,7 @@ def test_unpublish_unmounts_and_removes_the_target(
     volumes: NodeVolumes, mounter: MemoryMounter, ram: Path, pods: Path
 ) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=False))
+    volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     assert volumes.unpublish(Unpublish("v1", target)) is True
     assert visible(mounter, target) is None
     assert not target.exists()
@@ -187,7 +189,7 @@ def test_unpublish_unmounts_and_removes_the_target(
 def test_unpublish_of_a_path_that_is_gone_is_ok(volumes: NodeVolumes, pods: Path) -> None:
     assert volumes.unpublish(Unpublish("v1", pods / "never-published")) is False
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=False))
+    volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     volumes.unpublish(Unpublish("v1", target))
     assert volumes.unpublish(Unpublish("v1", target)) is False
 
@@ -204,7 +206,7 @@ def test_unpublish_peels_stacked_mounts(
     volumes: NodeVolumes, mounter: MemoryMounter, ram: Path, pods: Path
 ) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=False))
+    volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     mounter.bind(ram, target)  # as if a crashed plugin had bound it twice
     volumes.unpublish(Unpublish("v1", target))
     assert visible(mounter, target) is None
@@ -224,7 +226,7 @@ def test_a_failed_unmount_is_reported(
     volumes: NodeVolumes, mounter: MemoryMounter, pods: Path
 ) -> None:
     target = pods / "mount"
-    volumes.publish(Publish("v1", target, readonly=False))
+    volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     mounter.before = Failing("unmount")
     with pytest.raises(MountError, match="injected"):
         volumes.unpublish(Unpublish("v1", target))
@@ -237,7 +239,7 @@ def test_targets_overlapping_the_ram_disk_are_refused(
 ) -> None:
     target = Path(ram.parent / where).resolve() if where == "." else ram.parent / where
     with pytest.raises(InvalidRequest, match="overlaps the RAM disk"):
-        volumes.publish(Publish("v1", target, readonly=False))
+        volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     with pytest.raises(InvalidRequest, match="overlaps the RAM disk"):
         volumes.unpublish(Unpublish("v1", target))
     assert visible(mounter, ram) is not None
@@ -255,11 +257,11 @@ def test_a_second_call_for_a_busy_target_is_aborted(volumes: NodeVolumes, pods: 
     target = pods / "mount"
     with volumes.locks.hold(target):
         with pytest.raises(OperationPending, match="already in progress"):
-            volumes.publish(Publish("v1", target, readonly=False))
+            volumes.publish(Publish("v1", target, readonly=False, pod=POD))
         with pytest.raises(OperationPending):
             volumes.unpublish(Unpublish("v1", target))
-        volumes.publish(Publish("v2", pods / "other", readonly=False))  # others go on
-    assert volumes.publish(Publish("v1", target, readonly=False)) is True
+        volumes.publish(Publish("v2", pods / "other", readonly=False, pod=POD))  # others go on
+    assert volumes.publish(Publish("v1", target, readonly=False, pod=POD)) is True
 
 
 def test_the_lock_is_released_when_a_call_fails(
@@ -268,23 +270,25 @@ def test_the_lock_is_released_when_a_call_fails(
     target = pods / "mount"
     mounter.before = Failing("bind")
     with pytest.raises(MountError):
-        volumes.publish(Publish("v1", target, readonly=False))
+        volumes.publish(Publish("v1", target, readonly=False, pod=POD))
     mounter.before = None
-    assert volumes.publish(Publish("v1", target, readonly=False)) is True
+    assert volumes.publish(Publish("v1", target, readonly=False, pod=POD)) is True
 
 
 # --- pure decisions ------------------------------------------------------------------------
 
 
-def _mount(mount_id: int, point: str, device: str, options: str = "rw") -> MountInfo:
+def _mount(
+    mount_id: int, point: str, device: str, options: str = "rw", root: str = "/checkpoint"
+) -> MountInfo:
     return MountInfo(
-        mount_id, 1, device, "/", point, frozenset(options.split(",")), "tmpfs", "x", ("rw",)
+        mount_id, 1, device, root, point, frozenset(options.split(",")), "tmpfs", "x", ("rw",)
     )
 
 
 def test_decide_publish() -> None:
     ram, target = Path("/ram"), Path("/pods/u/mount")
-    disk = _mount(2, "/ram", "0:40")
+    disk = _mount(2, "/ram", "0:40", root="/")
     assert decide_publish([disk], ram, target, readonly=False) is Decision.MOUNT
     rw = _mount(3, str(target), "0:40")
     assert decide_publish([disk, rw], ram, target, readonly=False) is Decision.ALREADY_PUBLISHED
@@ -294,6 +298,25 @@ def test_decide_publish() -> None:
         decide_publish([disk, ro], ram, target, readonly=False)
     with pytest.raises(RamDiskMissing):
         decide_publish([rw], ram, target, readonly=False)
+    # A bind of the whole RAM disk (an older plugin's) is not what we publish now.
+    whole = _mount(3, str(target), "0:40", root="/")
+    with pytest.raises(PublishConflict, match="not of the checkpoint directory"):
+        decide_publish([disk, whole], ram, target, readonly=False)
+    other = _mount(3, str(target), "0:40", root="/store")
+    with pytest.raises(PublishConflict, match="not of the checkpoint directory"):
+        decide_publish([disk, other], ram, target, readonly=False)
+    renamed = _mount(3, str(target), "0:40", root="/ckpt")
+    assert decide_publish([disk, renamed], ram, target, False, "ckpt") is Decision.ALREADY_PUBLISHED
+
+
+def test_published_targets_are_every_other_mount_of_the_ram_disk() -> None:
+    ram = Path("/ram")
+    disk = _mount(2, "/ram", "0:40", root="/")
+    mine = _mount(3, "/pods/a/mount", "0:40")
+    legacy = _mount(4, "/pods/b/mount", "0:40", root="/")
+    foreign = _mount(5, "/pods/c/mount", "0:41")
+    assert published_targets([disk, mine, legacy, foreign], ram) == [mine, legacy]
+    assert published_targets([disk], ram) == []
 
 
 # --- the RAM disk --------------------------------------------------------------------------
@@ -303,7 +326,7 @@ def test_the_ram_disk_is_mounted_when_absent(mounter: MemoryMounter, tmp_path: P
     mounted = ensure_ram_disk(mounter, tmp_path / "a" / "ram", SIZE)
     assert (tmp_path / "a" / "ram").is_dir()
     assert (mounted.fs_type, tmpfs_size(mounted)) == ("tmpfs", SIZE)
-    assert "mode=777" in mounted.super_options
+    assert "mode=1777" in mounted.super_options
 
 
 def test_an_existing_ram_disk_is_reused(

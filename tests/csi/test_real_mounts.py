@@ -41,7 +41,13 @@ def publish(client: CsiClient, target: Path, *, readonly: bool = False) -> None:
                 access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
             ),
             readonly=readonly,
-            volume_context={EPHEMERAL_KEY: "true", "csi.storage.k8s.io/pod.name": "trainer-0"},
+            volume_context={
+                EPHEMERAL_KEY: "true",
+                "csi.storage.k8s.io/pod.name": "trainer-0",
+                "csi.storage.k8s.io/pod.namespace": "default",
+                "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
+                "csi.storage.k8s.io/serviceAccount.name": "default",
+            },
         ),
         timeout=TIMEOUT,
     )
@@ -78,7 +84,7 @@ def test_publish_read_only_and_unpublish(
     assert len(mounts) == 1
     assert (mounts[0].device, mounts[0].readonly) == (ram.device, False)
     (writer / "step-100").write_bytes(b"checkpoint")
-    assert (plugin.ram_dir / "step-100").read_bytes() == b"checkpoint"
+    assert (plugin.ram_dir / "checkpoint" / "step-100").read_bytes() == b"checkpoint"
 
     reader = pod_dir(sandbox, "reader") / "mount"
     publish(client, reader, readonly=True)
@@ -99,7 +105,7 @@ def test_publish_read_only_and_unpublish(
         assert not target.exists()
         assert target.parent.is_dir(), "kubelet's directory is kubelet's to remove"
         unpublish(client, target)  # gone already: still OK
-    assert (plugin.ram_dir / "step-100").read_bytes() == b"checkpoint"
+    assert (plugin.ram_dir / "checkpoint" / "step-100").read_bytes() == b"checkpoint"
     assert mounted(plugin.ram_dir) is not None
 
 
@@ -122,7 +128,7 @@ def test_a_restarted_plugin_reuses_the_ram_disk_and_its_data(
     assert ram is not None
     assert ram.device == device
     assert len([m for m in SystemMounter().mounts() if m.mount_point == str(ram.mount_point)]) == 1
-    assert (second.ram_dir / "step-7").read_bytes() == b"x" * 4096
+    assert (second.ram_dir / "checkpoint" / "step-7").read_bytes() == b"x" * 4096
 
     # The new process knows the old one's publish from the mount table alone.
     client = connect(second.socket_path)
@@ -136,7 +142,7 @@ def test_a_restarted_plugin_reuses_the_ram_disk_and_its_data(
     grown = mounted(third.ram_dir)
     assert grown is not None
     assert (grown.device, tmpfs_size(grown)) == (device, 128 * 2**20)
-    assert (third.ram_dir / "step-7").read_bytes() == b"x" * 4096
+    assert (third.ram_dir / "checkpoint" / "step-7").read_bytes() == b"x" * 4096
 
 
 def test_sigterm_stops_cleanly(sandbox: Path, start_plugin: StartPlugin) -> None:

@@ -71,6 +71,8 @@ def publish_request(target: Path, *, readonly: bool = False) -> pb.NodePublishVo
             EPHEMERAL_KEY: "true",
             "csi.storage.k8s.io/pod.name": "trainer-0",
             "csi.storage.k8s.io/pod.namespace": "default",
+            "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
+            "csi.storage.k8s.io/serviceAccount.name": "default",
         },
     )
 

@@ -8,7 +8,18 @@ import pytest
 
 from csi._pb.csi.v1 import csi_pb2 as pb
 from csi.errors import InvalidRequest
-from csi.validation import EPHEMERAL_KEY, Publish, Unpublish, validate_publish, validate_unpublish
+from csi.owner import PodInfo
+from csi.validation import (
+    EPHEMERAL_KEY,
+    NAMESPACE_KEY,
+    POD_NAME_KEY,
+    POD_UID_KEY,
+    SERVICE_ACCOUNT_KEY,
+    Publish,
+    Unpublish,
+    validate_publish,
+    validate_unpublish,
+)
 
 Mode = pb.VolumeCapability.AccessMode
 
@@ -18,7 +29,14 @@ MOUNT = pb.VolumeCapability(
 BLOCK = pb.VolumeCapability(
     block=pb.VolumeCapability.BlockVolume(), access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER)
 )
-EPHEMERAL = {EPHEMERAL_KEY: "true", "csi.storage.k8s.io/pod.name": "trainer-0"}
+EPHEMERAL = {
+    EPHEMERAL_KEY: "true",
+    POD_NAME_KEY: "trainer-0",
+    NAMESPACE_KEY: "team-a",
+    POD_UID_KEY: "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
+    SERVICE_ACCOUNT_KEY: "default",
+}
+POD = PodInfo("team-a", "trainer-0", "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f", "default")
 TARGET = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/ckpt/mount"
 
 
@@ -34,7 +52,33 @@ def publish(**fields: object) -> pb.NodePublishVolumeRequest:
 
 
 def test_a_kubelet_request_passes() -> None:
-    assert validate_publish(publish()) == Publish("csi-abc", Path(TARGET), readonly=False)
+    assert validate_publish(publish()) == Publish("csi-abc", Path(TARGET), readonly=False, pod=POD)
+
+
+@pytest.mark.parametrize("key", [NAMESPACE_KEY, POD_NAME_KEY, POD_UID_KEY, SERVICE_ACCOUNT_KEY])
+def test_the_pod_kubelet_names_is_required(key: str) -> None:
+    context = {k: v for k, v in EPHEMERAL.items() if k != key}
+    with pytest.raises(InvalidRequest, match=f"no {key}: give the CSIDriver podInfoOnMount"):
+        validate_publish(publish(volume_context=context))
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        (NAMESPACE_KEY, ""),
+        (NAMESPACE_KEY, "Team-A"),
+        (NAMESPACE_KEY, "a" * 64),
+        (NAMESPACE_KEY, "team/a"),
+        (NAMESPACE_KEY, "team.a"),
+        (POD_NAME_KEY, "../x"),
+        (POD_NAME_KEY, "x\n"),
+        (POD_UID_KEY, "u id"),
+        (SERVICE_ACCOUNT_KEY, "sa\u0000"),
+    ],
+)
+def test_pod_names_that_kubernetes_never_makes_are_refused(key: str, value: str) -> None:
+    with pytest.raises(InvalidRequest, match="is not a valid name"):
+        validate_publish(publish(volume_context={**EPHEMERAL, key: value}))
 
 
 @pytest.mark.parametrize(

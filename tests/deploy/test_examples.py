@@ -62,7 +62,7 @@ def _strings(node: object) -> list[str]:
 
 def test_jobset_gets_no_tls_material() -> None:
     # The node certificate's key is the cluster's trust: only the replicator container mounts
-    # it (tests/deploy/test_manifests.py). A training pod gets the RAM disk and nothing else.
+    # it (tests/deploy/test_manifests.py). A training pod gets CHECKPOINT_DIR and nothing else.
     jobset = yaml.safe_load(JOBSET.read_text())
     pod = _pod_spec()
     assert secret_volumes(pod) == {}

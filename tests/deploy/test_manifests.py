@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from csi import plugin as csi_plugin
+from csi.checkpoint import CheckpointDir
 from replicator.node import daemon
 from replicator.tools import certs, render
 from replicator.transport import tls
@@ -132,7 +134,7 @@ def test_replicator_is_unprivileged_and_sees_the_ram_disk(built: list[Obj]) -> N
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     e = env(replicator)
     plugin_env = env(container(pod, "csi-plugin"))
-    assert e["MTC_CHECKPOINT_DIR"] == plugin_env["MTC_RAM_DIR"]
+    assert Path(e["MTC_CHECKPOINT_DIR"]).parent == Path(plugin_env["MTC_RAM_DIR"])
     mounts = {m["mountPath"]: m for m in replicator["volumeMounts"]}
     (host_mount,) = [p for p in mounts if e["MTC_CHECKPOINT_DIR"].startswith(p + "/")]
     assert mounts[host_mount]["mountPropagation"] == "HostToContainer"
@@ -142,6 +144,28 @@ def test_replicator_is_unprivileged_and_sees_the_ram_disk(built: list[Obj]) -> N
     assert mounts[host_mount]["name"] == plugin_mounts[host_mount]  # the same host directory
     assert "limits" not in replicator["resources"]  # tmpfs pages it writes are charged to it
     assert replicator["command"] == ["mtc-replicator"]
+
+
+def test_pods_get_checkpoint_dir_and_the_store_and_owner_file_lie_beside_it(
+    built: list[Obj],
+) -> None:
+    """The plugin publishes ``<ram-dir>/<subdir>``; the daemon's CHECKPOINT_DIR is exactly
+    that, its store a sibling on the same tmpfs, and the owner file the plugin's."""
+    pod = _pod(built)
+    plugin_env = env(container(pod, "csi-plugin"))
+    plugin = csi_plugin.parse_args(
+        [], env={**plugin_env, "NODE_NAME": "node-a", "MTC_RAM_SIZE": "1Gi"}
+    )
+    ram_dir = Path(plugin_env["MTC_RAM_DIR"])
+    checkpoint = CheckpointDir(plugin.ram_dir, plugin.checkpoint_subdir)
+    assert (plugin.ram_dir, plugin.checkpoint_subdir) == (ram_dir, "checkpoint")
+    e = env(container(pod, "replicator"))
+    assert Path(e["MTC_CHECKPOINT_DIR"]) == checkpoint.path
+    store = Path(e["MTC_STORE_DIR"])
+    assert store.parent == ram_dir
+    assert store != checkpoint.path
+    assert Path(e["MTC_OWNER_FILE"]) == checkpoint.owner_path
+    assert checkpoint.owner_path.parent == ram_dir
 
 
 def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
