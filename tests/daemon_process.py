@@ -15,6 +15,15 @@ _READY_RE = re.compile(rb"daemon ready:.* listen=(\S+) advertise=(\S+) backup=")
 _METRICS_RE = re.compile(rb"daemon ready:.* metrics=(\S+)")
 
 
+def _default_log(checkpoint_dir: Path) -> Path:
+    """Beside CHECKPOINT_DIR, or beside its RAM disk when that is a mount: never on a small
+    tmpfs that a test fills up."""
+    parent = checkpoint_dir.parent
+    if os.path.ismount(parent):
+        return parent.parent / f"{parent.name}-{checkpoint_dir.name}.daemon.log"
+    return parent / f"{checkpoint_dir.name}.daemon.log"
+
+
 class DaemonProcess:
     """One real daemon process on ``checkpoint_dir``; its log goes to ``log_path``."""
 
@@ -31,7 +40,7 @@ class DaemonProcess:
         self.backup = backup
         self.extra_args = extra_args
         self.env = {**os.environ, **(env or {})}
-        self.log_path = log_path or checkpoint_dir.parent / f"{checkpoint_dir.name}.daemon.log"
+        self.log_path = log_path or _default_log(checkpoint_dir)
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen: str | None = None
         """The gRPC address the daemon bound (its ``127.0.0.1:0`` resolved), once ready."""

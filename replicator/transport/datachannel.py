@@ -343,6 +343,7 @@ def receive_into(
     *,
     idle_timeout: float,
     cancelled: Callable[[], bool] = _never,
+    root: Path | None = None,
 ) -> int:
     """Read every byte of ``writer``'s item from ``sock`` into it, verified; the bytes read.
 
@@ -382,6 +383,7 @@ def send_item(
     *,
     idle_timeout: float,
     cancelled: Callable[[], bool] = _never,
+    root: Path | None = None,
 ) -> int:
     """Write every byte of a committed item to ``sock`` in manifest order, with ``sendfile``
     (the bytes never enter this process), then shut the sending side; the bytes sent.
@@ -393,7 +395,7 @@ def send_item(
     set_idle_timeout(sock, idle_timeout)
     sent = 0
     buffer = bytearray(TLS_SEND_BYTES) if isinstance(sock, TlsStream) else bytearray()
-    with contextlib.closing(item_files(manifest, data)) as files:
+    with contextlib.closing(item_files(manifest, data, root)) as files:
         for _, entry, fd in files:
             offset = 0
             while offset < entry.size:
@@ -498,12 +500,16 @@ async def receive_staged(
         fsutil.remove_tree(staged)  # gone already when the commit renamed it
 
 
-async def send_staged(manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float) -> int:
+async def send_staged(
+    manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float, root: Path | None = None
+) -> int:
     """``send_item`` in a thread of its own; cancelling the awaiting task stops it."""
     abort = Abort()
     abort.sock = sock
     return await in_thread(
-        lambda: send_item(sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort),
+        lambda: send_item(
+            sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort, root=root
+        ),
         abort,
         f"mtc-send-{manifest.item.step}",
     )

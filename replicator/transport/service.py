@@ -271,7 +271,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                     yield pb.PullItemResponse(header=header)
                     sock = await self.channel.connection(ticket, self.channel_timeout)
                     try:
-                        await send_staged(manifest, data, sock, idle_timeout=self.channel_timeout)
+                        await send_staged(
+                            manifest,
+                            data,
+                            sock,
+                            idle_timeout=self.channel_timeout,
+                            root=self.store.root,
+                        )
                     except FileNotFoundError:
                         raise NotHeld(f"{item}: deleted (retention) while being sent") from None
                 finally:
@@ -279,7 +285,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             else:
                 yield pb.PullItemResponse(header=header)
                 try:
-                    with contextlib.closing(iter_chunks(manifest, data)) as chunks:
+                    with contextlib.closing(
+                        iter_chunks(manifest, data, root=self.store.root)
+                    ) as chunks:
                         for index, offset, buf, crc in chunks:
                             response = pb.PullItemResponse()
                             fill_chunk(response.chunk, index, offset, buf, crc)

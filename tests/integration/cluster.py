@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     read_prerestore,
     read_text,
     read_tree,
+    store_root,
     wait_until,
     write_yaml_atomic,
 )
@@ -115,7 +116,7 @@ class Cluster:
 
     def held(self, rank: int) -> set[tuple[int, str]]:
         """(step, '<rank>-<worker>') of every committed item in the rank's store."""
-        root = self.dirs[rank] / ".mtc" / "items" / self.job
+        root = store_root(self.dirs[rank]) / "items" / self.job
         if not root.is_dir():
             return set()
         held = set()
@@ -137,6 +138,7 @@ class Cluster:
         """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
         self.daemon(rank).kill()
         shutil.rmtree(self.dirs[rank])
+        shutil.rmtree(store_root(self.dirs[rank]), ignore_errors=True)
         self.dirs[rank].mkdir()
         self.start(rank)
 
@@ -225,7 +227,7 @@ class Cluster:
 
     def staged_bytes(self, rank: int) -> int:
         """Bytes of incoming copies in the rank's staging area (a transfer in progress)."""
-        staging = self.dirs[rank] / ".mtc" / "staging"
+        staging = store_root(self.dirs[rank]) / "staging"
         if not staging.is_dir():
             return 0
         total = 0

@@ -34,6 +34,7 @@ from tests.integration.helpers import (
     ram_disk,
     read_text,
     running_daemon,
+    store_root,
     wait_markers,
     wait_until,
     write_yaml_atomic,
@@ -68,7 +69,7 @@ def victim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Victim]:
         write_yaml_atomic(ckpt, config_text(job, nodes=1))
         wait_markers(ckpt, job, 0, daemon)
         # The handshake's last write: from here on the tree changes only if an attack gets in.
-        state = ckpt / ".mtc" / "incarnation.json"
+        state = store_root(ckpt) / "incarnation.json"
         wait_until(
             lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
             "the incarnation in steady state",
@@ -306,15 +307,19 @@ ATTACKS: dict[str, tuple[Attack, Code, str]] = {
 
 
 def snapshot(ckpt: Path) -> dict[str, tuple[Any, ...]]:
-    """Every name below CHECKPOINT_DIR with its type and content, except in-flight areas."""
-    skip = {ckpt / ".mtc" / "staging", ckpt / ".mtc" / "trash"}
+    """Every name below CHECKPOINT_DIR and the store with its type and content, except
+    in-flight areas."""
+    store = store_root(ckpt)
+    skip = {store / "staging", store / "trash"}
     out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(ckpt):
+    for top, dirpath, dirnames, filenames in [
+        (root, *walked) for root in (ckpt, store) for walked in os.walk(root)
+    ]:
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if here / d not in skip]
         for name in dirnames + filenames:
             path = here / name
-            rel = str(path.relative_to(ckpt))
+            rel = f"{top.name}/{path.relative_to(top)}"
             if path.is_symlink():
                 out[rel] = ("link", os.readlink(path))
             elif path.is_dir():
@@ -325,7 +330,7 @@ def snapshot(ckpt: Path) -> dict[str, tuple[Any, ...]]:
 
 
 def staging_entries(ckpt: Path) -> list[Path]:
-    return list((ckpt / ".mtc" / "staging").iterdir())
+    return list((store_root(ckpt) / "staging").iterdir())
 
 
 def assert_unharmed(v: Victim, before: dict[str, tuple[Any, ...]]) -> None:
@@ -367,7 +372,7 @@ def test_symlinks_planted_in_staging_are_never_followed(victim: Victim, planted:
     call = victim.stub.PushItem.future(requests(), timeout=20)
     try:
         state = wait_until(
-            lambda: next(iter((victim.ckpt / ".mtc" / "staging").glob("*/data/state")), None),
+            lambda: next(iter((store_root(victim.ckpt) / "staging").glob("*/data/state")), None),
             "the push's staging directory",
             daemon=victim.daemon,
         )
@@ -397,7 +402,7 @@ def test_a_push_cancelled_midway_leaves_nothing(victim: Victim) -> None:
 
     call = victim.stub.PushItem.future(requests(), timeout=20)
     wait_until(
-        lambda: list((victim.ckpt / ".mtc" / "staging").glob("*/data/meta")),
+        lambda: list((store_root(victim.ckpt) / "staging").glob("*/data/meta")),
         "the first chunk written",
         daemon=victim.daemon,
     )
@@ -525,7 +530,7 @@ def test_a_data_channel_push_cancelled_midway_leaves_nothing(victim: Victim) -> 
 
     calls.append(dc_push(victim, DC_STEP, attack))
     wait_until(
-        lambda: list((victim.ckpt / ".mtc" / "staging").glob("*/data/meta")),
+        lambda: list((store_root(victim.ckpt) / "staging").glob("*/data/meta")),
         "the first file written",
         daemon=victim.daemon,
     )
