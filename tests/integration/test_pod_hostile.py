@@ -285,3 +285,26 @@ def test_sigterm_is_answered_while_a_fifo_handshake_waits(
     t0 = time.monotonic()
     assert daemon.proc.wait(10) == 0  # type: ignore[union-attr]
     assert time.monotonic() - t0 < 8
+
+
+# --- where the store may be --------------------------------------------------------------------
+
+
+def test_a_store_inside_checkpoint_dir_stops_the_daemon(ckpt: Path) -> None:
+    daemon = DaemonProcess(ckpt, extra_args=("--store-dir", str(ckpt / "store")))
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        daemon.start()
+    assert "inside CHECKPOINT_DIR" in daemon.log()
+    assert not (ckpt / "store").exists()
+
+
+def test_the_store_dir_comes_from_the_flag_or_the_environment(ckpt: Path, job: str) -> None:
+    store = ckpt.parent / "store"
+    with DaemonProcess(ckpt, env={"MTC_STORE_DIR": str(store)}) as daemon:
+        assert f"store-dir={store} " in daemon.log()
+        files = start_job(ckpt, job, daemon)
+        assert (
+            store / "items" / job / str(STEP) / "0-0" / "data" / "_CHECKPOINT_METADATA"
+        ).is_file()
+        with peer_stub(daemon) as stub:
+            assert pull(stub, job, STEP) == files
