@@ -137,19 +137,22 @@ class Cluster:
     def wipe(self, rank: int) -> None:
         """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
         self.daemon(rank).kill()
-        shutil.rmtree(self.dirs[rank])
-        shutil.rmtree(store_root(self.dirs[rank]), ignore_errors=True)
-        self.dirs[rank].mkdir()
+        self.clear(rank)
         self.start(rank)
 
     def wipe_all(self) -> None:
         """Every node loses its RAM disk: all daemons stopped, directories emptied, restarted."""
         self.stop_all()
         for r in range(NODES):
-            shutil.rmtree(self.dirs[r])
-            self.dirs[r].mkdir()
+            self.clear(r)
         for r in range(NODES):
             self.start(r)
+
+    def clear(self, rank: int) -> None:
+        """Empty the node's RAM disk, CHECKPOINT_DIR and the store beside it (daemon down)."""
+        shutil.rmtree(self.dirs[rank])
+        shutil.rmtree(store_root(self.dirs[rank]), ignore_errors=True)
+        self.dirs[rank].mkdir()
 
     def fresh_start(self) -> None:
         """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
