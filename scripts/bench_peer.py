@@ -43,9 +43,10 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from replicator.core.manifest import ItemId, Manifest
+from replicator.core.storedir import default_store_dir
 from replicator.local.store import LocalStore
 from replicator.node.daemon import tune_malloc
 from replicator.tools import certs
@@ -252,7 +253,7 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
     rounds: int,
 ) -> list[Round]:
     size = manifest.total_bytes + manifest.total_bytes // 8
-    data = root / "a" / ".mtc" / "items" / JOB / "1" / "0-0" / "data"
+    data = Path(default_store_dir(PurePosixPath(root / "a"))) / "items" / JOB / "1" / "0-0" / "data"
     local = LocalStore(root / "c")
     local.open()
     results = []
@@ -276,7 +277,7 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
                 peak = b.memory_mib("VmHWM")
             finally:
                 b.stop()
-            shutil.rmtree(root / "b" / ".mtc" / "items" / JOB)
+            shutil.rmtree(Path(default_store_dir(PurePosixPath(root / "b"))) / "items" / JOB)
             return seconds, cpu, peak
 
         async def pull(c: PeerClient) -> float:
@@ -420,6 +421,11 @@ def main() -> None:
             (root / name).mkdir()
         manifest = make_item(root / "a", size, a.files)
         shutil.copytree(root / "a", root / "a-tls", symlinks=True)  # A' holds the same item
+        shutil.copytree(
+            default_store_dir(PurePosixPath(root / "a")),
+            default_store_dir(PurePosixPath(root / "a-tls")),
+            symlinks=True,
+        )
         ca = certs.new_ca()
         mine, b_tls = make_tls(root, ca, "client"), certs.daemon_flags(make_tls(root, ca, "b"))
         daemons.append(start_daemon(root / "a"))

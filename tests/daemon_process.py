@@ -16,6 +16,15 @@ _READY_RE = re.compile(rb"daemon ready:.* listen=(\S+) advertise=(\S+) backup=")
 _METRICS_RE = re.compile(rb"daemon ready:.* metrics=(\S+)")
 
 
+def _default_log(checkpoint_dir: Path) -> Path:
+    """Beside CHECKPOINT_DIR, or beside its RAM disk when that is a mount: never on a small
+    tmpfs that a test fills up."""
+    parent = checkpoint_dir.parent
+    if os.path.ismount(parent):
+        return parent.parent / f"{parent.name}-{checkpoint_dir.name}.daemon.log"
+    return parent / f"{checkpoint_dir.name}.daemon.log"
+
+
 class DaemonProcess:
     """One real daemon process on ``checkpoint_dir``; its log goes to ``log_path``."""
 
@@ -33,7 +42,7 @@ class DaemonProcess:
         self.backup = backup
         self.extra_args = extra_args
         self.env = {**os.environ, **(env or {})}
-        self.log_path = log_path or checkpoint_dir.parent / f"{checkpoint_dir.name}.daemon.log"
+        self.log_path = log_path or _default_log(checkpoint_dir)
         self.max_open_files = max_open_files
         """RLIMIT_NOFILE of the daemon, when given (a node with a low descriptor limit)."""
         self.proc: subprocess.Popen[bytes] | None = None

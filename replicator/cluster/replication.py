@@ -126,7 +126,9 @@ class Replication:
             return False
         try:
             for manifest in manifests:
-                await self.peers.push_item(address, manifest, self.store.data_path(manifest.item))
+                await self.peers.push_item(
+                    address, manifest, self.store.data_path(manifest.item), self.store.root
+                )
         except (PeerError, CorruptItem, StoreError, OSError, Cancelled) as exc:
             # CorruptItem: the peer found our bytes differ from our manifest (DATA_LOSS);
             # the next restore round verifies the local copy before anyone uses it.

@@ -27,6 +27,7 @@ from replicator.demo.single import (
     check,
     ram_disk,
     say,
+    store_of,
     throwaway_tls,
     wait_for_backups,
     wipe,
@@ -51,7 +52,7 @@ class Node:
 
     def holds(self, step: int, rank: int) -> bool:
         """Whether this node's daemon committed ``rank``'s item of ``step`` (home or peer copy)."""
-        item = self.ckpt / ".mtc" / "items" / JOB / str(step) / f"{rank}-0"
+        item = store_of(self.ckpt) / "items" / JOB / str(step) / f"{rank}-0"
         return (item / "MANIFEST.json").exists()
 
 
@@ -235,6 +236,7 @@ def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) 
         if not failures:
             for n in cluster:
                 shutil.rmtree(n.ckpt, ignore_errors=True)
+                shutil.rmtree(store_of(n.ckpt), ignore_errors=True)
     took = time.monotonic() - started
     if failures:
         say(f"FAILED checks: {failures}; logs in {work} ({took:.0f}s)")

@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
+from replicator.core.storedir import default_store_dir
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import FileObjectStore
 from replicator.tools import certs
@@ -143,10 +144,16 @@ class Daemon:
             say(f"{self.name} killed with SIGKILL")
 
 
+def store_of(checkpoint_dir: Path) -> Path:
+    """The daemon's store beside CHECKPOINT_DIR (its default ``--store-dir``)."""
+    return Path(default_store_dir(PurePosixPath(checkpoint_dir)))
+
+
 def wipe(directory: Path) -> None:
-    """Empty a RAM disk, as a node reboot would."""
+    """Empty a RAM disk, as a node reboot would: CHECKPOINT_DIR and the store beside it."""
     for child in directory.iterdir():
         shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    shutil.rmtree(store_of(directory), ignore_errors=True)
 
 
 def wait_for_backups(
@@ -256,6 +263,7 @@ def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:
             shutil.rmtree(work, ignore_errors=True)
         if not failures:
             shutil.rmtree(ckpt, ignore_errors=True)
+            shutil.rmtree(store_of(ckpt), ignore_errors=True)
     if failures:
         say(f"FAILED checks: {failures}; logs in {work}")
         return 1

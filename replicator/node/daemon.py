@@ -50,7 +50,7 @@ from replicator.core.contract import (
     parse_save_name,
 )
 from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
-from replicator.local.store import LocalStore, StoreError
+from replicator.local.store import LocalStore, StoreError, StorePlacementError
 from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
     AgentContext,
@@ -114,6 +114,9 @@ def _var_names(value: str) -> tuple[str, ...]:
 class DaemonOptions:
     checkpoint_dir: Path
     listen: str
+    store_dir: Path | None = None
+    """The store (committed items, ingest, staging): outside CHECKPOINT_DIR, on its
+    filesystem; None: ``<CHECKPOINT_DIR>.mtc-store`` (``core.storedir``)."""
     advertise: str | None = None
     backup: str | None = None
     registry: str | None = None
@@ -192,6 +195,13 @@ def parse_args(
         type=Path,
         default=env.get("MTC_CHECKPOINT_DIR"),
         help="the RAM disk shared with the training job [MTC_CHECKPOINT_DIR]",
+    )
+    p.add_argument(
+        "--store-dir",
+        type=Path,
+        default=env.get("MTC_STORE_DIR") or None,
+        help="the daemon's store: outside the checkpoint dir, on the same filesystem "
+        "(default: <checkpoint-dir>.mtc-store) [MTC_STORE_DIR]",
     )
     p.add_argument(
         "--listen",
@@ -324,6 +334,7 @@ def parse_args(
         p.error("--max-step-lead must be >= 1")
     return DaemonOptions(
         checkpoint_dir=a.checkpoint_dir.absolute(),
+        store_dir=a.store_dir.absolute() if a.store_dir is not None else None,
         listen=a.listen,
         advertise=a.advertise,
         backup=a.backup,
@@ -380,7 +391,7 @@ class Daemon:
         self.tls: TlsMaterial | None = open_material(
             opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
         )
-        self.store = LocalStore(opts.checkpoint_dir)
+        self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         backups = BackupStore(open_object_store(opts.backup), self.trust) if opts.backup else None
         self._prometheus = PrometheusMetrics() if opts.metrics else None
@@ -455,6 +466,10 @@ class Daemon:
         self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         try:
             report = await loop.run_in_executor(self.executor, self.store.open)
+        except StorePlacementError as exc:
+            log.error("%s", exc)
+            self.exit_code = 2
+            return
         except StoreError as exc:
             log.error("%s", exc)
             self.exit_code = 3
@@ -543,10 +558,11 @@ class Daemon:
                 "and where its ranks join; turn it off once every record is signed"
             )
         log.info(
-            "%s: checkpoint-dir=%s listen=%s advertise=%s backup=%s version=%s tls=%s "
-            "health=%s metrics=%s data-port=%s owner-file=%s",
+            "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
+            "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
+            self.store.root,
             self.listen_address,
             self.advertise,
             self.opts.backup,
@@ -588,19 +604,30 @@ class Daemon:
     # --- the handshake file ----------------------------------------------------------------
 
     def _read_config(self) -> str | None:
+        """The handshake's text; None when there is none. ``NotRegularFile`` for a symlink
+        (it could name any file the daemon reads) or a FIFO (a read would block forever)."""
         path = self.opts.checkpoint_dir / CONFIG_FILE
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_CONFIG_BYTES + 1)
-        except (FileNotFoundError, IsADirectoryError):
+            raw = fsutil.read_regular(path, MAX_CONFIG_BYTES + 1)
+        except FileNotFoundError:
             return None
+        except fsutil.NotRegularFile as exc:
+            if exc.kind == "a directory":
+                return None  # the workload's own business, as before
+            raise
         return raw.decode("utf-8", errors="replace")
 
     async def _check_config(self) -> None:
         # Taken before the read: a close seen now covers the text we read, while one that
         # arrives during the read may follow a write our read missed.
         closed = self._config_finished
-        text = await asyncio.get_running_loop().run_in_executor(self.executor, self._read_config)
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._read_config
+            )
+        except fsutil.NotRegularFile as exc:
+            await self._reject_not_regular(exc.kind)
+            return
         now = time.monotonic()
         if text is None:
             self._pending = None
@@ -673,9 +700,30 @@ class Daemon:
         except BadOwner as exc:
             raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
 
+    async def _reject_not_regular(self, kind: str) -> None:
+        """A ``replicator.yaml`` that is a symlink or FIFO: never read, refused, removed."""
+        path = self.opts.checkpoint_dir / CONFIG_FILE
+        log.error("rejecting %s: it is %s, not a regular file", CONFIG_FILE, kind)
+        self.metrics.error(ErrorKind.CONFIG)
+        await self._end_incarnation()
+        message = (
+            f"{CONFIG_FILE} is {kind}, not a regular file: the replicator reads only a regular "
+            f"file. Write it as one (atomically: {CONFIG_FILE}.tmp, then rename); committed "
+            "checkpoints on this node were not touched.\n"
+        )
+        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
+        if fsutil.lkind(path) not in (None, "a regular file"):
+            path.unlink(missing_ok=True)  # unlink never follows the link it removes
+        self._config_finished = False
+        self._pending = None
+
     def _delete_config(self, accepted: str) -> None:
         # Only the text we judged: a newer handshake written meanwhile must survive.
-        if self._read_config() == accepted:
+        try:
+            current = self._read_config()
+        except fsutil.NotRegularFile:
+            current = None  # replaced meanwhile: the next check refuses it
+        if current == accepted:
             (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
             self._config_finished = False
         self._pending = None

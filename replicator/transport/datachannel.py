@@ -424,6 +424,7 @@ def receive_into(
     *,
     idle_timeout: float,
     cancelled: Callable[[], bool] = _never,
+    root: Path | None = None,
 ) -> int:
     """Read every byte of ``writer``'s item from ``sock`` into it, verified; the bytes read.
 
@@ -463,6 +464,7 @@ def send_item(
     *,
     idle_timeout: float,
     cancelled: Callable[[], bool] = _never,
+    root: Path | None = None,
 ) -> int:
     """Write every byte of a committed item to ``sock`` in manifest order, with ``sendfile``
     (the bytes never enter this process), then shut the sending side; the bytes sent.
@@ -474,7 +476,7 @@ def send_item(
     set_idle_timeout(sock, idle_timeout)
     sent = 0
     buffer = bytearray(TLS_SEND_BYTES) if isinstance(sock, TlsStream) else bytearray()
-    with contextlib.closing(item_files(manifest, data)) as files:
+    with contextlib.closing(item_files(manifest, data, root)) as files:
         for _, entry, fd in files:
             offset = 0
             while offset < entry.size:
@@ -558,12 +560,20 @@ async def receive_staged(
 
 
 async def send_staged(
-    manifest: Manifest, data: Path, sock: Conn, *, idle_timeout: float, pool: TransferPool
+    manifest: Manifest,
+    data: Path,
+    sock: Conn,
+    *,
+    idle_timeout: float,
+    pool: TransferPool,
+    root: Path | None = None,
 ) -> int:
     """``send_item`` on a thread of ``pool``; cancelling the awaiting task stops it."""
     abort = Abort()
     abort.sock = sock
     return await pool.run(
-        lambda: send_item(sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort),
+        lambda: send_item(
+            sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort, root=root
+        ),
         abort,
     )

@@ -327,8 +327,11 @@ class PeerClient:
             CHUNKS_AFTER_UNREACHABLE,
         )
 
-    async def push_item(self, address: str, manifest: Manifest, data_path: Path) -> bool:
+    async def push_item(
+        self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
+    ) -> bool:
         """Send a committed item; True when the peer already held it (nothing was sent).
+        Its files are read from ``root`` (the store) down through no symlink.
 
         Raises ``CorruptItem`` when the bytes sent do not match the manifest (the peer
         answered DATA_LOSS, or the local copy is short), ``PeerUnavailable`` when trying
@@ -338,22 +341,24 @@ class PeerClient:
         """
         try:
             with self._channel_slot(address) as channel:
-                return await self._push(address, manifest, data_path, channel)
+                return await self._push(address, manifest, data_path, root, channel)
         except ChannelUnreachable as exc:
             self._channel_unreachable(address, exc)
         except ChannelFailed as exc:
             log.warning("%s: sending it again in gRPC chunks", exc)
         for _ in range(BUSY_RETRIES):
             try:
-                return await self._push(address, manifest, data_path, False)
+                return await self._push(address, manifest, data_path, root, False)
             except PeerUnavailable as exc:
                 # The failed attempt's cancel may not have reached the other side yet.
                 if exc.code is not grpc.StatusCode.ABORTED:
                     raise
                 await asyncio.sleep(BUSY_SECONDS)
-        return await self._push(address, manifest, data_path, False)
+        return await self._push(address, manifest, data_path, root, False)
 
-    async def _push(self, address: str, manifest: Manifest, data_path: Path, channel: bool) -> bool:
+    async def _push(
+        self, address: str, manifest: Manifest, data_path: Path, root: Path | None, channel: bool
+    ) -> bool:
         raw = manifest.to_json()
         header = pb.PushHeader(
             item=item_ref(manifest.item),
@@ -378,13 +383,13 @@ class PeerClient:
                     if offer is not None:
                         offered = True
                         try:
-                            await self._send_over_channel(address, offer, manifest, data_path)
+                            await self._send_over_channel(address, offer, manifest, data_path, root)
                         except ChannelUnreachable:
                             raise  # push_item tries again in chunks; this call is cancelled
                         except ChannelBroken as exc:
                             broken = exc  # the peer's status, if it has one, says more
                     else:
-                        await self._send_chunks(call, manifest, data_path)
+                        await self._send_chunks(call, manifest, data_path, root)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 cut_short = True  # the peer ended the call mid-stream; its status says why
@@ -433,9 +438,10 @@ class PeerClient:
         call: grpc.aio.StreamUnaryCall[pb.PushItemRequest, pb.PushItemResponse],
         manifest: Manifest,
         data_path: Path,
+        root: Path | None,
     ) -> None:
         what = f"push of {manifest.item}"
-        with contextlib.closing(iter_chunks(manifest, data_path)) as chunks:
+        with contextlib.closing(iter_chunks(manifest, data_path, root=root)) as chunks:
             for index, offset, buf, crc in chunks:
                 request = pb.PushItemRequest()
                 fill_chunk(request.chunk, index, offset, buf, crc)
@@ -449,11 +455,16 @@ class PeerClient:
         )
 
     async def _send_over_channel(
-        self, address: str, offer: tuple[int, bytes], manifest: Manifest, data_path: Path
+        self,
+        address: str,
+        offer: tuple[int, bytes],
+        manifest: Manifest,
+        data_path: Path,
+        root: Path | None,
     ) -> None:
         with await self._connect(address, offer) as sock:
             await datachannel.send_staged(
-                manifest, data_path, sock, idle_timeout=self.timeout, pool=self.pool
+                manifest, data_path, sock, idle_timeout=self.timeout, pool=self.pool, root=root
             )
 
     async def pull_item(

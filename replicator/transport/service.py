@@ -395,14 +395,20 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                     await within(context.write(pb.PullItemResponse(header=header)), idle, what)
                     sock = await self.channel.connection(ticket, idle)
                     await send_staged(
-                        manifest, data, sock, idle_timeout=idle, pool=self.channel.pool
+                        manifest,
+                        data,
+                        sock,
+                        idle_timeout=idle,
+                        pool=self.channel.pool,
+                        root=self.store.root,
                     )
                 finally:
                     self.channel.withdraw(ticket)  # closes its connection
             else:
                 via = "in gRPC chunks"
                 await within(context.write(pb.PullItemResponse(header=header)), idle, what)
-                with contextlib.closing(iter_chunks(manifest, data)) as chunks:
+                chunks = iter_chunks(manifest, data, root=self.store.root)
+                with contextlib.closing(chunks):
                     for index, offset, buf, crc in chunks:
                         response = pb.PullItemResponse()
                         fill_chunk(response.chunk, index, offset, buf, crc)

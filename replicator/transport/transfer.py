@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import functools
 import hashlib
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from concurrent.futures import Executor
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, TypeVar
 
 import google_crc32c
@@ -35,7 +36,6 @@ from replicator.core.manifest import (
     Manifest,
 )
 from replicator.local import fsutil
-from replicator.local.hashing import data_file
 from replicator.local.store import DATA, LocalStore, StoreError
 
 T = TypeVar("T")
@@ -52,6 +52,7 @@ RESERVE_BYTES = 64 << 20
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LINKED = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -120,6 +121,8 @@ def iter_chunks(
     data: Path,
     chunk_size: int = SEND_CHUNK,
     cancelled: CancelCheck = _never,
+    *,
+    root: Path | None = None,
 ) -> Generator[Chunk]:
     """``(file_index, offset, data, crc32c)`` for every byte of an item, in manifest order.
 
@@ -131,7 +134,7 @@ def iter_chunks(
     """
     if not 0 < chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk size {chunk_size} is outside 1..{MAX_CHUNK}")
-    with contextlib.closing(item_files(manifest, data)) as files:
+    with contextlib.closing(item_files(manifest, data, root)) as files:
         for index, entry, fd in files:
             offset = 0
             while offset < entry.size:
@@ -144,17 +147,51 @@ def iter_chunks(
                 offset += len(buf)
 
 
-def item_files(manifest: Manifest, data: Path) -> Generator[tuple[int, FileEntry, int]]:
+def item_files(
+    manifest: Manifest, data: Path, root: Path | None = None
+) -> Generator[tuple[int, FileEntry, int]]:
     """``(file_index, entry, descriptor)`` of every non-empty file of a committed item, in
-    manifest order, opened without following symlinks; each closed when the next is due."""
-    for index, entry in enumerate(manifest.files):
-        if entry.size == 0:
-            continue
-        fd = os.open(data_file(data, entry), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            yield index, entry, fd
-        finally:
-            os.close(fd)
+    manifest order; each closed when the next is due.
+
+    Every file is reached from ``root`` (the store; by default ``data``'s parent) through no
+    symlink at any component, and must be a regular file: a pod that kept a descriptor of
+    its step directory may have swapped a directory for a link to the daemon's files since.
+    Such an item is ``CorruptItem``.
+    """
+    base = data.parent if root is None else root
+    rel = data.relative_to(base)
+    top = None if manifest.kind is ItemKind.FILE else _open_safely(manifest, base, rel, dir_=True)
+    try:
+        for index, entry in enumerate(manifest.files):
+            if entry.size == 0:
+                continue
+            if top is None:
+                fd = _open_safely(manifest, base, rel)
+            else:
+                fd = _open_safely(manifest, top, PurePosixPath(entry.path))
+            try:
+                yield index, entry, fd
+            finally:
+                os.close(fd)
+    finally:
+        if top is not None:
+            os.close(top)
+
+
+def _open_safely(manifest: Manifest, base: Path | int, rel: PurePath, *, dir_: bool = False) -> int:
+    try:
+        if dir_:
+            return fsutil.open_dir_beneath(base, rel)
+        return fsutil.open_file_beneath(base, rel)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if isinstance(exc, fsutil.NotRegularFile) or exc.errno in _LINKED:
+            raise CorruptItem(
+                f"{manifest.item}: {rel} is not served: a symlink or a special file where the "
+                f"item has a {'directory' if dir_ else 'file'} ({exc.strerror})"
+            ) from None
+        raise
 
 
 def short_file(manifest: Manifest, entry: FileEntry, offset: int) -> CorruptItem:

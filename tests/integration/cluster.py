@@ -28,6 +28,7 @@ from tests.integration.helpers import (
     read_prerestore,
     read_text,
     read_tree,
+    store_root,
     wait_until,
     write_yaml_atomic,
 )
@@ -117,7 +118,7 @@ class Cluster:
 
     def held(self, rank: int) -> set[tuple[int, str]]:
         """(step, '<rank>-<worker>') of every committed item in the rank's store."""
-        root = self.dirs[rank] / ".mtc" / "items" / self.job
+        root = store_root(self.dirs[rank]) / "items" / self.job
         if not root.is_dir():
             return set()
         held = set()
@@ -138,18 +139,22 @@ class Cluster:
     def wipe(self, rank: int) -> None:
         """The node loses its RAM disk: daemon killed, directory emptied, daemon restarted."""
         self.daemon(rank).kill()
-        shutil.rmtree(self.dirs[rank])
-        self.dirs[rank].mkdir()
+        self.clear(rank)
         self.start(rank)
 
     def wipe_all(self) -> None:
         """Every node loses its RAM disk: all daemons stopped, directories emptied, restarted."""
         self.stop_all()
         for r in range(NODES):
-            shutil.rmtree(self.dirs[r])
-            self.dirs[r].mkdir()
+            self.clear(r)
         for r in range(NODES):
             self.start(r)
+
+    def clear(self, rank: int) -> None:
+        """Empty the node's RAM disk, CHECKPOINT_DIR and the store beside it (daemon down)."""
+        shutil.rmtree(self.dirs[rank])
+        shutil.rmtree(store_root(self.dirs[rank]), ignore_errors=True)
+        self.dirs[rank].mkdir()
 
     def fresh_start(self) -> None:
         """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
@@ -227,7 +232,7 @@ class Cluster:
 
     def staged_bytes(self, rank: int) -> int:
         """Bytes of incoming copies in the rank's staging area (a transfer in progress)."""
-        staging = self.dirs[rank] / ".mtc" / "staging"
+        staging = store_root(self.dirs[rank]) / "staging"
         if not staging.is_dir():
             return 0
         total = 0

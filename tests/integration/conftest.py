@@ -37,22 +37,24 @@ StartDaemon = Callable[..., DaemonProcess]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "tmpfs_size(size): size of the tmpfs mounted as CHECKPOINT_DIR (default 256m)"
+        "markers", "tmpfs_size(size): size of the tmpfs holding CHECKPOINT_DIR (default 256m)"
     )
 
 
 @pytest.fixture
 def ckpt(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    """CHECKPOINT_DIR: a tmpfs as in production when we are root, else a plain directory."""
-    path = tmp_path / "ckpt"
-    path.mkdir()
+    """CHECKPOINT_DIR: a directory of a tmpfs as in production when we are root (else of a
+    plain directory), so that the daemon's default store, its sibling, shares the tmpfs."""
+    ram = tmp_path / "ram"
+    ram.mkdir()
     marker = request.node.get_closest_marker("tmpfs_size")
-    mounted = mount_tmpfs(path, marker.args[0] if marker else DEFAULT_TMPFS)
+    mounted = mount_tmpfs(ram, marker.args[0] if marker else DEFAULT_TMPFS)
     try:
-        yield path
+        (ram / "ckpt").mkdir()
+        yield ram / "ckpt"
     finally:
         if mounted:
-            unmount(path)
+            unmount(ram)
 
 
 @pytest.fixture

@@ -16,17 +16,17 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 import pytest
 import yaml
 
+from replicator.core.storedir import default_store_dir
 from tests.daemon_process import DaemonProcess
 
 T = TypeVar("T")
 
-STORE = ".mtc"
 CONFIG = "replicator.yaml"
 PRERESTORE = "replicator.prerestore"
 ERRORS = "replicator.errors"
@@ -70,11 +70,14 @@ def unmount(path: Path) -> None:
 
 @contextlib.contextmanager
 def ram_disk(path: Path, size: str = "256m") -> Iterator[Path]:
-    """A fresh CHECKPOINT_DIR at ``path``: a tmpfs when we are root, else a directory."""
+    """A fresh RAM disk at ``path`` (a tmpfs when we are root, else a directory), laid out as
+    in production: CHECKPOINT_DIR is ``path/checkpoint``, yielded, and the daemon's store
+    its sibling on the same filesystem."""
     path.mkdir(parents=True)
     mounted = mount_tmpfs(path, size)
     try:
-        yield path
+        (path / "checkpoint").mkdir()
+        yield path / "checkpoint"
     finally:
         if mounted:
             unmount(path)
@@ -302,13 +305,18 @@ def sha256_tree(root: Path) -> dict[str, str]:
 # --- the daemon's side -----------------------------------------------------------------------
 
 
+def store_root(ckpt: Path) -> Path:
+    """The daemon's store of ``ckpt`` when ``--store-dir`` is not given (outside ``ckpt``)."""
+    return Path(default_store_dir(PurePosixPath(ckpt)))
+
+
 def item_dir(ckpt: Path, job: str, step: int, rank: int = 0, worker: int = 0) -> Path:
-    return ckpt / STORE / "items" / job / str(step) / f"{rank}-{worker}"
+    return store_root(ckpt) / "items" / job / str(step) / f"{rank}-{worker}"
 
 
 def stored_steps(ckpt: Path, job: str, rank: int = 0, worker: int = 0) -> set[int]:
     """Steps with a committed item (``MANIFEST.json`` present) for this rank and worker."""
-    root = ckpt / STORE / "items" / job
+    root = store_root(ckpt) / "items" / job
     if not root.is_dir():
         return set()
     return {

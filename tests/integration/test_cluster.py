@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -57,8 +56,7 @@ def test_fresh_start_then_replication_then_restore_from_a_peer(cluster: Cluster)
 
     # Node 2 loses its RAM disk: its daemon restarts on an empty directory.
     cluster.daemon(2).kill()
-    shutil.rmtree(cluster.dirs[2])
-    cluster.dirs[2].mkdir()
+    cluster.clear(2)
     cluster.start(2)
 
     # The job restarts: every node writes a new handshake, rank 0 first this time.
@@ -166,8 +164,7 @@ def test_a_flipped_byte_in_the_peer_copy_is_detected(cluster: Cluster) -> None:
     owner = 1
     holder = cluster.holder(owner, 5)
     cluster.daemon(owner).kill()
-    shutil.rmtree(cluster.dirs[owner])
-    cluster.dirs[owner].mkdir()
+    cluster.clear(owner)
     copy = item_dir(cluster.dirs[holder], cluster.job, 5, owner) / "data" / "state/array_0.bin"
     with open(copy, "r+b") as f:
         first = f.read(1)

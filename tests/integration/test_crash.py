@@ -11,7 +11,6 @@ import pytest
 
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
-    STORE,
     backup_commits,
     config_text,
     item_dir,
@@ -20,6 +19,7 @@ from tests.integration.helpers import (
     read_prerestore,
     read_tree,
     sha256_tree,
+    store_root,
     stored_steps,
     top_level_step_dirs,
     wait_ingested,
@@ -37,7 +37,7 @@ BIG_FILES, BIG_MIB = 3, 100
 
 def _committed_items_verify(ckpt: Path) -> None:
     """Every directory under items/ is a whole item: a manifest, and data matching it."""
-    root = ckpt / STORE / "items"
+    root = store_root(ckpt) / "items"
     for manifest in root.glob("*/*/*/MANIFEST.json"):
         assert (manifest.parent / "data").exists(), manifest
     for item in root.glob("*/*/*"):
@@ -69,7 +69,7 @@ def test_kill_during_ingest_loses_nothing(ckpt: Path, job: str, start_daemon: St
         pytest.fail("the kill never landed during an ingest")
     # Taken but not hashed: in the ingest area, not an item.
     assert step not in stored_steps(ckpt, job)
-    assert (ckpt / STORE / "ingest" / job / str(step) / "0-0" / "data").is_dir()
+    assert (store_root(ckpt) / "ingest" / job / str(step) / "0-0" / "data").is_dir()
     _committed_items_verify(ckpt)
 
     # The restarted daemon resumes the incarnation and finishes the ingest.
@@ -116,7 +116,7 @@ def test_kill_during_backup_upload_never_restores_it(
     assert 2 in stored_steps(ckpt, job), "step 2 was committed locally before its upload"
 
     # The node's memory is lost (store set aside): restore must skip the uncommitted step 2.
-    os.rename(ckpt / STORE, ckpt / ".kept-store")
+    os.rename(store_root(ckpt), ckpt.parent / "kept-store")
     daemon = start_daemon(backup=backup_dir)
     write_yaml_atomic(ckpt, yaml_text)
     (marker,) = wait_markers(ckpt, job, 1, daemon)
@@ -126,8 +126,8 @@ def test_kill_during_backup_upload_never_restores_it(
     assert daemon.stop() == 0
 
     # With the memory back, the resumed incarnation completes the interrupted backup.
-    shutil.rmtree(ckpt / STORE)
-    os.rename(ckpt / ".kept-store", ckpt / STORE)
+    shutil.rmtree(store_root(ckpt))
+    os.rename(ckpt.parent / "kept-store", store_root(ckpt))
     daemon = start_daemon(backup=backup_dir)
     wait_until(lambda: 2 in backup_commits(backup_dir, job), "COMMIT of step 2", daemon=daemon)
     uploaded = sha256_tree(backup_dir / job / "2" / "0-0")
@@ -136,7 +136,7 @@ def test_kill_during_backup_upload_never_restores_it(
     assert daemon.stop() == 0
 
     # And that completed backup restores byte for byte into an empty store.
-    shutil.rmtree(ckpt / STORE)
+    shutil.rmtree(store_root(ckpt))
     daemon = start_daemon(backup=backup_dir)
     write_yaml_atomic(ckpt, yaml_text)
     (marker,) = wait_markers(ckpt, job, 2, daemon)

@@ -17,6 +17,7 @@ from tests.integration.helpers import (
     marker_names,
     payload,
     read_text,
+    store_root,
     stored_steps,
     wait_until,
     write_yaml_atomic,
@@ -71,7 +72,7 @@ def test_backup_larger_than_the_ram_disk_fails_loudly(
     assert marker_names(ckpt) == []
     assert not (ckpt / "replicator.yaml").exists()
     # The half-downloaded copy is gone again, and the backup is untouched and restorable.
-    assert list((ckpt / ".mtc" / "staging").iterdir()) == []
+    assert list((store_root(ckpt) / "staging").iterdir()) == []
     staged = tmp_path / "fetched"
     staged.mkdir()
     store = BackupStore(FileObjectStore(backup_dir))
@@ -100,14 +101,14 @@ def test_ingest_on_a_full_ram_disk_retries_once_space_is_free(
     _fill(filler)
     os.rename(tmp_step, ckpt / "7")
 
-    ingest = ckpt / ".mtc" / "ingest" / job / "7"
+    ingest = store_root(ckpt) / "ingest" / job / "7"
     wait_until(ingest.exists, "the step taken into the store", daemon=daemon)
     wait_until(lambda: "ingest failed, will retry" in daemon.log(), "the ENOSPC", daemon=daemon)
     assert 7 not in stored_steps(ckpt, job)
 
     filler.unlink()
     wait_until(lambda: 7 in stored_steps(ckpt, job), "step 7 committed", daemon=daemon)
-    data_dir = ckpt / ".mtc" / "items" / job / "7" / "0-0" / "data"
+    data_dir = store_root(ckpt) / "items" / job / "7" / "0-0" / "data"
     for name, data in files.items():
         assert (data_dir / name).read_bytes() == data
     # make_step is the normal path; it still works once the disk has room again.

@@ -27,6 +27,7 @@ from tests.integration.helpers import (
     config_text,
     read_text,
     read_tree,
+    store_root,
     wait_until,
     write_yaml_atomic,
 )
@@ -116,7 +117,7 @@ def test_another_namespace_cannot_take_over_a_jobs_coordinator(
         text = read_text(failed)
         assert f"job {job} is registered to another owner" in text
         assert VICTIM not in text  # the refusal does not name the victim's namespace
-        assert not (thief_dir / ".mtc" / "items" / job).exists()
+        assert not (store_root(thief_dir) / "items" / job).exists()
 
         # The victim's job restarts: rank 0 first, so a coordinator the thief might have
         # registered would be the one found. Every rank restores its own bytes.
@@ -126,7 +127,7 @@ def test_another_namespace_cannot_take_over_a_jobs_coordinator(
         after = snapshot(cluster)
         for r in range(NODES):
             assert held[r] <= after[r], f"rank {r} lost committed items"
-        assert not (thief_dir / ".mtc" / "items" / job).exists(), "the thief got an item"
+        assert not (store_root(thief_dir) / "items" / job).exists(), "the thief got an item"
         assert entry_of(cluster) is not None
         assert entry_of(cluster).owner == VICTIM  # type: ignore[union-attr]
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests.daemon_process import DaemonProcess
-from tests.integration.helpers import wait_until
+from tests.integration.helpers import store_root, wait_until
 
 pytest.importorskip(
     "orbax.checkpoint",
@@ -33,7 +33,6 @@ pytest.importorskip(
 pytestmark = [pytest.mark.interop, pytest.mark.integration]
 
 DRIVER = Path(__file__).resolve().parents[1] / "interop" / "orbax_driver.py"
-STORE = ".mtc"  # the daemon's private store inside CHECKPOINT_DIR
 DRIVER_TIMEOUT = 90.0  # the driver's own limit (it exits 124 with a diagnosis)
 SETTLE_TIMEOUT = 30.0  # for the daemon to ingest / back up after the driver exits
 STEP_NAME = re.compile(r"^(0|[1-9][0-9]*)$")
@@ -82,7 +81,7 @@ def stored_steps(ckpt: Path) -> set[int]:
     """Steps the daemon's store holds, whatever its layout: Orbax writes into every step's
     ``commit_success.txt`` "Checkpoint commit was successful to <dir>/<N>"."""
     steps: set[int] = set()
-    store = ckpt / STORE
+    store = store_root(ckpt)
     if not store.is_dir():
         return steps
     for dirpath, _dirs, files in os.walk(store):
@@ -117,7 +116,7 @@ def wait_ingested(ckpt: Path, daemon: DaemonProcess, last_step: int) -> None:
 
     wait_until(
         done,
-        f"step dirs ingested into {STORE}/ (newest {last_step})",
+        f"step dirs ingested into the store (newest {last_step})",
         daemon=daemon,
         timeout=SETTLE_TIMEOUT,
     )
@@ -257,7 +256,7 @@ def test_restore_from_file_backup_after_store_loss(tmp_path: Path, ckpt: Path) -
 
         # Lose the node's local tier: stop the daemon, wipe its store, start it again.
         daemon.stop()
-        shutil.rmtree(ckpt / STORE)
+        shutil.rmtree(store_root(ckpt))
         for p in top_level_steps(ckpt).values():
             if p.is_symlink():
                 p.unlink()

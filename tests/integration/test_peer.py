@@ -48,6 +48,7 @@ from tests.integration.helpers import (
     receiver_args,
     running_daemon,
     sha256_tree,
+    store_root,
     wait_ingested,
     wait_until,
     write_big_step_tmp,
@@ -145,7 +146,7 @@ def test_push_copies_the_item_to_the_peer_byte_for_byte(pushed: Pair) -> None:
     assert (copy / MANIFEST_FILE).read_bytes() == p.manifest.to_json()
     assert read_tree(copy / "data") == read_tree(p.data)
     assert tree_shape(copy / "data") == tree_shape(p.data)  # empty dir and file included
-    assert list((p.b_ckpt / ".mtc" / "staging").iterdir()) == []
+    assert list((store_root(p.b_ckpt) / "staging").iterdir()) == []
     assert re.search(f"received {p.item} from \\S+ over the data channel", p.b.log())
 
 
@@ -267,7 +268,7 @@ def test_an_unreachable_data_channel_falls_back_to_chunks(
                 "the abandoned data-channel push cancelled on the daemon",
                 daemon=c,
             )
-            assert list((c_ckpt / ".mtc" / "staging").iterdir()) == []
+            assert list((store_root(c_ckpt) / "staging").iterdir()) == []
         assert read_tree(store.data_path(pair.item)) == read_tree(pair.data)
     finally:
         store.close()
@@ -297,7 +298,7 @@ def test_items_of_another_job_are_refused(pair: Pair) -> None:
     with pytest.raises(PeerError, match="another-job") as refused:
         with_client(lambda c: c.push_item(p.b.address, other, p.data))
     assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
-    assert not (p.b_ckpt / ".mtc" / "items" / "another-job").exists()
+    assert not (store_root(p.b_ckpt) / "items" / "another-job").exists()
 
 
 def test_an_unreachable_peer_is_a_retryable_error(pair: Pair) -> None:
@@ -341,7 +342,7 @@ def test_daemon_memory_stays_flat_in_the_item_size(tmp_path: Path) -> None:
         with_client(lambda c: c.pull_item(daemon.address, manifest.item, store, manifest.digest))
         store.close()
         after_pull = vm_hwm_mib(pid)
-        assert sha256_tree(back / ".mtc" / "items" / job / "1" / "0-0" / "data") == digests
+        assert sha256_tree(store_root(back) / "items" / job / "1" / "0-0" / "data") == digests
     print(
         f"daemon VmHWM: {baseline:.0f} MiB at start, {after_push:.0f} after the push, "
         f"{after_pull:.0f} after the pull"
@@ -386,7 +387,7 @@ def test_sigterm_ends_a_stalled_push_within_the_grace_period(tmp_path: Path) -> 
         accept_job(ckpt, daemon, job, **RECEIVER)
         channel = grpc.insecure_channel(daemon.address)
         call = peer_pb2_grpc.PeerStub(channel).PushItem.future(requests(), timeout=60)
-        staging = ckpt / ".mtc" / "staging"
+        staging = store_root(ckpt) / "staging"
         wait_until(lambda: list(staging.glob("*/data")), "the push staged", daemon=daemon)
         t0 = time.monotonic()
         assert daemon.stop(timeout=20) == 0
@@ -398,7 +399,7 @@ def test_sigterm_ends_a_stalled_push_within_the_grace_period(tmp_path: Path) -> 
         assert cut.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         assert stopped_in < SERVER_GRACE_SECONDS + 5
         assert list(staging.iterdir()) == []
-        assert not (ckpt / ".mtc" / "items" / job).exists()
+        assert not (store_root(ckpt) / "items" / job).exists()
         assert "cancelled" in daemon.log()
 
 
@@ -435,7 +436,7 @@ def test_a_corrupt_local_copy_is_refused_with_corrupt_item(pair: Pair, tmp_path:
         with_client(lambda c: c.push_item(p.b.address, corrupt, copy))
     assert not item_dir(p.b_ckpt, p.job, STEP + 40).exists()
     wait_until(
-        lambda: list((p.b_ckpt / ".mtc" / "staging").iterdir()) == [],
+        lambda: list((store_root(p.b_ckpt) / "staging").iterdir()) == [],
         "staging emptied",
         daemon=p.b,
     )

@@ -44,6 +44,7 @@ from tests.integration.helpers import (
     item_dir,
     ram_disk,
     read_text,
+    store_root,
     wait_markers,
     wait_until,
     write_yaml_atomic,
@@ -83,7 +84,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         stack.callback(lambda: daemon.stop(timeout=15) if daemon.running else None)
         write_yaml_atomic(ckpt, config_text(job, nodes=1))
         wait_markers(ckpt, job, 0, daemon)
-        state = ckpt / ".mtc" / "incarnation.json"
+        state = store_root(ckpt) / "incarnation.json"
         wait_until(
             lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
             "the incarnation in steady state",
@@ -142,7 +143,7 @@ def small_push(n: Node, step: int, data: bytes) -> pb.PushItemResponse:
 
 
 def staging(n: Node) -> list[Path]:
-    return list((n.ckpt / ".mtc" / "staging").iterdir())
+    return list((store_root(n.ckpt) / "staging").iterdir())
 
 
 def healthy(n: Node, timeout: float = 5) -> bool:
@@ -183,7 +184,7 @@ def test_a_stalled_push_gives_back_its_reservation_after_the_idle_timeout(
     others are refused, and after the idle timeout it is dropped, its staging removed and
     its space free again, whatever the sender does."""
     step = 100 + STALLS.index(how)
-    declared = room_on(node.ckpt / ".mtc") - (4 << 20)
+    declared = room_on(store_root(node.ckpt)) - (4 << 20)
     gate = threading.Event()
     channel = how.startswith("data-channel")
 

@@ -39,6 +39,7 @@ from tests.integration.helpers import (
     read_text,
     running_daemon,
     sha256_tree,
+    store_root,
     stored_steps,
     wait_until,
     write_yaml_atomic,
@@ -77,7 +78,7 @@ def wait_released(job: str, ckpt: Path, rank: int, step: int, daemon: DaemonProc
     """The rank's restore round released (its markers of ``step``), its agent in steady state."""
     want = expected_markers(job, step, rank=rank)
     wait_until(lambda: marker_names(ckpt) == want, f"rank {rank}'s markers {want}", daemon=daemon)
-    state = ckpt / ".mtc" / "incarnation.json"
+    state = store_root(ckpt) / "incarnation.json"
     wait_until(
         lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
         f"rank {rank}'s incarnation in steady state",
@@ -371,15 +372,19 @@ ATTACKS: dict[str, tuple[Attack, Code, str]] = {
 
 
 def snapshot(ckpt: Path) -> dict[str, tuple[Any, ...]]:
-    """Every name below CHECKPOINT_DIR with its type and content, except in-flight areas."""
-    skip = {ckpt / ".mtc" / "staging", ckpt / ".mtc" / "trash"}
+    """Every name below CHECKPOINT_DIR and the store with its type and content, except
+    in-flight areas."""
+    store = store_root(ckpt)
+    skip = {store / "staging", store / "trash"}
     out: dict[str, tuple[Any, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(ckpt):
+    for top, dirpath, dirnames, filenames in [
+        (root, *walked) for root in (ckpt, store) for walked in os.walk(root)
+    ]:
         here = Path(dirpath)
         dirnames[:] = [d for d in dirnames if here / d not in skip]
         for name in dirnames + filenames:
             path = here / name
-            rel = str(path.relative_to(ckpt))
+            rel = f"{top.name}/{path.relative_to(top)}"
             if path.is_symlink():
                 out[rel] = ("link", os.readlink(path))
             elif path.is_dir():
@@ -390,7 +395,7 @@ def snapshot(ckpt: Path) -> dict[str, tuple[Any, ...]]:
 
 
 def staging_entries(ckpt: Path) -> list[Path]:
-    return list((ckpt / ".mtc" / "staging").iterdir())
+    return list((store_root(ckpt) / "staging").iterdir())
 
 
 def assert_unharmed(v: Victim, before: dict[str, tuple[Any, ...]]) -> None:
@@ -432,7 +437,7 @@ def test_symlinks_planted_in_staging_are_never_followed(victim: Victim, planted:
     call = victim.stub.PushItem.future(requests(), timeout=20)
     try:
         state = wait_until(
-            lambda: next(iter((victim.ckpt / ".mtc" / "staging").glob("*/data/state")), None),
+            lambda: next(iter((store_root(victim.ckpt) / "staging").glob("*/data/state")), None),
             "the push's staging directory",
             daemon=victim.daemon,
         )
@@ -462,7 +467,7 @@ def test_a_push_cancelled_midway_leaves_nothing(victim: Victim) -> None:
 
     call = victim.stub.PushItem.future(requests(), timeout=20)
     wait_until(
-        lambda: list((victim.ckpt / ".mtc" / "staging").glob("*/data/meta")),
+        lambda: list((store_root(victim.ckpt) / "staging").glob("*/data/meta")),
         "the first chunk written",
         daemon=victim.daemon,
     )
@@ -590,7 +595,7 @@ def test_a_data_channel_push_cancelled_midway_leaves_nothing(victim: Victim) -> 
 
     calls.append(dc_push(victim, DC_STEP, attack))
     wait_until(
-        lambda: list((victim.ckpt / ".mtc" / "staging").glob("*/data/meta")),
+        lambda: list((store_root(victim.ckpt) / "staging").glob("*/data/meta")),
         "the first file written",
         daemon=victim.daemon,
     )

@@ -15,7 +15,6 @@ from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     ERRORS,
-    STORE,
     backup_commits,
     config_text,
     holds,
@@ -26,6 +25,7 @@ from tests.integration.helpers import (
     read_prerestore,
     read_text,
     read_tree,
+    store_root,
     stored_steps,
     wait_ingested,
     wait_markers,
@@ -124,7 +124,7 @@ def test_wiped_store_restores_newest_committed_backup(
     assert (backup_dir / job / "2" / "0-0.manifest.json").is_file()
     # And a step 5 that a crashed uploader left by hand: files, manifest, no COMMIT.
     shutil.copytree(backup_dir / job / "2", backup_dir / job / "5")
-    shutil.rmtree(ckpt / STORE)
+    shutil.rmtree(store_root(ckpt))
 
     daemon = start_daemon(backup=backup_dir)
     write_yaml_atomic(ckpt, yaml_text)

@@ -13,7 +13,6 @@ import pytest
 
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
-    STORE,
     backup_commits,
     config_text,
     holds,
@@ -123,7 +122,7 @@ def test_pytorch_save_files_one_item_per_worker(
         assert marker.is_symlink()
         assert not os.path.isabs(os.readlink(marker))
         assert marker.resolve().is_file()
-        assert marker.resolve().is_relative_to((ckpt / STORE).resolve())
+        assert marker.resolve().is_relative_to((ckpt / ".mtc" / "views").resolve())
         assert marker.read_bytes() == data
 
 

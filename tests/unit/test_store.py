@@ -7,6 +7,7 @@ sockets, no subprocesses.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,14 @@ import pytest
 from replicator.core.contract import STORE_DIR
 from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest
-from replicator.local.store import DATA, MANIFEST_FILE, LocalStore, OpenReport, StoreError
+from replicator.local.store import (
+    DATA,
+    MANIFEST_FILE,
+    LocalStore,
+    OpenReport,
+    StoreError,
+    StorePlacementError,
+)
 
 ITEM = ItemId("job", 10, 0, 0)
 
@@ -127,256 +135,20 @@ def test_verify_detects_corruption_of_a_committed_item(store: LocalStore) -> Non
         store.verify(ItemId("job", 99, 0, 0))
 
 
-def test_marker_target_is_relative_and_resolves_to_the_data(store: LocalStore, ckpt: Path) -> None:
-    ingest(store, ITEM)
-    store.commit_ingested(ITEM)
-    target = store.marker_target(ITEM)
-    assert not os.path.isabs(target)
-    assert target.startswith(STORE_DIR + "/")
-    marker = ckpt / "job-s10-n0-w0.restore"
-    marker.symlink_to(target)
-    assert marker.resolve() == store.data_path(ITEM).resolve()
-    assert (marker / "state" / "shard").read_bytes() == b"payload"
-    assert store.owns_link_target(os.readlink(marker))
-
-
-@pytest.mark.parametrize(
-    ("target", "owned"),
-    [
-        (".mtc/items/job/10/0-0/data", True),
-        ("./.mtc/items/job/10/0-0/data", True),
-        (".mtc", True),
-        ("sub/../.mtc/items/x", True),
-        (".mtc/../elsewhere", False),
-        (".mtcx/items", False),
-        ("other/.mtc/items", False),
-        ("../ckpt/.mtc/items", False),
-        ("/abs/ckpt/.mtc/items", False),
-        ("10", False),
-    ],
-)
-def test_owns_link_target(store: LocalStore, target: str, owned: bool) -> None:
-    assert store.owns_link_target(target) is owned
-
-
-def test_commit_replaces_an_item_of_the_same_id(store: LocalStore) -> None:
-    ingest(store, ITEM, b"first")
-    first = store.commit_ingested(ITEM)
-    ingest(store, ITEM, b"second, longer")
-    second = store.commit_ingested(ITEM)
-    assert first.digest != second.digest
-    assert store.get(ITEM) == second
-    assert (store.data_path(ITEM) / "state" / "shard").read_bytes() == b"second, longer"
-    store.verify(ITEM)
-    assert list(store.trash.iterdir()) == []
-
-
-def test_commit_staged(store: LocalStore, tmp_path: Path) -> None:
-    src = make_step(tmp_path / "elsewhere")
-    manifest = build_manifest(ITEM, src)
-    staged = store.new_staging()
-    src.rename(staged / DATA)
-    store.commit_staged(staged, manifest)
-    assert store.get(ITEM) == manifest
-    assert not staged.exists()
-    store.verify(ITEM)
-
-
-def test_delete_removes_the_item_and_empty_parents(store: LocalStore) -> None:
-    a, b = ItemId("job", 10, 0, 0), ItemId("job", 10, 1, 0)
-    for item in (a, b):
-        ingest(store, item)
-        store.commit_ingested(item)
-    store.delete(a)
-    assert store.get(a) is None
-    assert not store.item_dir(a).exists()
-    assert store.item_dir(b).is_dir()  # the step still holds b
-    store.delete(b)
-    assert store.manifests() == {}
-    assert list(store.items_root.iterdir()) == []  # step and job dirs are gone too
-    assert list(store.trash.iterdir()) == []
-    store.delete(b)  # idempotent
-
-
-# --- crash recovery ----------------------------------------------------------------------------
-
-
-def test_reopen_indexes_committed_items(store: LocalStore) -> None:
-    items = [ItemId("job", 10, 0, 0), ItemId("job", 20, 0, 0), ItemId("other", 5, 1, 2)]
-    manifests = {}
-    for item in items:
-        ingest(store, item)
-        manifests[item] = store.commit_ingested(item)
-    new, report = reopen(store)
-    try:
-        assert report.items == 3
-        assert report.discarded == ()
-        assert new.manifests() == manifests
-        for item in items:
-            new.verify(item)
-    finally:
-        new.close()
-
-
-@pytest.mark.parametrize(("step", "key"), [("²", "0-0"), ("1", "²-0"), ("1", "0-\u0661")])
-def test_open_ignores_names_with_non_ascii_digits(store: LocalStore, step: str, key: str) -> None:
-    """``"²".isdigit()`` is true and ``int("²")`` fails: such a name, planted by anyone who
-    can write the RAM disk, must not crash the daemon at every start."""
-    ingest(store, ITEM)
-    store.commit_ingested(ITEM)
-    planted = store.root / "items" / ITEM.job / step / key
-    planted.mkdir(parents=True)
-    new, report = reopen(store)
-    try:
-        assert report.items == 1
-        assert list(new.manifests(ITEM.job)) == [ITEM]
-    finally:
-        new.close()
-
-
-def test_open_discards_an_item_without_manifest(store: LocalStore) -> None:
-    ingest(store, ITEM)
-    store.commit_ingested(ITEM)
-    half = ItemId("job", 20, 0, 0)
-    make_step(store.item_dir(half) / DATA)  # a crash before the manifest was written
-    new, report = reopen(store)
-    try:
-        assert str(store.item_dir(half)) in report.discarded
-        assert set(new.manifests()) == {ITEM}
-        assert not store.item_dir(half).exists()
-        assert not store.item_dir(half).parent.exists()  # empty step dir pruned
-    finally:
-        new.close()
-
-
-def test_open_discards_a_manifest_naming_another_item(store: LocalStore) -> None:
-    ingest(store, ITEM)
-    store.commit_ingested(ITEM)
-    moved = ItemId("job", 11, 0, 0)
-    store.item_dir(moved).parent.mkdir(parents=True)
-    store.item_dir(ITEM).rename(store.item_dir(moved))
-    new, report = reopen(store)
-    try:
-        assert str(store.item_dir(moved)) in report.discarded
-        assert new.manifests() == {}
-        assert not store.item_dir(moved).exists()
-    finally:
-        new.close()
-
-
-def test_open_discards_a_garbage_manifest_and_foreign_names(store: LocalStore) -> None:
-    bad = store.item_dir(ITEM)
-    make_step(bad / DATA)
-    (bad / MANIFEST_FILE).write_bytes(b"{not json")
-    (store.items_root / "job" / "10" / "not-an-item").mkdir()
-    (store.items_root / "job" / "notastep" / "0-0").mkdir(parents=True)
-    (store.items_root / "stray-file").write_bytes(b"")
-    new, report = reopen(store)
-    try:
-        assert new.manifests() == {}
-        assert len(report.discarded) == 4
-        assert list(new.items_root.iterdir()) == []
-    finally:
-        new.close()
-
-
-def test_open_reports_pending_ingest_and_commit_works_later(store: LocalStore) -> None:
-    ingest(store, ITEM)
-    other = ItemId("job", 7, 0, 0)
-    ingest(store, other)
-    new, report = reopen(store)
-    try:
-        assert report.pending_ingest == (other, ITEM)
-        assert report.items == 0
-        manifest = new.commit_ingested(ITEM)
-        assert new.get(ITEM) == manifest
-        assert new.pending_ingest() == [other]
-        new.verify(ITEM)
-    finally:
-        new.close()
-
-
-def test_open_discards_ingest_dirs_without_data(store: LocalStore) -> None:
-    (store.ingest_root / "job" / "10" / "0-0").mkdir(parents=True)  # crash inside take()
-    new, report = reopen(store)
-    try:
-        assert report.pending_ingest == ()
-        assert len(report.discarded) == 1
-        assert list(new.ingest_root.iterdir()) == []
-    finally:
-        new.close()
-
-
-def test_open_wipes_staging_and_trash(store: LocalStore) -> None:
-    staged = store.new_staging()
-    make_step(staged / DATA)
-    (store.trash / "half-deleted").mkdir()
-    (store.trash / "half-deleted" / "f").write_bytes(b"x")
-    (store.trash / "file").write_bytes(b"x")
-    new, _ = reopen(store)
-    try:
-        assert list(new.staging_root.iterdir()) == []
-        assert list(new.trash.iterdir()) == []
-    finally:
-        new.close()
-
-
-def test_open_leaves_the_workload_files_alone(ckpt: Path) -> None:
-    make_step(ckpt / "10")
-    (ckpt / "jax-init-info.txt").write_text("0\n127.0.0.1:1\n")
-    s = LocalStore(ckpt)
-    s.open()
-    s.close()
-    assert sorted(p.name for p in ckpt.iterdir()) == [".mtc", "10", "jax-init-info.txt"]
-
-
-# --- locking -----------------------------------------------------------------------------------
-
-
-def test_second_open_of_the_same_store_is_refused(store: LocalStore, ckpt: Path) -> None:
-    ingest(store, ITEM)
-    staged = store.new_staging()
-    second = LocalStore(ckpt)
-    with pytest.raises(StoreError, match="another mtc-replicator"):
-        second.open()
-    # The refused opener touched nothing of the first one's in-flight work.
-    assert staged.is_dir()
-    assert store.pending_ingest() == [ITEM]
-    store.close()
-    second.open()  # the lock is free once the first store is closed
-    second.close()
-
-
-def test_close_is_idempotent(ckpt: Path) -> None:
-    s = LocalStore(ckpt)
-    s.close()
-    s.open()
-    s.close()
-    s.close()
-
-
-# --- views: hard-link copies that markers point at ----------------------------------------------
-
-
-def test_expose_makes_a_hard_link_view_the_workload_may_delete(
-    store: LocalStore, ckpt: Path
-) -> None:
+def test_a_view_is_relative_and_resolves_to_the_data(store: LocalStore, ckpt: Path) -> None:
     ingest(store, ITEM)
     store.commit_ingested(ITEM)
     target = store.expose(ITEM, "inc1")
     assert not os.path.isabs(target)
-    assert store.owns_link_target(target)
-    assert store.item_of_link(target) == ITEM
-    view = ckpt / target
-    shard = store.data_path(ITEM) / "state" / "shard"
-    assert (view / "state" / "shard").stat().st_ino == shard.stat().st_ino
-    assert (view / "empty").is_dir()
-    assert store.expose(ITEM, "inc1") == target  # idempotent
-    # What Orbax's retention does through the <N> link: the committed item survives.
-    marker = ckpt / "10"
+    assert target == f"{STORE_DIR}/views/inc1/job/10/0-0/data"
+    marker = ckpt / "job-s10-n0-w0.restore"
     marker.symlink_to(target)
-    for path in sorted(marker.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
+    assert (marker / "state" / "shard").stat().st_ino == (
+        store.data_path(ITEM) / "state" / "shard"
+    ).stat().st_ino
+    assert (marker / "state" / "shard").read_bytes() == b"payload"
+    assert store.owns_link_target(os.readlink(marker))
+    assert store.item_of_link(os.readlink(marker)) == ITEM
     store.verify(ITEM)
     store.drop_views()
     assert list(store.views_root.iterdir()) == []
@@ -439,3 +211,104 @@ def test_expose_an_item_whose_manifest_lists_dirs_out_of_order(
 )
 def test_item_of_link(store: LocalStore, target: str, expected: ItemId | None) -> None:
     assert store.item_of_link(target) == expected
+
+
+# --- the store is outside CHECKPOINT_DIR, which pods write ------------------------------------
+
+
+def test_the_store_is_a_sibling_of_checkpoint_dir_by_default(store: LocalStore, ckpt: Path) -> None:
+    ingest(store, ITEM)
+    store.commit_ingested(ITEM)
+    assert store.root == ckpt.parent / "ckpt.mtc-store"
+    assert store.data_path(ITEM).is_relative_to(store.root)
+    assert not any(p.name == MANIFEST_FILE for p in ckpt.rglob("*"))
+
+
+def test_a_store_inside_checkpoint_dir_is_refused(ckpt: Path) -> None:
+    with pytest.raises(StorePlacementError, match="inside CHECKPOINT_DIR"):
+        LocalStore(ckpt, ckpt / "store").open()
+    with pytest.raises(StorePlacementError, match="inside CHECKPOINT_DIR"):
+        LocalStore(ckpt, ckpt).open()
+    assert not (ckpt / "store").exists()
+
+
+@pytest.mark.skipif(
+    not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat("/tmp").st_dev,
+    reason="needs /dev/shm on a filesystem other than /tmp's",
+)
+def test_a_store_on_another_filesystem_is_refused(ckpt: Path) -> None:
+    other = Path("/dev/shm") / f"mtc-test-{os.getpid()}-{ckpt.parent.name}"
+    try:
+        with pytest.raises(StorePlacementError, match="not on the filesystem"):
+            LocalStore(ckpt, other).open()
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
+def test_an_old_store_inside_checkpoint_dir_is_discarded_never_committed(ckpt: Path) -> None:
+    # An older daemon's layout, or a pod's forgery: items, pending ingest, state.
+    old = ckpt / STORE_DIR
+    src = make_step(ckpt / "old-step")
+    item_dir = old / "items" / "job" / "10" / "0-0"
+    item_dir.mkdir(parents=True)
+    os.rename(src, item_dir / DATA)
+    (item_dir / MANIFEST_FILE).write_bytes(build_manifest(ITEM, item_dir / DATA).to_json())
+    make_step(old / "ingest" / "job" / "11" / "0-0" / DATA)
+    (old / "incarnation.json").write_text("{}")
+    (old / "views" / "inc0").mkdir(parents=True)
+    s = LocalStore(ckpt)
+    report = s.open()
+    try:
+        assert report.items == 0
+        assert report.pending_ingest == ()
+        assert sorted(report.discarded) == [
+            str(old / "incarnation.json"),
+            str(old / "ingest"),
+            str(old / "items"),
+        ]
+        assert s.manifests() == {}
+        assert sorted(p.name for p in old.iterdir()) == ["views"]  # markers may point there
+    finally:
+        s.close()
+
+
+def test_views_never_follow_a_planted_symlink(store: LocalStore, ckpt: Path) -> None:
+    ingest(store, ITEM)
+    store.commit_ingested(ITEM)
+    # A pod points the views at the store's items: dropping views must not delete them.
+    (ckpt / STORE_DIR).mkdir(exist_ok=True)
+    (ckpt / STORE_DIR / "views").symlink_to(store.items_root)
+    store.drop_views()
+    store.drop_views(ITEM)
+    store.verify(ITEM)
+    assert not (ckpt / STORE_DIR / "views").is_symlink()
+    # ... or CHECKPOINT_DIR/.mtc itself somewhere else: expose replaces it, follows nothing.
+    outside = ckpt.parent / "outside"
+    outside.mkdir()
+    shutil.rmtree(ckpt / STORE_DIR)
+    (ckpt / STORE_DIR).symlink_to(outside)
+    target = store.expose(ITEM, "inc1")
+    assert list(outside.iterdir()) == []
+    assert not (ckpt / STORE_DIR).is_symlink()
+    assert ((ckpt / target) / "state" / "shard").read_bytes() == b"payload"
+    # Whatever a pod put at a view's name is replaced by the item's copy.
+    (ckpt / target / "state" / "shard").unlink()
+    (ckpt / target / "state" / "shard").symlink_to("/etc/hostname")
+    target = store.expose(ITEM, "inc1")
+    assert not (ckpt / target / "state" / "shard").is_symlink()
+    store.verify(ITEM)
+
+
+def test_a_symlink_swapped_into_a_committed_item_is_corruption(store: LocalStore) -> None:
+    ingest(store, ITEM)
+    store.commit_ingested(ITEM)
+    data = store.data_path(ITEM)
+    outside = store.root.parent / "outside"
+    outside.mkdir()
+    (outside / "shard").write_bytes(b"payload")  # the very bytes the manifest lists
+    os.rename(data / "state", data / "state.old")
+    (data / "state").symlink_to(outside)
+    with pytest.raises(CorruptItem, match="'state' is neither"):
+        store.verify(ITEM)
+    with pytest.raises(StoreError):
+        store.expose(ITEM, "inc1")
