@@ -11,10 +11,12 @@ exits non-zero.
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,21 @@ class Node:
         """Whether this node's daemon committed ``rank``'s item of ``step`` (home or peer copy)."""
         item = store_of(self.ckpt) / "items" / JOB / str(step) / f"{rank}-0"
         return (item / "MANIFEST.json").exists()
+
+
+def owner_file(work: Path, rank: int) -> Path:
+    """What the CSI plugin writes when it publishes a node's CHECKPOINT_DIR into the job's pod:
+    every node of the demo job belongs to the namespace ``demo``."""
+    path = work / f"node{rank}.owner.json"
+    record = {
+        "namespace": "demo",
+        "pod": f"{JOB}-{rank}",
+        "pod_uid": uuid.uuid4().hex,
+        "service_account": "default",
+        "published_at": time.time(),
+    }
+    path.write_text(json.dumps(record))
+    return path
 
 
 def free_port() -> int:
@@ -169,7 +186,11 @@ def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) 
         ckpt = ram_disk(work, f"node{rank}")
         ckpt.mkdir(parents=True, exist_ok=True)
         log = work / f"node{rank}.log"
-        args = (*FAST, *throwaway_tls(work, ca, f"node{rank}"))
+        args = (
+            *FAST,
+            *throwaway_tls(work, ca, f"node{rank}"),
+            *("--owner-file", str(owner_file(work, rank))),
+        )
         cluster.append(Node(rank, ckpt, Daemon(ckpt, backup, log, args, f"node {rank} daemon")))
     failures: list[str] = []
     jobs: list[Job] = []
@@ -178,6 +199,7 @@ def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) 
     say(f"{nodes} nodes, one daemon + one trainer rank each; work dir: {work}")
     say(f"shared backup and coordinator registry: {backup.as_uri()}")
     say(f"mutual TLS between daemons: a throwaway CA, one certificate per node in {work / 'tls'}")
+    say("COMMITs and registry entries signed with the node keys; the job owned by namespace demo")
     for n in cluster:
         say(f"  node {n.rank}: CHECKPOINT_DIR (RAM disk) {n.ckpt}")
     started = time.monotonic()

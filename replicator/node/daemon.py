@@ -410,6 +410,7 @@ class Daemon:
         )
         self.incarnation: Incarnation | None = None
         self._pending: _PendingConfig | None = None
+        self._owner_checked = 0.0
         self._config_finished = False
         """Whether the yaml's writer is done: closed after writing or renamed into place."""
         self._wake = asyncio.Event()
@@ -581,6 +582,7 @@ class Daemon:
                     await asyncio.wait_for(self._wake.wait(), timeout=tick)
                 self._wake.clear()
                 await self._check_config()
+                await self._check_owner()
         finally:
             log.info("stopping")
             self.coordinators.close()  # long polls answer at once instead of being cut off
@@ -683,6 +685,37 @@ class Daemon:
         message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
         fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
         self._delete_config(text)
+
+    async def _check_owner(self) -> None:
+        """End the running job once its node changed hands, at most a second late.
+
+        The CSI plugin publishes CHECKPOINT_DIR to another namespace's pod only when no pod
+        of the last one holds it, and rewrites ``owner.json`` then; from that moment nothing
+        of the old job (a marker, a view of its items) may appear there, so the incarnation
+        stops and its markers and views go, before the new pod's handshake arrives.
+        """
+        running = self.incarnation
+        now = time.monotonic()
+        if running is None or self.opts.owner_file is None or now - self._owner_checked < 1.0:
+            return
+        self._owner_checked = now
+        loop = asyncio.get_running_loop()
+        try:
+            owner: str | None = await loop.run_in_executor(self.executor, self._read_owner)
+        except BadOwner:
+            owner = None  # written by rename, so never half there: treat it as changed
+        if owner == running.owner or running is not self.incarnation:
+            return
+        log.warning(
+            "CHECKPOINT_DIR was published to another namespace's pod: stopping job %s "
+            "(incarnation %s) and removing its markers and views",
+            running.config.job_name,
+            running.id,
+        )
+        await self._end_incarnation()
+        await loop.run_in_executor(
+            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+        )
 
     def _read_owner(self) -> str:
         """The namespace this node's pod belongs to now (UNOWNED without ``--owner-file``);

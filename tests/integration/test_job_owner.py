@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +26,14 @@ from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import FAST, NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (
     config_text,
+    make_step,
+    payload,
     read_text,
     read_tree,
     store_root,
+    stored_steps,
+    wait_ingested,
+    wait_markers,
     wait_until,
     write_yaml_atomic,
 )
@@ -243,3 +249,34 @@ def test_a_missing_owner_file_refuses_the_handshake(tmp_path: Path, job: str) ->
         marker = ckpt / f"{job}-s0-n0-w0.restore"
         wait_until(marker.exists, "the fresh start's marker", daemon=daemon)
         assert not failed.exists()
+
+
+def test_a_new_namespace_on_the_node_ends_the_old_job_and_its_views(
+    tmp_path: Path, job: str
+) -> None:
+    """The CSI plugin hands CHECKPOINT_DIR to another namespace's pod (and rewrites the owner
+    file): the old job's incarnation stops and its markers and views of its items go, so the
+    new pod never reads the old job's checkpoint, even before its own handshake."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    owner = tmp_path / "owner.json"
+    write_owner(owner, VICTIM)
+    daemon = DaemonProcess(ckpt, env={"MTC_OWNER_FILE": str(owner)}, extra_args=FAST)
+    with daemon:
+        write_yaml_atomic(ckpt, config_text(job))
+        wait_markers(ckpt, job, 0, daemon)
+        make_step(ckpt, 1, payload(1))
+        wait_ingested(ckpt, job, 1, daemon)
+        write_yaml_atomic(ckpt, config_text(job))  # a restart of the same job: a view of step 1
+        (marker,) = wait_markers(ckpt, job, 1, daemon)
+        views = ckpt / ".mtc" / "views"
+        assert any(views.rglob("*")), "the restore made no view"
+
+        write_owner(owner, "team-b", pod="other-0")
+        wait_until(
+            lambda: not os.path.lexists(marker) and not any(views.rglob("*")),
+            "the old job's markers and views removed",
+            daemon=daemon,
+        )
+        assert 1 in stored_steps(ckpt, job), "the committed item itself stays in the store"
+        assert "published to another namespace's pod" in daemon.log()
