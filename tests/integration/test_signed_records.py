@@ -40,7 +40,6 @@ from replicator.transport.signing import record_trust
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     ERRORS,
-    STORE,
     backup_commits,
     config_text,
     item_dir,
@@ -52,6 +51,7 @@ from tests.integration.helpers import (
     read_tree,
     running_daemon,
     sha256_tree,
+    store_root,
     wait_ingested,
     wait_markers,
     wait_until,
@@ -117,7 +117,7 @@ def test_a_forged_commit_for_a_newer_step_is_never_restored(
     assert all(b'"signature"' in raw for raw in committed.values()), "COMMITs are signed"
 
     forged = forge_step(tmp_path / "attacker", backup_dir, job, how)
-    shutil.rmtree(ckpt / STORE)  # the node lost its RAM disk: only the backup is left
+    shutil.rmtree(store_root(ckpt))  # the node lost its RAM disk: only the backup is left
     before = sha256_tree(backup_dir / job)
 
     daemon = start_daemon(backup=backup_dir, extra=tls)
