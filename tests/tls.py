@@ -37,8 +37,10 @@ def node_tls(
     trust: certs.Pair | None = None,
 ) -> NodeTls:
     """A node certificate from ``ca`` in ``root`` (``expired``: its validity ended a day
-    ago), trusting ``trust`` (default: the same CA)."""
-    start = dt.datetime.now(dt.UTC) - dt.timedelta(days=3) if expired else None
+    ago; else valid since yesterday, so records dated when the tests were collected, minutes
+    before, fall inside it), trusting ``trust`` (default: the same CA)."""
+    now = dt.datetime.now(dt.UTC)
+    start = now - dt.timedelta(days=3 if expired else 1)
     node = certs.issue(ca, server_name, days=2 if expired else 30, not_before=start)
     certs.write_node_files(root, trust or ca, node)
     return NodeTls(root)

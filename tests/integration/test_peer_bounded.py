@@ -39,13 +39,14 @@ from replicator.transport.peer import PeerClient
 from replicator.transport.transfer import room_on
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
+    CONFIG,
     FAST_ARGS,
+    RECEIVER,
     config_text,
     item_dir,
     ram_disk,
-    read_text,
+    receiver_args,
     store_root,
-    wait_markers,
     wait_until,
     write_yaml_atomic,
 )
@@ -75,21 +76,17 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         ckpt = stack.enter_context(ram_disk(root / "ckpt", "512m"))
         daemon = DaemonProcess(
             ckpt,
-            extra_args=FAST_ARGS,
+            extra_args=(*FAST_ARGS, *receiver_args(ckpt)),
             env={"MTC_IDLE_TIMEOUT_SECONDS": str(IDLE)},
             max_open_files=NOFILE,
         )
         daemon.start()
         stack.callback(lambda: print(f"--- daemon log ---\n{daemon.log()[-20000:]}"))
         stack.callback(lambda: daemon.stop(timeout=15) if daemon.running else None)
-        write_yaml_atomic(ckpt, config_text(job, nodes=1))
-        wait_markers(ckpt, job, 0, daemon)
-        state = store_root(ckpt) / "incarnation.json"
-        wait_until(
-            lambda: json.loads(read_text(state) or "{}").get("phase") == "steady",
-            "the incarnation in steady state",
-            daemon=daemon,
-        )
+        # Rank 1 of a 2-node job: the rank that rank 0's items (the tests' pushes) go to. It
+        # waits in its restore round for the whole module, taking pushes meanwhile.
+        write_yaml_atomic(ckpt, config_text(job, **RECEIVER))
+        wait_until(lambda: not (ckpt / CONFIG).exists(), "the handshake accepted", daemon=daemon)
         channel = stack.enter_context(grpc.insecure_channel(daemon.address))
         port = int(daemon.log().rsplit("data-port=", 1)[1].split()[0])
         yield Node(job, ckpt, daemon, peer_pb2_grpc.PeerStub(channel), port)
