@@ -7,6 +7,7 @@ import logging
 import re
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -102,8 +103,13 @@ def test_run_serves_call_metrics(
         try:
             client = connect(socket_path)
             grpc.channel_ready_future(client.channel).result(TIMEOUT)
-            ready = [m for r in caplog.records if (m := _METRICS_RE.search(r.getMessage()))]
-            assert ready, "the ready line names the metrics address"
+            # The socket answers as soon as the server starts; the ready line follows it.
+            deadline = time.monotonic() + TIMEOUT
+            while not (
+                ready := [m for r in caplog.records if (m := _METRICS_RE.search(r.getMessage()))]
+            ):
+                assert time.monotonic() < deadline, "the ready line names the metrics address"
+                time.sleep(0.02)
             address = ready[0][1]
             assert not address.endswith(":0")
             make_calls(client)
