@@ -24,15 +24,14 @@ field, the owner included, is covered): with TLS on, an unsigned or forged entry
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 import math
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_claim
 from replicator.core.signed import OPEN, REGISTRY_KIND, RecordRefused, RecordTrust
 from replicator.storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
@@ -140,14 +139,10 @@ class RegistryEntry:
     @classmethod
     def from_json(cls, raw: bytes) -> RegistryEntry:
         """Parse an entry from storage anyone with bucket access may have written."""
-        if len(raw) > MAX_ENTRY_BYTES:
-            raise MalformedEntry(f"{len(raw)} bytes, more than {MAX_ENTRY_BYTES}")
         try:
-            data: Any = json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise MalformedEntry(f"not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise MalformedEntry("not a JSON object")
+            data = load_object(raw, MAX_ENTRY_BYTES)
+        except NotAnObject as exc:
+            raise MalformedEntry(str(exc)) from None
         version = data.get("version")
         if type(version) is not int or version != FORMAT_VERSION:  # true == 1 in Python
             raise MalformedEntry(f"unsupported version {version!r:.40}")
@@ -162,11 +157,6 @@ class RegistryEntry:
             registered_at=data["registered_at"],
             owner=data.get("owner", UNOWNED),
         )
-
-
-def _no_constant(name: str) -> float:
-    # Python's json accepts NaN and Infinity; no entry of ours has them.
-    raise MalformedEntry(f"{name} is not a registration time")
 
 
 def entry_key(job: str) -> str:

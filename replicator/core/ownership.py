@@ -13,11 +13,11 @@ written before owners existed. The rules (SECURITY.md, "A job belongs to its nam
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+
+from replicator.core.jsonobj import NotAnObject, load_object
 
 UNOWNED = ""
 """The owner of a job whose daemon has no ``--owner-file``."""
@@ -72,22 +72,14 @@ class Owner:
 
 def parse_owner(raw: bytes) -> Owner:
     """Parse ``owner.json``; every field is required and checked."""
-    if len(raw) > MAX_OWNER_FILE_BYTES:
-        raise BadOwner(f"{len(raw)} bytes, more than {MAX_OWNER_FILE_BYTES}")
     try:
-        data: Any = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        raise BadOwner(f"not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadOwner("not a JSON object")
+        data = load_object(raw, MAX_OWNER_FILE_BYTES)
+    except NotAnObject as exc:
+        raise BadOwner(str(exc)) from None
     missing = [k for k in _FIELDS if k not in data]
     if missing:
         raise BadOwner(f"missing {', '.join(missing)}")
     return Owner(*(data[k] for k in _FIELDS))
-
-
-def _no_constant(name: str) -> float:
-    raise BadOwner(f"{name} is not a time")
 
 
 def may_claim(entry_owner: str | None, claimant: str) -> bool:

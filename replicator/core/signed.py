@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.manifest import ManifestError
 
 SIGNATURE_KEY = "signature"
@@ -84,20 +85,12 @@ def payload(kind: str, body: Mapping[str, Any]) -> bytes:
     return _TAG + kind.encode("ascii") + b"\n" + text.encode("ascii")
 
 
-def _no_constant(name: str) -> Any:
-    raise RecordRefused(f"{name} is not JSON a node writes")
-
-
 def split(kind: str, raw: bytes) -> tuple[dict[str, Any], Signature | None]:
     """A record's keys but the signature, and its signature if it has one."""
     try:
-        data = json.loads(raw, parse_constant=_no_constant)
-    except (ValueError, RecursionError) as exc:
-        if isinstance(exc, RecordRefused):
-            raise
-        raise RecordRefused(f"the {kind} is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise RecordRefused(f"the {kind} is not a JSON object")
+        data = load_object(raw)
+    except NotAnObject as exc:
+        raise RecordRefused(f"the {kind} is {exc}") from None
     block = data.pop(SIGNATURE_KEY, None)
     if block is None:
         return data, None

@@ -35,6 +35,7 @@ from replicator.core.backup_layout import (
     step_prefix,
 )
 from replicator.core.contract import JOB_NAME_RE, STEP_DIR_RE
+from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.manifest import MAX_MANIFEST_BYTES, FileEntry, ItemId, Manifest, ManifestError
 from replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
 from replicator.storage.backup import BackupStore
@@ -515,14 +516,10 @@ class RestorePin:
     @classmethod
     def from_json(cls, raw: bytes) -> RestorePin:
         """Parse a pin from storage; every way it can be wrong is a ``MalformedPin``."""
-        if len(raw) > MAX_PIN_BYTES:
-            raise MalformedPin(f"more than {MAX_PIN_BYTES} bytes")
         try:
-            data: Any = json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, RecursionError) as exc:
-            raise MalformedPin(f"not JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise MalformedPin("not a JSON object")
+            data = load_object(raw, MAX_PIN_BYTES)
+        except NotAnObject as exc:
+            raise MalformedPin(str(exc)) from None
         version = data.get("version")
         if type(version) is not int or version != PIN_FORMAT_VERSION:
             raise MalformedPin(f"unsupported version {version!r:.40}")
@@ -536,10 +533,6 @@ class RestorePin:
             commit_digest=data["commit_digest"],
             requested_by=data.get("requested_by", ""),
         )
-
-
-def _no_constant(name: str) -> float:
-    raise MalformedPin(f"{name} is not a number a pin may hold")
 
 
 def read_restore_pin(objects: ObjectStore, job: str) -> RestorePin | None:
