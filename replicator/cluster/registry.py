@@ -203,8 +203,10 @@ class Registry:
                 raw = self.objects.get_bytes(key)
             except ObjectNotFound:
                 continue  # gone since the create failed: try creating it again
-            current = self._parse(key, entry.job, raw)
-            if current is not None and not self._trusted(raw, current):
+            try:
+                current = self._parse(key, entry.job, raw)
+            except RefusedEntry as exc:
+                log.warning("%s", exc)
                 current = None  # a forgery names no owner worth keeping
             if not may_claim(None if current is None else current.owner, entry.owner):
                 raise OwnedByAnother(
@@ -240,18 +242,11 @@ class Registry:
             raw = self.objects.get_bytes(key)
         except ObjectNotFound:
             return None
-        entry = self._parse(key, job, raw)
-        if entry is not None:
-            try:
-                self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
-            except RecordRefused as exc:
-                raise RefusedEntry(
-                    f"refused the registry entry {key} of job {job}: {exc}"
-                ) from None
-        return entry
+        return self._parse(key, job, raw)
 
-    @staticmethod
-    def _parse(key: str, job: str, raw: bytes) -> RegistryEntry | None:
+    def _parse(self, key: str, job: str, raw: bytes) -> RegistryEntry | None:
+        """The entry in ``raw``; None if malformed (logged); ``RefusedEntry`` if ``trust``
+        refuses it."""
         try:
             entry = RegistryEntry.from_json(raw)
         except MalformedEntry as exc:
@@ -262,15 +257,11 @@ class Registry:
                 "ignoring registry entry %s of job=%s: it names job %s", key, job, entry.job
             )
             return None
-        return entry
-
-    def _trusted(self, raw: bytes, entry: RegistryEntry) -> bool:
         try:
             self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
         except RecordRefused as exc:
-            log.warning("registry entry of job=%s refused: %s", entry.job, exc)
-            return False
-        return True
+            raise RefusedEntry(f"refused the registry entry {key} of job {job}: {exc}") from None
+        return entry
 
 
 def open_registry(url: str, trust: RecordTrust = OPEN) -> Registry:

@@ -676,15 +676,16 @@ class Daemon:
             f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename)",
         )
 
-    async def _refuse(self, text: str, reason: str, remedy: str) -> None:
-        """Refuse the handshake ``text``: ``replicator.failed`` says why, nothing committed
-        is touched."""
+    async def _refuse(self, text: str | None, reason: str, remedy: str) -> None:
+        """Refuse the handshake ``text`` (None: one that could not be read): ``replicator.failed``
+        says why, nothing committed is touched."""
         log.error("rejecting %s: %s", CONFIG_FILE, reason)
         self.metrics.error(ErrorKind.CONFIG)
         await self._end_incarnation()
         message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
         fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
-        self._delete_config(text)
+        if text is not None:
+            self._delete_config(text)
 
     async def _check_owner(self) -> None:
         """End the running job once its node changed hands, at most a second late.
@@ -735,16 +736,13 @@ class Daemon:
 
     async def _reject_not_regular(self, kind: str) -> None:
         """A ``replicator.yaml`` that is a symlink or FIFO: never read, refused, removed."""
-        path = self.opts.checkpoint_dir / CONFIG_FILE
-        log.error("rejecting %s: it is %s, not a regular file", CONFIG_FILE, kind)
-        self.metrics.error(ErrorKind.CONFIG)
-        await self._end_incarnation()
-        message = (
+        await self._refuse(
+            None,
             f"{CONFIG_FILE} is {kind}, not a regular file: the replicator reads only a regular "
-            f"file. Write it as one (atomically: {CONFIG_FILE}.tmp, then rename); committed "
-            "checkpoints on this node were not touched.\n"
+            "file",
+            f"Write it as one (atomically: {CONFIG_FILE}.tmp, then rename)",
         )
-        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
+        path = self.opts.checkpoint_dir / CONFIG_FILE
         if fsutil.lkind(path) not in (None, "a regular file"):
             path.unlink(missing_ok=True)  # unlink never follows the link it removes
         self._config_finished = False
