@@ -43,9 +43,15 @@ from replicator.cluster.messages import (
     round_state,
 )
 from replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
-from replicator.core.coordination import JoinRejected, ProgressAnswer
+from replicator.core.coordination import (
+    MAX_REPORT_EVERY,
+    MIN_REPORT_EVERY,
+    JoinRejected,
+    ProgressAnswer,
+)
 from replicator.core.manifest import ItemId
 from replicator.core.ownership import UNOWNED
+from replicator.core.policy import LastBackup
 from replicator.core.retry import Backoff
 from replicator.storage.objectstore import ObjectStoreError
 from replicator.transport.tls import TlsMaterial, open_channel, refused_certificate
@@ -246,12 +252,14 @@ class CoordinatorClient(IdentityChecked):
         *,
         seen: RoundState | None = None,
         wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
     ) -> RoundState:
         """The round as ``rank`` should see it.
 
         With ``wait_seconds`` (at most 30) this is a long poll: it answers once the round,
         state or plan version differs from ``seen`` (the last answer for ``round_``; None
-        when there was none, which answers at once), or when the wait is over.
+        when there was none, which answers at once), or when the wait is over. The answer
+        carries the addresses of ``address_ranks`` (None: of every member).
         """
         wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
         request = pb.RoundStatusRequest(
@@ -260,6 +268,8 @@ class CoordinatorClient(IdentityChecked):
             incarnation_id=incarnation_id,
             round=round_,
             wait_seconds=wait,
+            address_ranks=sorted(address_ranks or ()),
+            address_ranks_given=address_ranks is not None,
         )
         if seen is not None and seen.round == round_:
             _, request.seen_state, request.seen_plan_version = seen.key
@@ -316,10 +326,12 @@ class CoordinatorClient(IdentityChecked):
         address: str = "",
         held: Collection[int] | None = None,
         replicating_step: int | None = None,
+        address_ranks: Collection[int] | None = None,
     ) -> ProgressAnswer:
         """Steady state: fold in this rank's progress; the answer may order a backup.
 
-        ``held`` promises the steps this rank keeps until the answer (None: all of them).
+        ``held`` promises the steps this rank keeps until the answer (None: all of them);
+        the answer carries the addresses of ``address_ranks`` (None: of every rank).
         Raises ``NotAMember`` when this incarnation is not of the released round.
         """
         request = pb.ReportProgressRequest(
@@ -332,6 +344,8 @@ class CoordinatorClient(IdentityChecked):
             held_steps=sorted(held or ()),
             reports_holdings=held is not None,
             replicating_step=replicating_step,
+            address_ranks=sorted(address_ranks or ()),
+            address_ranks_given=address_ranks is not None,
         )
         try:
             response = await self._stub.ReportProgress(request, timeout=self.timeout)
@@ -349,6 +363,16 @@ class CoordinatorClient(IdentityChecked):
             backup_step=response.backup_step if response.HasField("backup_step") else None,
             addresses=addresses,
             keep_steps=frozenset(response.keep_steps[:MAX_HELD_STEPS]),
+            # Bounded: a coordinator cannot silence a rank's reports for long.
+            report_every=max(
+                MIN_REPORT_EVERY, min(MAX_REPORT_EVERY, response.report_every_seconds)
+            ),
+            last_backup=(
+                LastBackup(response.committed_backup_step, response.committed_backup_at)
+                if response.HasField("committed_backup_step")
+                and math.isfinite(response.committed_backup_at)
+                else None
+            ),
         )
 
 

@@ -155,12 +155,13 @@ class LocalCoordinator(IdentityChecked):
         *,
         seen: RoundState | None = None,
         wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
     ) -> RoundState:
         wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
         key = seen.key if seen is not None and seen.round == round_ else None
         try:
             identity, status, addresses = await self.coordinators.round_status(
-                self.job, rank, incarnation_id, key, wait
+                self.job, rank, incarnation_id, key, wait, address_ranks=address_ranks
             )
         except (NotHosted, BadMessage) as exc:
             raise self._error(exc, "RoundStatus") from None
@@ -202,6 +203,7 @@ class LocalCoordinator(IdentityChecked):
         address: str = "",
         held: Collection[int] | None = None,
         replicating_step: int | None = None,
+        address_ranks: Collection[int] | None = None,
     ) -> ProgressAnswer:
         progress = Progress(
             replicated_step,
@@ -209,6 +211,7 @@ class LocalCoordinator(IdentityChecked):
             address,
             None if held is None else frozenset(held),
             replicating_step,
+            None if address_ranks is None else frozenset(address_ranks),
         )
         try:
             identity, answer = await self.coordinators.report_progress(

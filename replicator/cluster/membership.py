@@ -23,7 +23,7 @@ from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.replication import Replication
 from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
 from replicator.core.contract import JobConfig
-from replicator.core.layout import backup_items
+from replicator.core.layout import replication_targets
 from replicator.core.manifest import Cancelled, ItemId, ManifestError
 from replicator.local.store import LocalStore
 from replicator.obs.logs import JobLog
@@ -36,7 +36,9 @@ from replicator.transport.peer import PeerClient
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 1.0
-"""Seconds between progress reports (each also happens after a new step)."""
+"""Seconds between progress reports until the coordinator says otherwise (it spreads a
+large job's reports: ``core.coordination.report_every``). A new step, a finished
+replication and a finished upload are reported at once."""
 UNCONFIRMED_KEPT = 2
 """Own complete steps newer than the restorable one kept regardless (the newest ones):
 what the ranks are about to report as replicated. Anything else above the restorable step
@@ -93,6 +95,10 @@ class ClusterMember:
         self._client: CoordinatorLink | None = None
         self._backup_task: asyncio.Task[None] | None = None
         self._last_report = 0.0
+        self._report_every = PROGRESS_EVERY
+        self._reported: tuple[int | None, int | None] = (None, None)
+        """The replicated and uploaded steps of the last answered report."""
+        self._targets = replication_targets(ctx.config)
         self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
 
     async def restore(self) -> RoundOutcome:
@@ -164,7 +170,8 @@ class ClusterMember:
             self.replication.committed(newest_step)
         self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
         now = time.monotonic()
-        if not force and now - self._last_report < PROGRESS_EVERY:
+        news = (self.replication.newest_replicated, self.uploaded) != self._reported
+        if not force and not news and now - self._last_report < self._report_every:
             return
         self._last_report = now
         await self._report()
@@ -176,6 +183,7 @@ class ClusterMember:
             except NoCoordinator:
                 return
         offer = self._offering = self._offer
+        progress = (self.replication.newest_replicated, self.uploaded)
         try:
             answer = await self._client.report_progress(
                 self.config.node_rank,
@@ -185,6 +193,7 @@ class ClusterMember:
                 address=self.ctx.advertise,
                 held=offer,
                 replicating_step=self.replication.pushing,
+                address_ranks=self._targets,
             )
         except CoordinatorError as exc:
             # The coordinator moved or restarted: look it up again on the next report. It
@@ -199,11 +208,16 @@ class ClusterMember:
         # The answer was computed with this promise: it replaces the older one, and the
         # restorable step it names is kept from here on (``protected``).
         self._promised, self._offering = offer, None
+        self._reported = progress
+        self._report_every = answer.report_every
         self.keep_steps = answer.keep_steps
         if answer.restorable_step is not None and answer.restorable_step != self.restorable:
             self.restorable = answer.restorable_step
             self._log.info("restorable step of the cluster: %d", self.restorable)
         self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
+        if answer.last_backup is not None:
+            last = answer.last_backup
+            self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         self.replication.update_addresses(answer.addresses)
         step = answer.backup_step
         if step is not None and self.ctx.backups is not None and self.uploading is None:
@@ -220,7 +234,6 @@ class ClusterMember:
                 self.ctx.store,
                 self.config,
                 step,
-                [i.key for i in backup_items(self.config, step)],
                 run_thread=self.ctx.run_thread,
                 log=self._log,
                 metrics=self.ctx.metrics,
@@ -233,8 +246,7 @@ class ClusterMember:
             self._log.info("backup of step %d skipped: %s is no longer held", step, exc.item)
             self.uploaded = step
         except PreconditionFailed:
-            self.uploaded = step  # committed already, by another uploader
-            self.ctx.metrics.backed_up(self.config.job_name, step, time.time())
+            self.uploaded = step  # committed already
         except Cancelled:
             pass
         except (ObjectStoreError, OSError, ManifestError) as exc:

@@ -92,6 +92,18 @@ def check_held_steps(steps: Sequence[int]) -> frozenset[int]:
     return frozenset(steps)
 
 
+MAX_ADDRESS_RANKS = 1024
+"""Most ranks a caller may ask the addresses of (its replication targets: a handful)."""
+
+
+def check_address_ranks(ranks: Sequence[int], given: bool) -> frozenset[int] | None:
+    """The ranks whose addresses a request asks for; None: every rank's (older callers)."""
+    if not given:
+        return None
+    check_count(ranks, "address_ranks", MAX_ADDRESS_RANKS)
+    return frozenset(ranks)
+
+
 # --- items -----------------------------------------------------------------------------------
 
 

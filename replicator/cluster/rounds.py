@@ -26,6 +26,7 @@ from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
 from replicator.core.contract import JobConfig
 from replicator.core.coordination import JoinRejected, Phase
+from replicator.core.layout import replication_targets
 from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
@@ -142,6 +143,9 @@ class RoundParticipant:
     async def _member(self, client: CoordinatorLink) -> RoundOutcome | None:
         """One membership: join, follow the round; None means join again."""
         rank, inc = self.config.node_rank, self.ctx.incarnation_id
+        # Only the addresses this rank pushes to: PEER sources carry their own, and every
+        # member's would make a round cost the coordinator N answers of N addresses.
+        targets = replication_targets(self.config)
         round_ = await client.join(
             rank, inc, cluster_view_json(self.config), self.ctx.advertise, self._inventory()
         )
@@ -151,7 +155,9 @@ class RoundParticipant:
             # Return in time to say what we wait for once ``report_after`` has passed.
             report_in = self._started + self.ctx.report_after - time.monotonic()
             wait = POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
-            state = await client.round_status(rank, inc, round_, seen=state, wait_seconds=wait)
+            state = await client.round_status(
+                rank, inc, round_, seen=state, wait_seconds=wait, address_ranks=targets
+            )
             round_ = state.round
             if state.phase is None:
                 return None

@@ -16,7 +16,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -33,6 +33,7 @@ from replicator.cluster.messages import (
     BadMessage,
     StatusKey,
     check_address,
+    check_address_ranks,
     check_held_steps,
     check_incarnation,
     check_job,
@@ -46,6 +47,7 @@ from replicator.cluster.registry import new_coordinator_id
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import JOB_NAME_RE, JobConfig
 from replicator.core.coordination import (
+    COMMIT_RETRY_SECONDS,
     JobCoordinator,
     Join,
     JoinRejected,
@@ -54,6 +56,7 @@ from replicator.core.coordination import (
     RankStatus,
     ReportRefused,
 )
+from replicator.core.layout import backup_items
 from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_join
 from replicator.core.restore_plan import NodeInventory, SourceKey
 from replicator.obs.logs import JobLog
@@ -138,8 +141,10 @@ class HostedJob:
     coordinator_id: str
     owner: str = UNOWNED
     """The job's owner (``core.ownership``): the only one whose joins are admitted."""
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set (and replaced) on every change, so that long polls look again."""
+    _waiting: dict[int, asyncio.Event] = field(default_factory=dict)
+    """Per rank, the event its long polls wait on: set (and dropped) when the round changes
+    for everyone, or for that rank alone. One event per rank, not one for all: with one,
+    each of N joins woke every waiting rank, N^2 wake-ups per round."""
     backups_noted: bool = False
     """Whether a coordinator restarted in steady state has read the newest backup's time."""
 
@@ -151,12 +156,24 @@ class HostedJob:
     def identity(self) -> Identity:
         return Identity(self.job, self.coordinator_id)
 
-    def addresses(self) -> dict[int, str]:
-        return {r: m.inventory.address for r, m in self.coordinator.members.items()}
+    def addresses(self, ranks: Collection[int] | None = None) -> dict[int, str]:
+        """Members' addresses: of ``ranks`` (None: every member's)."""
+        members = self.coordinator.members
+        wanted = members if ranks is None else (r for r in ranks if r in members)
+        return {r: members[r].inventory.address for r in wanted}
 
-    def notify(self) -> None:
-        changed, self.changed = self.changed, asyncio.Event()
-        changed.set()
+    def changed(self, rank: int) -> asyncio.Event:
+        """What a long poll of ``rank`` waits on."""
+        return self._waiting.setdefault(rank, asyncio.Event())
+
+    def notify(self, rank: int | None = None) -> None:
+        """Wake the long polls of ``rank`` (None: of every rank)."""
+        if rank is None:
+            waiting, self._waiting = self._waiting, {}
+            for event in waiting.values():
+                event.set()
+        elif rank in self._waiting:
+            self._waiting.pop(rank).set()
 
 
 class CoordinatorHost:
@@ -235,6 +252,9 @@ class CoordinatorHost:
 # --- the service -----------------------------------------------------------------------------
 
 BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
+CommitBackup = Callable[[str, int, Sequence[str]], CommitRecord | None]
+"""Write the COMMIT of ``(job, step)`` naming these item keys (``BackupStore.try_commit``;
+blocking I/O, run in a thread): the record, or None while an item's manifest is missing."""
 
 
 class RestorePins(Protocol):
@@ -263,6 +283,8 @@ class Progress:
     held: frozenset[int] | None = None
     """The rank's promise (None: it keeps every step)."""
     replicating_step: int | None = None
+    address_ranks: frozenset[int] | None = None
+    """The ranks whose addresses the answer carries (None: every rank's)."""
 
 
 class Coordinators:
@@ -285,9 +307,11 @@ class Coordinators:
         clock: Callable[[], float] = time.time,
         backups_ttl: float = BACKUPS_TTL,
         pins: RestorePins | None = None,
+        commit: CommitBackup | None = None,
     ) -> None:
         self.host = host
         self.backups_for = backups_for
+        self.commit = commit
         self.pins = pins
         self.clock = clock
         self.backups_ttl = backups_ttl
@@ -353,7 +377,10 @@ class Coordinators:
         backups, pinned = await self._committed_backups(job)
         hosted = self._admit(job, rank, owner)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
+        before = _round_key(coordinator)
+        t0 = time.perf_counter()
         round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
+        jlog = JobLog(log, job, rank)
         if coordinator.phase is Phase.FETCH:
             # Planned: the listing served this round's joins. The next round (a job restart
             # seconds later) must list again, or it plans without a backup committed since.
@@ -361,8 +388,12 @@ class Coordinators:
         if backups:
             newest = max(backups)
             coordinator.note_committed_backup(newest, backups[newest].created)
-        hosted.notify()
-        jlog = JobLog(log, job, rank)
+        if _round_key(coordinator) == before:
+            hosted.notify(rank)  # only this rank's answer can have changed
+        else:
+            if coordinator.phase is Phase.FETCH and coordinator.plan_version != before[2]:
+                _log_plan(jlog, coordinator, time.perf_counter() - t0)
+            hosted.notify()
         if coordinator.admitted(rank, incarnation):
             jlog.info(
                 "join: incarnation %s at %s with %d items counts for round %d (%s%s)",
@@ -385,16 +416,23 @@ class Coordinators:
         return hosted.identity, round_
 
     async def round_status(
-        self, job: str, rank: int, incarnation: str, seen: StatusKey | None, wait: float
+        self,
+        job: str,
+        rank: int,
+        incarnation: str,
+        seen: StatusKey | None,
+        wait: float,
+        *,
+        address_ranks: Collection[int] | None = None,
     ) -> tuple[Identity, RankStatus, dict[int, str]]:
         """The round as ``rank`` sees it, once it differs from ``seen`` or ``wait`` passed;
-        with the members' addresses."""
+        with the addresses of the members in ``address_ranks`` (None: of every member)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
         looked_at: tuple[Join | None, tuple[object, ...]] | None = None
         while True:
             hosted = self.hosted(job, rank)
-            changed = hosted.changed
+            changed = hosted.changed(rank)
             c = hosted.coordinator
             # The rank's answer depends on these only: a wake-up for another rank's join
             # that changed none of them costs this waiter no status computation.
@@ -406,7 +444,11 @@ class Coordinators:
                 looked_at = (member, state)
                 status = c.status(rank, incarnation)
                 if status_key(status) != seen or remaining <= 0:
-                    return hosted.identity, status, hosted.addresses()
+                    return (
+                        hosted.identity,
+                        status,
+                        hosted.addresses(_with_holders(status, address_ranks)),
+                    )
             try:
                 async with asyncio.timeout(remaining):
                     await changed.wait()
@@ -427,6 +469,8 @@ class Coordinators:
         """A rank's outcome for a plan (stale ones are ignored by the state machine)."""
         hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
+        before = _round_key(coordinator)
+        t0 = time.perf_counter()
         try:
             coordinator.report_restore(
                 rank, incarnation, round_, plan_version, ready=ready, failed=failed
@@ -435,8 +479,14 @@ class Coordinators:
             JobLog(log, job, rank).warning("restore report refused: %s", exc)
             raise
         self._consume_pin(job, coordinator)
-        hosted.notify()
-        JobLog(log, job, rank).info(
+        if _round_key(coordinator) == before:
+            hosted.notify(rank)
+        else:
+            if coordinator.phase is Phase.FETCH:
+                _log_plan(JobLog(log, job, rank), coordinator, time.perf_counter() - t0)
+            hosted.notify()
+        JobLog(log, job, rank).log(
+            logging.DEBUG if ready else logging.INFO,
             "restore report: ready=%s for round %d plan %d; now round %d plan %d (%s)",
             ready,
             round_,
@@ -464,17 +514,13 @@ class Coordinators:
                 restored,
                 extra={"job": job},
             )
-        pins = self.pins
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(pins.consumed, job, pinned), name=f"unpin-{job}"
-        )
-        self._tasks.add(task)
-        task.add_done_callback(self._unpinned)
+        self._start(self._unpin(self.pins, job, pinned), f"unpin-{job}")
 
-    def _unpinned(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("cannot remove a used restore pin: %s", task.exception())
+    async def _unpin(self, pins: RestorePins, job: str, step: int) -> None:
+        try:
+            await asyncio.to_thread(pins.consumed, job, step)
+        except Exception as exc:
+            log.warning("cannot remove a used restore pin: %s", exc)
 
     async def report_progress(
         self, job: str, rank: int, incarnation: str, progress: Progress
@@ -499,13 +545,49 @@ class Coordinators:
             address=progress.address,
             held=progress.held,
             replicating=progress.replicating_step,
+            address_ranks=progress.address_ranks,
         )
         if answer is None:
             raise NotInReleasedRound(
                 f"rank {rank} (incarnation {incarnation}) of job {job} is not a member of the "
                 "released round; join again"
             )
+        step = coordinator.take_commit()
+        if step is not None:
+            self._start(self._commit(job, coordinator, step), f"commit-{job}-{step}")
         return hosted.identity, answer
+
+    def _start(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _commit(self, job: str, coordinator: JobCoordinator, step: int) -> None:
+        """Write the COMMIT of an ordered backup every uploader reported done."""
+        keys = [i.key for i in backup_items(coordinator.config, step)]
+        record: CommitRecord | None = None
+        try:
+            if self.commit is not None:
+                record = await asyncio.to_thread(self.commit, job, step, keys)
+        except Exception as exc:
+            log.warning("cannot commit the backup of step %d: %s", step, exc, extra={"job": job})
+        if record is None:
+            log.warning(
+                "backup of step %d not committed: an uploaded item's manifest is missing; "
+                "ordering a backup again in %.0fs",
+                step,
+                COMMIT_RETRY_SECONDS,
+                extra={"job": job, "step": step},
+            )
+            coordinator.backup_not_committed(step, self.clock())
+            return
+        coordinator.backup_committed(step, record.created)
+        log.info(
+            "backup of step %d committed: %d items",
+            step,
+            len(keys),
+            extra={"job": job, "step": step},
+        )
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -556,7 +638,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             identity, status, addresses = await self.coordinators.round_status(
-                job, request.rank, incarnation, seen_key(request), request.wait_seconds
+                job,
+                request.rank,
+                incarnation,
+                seen_key(request),
+                request.wait_seconds,
+                address_ranks=check_address_ranks(
+                    request.address_ranks, request.address_ranks_given
+                ),
             )
             return status_message(_identity(identity), status, addresses)
         except Exception as exc:
@@ -613,6 +702,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 replicating_step=(
                     request.replicating_step if request.HasField("replicating_step") else None
                 ),
+                address_ranks=check_address_ranks(
+                    request.address_ranks, request.address_ranks_given
+                ),
             )
             identity, answer = await self.coordinators.report_progress(
                 job, request.rank, incarnation, progress
@@ -626,7 +718,41 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             response.backup_step = answer.backup_step
         response.addresses.update(answer.addresses)
         response.keep_steps.extend(sorted(answer.keep_steps))
+        response.report_every_seconds = answer.report_every
+        if answer.last_backup is not None:
+            response.committed_backup_step = answer.last_backup.step
+            response.committed_backup_at = answer.last_backup.at
         return response
+
+
+def _with_holders(status: RankStatus, ranks: Collection[int] | None) -> Collection[int] | None:
+    """``ranks`` and the holders of the rank's PEER sources (None: every member)."""
+    if ranks is None:
+        return None
+    holders = {f.holder for fetches in status.assignments.values() for f in fetches}
+    return {*ranks, *(h for h in holders if h is not None)}
+
+
+def _round_key(coordinator: JobCoordinator) -> tuple[int, Phase, int]:
+    """What every rank's answer depends on: a change wakes every long poll."""
+    return coordinator.round, coordinator.phase, coordinator.plan_version
+
+
+def _log_plan(jlog: JobLog, coordinator: JobCoordinator, seconds: float) -> None:
+    plan = coordinator.plan
+    load = {} if plan is None else plan.load()
+    busiest = max(load.values(), default=0)
+    jlog.info(
+        "round %d plan %d: %s for %d ranks in %.3fs (%d items; the busiest peer serves %d)",
+        coordinator.round,
+        coordinator.plan_version,
+        "fresh start" if plan is None else f"step {plan.step}",
+        coordinator.config.nodes,
+        seconds,
+        0 if plan is None else len(plan.sources),
+        busiest,
+        step=None if plan is None else plan.step,
+    )
 
 
 def _identity(identity: Identity) -> pb.CoordinatorIdentity:

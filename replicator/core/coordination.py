@@ -30,10 +30,27 @@ from enum import StrEnum
 
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import JobConfig
-from replicator.core.layout import backup_uploaders, missing_ranks, restorable_step, waiting_message
+from replicator.core.layout import backup_uploaders, missing_ranks, waiting_message
 from replicator.core.manifest import ItemId
 from replicator.core.policy import LastBackup, backup_due
+from replicator.core.progress import ProgressBook
 from replicator.core.restore_plan import Fetch, NodeInventory, RoundPlan, SourceKey, plan_round
+
+REPORTS_PER_SECOND = 256
+"""The steady-state report rate a coordinator asks its job for, all ranks together: each
+report costs it a gRPC call (a few hundred microseconds of Python), so at 4,096 ranks one
+report per rank per second would be most of a core. Reports after a new step or a finished
+replication or upload still go at once: they are what moves the restorable step."""
+MIN_REPORT_EVERY = 1
+MAX_REPORT_EVERY = 30
+COMMIT_RETRY_SECONDS = 30.0
+"""After a COMMIT could not be written (an uploaded manifest is missing), the next backup
+order waits this long: every uploader may have reported the step done while not holding it."""
+
+
+def report_every(nodes: int) -> int:
+    """Seconds between one rank's routine progress reports in a job of ``nodes`` ranks."""
+    return max(MIN_REPORT_EVERY, min(MAX_REPORT_EVERY, -(-nodes // REPORTS_PER_SECOND)))
 
 
 class JoinRejected(ValueError):
@@ -90,6 +107,10 @@ class ProgressAnswer:
     keep_steps: frozenset[int] = frozenset()
     """Steps newer than the restorable one that may become restorable next: some rank has
     replicated them or is pushing them, so every rank keeps its own items of them."""
+    report_every: int = MIN_REPORT_EVERY
+    """Seconds until the rank's next routine report (``report_every``)."""
+    last_backup: LastBackup | None = None
+    """The newest committed backup known to the coordinator."""
 
 
 class JobCoordinator:
@@ -115,16 +136,17 @@ class JobCoordinator:
         self.ready: set[int] = set()
         self.exclude: set[SourceKey] = set()
         self.backups: Mapping[int, CommitRecord] = {}
-        self.replicated: dict[int, int | None] = {}
-        self.held: dict[int, frozenset[int]] = {}
-        """Each rank's promise: the steps it keeps until its next report is answered."""
-        self.replicating: dict[int, int] = {}
-        """Each rank's push in flight."""
+        self.progress = ProgressBook(config.nodes)
+        """Each rank's replicated step, promise, push in flight and upload."""
         self.restorable: int | None = None
         """The newest restorable step answered so far: never lowered, since ranks that
         heard it keep it, while a newer promise may leave it out."""
-        self.uploaded: dict[int, int | None] = {}
+        self.uploaders = backup_uploaders(config)
         self.backup_in_flight: int | None = None
+        self._committing = False
+        """The host is writing the COMMIT of ``backup_in_flight`` (``take_commit``)."""
+        self._order_after = 0.0
+        """No backup is ordered before this time (a COMMIT that could not be written)."""
         self.last_backup: LastBackup | None = None
         self.addresses: dict[int, str] = {}
         """Each rank's peer address: from the joins, then from progress reports."""
@@ -312,14 +334,9 @@ class JobCoordinator:
             self.released_incarnations = {r: m.incarnation_id for r, m in self.members.items()}
             self.addresses = {r: m.inventory.address for r, m in self.members.items()}
             self.pin_consumed = self.pinned
-            self.replicated = {}
-            self.held = {}
-            self.replicating = {}
-            self.restorable = None
-            if self.plan is not None:
-                # The restored step is complete everywhere: it is the restorable step.
-                self.replicated = dict.fromkeys(range(self.config.nodes), self.plan.step)
-                self.restorable = self.plan.step
+            # The restored step is complete everywhere: it is the restorable step.
+            self.restorable = None if self.plan is None else self.plan.step
+            self.progress.reset(self.restorable)
 
     # --- steady state --------------------------------------------------------------------------
 
@@ -334,11 +351,13 @@ class JobCoordinator:
         address: str = "",
         held: frozenset[int] | None = None,
         replicating: int | None = None,
+        address_ranks: Collection[int] | None = None,
     ) -> ProgressAnswer | None:
         """Fold in a rank's progress; None when the rank is not of the released round.
 
         ``held`` is the rank's new promise (None: it keeps every step), ``replicating`` the
-        step it is pushing now.
+        step it is pushing now, ``address_ranks`` the ranks whose addresses the answer
+        carries (None: every rank's).
         """
         if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
@@ -348,50 +367,72 @@ class JobCoordinator:
             return None
         if address:
             self.addresses[rank] = address
-        if replicated_step is not None:
-            self.replicated[rank] = max(replicated_step, self.replicated.get(rank) or 0)
-        if uploaded_step is not None:
-            self.uploaded[rank] = max(uploaded_step, self.uploaded.get(rank) or 0)
-        if held is None:
-            self.held.pop(rank, None)
-        else:
-            self.held[rank] = held
-        if replicating is None:
-            self.replicating.pop(rank, None)
-        else:
-            self.replicating[rank] = replicating
-        uploaders = backup_uploaders(self.config)
-        if self.backup_in_flight is not None and all(
-            self._has_uploaded(r, self.backup_in_flight) for r in uploaders
-        ):
-            self.last_backup = LastBackup(self.backup_in_flight, now)
-            self.backup_in_flight = None
-        newest = restorable_step(self.config, self.replicated, self.held)
+        book = self.progress
+        book.report(
+            rank,
+            replicated=replicated_step,
+            uploaded=uploaded_step,
+            held=held,
+            replicating=replicating,
+        )
+        newest = book.restorable()
         if newest is not None and (self.restorable is None or newest > self.restorable):
             self.restorable = newest
         restorable = self.restorable
         if (
             self.backup_in_flight is None
             and restorable is not None
+            and now >= self._order_after
             and backup_due(self.config.backup_interval, restorable, self.last_backup, now)
         ):
             self.backup_in_flight = restorable
-        order = self.backup_in_flight if rank in uploaders else None
-        if order is not None and self._has_uploaded(rank, order):
+            book.track_upload(restorable, self.uploaders)
+        order = self.backup_in_flight if rank in self.uploaders else None
+        if order is not None and book.has_uploaded(rank, order):
             order = None  # this rank is done with it; the others are still uploading
-        wanted = {s for s in self.replicated.values() if s is not None}
-        wanted |= set(self.replicating.values())
-        keep = frozenset(s for s in wanted if restorable is None or s > restorable)
-        return ProgressAnswer(restorable, order, dict(self.addresses), keep)
+        keep = frozenset(s for s in book.wanted() if restorable is None or s > restorable)
+        return ProgressAnswer(
+            restorable,
+            order,
+            pick_addresses(self.addresses, address_ranks),
+            keep,
+            report_every(self.config.nodes),
+            self.last_backup,
+        )
 
-    def _has_uploaded(self, rank: int, step: int) -> bool:
-        done = self.uploaded.get(rank)
-        return done is not None and done >= step  # step 0 is a step like any other
+    def take_commit(self) -> int | None:
+        """The ordered backup whose COMMIT the host must write now: once every uploader
+        reported it uploaded, and only once. The coordinator writes it, not the uploaders:
+        each uploader checking every other's manifest cost O(N^2) reads per backup."""
+        step = self.backup_in_flight
+        if step is None or self._committing or not self.progress.all_uploaded():
+            return None
+        self._committing = True
+        return step
+
+    def backup_committed(self, step: int, at: float) -> None:
+        """The COMMIT of ``step`` was written at ``at`` (or found written by someone else)."""
+        if step == self.backup_in_flight:
+            self.backup_in_flight, self._committing = None, False
+        self.note_committed_backup(step, at)
+
+    def backup_not_committed(self, step: int, now: float) -> None:
+        """The COMMIT of ``step`` could not be written: order a backup again later."""
+        if step == self.backup_in_flight:
+            self.backup_in_flight, self._committing = None, False
+            self._order_after = now + COMMIT_RETRY_SECONDS
 
     def note_committed_backup(self, step: int, at: float) -> None:
         """A committed backup found in the store (at start): the interval counts from it."""
         if self.last_backup is None or step > self.last_backup.step:
             self.last_backup = LastBackup(step, at)
+
+
+def pick_addresses(addresses: Mapping[int, str], ranks: Collection[int] | None) -> dict[int, str]:
+    """The addresses of ``ranks`` that are known (None: all of them), as a new dict."""
+    if ranks is None:
+        return dict(addresses)
+    return {r: addresses[r] for r in ranks if r in addresses}
 
 
 def _differing_keys(theirs: str, ours: str) -> str:

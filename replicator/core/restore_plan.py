@@ -102,8 +102,16 @@ class RoundPlan:
     """Every restorable step, newest first (``candidates[0] == step``): for diagnostics."""
 
     def for_rank(self, rank: int) -> dict[ItemId, tuple[Fetch, ...]]:
-        """What ``rank`` must restore, with its sources."""
-        return {i: s for i, s in sorted(self.sources.items()) if i.rank == rank}
+        """What ``rank`` must restore, with its sources (a copy)."""
+        return dict(self._by_rank.get(rank, {}))
+
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, dict[ItemId, tuple[Fetch, ...]]]:
+        # Built once: every rank asks for its part, so a scan per call costs N^2 per round.
+        by_rank: dict[int, dict[ItemId, tuple[Fetch, ...]]] = {}
+        for item, fetches in sorted(self.sources.items()):
+            by_rank.setdefault(item.rank, {})[item] = fetches
+        return by_rank
 
     def load(self) -> dict[int, int]:
         """Items each live rank serves to other ranks as their first choice."""

@@ -507,6 +507,7 @@ class Daemon:
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
             pins=StorePins(backups.objects, self.trust) if backups else None,
+            commit=backups.try_commit if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
         try:

@@ -49,6 +49,12 @@ class JobLog:
         extra = {"job": self._job, "rank": self._rank, "step": step}
         self._logger.log(level, msg, *args, extra=extra, exc_info=exc, stacklevel=3)
 
+    def log(self, level: int, msg: str, *args: Any, step: int | None = None) -> None:
+        self._log(level, msg, args, step, False)
+
+    def debug(self, msg: str, *args: Any, step: int | None = None) -> None:
+        self._log(logging.DEBUG, msg, args, step, False)
+
     def info(self, msg: str, *args: Any, step: int | None = None) -> None:
         self._log(logging.INFO, msg, args, step, False)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -86,12 +87,26 @@ def no_backups(job: str) -> dict[int, CommitRecord]:
     return {}
 
 
+class Commits:
+    """The COMMITs a coordinator wrote (``Coordinators(commit=...)``), in order."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[int, list[str]]] = []
+        self.done = threading.Event()
+
+    def __call__(self, job: str, step: int, keys: Sequence[str]) -> CommitRecord:
+        self.written.append((step, list(keys)))
+        self.done.set()
+        return CommitRecord(job, step, dict.fromkeys(keys, "0" * 64), 1000.0 + step)
+
+
 @contextlib.asynccontextmanager
 async def serving(
-    host: CoordinatorHost, backups_for: BackupsFor = no_backups
+    host: CoordinatorHost, backups_for: BackupsFor = no_backups, commits: Commits | None = None
 ) -> AsyncIterator[str]:
     rpc = RpcServer()
-    rpc.add_service(SERVICE, CoordinatorServicer(Coordinators(host, backups_for)).register)
+    coordinators = Coordinators(host, backups_for, commit=commits)
+    rpc.add_service(SERVICE, CoordinatorServicer(coordinators).register)
     address = rpc.bind("127.0.0.1:0")
     await rpc.start()
     try:
@@ -103,13 +118,13 @@ async def serving(
 
 @contextlib.asynccontextmanager
 async def cluster(
-    backups_for: BackupsFor = no_backups, **kw: Any
+    backups_for: BackupsFor = no_backups, commits: Commits | None = None, **kw: Any
 ) -> AsyncIterator[tuple[CoordinatorHost, CoordinatorClient]]:
     """A hosted coordinator of ``JOB`` and one client (ranks share it, as agents would not)."""
     host = CoordinatorHost()
     host.host(config(**kw), cluster_view_json(config(**kw)))
     async with (
-        serving(host, backups_for) as address,
+        serving(host, backups_for, commits) as address,
         CoordinatorClient(JOB, address, timeout=5.0) as client,
     ):
         yield host, client
@@ -360,7 +375,8 @@ def test_a_backup_listing_that_fails_refuses_the_join_for_now() -> None:
 
 def test_progress_reports_give_the_restorable_step_and_backup_orders() -> None:
     async def scenario() -> None:
-        async with cluster() as (_, client):
+        commits = Commits()
+        async with cluster(commits=commits) as (_, client):
             await all_join(client, "a", 5)
             for r in range(NODES):
                 await client.report_restore(r, f"a{r}", 1, 1, ready=True)
@@ -372,8 +388,16 @@ def test_progress_reports_give_the_restorable_step_and_backup_orders() -> None:
                 assert answer.backup_step == 5  # the one backup in flight
             assert answer.restorable_step == 10
             for r in range(NODES):
+                assert not commits.written  # not before every uploader is done
                 done = await client.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=5)
             assert done.backup_step is None  # 10 is not 10 steps after 5
+            # The coordinator writes the COMMIT once, naming every uploader's item, and
+            # tells the ranks in its answers.
+            assert await asyncio.to_thread(commits.done.wait, 10)
+            assert commits.written == [(5, [f"{r}-0" for r in range(NODES)])]
+            again = await client.report_progress(1, "a1", replicated_step=10)
+            assert again.last_backup is not None
+            assert again.last_backup.step == 5
             for r in range(NODES):
                 later = await client.report_progress(r, f"a{r}", replicated_step=15)
             assert (later.restorable_step, later.backup_step) == (15, 15)

@@ -10,7 +10,7 @@ from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase, ReportRefused
 from replicator.core.manifest import ItemId
-from replicator.core.policy import Source
+from replicator.core.policy import LastBackup, Source
 from replicator.core.restore_plan import NodeInventory, SourceKey
 
 JOB = "job"
@@ -192,13 +192,39 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     assert last is not None
     assert last.restorable_step == 10
     assert last.backup_step == 10  # 10 - 0 >= 10 steps
-    # One backup in flight: it stays the order until every uploader reported it.
+    # One backup in flight: it stays the order until every uploader reported it, and
+    # the coordinator writes its COMMIT then, once.
     for r in range(4):
+        assert c.take_commit() is None
         a = c.report_progress(r, f"a{r}", replicated_step=20, uploaded_step=10, now=2.0)
         assert a is not None
-    assert c.last_backup is not None
-    assert c.last_backup.step == 10
+        assert a.backup_step is None  # every rank has it now
+    assert c.take_commit() == 10
+    assert c.take_commit() is None  # already being written
+    assert c.backup_in_flight == 10  # no new order while the COMMIT is being written
+    c.backup_committed(10, at=2.5)
+    assert c.last_backup == LastBackup(10, 2.5)
+    a = c.report_progress(0, "a0", replicated_step=20, uploaded_step=10, now=3.0)
+    assert a is not None
+    assert a.last_backup == LastBackup(10, 2.5)
     assert c.backup_in_flight == 20
+
+
+def test_a_commit_that_cannot_be_written_orders_a_backup_again_later() -> None:
+    c = JobCoordinator(config(), VIEW)
+    everyone_joins(c, "a", (0,))
+    release(c, "a")
+    c.note_committed_backup(0, at=0.0)
+    for r in range(4):
+        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=10, now=1.0)
+    assert c.take_commit() == 10
+    c.backup_not_committed(10, now=1.0)
+    assert c.last_backup == LastBackup(0, 0.0)  # nothing new is backed up
+    a = c.report_progress(0, "a0", replicated_step=10, uploaded_step=10, now=1.0 + 29)
+    assert a is not None
+    assert c.backup_in_flight is None  # not before COMMIT_RETRY_SECONDS
+    c.report_progress(0, "a0", replicated_step=10, uploaded_step=10, now=1.0 + 31)
+    assert c.backup_in_flight == 10
 
 
 def test_a_backup_of_step_0_completes_like_any_other() -> None:
@@ -212,6 +238,8 @@ def test_a_backup_of_step_0_completes_like_any_other() -> None:
     done = c.report_progress(0, "a0", replicated_step=0, uploaded_step=0, now=2.0)
     assert done is not None
     assert done.backup_step is None
+    assert c.take_commit() == 0
+    c.backup_committed(0, at=2.0)
     assert c.last_backup is not None
     assert c.last_backup.step == 0
     assert c.backup_in_flight is None

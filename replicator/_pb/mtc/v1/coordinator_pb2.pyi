@@ -164,6 +164,8 @@ class RoundStatusRequest(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     SEEN_STATE_FIELD_NUMBER: _builtins.int
     SEEN_PLAN_VERSION_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_GIVEN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     rank: _builtins.int
     incarnation_id: _builtins.str
@@ -176,6 +178,15 @@ class RoundStatusRequest(_message.Message):
     so a change that happens between two polls is never missed.
     """
     seen_plan_version: _builtins.int
+    address_ranks_given: _builtins.bool
+    @_builtins.property
+    def address_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ranks whose Peer addresses the caller needs (its replication targets; at most
+        1024, each below `nodes`); meaningful only with `address_ranks_given`. Without it the
+        answer carries every member's address, which at thousands of ranks is most of the
+        coordinator's work: N answers of N addresses.
+        """
+
     def __init__(
         self,
         *,
@@ -186,10 +197,12 @@ class RoundStatusRequest(_message.Message):
         wait_seconds: _builtins.int = ...,
         seen_state: Global___RoundStatusResponse.State.ValueType = ...,
         seen_plan_version: _builtins.int = ...,
+        address_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        address_ranks_given: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation_id", b"incarnation_id", "job", b"job", "rank", b"rank", "round", b"round", "seen_plan_version", b"seen_plan_version", "seen_state", b"seen_state", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address_ranks", b"address_ranks", "address_ranks_given", b"address_ranks_given", "incarnation_id", b"incarnation_id", "job", b"job", "rank", b"rank", "round", b"round", "seen_plan_version", b"seen_plan_version", "seen_state", b"seen_state", "wait_seconds", b"wait_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -365,7 +378,9 @@ class RoundStatusResponse(_message.Message):
     def assignments(self) -> _containers.RepeatedCompositeFieldContainer[Global___ItemAssignment]: ...
     @_builtins.property
     def addresses(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
-        """FETCH and RELEASED: every member's Peer address by rank, for pushes in steady state."""
+        """FETCH and RELEASED: members' Peer addresses by rank, for pushes in steady state: the
+        ranks the request named in `address_ranks`, else every member's.
+        """
 
     def __init__(
         self,
@@ -490,6 +505,8 @@ class ReportProgressRequest(_message.Message):
     HELD_STEPS_FIELD_NUMBER: _builtins.int
     REPORTS_HOLDINGS_FIELD_NUMBER: _builtins.int
     REPLICATING_STEP_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_GIVEN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     rank: _builtins.int
     incarnation_id: _builtins.str
@@ -505,6 +522,7 @@ class ReportProgressRequest(_message.Message):
     """Set when `held_steps` is given; a rank without it is taken to hold every step."""
     replicating_step: _builtins.int
     """The step this rank is pushing to its replication targets now, if any."""
+    address_ranks_given: _builtins.bool
     @_builtins.property
     def held_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The complete steps of its own this rank holds and keeps until its next report is
@@ -512,6 +530,10 @@ class ReportProgressRequest(_message.Message):
         as restorable only a step every rank listed, so a rank may drop a step once a report
         without it has been answered.
         """
+
+    @_builtins.property
+    def address_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in RoundStatusRequest: the ranks whose addresses the answer should carry."""
 
     def __init__(
         self,
@@ -525,10 +547,12 @@ class ReportProgressRequest(_message.Message):
         held_steps: _abc.Iterable[_builtins.int] | None = ...,
         reports_holdings: _builtins.bool = ...,
         replicating_step: _builtins.int | None = ...,
+        address_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        address_ranks_given: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_replicated_step", b"_replicated_step", "_replicating_step", b"_replicating_step", "_uploaded_step", b"_uploaded_step", "replicated_step", b"replicated_step", "replicating_step", b"replicating_step", "uploaded_step", b"uploaded_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replicated_step", b"_replicated_step", "_replicating_step", b"_replicating_step", "_uploaded_step", b"_uploaded_step", "address", b"address", "held_steps", b"held_steps", "incarnation_id", b"incarnation_id", "job", b"job", "rank", b"rank", "replicated_step", b"replicated_step", "replicating_step", b"replicating_step", "reports_holdings", b"reports_holdings", "uploaded_step", b"uploaded_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replicated_step", b"_replicated_step", "_replicating_step", b"_replicating_step", "_uploaded_step", b"_uploaded_step", "address", b"address", "address_ranks", b"address_ranks", "address_ranks_given", b"address_ranks_given", "held_steps", b"held_steps", "incarnation_id", b"incarnation_id", "job", b"job", "rank", b"rank", "replicated_step", b"replicated_step", "replicating_step", b"replicating_step", "reports_holdings", b"reports_holdings", "uploaded_step", b"uploaded_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__replicated_step: _TypeAlias = _typing.Literal["replicated_step"]  # noqa: Y015
     _WhichOneofArgType__replicated_step: _TypeAlias = _typing.Literal["_replicated_step", b"_replicated_step"]  # noqa: Y015
@@ -574,15 +598,31 @@ class ReportProgressResponse(_message.Message):
     BACKUP_STEP_FIELD_NUMBER: _builtins.int
     ADDRESSES_FIELD_NUMBER: _builtins.int
     KEEP_STEPS_FIELD_NUMBER: _builtins.int
+    REPORT_EVERY_SECONDS_FIELD_NUMBER: _builtins.int
+    COMMITTED_BACKUP_STEP_FIELD_NUMBER: _builtins.int
+    COMMITTED_BACKUP_AT_FIELD_NUMBER: _builtins.int
     restorable_step: _builtins.int
     """The newest step complete on every rank (the cluster's restorable step), if any."""
     backup_step: _builtins.int
     """Upload this step now (one backup in flight per job), if set."""
+    report_every_seconds: _builtins.int
+    """Report again after at most this many seconds unless something changes sooner (a new
+    step, a finished replication or upload): the coordinator spreads thousands of ranks'
+    reports over time so that its cost stays bounded. 0: the caller's own default.
+    """
+    committed_backup_step: _builtins.int
+    """The newest committed backup the coordinator knows of, and when its COMMIT was written
+    (Unix seconds): the coordinator writes each ordered backup's COMMIT once every uploader
+    reported it uploaded, so the ranks learn of it here.
+    """
+    committed_backup_at: _builtins.float
     @_builtins.property
     def coordinator(self) -> Global___CoordinatorIdentity: ...
     @_builtins.property
     def addresses(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
-        """Every rank's newest known Peer address by rank, for pushes in steady state."""
+        """Ranks' newest known Peer addresses, for pushes in steady state: those the request
+        named in `address_ranks`, else every rank's.
+        """
 
     @_builtins.property
     def keep_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -598,17 +638,24 @@ class ReportProgressResponse(_message.Message):
         backup_step: _builtins.int | None = ...,
         addresses: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
         keep_steps: _abc.Iterable[_builtins.int] | None = ...,
+        report_every_seconds: _builtins.int = ...,
+        committed_backup_step: _builtins.int | None = ...,
+        committed_backup_at: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_restorable_step", b"_restorable_step", "backup_step", b"backup_step", "coordinator", b"coordinator", "restorable_step", b"restorable_step"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_committed_backup_step", b"_committed_backup_step", "_restorable_step", b"_restorable_step", "backup_step", b"backup_step", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "restorable_step", b"restorable_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_restorable_step", b"_restorable_step", "addresses", b"addresses", "backup_step", b"backup_step", "coordinator", b"coordinator", "keep_steps", b"keep_steps", "restorable_step", b"restorable_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_committed_backup_step", b"_committed_backup_step", "_restorable_step", b"_restorable_step", "addresses", b"addresses", "backup_step", b"backup_step", "committed_backup_at", b"committed_backup_at", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "keep_steps", b"keep_steps", "report_every_seconds", b"report_every_seconds", "restorable_step", b"restorable_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__backup_step: _TypeAlias = _typing.Literal["backup_step"]  # noqa: Y015
     _WhichOneofArgType__backup_step: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step"]  # noqa: Y015
+    _WhichOneofReturnType__committed_backup_step: _TypeAlias = _typing.Literal["committed_backup_step"]  # noqa: Y015
+    _WhichOneofArgType__committed_backup_step: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step"]  # noqa: Y015
     _WhichOneofReturnType__restorable_step: _TypeAlias = _typing.Literal["restorable_step"]  # noqa: Y015
     _WhichOneofArgType__restorable_step: _TypeAlias = _typing.Literal["_restorable_step", b"_restorable_step"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__backup_step) -> _WhichOneofReturnType__backup_step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_backup_step) -> _WhichOneofReturnType__committed_backup_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__restorable_step) -> _WhichOneofReturnType__restorable_step | None: ...
 

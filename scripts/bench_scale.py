@@ -1,0 +1,648 @@
+"""Measure one job's coordinator at 256, 1,024 and 4,096 ranks, over real gRPC.
+
+Per N, two real daemons run ranks 0 and N/2 (rank 0's daemon hosts the coordinator; with
+one peer per node they push their items to each other) on tmpfs, backing up to ``file://``;
+the other N-2 ranks are simulated members in this process. Each simulated member has its own
+gRPC channel (with mutual TLS unless ``--no-tls``) and speaks the coordinator protocol as an
+agent does: it joins with an inventory (its own items of the steps it holds and its pusher's
+copies, with the digests of the manifests it uploads), long-polls its round, reports its
+restore, then reports progress as the coordinator asks (after each save, after each
+upload, and every ``report_every_seconds``), uploading its tiny item's manifest when ordered
+to back up so that the coordinator's COMMIT finds every item.
+
+Measured per N:
+
+- ``round``: a job restart with nothing lost: first join to the last member released; and
+  ``plan``, the plan's computation alone (from the coordinator's log);
+- ``loss 1%/10%/100%``: the same with that share of members' RAM disks lost (they join
+  empty; at 100% the real daemons are wiped too and fetch their items from the backup),
+  with the plan's busiest peer (how many items one holder serves);
+- ``steady``: the coordinator daemon's CPU seconds per minute and its RSS while every member
+  saves every ``--save-every`` seconds and backups are ordered and committed;
+- ``restart`` (largest N only): rank 0's daemon is killed with SIGKILL in steady state and
+  started again; seconds until the next backup is ordered.
+
+Prints a table; ``--json`` prints one JSON object per N instead.
+
+    .venv/bin/python scripts/bench_scale.py                    # 256, 1024, 4096
+    .venv/bin/python scripts/bench_scale.py --nodes 256 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import grpc
+import grpc.aio
+
+from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
+from replicator.cluster.registry import Registry
+from replicator.core.contract import Framework, JobConfig
+from replicator.core.layout import pushers, replication_targets
+from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
+from replicator.core.storedir import default_store_dir
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import FileObjectStore
+from replicator.tools import certs
+from replicator.transport.tls import TlsFiles, TlsMaterial
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None  # type: ignore[assignment]
+
+JOB = "scale"
+State = pb.RoundStatusResponse.State
+_READY = re.compile(rb"daemon ready:.* listen=(\S+) advertise=")
+_PLAN = re.compile(
+    r"round (\d+) plan (\d+): .* in ([0-9.]+)s \((\d+) items; the busiest peer serves (\d+)\)"
+)
+_PAYLOAD = b"bench-scale item\n"
+
+
+# --- the real daemons ---------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """A real daemon running one rank."""
+
+    rank: int
+    ckpt: Path
+    args: list[str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with self.log.open("rb") as f:
+                f.seek(offset)
+                if _READY.search(f.read()):
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon of rank {self.rank} did not start:\n{self.log.read_text()}")
+
+    def handshake(self, nodes: int) -> None:
+        tmp = self.ckpt / "replicator.yaml.tmp"
+        tmp.write_text(yaml_text(self.rank, nodes))
+        os.rename(tmp, self.ckpt / "replicator.yaml")
+
+    def save(self, step: int) -> None:
+        tmp = self.ckpt / f"{step}.orbax-checkpoint-tmp-bench"
+        tmp.mkdir()
+        (tmp / "state").write_bytes(_PAYLOAD + f"{self.rank} {step}\n".encode())
+        os.rename(tmp, self.ckpt / str(step))
+
+    def cpu_seconds(self) -> float:
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_mib(self, key: str = "VmRSS") -> float:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith(f"{key}:"):
+                return int(line.split()[1]) / 1024
+        raise KeyError(key)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(60)
+
+    def wipe(self) -> None:
+        for path in (self.ckpt, default_store_dir(self.ckpt)):
+            shutil.rmtree(path, ignore_errors=True)
+        self.ckpt.mkdir()
+
+    def plans(self) -> list[tuple[int, int, float, int, int]]:
+        text = self.log.read_text(errors="replace")
+        return [(int(a), int(b), float(c), int(d), int(e)) for a, b, c, d, e in _PLAN.findall(text)]
+
+
+def yaml_text(rank: int, nodes: int) -> str:
+    return (
+        f"job-name: {JOB}\nframework: orbax\nnode-rank: {rank}\nnodes: {nodes}\n"
+        "peers-per-node: 1\nbackup-interval-steps: 2\n"
+    )
+
+
+def job_config(nodes: int, rank: int = 0) -> JobConfig:
+    from replicator.core.contract import BackupInterval
+
+    return JobConfig(
+        job_name=JOB,
+        framework=Framework.ORBAX,
+        node_rank=rank,
+        nodes=nodes,
+        peers_per_node=1,
+        backup_interval=BackupInterval(minutes=None, steps=2),
+    )
+
+
+# --- simulated members --------------------------------------------------------------------------
+
+
+def fake_address(rank: int) -> str:
+    return f"10.{(rank >> 16) & 255}.{(rank >> 8) & 255}.{rank & 255}:7070"
+
+
+def fake_manifest(step: int, rank: int) -> Manifest:
+    data = _PAYLOAD + f"{rank} {step}\n".encode()
+    entry = FileEntry("", len(data), google_crc32c.value(data))
+    return Manifest(ItemId(JOB, step, rank, 0), ItemKind.FILE, (entry,))
+
+
+@dataclass
+class Member:
+    """One simulated rank: its channel, what it holds, its steady-state progress."""
+
+    rank: int
+    config: JobConfig
+    stub: Any = None
+    """Its ``CoordinatorStub``, on its own channel."""
+    steps: set[int] = field(default_factory=set)
+    """Steps whose own item (and pusher's copy) it holds."""
+    incarnation: str = ""
+    replicated: int | None = None
+    uploaded: int | None = None
+    restorable: int | None = None
+    keep: frozenset[int] = frozenset()
+    report_every: float = 1.0
+    first_choices: Counter[int] = field(default_factory=Counter)
+
+    def inventory(self, digests: dict[ItemId, str]) -> list[pb.HeldItem]:
+        held = []
+        for step in sorted(self.steps):
+            for r in (self.rank, *pushers(self.config, self.rank)):
+                item = ItemId(JOB, step, r, 0)
+                digest = digests.get(item) or fake_manifest(step, r).digest
+                ref = peer_pb2.ItemRef(job=JOB, step=step, rank=r, worker=0)
+                held.append(pb.HeldItem(item=ref, manifest_digest=digest))
+        return held
+
+
+async def restore_round(m: Member, digests: dict[ItemId, str], coordinator_address: str) -> float:
+    """Join, follow the round, report ready; the time this member saw the release."""
+    m.incarnation = os.urandom(8).hex()
+    join = pb.JoinRequest(
+        job=JOB,
+        rank=m.rank,
+        incarnation_id=m.incarnation,
+        cluster_view=CLUSTER_VIEW,
+        address=fake_address(m.rank),
+        items=m.inventory(digests),
+    )
+    round_ = (await m.stub.Join(join, timeout=60)).round
+    targets = replication_targets(job_config(m.config.nodes, m.rank))
+    seen_state, seen_version, done = State.STATE_UNSPECIFIED, 0, -1
+    while True:
+        status = await m.stub.RoundStatus(
+            pb.RoundStatusRequest(
+                job=JOB,
+                rank=m.rank,
+                incarnation_id=m.incarnation,
+                round=round_,
+                wait_seconds=10,
+                seen_state=seen_state,
+                seen_plan_version=seen_version,
+                address_ranks=targets,
+                address_ranks_given=True,
+            ),
+            timeout=70,
+        )
+        round_, seen_state, seen_version = status.round, status.state, status.plan_version
+        if status.state == State.REJOIN:
+            raise RuntimeError(f"rank {m.rank} must rejoin: {status.message}")
+        if status.state == State.FETCH and status.plan_version != done:
+            # No data moves: what this measures is the control plane.
+            for a in status.assignments:
+                first = a.sources[0]
+                if first.kind == pb.ItemSource.PEER:
+                    m.first_choices[first.holder_rank] += 1
+            await m.stub.ReportRestore(
+                pb.ReportRestoreRequest(
+                    job=JOB,
+                    rank=m.rank,
+                    incarnation_id=m.incarnation,
+                    round=round_,
+                    plan_version=status.plan_version,
+                    ready=True,
+                ),
+                timeout=60,
+            )
+            done = status.plan_version
+            m.steps = {status.step} | m.steps if not status.fresh_start else m.steps
+        if status.state == State.RELEASED:
+            m.restorable = None if status.fresh_start else status.step
+            return time.monotonic()
+
+
+CLUSTER_VIEW = ""
+
+
+class Steady:
+    """Every simulated member's steady state: saves, reports, ordered uploads."""
+
+    def __init__(self, members: list[Member], backups: BackupStore, tmp: Path) -> None:
+        self.members = members
+        self.backups = backups
+        self.tmp = tmp
+        self.reports = 0
+        self.failures = 0
+        self.orders: list[tuple[float, int]] = []
+        self.stopping = False
+        self.registry: Registry | None = None
+        self.coordinator_address = ""
+        self._moved = asyncio.Event()
+        self.ordered = asyncio.Event()
+
+    async def report(self, m: Member) -> None:
+        held = sorted(
+            {s for s in m.steps if s in m.keep or s == m.restorable} | set(sorted(m.steps)[-2:])
+        )
+        targets = replication_targets(job_config(m.config.nodes, m.rank))
+        try:
+            answer = await m.stub.ReportProgress(
+                pb.ReportProgressRequest(
+                    job=JOB,
+                    rank=m.rank,
+                    incarnation_id=m.incarnation,
+                    replicated_step=m.replicated,
+                    uploaded_step=m.uploaded,
+                    address=fake_address(m.rank),
+                    held_steps=held,
+                    reports_holdings=True,
+                    address_ranks=targets,
+                    address_ranks_given=True,
+                ),
+                timeout=30,
+            )
+        except grpc.aio.AioRpcError:
+            self.failures += 1
+            await self.relook(m)
+            return
+        self.reports += 1
+        m.report_every = answer.report_every_seconds or 1.0
+        m.keep = frozenset(answer.keep_steps)
+        if answer.HasField("restorable_step"):
+            m.restorable = answer.restorable_step
+        if answer.HasField("backup_step") and (m.uploaded or -1) < answer.backup_step:
+            self.orders.append((time.monotonic(), answer.backup_step))
+            self.ordered.set()
+            asyncio.get_running_loop().create_task(self.upload(m, answer.backup_step))
+
+    async def relook(self, m: Member) -> None:
+        """The coordinator is gone: find it again in the registry (as agents do)."""
+        if self.registry is None:
+            return
+        entry = await asyncio.to_thread(self.registry.lookup, JOB)
+        if entry is not None and entry.address != self.coordinator_address:
+            self.coordinator_address = entry.address
+            self._moved.set()
+
+    async def upload(self, m: Member, step: int) -> None:
+        await asyncio.sleep(random.uniform(0.2, 1.0))
+        manifest = fake_manifest(step, m.rank)
+        data = self.tmp / f"{m.rank}"
+        data.write_bytes(_PAYLOAD + f"{m.rank} {step}\n".encode())
+        await asyncio.to_thread(self.backups.upload_item, manifest, data)
+        m.uploaded = step
+        await self.report(m)
+
+    async def saved(self, step: int) -> None:
+        """Every member committed ``step`` and pushed it to its peer within a second."""
+
+        async def one(m: Member) -> None:
+            await asyncio.sleep(random.uniform(0.0, 1.0))
+            # It keeps the newest three (an agent keeps what the coordinator asks for).
+            m.steps = {*sorted(m.steps)[-2:], step}
+            m.replicated = step
+            await self.report(m)
+
+        await asyncio.gather(*(one(m) for m in self.members))
+
+    async def routine(self, m: Member) -> None:
+        await asyncio.sleep(random.uniform(0, m.report_every))
+        while not self.stopping:
+            await self.report(m)
+            await asyncio.sleep(m.report_every * random.uniform(0.9, 1.1))
+
+
+# --- one N ----------------------------------------------------------------------------------------
+
+
+def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
+    directory = root / "tls" / name
+    certs.write_node_files(directory, ca, certs.issue(ca))
+    return certs.node_files(directory)
+
+
+def open_channel(address: str, tls: TlsMaterial | None) -> grpc.aio.Channel:
+    options = [("grpc.enable_retries", 0)]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[*options, *tls.channel_options()]
+    )
+
+
+class Run:
+    def __init__(self, n: int, root: Path, args: argparse.Namespace) -> None:
+        self.n = n
+        self.root = root
+        self.args = args
+        self.backup = root / "backup"
+        self.backup.mkdir(parents=True)
+        self.tls: TlsMaterial | None = None
+        daemon_tls: dict[int, TlsFiles] = {}
+        if not args.no_tls:
+            ca = certs.new_ca()
+            daemon_tls = {r: make_tls(root, ca, f"node{r}") for r in (0, n // 2)}
+            self.tls = TlsMaterial(make_tls(root, ca, "members"))
+        self.nodes = {r: self._node(r, daemon_tls.get(r)) for r in (0, n // 2)}
+        self.config = job_config(n)
+        self.store = BackupStore(FileObjectStore(self.backup))
+        self.result: dict[str, Any] = {"nodes": n, "tls": not args.no_tls}
+        self.address = ""
+        self.channels: list[grpc.aio.Channel] = []
+
+    def _node(self, rank: int, tls: TlsFiles | None) -> Node:
+        ckpt = self.root / f"node{rank}"
+        ckpt.mkdir()
+        args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
+        args += ["--listen", "127.0.0.1:0", "--backup", self.backup.as_uri()]
+        args += ["--rescan-seconds", "0.5", "--settle-seconds", "0.5"]
+        if tls is not None:
+            args += [
+                "--tls-cert",
+                str(tls.cert),
+                "--tls-key",
+                str(tls.key),
+                "--tls-ca",
+                str(tls.ca),
+            ]
+        return Node(rank, ckpt, args, self.root / f"node{rank}.log")
+
+    def connect(self, members: list[Member], address: str) -> None:
+        """Every member's own channel to the coordinator at ``address``."""
+        for channel in self.channels:
+            asyncio.get_running_loop().create_task(channel.close())
+        self.channels = []
+        self.address = address
+        for m in members:
+            channel = open_channel(address, self.tls)
+            self.channels.append(channel)
+            m.stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+
+    def coordinator_address(self) -> str:
+        registry = Registry(FileObjectStore(self.backup))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            entry = registry.lookup(JOB)
+            if entry is not None:
+                return entry.address
+            time.sleep(0.05)
+        raise RuntimeError("the coordinator never registered")
+
+    def real_digests(self) -> dict[ItemId, str]:
+        """The real ranks' items as their stores hold them (their peers report these)."""
+        found: dict[ItemId, str] = {}
+        for node in self.nodes.values():
+            # Read-only, beside the running daemon: committed items never change.
+            for path in (default_store_dir(node.ckpt) / "items" / JOB).glob("*/*/MANIFEST.json"):
+                try:
+                    manifest = Manifest.from_json(path.read_bytes())
+                except FileNotFoundError:
+                    continue  # retention took it meanwhile
+                found[manifest.item] = manifest.digest
+        return found
+
+    async def round(self, members: list[Member], lost: set[int], wipe_real: bool) -> dict[str, Any]:
+        """A job restart: every rank a new incarnation; ``lost`` ranks join empty."""
+        for node in self.nodes.values():
+            if wipe_real:
+                node.stop()
+                node.wipe()
+                node.start()
+            node.handshake(self.n)
+        address = await asyncio.to_thread(self.coordinator_address)
+        if address != self.address:
+            self.connect(members, address)
+        digests = self.real_digests()
+        for m in members:
+            m.first_choices = Counter()
+            if m.rank in lost:
+                m.steps = set()
+        plans_before = len(self.nodes[0].plans())
+        t0 = time.monotonic()
+        released = await asyncio.gather(*(restore_round(m, digests, address) for m in members))
+        elapsed = max(released) - t0
+        plans = self.nodes[0].plans()[plans_before:]
+        load = Counter[int]()
+        for m in members:
+            load.update(m.first_choices)
+        return {
+            "seconds": round(elapsed, 3),
+            "plan_seconds": round(sum(p[2] for p in plans), 3),
+            "busiest_peer_items": max((p[4] for p in plans), default=0),
+            "busiest_peer_items_seen": max(load.values(), default=0),
+        }
+
+    async def run(self) -> dict[str, Any]:
+        global CLUSTER_VIEW  # noqa: PLW0603 (one view per run)
+        from replicator.cluster.messages import cluster_view_json
+
+        CLUSTER_VIEW = cluster_view_json(self.config)
+        for node in self.nodes.values():
+            node.start()
+        sims = [r for r in range(self.n) if r not in self.nodes]
+        for node in self.nodes.values():
+            node.handshake(self.n)
+        address = await asyncio.to_thread(self.coordinator_address)
+        members = [Member(r, job_config(self.n, r)) for r in sims]
+        self.connect(members, address)
+        # Round 1: a fresh start; then steady state.
+        await asyncio.gather(*(restore_round(m, {}, address) for m in members))
+        steady = Steady(members, self.store, self.root / "uploads")
+        steady.tmp.mkdir()
+        self.result["steady"] = await self.steady(steady, self.args.steady_seconds)
+        # Restore rounds: nothing lost, then 1%, 10% and 100% of the RAM disks.
+        rng = random.Random(self.n)
+        self.result["round"] = await self.round(members, set(), wipe_real=False)
+        for share in (0.01, 0.10):
+            lost = set(rng.sample(sims, max(1, round(share * self.n))))
+            self.result[f"loss_{int(share * 100)}"] = await self.round(members, lost, False)
+        if self.args.restart:
+            self.result["restart"] = await self.restart(members)
+        self.result["loss_100"] = await self.round(members, set(sims), wipe_real=True)
+        for node in self.nodes.values():
+            node.stop()
+        return self.result
+
+    async def steady(self, steady: Steady, seconds: float) -> dict[str, Any]:
+        coordinator = self.nodes[0]
+        start_step = max((s for m in steady.members for s in m.steps), default=0) + 1
+        routines = [asyncio.create_task(steady.routine(m)) for m in steady.members]
+        t0, cpu0 = time.monotonic(), coordinator.cpu_seconds()
+        reports0 = steady.reports
+        step = start_step
+        commits0 = len(self.store.committed_steps(JOB))
+        while time.monotonic() - t0 < seconds:
+            for node in self.nodes.values():
+                node.save(step)
+            await steady.saved(step)
+            step += 1
+            await asyncio.sleep(max(0.0, self.args.save_every - 1.0))
+        elapsed = time.monotonic() - t0
+        cpu = coordinator.cpu_seconds() - cpu0
+        steady.stopping = True
+        for t in routines:
+            t.cancel()
+        await asyncio.gather(*routines, return_exceptions=True)
+        commits = len(self.store.committed_steps(JOB)) - commits0
+        return {
+            "seconds": round(elapsed, 1),
+            "cpu_seconds_per_minute": round(cpu / elapsed * 60, 2),
+            "rss_mib": round(coordinator.memory_mib(), 1),
+            "peak_rss_mib": round(coordinator.memory_mib("VmHWM"), 1),
+            "reports_per_second": round((steady.reports - reports0) / elapsed, 1),
+            "steps_saved": step - start_step,
+            "backups_committed": commits,
+        }
+
+    async def restart(self, members: list[Member]) -> dict[str, Any]:
+        """Kill rank 0's daemon in steady state; time until a backup is ordered again."""
+        steady = Steady(members, self.store, self.root / "uploads")
+        steady.registry = Registry(FileObjectStore(self.backup))
+        steady.coordinator_address = await asyncio.to_thread(self.coordinator_address)
+        routines = [asyncio.create_task(steady.routine(m)) for m in members]
+        await asyncio.sleep(2)
+        coordinator = self.nodes[0]
+        t0 = time.monotonic()
+        coordinator.stop(signal.SIGKILL)
+        coordinator.start()
+        # The next save makes the next backup due (every 2 steps).
+        step = max(s for m in members for s in m.steps) + 1
+        for _ in range(2):
+            for node in self.nodes.values():
+                node.save(step)
+            step += 1
+        await steady._moved.wait()
+        self.connect(members, steady.coordinator_address)
+        steady.orders.clear()
+        steady.ordered.clear()
+        saver = asyncio.create_task(self._save_until(steady, step))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(steady.ordered.wait(), 300)
+        ordered = steady.orders[0][0] - t0 if steady.orders else float("nan")
+        saver.cancel()
+        steady.stopping = True
+        for t in routines:
+            t.cancel()
+        await asyncio.gather(saver, *routines, return_exceptions=True)
+        return {"seconds_to_backup_order": round(ordered, 2)}
+
+    async def _save_until(self, steady: Steady, step: int) -> None:
+        while True:
+            for node in self.nodes.values():
+                node.save(step)
+            await steady.saved(step)
+            await asyncio.sleep(self.args.save_every)
+            step += 1
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = [
+        ("restore round, s (target < 10 at 4096)", lambda r: r["round"]["seconds"]),
+        ("  plan alone, s", lambda r: r["round"]["plan_seconds"]),
+        ("round, 1% lost, s", lambda r: r["loss_1"]["seconds"]),
+        ("  busiest peer serves, items", lambda r: r["loss_1"]["busiest_peer_items"]),
+        ("round, 10% lost, s", lambda r: r["loss_10"]["seconds"]),
+        ("  busiest peer serves, items", lambda r: r["loss_10"]["busiest_peer_items"]),
+        ("round, 100% lost, s", lambda r: r["loss_100"]["seconds"]),
+        ("  plan alone, s", lambda r: r["loss_100"]["plan_seconds"]),
+        (
+            "steady: coordinator CPU s/min (target < 15)",
+            lambda r: r["steady"]["cpu_seconds_per_minute"],
+        ),
+        ("steady: coordinator RSS, MiB", lambda r: r["steady"]["rss_mib"]),
+        ("steady: reports/s", lambda r: r["steady"]["reports_per_second"]),
+        ("steady: backups committed", lambda r: r["steady"]["backups_committed"]),
+        (
+            "coordinator restart: s to next backup order",
+            lambda r: r.get("restart", {}).get("seconds_to_backup_order", "-"),
+        ),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{'ranks':<{width}}  " + "  ".join(f"{r['nodes']:>8}" for r in results)]
+    for label, get in rows:
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{get(r)!s:>8}" for r in results))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default="256,1024,4096", help="comma-separated job sizes")
+    parser.add_argument("--steady-seconds", type=float, default=30.0)
+    parser.add_argument("--save-every", type=float, default=5.0, help="seconds between saves")
+    parser.add_argument("--no-tls", action="store_true", help="plaintext gRPC (default: mTLS)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per N")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.nodes.split(",")]
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a channel per member
+    if uvloop is not None:
+        uvloop.install()
+    results = []
+    base = Path(tempfile.mkdtemp(prefix="mtc-bench-scale-", dir="/dev/shm"))
+    try:
+        for n in sizes:
+            args.restart = n == max(sizes)
+            run = Run(n, base / f"n{n}", args)
+            try:
+                result = asyncio.run(run.run())
+            finally:
+                for node in run.nodes.values():
+                    node.stop(signal.SIGKILL)
+            results.append(result)
+            if args.json:
+                print(json.dumps(result), flush=True)
+            else:
+                print(f"N={n}: done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    if not args.json:
+        print(table(results))
+
+
+if __name__ == "__main__":
+    main()
