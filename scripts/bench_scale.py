@@ -61,7 +61,7 @@ from replicator.core.layout import pushers, replication_targets
 from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
 from replicator.core.storedir import default_store_dir
 from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
+from replicator.storage.objectstore import FileObjectStore, PreconditionFailed
 from replicator.tools import certs
 from replicator.transport.tls import TlsFiles, TlsMaterial
 
@@ -191,6 +191,7 @@ class Member:
     incarnation: str = ""
     replicated: int | None = None
     uploaded: int | None = None
+    uploading: int | None = None
     restorable: int | None = None
     keep: frozenset[int] = frozenset()
     report_every: float = 1.0
@@ -207,9 +208,26 @@ class Member:
         return held
 
 
-async def restore_round(m: Member, digests: dict[ItemId, str], coordinator_address: str) -> float:
-    """Join, follow the round, report ready; the time this member saw the release."""
+_RETRIED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+RETRIES = Counter[str]()
+"""Calls that failed and were tried again, by status (reported with the results)."""
+
+
+async def restore_round(m: Member, digests: dict[ItemId, str]) -> float:
+    """Join, follow the round, report ready; the time this member saw the release. A
+    dropped call joins again with the same incarnation, as an agent does."""
     m.incarnation = os.urandom(8).hex()
+    while True:
+        try:
+            return await _follow_round(m, digests)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _RETRIED:
+                raise
+            RETRIES[exc.code().name] += 1
+            await asyncio.sleep(0.2)
+
+
+async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
     join = pb.JoinRequest(
         job=JOB,
         rank=m.rank,
@@ -312,7 +330,9 @@ class Steady:
         m.keep = frozenset(answer.keep_steps)
         if answer.HasField("restorable_step"):
             m.restorable = answer.restorable_step
-        if answer.HasField("backup_step") and (m.uploaded or -1) < answer.backup_step:
+        order = answer.backup_step if answer.HasField("backup_step") else None
+        if order is not None and m.uploading is None and (m.uploaded or -1) < order:
+            m.uploading = order
             self.orders.append((time.monotonic(), answer.backup_step))
             self.ordered.set()
             asyncio.get_running_loop().create_task(self.upload(m, answer.backup_step))
@@ -331,8 +351,9 @@ class Steady:
         manifest = fake_manifest(step, m.rank)
         data = self.tmp / f"{m.rank}"
         data.write_bytes(_PAYLOAD + f"{m.rank} {step}\n".encode())
-        await asyncio.to_thread(self.backups.upload_item, manifest, data)
-        m.uploaded = step
+        with contextlib.suppress(PreconditionFailed):  # committed already: done
+            await asyncio.to_thread(self.backups.upload_item, manifest, data)
+        m.uploaded, m.uploading = step, None
         await self.report(m)
 
     async def saved(self, step: int) -> None:
@@ -461,7 +482,7 @@ class Run:
                 m.steps = set()
         plans_before = len(self.nodes[0].plans())
         t0 = time.monotonic()
-        released = await asyncio.gather(*(restore_round(m, digests, address) for m in members))
+        released = await asyncio.gather(*(restore_round(m, digests) for m in members))
         elapsed = max(released) - t0
         plans = self.nodes[0].plans()[plans_before:]
         load = Counter[int]()
@@ -488,7 +509,7 @@ class Run:
         members = [Member(r, job_config(self.n, r)) for r in sims]
         self.connect(members, address)
         # Round 1: a fresh start; then steady state.
-        await asyncio.gather(*(restore_round(m, {}, address) for m in members))
+        await asyncio.gather(*(restore_round(m, {}) for m in members))
         steady = Steady(members, self.store, self.root / "uploads")
         steady.tmp.mkdir()
         self.result["steady"] = await self.steady(steady, self.args.steady_seconds)
@@ -616,6 +637,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=float, default=5.0, help="seconds between saves")
     parser.add_argument("--no-tls", action="store_true", help="plaintext gRPC (default: mTLS)")
     parser.add_argument("--json", action="store_true", help="one JSON object per N")
+    parser.add_argument("--keep", action="store_true", help="keep the daemons' directories")
     args = parser.parse_args()
     sizes = [int(n) for n in args.nodes.split(",")]
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -633,13 +655,18 @@ def main() -> None:
             finally:
                 for node in run.nodes.values():
                     node.stop(signal.SIGKILL)
+            result["retried_calls"] = dict(RETRIES)
+            RETRIES.clear()
             results.append(result)
             if args.json:
                 print(json.dumps(result), flush=True)
             else:
                 print(f"N={n}: done", file=sys.stderr, flush=True)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if args.keep:
+            print(f"kept {base}", file=sys.stderr)
+        else:
+            shutil.rmtree(base, ignore_errors=True)
     if not args.json:
         print(table(results))
 

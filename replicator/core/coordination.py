@@ -36,7 +36,7 @@ from replicator.core.policy import LastBackup, backup_due
 from replicator.core.progress import ProgressBook
 from replicator.core.restore_plan import Fetch, NodeInventory, RoundPlan, SourceKey, plan_round
 
-REPORTS_PER_SECOND = 256
+REPORTS_PER_SECOND = 128
 """The steady-state report rate a coordinator asks its job for, all ranks together: each
 report costs it a gRPC call (a few hundred microseconds of Python), so at 4,096 ranks one
 report per rank per second would be most of a core. Reports after a new step or a finished

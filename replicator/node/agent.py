@@ -459,7 +459,7 @@ class Incarnation:
             await self._ingest_ready(member)
             # An upload that ended no longer protects its step.
             await self._collect_garbage(member)
-            await self._after_steps(member, force=False)
+            await self._after_steps(member)
 
     async def _ingest_ready(self, member: ClusterMember) -> None:
         entries = await self._thread(list_top, self.ctx.checkpoint_dir)
@@ -515,12 +515,14 @@ class Incarnation:
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
         await self._collect_garbage(member)
-        await self._after_steps(member, force=True)  # replicate the new step at once
+        # Replicate the new step at once; the report goes when it is replicated (news for
+        # the coordinator), not now: one report per step per rank, not two.
+        await self._after_steps(member)
 
-    async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
+    async def _after_steps(self, member: ClusterMember) -> None:
         """Replicate and report: the coordinator's answers order backups."""
         steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
-        await member.tick(steps[-1] if steps else None, force=force)
+        await member.tick(steps[-1] if steps else None)
 
     async def _collect_garbage(self, member: ClusterMember) -> None:
         have = self.ctx.store.manifests(self.config.job_name).keys()

@@ -75,7 +75,8 @@ def test_a_rank_reported_twice_counts_once() -> None:
 
 def test_report_every_spreads_a_large_jobs_reports_within_bounds() -> None:
     assert report_every(1) == 1
-    assert report_every(256) == 1
-    assert report_every(1024) == 4
-    assert report_every(4096) == 16
+    assert report_every(128) == 1
+    assert report_every(256) == 2
+    assert report_every(1024) == 8
+    assert report_every(4096) == MAX_REPORT_EVERY
     assert report_every(1_000_000) == MAX_REPORT_EVERY
