@@ -446,6 +446,25 @@ class S3ObjectStore:
                 return
             args["ContinuationToken"] = token
 
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        self._ensure_bucket()
+        what = f"list prefixes {self.url} {prefix!r}"
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self.prefix + prefix,
+            "Delimiter": "/",
+        }
+        while True:
+            page = self._call(what, lambda: self.client.list_objects_v2(**args))
+            for common in page.get("CommonPrefixes", []):
+                found = common["Prefix"][len(self.prefix) :]
+                if _listable(found.rstrip("/")):
+                    yield found
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args["ContinuationToken"] = token
+
     def delete(self, key: str) -> None:
         name = self._name(key)
         self._ensure_bucket()
