@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core.backup_layout import manifest_key
+from replicator.core.manifest import ItemId
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -121,7 +123,7 @@ def test_wiped_store_restores_newest_committed_backup(
 
     # Step 2's upload "never finished": its files and manifest are there, its COMMIT is not.
     (backup_dir / job / "2" / "COMMIT").unlink()
-    assert (backup_dir / job / "2" / "0-0.manifest.json").is_file()
+    assert (backup_dir / manifest_key(ItemId(job, 2, 0, 0))).is_file()
     # And a step 5 that a crashed uploader left by hand: files, manifest, no COMMIT.
     shutil.copytree(backup_dir / job / "2", backup_dir / job / "5")
     shutil.rmtree(store_root(ckpt))
