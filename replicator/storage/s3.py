@@ -383,7 +383,9 @@ class S3ObjectStore:
 
     def read_chunks(self, key: str) -> Iterator[bytes]:
         name = self._name(key)
-        self._ensure_bucket()
+        # No bucket check (a listing): a GET's error code tells a missing bucket from a
+        # missing object, and a restoring rank's reads must not list (docs/architecture.md,
+        # "Backups").
         what = f"get {self.bucket}/{name}"
         first = self._call(what, lambda: self.client.get_object(Bucket=self.bucket, Key=name))
         etag = first["ETag"]
