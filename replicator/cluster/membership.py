@@ -64,7 +64,7 @@ class MemberContext:
     advertise: str
     run_thread: Callable[..., Awaitable[object]]
     verify_local: Callable[[ItemId], Awaitable[None]]
-    fetch_backup: Callable[[ItemId], Awaitable[None]]
+    fetch_backup: Callable[[ItemId, str], Awaitable[None]]
     error: ReportError
     report_after: float = 60.0
     metrics: Metrics = NO_METRICS

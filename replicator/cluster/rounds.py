@@ -71,8 +71,9 @@ class RoundContext:
     finder: CoordinatorFinder
     advertise: str
     verify_local: Callable[[ItemId], Awaitable[None]]
-    fetch_backup: Callable[[ItemId], Awaitable[None]]
-    """Download a committed backup item into the store (verified); raises on failure."""
+    fetch_backup: Callable[[ItemId, str], Awaitable[None]]
+    """Download a committed backup item with the manifest digest the plan gives (the one
+    its COMMIT pins) into the store, verified; raises on failure. Never lists the bucket."""
     error: Callable[[str, int | None], None]
     report_after: float = 60.0
     """Seconds of waiting before ``replicator.errors`` says what for (clients give up at 300)."""
@@ -203,7 +204,7 @@ class RoundParticipant:
                         raise PeerError("?", f"no address for rank {f.holder}")
                     await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
                 else:
-                    await self.ctx.fetch_backup(f.item)
+                    await self.ctx.fetch_backup(f.item, f.digest)
                     fetched = store.get(f.item)
                     if fetched is None or fetched.digest != f.digest:
                         raise CorruptItem(f"{f.item}: the backup copy differs from the plan")

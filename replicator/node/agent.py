@@ -31,7 +31,6 @@ from replicator.cluster.registry import Registry
 from replicator.cluster.rounds import RoundFailed
 from replicator.cluster.service import Coordinators
 from replicator.core.admission import expected_pushers
-from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import (
     ERRORS_FILE,
     FAILED_FILE,
@@ -213,8 +212,6 @@ class Incarnation:
         self._futures: set[asyncio.Future[Any]] = set()
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
-        self._commits: dict[int, CommitRecord] | None = None
-        """Committed backups as last listed during a restore round."""
         self.member: ClusterMember | None = None
         """This rank in its job (every job has one once the incarnation runs)."""
 
@@ -331,20 +328,12 @@ class Incarnation:
     def _since_start(self) -> float:
         return time.monotonic() - self._started_at
 
-    async def _fetch_backup_item(self, item: ItemId) -> None:
-        # One listing serves every backup fetch of a round; list again only for a step
-        # committed after it (the coordinator's own listing may be newer than ours).
+    async def _fetch_backup_item(self, item: ItemId, digest: str) -> None:
+        # The plan's digest is the one the COMMIT pins (the coordinator listed the backups
+        # and checked the COMMIT's signature): no listing and no COMMIT read per rank.
         if self.ctx.backups is None:
             raise CorruptItem(f"{item}: no backup is set")
-        if self._commits is None or item.step not in self._commits:
-            # A listing that fails raises: the copy is unavailable (fail closed), not corrupt.
-            self._commits = await self._thread(
-                self.ctx.backups.committed_steps, self.config.job_name
-            )
-        commits = self._commits
-        if item.step not in commits:
-            raise CorruptItem(f"{item}: no committed backup of step {item.step}")
-        await self._thread(self._fetch_backup, commits[item.step], item)
+        await self._thread(self._fetch_backup, item, digest)
 
     async def _restore(self, member: ClusterMember) -> None:
         started = time.monotonic()
@@ -392,8 +381,8 @@ class Incarnation:
     def _tell_refused_commits(self) -> None:
         """Say which COMMITs the round passed over because they were not believed (unsigned
         or forged): the job restored an older step, or none, and must know why. Known where
-        the job's backups were listed: in rank 0's daemon (the coordinator's) and in any
-        daemon that fetched from the backup."""
+        the job's backups were listed: in rank 0's daemon (the coordinator's); the other
+        ranks fetch with the plan's digests and never list."""
         backups = self.ctx.backups
         refused = {} if backups is None else backups.refused.get(self.config.job_name, {})
         for step, why in sorted(refused.items()):
@@ -404,12 +393,12 @@ class Incarnation:
 
     # --- restore ---------------------------------------------------------------------------
 
-    def _fetch_backup(self, record: CommitRecord, item: ItemId) -> None:
+    def _fetch_backup(self, item: ItemId, digest: str) -> None:
         assert self.ctx.backups is not None
         staged = self.ctx.store.new_staging()
         try:
             t0 = time.monotonic()
-            manifest = self.ctx.backups.fetch_item(record, item, staged, self._cancelled)
+            manifest = self.ctx.backups.fetch_pinned(item, digest, staged, self._cancelled)
             self.ctx.store.commit_staged(staged, manifest)
             dt = max(time.monotonic() - t0, 1e-9)
             self.log.info(

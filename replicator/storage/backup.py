@@ -1,13 +1,14 @@
 """The backup tier: item upload, step commit and verified download on an ObjectStore.
 
-Layout below the backup URL (docs/architecture.md, "Backups")::
+Layout below the backup URL (``core.backup_layout``; docs/architecture.md, "Backups")::
 
-    <job>/<step>/<rank>-<worker>/<files...>        item data (``data`` for a file item)
-    <job>/<step>/<rank>-<worker>.manifest.json     written after the item's files
-    <job>/<step>/COMMIT                            written last, create-only
+    <job>/<step>/<hh>/<rank>-<worker>/<files...>     item data (``data`` for a file item)
+    <job>/<step>/<hh>/<rank>-<worker>.manifest.json  written after the item's files
+    <job>/<step>/COMMIT                              written last, create-only
 
-Only a step with a ``COMMIT`` is restorable; the COMMIT pins each item's manifest digest,
-so an object changed after the commit is detected. The COMMIT is signed by the node that
+(layout v2; v1, without ``<hh>/``, is still read). Only a step with a ``COMMIT`` is
+restorable; the COMMIT pins each item's manifest digest, so an object changed after the
+commit is detected. The COMMIT is signed by the node that
 wrote it, and a COMMIT that ``trust`` refuses is never restored (``core.signed``). The daemon
 never overwrites or deletes anything under a committed step. I/O goes through the
 ObjectStore; no vendor code here.
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import google_crc32c
 
 from replicator.core.backup_layout import (
-    COMMIT,
+    LAYOUT,
+    LAYOUTS,
     CommitRecord,
     commit_key,
     data_key,
@@ -81,9 +83,11 @@ class BackupStore:
                 raise Cancelled(str(manifest.item))
             # The manifest's crc32c: a file changed since it was taken is never uploaded.
             self.objects.put_file(
-                data_key(manifest.item, entry.path), data_file(data, entry), crc32c=entry.crc32c
+                data_key(manifest.item, entry.path, LAYOUT),
+                data_file(data, entry),
+                crc32c=entry.crc32c,
             )
-        self.objects.put_bytes(manifest_key(manifest.item), manifest.to_json())
+        self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
 
     def try_commit(
         self, job: str, step: int, item_keys: Collection[str], now: float | None = None
@@ -101,10 +105,11 @@ class BackupStore:
             rank, _, worker = key.partition("-")
             item = ItemId(job, step, int(rank), int(worker))
             try:
-                digests[key] = Manifest.from_json(self.objects.get_bytes(manifest_key(item))).digest
+                raw = self.objects.get_bytes(manifest_key(item, LAYOUT))
+                digests[key] = Manifest.from_json(raw).digest
             except ObjectNotFound:
                 return None
-        record = CommitRecord(job, step, digests, time.time() if now is None else now)
+        record = CommitRecord(job, step, digests, time.time() if now is None else now, LAYOUT)
         try:
             sealed = self.trust.seal(COMMIT_KIND, record.body())
             self.objects.put_bytes(commit_key(job, step), sealed, if_absent=True)
@@ -143,23 +148,29 @@ class BackupStore:
         return record, raw, seal
 
     def committed_steps(self, job: str) -> dict[int, CommitRecord]:
-        """Every committed step of ``job``; unreadable COMMITs are logged and skipped."""
+        """Every committed step of ``job``; unreadable COMMITs are logged and skipped.
+
+        One delimiter listing of ``<job>/`` (its step prefixes) and one read per step: the
+        cost follows the number of steps in the bucket, never their items or files.
+        """
         found: dict[int, CommitRecord] = {}
         refused: dict[int, str] = {}
-        for info in self.objects.list(f"{job}/"):
-            parts = info.key.split("/")
-            if len(parts) != 3 or parts[2] != COMMIT or not ascii_digits(parts[1]):
+        base = f"{job}/"
+        for prefix in self.objects.list_prefixes(base):
+            name = prefix[len(base) : -1]
+            if not ascii_digits(name):
                 continue
+            step = int(name)
             try:
-                record = self.read_commit(job, int(parts[1]))
+                record = self.read_commit(job, step)
             except RecordRefused as exc:
-                log.warning("never restoring backup %s: %s", info.key, exc)
-                refused[int(parts[1])] = str(exc)
+                log.warning("never restoring backup %s: %s", commit_key(job, step), exc)
+                refused[step] = str(exc)
                 continue
             except (ManifestError, ObjectNotFound) as exc:
-                log.warning("ignoring backup %s: %s", info.key, exc)
+                log.warning("ignoring backup %s: %s", commit_key(job, step), exc)
                 continue
-            if record is not None:
+            if record is not None:  # None: a step still uploading, or half pruned
                 found[record.step] = record
         self.refused[job] = refused
         return found
@@ -167,21 +178,37 @@ class BackupStore:
     def fetch_item(
         self, record: CommitRecord, item: ItemId, staged: Path, cancelled: CancelCheck = _never
     ) -> Manifest:
-        """Download one committed item into ``staged/data``, verifying every byte.
+        """Download one item of ``record`` into ``staged/data``, verifying every byte.
 
         Raises ``CorruptItem`` when anything differs from what the COMMIT pinned.
         """
         expected = record.items.get(item.key)
         if expected is None or not record.has(item):
             raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
-        try:
-            manifest = Manifest.from_json(self.objects.get_bytes(manifest_key(item)))
-        except ObjectNotFound:
-            raise CorruptItem(f"{item}: backup manifest is missing") from None
-        except ManifestError as exc:
-            raise CorruptItem(f"{item}: backup manifest is invalid: {exc}") from None
-        if manifest.digest != expected or manifest.item != item:
-            raise CorruptItem(f"{item}: backup manifest was modified after its COMMIT")
+        return self._fetch(item, expected, (record.layout,), staged, cancelled)
+
+    def fetch_pinned(
+        self, item: ItemId, digest: str, staged: Path, cancelled: CancelCheck = _never
+    ) -> Manifest:
+        """Download ``item`` into ``staged/data`` given the manifest digest its COMMIT pins
+        (from a restore plan: the coordinator read and checked the COMMIT), verifying every
+        byte. No listing and no COMMIT read: a manifest GET, then the item's data.
+
+        The layout is not in the plan: the manifest is looked for where this version
+        writes it, then where earlier ones did (one more GET, a miss, for a v1 backup).
+        Raises ``CorruptItem`` when anything differs from the digest.
+        """
+        return self._fetch(item, digest, LAYOUTS, staged, cancelled)
+
+    def _fetch(
+        self,
+        item: ItemId,
+        expected: str,
+        layouts: Sequence[int],
+        staged: Path,
+        cancelled: CancelCheck,
+    ) -> Manifest:
+        manifest, layout = self._pinned_manifest(item, expected, layouts)
         data = staged / "data"
         if manifest.kind is ItemKind.DIR:
             data.mkdir()
@@ -191,7 +218,7 @@ class BackupStore:
             crc, size = 0, 0
             try:
                 with open(data_file(data, entry), "xb") as out:
-                    for chunk in self.objects.read_chunks(data_key(item, entry.path)):
+                    for chunk in self.objects.read_chunks(data_key(item, entry.path, layout)):
                         if cancelled():
                             raise Cancelled(str(item))
                         size += len(chunk)
@@ -211,3 +238,22 @@ class BackupStore:
                     f"(size {size} vs {entry.size})"
                 )
         return manifest
+
+    def _pinned_manifest(
+        self, item: ItemId, expected: str, layouts: Sequence[int]
+    ) -> tuple[Manifest, int]:
+        """The item's manifest, found in the first of ``layouts`` that has one, and that
+        layout; ``CorruptItem`` unless its digest is ``expected`` and it describes ``item``."""
+        for layout in layouts:
+            try:
+                raw = self.objects.get_bytes(manifest_key(item, layout))
+            except ObjectNotFound:
+                continue
+            try:
+                manifest = Manifest.from_json(raw)
+            except ManifestError as exc:
+                raise CorruptItem(f"{item}: backup manifest is invalid: {exc}") from None
+            if manifest.digest != expected or manifest.item != item:
+                raise CorruptItem(f"{item}: backup manifest was modified after its COMMIT")
+            return manifest, layout
+        raise CorruptItem(f"{item}: backup manifest is missing")

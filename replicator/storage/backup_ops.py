@@ -30,8 +30,8 @@ from replicator.core.backup_layout import (
     COMMIT,
     CommitRecord,
     commit_key,
-    data_key,
-    manifest_key,
+    item_prefix,
+    manifest_item_key,
     step_prefix,
 )
 from replicator.core.contract import JOB_NAME_RE, STEP_DIR_RE
@@ -50,7 +50,6 @@ MAX_PIN_BYTES = 4096
 """A pin is about 200 bytes; anything larger is not one of ours and is not read further."""
 DEFAULT_MIN_AGE_SECONDS = 3600.0
 """A step without COMMIT whose newest object is younger than this is taken as uploading."""
-_MANIFEST_NAME_RE = re.compile(r"[0-9]+-[0-9]+\.manifest\.json")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 Progress = Callable[[int], None]
@@ -214,7 +213,7 @@ def scan_job(objects: ObjectStore, job: str, trust: RecordTrust = OPEN) -> JobLi
                 objects=len(infos),
                 bytes=sum(i.size for i in infos),
                 newest_object_at=max(i.mtime for i in infos),
-                manifests=sum(1 for n in names if _MANIFEST_NAME_RE.fullmatch(n)),
+                manifests=sum(1 for n in names if manifest_item_key(n) is not None),
                 commit=commit,
                 commit_error=error,
                 seal=seal,
@@ -321,7 +320,7 @@ def plan_verify(objects: ObjectStore, job: str, step: int, trust: RecordTrust = 
     for key, digest in sorted(record.items.items()):
         rank, _, worker = key.partition("-")
         item = ItemId(job, step, int(rank), int(worker))
-        mkey = manifest_key(item)
+        mkey = record.manifest_key(item)
         expected.add(mkey)
         info = listed.get(mkey)
         kind, detail = ProblemKind.INVALID_MANIFEST, ""
@@ -343,10 +342,10 @@ def plan_verify(objects: ObjectStore, job: str, step: int, trust: RecordTrust = 
             detail = str(exc)
         if detail:
             problems.append(Problem(kind, detail, key, mkey))
-            bad_items.append(f"{step_prefix(job, step)}{key}/")
+            bad_items.append(f"{item_prefix(item, record.layout)}/")
             continue
         for entry in manifest.files:
-            dkey = data_key(item, entry.path)
+            dkey = record.data_key(item, entry.path)
             expected.add(dkey)
             checks.append((key, dkey, entry))
     return plan(True, len(record.items))
@@ -775,7 +774,7 @@ def delete_step(objects: ObjectStore, job: str, step: int) -> tuple[int, int]:
         count, size = 1, info.size
     prefix = step_prefix(job, step)
     rest = [i for i in objects.list(prefix) if i.key != ckey]
-    rest.sort(key=lambda i: (not _MANIFEST_NAME_RE.fullmatch(i.key[len(prefix) :]), i.key))
+    rest.sort(key=lambda i: (manifest_item_key(i.key[len(prefix) :]) is None, i.key))
     for info in rest:
         objects.delete(info.key)
         count += 1

@@ -405,6 +405,33 @@ class GcsObjectStore:
             if not token:
                 return
 
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        bucket = self._get_bucket()
+        what = f"list prefixes {self.url} {prefix!r}"
+        token: str | None = None
+        while True:
+
+            def page(token: str | None = token) -> tuple[list[str], str | None]:
+                blobs = bucket.client.list_blobs(
+                    bucket,
+                    prefix=self.prefix + prefix,
+                    delimiter="/",
+                    page_token=token,
+                    retry=None,
+                    timeout=self.timeout,
+                )
+                first = next(blobs.pages, None)
+                found = sorted(first.prefixes) if first is not None else []
+                return found, blobs.next_page_token
+
+            names, token = self._call(what, page)
+            for name in names:
+                found = name[len(self.prefix) :]
+                if _listable(found.rstrip("/")):
+                    yield found
+            if not token:
+                return
+
     def delete(self, key: str) -> None:
         name = self._name(key)
         blob = self._get_bucket().blob(name)

@@ -1,7 +1,8 @@
 """Object storage backends behind one small interface. I/O module.
 
-Backups and (later) the registry only need: put a file, stream an object back, put a
-small object (optionally create-only), read it, head, list and delete. ``FileObjectStore``
+Backups and the registry only need: put a file, stream an object back, put a small object
+(optionally create-only), read it, head, list (every object, or one level of "directories")
+and delete. ``FileObjectStore``
 serves ``file://`` URLs and local runs; ``MemoryObjectStore`` is a real implementation held
 in memory, for unit tests. ``s3://`` (``storage.s3``) and ``gs://`` (``storage.gcs``)
 plug in behind the same interface; their SDKs are optional and imported only when used.
@@ -107,7 +108,27 @@ class ObjectStore(Protocol):
         """Every object whose key starts with ``prefix``, in key order."""
         ...
 
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        """The "directories" one level below ``prefix``, in key order: each distinct
+        ``prefix + name + "/"`` that begins the key of at least one object (S3's and
+        GCS's delimiter listing). Its cost follows the number of prefixes, not of objects
+        below them, on the cloud backends."""
+        ...
+
     def delete(self, key: str) -> None: ...
+
+
+def prefixes_of(prefix: str, keys: Iterator[str]) -> Iterator[str]:
+    """``list_prefixes`` computed from keys in key order (for stores that list anyway)."""
+    last = None
+    for key in keys:
+        if not key.startswith(prefix):
+            continue
+        name, sep, _ = key[len(prefix) :].partition("/")
+        found = f"{prefix}{name}/"
+        if sep and found != last:
+            last = found
+            yield found
 
 
 def check_key(key: str) -> str:
@@ -223,6 +244,35 @@ class FileObjectStore:
                     found.append(ObjectInfo(key, st.st_size, st.st_mtime))
         yield from sorted(found, key=lambda o: o.key)
 
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        base, sep, start = prefix.rpartition("/")
+        if sep and not base:
+            return  # no key starts with "/"
+        if base:
+            try:
+                check_key(base)
+            except ValueError:
+                return  # no safe key starts with it; walking it could leave the root
+        parent = self.root / base if base else self.root
+        try:
+            names = sorted(e.name for e in os.scandir(parent) if e.name.startswith(start))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for name in names:
+            # A directory is a prefix only with an object below it, as on S3 and GCS
+            # (a pruned step can leave its empty directories behind).
+            if self._holds_an_object(parent / name):
+                yield f"{base}/{name}/" if base else f"{name}/"
+
+    @staticmethod
+    def _holds_an_object(path: Path) -> bool:
+        if path.is_symlink() or not path.is_dir():
+            return False
+        for _, _, filenames in os.walk(path):
+            if any(not n.startswith(fsutil.TMP_PREFIX) for n in filenames):
+                return True
+        return False
+
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
@@ -298,6 +348,11 @@ class MemoryObjectStore:
             items = sorted((k, v) for k, v in self._objects.items() if k.startswith(prefix))
         for key, (data, mtime) in items:
             yield ObjectInfo(key, len(data), mtime)
+
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        with self._lock:
+            keys = sorted(self._objects)
+        yield from prefixes_of(prefix, iter(keys))
 
     def delete(self, key: str) -> None:
         check_key(key)

@@ -383,7 +383,9 @@ class S3ObjectStore:
 
     def read_chunks(self, key: str) -> Iterator[bytes]:
         name = self._name(key)
-        self._ensure_bucket()
+        # No bucket check (a listing): a GET's error code tells a missing bucket from a
+        # missing object, and a restoring rank's reads must not list (docs/architecture.md,
+        # "Backups").
         what = f"get {self.bucket}/{name}"
         first = self._call(what, lambda: self.client.get_object(Bucket=self.bucket, Key=name))
         etag = first["ETag"]
@@ -441,6 +443,25 @@ class S3ObjectStore:
                 key = obj["Key"][len(self.prefix) :]
                 if _listable(key):
                     yield ObjectInfo(key, obj["Size"], obj["LastModified"].timestamp())
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            args["ContinuationToken"] = token
+
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        self._ensure_bucket()
+        what = f"list prefixes {self.url} {prefix!r}"
+        args: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self.prefix + prefix,
+            "Delimiter": "/",
+        }
+        while True:
+            page = self._call(what, lambda: self.client.list_objects_v2(**args))
+            for common in page.get("CommonPrefixes", []):
+                found = common["Prefix"][len(self.prefix) :]
+                if _listable(found.rstrip("/")):
+                    yield found
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return

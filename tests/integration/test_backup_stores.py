@@ -167,14 +167,14 @@ def test_round_trip_of_multipart_items(uploaded: Uploaded, tmp_path: Path) -> No
             assert target.read_bytes() == source.read_bytes()
     assert (tmp_path / "restore-0-0" / "data" / "empty-dir").is_dir()
     keys = [o.key for o in backup.objects.list(f"{JOB}/")]
-    assert keys == [
-        "job/100/0-0.manifest.json",
-        "job/100/0-0/_CHECKPOINT_METADATA",
-        "job/100/0-0/state/shards/big",
-        "job/100/0-0/state/zero",
-        "job/100/1-0.manifest.json",
-        "job/100/1-0/data",
+    assert keys == [  # layout v2: each item below two hex digits of its key's sha256
+        "job/100/22/0-0.manifest.json",
+        "job/100/22/0-0/_CHECKPOINT_METADATA",
+        "job/100/22/0-0/state/shards/big",
+        "job/100/22/0-0/state/zero",
         "job/100/COMMIT",
+        "job/100/a3/1-0.manifest.json",
+        "job/100/a3/1-0/data",
     ]
 
 

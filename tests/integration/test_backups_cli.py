@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from replicator.core.backup_layout import data_key, item_prefix, manifest_key
 from replicator.core.manifest import ItemId
 from replicator.local.hashing import build_manifest
 from replicator.storage import backup_ops as ops
@@ -66,6 +67,12 @@ class Backup:
     def step_dir(self, step: int) -> Path:
         return self.root / self.job / str(step)
 
+    def item_dir(self, step: int, rank: int) -> Path:
+        return self.root / item_prefix(ItemId(self.job, step, rank, 0))
+
+    def key(self, step: int, rank: int, path: str) -> str:
+        return data_key(ItemId(self.job, step, rank, 0), path)
+
     def files(self) -> dict[str, str]:
         """Every object file and a hash of its bytes: the whole state of the backup."""
         return {
@@ -75,7 +82,7 @@ class Backup:
         }
 
     def flip_byte(self, step: int) -> Path:
-        path = self.step_dir(step) / "1-0" / "state" / "weights"
+        path = self.item_dir(step, 1) / "state" / "weights"
         data = bytearray(path.read_bytes())
         data[4321] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -160,13 +167,17 @@ def test_verify_good_and_corrupt_steps(backup: Backup) -> None:
     assert quiet.stderr == ""  # no bar when stderr is not a terminal
 
     flipped = backup.flip_byte(200)
-    (backup.step_dir(100) / "0-0" / "_CHECKPOINT_METADATA").unlink()
+    (backup.item_dir(100, 0) / "_CHECKPOINT_METADATA").unlink()
     out = mtc("verify", backup.url, "--job", backup.job)
     assert out.returncode == 1
     assert f"job {backup.job} step 300: OK" in out.stdout
     assert f"job {backup.job} step 200: CORRUPT" in out.stdout
-    assert f"checksum mismatch: item 1-0 {backup.job}/200/1-0/state/weights: crc32c" in out.stdout
-    assert f"missing object: item 0-0 {backup.job}/100/0-0/_CHECKPOINT_METADATA" in out.stdout
+    weights, metadata = (
+        backup.key(200, 1, "state/weights"),
+        backup.key(100, 0, "_CHECKPOINT_METADATA"),
+    )
+    assert f"checksum mismatch: item 1-0 {weights}: crc32c" in out.stdout
+    assert f"missing object: item 0-0 {metadata}" in out.stdout
     assert "3 step(s) verified: 1 OK, 2 CORRUPT" in out.stdout
 
     doc = mtc_json("verify", backup.url, "--job", backup.job, "--step", "200", rc=1)
@@ -177,7 +188,7 @@ def test_verify_good_and_corrupt_steps(backup: Backup) -> None:
         {
             "kind": "checksum_mismatch",
             "item": "1-0",
-            "key": f"{backup.job}/200/1-0/state/weights",
+            "key": weights,
             "detail": step["problems"][0]["detail"],
         }
     ]
@@ -191,7 +202,7 @@ def test_verify_good_and_corrupt_steps(backup: Backup) -> None:
 
 
 def test_verify_a_modified_manifest(backup: Backup) -> None:
-    manifest = backup.step_dir(300) / "0-0.manifest.json"
+    manifest = backup.root / manifest_key(ItemId(backup.job, 300, 0, 0))
     body = json.loads(manifest.read_bytes())
     body["files"][0][1] += 1
     manifest.write_text(json.dumps(body))
@@ -353,7 +364,7 @@ def test_the_cli_works_on_bucket_urls(
     verified = mtc("verify", bucket.url, "--job", job)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     # Damage the stored object (through the SDK, as a bucket user could) and verify again.
-    key = f"{job}/5/0-0/state/weights"
+    key = data_key(ItemId(job, 5, 0, 0), "state/weights")
     objects = store.objects
     objects.put_bytes(key, b"x" * (256 * 1024))
     damaged = mtc("verify", bucket.url, "--job", job)

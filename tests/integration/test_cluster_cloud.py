@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core.backup_layout import manifest_key
+from replicator.core.manifest import ItemId
 from replicator.storage.stores import open_object_store
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.storage_servers import Bucket, fault_proxy, gcs_create_only, gcs_env
@@ -78,7 +80,9 @@ def test_an_upload_killed_midway_is_never_restorable_and_is_completed_later(
         time.sleep(0.005)
     daemon.kill()
     uploaded = {o.key for o in objects.list(prefix)}
-    assert f"{prefix}{big}-0.manifest.json" not in uploaded, "the upload was not cut off"
+    assert manifest_key(ItemId(cluster.job, 3, big, 0)) not in uploaded, (
+        "the upload was not cut off"
+    )
     time.sleep(1.0)
     assert 3 not in cluster.committed_backups(), "a step missing an item was committed"
     # The node comes back; the coordinator's standing order makes it upload again.

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core.backup_layout import item_prefix
+from replicator.core.manifest import ItemId
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     backup_commits,
@@ -130,7 +132,7 @@ def test_kill_during_backup_upload_never_restores_it(
     os.rename(ckpt.parent / "kept-store", store_root(ckpt))
     daemon = start_daemon(backup=backup_dir)
     wait_until(lambda: 2 in backup_commits(backup_dir, job), "COMMIT of step 2", daemon=daemon)
-    uploaded = sha256_tree(backup_dir / job / "2" / "0-0")
+    uploaded = sha256_tree(backup_dir / item_prefix(ItemId(job, 2, 0, 0)))
     # The killed upload's temp file may stay behind (file:// only); listings skip it.
     assert {k: v for k, v in uploaded.items() if ".mtc-tmp-" not in k} == digests
     assert daemon.stop() == 0

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core.backup_layout import item_prefix
+from replicator.core.manifest import ItemId
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -89,7 +91,7 @@ def test_fresh_start_then_saves_are_taken_and_committed(
     # Local retention keeps the newest complete step only; the backup keeps both.
     wait_until(lambda: stored_steps(ckpt, job) == {2}, "step 1 dropped locally", daemon=daemon)
     assert backup_commits(backup_dir, job) == {1, 2}
-    assert read_tree(backup_dir / job / "1" / "0-0") == first
+    assert read_tree(backup_dir / item_prefix(ItemId(job, 1, 0, 0))) == first
     assert top_level_step_dirs(ckpt) == set()
 
 

@@ -11,6 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core.backup_layout import (
+    LAYOUT_V1,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+)
+from replicator.core.manifest import ItemId
+from replicator.local.hashing import build_manifest
+from replicator.storage.objectstore import FileObjectStore
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -121,7 +131,7 @@ def test_wiped_store_restores_newest_committed_backup(
 
     # Step 2's upload "never finished": its files and manifest are there, its COMMIT is not.
     (backup_dir / job / "2" / "COMMIT").unlink()
-    assert (backup_dir / job / "2" / "0-0.manifest.json").is_file()
+    assert (backup_dir / manifest_key(ItemId(job, 2, 0, 0))).is_file()
     # And a step 5 that a crashed uploader left by hand: files, manifest, no COMMIT.
     shutil.copytree(backup_dir / job / "2", backup_dir / job / "5")
     shutil.rmtree(store_root(ckpt))
@@ -220,3 +230,26 @@ def test_corrupt_local_copy_is_never_exposed(
     if case == "stopped-backup-copy":
         # The corrupt copy was replaced by the verified one from the backup.
         assert read_tree(item_dir(ckpt, job, 2) / "data") == payload(2, seed=job, size=8192)
+
+
+def test_a_backup_of_layout_v1_made_by_hand_still_restores(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon, tmp_path: Path
+) -> None:
+    """A step as versions before layout v2 wrote it (no ``<hh>/`` in its keys, no
+    ``layout`` in its COMMIT): a node that lost its RAM disk restores it from the backup."""
+    src = make_step(tmp_path, 7, payload(7, seed=job))
+    item = ItemId(job, 7, 0, 0)
+    manifest = build_manifest(item, src)
+    objects = FileObjectStore(backup_dir)
+    for entry in manifest.files:
+        objects.put_file(data_key(item, entry.path, LAYOUT_V1), src / entry.path)
+    objects.put_bytes(manifest_key(item, LAYOUT_V1), manifest.to_json())
+    record = CommitRecord(job, 7, {item.key: manifest.digest}, 1.0, LAYOUT_V1)
+    objects.put_bytes(commit_key(job, 7), record.to_json())
+    assert (backup_dir / job / "7" / "0-0.manifest.json").is_file()
+
+    daemon = start_daemon(backup=backup_dir)
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1000))
+    (marker,) = wait_markers(ckpt, job, 7, daemon)
+    assert read_prerestore(ckpt) == {"restore-step": 7, "restore-source": "backup"}
+    assert read_tree(marker) == payload(7, seed=job)

@@ -9,18 +9,26 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from replicator.core.backup_layout import (
+    LAYOUT_V1,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+    shard,
+)
 from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
 from replicator.local.hashing import build_manifest, verify_item
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import (
     FileObjectStore,
     MemoryObjectStore,
+    ObjectInfo,
     ObjectStore,
     PreconditionFailed,
 )
@@ -120,15 +128,18 @@ def test_upload_commit_list_fetch_round_trip(backup: BackupStore, uploaded: Uplo
 
 def test_layout_in_the_bucket(backup: BackupStore, uploaded: Uploaded) -> None:
     keys = [o.key for o in backup.objects.list(f"{JOB}/")]
+    # Layout v2: each item below two hex digits of its key's sha256.
     assert keys == [
-        "job/100/0-0.manifest.json",
-        "job/100/0-0/_CHECKPOINT_METADATA",
-        "job/100/0-0/state/d/chunk",
-        "job/100/0-0/state/zero",
-        "job/100/1-0.manifest.json",
-        "job/100/1-0/data",
+        "job/100/22/0-0.manifest.json",
+        "job/100/22/0-0/_CHECKPOINT_METADATA",
+        "job/100/22/0-0/state/d/chunk",
+        "job/100/22/0-0/state/zero",
         "job/100/COMMIT",
+        "job/100/a3/1-0.manifest.json",
+        "job/100/a3/1-0/data",
     ]
+    assert uploaded.record.layout == 2
+    assert json.loads(backup.objects.get_bytes(commit_key(JOB, 100)))["layout"] == 2
     assert backup.objects.get_bytes(manifest_key(DIR_ITEM)) == uploaded.dir_manifest.to_json()
 
 
@@ -378,3 +389,128 @@ def test_a_commit_with_a_hostile_timestamp_is_a_manifest_error(created: str) -> 
     raw = f'{{"job": "{JOB}", "step": 1, "items": {{}}, "created": {created}}}'.encode()
     with pytest.raises(ManifestError, match="bad timestamp"):
         CommitRecord.from_json(raw)
+
+
+# --- requests per listing and per fetch; layout v1 --------------------------------------------
+
+
+class CountingStore(MemoryObjectStore):
+    """A memory store that counts what a caller asked of it: listings and object reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        self.calls.append(("list", prefix))
+        yield from super().list(prefix)
+
+    def list_prefixes(self, prefix: str) -> Iterator[str]:
+        self.calls.append(("list_prefixes", prefix))
+        yield from super().list_prefixes(prefix)
+
+    def get_bytes(self, key: str) -> bytes:
+        self.calls.append(("get", key))
+        return super().get_bytes(key)
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        self.calls.append(("get", key))
+        yield super().get_bytes(key)  # the base streams through get_bytes: count once
+
+
+def upload_files(backup: BackupStore, tmp_path: Path, step: int, ranks: int) -> CommitRecord:
+    keys = []
+    for rank in range(ranks):
+        item = ItemId(JOB, step, rank, 0)
+        data = make_file_item(tmp_path / f"src-{step}-{rank}")
+        backup.upload_item(build_manifest(item, data), data)
+        keys.append(item.key)
+    record = backup.try_commit(JOB, step, keys)
+    assert record is not None
+    return record
+
+
+@pytest.mark.parametrize("ranks", [2, 40])
+def test_listing_committed_steps_costs_the_same_at_any_number_of_items(
+    tmp_path: Path, ranks: int
+) -> None:
+    """One delimiter listing of ``<job>/`` and one COMMIT read per step: never a walk over
+    every object of every step (which grows with ranks x files x steps)."""
+    objects = CountingStore()
+    backup = BackupStore(objects)
+    records = {step: upload_files(backup, tmp_path, step, ranks) for step in (10, 20, 30)}
+    objects.put_bytes(f"{JOB}/40/{shard('0-0')}/0-0.manifest.json", b"{}")  # still uploading
+    objects.calls.clear()
+    assert backup.committed_steps(JOB) == records
+    assert objects.calls == [
+        ("list_prefixes", f"{JOB}/"),
+        *(("get", commit_key(JOB, step)) for step in (10, 20, 30, 40)),
+    ]
+
+
+def test_fetch_pinned_reads_the_manifest_and_the_data_only(tmp_path: Path) -> None:
+    """What a restoring rank asks of the bucket, given the plan's digest: the item's
+    manifest and its files, no listing and no COMMIT."""
+    objects = CountingStore()
+    backup = BackupStore(objects)
+    uploaded = Uploaded(backup, tmp_path)
+    objects.calls.clear()
+    got = backup.fetch_pinned(DIR_ITEM, uploaded.dir_manifest.digest, uploaded.fresh_staging())
+    assert got == uploaded.dir_manifest
+    assert objects.calls == [
+        ("get", manifest_key(DIR_ITEM)),
+        *(("get", data_key(DIR_ITEM, e.path)) for e in uploaded.dir_manifest.files),
+    ]
+
+
+def test_fetch_pinned_refuses_what_the_plan_did_not_pin(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    before = {o.key: backup.objects.get_bytes(o.key) for o in backup.objects.list("")}
+    with pytest.raises(CorruptItem, match="modified after its COMMIT"):
+        backup.fetch_pinned(DIR_ITEM, "0" * 64, uploaded.fresh_staging())
+    # Another item's genuine manifest, under this item's digest: its item id differs.
+    with pytest.raises(CorruptItem, match="modified after its COMMIT"):
+        backup.fetch_pinned(FILE_ITEM, uploaded.dir_manifest.digest, uploaded.fresh_staging())
+    with pytest.raises(CorruptItem, match="missing"):
+        backup.fetch_pinned(ItemId(JOB, 100, 7, 0), "0" * 64, uploaded.fresh_staging())
+    flip_object_byte(backup.objects, data_key(FILE_ITEM, ""), 0)
+    with pytest.raises(CorruptItem, match="does not match"):
+        backup.fetch_pinned(FILE_ITEM, uploaded.file_manifest.digest, uploaded.fresh_staging())
+    after = {o.key: backup.objects.get_bytes(o.key) for o in backup.objects.list("")}
+    assert after.keys() == before.keys(), "a refused fetch deletes nothing"
+    assert {k: v for k, v in after.items() if k != data_key(FILE_ITEM, "")} == {
+        k: v for k, v in before.items() if k != data_key(FILE_ITEM, "")
+    }
+
+
+def upload_v1(backup: BackupStore, tmp_path: Path, step: int) -> CommitRecord:
+    """A step as versions before layout v2 wrote it, by hand: no ``<hh>/``, no ``layout``."""
+    keys = {}
+    for item, data in (
+        (ItemId(JOB, step, 0, 0), make_dir_item(tmp_path / f"v1-{step}-dir")),
+        (ItemId(JOB, step, 1, 0), make_file_item(tmp_path / f"v1-{step}-file")),
+    ):
+        manifest = build_manifest(item, data)
+        for entry in manifest.files:
+            src = data / entry.path if entry.path else data
+            backup.objects.put_file(data_key(item, entry.path, LAYOUT_V1), src)
+        backup.objects.put_bytes(manifest_key(item, LAYOUT_V1), manifest.to_json())
+        keys[item.key] = manifest.digest
+    record = CommitRecord(JOB, step, keys, 1.0, LAYOUT_V1)
+    backup.objects.put_bytes(commit_key(JOB, step), record.to_json(), if_absent=True)
+    return record
+
+
+def test_a_v1_backup_still_lists_and_restores(
+    backup: BackupStore, uploaded: Uploaded, tmp_path: Path
+) -> None:
+    old = upload_v1(backup, tmp_path, 50)
+    assert b"layout" not in backup.objects.get_bytes(commit_key(JOB, 50))
+    assert backup.committed_steps(JOB) == {50: old, 100: uploaded.record}
+    for item in (ItemId(JOB, 50, 0, 0), ItemId(JOB, 50, 1, 0)):
+        by_record = backup.fetch_item(old, item, uploaded.fresh_staging())
+        staged = uploaded.fresh_staging()
+        by_digest = backup.fetch_pinned(item, old.items[item.key], staged)
+        assert by_record == by_digest
+        verify_item(by_digest, staged / "data")

@@ -21,7 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replicator.cluster.registry import PREFIX as REGISTRY_PREFIX
-from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from replicator.core.backup_layout import (
+    LAYOUT_V1,
+    CommitRecord,
+    commit_key,
+    data_key,
+    manifest_key,
+)
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest
@@ -29,6 +35,7 @@ from replicator.storage import backup_ops as ops
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore
 from replicator.tools.backups import ProgressBar
+from tests.unit.test_backup import upload_v1
 
 JOB = "job"
 HOUR = 3600.0
@@ -734,8 +741,8 @@ def test_delete_step_removes_commit_first_then_manifests_then_data(tmp_path: Pat
     count, size = ops.delete_step(objects, JOB, 100)
     assert objects.deleted[0] == commit_key(JOB, 100)
     assert set(objects.deleted[1:3]) == {
-        f"{JOB}/100/0-0.manifest.json",
-        f"{JOB}/100/1-0.manifest.json",
+        manifest_key(ItemId(JOB, 100, 0, 0)),
+        manifest_key(ItemId(JOB, 100, 1, 0)),
     }
     assert count == len(objects.deleted) == 6
     assert size > 6000
@@ -793,3 +800,31 @@ def test_a_hostile_commit_is_listed_as_invalid_not_a_crash(objects: MemoryObject
     assert step.state(now=0) is ops.StepState.INVALID
     assert step.commit_error is not None
     assert step.commit_error.startswith("COMMIT has a bad timestamp")
+
+
+def test_a_v1_backup_lists_verifies_and_prunes(tmp_path: Path) -> None:
+    """A step written before layout v2 (no ``<hh>/``, no ``layout`` in its COMMIT), beside
+    a v2 step: ``mtc backups`` lists, verifies and prunes both."""
+    objects = DeleteLog()
+    backup = BackupStore(objects)
+    old = upload_v1(backup, tmp_path, 50)
+    upload_step(backup, tmp_path, 100)
+    steps = {s.step: s for s in ops.scan_job(objects, JOB).steps}
+    assert (steps[50].commit, steps[50].manifests) == (old, 2)
+    assert steps[100].manifests == 2
+    verdict = verify(objects, 50)
+    assert verdict.ok
+    assert verdict.unexpected == ()
+    assert (verdict.items, verdict.objects_checked) == (2, 4)
+    key = data_key(ItemId(JOB, 50, 1, 0), "", LAYOUT_V1)
+    objects.put_bytes(key, b"x" + objects.get_bytes(key)[1:])
+    assert [(p.kind, p.key) for p in verify(objects, 50).problems] == [
+        (ops.ProblemKind.CHECKSUM_MISMATCH, key)
+    ]
+    ops.delete_step(objects, JOB, 50)
+    assert objects.deleted[0] == commit_key(JOB, 50)
+    assert set(objects.deleted[1:3]) == {
+        manifest_key(ItemId(JOB, 50, r, 0), LAYOUT_V1) for r in (0, 1)
+    }
+    assert list(objects.list(f"{JOB}/50/")) == []
+    assert set(backup.committed_steps(JOB)) == {100}

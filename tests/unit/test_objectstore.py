@@ -159,6 +159,33 @@ class TestObjectStoreContract:
         sizes = {o.key: o.size for o in objects.list("")}
         assert sizes == {k: i for i, k in enumerate(keys)}
 
+    def test_list_prefixes_is_one_level_of_directories(self, objects: ObjectStore) -> None:
+        keys = ["job/2/b", "job/10/a", "job/2/a/x", "job/1/z", "job/top", "jobx/1/a", "other/1"]
+        for key in keys:
+            objects.put_bytes(key, b"x")
+        assert list(objects.list_prefixes("job/")) == ["job/1/", "job/10/", "job/2/"]
+        assert list(objects.list_prefixes("job/1")) == ["job/1/", "job/10/"]
+        assert list(objects.list_prefixes("job/2/")) == ["job/2/a/"]
+        assert list(objects.list_prefixes("job")) == ["job/", "jobx/"]
+        assert list(objects.list_prefixes("")) == ["job/", "jobx/", "other/"]
+        assert list(objects.list_prefixes("job/2/a/")) == []
+        assert list(objects.list_prefixes("missing/")) == []
+
+    def test_list_prefixes_only_where_objects_are(self, objects: ObjectStore) -> None:
+        objects.put_bytes("job/1/a", b"x")
+        objects.put_bytes("job/2/deep/a", b"x")
+        objects.delete("job/1/a")  # a pruned step: the file store keeps its directory
+        assert list(objects.list_prefixes("job/")) == ["job/2/"]
+
+    def test_list_prefixes_never_leaves_the_store(
+        self, objects: ObjectStore, tmp_path: Path
+    ) -> None:
+        (tmp_path / "outside").mkdir()
+        (tmp_path / "outside" / "secret").write_bytes(b"secret")
+        objects.put_bytes("in/x", b"x")
+        for prefix in ("../", "../out", "/", "a//"):
+            assert list(objects.list_prefixes(prefix)) == []
+
     def test_list_skips_temp_files(self, objects: ObjectStore, tmp_path: Path) -> None:
         objects.put_bytes("job/1/a", b"x")
         if isinstance(objects, FileObjectStore):
