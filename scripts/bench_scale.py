@@ -45,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,7 @@ class Node:
 def yaml_text(rank: int, nodes: int) -> str:
     return (
         f"job-name: {JOB}\nframework: orbax\nnode-rank: {rank}\nnodes: {nodes}\n"
-        "peers-per-node: 1\nbackup-interval-steps: 2\n"
+        "peers-per-node: 1\nbackup-interval-steps: 1\n"
     )
 
 
@@ -161,7 +162,7 @@ def job_config(nodes: int, rank: int = 0) -> JobConfig:
         node_rank=rank,
         nodes=nodes,
         peers_per_node=1,
-        backup_interval=BackupInterval(minutes=None, steps=2),
+        backup_interval=BackupInterval(minutes=None, steps=1),
     )
 
 
@@ -195,6 +196,8 @@ class Member:
     restorable: int | None = None
     keep: frozenset[int] = frozenset()
     report_every: float = 1.0
+    reported: tuple[int | None, int | None] = (None, None)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     first_choices: Counter[int] = field(default_factory=Counter)
 
     def inventory(self, digests: dict[ItemId, str]) -> list[pb.HeldItem]:
@@ -285,26 +288,41 @@ CLUSTER_VIEW = ""
 
 
 class Steady:
-    """Every simulated member's steady state: saves, reports, ordered uploads."""
+    """Every simulated member's steady state, as an agent's ticks drive it: a report when
+    there is news (a step replicated, an upload done), else every ``report_every_seconds``;
+    after a failed report, a jittered backoff and a new registry lookup."""
 
-    def __init__(self, members: list[Member], backups: BackupStore, tmp: Path) -> None:
+    def __init__(
+        self,
+        members: list[Member],
+        backups: BackupStore,
+        tmp: Path,
+        *,
+        reconnect: Callable[[str], None],
+        registry: Registry,
+        address: str,
+    ) -> None:
         self.members = members
         self.backups = backups
         self.tmp = tmp
+        self.reconnect = reconnect
+        self.registry = registry
+        self.address = address
         self.reports = 0
         self.failures = 0
         self.orders: list[tuple[float, int]] = []
-        self.stopping = False
-        self.registry: Registry | None = None
-        self.coordinator_address = ""
-        self._moved = asyncio.Event()
         self.ordered = asyncio.Event()
+        self.tasks = [asyncio.create_task(self.routine(m)) for m in members]
 
-    async def report(self, m: Member) -> None:
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def report(self, m: Member) -> bool:
         held = sorted(
             {s for s in m.steps if s in m.keep or s == m.restorable} | set(sorted(m.steps)[-2:])
         )
-        targets = replication_targets(job_config(m.config.nodes, m.rank))
         try:
             answer = await m.stub.ReportProgress(
                 pb.ReportProgressRequest(
@@ -316,16 +334,20 @@ class Steady:
                     address=fake_address(m.rank),
                     held_steps=held,
                     reports_holdings=True,
-                    address_ranks=targets,
+                    address_ranks=replication_targets(m.config),
                     address_ranks_given=True,
                 ),
                 timeout=30,
             )
         except grpc.aio.AioRpcError:
             self.failures += 1
-            await self.relook(m)
-            return
+            entry = await asyncio.to_thread(self.registry.lookup, JOB)
+            if entry is not None and entry.address != self.address:
+                self.address = entry.address
+                self.reconnect(entry.address)
+            return False
         self.reports += 1
+        m.reported = (m.replicated, m.uploaded)
         m.report_every = answer.report_every_seconds or 1.0
         m.keep = frozenset(answer.keep_steps)
         if answer.HasField("restorable_step"):
@@ -333,18 +355,26 @@ class Steady:
         order = answer.backup_step if answer.HasField("backup_step") else None
         if order is not None and m.uploading is None and (m.uploaded or -1) < order:
             m.uploading = order
-            self.orders.append((time.monotonic(), answer.backup_step))
+            self.orders.append((time.monotonic(), order))
             self.ordered.set()
-            asyncio.get_running_loop().create_task(self.upload(m, answer.backup_step))
+            asyncio.get_running_loop().create_task(self.upload(m, order))
+        return True
 
-    async def relook(self, m: Member) -> None:
-        """The coordinator is gone: find it again in the registry (as agents do)."""
-        if self.registry is None:
-            return
-        entry = await asyncio.to_thread(self.registry.lookup, JOB)
-        if entry is not None and entry.address != self.coordinator_address:
-            self.coordinator_address = entry.address
-            self._moved.set()
+    async def routine(self, m: Member) -> None:
+        await asyncio.sleep(random.uniform(0, m.report_every))
+        backoff = 1.0
+        while True:
+            m.wake.clear()
+            if await self.report(m):
+                backoff = 1.0
+                if m.reported == (m.replicated, m.uploaded):
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(
+                            m.wake.wait(), m.report_every * random.uniform(0.9, 1.1)
+                        )
+            else:
+                await asyncio.sleep(random.uniform(backoff / 2, backoff))
+                backoff = min(backoff * 2, 30.0)
 
     async def upload(self, m: Member, step: int) -> None:
         await asyncio.sleep(random.uniform(0.2, 1.0))
@@ -354,7 +384,7 @@ class Steady:
         with contextlib.suppress(PreconditionFailed):  # committed already: done
             await asyncio.to_thread(self.backups.upload_item, manifest, data)
         m.uploaded, m.uploading = step, None
-        await self.report(m)
+        m.wake.set()
 
     async def saved(self, step: int) -> None:
         """Every member committed ``step`` and pushed it to its peer within a second."""
@@ -364,15 +394,9 @@ class Steady:
             # It keeps the newest three (an agent keeps what the coordinator asks for).
             m.steps = {*sorted(m.steps)[-2:], step}
             m.replicated = step
-            await self.report(m)
+            m.wake.set()
 
         await asyncio.gather(*(one(m) for m in self.members))
-
-    async def routine(self, m: Member) -> None:
-        await asyncio.sleep(random.uniform(0, m.report_every))
-        while not self.stopping:
-            await self.report(m)
-            await asyncio.sleep(m.report_every * random.uniform(0.9, 1.1))
 
 
 # --- one N ----------------------------------------------------------------------------------------
@@ -510,9 +534,8 @@ class Run:
         self.connect(members, address)
         # Round 1: a fresh start; then steady state.
         await asyncio.gather(*(restore_round(m, {}) for m in members))
-        steady = Steady(members, self.store, self.root / "uploads")
-        steady.tmp.mkdir()
-        self.result["steady"] = await self.steady(steady, self.args.steady_seconds)
+        (self.root / "uploads").mkdir()
+        self.result["steady"] = await self.steady(members, self.args.steady_seconds)
         # Restore rounds: nothing lost, then 1%, 10% and 100% of the RAM disks.
         rng = random.Random(self.n)
         self.result["round"] = await self.round(members, set(), wipe_real=False)
@@ -526,76 +549,64 @@ class Run:
             node.stop()
         return self.result
 
-    async def steady(self, steady: Steady, seconds: float) -> dict[str, Any]:
+    def steady_state(self, members: list[Member]) -> Steady:
+        return Steady(
+            members,
+            self.store,
+            self.root / "uploads",
+            reconnect=lambda address: self.connect(members, address),
+            registry=Registry(FileObjectStore(self.backup)),
+            address=self.address,
+        )
+
+    def save(self, step: int) -> None:
+        for node in self.nodes.values():
+            node.save(step)
+
+    async def steady(self, members: list[Member], seconds: float) -> dict[str, Any]:
         coordinator = self.nodes[0]
-        start_step = max((s for m in steady.members for s in m.steps), default=0) + 1
-        routines = [asyncio.create_task(steady.routine(m)) for m in steady.members]
+        steady = self.steady_state(members)
+        step = max((s for m in members for s in m.steps), default=0) + 1
+        first = step
         t0, cpu0 = time.monotonic(), coordinator.cpu_seconds()
-        reports0 = steady.reports
-        step = start_step
         commits0 = len(self.store.committed_steps(JOB))
         while time.monotonic() - t0 < seconds:
-            for node in self.nodes.values():
-                node.save(step)
+            self.save(step)
             await steady.saved(step)
             step += 1
             await asyncio.sleep(max(0.0, self.args.save_every - 1.0))
         elapsed = time.monotonic() - t0
         cpu = coordinator.cpu_seconds() - cpu0
-        steady.stopping = True
-        for t in routines:
-            t.cancel()
-        await asyncio.gather(*routines, return_exceptions=True)
-        commits = len(self.store.committed_steps(JOB)) - commits0
+        reports = steady.reports
+        await steady.stop()
         return {
             "seconds": round(elapsed, 1),
             "cpu_seconds_per_minute": round(cpu / elapsed * 60, 2),
             "rss_mib": round(coordinator.memory_mib(), 1),
             "peak_rss_mib": round(coordinator.memory_mib("VmHWM"), 1),
-            "reports_per_second": round((steady.reports - reports0) / elapsed, 1),
-            "steps_saved": step - start_step,
-            "backups_committed": commits,
+            "reports_per_second": round(reports / elapsed, 1),
+            "steps_saved": step - first,
+            "backups_committed": len(self.store.committed_steps(JOB)) - commits0,
         }
 
     async def restart(self, members: list[Member]) -> dict[str, Any]:
-        """Kill rank 0's daemon in steady state; time until a backup is ordered again."""
-        steady = Steady(members, self.store, self.root / "uploads")
-        steady.registry = Registry(FileObjectStore(self.backup))
-        steady.coordinator_address = await asyncio.to_thread(self.coordinator_address)
-        routines = [asyncio.create_task(steady.routine(m)) for m in members]
+        """Kill rank 0's daemon in steady state, right as the next step is saved; seconds
+        until the restarted coordinator orders that step's backup."""
+        steady = self.steady_state(members)
         await asyncio.sleep(2)
-        coordinator = self.nodes[0]
         t0 = time.monotonic()
+        coordinator = self.nodes[0]
         coordinator.stop(signal.SIGKILL)
-        coordinator.start()
-        # The next save makes the next backup due (every 2 steps).
         step = max(s for m in members for s in m.steps) + 1
-        for _ in range(2):
-            for node in self.nodes.values():
-                node.save(step)
-            step += 1
-        await steady._moved.wait()
-        self.connect(members, steady.coordinator_address)
-        steady.orders.clear()
-        steady.ordered.clear()
-        saver = asyncio.create_task(self._save_until(steady, step))
+        await asyncio.to_thread(coordinator.start)
+        self.save(step)
+        await steady.saved(step)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(steady.ordered.wait(), 300)
         ordered = steady.orders[0][0] - t0 if steady.orders else float("nan")
-        saver.cancel()
-        steady.stopping = True
-        for t in routines:
-            t.cancel()
-        await asyncio.gather(saver, *routines, return_exceptions=True)
-        return {"seconds_to_backup_order": round(ordered, 2)}
-
-    async def _save_until(self, steady: Steady, step: int) -> None:
-        while True:
-            for node in self.nodes.values():
-                node.save(step)
-            await steady.saved(step)
-            await asyncio.sleep(self.args.save_every)
-            step += 1
+        failures = steady.failures
+        await steady.stop()
+        return {"seconds_to_backup_order": round(ordered, 2), "failed_reports": failures}
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -633,8 +644,13 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", default="256,1024,4096", help="comma-separated job sizes")
-    parser.add_argument("--steady-seconds", type=float, default=30.0)
-    parser.add_argument("--save-every", type=float, default=5.0, help="seconds between saves")
+    parser.add_argument("--steady-seconds", type=float, default=60.0)
+    parser.add_argument(
+        "--save-every",
+        type=float,
+        default=30.0,
+        help="seconds between saves (every save is backed up); large jobs save every few minutes",
+    )
     parser.add_argument("--no-tls", action="store_true", help="plaintext gRPC (default: mTLS)")
     parser.add_argument("--json", action="store_true", help="one JSON object per N")
     parser.add_argument("--keep", action="store_true", help="keep the daemons' directories")

@@ -7,6 +7,9 @@ round (``cluster.rounds``). In steady state each committed
 step is pushed to this rank's replication targets (``replication``), and progress reports
 to the coordinator return the cluster's restorable step (which retention must keep) and
 backup orders (one step at a time, uploaded by one replica per data-parallel class).
+A report goes when there is news (a step replicated, an upload done), else at the interval
+the coordinator asks for (longer in larger jobs); a failed one is retried with jittered
+backoff, so a restarted coordinator hears from every rank soon.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.replication import Replication
 from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
 from replicator.core.contract import JobConfig
+from replicator.core.coordination import MAX_REPORT_EVERY
 from replicator.core.layout import replication_targets
 from replicator.core.manifest import Cancelled, ItemId, ManifestError
+from replicator.core.retry import Backoff
 from replicator.local.store import LocalStore
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
@@ -35,10 +40,6 @@ from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
 
-PROGRESS_EVERY = 1.0
-"""Seconds between progress reports until the coordinator says otherwise (it spreads a
-large job's reports: ``core.coordination.report_every``). A new step, a finished
-replication and a finished upload are reported at once."""
 UNCONFIRMED_KEPT = 2
 """Own complete steps newer than the restorable one kept regardless (the newest ones):
 what the ranks are about to report as replicated. Anything else above the restorable step
@@ -94,8 +95,12 @@ class ClusterMember:
         """The promise of the report in flight: kept until it is answered."""
         self._client: CoordinatorLink | None = None
         self._backup_task: asyncio.Task[None] | None = None
-        self._last_report = 0.0
-        self._report_every = PROGRESS_EVERY
+        self._next_report = 0.0
+        """When the next report is due without news (``time.monotonic``)."""
+        self._failing = False
+        self._retry = Backoff(first=1.0, cap=float(MAX_REPORT_EVERY))
+        """After a failed report: retry soon (the coordinator may have restarted and needs
+        every rank's report to order backups again), jittered so a job's ranks spread out."""
         self._reported: tuple[int | None, int | None] = (None, None)
         """The replicated and uploaded steps of the last answered report."""
         self._targets = replication_targets(ctx.config)
@@ -164,24 +169,30 @@ class ClusterMember:
         if self._client is not None:
             await self._client.close()
 
-    async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
-        """After a rescan or a new step: replicate it, and report progress (throttled)."""
+    async def tick(self, newest_step: int | None) -> None:
+        """After a rescan or a new step: replicate it, and report progress when there is
+        news (a step replicated or uploaded) or the coordinator's interval passed."""
         if newest_step is not None:
             self.replication.committed(newest_step)
         self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
         now = time.monotonic()
         news = (self.replication.newest_replicated, self.uploaded) != self._reported
-        if not force and not news and now - self._last_report < self._report_every:
+        if now < self._next_report and (self._failing or not news):
             return
-        self._last_report = now
-        await self._report()
+        if await self._report():
+            self._failing = False
+            self._retry.reset()
+        else:
+            self._failing = True
+            self._next_report = time.monotonic() + self._retry.next()
 
-    async def _report(self) -> None:
+    async def _report(self) -> bool:
+        """Report progress and act on the answer; False when no coordinator answered."""
         if self._client is None:
             try:
                 self._client = await self.ctx.finder.find(self.config.job_name, timeout=0)
             except NoCoordinator:
-                return
+                return False
         offer = self._offering = self._offer
         progress = (self.replication.newest_replicated, self.uploaded)
         try:
@@ -204,12 +215,12 @@ class ClusterMember:
             self._offering = None
             await self._client.close()
             self._client = None
-            return
+            return False
         # The answer was computed with this promise: it replaces the older one, and the
         # restorable step it names is kept from here on (``protected``).
         self._promised, self._offering = offer, None
         self._reported = progress
-        self._report_every = answer.report_every
+        self._next_report = time.monotonic() + answer.report_every
         self.keep_steps = answer.keep_steps
         if answer.restorable_step is not None and answer.restorable_step != self.restorable:
             self.restorable = answer.restorable_step
@@ -223,6 +234,7 @@ class ClusterMember:
         if step is not None and self.ctx.backups is not None and self.uploading is None:
             self.uploading = step
             self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
+        return True
 
     async def _upload(self, step: int) -> None:
         backups = self.ctx.backups
