@@ -38,7 +38,7 @@ def proxy(s3_bucket: Bucket) -> Iterator[FaultProxy]:
 
 @pytest.fixture
 def replicas(tmp_path: Path, job: str, s3_bucket: Bucket, proxy: FaultProxy) -> Iterator[Cluster]:
-    """4 nodes, ``assume-data-parallelism: 4`` (one rank per replica), backing up through ``proxy``."""
+    """4 nodes, ``assume-data-parallelism: 4`` (a rank per replica), backups via ``proxy``."""
     c = Cluster(tmp_path, job)
     c.backup_url = s3_bucket.url
     c.env = s3_env(proxy.url)
@@ -114,6 +114,8 @@ def test_a_failed_download_sends_the_pullers_to_the_backup(
     with proxy.lock:
         proxy.seen.clear()
     cluster.handshake([2, 3, 0, 1])
+    # Within wait_markers' 60 s: had rank 0 not said it gave up, the pullers would have
+    # waited for it up to PENDING_WAIT_SECONDS (cluster.rounds).
     cluster.wait_markers(STEP)
     assert_restored(cluster, STEP, files)  # nobody exposed the corrupt bytes
     assert "corrupt" in cluster.errors(0)
@@ -121,6 +123,10 @@ def test_a_failed_download_sends_the_pullers_to_the_backup(
     # timeout; rank 0 then took a puller's verified copy.
     for r in range(1, NODES):
         assert "ready from backup" in cluster.daemon(r).log(), f"rank {r}"
+        # The pending pull is reported unavailable (the holder gave up), never corrupt.
+        assert "cannot use the peer copy" in cluster.daemon(r).log(), f"rank {r}"
+        assert "could not obtain it" in cluster.daemon(r).log(), f"rank {r}"
+        assert "corrupt" not in cluster.errors(r), f"rank {r}"
     assert "ready from peer" in cluster.daemon(0).log()
     gets = data_gets(proxy, cluster.job)
     assert gets[next(k for k in gets if big in k)] == NODES  # 1 corrupt + 3 fallbacks
