@@ -238,6 +238,8 @@ class Request:
     body: bytes
     status: int = 0
     """The status the proxy answered (0 until it has)."""
+    reply_bytes: int = 0
+    """The body bytes the proxy answered with (what the bucket's egress would be)."""
 
     def header(self, name: str) -> str | None:
         return next((v for k, v in self.headers if k.lower() == name.lower()), None)
@@ -476,6 +478,7 @@ class FaultProxy:
             with self.lock:
                 self.in_flight -= 1
         req.status = reply.status
+        req.reply_bytes = len(reply.body) if reply.cut_after is None else reply.cut_after
         return reply
 
     def _answer(self, req: Request) -> Reply:

@@ -36,6 +36,7 @@ from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
 from replicator.storage.upload import ItemNotHeld, upload_step
+from replicator.transport.obtaining import Obtaining
 from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class MemberContext:
     error: ReportError
     report_after: float = 60.0
     metrics: Metrics = NO_METRICS
+    obtaining: Obtaining | None = None
 
 
 class ClusterMember:
@@ -119,6 +121,7 @@ class ClusterMember:
                 fetch_backup=self.ctx.fetch_backup,
                 error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
                 report_after=self.ctx.report_after,
+                obtaining=self.ctx.obtaining,
             )
         )
         outcome = await participant.run()

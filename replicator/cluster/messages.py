@@ -159,6 +159,7 @@ def item_source(fetch: Fetch, address: str = "") -> pb.ItemSource:
         assert fetch.holder is not None
         source.holder_rank = fetch.holder
         source.address = address
+        source.after_restore = fetch.pending
     return source
 
 
@@ -187,7 +188,13 @@ def fetch_of(source: pb.ItemSource, target: ItemId, what: str) -> tuple[Fetch, s
         if source.holder_rank == target.rank:
             raise BadMessage(f"{what}: rank {target.rank} is sent to itself as a peer")
         address = check_address(source.address, what)
-        return Fetch(kind, item, source.holder_rank, digest, source.equivalent), address
+        fetch = Fetch(
+            kind, item, source.holder_rank, digest, source.equivalent, source.after_restore
+        )
+        return fetch, address
+    if source.after_restore:
+        # Only a peer can obtain an item for us: a pending local or backup copy is nonsense.
+        raise BadMessage(f"{what}: a {kind.value} source cannot be obtained after the restore")
     # LOCAL is held by the restoring rank itself (its own item or an equivalent's copy).
     holder = target.rank if kind is Source.LOCAL else None
     return Fetch(kind, item, holder, digest, source.equivalent), None

@@ -33,11 +33,19 @@ from replicator.core.restore_plan import Fetch
 from replicator.core.retry import Backoff
 from replicator.local.store import LocalStore, StoreError
 from replicator.storage.objectstore import ObjectStoreError
-from replicator.transport.peer import PeerClient, PeerError
+from replicator.transport.obtaining import Obtain, Obtaining
+from replicator.transport.peer import ItemBusy, ItemNotFound, PeerClient, PeerError
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 10.0
+PENDING_WAIT_SECONDS = 600.0
+"""How long a pull waits, at most, for a holder that says it is still obtaining the item
+(``Fetch.pending``): a backup download of a large item takes minutes; past this, this rank
+downloads it itself."""
+PENDING_GRACE_SECONDS = 10.0
+"""How long a pending pull keeps trying a holder that does not know the item yet: the
+holder may not have received the plan. Past this the holder is not coming."""
 
 
 class RoundFailed(Exception):
@@ -77,6 +85,11 @@ class RoundContext:
     error: Callable[[str, int | None], None]
     report_after: float = 60.0
     """Seconds of waiting before ``replicator.errors`` says what for (clients give up at 300)."""
+    obtaining: Obtaining | None = None
+    """Where this node's peer service learns which items the round still obtains (for
+    pending pulls of other ranks); None: nobody pulls from this node during a round."""
+    pending_wait: float = PENDING_WAIT_SECONDS
+    pending_grace: float = PENDING_GRACE_SECONDS
 
 
 class RoundParticipant:
@@ -92,6 +105,8 @@ class RoundParticipant:
         self._obtained: dict[ItemId, Fetch] = {}
         """The source each target came from (a one-node job's local and backup copies are
         the same item, so the store alone cannot tell which was used)."""
+        self._announced: set[ItemId] = set()
+        """Items this round told the peer service about (``ctx.obtaining``)."""
 
     def _say_waiting(self, message: str) -> None:
         """Tell the workload what we wait for, once the wait got long, once per change."""
@@ -110,6 +125,14 @@ class RoundParticipant:
         return {i: m.digest for i, m in self.ctx.store.manifests(self.config.job_name).items()}
 
     async def run(self) -> RoundOutcome:
+        try:
+            return await self._run()
+        finally:
+            # Released, failed or cancelled: pulls of what was still coming go elsewhere.
+            if self.ctx.obtaining is not None:
+                self.ctx.obtaining.done(self._announced)
+
+    async def _run(self) -> RoundOutcome:
         backoff = Backoff()
         job = self.config.job_name
         while True:
@@ -178,6 +201,7 @@ class RoundParticipant:
         """Make every assigned item present and verified; False when one has no source left."""
         failures: list[FailedFetch] = []
         ready = True
+        self._announce(state.assignments)
         for target, fetches in state.assignments.items():
             if not await self._obtain_one(target, fetches, state.addresses, failures):
                 ready = False
@@ -191,7 +215,12 @@ class RoundParticipant:
         failures: list[FailedFetch],
     ) -> bool:
         store = self.ctx.store
-        for f in fetches:
+        items = {f.item for f in fetches}
+        for index, f in enumerate(fetches):
+            # Others may wait for this item while this rank tries its first choice or a
+            # source of its own; not while it waits on someone else's (a relay's
+            # fallback), so waits never go round in a circle (core.restore_plan._fan_out).
+            self._tell(items, Obtain.IN_PROGRESS if index == 0 or not f.pending else Obtain.GAVE_UP)
             try:
                 held = store.get(f.item)
                 if held is not None and held.digest == f.digest:
@@ -202,7 +231,10 @@ class RoundParticipant:
                     peers = self.ctx.peers
                     if peers is None or f.holder is None or f.holder not in addresses:
                         raise PeerError("?", f"no address for rank {f.holder}")
-                    await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
+                    if f.pending:
+                        await self._pull_pending(peers, addresses[f.holder], f)
+                    else:
+                        await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
                 else:
                     await self.ctx.fetch_backup(f.item, f.digest)
                     fetched = store.get(f.item)
@@ -235,10 +267,64 @@ class RoundParticipant:
                 continue
             except Cancelled:
                 raise
-            log.info("round: %s ready from %s (%s)", target, f.source.value, f.item)
+            log.info(
+                "round: %s ready from %s%s (%s)",
+                target,
+                f.source.value,
+                f" {f.holder}" if f.holder is not None and f.source is Source.PEER else "",
+                f.item,
+            )
             self._obtained[target] = f
+            self._forget(items)
             return True
+        self._tell(items, Obtain.GAVE_UP)
         return False
+
+    def _announce(self, assignments: Mapping[ItemId, list[Fetch]]) -> None:
+        """Say, before fetching anything, every item this plan may bring here: a pending
+        pull of one that arrives first then waits rather than failing."""
+        if self.ctx.obtaining is None:
+            return
+        self.ctx.obtaining.done(self._announced)  # an older plan's
+        self._announced = {
+            f.item
+            for fetches in assignments.values()
+            for f in fetches
+            if f.source is not Source.LOCAL and self.ctx.store.get(f.item) is None
+        }
+        self.ctx.obtaining.mark(self._announced, Obtain.IN_PROGRESS)
+
+    def _tell(self, items: set[ItemId], state: Obtain) -> None:
+        if self.ctx.obtaining is not None:
+            self.ctx.obtaining.mark(items & self._announced, state)
+
+    def _forget(self, items: set[ItemId]) -> None:
+        if self.ctx.obtaining is not None:
+            self.ctx.obtaining.done(items & self._announced)
+
+    async def _pull_pending(self, peers: PeerClient, address: str, f: Fetch) -> None:
+        """Pull an item its holder obtains during this round, once it has it.
+
+        While the holder says the item is coming (ABORTED), try again with backoff for up
+        to ``pending_wait``; while it does not know the item (NOT_FOUND: it may not have
+        the plan yet), for up to ``pending_grace``. Any other answer, including the
+        holder's word that it gave the item up, fails at once, so this rank falls back to
+        its next source (the backup) promptly. The bytes are verified against the plan's
+        digest like any pull's.
+        """
+        started = time.monotonic()
+        backoff = Backoff(0.05, 1.0)
+        while True:
+            try:
+                await peers.pull_item(address, f.item, self.ctx.store, f.digest)
+            except (ItemBusy, ItemNotFound) as exc:
+                waited = time.monotonic() - started
+                busy = isinstance(exc, ItemBusy)
+                if waited > (self.ctx.pending_wait if busy else self.ctx.pending_grace):
+                    raise PeerError(address, f"{exc} (waited {waited:.1f}s for it)") from None
+                await asyncio.sleep(backoff.next())
+            else:
+                return
 
     def _outcome(self, state: RoundState, coordinator: str) -> RoundOutcome:
         stored_as: dict[ItemId, ItemId] = {}
@@ -250,7 +336,7 @@ class RoundParticipant:
                 held = self.ctx.store.get(f.item)
                 if held is not None and held.digest == f.digest:
                     stored_as[target] = f.item
-                    sources.add(f.source)
+                    sources.add(f.origin)  # a relayed download restored from the backup
                     break
             else:
                 raise StoreError(f"{target}: released, but no verified copy is here any more")

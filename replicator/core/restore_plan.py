@@ -59,10 +59,18 @@ class Fetch:
     """The manifest digest the copy must have; verify against it, never trust the holder."""
     equivalent: bool = False
     """A data-parallel equivalent of the target, not the target's own bytes."""
+    pending: bool = False
+    """PEER only: the holder obtains the item during this round (it downloads it from the
+    backup, or relays it from another holder), so a pull waits for it, within bounds."""
 
     @property
     def key(self) -> SourceKey:
         return SourceKey(self.holder, self.item)
+
+    @property
+    def origin(self) -> Source:
+        """The tier the bytes come from: a pending pull relays the backup's."""
+        return Source.BACKUP if self.pending else self.source
 
 
 class _Tier(IntEnum):
@@ -85,6 +93,13 @@ _TIERS = {
     (Source.BACKUP, True): _Tier.BACKUP_EQUIVALENT,
 }
 _SERVED_BY_PEERS = (_Tier.PEER, _Tier.PEER_EQUIVALENT)
+_FROM_BACKUP = (_Tier.BACKUP, _Tier.BACKUP_EQUIVALENT)
+
+FAN_OUT = 4
+"""Ranks one holder serves a backup object to, at most, as their first choice: with up to
+``FAN_OUT + 1`` ranks needing the object, the downloader serves all the others; with more,
+they form a ``FAN_OUT``-ary tree under it, each relaying to the next level, so no node's
+link carries the object more than ``FAN_OUT`` times and the depth grows as its log."""
 
 
 def _tier(fetch: Fetch) -> _Tier:
@@ -121,7 +136,7 @@ class RoundPlan:
     def restore_source(self, rank: int) -> Source:
         """The slowest first-choice tier among ``rank``'s items (``restore-source``)."""
         order = list(Source)
-        return max((s[0].source for s in self.for_rank(rank).values()), key=order.index)
+        return max((s[0].origin for s in self.for_rank(rank).values()), key=order.index)
 
 
 _Held = dict[ItemId, dict[int, str]]
@@ -267,8 +282,10 @@ def plan_round(
     The newest step wins whose every item is available from a live copy (the rank's own,
     a peer copy, or with data parallelism an equivalent rank's item) or from the backup.
     Per item the sources are ordered LOCAL, PEER, LOCAL then PEER equivalent, BACKUP,
-    BACKUP equivalent. Among peers, first choices are spread so that the busiest holder
-    serves as few items as possible (ties to the lower rank). ``exclude`` rules out copies
+    BACKUP equivalent. A backup object that is several ranks' first choice is downloaded by
+    one of them and pulled from it by the others (``_fan_out``). Among peers, first choices
+    are spread so that the busiest holder serves as few items as possible (ties to the lower
+    rank), a downloader's pending pulls counted. ``exclude`` rules out copies
     that failed (for one restoring rank, or with ``restorer`` None for all); re-planning
     then falls back to other sources or an older step. A copy is a source only when its
     digest is the committed backup's, or without one the owner's own copy's.
@@ -291,8 +308,11 @@ def plan_round(
 
 
 def _order(options: Mapping[ItemId, list[Fetch]]) -> dict[ItemId, tuple[Fetch, ...]]:
-    """Sort each item's sources by tier; spread first choices among serving peers."""
+    """Sort each item's sources by tier; fan backup objects out; spread peer first choices."""
     best = {target: min(_tier(f) for f in found) for target, found in options.items()}
+    before, after = _fan_out(options, best)
+    # A relay's pulls are its load like any other first choice: balance around them.
+    relayed = Counter(f[0].holder for f in before.values() if f[0].holder is not None)
     requests = {
         target: sorted(
             {f.holder for f in found if _tier(f) == best[target] and f.holder is not None}
@@ -300,17 +320,65 @@ def _order(options: Mapping[ItemId, list[Fetch]]) -> dict[ItemId, tuple[Fetch, .
         for target, found in options.items()
         if best[target] in _SERVED_BY_PEERS
     }
-    assigned = balance(requests)
-    load = Counter(assigned.values())
+    assigned = balance(requests, relayed)
+    load = Counter(assigned.values()) + relayed
 
     return {
-        target: tuple(
-            sorted(
+        target: (
+            *before.get(target, ()),
+            *sorted(
                 found, key=functools.partial(_fetch_order, best[target], assigned.get(target), load)
-            )
+            ),
+            *after.get(target, ()),
         )
         for target, found in sorted(options.items())
     }
+
+
+def _fan_out(
+    options: Mapping[ItemId, list[Fetch]], best: Mapping[ItemId, _Tier]
+) -> tuple[dict[ItemId, list[Fetch]], dict[ItemId, list[Fetch]]]:
+    """Pending pulls to try before (and, for a downloader, after) each target's own sources.
+
+    When several ranks' first choice is the same backup object (data-parallel replicas after
+    every RAM disk was lost), one downloads it: the object's owner if it is among them, else
+    the lowest rank. The others pull it over the peer plane: from the downloader, or with
+    more than ``FAN_OUT`` of them from a relay in a ``FAN_OUT``-ary tree (heap order by
+    rank), then from the relay's own ancestors, then from the backup themselves. The
+    downloader falls back, after its backup sources, to the first relay, which by then has
+    gone to the backup itself. A holder waits for a pull only while it tries its first
+    choice or a source that is not pending (``cluster.rounds``), and first choices point
+    up the tree, so waits never go round in a circle.
+    """
+    groups: dict[Fetch, list[ItemId]] = {}
+    for target, found in sorted(options.items()):
+        if best[target] in _FROM_BACKUP:
+            first = min((f for f in found if _tier(f) == best[target]), key=lambda f: f.item.rank)
+            groups.setdefault(dataclasses.replace(first, equivalent=False), []).append(target)
+    before: dict[ItemId, list[Fetch]] = {}
+    after: dict[ItemId, list[Fetch]] = {}
+    for download, targets in groups.items():
+        if len(targets) < 2:
+            continue
+        obj = download.item
+        by_rank = {t.rank: t for t in targets}
+        root = obj.rank if obj.rank in by_rank else min(by_rank)
+        tree = [root, *sorted(r for r in by_rank if r != root)]
+
+        def pull(
+            restorer: int, holder: int, obj: ItemId = obj, digest: str = download.digest
+        ) -> Fetch:
+            return Fetch(Source.PEER, obj, holder, digest, obj.rank != restorer, pending=True)
+
+        for i in range(1, len(tree)):
+            ancestors = []
+            j = i
+            while j > 0:
+                j = (j - 1) // FAN_OUT
+                ancestors.append(tree[j])
+            before[by_rank[tree[i]]] = [pull(tree[i], h) for h in ancestors]
+        after[by_rank[root]] = [pull(root, tree[1])]
+    return before, after
 
 
 def _fetch_order(
@@ -323,8 +391,12 @@ def _fetch_order(
     return (tier, first, load[holder], holder, fetch.item.rank)
 
 
-def balance(requests: Mapping[ItemId, Sequence[int]]) -> dict[ItemId, int]:
+def balance(
+    requests: Mapping[ItemId, Sequence[int]], base: Mapping[int, int] | None = None
+) -> dict[ItemId, int]:
     """Assign each request one of its holders so the busiest holder serves as few as possible.
+
+    ``base`` is load the holders carry already (relays' pending pulls), counted but fixed.
 
     Greedy on the most constrained requests first, then shift requests along alternating
     paths from a holder with load L to one with load <= L - 2 until none is left: an
@@ -333,7 +405,7 @@ def balance(requests: Mapping[ItemId, Sequence[int]]) -> dict[ItemId, int]:
     to the lower rank, so every run gives the same plan.
     """
     assigned: dict[ItemId, int] = {}
-    load: Counter[int] = Counter()
+    load: Counter[int] = Counter(base or {})
     for req in sorted(requests, key=lambda r: (len(requests[r]), r)):
         if not requests[req]:
             raise ValueError(f"{req} has no holder")

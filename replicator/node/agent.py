@@ -55,6 +55,7 @@ from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.storage.backup import BackupStore
+from replicator.transport.obtaining import Obtaining
 from replicator.transport.peer import PeerClient
 from replicator.transport.tls import TlsMaterial
 
@@ -103,6 +104,8 @@ class AgentContext:
     report_after: float = 60.0
     """Seconds a restore round may wait before ``replicator.errors`` says what for."""
     metrics: Metrics = NO_METRICS
+    obtaining: Obtaining | None = None
+    """What the restore round is still fetching, for the peer service (fan-out pulls)."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,7 @@ class Incarnation:
                 error=self.error,
                 report_after=ctx.report_after,
                 metrics=ctx.metrics,
+                obtaining=ctx.obtaining,
             )
         )
 

@@ -75,6 +75,7 @@ from replicator.storage.backup import BackupStore
 from replicator.storage.backup_ops import StorePins
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
+from replicator.transport.obtaining import Obtaining
 from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
@@ -407,6 +408,7 @@ class Daemon:
             rescan_seconds=opts.rescan_seconds,
             env={k: os.environ[k] for k in opts.expand_vars if k in os.environ},
             metrics=self.metrics,
+            obtaining=Obtaining(),
         )
         self.incarnation: Incarnation | None = None
         self._pending: _PendingConfig | None = None
@@ -500,6 +502,7 @@ class Daemon:
             metrics=self.metrics,
             channel=channel,
             idle_timeout=self.opts.idle_timeout_seconds,
+            obtaining=self.ctx.obtaining,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups

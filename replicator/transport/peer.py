@@ -124,6 +124,11 @@ class ItemNotFound(PeerError):
     """The peer holds no such committed item."""
 
 
+class ItemBusy(PeerUnavailable):
+    """The peer is moving this item now (another push of it, or its restore round is
+    obtaining it for a pull): try again shortly."""
+
+
 class ChannelFailed(PeerUnavailable):
     """A transfer over the data channel failed there (refused, cut, idle, never connected):
     ``PeerClient`` tries it again in gRPC chunks."""
@@ -148,6 +153,8 @@ def _rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
         return CorruptItem(message)
     if code is grpc.StatusCode.NOT_FOUND:
         return ItemNotFound(address, message, code)
+    if code is grpc.StatusCode.ABORTED:
+        return ItemBusy(address, message, code)
     if code in _RETRYABLE:
         return PeerUnavailable(address, message, code)
     return PeerError(address, message, code)

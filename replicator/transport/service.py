@@ -47,6 +47,7 @@ from replicator.transport.datachannel import (
     receive_staged,
     send_staged,
 )
+from replicator.transport.obtaining import Obtain, Obtaining
 from replicator.transport.peer import (
     DATA_CHANNEL_KEY,
     GO_AHEAD,
@@ -98,7 +99,8 @@ class TooLarge(Exception):
 
 
 class Busy(Exception):
-    """Another transfer of the same item is in flight here; try again later."""
+    """Another transfer of the same item is in flight here, or (a pull) this node's restore
+    round is obtaining the item now; try again later."""
 
 
 class PeerOverLimit(Exception):
@@ -150,6 +152,8 @@ async def _abort(
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s from %s failed: %s", method, context.peer(), message, exc_info=exc)
+    elif isinstance(exc, Busy):  # "try again shortly": a waiting puller asks every second
+        log.info("%s from %s: %s", method, context.peer(), message)
     else:
         log.warning("%s from %s refused: %s: %s", method, context.peer(), code.name, message)
     await context.abort(code, message)
@@ -199,6 +203,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         channel: DataListener | None = None,
         idle_timeout: float = IDLE_SECONDS,
         max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
+        obtaining: Obtaining | None = None,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -207,8 +212,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         the next chunk, room to send one, the data connection, a stall on it. ``serving``
         says what this node serves now (None: no job), read for every push;
         ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
-        be."""
+        be. ``obtaining`` says which items this node's restore round is still fetching, so a
+        pull of one is told to try again (ABORTED) or, once the round gave it up, to go
+        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND."""
         self.store = store
+        self.obtaining = obtaining
         self.channel = channel
         self.idle_timeout = idle_timeout
         self.max_transfers_per_peer = max_transfers_per_peer
@@ -375,6 +383,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         item = item_id(request.item)
         manifest = self.store.get(item)
         if manifest is None:
+            state = None if self.obtaining is None else self.obtaining.state(item)
+            if state is Obtain.IN_PROGRESS:
+                raise Busy(f"{item}: being obtained here by the restore round; try again")
+            if state is Obtain.GAVE_UP:
+                raise Refused(f"{item}: the restore round here could not obtain it")
             raise NotHeld(f"{item}: not held here")
         digest = manifest.digest
         if request.manifest_digest and request.manifest_digest != digest:

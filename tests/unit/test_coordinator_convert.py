@@ -240,6 +240,8 @@ def test_an_answer_with_a_well_formed_plan_is_accepted() -> None:
         ({"item": item_ref(ItemId("other", 5, 2, 0))}, None, "job 'other'"),
         ({}, item(1), "not for rank 2"),
         ({}, item(2, step=6), "not for rank 2, step 5"),
+        ({"kind": pb.ItemSource.BACKUP, "after_restore": True}, None, "backup source cannot"),
+        ({"kind": pb.ItemSource.LOCAL, "after_restore": True}, None, "local source cannot"),
     ],
 )
 def test_hostile_plans_are_refused(
@@ -253,6 +255,19 @@ def test_hostile_plans_are_refused(
             setattr(source, name, value)
     with pytest.raises(BadMessage, match=error):
         round_state(planned([source], target), JOB, 2)
+
+
+def test_a_pending_peer_source_round_trips() -> None:
+    pending = Fetch(Source.PEER, item(0), 0, digest(1), equivalent=True, pending=True)
+    backup = Fetch(Source.BACKUP, item(0), None, digest(1), equivalent=True)
+    message = planned([item_source(pending, "10.0.0.1:7000"), item_source(backup)])
+    assert message.assignments[0].sources[0].after_restore
+    assert not message.assignments[0].sources[1].after_restore
+    state = round_state(message, JOB, 2)
+    assert state.assignments == {item(2): [pending, backup]}
+    # A failed pending pull is reported as the copy it is: the holder's, of that item.
+    keys = source_keys([failure_message(FailedFetch(pending, corrupt=False))], JOB, 2, 4)
+    assert keys == [SourceKey(0, item(0))]
 
 
 def test_an_answer_giving_a_rank_two_addresses_is_refused() -> None:

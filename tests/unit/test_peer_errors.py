@@ -10,7 +10,13 @@ import pytest
 
 from replicator.core.manifest import Cancelled, CorruptItem, ManifestError
 from replicator.local.store import StoreError
-from replicator.transport.peer import ItemNotFound, PeerError, PeerUnavailable, _rpc_error
+from replicator.transport.peer import (
+    ItemBusy,
+    ItemNotFound,
+    PeerError,
+    PeerUnavailable,
+    _rpc_error,
+)
 from replicator.transport.service import Busy, NotHeld, Refused, TooLarge, status_for
 from replicator.transport.transfer import TransferError
 
@@ -58,7 +64,7 @@ def rpc_error(code: Code, details: str = "details") -> grpc.aio.AioRpcError:
         (Code.NOT_FOUND, ItemNotFound, False),
         (Code.UNAVAILABLE, PeerUnavailable, True),
         (Code.DEADLINE_EXCEEDED, PeerUnavailable, True),
-        (Code.ABORTED, PeerUnavailable, True),
+        (Code.ABORTED, ItemBusy, True),  # a PeerUnavailable: in flight there, try again
         (Code.RESOURCE_EXHAUSTED, PeerUnavailable, True),
         (Code.FAILED_PRECONDITION, PeerError, False),
         (Code.INVALID_ARGUMENT, PeerError, False),

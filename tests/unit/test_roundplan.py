@@ -20,6 +20,7 @@ from replicator.core.layout import backup_items, holders
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source, worker_slots
 from replicator.core.restore_plan import (
+    FAN_OUT,
     Fetch,
     NodeInventory,
     RoundPlan,
@@ -184,18 +185,18 @@ SCENARIOS = {
         wiped=(1,),
         first={0: (L, 0, 0, False), 1: (P, 3, 3, True), 2: (L, 2, 2, False), 3: (L, 3, 3, False)},
     ),
-    "DP=2, every node wiped -> one replica's backup": Scenario(
+    "DP=2, every node wiped -> one replica's backup, fanned out": Scenario(
         DP2,
         wiped=(0, 1, 2, 3),
         backups={20: None},  # backup_items: replica 0 (ranks 0 and 1) uploaded
         first={
             0: (B, None, 0, False),
             1: (B, None, 1, False),
-            2: (B, None, 0, True),
-            3: (B, None, 1, True),
+            2: (P, 0, 0, True),  # pending: rank 0 downloads it, rank 2 pulls it from there
+            3: (P, 1, 1, True),
         },
     ),
-    "DP=2, a whole equivalence class wiped -> backup": Scenario(
+    "DP=2, a whole equivalence class wiped -> backup, fanned out": Scenario(
         DP2,
         wiped=(1, 3),
         backups={20: None},
@@ -203,7 +204,7 @@ SCENARIOS = {
             0: (L, 0, 0, False),
             1: (B, None, 1, False),
             2: (L, 2, 2, False),
-            3: (B, None, 1, True),
+            3: (P, 1, 1, True),
         },
     ),
     ".save files, one node wiped -> every worker from its peer": Scenario(
@@ -406,11 +407,13 @@ def test_peers_must_agree_when_nothing_else_tells() -> None:
 # --- load spreading ------------------------------------------------------------------------------
 
 
-def brute_force_max_load(requests: Mapping[ItemId, list[int]]) -> int:
+def brute_force_max_load(
+    requests: Mapping[ItemId, list[int]], base: Mapping[int, int] | None = None
+) -> int:
     keys = sorted(requests)
     best = math.inf
     for choice in itertools.product(*(requests[k] for k in keys)):
-        best = min(best, max(Counter(choice).values(), default=0))
+        best = min(best, max((Counter(choice) + Counter(base or {})).values(), default=0))
     return int(best)
 
 
@@ -465,6 +468,135 @@ def test_plan_spreads_peer_fetches_over_holders() -> None:
         assert [f.source for f in sources] == [P, P, P]
         # Fallbacks are the other holders, least loaded then lowest rank.
         assert sorted(f.holder for f in sources[1:]) == sorted({3, 4, 5} - {sources[0].holder})
+
+
+# --- fan-out: one download per backup object, the other ranks pull it ----------------------------
+
+
+def assert_fanned_out(plan: RoundPlan) -> None:
+    """Each backup object that is some ranks' first choice is downloaded by exactly one of
+    them (its owner when among them, else the lowest); the others' first choices lead up a
+    tree to that rank, and no holder serves one object to more than ``FAN_OUT`` of them."""
+    groups: dict[Fetch, dict[int, Fetch]] = {}
+    for target, sources in plan.sources.items():
+        own = next(f for f in sources if not f.pending)
+        if own.source is B and (sources[0].pending or sources[0] == own):
+            obj = dataclasses.replace(own, equivalent=False)
+            groups.setdefault(obj, {})[target.rank] = sources[0]
+    for obj, firsts_ in groups.items():
+        downloaders = [r for r, f in firsts_.items() if not f.pending]
+        assert len(downloaders) == 1, (obj, firsts_)
+        (root,) = downloaders
+        assert root == (obj.item.rank if obj.item.rank in firsts_ else min(firsts_))
+        served = Counter(f.holder for f in firsts_.values() if f.pending)
+        assert max(served.values(), default=0) <= FAN_OUT
+        for start in firsts_:
+            rank, seen = start, {start}
+            while firsts_[rank].pending:
+                rank = firsts_[rank].holder or 0
+                assert rank in firsts_
+                assert rank not in seen  # up the tree, never round
+                seen.add(rank)
+            assert rank == root
+
+
+def wiped_dp(nodes: int, dp: int, workers: int = 1) -> tuple[JobConfig, RoundPlan]:
+    config = cfg(nodes, ppn=0, dp=dp, framework=Framework.PYTORCH, workers=workers)
+    joins = healthy(config, (20,), wiped=range(nodes))
+    plan = plan_round(config, joins, {20: backup(config, 20)})
+    assert plan is not None
+    assert plan.step == 20
+    return config, plan
+
+
+@pytest.mark.parametrize(("nodes", "workers"), [(4, 1), (8, 1), (8, 2)])
+def test_fan_out_downloads_each_backup_object_once_with_four_replicas(
+    nodes: int, workers: int
+) -> None:
+    config, plan = wiped_dp(nodes, dp=4, workers=workers)
+    stride = config.nodes_per_replica
+    downloads = [s[0] for s in plan.sources.values() if s[0].source is B]
+    # Replica 0 uploaded: one download per item it holds, by its owner, not four.
+    assert sorted(f.item for f in downloads) == sorted(
+        i for r in range(stride) for i in items_of(config, 20, r)
+    )
+    assert all(not f.equivalent for f in downloads)
+    for target, sources in plan.sources.items():
+        obj = dataclasses.replace(target, rank=target.rank % stride)
+        if target.rank < stride:
+            # The downloader: the backup, then (should it fail) the first puller's copy.
+            assert [(f.source, f.holder, f.pending) for f in sources] == [
+                (B, None, False),
+                (P, target.rank + stride, True),
+            ]
+        else:
+            # A puller: the downloader (pending), then the backup object itself.
+            assert sources == (
+                Fetch(P, obj, obj.rank, digest(obj), equivalent=True, pending=True),
+                Fetch(B, obj, None, digest(obj), equivalent=True),
+            )
+        assert plan.restore_source(target.rank) is B  # the bytes come from the bucket
+    # replicas - 1 pulls per item it downloads
+    assert plan.load() == {r: 3 * len(worker_slots(config)) for r in range(stride)}
+    assert_fanned_out(plan)
+
+
+def test_fan_out_beyond_fan_out_ranks_is_a_tree_with_ancestors_as_fallbacks() -> None:
+    _, plan = wiped_dp(10, dp=10)
+    chains = {t.rank: [f.holder for f in s if f.pending] for t, s in plan.sources.items()}
+    # Heap order with FAN_OUT children: 0 serves 1-4, 1 serves 5-8, 2 serves 9.
+    assert FAN_OUT == 4
+    assert chains == {
+        0: [1],
+        **{r: [0] for r in range(1, 5)},
+        **{r: [1, 0] for r in range(5, 9)},
+        9: [2, 0],
+    }
+    assert max(plan.load().values()) == FAN_OUT
+    assert_fanned_out(plan)
+
+
+def test_fan_out_downloader_is_the_lowest_rank_when_the_owner_needs_another_object() -> None:
+    config = cfg(4, ppn=0, dp=4)
+    joins = healthy(config, (20,), wiped=range(4))
+    item = {r: ItemId(JOB, 20, r, 0) for r in range(4)}
+    exclude = {
+        SourceKey(None, item[0], 0),
+        SourceKey(None, item[2], 2),
+        SourceKey(None, item[3], 3),
+    }
+    plan = plan_round(config, joins, {20: backup(config, 20, range(4))}, exclude=exclude)
+    assert plan is not None
+    assert firsts(plan) == {
+        0: (P, 1, 1, True),  # object 1: its owner 1 downloads, 0 pulls
+        1: (B, None, 1, False),
+        2: (B, None, 0, True),  # object 0: its owner wants object 1, so the lowest, 2
+        3: (P, 2, 0, True),
+    }
+    assert_fanned_out(plan)
+
+
+def test_fan_out_leaves_partial_loss_and_single_downloads_alone() -> None:
+    # One replica wiped: its ranks pull live equivalents, nothing is pending.
+    config = cfg(8, ppn=0, dp=4)
+    plan = plan_round(config, healthy(config, (20,), wiped=(2, 3)), {20: backup(config, 20)})
+    assert plan is not None
+    assert not any(f.pending for s in plan.sources.values() for f in s)
+    assert firsts(plan)[2] == (P, 0, 0, True)
+    assert firsts(plan)[3] == (P, 1, 1, True)
+    # Every rank's own item in the backup: four objects, four downloads, no pulls.
+    plan = plan_round(
+        config, healthy(config, (20,), wiped=range(8)), {20: backup(config, 20, range(8))}
+    )
+    assert plan is not None
+    assert all(s[0].source is B and not s[0].equivalent for s in plan.sources.values())
+    assert not any(f.pending for s in plan.sources.values() for f in s)
+
+
+def test_balance_counts_fixed_load() -> None:
+    # Holder 2 already relays two pulls: the free request goes to 3 although 2 is lower.
+    assert balance({req(0): [2, 3]}, {2: 2}) == {req(0): 3}
+    assert balance({req(0): [2, 3], req(1): [3]}, {2: 1}) == {req(0): 2, req(1): 3}
 
 
 # --- the property: every plan is sound, complete and newest ---------------------------------------
@@ -555,8 +687,21 @@ def test_plan_round_property(
     assert plan.candidates == tuple(restorable)
     assert set(plan.sources) == set(targets(plan.step))
     requests: dict[ItemId, list[int]] = {}
-    for target, sources in plan.sources.items():
-        # Sound and complete: exactly the copies that hold the item, none excluded.
+    relayed: Counter[int] = Counter()
+    for target, all_sources in plan.sources.items():
+        # Pending pulls (fan-out) come first, or last for the downloader; the rest are
+        # exactly the copies that hold the item, none excluded (sound and complete).
+        sources = tuple(f for f in all_sources if not f.pending)
+        pulls = [f for f in all_sources if f.pending]
+        assert list(all_sources) in (
+            [*pulls, *sources],
+            [*sources, *pulls],
+        )
+        assert all(f.source is P and f.holder not in (None, target.rank) for f in pulls)
+        if pulls and all_sources[0].pending:
+            assert sources[0].source is B
+            assert {f.item for f in pulls} == {sources[0].item}
+            relayed[pulls[0].holder or 0] += 1
         assert len(set(sources)) == len(sources)
         assert set(sources) == oracle_sources(config, joins, backups, exclude, target)
         tiers = [TIER[f.source, f.equivalent] for f in sources]
@@ -580,7 +725,8 @@ def test_plan_round_property(
             )
     # First choices among peers are spread as evenly as the copies allow.
     if requests and math.prod(len(h) for h in requests.values()) <= 4096:
-        assert max(plan.load().values()) == brute_force_max_load(requests)
+        assert max(plan.load().values()) == brute_force_max_load(requests, relayed)
+    assert_fanned_out(plan)
 
 
 # --- a one-node job: the same round plans its restore ------------------------------------------

@@ -243,6 +243,7 @@ class ItemSource(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     HOLDER_RANK_FIELD_NUMBER: _builtins.int
     EQUIVALENT_FIELD_NUMBER: _builtins.int
+    AFTER_RESTORE_FIELD_NUMBER: _builtins.int
     kind: Global___ItemSource.Kind.ValueType
     manifest_digest: _builtins.str
     """The digest the copy must have; verify against it."""
@@ -252,6 +253,10 @@ class ItemSource(_message.Message):
     """Rank of the holder (PEER only)."""
     equivalent: _builtins.bool
     """True when `item` is an equivalent rank's item, not the target's own."""
+    after_restore: _builtins.bool
+    """PEER only: the holder obtains `item` during this round (it downloads it from the
+    backup, or relays it), so a pull waits for it within bounds instead of failing at once.
+    """
     @_builtins.property
     def item(self) -> _peer_pb2.ItemRef:
         """The item to obtain: the target itself, or a data-parallel equivalent of it."""
@@ -265,10 +270,11 @@ class ItemSource(_message.Message):
         address: _builtins.str = ...,
         holder_rank: _builtins.int = ...,
         equivalent: _builtins.bool = ...,
+        after_restore: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "equivalent", b"equivalent", "holder_rank", b"holder_rank", "item", b"item", "kind", b"kind", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "after_restore", b"after_restore", "equivalent", b"equivalent", "holder_rank", b"holder_rank", "item", b"item", "kind", b"kind", "manifest_digest", b"manifest_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
