@@ -436,6 +436,7 @@ class Run:
         self.result: dict[str, Any] = {"nodes": n, "tls": not args.no_tls}
         self.address = ""
         self.channels: list[grpc.aio.Channel] = []
+        self.closing: list[asyncio.Task[None]] = []
 
     def _node(self, rank: int, tls: TlsFiles | None) -> Node:
         ckpt = self.root / f"node{rank}"
@@ -457,7 +458,7 @@ class Run:
     def connect(self, members: list[Member], address: str) -> None:
         """Every member's own channel to the coordinator at ``address``."""
         for channel in self.channels:
-            asyncio.get_running_loop().create_task(channel.close())
+            self.closing.append(asyncio.get_running_loop().create_task(channel.close()))
         self.channels = []
         self.address = address
         for m in members:
@@ -547,6 +548,7 @@ class Run:
         self.result["loss_100"] = await self.round(members, set(sims), wipe_real=True)
         for node in self.nodes.values():
             node.stop()
+        await asyncio.gather(*self.closing, *(c.close() for c in self.channels))
         return self.result
 
     def steady_state(self, members: list[Member]) -> Steady:
