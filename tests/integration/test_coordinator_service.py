@@ -711,3 +711,39 @@ def test_a_one_node_jobs_coordinator_is_not_served_over_the_network() -> None:
             assert hosted.coordinator.members == {}
 
     run(scenario())
+
+
+# --- cost at scale ---------------------------------------------------------------------------
+
+
+def test_answers_carry_only_the_addresses_a_rank_asked_for_and_its_holders() -> None:
+    """At thousands of ranks, every member's address in every answer is N^2 per round."""
+
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            for r in range(NODES):
+                # Rank 1 lost its disk: its item comes from rank 2's copy.
+                items = own(r, 5) | ({ItemId(JOB, 5, 1, 0): digest(1, 5)} if r == 2 else {})
+                await join(client, r, f"a{r}", {} if r == 1 else items)
+            state = await client.round_status(1, "a1", 1, address_ranks=[3])
+            assert state.phase is Phase.FETCH
+            assert state.addresses == {3: peer_address(3), 2: peer_address(2)}
+            everyone = await client.round_status(0, "a0", 1)
+            assert everyone.addresses == {r: peer_address(r) for r in range(NODES)}
+            for r in range(NODES):
+                await client.report_restore(r, f"a{r}", 1, 1, ready=True)
+            answer = await client.report_progress(1, "a1", replicated_step=5, address_ranks=[0])
+            assert answer.addresses == {0: peer_address(0)}
+            assert answer.report_every == 1  # a job of 4 ranks reports every second
+
+    run(scenario())
+
+
+def test_asking_for_too_many_addresses_is_refused() -> None:
+    async def scenario() -> None:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            with pytest.raises(CoordinatorError, match="address_ranks: 1025 entries"):
+                await client.round_status(0, "a0", 1, address_ranks=range(1025))
+
+    run(scenario())
