@@ -597,6 +597,8 @@ class Run:
         steady = self.steady_state(members)
         await asyncio.sleep(2)
         t0 = time.monotonic()
+        steady.orders.clear()  # orders of the coordinator before the restart do not count
+        steady.ordered.clear()
         coordinator = self.nodes[0]
         coordinator.stop(signal.SIGKILL)
         step = max(s for m in members for s in m.steps) + 1

@@ -43,6 +43,8 @@ report per rank per second would be most of a core. Reports after a new step or 
 replication or upload still go at once: they are what moves the restorable step."""
 MIN_REPORT_EVERY = 1
 MAX_REPORT_EVERY = 30
+MISSING_SHOWN = 64
+"""Most missing ranks a waiting rank is told by number (the message counts the rest)."""
 COMMIT_RETRY_SECONDS = 30.0
 """After a COMMIT could not be written (an uploaded manifest is missing), the next backup
 order waits this long: every uploader may have reported the step done while not holding it."""
@@ -154,6 +156,8 @@ class JobCoordinator:
         """A coordinator restarted in steady state: it admits each rank's first report."""
         self.pinned: int | None = None
         """An operator's restore pin (``mtc backups restore``): the step the round must use."""
+        self._waiting_key: tuple[int, int] | None = None
+        self._waiting_view: tuple[tuple[int, ...], str] = ((), "")
         self.pin_consumed: int | None = None
         """The pin a released round was planned under: it has served, whatever was restored
         (kept, it would roll a much later restart back to this step)."""
@@ -266,13 +270,8 @@ class JobCoordinator:
         if member is None or member.incarnation_id != incarnation_id:
             return RankStatus(self.round, None, message="not a member of the current round")
         if self.phase is Phase.WAITING:
-            missing = tuple(missing_ranks(self.config, self.members))
-            return RankStatus(
-                self.round,
-                Phase.WAITING,
-                missing=missing,
-                message=waiting_message(self.config, missing),
-            )
+            missing, message = self._waiting()
+            return RankStatus(self.round, Phase.WAITING, missing=missing, message=message)
         plan = self.plan
         return RankStatus(
             self.round,
@@ -281,6 +280,32 @@ class JobCoordinator:
             step=None if plan is None else plan.step,
             assignments={} if plan is None else dict(plan.for_rank(rank)),
         )
+
+    def _waiting(self) -> tuple[tuple[int, ...], str]:
+        """The first ``MISSING_SHOWN`` missing ranks and the waiting message.
+
+        Computing them is O(ranks), and every joined rank polls while the others join: at
+        4,096 ranks, once per poll was most of a round. So they are recomputed only when the
+        joined count moved by 1/64 of the job, or when few ranks are missing (then exactly).
+        """
+        joined = len(self.members)
+        key = self._waiting_key
+        nodes = self.config.nodes
+        if (
+            key is None
+            or key[0] != self.round
+            or (
+                key[1] != joined
+                and (nodes - joined <= MISSING_SHOWN or abs(key[1] - joined) >= nodes / 64)
+            )
+        ):
+            missing = missing_ranks(self.config, self.members)
+            self._waiting_key = (self.round, joined)
+            self._waiting_view = (
+                tuple(missing[:MISSING_SHOWN]),
+                waiting_message(self.config, missing),
+            )
+        return self._waiting_view
 
     def report_restore(
         self,

@@ -505,3 +505,17 @@ def test_a_refused_join_carries_none_of_the_jobs_settings() -> None:
     with pytest.raises(JoinRejected) as refused:
         c.join(join(7, "x", view=view), {})
     assert "4" not in str(refused.value)
+
+
+def test_waiting_ranks_see_at_most_64_missing_and_an_exact_message_near_the_end() -> None:
+    c = JobCoordinator(config(nodes=256), VIEW)
+    c.join(join(0, "a0"), {})
+    early = c.status(0, "a0")
+    assert early.missing == tuple(range(1, 65))  # the rest are counted in the message
+    assert "(1 of 256 joined)" in early.message
+    for r in range(1, 255):
+        c.join(join(r, f"a{r}"), {})
+        c.status(r, f"a{r}")  # every joined rank polls
+    late = c.status(0, "a0")
+    assert late.missing == (255,)
+    assert late.message.startswith("waiting for rank 255 of job job")
