@@ -7,7 +7,8 @@ round (``cluster.rounds``). In steady state each committed
 step is pushed to this rank's replication targets (``replication``), and progress reports
 to the coordinator return the cluster's restorable step (which retention must keep) and
 backup orders (one step at a time, uploaded by one replica per data-parallel class).
-A report goes when there is news (a step replicated, an upload done), else at the interval
+A report goes after each new step and when there is news (a step replicated, an upload
+done), else at the interval
 the coordinator asks for (longer in larger jobs); a failed one is retried with jittered
 backoff, so a restarted coordinator hears from every rank soon.
 """
@@ -172,15 +173,16 @@ class ClusterMember:
         if self._client is not None:
             await self._client.close()
 
-    async def tick(self, newest_step: int | None) -> None:
-        """After a rescan or a new step: replicate it, and report progress when there is
-        news (a step replicated or uploaded) or the coordinator's interval passed."""
+    async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
+        """After a rescan or a new step: replicate it, and report progress when forced (a
+        new step), when there is news (a step replicated or uploaded) or when the
+        coordinator's interval passed; after a failure, not before the backoff."""
         if newest_step is not None:
             self.replication.committed(newest_step)
         self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
         now = time.monotonic()
         news = (self.replication.newest_replicated, self.uploaded) != self._reported
-        if now < self._next_report and (self._failing or not news):
+        if now < self._next_report and (self._failing or not (news or force)):
             return
         if await self._report():
             self._failing = False

@@ -452,7 +452,7 @@ class Incarnation:
             await self._ingest_ready(member)
             # An upload that ended no longer protects its step.
             await self._collect_garbage(member)
-            await self._after_steps(member)
+            await self._after_steps(member, force=False)
 
     async def _ingest_ready(self, member: ClusterMember) -> None:
         entries = await self._thread(list_top, self.ctx.checkpoint_dir)
@@ -508,14 +508,15 @@ class Incarnation:
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
         await self._collect_garbage(member)
-        # Replicate the new step at once; the report goes when it is replicated (news for
-        # the coordinator), not now: one report per step per rank, not two.
-        await self._after_steps(member)
+        # Replicate the new step at once, and report it: the promise the garbage collection
+        # just made (the steps kept) reaches the coordinator now, so the steps it no longer
+        # names can go. A report per step at ingest, another once it is replicated.
+        await self._after_steps(member, force=True)
 
-    async def _after_steps(self, member: ClusterMember) -> None:
+    async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
         """Replicate and report: the coordinator's answers order backups."""
         steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
-        await member.tick(steps[-1] if steps else None)
+        await member.tick(steps[-1] if steps else None, force=force)
 
     async def _collect_garbage(self, member: ClusterMember) -> None:
         have = self.ctx.store.manifests(self.config.job_name).keys()
