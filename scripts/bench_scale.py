@@ -56,8 +56,9 @@ import grpc.aio
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
+from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import Registry
-from replicator.core.contract import Framework, JobConfig
+from replicator.core.contract import JobConfig, parse_config
 from replicator.core.layout import pushers, replication_targets
 from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
 from replicator.core.storedir import default_store_dir
@@ -154,16 +155,8 @@ def yaml_text(rank: int, nodes: int) -> str:
 
 
 def job_config(nodes: int, rank: int = 0) -> JobConfig:
-    from replicator.core.contract import BackupInterval
-
-    return JobConfig(
-        job_name=JOB,
-        framework=Framework.ORBAX,
-        node_rank=rank,
-        nodes=nodes,
-        peers_per_node=1,
-        backup_interval=BackupInterval(minutes=None, steps=1),
-    )
+    """The job's config as a rank's daemon reads it from ``yaml_text``."""
+    return parse_config(yaml_text(rank, nodes))
 
 
 # --- simulated members --------------------------------------------------------------------------
@@ -235,7 +228,7 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
         job=JOB,
         rank=m.rank,
         incarnation_id=m.incarnation,
-        cluster_view=CLUSTER_VIEW,
+        cluster_view=cluster_view_json(m.config),
         address=fake_address(m.rank),
         items=m.inventory(digests),
     )
@@ -282,9 +275,6 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
         if status.state == State.RELEASED:
             m.restorable = None if status.fresh_start else status.step
             return time.monotonic()
-
-
-CLUSTER_VIEW = ""
 
 
 class Steady:
@@ -521,10 +511,6 @@ class Run:
         }
 
     async def run(self) -> dict[str, Any]:
-        global CLUSTER_VIEW  # noqa: PLW0603 (one view per run)
-        from replicator.cluster.messages import cluster_view_json
-
-        CLUSTER_VIEW = cluster_view_json(self.config)
         for node in self.nodes.values():
             node.start()
         sims = [r for r in range(self.n) if r not in self.nodes]
