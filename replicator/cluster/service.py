@@ -388,12 +388,7 @@ class Coordinators:
         if backups:
             newest = max(backups)
             coordinator.note_committed_backup(newest, backups[newest].created)
-        if _round_key(coordinator) == before:
-            hosted.notify(rank)  # only this rank's answer can have changed
-        else:
-            if coordinator.phase is Phase.FETCH and coordinator.plan_version != before[2]:
-                _log_plan(jlog, coordinator, time.perf_counter() - t0)
-            hosted.notify()
+        _changed(hosted, rank, before, t0, jlog)
         if coordinator.admitted(rank, incarnation):
             jlog.info(
                 "join: incarnation %s at %s with %d items counts for round %d (%s%s)",
@@ -479,12 +474,7 @@ class Coordinators:
             JobLog(log, job, rank).warning("restore report refused: %s", exc)
             raise
         self._consume_pin(job, coordinator)
-        if _round_key(coordinator) == before:
-            hosted.notify(rank)
-        else:
-            if coordinator.phase is Phase.FETCH:
-                _log_plan(JobLog(log, job, rank), coordinator, time.perf_counter() - t0)
-            hosted.notify()
+        _changed(hosted, rank, before, t0, JobLog(log, job, rank))
         JobLog(log, job, rank).log(
             logging.DEBUG if ready else logging.INFO,
             "restore report: ready=%s for round %d plan %d; now round %d plan %d (%s)",
@@ -565,29 +555,28 @@ class Coordinators:
     async def _commit(self, job: str, coordinator: JobCoordinator, step: int) -> None:
         """Write the COMMIT of an ordered backup every uploader reported done."""
         keys = [i.key for i in backup_items(coordinator.config, step)]
+        extra = {"job": job, "step": step}
         record: CommitRecord | None = None
-        try:
-            if self.commit is not None:
+        if self.commit is None:
+            why = "this daemon has no backup store"
+        else:
+            why = "an uploaded item's manifest is missing"
+            try:
                 record = await asyncio.to_thread(self.commit, job, step, keys)
-        except Exception as exc:
-            log.warning("cannot commit the backup of step %d: %s", step, exc, extra={"job": job})
+            except Exception as exc:
+                why = str(exc)
         if record is None:
             log.warning(
-                "backup of step %d not committed: an uploaded item's manifest is missing; "
-                "ordering a backup again in %.0fs",
+                "backup of step %d not committed (%s); ordering a backup again in %.0fs",
                 step,
+                why,
                 COMMIT_RETRY_SECONDS,
-                extra={"job": job, "step": step},
+                extra=extra,
             )
             coordinator.backup_not_committed(step, self.clock())
             return
         coordinator.backup_committed(step, record.created)
-        log.info(
-            "backup of step %d committed: %d items",
-            step,
-            len(keys),
-            extra={"job": job, "step": step},
-        )
+        log.info("backup of step %d committed: %d items", step, len(keys), extra=extra)
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -736,6 +725,21 @@ def _with_holders(status: RankStatus, ranks: Collection[int] | None) -> Collecti
 def _round_key(coordinator: JobCoordinator) -> tuple[int, Phase, int]:
     """What every rank's answer depends on: a change wakes every long poll."""
     return coordinator.round, coordinator.phase, coordinator.plan_version
+
+
+def _changed(
+    hosted: HostedJob, rank: int, before: tuple[int, Phase, int], t0: float, jlog: JobLog
+) -> None:
+    """After a call of ``rank`` changed the state machine: wake only that rank's long polls
+    unless the round, phase or plan moved (then every rank's), and log a new plan with the
+    time the call took to make it."""
+    coordinator = hosted.coordinator
+    if _round_key(coordinator) == before:
+        hosted.notify(rank)  # only this rank's answer can have changed
+        return
+    if coordinator.phase is Phase.FETCH and coordinator.plan_version != before[2]:
+        _log_plan(jlog, coordinator, time.perf_counter() - t0)
+    hosted.notify()
 
 
 def _log_plan(jlog: JobLog, coordinator: JobCoordinator, seconds: float) -> None:
