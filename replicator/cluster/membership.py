@@ -8,9 +8,8 @@ step is pushed to this rank's replication targets (``replication``), and progres
 to the coordinator return the cluster's restorable step (which retention must keep) and
 backup orders (one step at a time, uploaded by one replica per data-parallel class).
 A report goes after each new step and when there is news (a step replicated, an upload
-done), else at the interval
-the coordinator asks for (longer in larger jobs); a failed one is retried with jittered
-backoff, so a restarted coordinator hears from every rank soon.
+done), else at the interval the coordinator asks for (longer in larger jobs); a failed one
+is retried with jittered backoff, so a restarted coordinator hears from every rank soon.
 """
 
 from __future__ import annotations
