@@ -300,6 +300,7 @@ class Steady:
         self.address = address
         self.reports = 0
         self.failures = 0
+        self.failure_codes = Counter[str]()
         self.orders: list[tuple[float, int]] = []
         self.ordered = asyncio.Event()
         self.tasks = [asyncio.create_task(self.routine(m)) for m in members]
@@ -329,8 +330,9 @@ class Steady:
                 ),
                 timeout=30,
             )
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             self.failures += 1
+            self.failure_codes[exc.code().name] += 1
             entry = await asyncio.to_thread(self.registry.lookup, JOB)
             if entry is not None and entry.address != self.address:
                 self.address = entry.address
@@ -592,11 +594,25 @@ class Run:
         self.save(step)
         await steady.saved(step)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(steady.ordered.wait(), 300)
+            await asyncio.wait_for(self._watch(steady), 300)
         ordered = steady.orders[0][0] - t0 if steady.orders else float("nan")
         failures = steady.failures
         await steady.stop()
         return {"seconds_to_backup_order": round(ordered, 2), "failed_reports": failures}
+
+
+    @staticmethod
+    async def _watch(steady: Steady) -> None:
+        """Wait for the first order, saying on stderr every 10 s how the reports go."""
+        t0 = time.monotonic()
+        while not steady.ordered.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(steady.ordered.wait(), 10)
+            print(
+                f"  restart +{time.monotonic() - t0:.0f}s: {steady.reports} reports answered, "
+                f"{steady.failures} failed {dict(steady.failure_codes)}, {len(steady.orders)} orders",
+                file=sys.stderr,
+            )
 
 
 # --- report -------------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from replicator.core.policy import (
     retention_of_copies,
 )
 from replicator.local import fsutil
+from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
@@ -106,6 +107,8 @@ class AgentContext:
     metrics: Metrics = NO_METRICS
     obtaining: Obtaining | None = None
     """What the restore round is still fetching, for the peer service (fan-out pulls)."""
+    pacer: Pacer = field(default_factory=Pacer)
+    """The node's outgoing transfers: the agent tells it when the job is saving."""
 
 
 @dataclass(frozen=True)

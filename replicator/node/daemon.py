@@ -50,6 +50,14 @@ from replicator.core.contract import (
     parse_save_name,
 )
 from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
+from replicator.core.pacing import (
+    DEFAULT_YIELD_TO_SAVES,
+    MAX_YIELD_TO_SAVES,
+    PaceRules,
+    format_rate,
+    parse_rate,
+)
+from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
 from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
@@ -159,6 +167,11 @@ class DaemonOptions:
     owner_file: Path | None = None
     """The CSI plugin's ``owner.json``: whose pod published CHECKPOINT_DIR, read at every
     handshake; None: jobs are unowned (local runs, the demo)."""
+    max_transfer_rate: float | None = None
+    """Bytes per second this daemon sends for replication and backups together; None:
+    unlimited. Restores are never throttled (``core.pacing``)."""
+    yield_to_saves_seconds: float = DEFAULT_YIELD_TO_SAVES
+    """How long a save in progress may hold this daemon's replication and backups."""
 
 
 def _data_port(value: str) -> int | None:
@@ -169,6 +182,13 @@ def _data_port(value: str) -> int | None:
     if not ascii_digits(value) or not 0 <= int(value) <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
     return int(value)
+
+
+def _rate(value: str) -> float | None:
+    try:
+        return parse_rate(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _flag(value: str) -> bool:
@@ -321,6 +341,24 @@ def parse_args(
         "CHECKPOINT_DIR); every job this node runs belongs to that namespace, and a job name "
         "registered by another is refused; without it jobs are unowned [MTC_OWNER_FILE]",
     )
+    p.add_argument(
+        "--max-transfer-rate",
+        type=_rate,
+        default=_rate(env.get("MTC_MAX_TRANSFER_RATE", "unlimited")),
+        metavar="RATE",
+        help="most bytes per second this daemon sends for replication and backup uploads "
+        "together, shared fairly between transfers, bursts of at most one second's worth: "
+        "e.g. 400MiB, 1.5GB, 2Gbit or 'unlimited'; restores are never throttled "
+        "(default: unlimited) [MTC_MAX_TRANSFER_RATE]",
+    )
+    p.add_argument(
+        "--yield-to-saves-seconds",
+        type=float,
+        default=float(env.get("MTC_YIELD_TO_SAVES_SECONDS", str(DEFAULT_YIELD_TO_SAVES))),
+        help="while the job writes a checkpoint, hold replication and backups this long at "
+        f"most (0 to {MAX_YIELD_TO_SAVES:g}; 0: never) (default: %(default)s) "
+        "[MTC_YIELD_TO_SAVES_SECONDS]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if not a.idle_timeout_seconds > 0:
@@ -333,6 +371,11 @@ def parse_args(
         p.error("--threads must be >= 1")
     if a.max_step_lead < 1:
         p.error("--max-step-lead must be >= 1")
+    if not 0 <= a.yield_to_saves_seconds <= MAX_YIELD_TO_SAVES:
+        p.error(
+            f"--yield-to-saves-seconds must be in [0, {MAX_YIELD_TO_SAVES:g}]: peers and "
+            "object stores drop connections idle for longer"
+        )
     return DaemonOptions(
         checkpoint_dir=a.checkpoint_dir.absolute(),
         store_dir=a.store_dir.absolute() if a.store_dir is not None else None,
@@ -358,6 +401,8 @@ def parse_args(
         max_step_lead=a.max_step_lead,
         idle_timeout_seconds=a.idle_timeout_seconds,
         owner_file=a.owner_file.absolute() if a.owner_file is not None else None,
+        max_transfer_rate=a.max_transfer_rate,
+        yield_to_saves_seconds=a.yield_to_saves_seconds,
     )
 
 
@@ -394,7 +439,15 @@ class Daemon:
         )
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
-        backups = BackupStore(open_object_store(opts.backup), self.trust) if opts.backup else None
+        self.pacer = Pacer(
+            PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
+        )
+        """The node's outgoing bytes: replication and backups under the limit, restores first."""
+        backups = (
+            BackupStore(open_object_store(opts.backup), self.trust, pacer=self.pacer)
+            if opts.backup
+            else None
+        )
         self._prometheus = PrometheusMetrics() if opts.metrics else None
         self.metrics: Metrics = self._prometheus or NO_METRICS
         self._metrics_server: MetricsServer | None = None
@@ -409,6 +462,7 @@ class Daemon:
             env={k: os.environ[k] for k in opts.expand_vars if k in os.environ},
             metrics=self.metrics,
             obtaining=Obtaining(),
+            pacer=self.pacer,
         )
         self.incarnation: Incarnation | None = None
         self._pending: _PendingConfig | None = None
@@ -483,6 +537,12 @@ class Daemon:
             len(report.pending_ingest),
             len(report.discarded),
         )
+        log.info(
+            "outgoing transfers: replication and backups at most %s, saves hold them up "
+            "to %gs, restores first and never throttled",
+            format_rate(self.opts.max_transfer_rate),
+            self.opts.yield_to_saves_seconds,
+        )
         rpc = RpcServer()
         channel: DataListener | None = None
         if self.opts.data_port is not None:
@@ -503,6 +563,7 @@ class Daemon:
             channel=channel,
             idle_timeout=self.opts.idle_timeout_seconds,
             obtaining=self.ctx.obtaining,
+            pacer=self.pacer,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups
@@ -528,7 +589,9 @@ class Daemon:
             return
         self.advertise = self.opts.advertise or advertised_address(self.listen_address)
         self.ctx.advertise = self.advertise
-        self.ctx.peers = PeerClient(executor=self.executor, metrics=self.metrics, tls=self.tls)
+        self.ctx.peers = PeerClient(
+            executor=self.executor, metrics=self.metrics, tls=self.tls, pacer=self.pacer
+        )
         await rpc.start()
         if channel is not None:
             channel.start()

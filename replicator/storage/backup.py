@@ -43,6 +43,7 @@ from replicator.core.manifest import (
 )
 from replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
 from replicator.local.hashing import data_file
+from replicator.local.pacer import Pacer
 from replicator.storage.objectstore import (
     ChecksumMismatch,
     ObjectNotFound,
@@ -64,9 +65,14 @@ class BackupStore:
     neither signs nor checks, for processes without TLS material).
     """
 
-    def __init__(self, objects: ObjectStore, trust: RecordTrust = OPEN) -> None:
+    def __init__(
+        self, objects: ObjectStore, trust: RecordTrust = OPEN, *, pacer: Pacer | None = None
+    ) -> None:
         self.objects = objects
         self.trust = trust
+        self.pacer = pacer or Pacer()
+        """The node's outgoing transfers: uploads are backups, paced by it (downloads are
+        restores and are not)."""
         self.refused: dict[str, dict[int, str]] = {}
         """Per job, the COMMITs the newest listing refused, and why (told to the job)."""
 

@@ -31,6 +31,7 @@ from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
+from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
@@ -252,8 +253,11 @@ class PeerClient:
         metrics: Metrics = NO_METRICS,
         data_channel: bool = True,
         tls: TlsMaterial | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         self.timeout = timeout
+        self.pacer = pacer or Pacer()
+        """The node's outgoing transfers: pushes are replication, paced by it."""
         self.tls = tls
         """Mutual TLS for every call and data connection; None: plaintext."""
         self.data_channel = data_channel

@@ -37,6 +37,7 @@ from replicator.core.admission import (
 )
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
@@ -204,6 +205,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         idle_timeout: float = IDLE_SECONDS,
         max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
         obtaining: Obtaining | None = None,
+        pacer: Pacer | None = None,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -214,8 +216,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
         be. ``obtaining`` says which items this node's restore round is still fetching, so a
         pull of one is told to try again (ABORTED) or, once the round gave it up, to go
-        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND."""
+        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
+        outgoing transfers; a pull served is a restore (first, never throttled)."""
         self.store = store
+        self.pacer = pacer or Pacer()
         self.obtaining = obtaining
         self.channel = channel
         self.idle_timeout = idle_timeout
