@@ -261,7 +261,7 @@ def _step_paths(checkpoint_dir: str | os.PathLike[str], step: int) -> tuple[Path
     """``(<N>, step=<N>-unfinished)`` for one step."""
     _check_step(step)
     directory = Path(checkpoint_dir)
-    return directory / str(step), directory / f"step={step}-unfinished"
+    return directory / str(step), directory / f"{contract.STEP_TMP_PREFIX}{step}-unfinished"
 
 
 def _prepare_temp_dir(final: Path, tmp: Path) -> None:

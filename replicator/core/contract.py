@@ -47,6 +47,13 @@ _MARKER_BODY = (
     r"-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
 )
 SAVE_FILE_RE = re.compile(_MARKER_BODY + r"\.save")
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+"""In the name of a step directory Orbax is still writing (``<N>.orbax-checkpoint-tmp-*``)."""
+STEP_TMP_PREFIX = "step="
+"""Starts the name of a step directory the PyTorch clients are still writing (``step=<N>``,
+ours ``step=<N>-unfinished``), renamed to ``<N>`` when done."""
+SAVE_TMP_SUFFIX = ".tmp"
+"""After a ``.save`` name: the file our client writes before renaming it into place."""
 RESTORE_MARKER_RE = re.compile(_MARKER_BODY + r"\.restore")
 
 

@@ -9,7 +9,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-from replicator.core.contract import BackupInterval, JobConfig, parse_save_name, parse_step_dir
+from replicator.core.contract import (
+    ORBAX_TMP_MARK,
+    SAVE_TMP_SUFFIX,
+    STEP_TMP_PREFIX,
+    BackupInterval,
+    JobConfig,
+    parse_save_name,
+    parse_step_dir,
+)
 from replicator.core.manifest import ItemId
 
 
@@ -169,6 +177,42 @@ def find_handoffs(
         if len(names) == config.workers_per_node:
             found.append(Handoff(step, names))
     return found
+
+
+def save_in_progress(
+    config: JobConfig,
+    entries: Collection[Entry],
+    closed: Collection[str],
+    now: float,
+    settle_seconds: float,
+) -> str | None:
+    """A name in CHECKPOINT_DIR that shows the job writing a checkpoint now, or None.
+
+    Step directories are written under a temporary name and renamed when done: Orbax's
+    ``<N>.orbax-checkpoint-tmp*``, the PyTorch reference client's ``step=<N>...`` and our
+    client's ``step=<N>-unfinished``. ``.save`` files are written in place (or as
+    ``<name>.save.tmp`` by our client): one is being written until ``find_handoffs`` would
+    call it finished. Leftovers of a crashed save look the same; the hold they cause is
+    bounded (``core.pacing``).
+    """
+    for e in entries:
+        if e.is_dir and (ORBAX_TMP_MARK in e.name or e.name.startswith(STEP_TMP_PREFIX)):
+            return e.name
+        if not e.is_file:
+            continue
+        name = e.name.removesuffix(SAVE_TMP_SUFFIX)
+        parts = parse_save_name(name)
+        if parts is not None and name != e.name:
+            return e.name
+        if (
+            parts is not None
+            and parts.job == config.job_name
+            and parts.rank == config.node_rank
+            and e.name not in closed
+            and now - e.mtime < settle_seconds
+        ):
+            return e.name
+    return None
 
 
 def retention_of_copies(

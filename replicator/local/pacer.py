@@ -59,6 +59,14 @@ class Pacer:
             with self._lock:
                 self._book.end(traffic)
 
+    def counts(self) -> tuple[dict[str, int], dict[str, float]]:
+        """Bytes booked and seconds waited per class, by name (for metrics)."""
+        with self._lock:
+            return (
+                {t.name.lower(): self.sent[t] for t in Traffic},
+                {t.name.lower(): self.waited[t] for t in Traffic},
+            )
+
     def saving(self, in_progress: bool) -> None:
         """The agent's latest look at CHECKPOINT_DIR: is the job writing a checkpoint?"""
         with self._lock:

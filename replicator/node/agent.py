@@ -49,6 +49,7 @@ from replicator.core.policy import (
     marker_item,
     retention,
     retention_of_copies,
+    save_in_progress,
 )
 from replicator.local import fsutil
 from replicator.local.pacer import Pacer
@@ -220,6 +221,8 @@ class Incarnation:
         self._started_at = time.monotonic()
         self.member: ClusterMember | None = None
         """This rank in its job (every job has one once the incarnation runs)."""
+        self._saving = False
+        """Whether the last scan saw the job writing a checkpoint."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -233,6 +236,7 @@ class Incarnation:
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
         self._stopping.set()
+        self.ctx.pacer.saving(False)  # a save this incarnation saw holds nobody after it
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.wait([self._task], timeout=timeout)
@@ -459,13 +463,14 @@ class Incarnation:
 
     async def _ingest_ready(self, member: ClusterMember) -> None:
         entries = await self._thread(list_top, self.ctx.checkpoint_dir)
-        handoffs = find_handoffs(
-            self.config,
-            entries,
-            set(self.ctx.closed_files),
-            self.ctx.clock(),
-            self.ctx.settle_seconds,
-        )
+        closed, now = set(self.ctx.closed_files), self.ctx.clock()
+        saving = save_in_progress(self.config, entries, closed, now, self.ctx.settle_seconds)
+        if (saving is not None) != self._saving:
+            self._saving = saving is not None
+            self.log.debug("save in progress: %s", saving or "none")
+        # Replication and backups hold while the job writes (bounded): ``core.pacing``.
+        self.ctx.pacer.saving(self._saving)
+        handoffs = find_handoffs(self.config, entries, closed, now, self.ctx.settle_seconds)
         for pending in await self._thread(self._pending_ingest):
             handoffs.append(Handoff(pending.step, {pending: ""}))
         for handoff in sorted(handoffs, key=lambda h: h.step):

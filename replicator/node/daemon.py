@@ -450,6 +450,7 @@ class Daemon:
         )
         self._prometheus = PrometheusMetrics() if opts.metrics else None
         self.metrics: Metrics = self._prometheus or NO_METRICS
+        self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
         self.ctx = AgentContext(

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_wsgi_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 
 class TransferKind(StrEnum):
@@ -87,6 +87,8 @@ NewestSteps = dict[tuple[str, StepTier], int]
 Restorable = dict[tuple[str, RestoreTier], tuple[int, float]]
 """(job, tier) -> (newest restorable step, Unix time since which it is restorable there)."""
 JobState = tuple[NewestSteps, Restorable]
+PacingCounts = tuple[Mapping[str, int], Mapping[str, float]]
+"""Per traffic class (``restore``, ``replication``, ``backup``): bytes booked, seconds waited."""
 
 
 class Metrics:
@@ -119,6 +121,9 @@ class Metrics:
 
     def restore_failed(self, job: str, seconds: float) -> None:
         """The restore could not complete (``replicator.failed`` was written)."""
+
+    def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
+        """Export the daemon's pacer: ``read`` is called at every scrape."""
 
 
 NO_METRICS = Metrics()
@@ -247,6 +252,9 @@ class PrometheusMetrics(Metrics):
             self._rounds.labels(job, outcome.value).inc()
         self._restore_seconds.labels(outcome.value).observe(max(seconds, 0.0))
 
+    def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
+        self.registry.register(_PacingCollector(read, limit))
+
     def job_state(self) -> JobState:
         """A copy of the per-job state: newest steps, and restorable steps with since when."""
         with self._lock:
@@ -291,6 +299,36 @@ class _JobStateCollector:
             since.add_metric([job, tier.value], at)
             age.add_metric([job, tier.value], max(now - at, 0.0))
         yield from (newest, step_of, since, age)
+
+
+class _PacingCollector:
+    """What the daemon's outgoing transfers sent and waited, per traffic class, at scrape."""
+
+    def __init__(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
+        self._read = read
+        self._limit = limit
+
+    def collect(self) -> Iterator[Metric]:
+        sent, waited = self._read()
+        nbytes = CounterMetricFamily(
+            "mtc_paced_bytes",
+            "Bytes this daemon sent, by traffic class (restore, replication, backup).",
+            labels=["traffic"],
+        )
+        seconds = CounterMetricFamily(
+            "mtc_paced_wait_seconds",
+            "Seconds transfers waited for the rate limit, a higher class or a save, by class.",
+            labels=["traffic"],
+        )
+        for traffic in sorted(set(sent) | set(waited)):
+            nbytes.add_metric([traffic], sent.get(traffic, 0))
+            seconds.add_metric([traffic], waited.get(traffic, 0.0))
+        limit = GaugeMetricFamily(
+            "mtc_max_transfer_rate_bytes",
+            "--max-transfer-rate in bytes per second (0: unlimited).",
+        )
+        limit.add_metric([], self._limit or 0.0)
+        yield from (nbytes, seconds, limit)
 
 
 # --- the endpoint -------------------------------------------------------------------------------

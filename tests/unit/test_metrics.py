@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi.metrics import PrometheusCallMetrics
+from replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
+from replicator.local.pacer import Pacer
 from replicator.node.daemon import parse_args as daemon_args
 from replicator.obs.metrics import (
     NO_METRICS,
@@ -263,3 +265,31 @@ def test_daemon_refuses_a_bad_metrics_address(capsys: pytest.CaptureFixture[str]
         daemon_args(["--checkpoint-dir", "/ckpt", "--metrics", "9464"], {})
     assert info.value.code == 2
     assert "expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_the_pacer_is_read_at_every_scrape(metrics: PrometheusMetrics) -> None:
+    pacer = Pacer(PaceRules(rate=1e9))
+    metrics.pacing(pacer.counts, 1e9)
+    r = metrics.registry
+    assert value(r, "mtc_paced_bytes_total", traffic="replication") == 0
+    with pacer.transfer(Traffic.REPLICATION) as meter:
+        meter.take(3 << 20)
+    assert value(r, "mtc_paced_bytes_total", traffic="replication") >= 3 << 20
+    assert value(r, "mtc_paced_bytes_total", traffic="restore") == 0
+    assert value(r, "mtc_max_transfer_rate_bytes") == 1e9
+
+
+def test_transfer_rate_flags_and_environment(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--checkpoint-dir", "/ckpt"]
+    assert daemon_args(base, {}).max_transfer_rate is None
+    assert daemon_args(base, {"MTC_MAX_TRANSFER_RATE": "2Gbit"}).max_transfer_rate == 2.5e8
+    flagged = daemon_args([*base, "--max-transfer-rate", "400MiB"], {})
+    assert flagged.max_transfer_rate == 400 << 20
+    assert daemon_args(base, {}).yield_to_saves_seconds == DEFAULT_YIELD_TO_SAVES
+    for bad in (["--max-transfer-rate", "fast"], ["--yield-to-saves-seconds", "60"]):
+        with pytest.raises(SystemExit) as exited:
+            daemon_args([*base, *bad], {})
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "e.g. 400MiB" in err or "idle" in err, err
+        assert "Traceback" not in err
