@@ -610,7 +610,8 @@ class Run:
                 await asyncio.wait_for(steady.ordered.wait(), 10)
             print(
                 f"  restart +{time.monotonic() - t0:.0f}s: {steady.reports} reports answered, "
-                f"{steady.failures} failed {dict(steady.failure_codes)}, {len(steady.orders)} orders",
+                f"{steady.failures} failed {dict(steady.failure_codes)}, "
+                f"{len(steady.orders)} orders",
                 file=sys.stderr,
             )
 
