@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from replicator import __version__
+from replicator.core.pacing import MAX_YIELD_TO_SAVES, parse_rate
 
 Manifest = dict[str, Any]
 
@@ -95,6 +96,8 @@ SPEC_FIELDS = frozenset(
         "serviceAccountAnnotations",
         "tls",
         "metricsNamespace",
+        "maxTransferRate",
+        "yieldToSavesSeconds",
     }
 )
 IGNORED_GKE_FIELDS = frozenset(
@@ -114,6 +117,8 @@ DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _BUCKET = r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]"
 BUCKET_RE = re.compile(_BUCKET)
 OBJECT_URL_RE = re.compile(rf"(gs|s3)://{_BUCKET}(/\S*)?")
+RATE_RE = re.compile(r"unlimited|[0-9]+(\.[0-9]+)?[A-Za-z]{1,5}(/s|ps)?")
+"""The shape of ``spec.maxTransferRate`` (``400MiB``, ``2Gbit``); ``parse_rate`` decides."""
 QUANTITY_RE = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 """Kubernetes quantity suffixes; no ``m``: milli to Kubernetes, MiB to ``mount``."""
 HTTP_URL_RE = re.compile(r"https?://\S+")
@@ -173,6 +178,10 @@ class NodeConfig:
     """Also render the cert-manager Issuers and Certificates that make ``tls_secret``."""
     metrics_namespace: str = DEFAULT_METRICS_NAMESPACE
     """The one namespace the NetworkPolicy lets scrape the metrics port."""
+    max_transfer_rate: str | None = None
+    """``--max-transfer-rate`` as written (validated); None: unlimited."""
+    yield_to_saves_seconds: float | None = None
+    """``--yield-to-saves-seconds``; None: the daemon's default."""
     ignored: tuple[str, ...] = ()
     """GKE fields present in the input that have no effect here."""
 
@@ -367,6 +376,28 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         DNS_LABEL_RE,
         "a namespace name",
     )
+    rate = None
+    if "maxTransferRate" in spec:
+        rate = _string(
+            spec["maxTransferRate"], "spec.maxTransferRate", RATE_RE, "a rate such as 400MiB"
+        )
+        try:
+            parse_rate(rate)
+        except ValueError as exc:
+            raise RenderError("spec.maxTransferRate", str(exc)) from None
+    yield_seconds = None
+    if "yieldToSavesSeconds" in spec:
+        yield_seconds = spec["yieldToSavesSeconds"]
+        if (
+            isinstance(yield_seconds, bool)
+            or not isinstance(yield_seconds, int | float)
+            or not 0 <= yield_seconds <= MAX_YIELD_TO_SAVES
+        ):
+            raise RenderError(
+                "spec.yieldToSavesSeconds",
+                f"expected a number of seconds from 0 to {MAX_YIELD_TO_SAVES:g}, "
+                f"got {yield_seconds!r}",
+            )
     return NodeConfig(
         name=name,
         namespace=namespace,
@@ -390,6 +421,8 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         tls_secret=tls_secret,
         cert_manager=cert_manager,
         metrics_namespace=metrics_namespace,
+        max_transfer_rate=rate,
+        yield_to_saves_seconds=yield_seconds,
         ignored=tuple(sorted(k for k in spec if k in IGNORED_GKE_FIELDS)),
     )
 
@@ -420,6 +453,10 @@ def config_data(c: NodeConfig) -> dict[str, str]:
     data = {"MTC_LOG_LEVEL": c.log_level, "MTC_RAM_SIZE": c.ram_size, "MTC_BACKUP": c.backup_url}
     if c.registry_url:
         data["MTC_REGISTRY"] = c.registry_url
+    if c.max_transfer_rate is not None:
+        data["MTC_MAX_TRANSFER_RATE"] = c.max_transfer_rate
+    if c.yield_to_saves_seconds is not None:
+        data["MTC_YIELD_TO_SAVES_SECONDS"] = f"{c.yield_to_saves_seconds:g}"
     if c.s3_endpoint:
         data["AWS_ENDPOINT_URL_S3"] = c.s3_endpoint
     if c.s3_region:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from replicator.core.pacing import MAX_YIELD_TO_SAVES
 from replicator.tools import cli, render
 from tests.deploy.k8s import (
     DEPLOY,
@@ -210,11 +211,15 @@ def test_every_field_maps() -> None:
             s3={"endpointUrl": "https://minio.example.com:9000", "region": "eu-west-1"},
             credentialsSecretName="minio-keys",
             serviceAccountAnnotations={"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"},
+            maxTransferRate="2Gbit",
+            yieldToSavesSeconds=2.5,
         )
     )
     for obj in objs:
         validate(obj)
     assert only(objs, "ConfigMap")["data"] == {
+        "MTC_MAX_TRANSFER_RATE": "2Gbit",
+        "MTC_YIELD_TO_SAVES_SECONDS": "2.5",
         "MTC_LOG_LEVEL": "DEBUG",
         "MTC_RAM_SIZE": "1.5Ti",
         "MTC_BACKUP": "s3://ckpt-bucket/prefix/a",
@@ -418,6 +423,12 @@ BAD: list[tuple[str, Obj, str, bool]] = [
     ),
     ("metrics namespace", cr(metricsNamespace="Monitoring"), "spec.metricsNamespace", True),
     ("metrics namespace int", cr(metricsNamespace=3), "spec.metricsNamespace", True),
+    ("rate word", cr(maxTransferRate="fast"), "spec.maxTransferRate", True),
+    ("rate number", cr(maxTransferRate=400), "spec.maxTransferRate", True),
+    ("rate unit", cr(maxTransferRate="400MIB"), "spec.maxTransferRate", False),
+    ("rate zero", cr(maxTransferRate="0MiB"), "spec.maxTransferRate", False),
+    ("yield too long", cr(yieldToSavesSeconds=60), "spec.yieldToSavesSeconds", True),
+    ("yield string", cr(yieldToSavesSeconds="5"), "spec.yieldToSavesSeconds", True),
     ("unknown field", cr(bucket="x"), "spec.bucket", True),
     ("spec list", cr() | {"spec": []}, "spec", True),
     ("no name", cr() | {"metadata": {}}, "metadata.name", False),
@@ -453,6 +464,8 @@ def test_the_crd_schema_uses_render_s_patterns() -> None:
     assert set(tls_spec) == {"enabled", "secretName", "certManager"}
     assert tls_spec["enabled"]["type"] == tls_spec["certManager"]["type"] == "boolean"
     assert spec["metricsNamespace"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
+    assert spec["maxTransferRate"]["pattern"] == f"^({render.RATE_RE.pattern})$"
+    assert spec["yieldToSavesSeconds"]["maximum"] == MAX_YIELD_TO_SAVES
     fields = set(spec)
     assert fields == set(render.SPEC_FIELDS) | set(render.IGNORED_GKE_FIELDS)
 
