@@ -360,10 +360,12 @@ class Steady:
             if await self.report(m):
                 backoff = 1.0
                 if m.reported == (m.replicated, m.uploaded):
+                    # Not asyncio.wait_for: on 3.11 it can swallow the cancel of ``stop``
+                    # when it arrives as the wait ends (gh-86296); among 4,096 members one
+                    # always does, and ``stop`` then waits forever.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(
-                            m.wake.wait(), m.report_every * random.uniform(0.9, 1.1)
-                        )
+                        async with asyncio.timeout(m.report_every * random.uniform(0.9, 1.1)):
+                            await m.wake.wait()
             else:
                 await asyncio.sleep(random.uniform(backoff / 2, backoff))
                 backoff = min(backoff * 2, 30.0)
@@ -498,6 +500,7 @@ class Run:
             if m.rank in lost:
                 m.steps = set()
         plans_before = len(self.nodes[0].plans())
+        retried_before = RETRIES.total()
         t0 = time.monotonic()
         released = await asyncio.gather(*(restore_round(m, digests) for m in members))
         elapsed = max(released) - t0
@@ -510,6 +513,7 @@ class Run:
             "plan_seconds": round(sum(p[2] for p in plans), 3),
             "busiest_peer_items": max((p[4] for p in plans), default=0),
             "busiest_peer_items_seen": max(load.values(), default=0),
+            "retried_calls": RETRIES.total() - retried_before,
         }
 
     async def run(self) -> dict[str, Any]:
@@ -594,12 +598,12 @@ class Run:
         self.save(step)
         await steady.saved(step)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._watch(steady), 300)
+            async with asyncio.timeout(300):
+                await self._watch(steady)
         ordered = steady.orders[0][0] - t0 if steady.orders else float("nan")
         failures = steady.failures
         await steady.stop()
         return {"seconds_to_backup_order": round(ordered, 2), "failed_reports": failures}
-
 
     @staticmethod
     async def _watch(steady: Steady) -> None:
@@ -607,7 +611,8 @@ class Run:
         t0 = time.monotonic()
         while not steady.ordered.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(steady.ordered.wait(), 10)
+                async with asyncio.timeout(10):
+                    await steady.ordered.wait()
             print(
                 f"  restart +{time.monotonic() - t0:.0f}s: {steady.reports} reports answered, "
                 f"{steady.failures} failed {dict(steady.failure_codes)}, "
