@@ -17,7 +17,9 @@ answered over gRPC (``peer``), but its bytes may move here:
    and crc32c as it arrives (``transfer.ItemWriter``), and the gRPC call carries the verdict.
 
 A connection whose token is unknown, already used or late is closed without a byte read
-past it; tokens come from ``secrets`` and compare in constant time.
+past it; tokens come from ``secrets`` and compare in constant time. The sender books every
+send with the node's pacer (``local.pacer``) first: a push is replication, a pull served a
+restore.
 
 With TLS (``transport.tls``) every data connection is mutual TLS 1.3 before the token is
 read: the listener requires a client certificate from the CA, the connecting side checks
