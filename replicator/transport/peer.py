@@ -258,8 +258,10 @@ class ItemInfo:
 class PeerClient:
     """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
 
-    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second;
-    a pull whose size is not known in advance gets ``timeout + max_transfer_seconds``.
+    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second
+    (a push: or at its share of the pacer's limit, see ``_push_deadline``); a pull whose
+    size is not known in advance gets ``timeout + max_transfer_seconds``. Pushes book their
+    bytes with ``pacer`` as replication; pulls are incoming bytes, never paced here.
     A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
     the client makes a small pool and shuts it down in ``close``). With ``data_channel``,
     transfers ask for the other daemon's data channel and use it when it is offered.
@@ -401,9 +403,10 @@ class PeerClient:
         ``yield_to_saves`` seconds. So it assumes at least ``1 / PACED_SHARE`` of the limit
         plus one save's hold. A push held by a restore this node serves is slower still
         (a trickle, for as long as the restore lasts): such a push may run out of time and
-        is then retried (UNAVAILABLE, like any deadline), which is cheaper than a deadline
-        that never catches a peer that hangs. A dead peer is caught long before either: the
-        idle timeouts on each chunk and on the data connection, and gRPC's keepalives.
+        is then retried (DEADLINE_EXCEEDED is a retryable ``PeerUnavailable``), which is
+        cheaper than a deadline that never catches a peer that hangs. A dead peer is caught
+        long before either: the idle timeouts on each chunk and on the data connection, and
+        gRPC's keepalives.
         """
         rules = self.pacer.rules
         floor = self.min_rate
