@@ -45,7 +45,9 @@ MIN_SLICE = 64 << 10
 MAX_SLICE = 4 << 20
 SLICE_SECONDS = 0.05
 """A slice is a twentieth of a second at the limit, within [MIN_SLICE, MAX_SLICE]: fine
-enough to share fairly and to hand the link over quickly, coarse enough to cost nothing."""
+enough to share fairly and to hand the link over quickly, coarse enough to cost nothing.
+Never more than one second's worth, though, even below MIN_SLICE a second: a peer drops a
+transfer that sends nothing for its idle timeout (30 s), and a save's hold comes on top."""
 
 HELD_RATE = 1 << 20
 """Bytes per second a held class still sends: its peers' and the bucket's idle timeouts never
@@ -85,7 +87,8 @@ class PaceRules:
         """Bytes booked at a time by every paced transfer."""
         if self.rate is None:
             return MAX_SLICE
-        return int(min(MAX_SLICE, max(MIN_SLICE, self.rate * SLICE_SECONDS)))
+        floor = min(MIN_SLICE, self.rate)
+        return max(1, int(min(MAX_SLICE, max(floor, self.rate * SLICE_SECONDS))))
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ class PaceBook:
         if traffic not in PACED:
             return MAX_SLICE
         if self.held_by(traffic) is not None:
-            return HELD_SLICE
+            return min(HELD_SLICE, max(1, int(self._held_rate)))
         return self.rules.slice
 
     def book(self, traffic: Traffic, nbytes: int, now: float) -> Booking:

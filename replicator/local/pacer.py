@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from replicator.core.manifest import Cancelled
 from replicator.core.pacing import Booking, PaceBook, PaceRules, Traffic
 
 Clock = Callable[[], float]
@@ -107,11 +108,13 @@ class Meter:
         """The most bytes worth sending at once now (smaller while the transfer is held)."""
         return max(1, self._credit) if self._credit else self.pacer._slice(self.traffic)
 
-    def take(self, nbytes: int) -> None:
-        """Block until ``nbytes`` may be sent."""
+    def take(self, nbytes: int, stop: threading.Event | None = None) -> None:
+        """Block until ``nbytes`` may be sent. With ``stop``, a wait ends as soon as it is set
+        (the transfer was cancelled) and ``Cancelled`` is raised: a held transfer may wait
+        for seconds at a time, its thread must not outlive its cancellation that long."""
         while nbytes > 0:
             if self._credit <= 0:
-                self._credit += self._book_blocking()
+                self._credit += self._book_blocking(stop)
             used = min(nbytes, self._credit)
             self._credit -= used
             nbytes -= used
@@ -129,12 +132,17 @@ class Meter:
         """``nbytes`` taken were not sent after all (a short send): keep them for the next."""
         self._credit += nbytes
 
-    def _book_blocking(self) -> int:
+    def _book_blocking(self, stop: threading.Event | None) -> int:
         while True:
+            if stop is not None and stop.is_set():
+                raise Cancelled(f"{self.traffic.name.lower()} transfer")
             size = self.pacer._slice(self.traffic)
             booking = self.pacer._book_bytes(self.traffic, size)
             if booking.wait > 0:
-                self.pacer._sleep(booking.wait)
+                if stop is None:
+                    self.pacer._sleep(booking.wait)
+                elif stop.wait(booking.wait):
+                    raise Cancelled(f"{self.traffic.name.lower()} transfer")
             if booking.booked:
                 return size
 

@@ -17,7 +17,9 @@ answered over gRPC (``peer``), but its bytes may move here:
    and crc32c as it arrives (``transfer.ItemWriter``), and the gRPC call carries the verdict.
 
 A connection whose token is unknown, already used or late is closed without a byte read
-past it; tokens come from ``secrets`` and compare in constant time.
+past it; tokens come from ``secrets`` and compare in constant time. The sender books every
+send with the node's pacer (``local.pacer``) first: a push is replication, a pull served a
+restore.
 
 With TLS (``transport.tls``) every data connection is mutual TLS 1.3 before the token is
 read: the listener requires a client certificate from the CA, the connecting side checks
@@ -49,6 +51,7 @@ from typing import TypeVar
 
 from replicator.core.manifest import Cancelled, Manifest
 from replicator.local import fsutil
+from replicator.local.pacer import Meter
 from replicator.local.store import LocalStore, StoreError
 from replicator.transport.tls import TlsMaterial, TlsStream
 from replicator.transport.transfer import MAX_CHUNK, ItemWriter, item_files, short_file
@@ -463,35 +466,47 @@ def send_item(
     data: Path,
     *,
     idle_timeout: float,
-    cancelled: Callable[[], bool] = _never,
+    abort: Abort | None = None,
     root: Path | None = None,
+    meter: Meter | None = None,
 ) -> int:
     """Write every byte of a committed item to ``sock`` in manifest order, with ``sendfile``
     (the bytes never enter this process), then shut the sending side; the bytes sent.
 
-    ``CorruptItem`` when a local file is shorter than its manifest says (the local copy is
-    bad), ``ChannelBroken`` when the connection fails (the other side's verdict, if any,
-    comes over gRPC).
+    With ``meter``, every send is booked with the node's pacer first, one slice at a time,
+    so a paced or held transfer never goes quiet for longer than a slice's wait (the other
+    side's idle timeout must not fire); ``abort`` also ends such a wait. ``CorruptItem``
+    when a local file is shorter than its manifest says (the local copy is bad),
+    ``ChannelBroken`` when the connection fails (the other side's verdict, if any, comes
+    over gRPC), ``Cancelled`` when aborted.
     """
     set_idle_timeout(sock, idle_timeout)
+    stop = abort.event if abort is not None else None
+    tls = isinstance(sock, TlsStream)
+    most = TLS_SEND_BYTES if tls else SEND_SLICE
+    buffer = bytearray(TLS_SEND_BYTES) if tls else bytearray()
     sent = 0
-    buffer = bytearray(TLS_SEND_BYTES) if isinstance(sock, TlsStream) else bytearray()
     with contextlib.closing(item_files(manifest, data, root)) as files:
         for _, entry, fd in files:
             offset = 0
             while offset < entry.size:
-                if cancelled():
+                if abort is not None and abort():
                     raise Cancelled(str(manifest.item))
+                count = min(most, entry.size - offset)
+                if meter is not None:
+                    count = min(count, meter.slice())
+                    meter.take(count, stop)
                 try:
                     if isinstance(sock, TlsStream):
-                        n = _send_through_tls(sock, fd, offset, entry.size - offset, buffer)
+                        n = _send_through_tls(sock, fd, offset, count, buffer)
                     else:
-                        count = min(SEND_SLICE, entry.size - offset)
                         n = os.sendfile(sock.fileno(), fd, offset, count)
                 except OSError as exc:
                     raise ChannelBroken(f"{manifest.item}: data connection failed: {exc}") from None
                 if n == 0:
                     raise short_file(manifest, entry, offset)
+                if meter is not None and n < count:
+                    meter.refund(count - n)  # booked, not sent: the next send uses it
                 offset += n
                 sent += n
     with contextlib.suppress(OSError):
@@ -517,13 +532,14 @@ class Abort:
 
     def __init__(self) -> None:
         self.sock: Conn | None = None
-        self._event = threading.Event()
+        self.event = threading.Event()
+        """Set once aborted: a wait on the pacer ends with it."""
 
     def __call__(self) -> bool:
-        return self._event.is_set()
+        return self.event.is_set()
 
     def set(self) -> None:
-        self._event.set()
+        self.event.set()
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 raw_socket(self.sock).shutdown(socket.SHUT_RDWR)
@@ -567,13 +583,15 @@ async def send_staged(
     idle_timeout: float,
     pool: TransferPool,
     root: Path | None = None,
+    meter: Meter | None = None,
 ) -> int:
-    """``send_item`` on a thread of ``pool``; cancelling the awaiting task stops it."""
+    """``send_item`` on a thread of ``pool``, paced by ``meter`` when given; cancelling the
+    awaiting task stops it, also while it waits for the pacer."""
     abort = Abort()
     abort.sock = sock
     return await pool.run(
         lambda: send_item(
-            sock, manifest, data, idle_timeout=idle_timeout, cancelled=abort, root=root
+            sock, manifest, data, idle_timeout=idle_timeout, abort=abort, root=root, meter=meter
         ),
         abort,
     )

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,8 @@ from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
-from replicator.local.pacer import Pacer
+from replicator.core.pacing import Traffic
+from replicator.local.pacer import Meter, Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
@@ -45,6 +46,7 @@ from replicator.transport.datachannel import (
 )
 from replicator.transport.tls import TlsMaterial, open_channel
 from replicator.transport.transfer import (
+    SEND_CHUNK,
     Chunk,
     StreamIdle,
     TransferError,
@@ -74,6 +76,9 @@ BUSY_RETRIES = 4
 """Tries of a push in chunks after its data channel failed, while the other side still
 counts the failed attempt as in flight (ABORTED), ``BUSY_SECONDS`` apart."""
 BUSY_SECONDS = 0.5
+PACED_SHARE = 4
+"""A paced push's deadline assumes it gets at least 1/PACED_SHARE of the rate limit: a node
+pushes to each of its peer ranks at once (usually one or two) beside a backup upload."""
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
 lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
@@ -216,12 +221,29 @@ def fill_chunk(chunk: pb.Chunk, file_index: int, offset: int, data: bytes, crc32
     chunk.crc32c = crc32c
 
 
+def paced_chunk(meter: Meter) -> Callable[[], int]:
+    """The size of the next chunk a paced sender reads: at most ``SEND_CHUNK``, and never
+    more than its meter lets it send at once. At a low limit or while held, a 1 MiB chunk
+    would be many seconds' worth, longer than the receiver waits for the next one."""
+    return lambda: min(SEND_CHUNK, meter.slice())
+
+
 def rate(nbytes: int, seconds: float) -> float:
     """MB/s, for the transfer log lines."""
     return nbytes / max(seconds, 1e-9) / 1e6
 
 
 # --- the client --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Send:
+    """What one push sends (its tries share it): the item, where its files are, its meter."""
+
+    manifest: Manifest
+    data: Path
+    root: Path | None
+    meter: Meter
 
 
 @dataclass(frozen=True)
@@ -236,8 +258,10 @@ class ItemInfo:
 class PeerClient:
     """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
 
-    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second;
-    a pull whose size is not known in advance gets ``timeout + max_transfer_seconds``.
+    Transfers get ``timeout`` plus the time the item takes at ``min_rate`` bytes per second
+    (a push: or at its share of the pacer's limit, see ``_push_deadline``); a pull whose
+    size is not known in advance gets ``timeout + max_transfer_seconds``. Pushes book their
+    bytes with ``pacer`` as replication; pulls are incoming bytes, never paced here.
     A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
     the client makes a small pool and shuts it down in ``close``). With ``data_channel``,
     transfers ask for the other daemon's data channel and use it when it is offered.
@@ -350,26 +374,48 @@ class PeerClient:
         (for example, the peer does not take this job now: FAILED_PRECONDITION). A data
         channel that cannot be reached is not an error: the item goes in chunks.
         """
-        try:
-            with self._channel_slot(address) as channel:
-                return await self._push(address, manifest, data_path, root, channel)
-        except ChannelUnreachable as exc:
-            self._channel_unreachable(address, exc)
-        except ChannelFailed as exc:
-            log.warning("%s: sending it again in gRPC chunks", exc)
-        for _ in range(BUSY_RETRIES):
+        # Replication: every byte sent is booked with the node's pacer (the rate limit,
+        # restores first, saves), on the data channel and in chunks alike.
+        with self.pacer.transfer(Traffic.REPLICATION) as meter:
+            send = _Send(manifest, data_path, root, meter)
             try:
-                return await self._push(address, manifest, data_path, root, False)
-            except PeerUnavailable as exc:
-                # The failed attempt's cancel may not have reached the other side yet.
-                if exc.code is not grpc.StatusCode.ABORTED:
-                    raise
-                await asyncio.sleep(BUSY_SECONDS)
-        return await self._push(address, manifest, data_path, root, False)
+                with self._channel_slot(address) as channel:
+                    return await self._push(address, send, channel)
+            except ChannelUnreachable as exc:
+                self._channel_unreachable(address, exc)
+            except ChannelFailed as exc:
+                log.warning("%s: sending it again in gRPC chunks", exc)
+            for _ in range(BUSY_RETRIES):
+                try:
+                    return await self._push(address, send, False)
+                except PeerUnavailable as exc:
+                    # The failed attempt's cancel may not have reached the other side yet.
+                    if exc.code is not grpc.StatusCode.ABORTED:
+                        raise
+                    await asyncio.sleep(BUSY_SECONDS)
+            return await self._push(address, send, False)
 
-    async def _push(
-        self, address: str, manifest: Manifest, data_path: Path, root: Path | None, channel: bool
-    ) -> bool:
+    def _push_deadline(self, nbytes: int) -> float:
+        """The deadline of a push, honest about pacing.
+
+        A paced push may legitimately be much slower than ``min_rate``: the limit is shared
+        by every push and backup upload in flight, and a save holds it for up to
+        ``yield_to_saves`` seconds. So it assumes at least ``1 / PACED_SHARE`` of the limit
+        plus one save's hold. A push held by a restore this node serves is slower still
+        (a trickle, for as long as the restore lasts): such a push may run out of time and
+        is then retried (DEADLINE_EXCEEDED is a retryable ``PeerUnavailable``), which is
+        cheaper than a deadline that never catches a peer that hangs. A dead peer is caught
+        long before either: the idle timeouts on each chunk and on the data connection, and
+        gRPC's keepalives.
+        """
+        rules = self.pacer.rules
+        floor = self.min_rate
+        if rules.rate is not None:
+            floor = min(floor, rules.rate / PACED_SHARE)
+        return self.timeout + rules.yield_to_saves + nbytes / floor
+
+    async def _push(self, address: str, send: _Send, channel: bool) -> bool:
+        manifest = send.manifest
         raw = manifest.to_json()
         header = pb.PushHeader(
             item=item_ref(manifest.item),
@@ -378,7 +424,7 @@ class PeerClient:
             data_channel=channel,
         )
         t0 = time.monotonic()
-        call = self._stub(address).PushItem(timeout=self._deadline(manifest.total_bytes))
+        call = self._stub(address).PushItem(timeout=self._push_deadline(manifest.total_bytes))
         cut_short = False
         offered = False
         broken: ChannelBroken | None = None
@@ -394,13 +440,13 @@ class PeerClient:
                     if offer is not None:
                         offered = True
                         try:
-                            await self._send_over_channel(address, offer, manifest, data_path, root)
+                            await self._send_over_channel(address, offer, send)
                         except ChannelUnreachable:
                             raise  # push_item tries again in chunks; this call is cancelled
                         except ChannelBroken as exc:
                             broken = exc  # the peer's status, if it has one, says more
                     else:
-                        await self._send_chunks(call, manifest, data_path, root)
+                        await self._send_chunks(call, send)
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 cut_short = True  # the peer ended the call mid-stream; its status says why
@@ -447,13 +493,14 @@ class PeerClient:
     async def _send_chunks(
         self,
         call: grpc.aio.StreamUnaryCall[pb.PushItemRequest, pb.PushItemResponse],
-        manifest: Manifest,
-        data_path: Path,
-        root: Path | None,
+        send: _Send,
     ) -> None:
-        what = f"push of {manifest.item}"
-        with contextlib.closing(iter_chunks(manifest, data_path, root=root)) as chunks:
+        what = f"push of {send.manifest.item}"
+        meter = send.meter
+        chunks = iter_chunks(send.manifest, send.data, paced_chunk(meter), root=send.root)
+        with contextlib.closing(chunks):
             for index, offset, buf, crc in chunks:
+                await meter.take_async(len(buf))
                 request = pb.PushItemRequest()
                 fill_chunk(request.chunk, index, offset, buf, crc)
                 await within(call.write(request), self.timeout, what)
@@ -465,17 +512,16 @@ class PeerClient:
             None, datachannel.connect, address, port, token, self.timeout, self.tls
         )
 
-    async def _send_over_channel(
-        self,
-        address: str,
-        offer: tuple[int, bytes],
-        manifest: Manifest,
-        data_path: Path,
-        root: Path | None,
-    ) -> None:
+    async def _send_over_channel(self, address: str, offer: tuple[int, bytes], send: _Send) -> None:
         with await self._connect(address, offer) as sock:
             await datachannel.send_staged(
-                manifest, data_path, sock, idle_timeout=self.timeout, pool=self.pool, root=root
+                send.manifest,
+                send.data,
+                sock,
+                idle_timeout=self.timeout,
+                pool=self.pool,
+                root=send.root,
+                meter=send.meter,
             )
 
     async def pull_item(

@@ -37,7 +37,8 @@ from replicator.core.admission import (
 )
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
-from replicator.local.pacer import Pacer
+from replicator.core.pacing import Traffic
+from replicator.local.pacer import Meter, Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
@@ -56,6 +57,7 @@ from replicator.transport.peer import (
     fill_chunk,
     item_id,
     item_ref,
+    paced_chunk,
     rate,
 )
 from replicator.transport.transfer import (
@@ -383,7 +385,6 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
     ) -> None:
         t0 = time.monotonic()
-        idle = self.idle_timeout
         item = item_id(request.item)
         manifest = self.store.get(item)
         if manifest is None:
@@ -397,39 +398,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if request.manifest_digest and request.manifest_digest != digest:
             raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
         header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
-        data = self.store.data_path(item)
         host = peer_host(context.peer())
         slot = self._channel_slot(host, request.data_channel, manifest.total_bytes)
-        what = f"pull of {item}"
+        # A restore: never throttled, and while it is served this node's pushes and backup
+        # uploads trickle (the puller's job waits on these bytes with idle accelerators).
         try:
-            if slot:
-                assert self.channel is not None
-                via = "over the data channel"
-                ticket = self.channel.issue()
-                try:
-                    header.data_port = self.channel.port
-                    header.data_token = ticket.token
-                    await within(context.write(pb.PullItemResponse(header=header)), idle, what)
-                    sock = await self.channel.connection(ticket, idle)
-                    await send_staged(
-                        manifest,
-                        data,
-                        sock,
-                        idle_timeout=idle,
-                        pool=self.channel.pool,
-                        root=self.store.root,
-                    )
-                finally:
-                    self.channel.withdraw(ticket)  # closes its connection
-            else:
-                via = "in gRPC chunks"
-                await within(context.write(pb.PullItemResponse(header=header)), idle, what)
-                chunks = iter_chunks(manifest, data, root=self.store.root)
-                with contextlib.closing(chunks):
-                    for index, offset, buf, crc in chunks:
-                        response = pb.PullItemResponse()
-                        fill_chunk(response.chunk, index, offset, buf, crc)
-                        await within(context.write(response), idle, what)
+            with self.pacer.transfer(Traffic.RESTORE) as meter:
+                via = await self._send_pulled(context, header, manifest, meter, slot=slot)
         except FileNotFoundError:
             raise NotHeld(f"{item}: deleted (retention) while being sent") from None
         finally:
@@ -448,6 +423,51 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             step=item.step,
         )
         self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
+
+    async def _send_pulled(
+        self,
+        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
+        header: pb.PullHeader,
+        manifest: Manifest,
+        meter: Meter,
+        *,
+        slot: bool,
+    ) -> str:
+        """Send a pulled item's header and bytes (over the data channel with ``slot``, else
+        in chunks), booked with ``meter``; how they went, for the log."""
+        idle = self.idle_timeout
+        item = manifest.item
+        what = f"pull of {item}"
+        data = self.store.data_path(item)
+        if not slot:
+            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+            chunks = iter_chunks(manifest, data, paced_chunk(meter), root=self.store.root)
+            with contextlib.closing(chunks):
+                for index, offset, buf, crc in chunks:
+                    await meter.take_async(len(buf))
+                    response = pb.PullItemResponse()
+                    fill_chunk(response.chunk, index, offset, buf, crc)
+                    await within(context.write(response), idle, what)
+            return "in gRPC chunks"
+        assert self.channel is not None
+        ticket = self.channel.issue()
+        try:
+            header.data_port = self.channel.port
+            header.data_token = ticket.token
+            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+            sock = await self.channel.connection(ticket, idle)
+            await send_staged(
+                manifest,
+                data,
+                sock,
+                idle_timeout=idle,
+                pool=self.channel.pool,
+                root=self.store.root,
+                meter=meter,
+            )
+        finally:
+            self.channel.withdraw(ticket)  # closes its connection
+        return "over the data channel"
 
     async def ListItems(
         self,

@@ -119,28 +119,41 @@ def _never() -> bool:
 def iter_chunks(
     manifest: Manifest,
     data: Path,
-    chunk_size: int = SEND_CHUNK,
+    chunk_size: int | Callable[[], int] = SEND_CHUNK,
     cancelled: CancelCheck = _never,
     *,
     root: Path | None = None,
 ) -> Generator[Chunk]:
     """``(file_index, offset, data, crc32c)`` for every byte of an item, in manifest order.
 
-    One ``os.read`` per chunk makes the one copy into ``bytes`` that protobuf needs; offsets
-    stay multiples of ``chunk_size`` (page-aligned). Empty files send nothing: the manifest
-    alone creates them. Memory stays at the chunk the caller holds. From the RAM disk a read
-    is a page-cache copy (~0.1 ms per MiB), cheap enough to run in an event loop: a thread
-    hop per chunk measured slower on the bench.
+    One ``os.read`` per chunk makes the one copy into ``bytes`` that protobuf needs; with a
+    fixed ``chunk_size`` offsets stay multiples of it (page-aligned). A callable
+    ``chunk_size`` is asked before every chunk (a paced sender: no chunk larger than what
+    its pacer lets it send at once). Empty files send nothing: the manifest alone creates
+    them. Memory stays at the chunk the caller holds. From the RAM disk a read is a
+    page-cache copy (~0.1 ms per MiB), cheap enough to run in an event loop: a thread hop
+    per chunk measured slower on the bench.
     """
-    if not 0 < chunk_size <= MAX_CHUNK:
-        raise ValueError(f"chunk size {chunk_size} is outside 1..{MAX_CHUNK}")
+    if callable(chunk_size):
+        size = chunk_size
+    else:
+        fixed = chunk_size
+        if not 0 < fixed <= MAX_CHUNK:
+            raise ValueError(f"chunk size {fixed} is outside 1..{MAX_CHUNK}")
+
+        def size() -> int:
+            return fixed
+
     with contextlib.closing(item_files(manifest, data, root)) as files:
         for index, entry, fd in files:
             offset = 0
             while offset < entry.size:
                 if cancelled():
                     raise Cancelled(str(manifest.item))
-                buf = os.read(fd, min(chunk_size, entry.size - offset))
+                want = size()
+                if not 0 < want <= MAX_CHUNK:
+                    raise ValueError(f"chunk size {want} is outside 1..{MAX_CHUNK}")
+                buf = os.read(fd, min(want, entry.size - offset))
                 if not buf:
                     raise short_file(manifest, entry, offset)
                 yield index, offset, buf, google_crc32c.value(buf)
