@@ -42,6 +42,8 @@ PACED = (Traffic.REPLICATION, Traffic.BACKUP)
 """The classes the rate limit and saves apply to: restores are idle GPUs, never throttled."""
 
 MIN_SLICE = 64 << 10
+MIN_RATE = MIN_SLICE
+"""The lowest ``--max-transfer-rate``: one smallest slice per second."""
 MAX_SLICE = 4 << 20
 SLICE_SECONDS = 0.05
 """A slice is a twentieth of a second at the limit, within [MIN_SLICE, MAX_SLICE]: fine
@@ -211,8 +213,11 @@ def parse_rate(text: str) -> float | None:
             "400MiB or 2Gbit, or 'unlimited'"
         ) from None
     rate = float(size.bytes)
-    if rate < 1:
-        raise ValueError(f"transfer rate {text!r} is under one byte per second")
+    if rate < MIN_RATE:
+        raise ValueError(
+            f"transfer rate {text!r} is under the minimum of 64KiB per second (slower would "
+            "neither replicate a checkpoint nor keep a held transfer's connection alive)"
+        )
     return rate
 
 
