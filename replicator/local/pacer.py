@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from replicator.core.pacing import Booking, PaceBook, PaceRules, Traffic
 
@@ -94,23 +95,19 @@ class Meter:
         self.pacer = pacer
         self.traffic = traffic
         self._credit = 0
-        self._taking = threading.Lock()
-        """One thread books at a time: a transfer sent by several threads (an upload's
-        parallel parts) is still one transfer, booking one slice at a time."""
 
     def slice(self) -> int:
         """The most bytes worth sending at once now (smaller while the transfer is held)."""
         return max(1, self._credit) if self._credit else self.pacer._slice(self.traffic)
 
     def take(self, nbytes: int) -> None:
-        """Block until ``nbytes`` may be sent (safe from several threads at once)."""
-        with self._taking:
-            while nbytes > 0:
-                if self._credit <= 0:
-                    self._credit += self._book_blocking()
-                used = min(nbytes, self._credit)
-                self._credit -= used
-                nbytes -= used
+        """Block until ``nbytes`` may be sent."""
+        while nbytes > 0:
+            if self._credit <= 0:
+                self._credit += self._book_blocking()
+            used = min(nbytes, self._credit)
+            self._credit -= used
+            nbytes -= used
 
     async def take_async(self, nbytes: int) -> None:
         """``take`` for the event loop."""
@@ -142,6 +139,19 @@ class Meter:
                 await asyncio.sleep(booking.wait)
             if booking.booked:
                 return size
+
+
+class SharedMeter(Meter):
+    """A ``Meter`` that several threads send through at once (an upload's parallel parts):
+    still one transfer, booking one slice at a time, so it gets no more than its share."""
+
+    def __init__(self, meter: Meter) -> None:
+        super().__init__(meter.pacer, meter.traffic)
+        self._taking = threading.Lock()
+
+    def take(self, nbytes: int, *args: Any, **kwargs: Any) -> None:
+        with self._taking:
+            super().take(nbytes, *args, **kwargs)
 
 
 class PacedReader:

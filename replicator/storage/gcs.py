@@ -50,7 +50,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK
-from replicator.local.pacer import Meter, PacedReader
+from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -330,6 +330,7 @@ class GcsObjectStore:
         stem = f"{folder}/" if folder else ""
         stem += f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{base}"
         temps: list[storage.Blob] = []
+        meter = None if meter is None else SharedMeter(meter)  # the parts' threads share it
         lock = threading.Lock()
 
         def temp(suffix: str) -> storage.Blob:

@@ -49,7 +49,7 @@ from botocore.config import Config
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK, file_crc32c
-from replicator.local.pacer import Meter, PacedReader
+from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -336,6 +336,7 @@ class S3ObjectStore:
             ),
         )
         upload_id = created["UploadId"]
+        meter = None if meter is None else SharedMeter(meter)  # the parts' threads share it
         try:
             done, _, crc = upload_parts(
                 src,
