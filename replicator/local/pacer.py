@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from replicator.core.manifest import Cancelled
 from replicator.core.pacing import Booking, PaceBook, PaceRules, Traffic
@@ -154,6 +155,19 @@ class Meter:
                 await asyncio.sleep(booking.wait)
             if booking.booked:
                 return size
+
+
+class SharedMeter(Meter):
+    """A ``Meter`` that several threads send through at once (an upload's parallel parts):
+    still one transfer, booking one slice at a time, so it gets no more than its share."""
+
+    def __init__(self, meter: Meter) -> None:
+        super().__init__(meter.pacer, meter.traffic)
+        self._taking = threading.Lock()
+
+    def take(self, nbytes: int, *args: Any, **kwargs: Any) -> None:
+        with self._taking:
+            super().take(nbytes, *args, **kwargs)
 
 
 class PacedReader:

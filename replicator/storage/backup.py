@@ -41,6 +41,7 @@ from replicator.core.manifest import (
     Manifest,
     ManifestError,
 )
+from replicator.core.pacing import Traffic
 from replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
 from replicator.local.hashing import data_file
 from replicator.local.pacer import Pacer
@@ -84,15 +85,19 @@ class BackupStore:
         """Upload an item's files, then its manifest. Safe to repeat before the COMMIT."""
         if self.objects.head(commit_key(manifest.item.job, manifest.item.step)) is not None:
             raise PreconditionFailed(f"{manifest.item}: step is already committed")
-        for entry in manifest.files:
-            if cancelled():
-                raise Cancelled(str(manifest.item))
-            # The manifest's crc32c: a file changed since it was taken is never uploaded.
-            self.objects.put_file(
-                data_key(manifest.item, entry.path, LAYOUT),
-                data_file(data, entry),
-                crc32c=entry.crc32c,
-            )
+        # One transfer for the whole item: it shares the link with the job and the peer
+        # plane, behind restores and replication (``core.pacing``).
+        with self.pacer.transfer(Traffic.BACKUP) as meter:
+            for entry in manifest.files:
+                if cancelled():
+                    raise Cancelled(str(manifest.item))
+                # The manifest's crc32c: a file changed since it was taken is never uploaded.
+                self.objects.put_file(
+                    data_key(manifest.item, entry.path, LAYOUT),
+                    data_file(data, entry),
+                    crc32c=entry.crc32c,
+                    meter=meter,
+                )
         self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
 
     def try_commit(

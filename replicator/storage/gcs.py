@@ -8,6 +8,11 @@ Integrity: GCS keeps a crc32c of every object, composite ones included, and the 
 polynomial as our manifests. Uploads declare it so the server refuses damaged bytes, and
 the crc32c GCS reports back is compared with ours; downloads are checked against it.
 
+Pacing: the SDK reads a whole request body before it sends it, so a file put with a
+``Meter`` is paced where it is sent instead: the client's HTTP session sends every body of a
+request made while the uploading thread names a meter (``_SENDING``) through a
+``PacedReader``, which urllib3 reads a block at a time as it writes to the socket.
+
 Files larger than ``part_size`` are uploaded as parallel composite uploads: parts go up as
 temporary objects (named with ``fsutil.TMP_PREFIX``, never listed) from a bounded window,
 are composed 32 at a time into the destination, then deleted. The SDK copies each part
@@ -30,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -44,6 +50,7 @@ from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK
+from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -77,6 +84,38 @@ DEFAULT_RANGE = 16 * 1024 * 1024
 MAX_COMPOSE = 32
 """GCS composes at most this many sources per request."""
 _CORRUPT_UPLOAD = "doesn't match calculated"  # GCS's words when it refuses damaged bytes
+
+_SENDING: ContextVar[Meter | None] = ContextVar("mtc_gcs_sending", default=None)
+"""The meter that pays for the request bodies this thread sends now (None: unpaced)."""
+
+
+class _PacedAdapter(requests.adapters.BaseAdapter):
+    """Sends through the session's own adapter, each request body at the pace of the
+    current ``_SENDING`` meter: the bytes go to the socket only as the meter allows."""
+
+    def __init__(self, inner: requests.adapters.BaseAdapter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def send(
+        self, request: requests.PreparedRequest, *args: Any, **kwargs: Any
+    ) -> requests.Response:
+        meter, body = _SENDING.get(), request.body
+        if meter is not None and isinstance(body, bytes) and body:
+            # A copy: the SDK may send the same prepared request again (its own retry).
+            request = request.copy()
+            request.body = PacedReader(body, meter)  # type: ignore[assignment]  # any file
+        return self.inner.send(request, *args, **kwargs)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _pace_sends(session: requests.Session) -> None:
+    """Route every adapter of ``session`` (plain, or mutual-TLS) through ``_PacedAdapter``."""
+    for prefix, adapter in list(session.adapters.items()):
+        if not isinstance(adapter, _PacedAdapter):
+            session.mount(prefix, _PacedAdapter(adapter))
 
 
 def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
@@ -187,6 +226,7 @@ class GcsObjectStore:
             if self._bucket is None:
                 what = f"client for {self.url}"
                 self._client = self._client or self._call(what, storage.Client)
+                _pace_sends(self._client._http)
                 self._bucket = self._client.bucket(self.bucket_name)
             bucket = self._bucket
         if not self._bucket_checked:
@@ -213,21 +253,32 @@ class GcsObjectStore:
         page = next(blobs.pages, None)
         return (list(page) if page is not None else []), blobs.next_page_token
 
-    def _upload(self, blob: storage.Blob, data: bytes, *, if_absent: bool = False) -> None:
+    def _upload(
+        self,
+        blob: storage.Blob,
+        data: bytes,
+        *,
+        if_absent: bool = False,
+        meter: Meter | None = None,
+    ) -> None:
         """One object from memory, sent with its crc32c and checked against GCS's."""
         what = f"put {self.bucket_name}/{blob.name}"
         crc = google_crc32c.value(data)
 
         def put() -> None:
-            blob.upload_from_string(
-                data,
-                content_type="application/octet-stream",
-                checksum="crc32c",
-                crc32c_checksum_value=crc32c_b64(crc),
-                if_generation_match=0 if if_absent else None,
-                retry=None,
-                timeout=self.timeout,
-            )
+            sending = _SENDING.set(meter)
+            try:
+                blob.upload_from_string(
+                    data,
+                    content_type="application/octet-stream",
+                    checksum="crc32c",
+                    crc32c_checksum_value=crc32c_b64(crc),
+                    if_generation_match=0 if if_absent else None,
+                    retry=None,
+                    timeout=self.timeout,
+                )
+            finally:
+                _SENDING.reset(sending)
             stored = b64_crc32c(blob.crc32c)
             if stored != crc:
                 raise TransientError(f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}")
@@ -240,7 +291,9 @@ class GcsObjectStore:
         name = self._name(key)
         self._upload(self._get_bucket().blob(name), data, if_absent=if_absent)
 
-    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+    def put_file(
+        self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
+    ) -> None:
         name = self._name(key)
         bucket = self._get_bucket()
         t0 = time.monotonic()
@@ -248,10 +301,10 @@ class GcsObjectStore:
         if size <= self.part_size:
             data = read_small_file(src, self.part_size)
             check_crc32c(key, google_crc32c.value(data), crc32c)
-            self._upload(bucket.blob(name), data)
+            self._upload(bucket.blob(name), data, meter=meter)
             parts = 1
         else:
-            parts = self._put_composite(bucket, key, name, src, crc32c)
+            parts = self._put_composite(bucket, key, name, src, crc32c, meter=meter)
         dt = max(time.monotonic() - t0, 1e-9)
         log.debug(
             "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",
@@ -263,13 +316,21 @@ class GcsObjectStore:
         )
 
     def _put_composite(
-        self, bucket: storage.Bucket, key: str, name: str, src: Path, crc32c: int | None
+        self,
+        bucket: storage.Bucket,
+        key: str,
+        name: str,
+        src: Path,
+        crc32c: int | None,
+        *,
+        meter: Meter | None,
     ) -> int:
         what = f"composite put {self.bucket_name}/{name}"
         folder, _, base = name.rpartition("/")
         stem = f"{folder}/" if folder else ""
         stem += f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{base}"
         temps: list[storage.Blob] = []
+        meter = None if meter is None else SharedMeter(meter)  # the parts' threads share it
         lock = threading.Lock()
 
         def temp(suffix: str) -> storage.Blob:
@@ -280,7 +341,7 @@ class GcsObjectStore:
 
         def upload(number: int, data: bytes) -> storage.Blob:
             blob = temp(f"{number:06d}")
-            self._upload(blob, data)
+            self._upload(blob, data, meter=meter)
             return blob
 
         try:

@@ -4,7 +4,9 @@ Backups and the registry only need: put a file, stream an object back, put a sma
 (optionally create-only), read it, head, list (every object, or one level of "directories")
 and delete. ``FileObjectStore``
 serves ``file://`` URLs and local runs; ``MemoryObjectStore`` is a real implementation held
-in memory, for unit tests. ``s3://`` (``storage.s3``) and ``gs://`` (``storage.gcs``)
+in memory, for unit tests. A file put with a ``Meter`` sends its bytes at the meter's pace
+(a backup shares the node's link with the training job, ``local.pacer``); small objects
+and reads are never paced. ``s3://`` (``storage.s3``) and ``gs://`` (``storage.gcs``)
 plug in behind the same interface; their SDKs are optional and imported only when used.
 """
 
@@ -18,13 +20,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 
 import google_crc32c
 
 from replicator.local import fsutil
 from replicator.local.hashing import CHUNK, read_chunks
+from replicator.local.pacer import Meter
 
 
 class ObjectStoreError(Exception):
@@ -80,10 +83,13 @@ class ObjectStore(Protocol):
 
     url: str
 
-    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+    def put_file(
+        self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
+    ) -> None:
         """Upload a file; with ``crc32c`` raise ``ChecksumMismatch`` if its bytes differ.
 
-        Either the whole file becomes the object or the object is left as it was.
+        Either the whole file becomes the object or the object is left as it was. With
+        ``meter`` every byte sent (re-sent ones too) waits for it first.
         """
         ...
 
@@ -150,7 +156,9 @@ class FileObjectStore:
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+    def put_file(
+        self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
+    ) -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = fsutil.tmp_name(dest)
@@ -159,7 +167,7 @@ class FileObjectStore:
             with open(tmp, "wb") as out:
                 for chunk in read_chunks(src):
                     crc = google_crc32c.extend(crc, chunk)
-                    out.write(chunk)
+                    paced_write(out, chunk, meter)
                 check_crc32c(key, crc, crc32c)
                 out.flush()
                 os.fsync(out.fileno())
@@ -278,6 +286,19 @@ class FileObjectStore:
             self._path(key).unlink()
 
 
+def paced_write(out: BinaryIO, data: bytes, meter: Meter | None) -> None:
+    """Write ``data`` to ``out`` a slice at a time, each after ``meter`` allows it."""
+    if meter is None:
+        out.write(data)
+        return
+    view = memoryview(data)
+    while view:
+        n = min(meter.slice(), len(view))
+        meter.take(n)
+        out.write(view[:n])
+        view = view[n:]
+
+
 def check_crc32c(key: str, actual: int, expected: int | None) -> None:
     """Raise ``ChecksumMismatch`` unless ``expected`` is None or equals ``actual``."""
     if expected is not None and actual != expected:
@@ -310,10 +331,14 @@ class MemoryObjectStore:
             self._clock += 1.0
             self._objects[check_key(key)] = (data, self._clock)
 
-    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+    def put_file(
+        self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
+    ) -> None:
         check_key(key)
         data = src.read_bytes()
         check_crc32c(key, google_crc32c.value(data), crc32c)
+        if meter is not None:
+            meter.take(len(data))
         self._put(key, data)
 
     def read_chunks(self, key: str) -> Iterator[bytes]:

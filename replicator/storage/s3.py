@@ -10,6 +10,13 @@ compared too (single-part objects and parts, unless KMS or customer-key encrypti
 the ETag something else). Downloads are checked against the metadata crc32c and S3's own
 full-object checksum when it has one.
 
+Pacing: a file put with a ``Meter`` hands botocore each body as a ``PacedReader``, which
+botocore reads in 128 KiB blocks as it writes them to the socket, so the wire follows the
+meter. Payload signing is off (``UNSIGNED-PAYLOAD``) even on plain-HTTP endpoints, where
+botocore would otherwise read the whole body once more to hash it before sending (paying
+the meter twice, then sending in one burst); the signed ``Content-MD5`` and crc32c
+headers still bind the body to the request.
+
 Files larger than ``part_size`` go up as multipart uploads, parts sent in parallel from a
 bounded window (``storage.parts``): an upload holds at most ``workers + 1`` parts in
 memory (160 MiB with the defaults); a download streams ``chunk_size`` pieces. A process
@@ -31,7 +38,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar, cast
 
 import boto3
 import botocore.exceptions as bexc
@@ -42,6 +49,7 @@ from botocore.config import Config
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK, file_crc32c
+from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -211,6 +219,7 @@ class S3ObjectStore:
             "s3",
             config=Config(
                 retries={"total_max_attempts": 1},  # ours decide (``translate``)
+                s3={"payload_signing_enabled": False},  # see the module doc, "Pacing"
                 connect_timeout=10,
                 read_timeout=timeout,
                 max_pool_connections=max(10, 2 * workers),
@@ -256,7 +265,9 @@ class S3ObjectStore:
         self._ensure_bucket()
         self._put_object(name, data, if_absent=if_absent)
 
-    def _put_object(self, name: str, data: bytes, *, if_absent: bool = False) -> None:
+    def _put_object(
+        self, name: str, data: bytes, *, if_absent: bool = False, meter: Meter | None = None
+    ) -> None:
         what = f"put {self.bucket}/{name}"
         crc = google_crc32c.value(data)
         md5 = md5_digest(data)
@@ -266,7 +277,7 @@ class S3ObjectStore:
             response = self.client.put_object(
                 Bucket=self.bucket,
                 Key=name,
-                Body=data,
+                Body=_body(data, meter),
                 ContentMD5=base64.b64encode(md5).decode(),
                 ChecksumAlgorithm="CRC32C",
                 ChecksumCRC32C=crc32c_b64(crc),
@@ -277,7 +288,9 @@ class S3ObjectStore:
 
         self._call(what, put)
 
-    def put_file(self, key: str, src: Path, *, crc32c: int | None = None) -> None:
+    def put_file(
+        self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
+    ) -> None:
         name = self._name(key)
         self._ensure_bucket()
         t0 = time.monotonic()
@@ -285,11 +298,11 @@ class S3ObjectStore:
         if size <= self.part_size:
             data = read_small_file(src, self.part_size)
             check_crc32c(key, google_crc32c.value(data), crc32c)
-            self._put_object(name, data)
+            self._put_object(name, data, meter=meter)
             parts = 1
         else:
             part_size = max(self.part_size, -(-size // MAX_PARTS))
-            parts = self._put_multipart(key, name, src, crc32c, part_size)
+            parts = self._put_multipart(key, name, src, crc32c, part_size, meter=meter)
         dt = max(time.monotonic() - t0, 1e-9)
         log.debug(
             "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",
@@ -301,7 +314,14 @@ class S3ObjectStore:
         )
 
     def _put_multipart(
-        self, key: str, name: str, src: Path, crc32c: int | None, part_size: int
+        self,
+        key: str,
+        name: str,
+        src: Path,
+        crc32c: int | None,
+        part_size: int,
+        *,
+        meter: Meter | None,
     ) -> int:
         what = f"multipart put {self.bucket}/{name}"
         # The crc32c goes into metadata when the upload is created, before any byte is sent.
@@ -316,12 +336,13 @@ class S3ObjectStore:
             ),
         )
         upload_id = created["UploadId"]
+        meter = None if meter is None else SharedMeter(meter)  # the parts' threads share it
         try:
             done, _, crc = upload_parts(
                 src,
                 part_size,
                 self.workers,
-                lambda number, data: self._upload_part(name, upload_id, number, data),
+                lambda number, data: self._upload_part(name, upload_id, number, data, meter),
                 name="s3-put",
             )
             check_crc32c(key, crc, expected)
@@ -353,7 +374,7 @@ class S3ObjectStore:
         return len(done)
 
     def _upload_part(
-        self, name: str, upload_id: str, number: int, data: bytes
+        self, name: str, upload_id: str, number: int, data: bytes, meter: Meter | None
     ) -> tuple[CompletedPartTypeDef, bytes]:
         what = f"part {number} of {self.bucket}/{name}"
         crc = google_crc32c.value(data)
@@ -365,7 +386,7 @@ class S3ObjectStore:
                 Key=name,
                 UploadId=upload_id,
                 PartNumber=number,
-                Body=data,
+                Body=_body(data, meter),
                 ContentMD5=base64.b64encode(md5).decode(),
                 ChecksumAlgorithm="CRC32C",
                 ChecksumCRC32C=crc32c_b64(crc),
@@ -475,6 +496,13 @@ class S3ObjectStore:
                 f"delete {self.bucket}/{name}",
                 lambda: self.client.delete_object(Bucket=self.bucket, Key=name),
             )
+
+
+def _body(data: bytes, meter: Meter | None) -> bytes | IO[bytes]:
+    """A request body: paced when there is a meter (a fresh reader per attempt, so a
+    retried request re-sends, and pays for, every byte)."""
+    # botocore needs only read, seek and tell (and len for the Content-Length).
+    return data if meter is None else cast("IO[bytes]", PacedReader(data, meter))
 
 
 def _stored_crc32c(what: str, response: Mapping[str, Any]) -> int | None:
