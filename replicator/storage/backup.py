@@ -219,6 +219,18 @@ class BackupStore:
         staged: Path,
         cancelled: CancelCheck,
     ) -> Manifest:
+        # A restore: never throttled, and this node's uploads trickle while it downloads.
+        with self.pacer.transfer(Traffic.RESTORE):
+            return self._fetch_files(item, expected, layouts, staged, cancelled)
+
+    def _fetch_files(
+        self,
+        item: ItemId,
+        expected: str,
+        layouts: Sequence[int],
+        staged: Path,
+        cancelled: CancelCheck,
+    ) -> Manifest:
         manifest, layout = self._pinned_manifest(item, expected, layouts)
         data = staged / "data"
         if manifest.kind is ItemKind.DIR:

@@ -23,6 +23,7 @@ from replicator.core.backup_layout import (
     shard,
 )
 from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
+from replicator.core.pacing import Traffic
 from replicator.local.hashing import build_manifest, verify_item
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import (
@@ -514,3 +515,22 @@ def test_a_v1_backup_still_lists_and_restores(
         by_digest = backup.fetch_pinned(item, old.items[item.key], staged)
         assert by_record == by_digest
         verify_item(by_digest, staged / "data")
+
+
+def test_a_download_is_a_restore_for_the_pacer(backup: BackupStore, uploaded: Uploaded) -> None:
+    """While it downloads, this node's uploads trickle (a restore is idle GPUs), and nothing
+    it reads is booked against the rate limit."""
+    seen: list[int] = []
+    objects = backup.objects
+    read_chunks = objects.read_chunks
+
+    def watched(key: str) -> Iterator[bytes]:
+        seen.append(backup.pacer.active(Traffic.RESTORE))
+        yield from read_chunks(key)
+
+    objects.read_chunks = watched  # type: ignore[method-assign]
+    backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+    assert seen
+    assert set(seen) == {1}
+    assert backup.pacer.active(Traffic.RESTORE) == 0
+    assert backup.pacer.sent[Traffic.RESTORE] == 0

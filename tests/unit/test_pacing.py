@@ -61,7 +61,9 @@ def test_rates_are_read_in_bytes_or_bits(text: str, rate: float | None) -> None:
     assert parse_rate(text) == rate
 
 
-@pytest.mark.parametrize("text", ["fast", "400", "400XB", "-5MiB", "0MiB", "0.1B", "1e9MB", "MiB", "63KiB"])
+@pytest.mark.parametrize(
+    "text", ["fast", "400", "400XB", "-5MiB", "0MiB", "0.1B", "1e9MB", "MiB", "63KiB"]
+)
 def test_a_bad_rate_says_the_rule(text: str) -> None:
     with pytest.raises(ValueError, match=r"transfer rate"):
         parse_rate(text)
