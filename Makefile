@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_backup.py --size-mib 1024 --cluster
 	$(PY) scripts/bench_fanout.py --size-mib 256
 	$(PY) scripts/bench_scale.py
+	$(PY) scripts/bench_interference.py --size-mib 1024
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from client import (
     save_file,
     save_state_dict,
     share_restore,
+    torch_io,
 )
 from replicator.core import contract
 from tests.torch_trees import assert_same, zeros_like
@@ -115,6 +117,50 @@ def test_loading_something_else_than_a_state_dict_fails_clearly(ckpt: Path) -> N
 
     with pytest.raises(TypeError, match="not a state dict"):
         load_state_dict(ckpt / "list.pt")
+
+
+def _zip_crcs_hold(path: Path) -> bool:
+    with zipfile.ZipFile(path) as archive:
+        return archive.testzip() is None
+
+
+@pytest.mark.parametrize("kind", ["step", "file"])
+def test_saves_skip_the_zip_crc32_that_torch_load_never_checks(ckpt: Path, kind: str) -> None:
+    def save(step: int, **options: Any) -> Path:
+        if kind == "step":
+            return save_state_dict(ckpt, step, state(), **options) / "state.pt"
+        return save_file(ckpt, step, state(), job="llama", rank=0, worker=0, **options)
+
+    fast, checked = save(1), save(2, zip_crc32=True)
+
+    assert not _zip_crcs_hold(fast)  # No CRCs: a third of a save's time on tmpfs.
+    assert _zip_crcs_hold(checked)
+    assert_same(load_state_dict(fast), state())
+    assert_same(load_state_dict(checked), state())
+    assert torch.serialization.get_crc32_options() is True  # The caller's setting is back.
+
+
+@pytest.mark.parametrize("setting", [True, False])
+def test_the_callers_crc32_setting_comes_back_after_a_failing_save(
+    ckpt: Path, setting: bool
+) -> None:
+    torch.serialization.set_crc32_options(setting)
+    try:
+        with pytest.raises(AttributeError, match="pickle"):
+            save_state_dict(ckpt, 7, {"f": lambda: None})
+        assert torch.serialization.get_crc32_options() is setting
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_concurrent_saves_turn_the_crc32_switch_back_when_the_last_one_ends() -> None:
+    switch = torch_io._ZipCrc32Off()
+
+    with switch.held():
+        with switch.held():
+            assert torch.serialization.get_crc32_options() is False
+        assert torch.serialization.get_crc32_options() is False  # The other save still runs.
+    assert torch.serialization.get_crc32_options() is True
 
 
 # --- .save files (framework pytorch) ---------------------------------------------------------
