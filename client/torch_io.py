@@ -323,8 +323,8 @@ def _torch_save(state_dict: Mapping[str, Any], f: Any, zip_crc32: bool) -> None:
     """
     import torch
 
-    if zip_crc32:
-        torch.save(dict(state_dict), f)
+    if zip_crc32 or not hasattr(torch.serialization, "set_crc32_options"):
+        torch.save(dict(state_dict), f)  # (the switch came with torch 2.3)
         return
     with _zip_crc32_off.held():
         torch.save(dict(state_dict), f)
