@@ -6,9 +6,9 @@ the other N-2 ranks are simulated members in this process. Each simulated member
 gRPC channel (with mutual TLS unless ``--no-tls``) and speaks the coordinator protocol as an
 agent does: it joins with an inventory (its own items of the steps it holds and its pusher's
 copies, with the digests of the manifests it uploads), long-polls its round, reports its
-restore, then reports progress as the coordinator asks (after each save, after each
-upload, and every ``report_every_seconds``), uploading its tiny item's manifest when ordered
-to back up so that the coordinator's COMMIT finds every item.
+restore, then reports progress as an agent does (when it takes a step, when the step is
+replicated, after each upload, and every ``report_every_seconds``), uploading its tiny
+item's manifest when ordered to back up so that the coordinator's COMMIT finds every item.
 
 Measured per N:
 
@@ -191,6 +191,8 @@ class Member:
     report_every: float = 1.0
     reported: tuple[int | None, int | None] = (None, None)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    force: bool = False
+    """A report is due regardless of news (a step was ingested)."""
     first_choices: Counter[int] = field(default_factory=Counter)
 
     def inventory(self, digests: dict[ItemId, str]) -> list[pb.HeldItem]:
@@ -206,6 +208,7 @@ class Member:
 
 _RETRIED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
 RETRIES = Counter[str]()
+RETRY_DETAILS = Counter[str]()
 """Calls that failed and were tried again, by status (reported with the results)."""
 
 
@@ -220,6 +223,7 @@ async def restore_round(m: Member, digests: dict[ItemId, str]) -> float:
             if exc.code() not in _RETRIED:
                 raise
             RETRIES[exc.code().name] += 1
+            RETRY_DETAILS[f"{exc.code().name}: {(exc.details() or '')[:80]}"] += 1
             await asyncio.sleep(0.2)
 
 
@@ -301,6 +305,8 @@ class Steady:
         self.reports = 0
         self.failures = 0
         self.failure_codes = Counter[str]()
+        self.crashes = Counter[str]()
+        """Reports that raised something other than a gRPC error, by what."""
         self.orders: list[tuple[float, int]] = []
         self.ordered = asyncio.Event()
         self.tasks = [asyncio.create_task(self.routine(m)) for m in members]
@@ -357,9 +363,15 @@ class Steady:
         backoff = 1.0
         while True:
             m.wake.clear()
-            if await self.report(m):
+            m.force = False
+            try:
+                answered = await self.report(m)
+            except Exception as exc:  # a member that dies silently would stall every order
+                self.crashes[f"{type(exc).__name__}: {exc}"[:120]] += 1
+                answered = False
+            if answered:
                 backoff = 1.0
-                if m.reported == (m.replicated, m.uploaded):
+                if m.reported == (m.replicated, m.uploaded) and not m.force:
                     # Not asyncio.wait_for: on 3.11 it can swallow the cancel of ``stop``
                     # when it arrives as the wait ends (gh-86296); among 4,096 members one
                     # always does, and ``stop`` then waits forever.
@@ -381,12 +393,18 @@ class Steady:
         m.wake.set()
 
     async def saved(self, step: int) -> None:
-        """Every member committed ``step`` and pushed it to its peer within a second."""
+        """Every member committed ``step`` (and reports it, as an agent does at ingest), then
+        pushed it to its peer (and reports that), within a second."""
 
         async def one(m: Member) -> None:
-            await asyncio.sleep(random.uniform(0.0, 1.0))
-            # It keeps the newest three (an agent keeps what the coordinator asks for).
+            await asyncio.sleep(random.uniform(0.0, 0.5))
+            # Ingest: an agent reports its new promise at once (it keeps the newest three,
+            # and what the coordinator asks for) ...
             m.steps = {*sorted(m.steps)[-2:], step}
+            m.force = True
+            m.wake.set()
+            # ... and again once the step reached its peer.
+            await asyncio.sleep(random.uniform(0.2, 0.5))
             m.replicated = step
             m.wake.set()
 
@@ -529,14 +547,14 @@ class Run:
         await asyncio.gather(*(restore_round(m, {}) for m in members))
         (self.root / "uploads").mkdir()
         self.result["steady"] = await self.steady(members, self.args.steady_seconds)
+        if self.args.restart:
+            self.result["restart"] = await self.restart(members)
         # Restore rounds: nothing lost, then 1%, 10% and 100% of the RAM disks.
         rng = random.Random(self.n)
         self.result["round"] = await self.round(members, set(), wipe_real=False)
         for share in (0.01, 0.10):
             lost = set(rng.sample(sims, max(1, round(share * self.n))))
             self.result[f"loss_{int(share * 100)}"] = await self.round(members, lost, False)
-        if self.args.restart:
-            self.result["restart"] = await self.restart(members)
         self.result["loss_100"] = await self.round(members, set(sims), wipe_real=True)
         for node in self.nodes.values():
             node.stop()
@@ -616,7 +634,7 @@ class Run:
             print(
                 f"  restart +{time.monotonic() - t0:.0f}s: {steady.reports} reports answered, "
                 f"{steady.failures} failed {dict(steady.failure_codes)}, "
-                f"{len(steady.orders)} orders",
+                f"{len(steady.orders)} orders, other errors {dict(steady.crashes)}",
                 file=sys.stderr,
             )
 
@@ -684,7 +702,9 @@ def main() -> None:
                 for node in run.nodes.values():
                     node.stop(signal.SIGKILL)
             result["retried_calls"] = dict(RETRIES)
+            result["retried_why"] = dict(RETRY_DETAILS.most_common(5))
             RETRIES.clear()
+            RETRY_DETAILS.clear()
             results.append(result)
             if args.json:
                 print(json.dumps(result), flush=True)

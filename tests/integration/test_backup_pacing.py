@@ -8,10 +8,10 @@ second carries more than the burst plus a second's worth, which an SDK that read
 whole and then sent it at once would break. The bytes stored are intact, and a download of
 the same object with the same ``Pacer`` is not throttled.
 
-Sizes: 512 MiB on ``file://``. moto and the emulator upload 512 MiB at 25-120 MiB/s here
-(measured unpaced, the number falls with the other work on the 2 cores), so a limit well
-below that would take half a minute per upload: the cloud backends send 96 MiB (three
-parts) and 32 MiB (one request) at limits that take about 5 s.
+Sizes: 512 MiB on ``file://`` and in the multipart and composite uploads (16 parts);
+32 MiB in one request. moto and the emulator take 512 MiB at 25-120 MiB/s here (measured
+unpaced; the number falls with the other work on the 2 cores), so their limit is 16 MiB/s,
+well under it: about half a minute per 512 MiB upload.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from tests.storage_servers import HOST, Bucket
 
 MiB = 1 << 20
 PART = 32 * MiB
+SOCKET_BUFFERS = 16 * MiB
+"""What loopback sockets between the client, the relay and the server can hold at once."""
 JOB = "job"
 ITEM = ItemId(JOB, 7, 0, 0)
 
@@ -55,9 +57,9 @@ class Case:
 CASES = {
     "file": Case("file", 512 * MiB, 96 * MiB, PART),
     "s3-single": Case("s3", 32 * MiB, 6 * MiB, 64 * MiB),
-    "s3-multipart": Case("s3", 96 * MiB, 18 * MiB, PART),
+    "s3-multipart": Case("s3", 512 * MiB, 16 * MiB, PART),
     "gcs-single": Case("gcs", 32 * MiB, 6 * MiB, 64 * MiB),
-    "gcs-composite": Case("gcs", 96 * MiB, 18 * MiB, PART),
+    "gcs-composite": Case("gcs", 512 * MiB, 16 * MiB, PART),
 }
 
 
@@ -210,8 +212,13 @@ def test_uploads_keep_to_the_limit_and_restores_ignore_it(
             span = relay.span_until(case.size)
             assert least <= span <= most, f"{span:.2f}s, not in [{least:.2f}, {most:.2f}]"
             assert took >= least
+            # The pacer lets at most a burst plus a second's worth go in any second. On the
+            # wire, what the kernel's socket buffers (client to relay, relay to server: a few
+            # MiB each on loopback) held while the server stalled (the emulator does, when a
+            # composite upload's parts pile up) passes at once when it reads again.
             busiest = relay.busiest_second()
-            assert busiest <= 1.1 * (burst + case.rate), f"{busiest / MiB:.1f} MiB in 1 s"
+            allowed = 1.1 * (burst + case.rate) + SOCKET_BUFFERS
+            assert busiest <= allowed, f"{busiest / MiB:.1f} MiB in 1 s"
         sent = pacer.sent[Traffic.BACKUP]
         assert case.size <= sent <= case.size + rules.slice + 64 * 1024, "every byte booked"
 
