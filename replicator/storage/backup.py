@@ -36,6 +36,7 @@ from replicator.core.manifest import (
     CancelCheck,
     Cancelled,
     CorruptItem,
+    FileEntry,
     ItemId,
     ItemKind,
     Manifest,
@@ -219,48 +220,40 @@ class BackupStore:
         staged: Path,
         cancelled: CancelCheck,
     ) -> Manifest:
-        # A restore: never throttled, and this node's uploads trickle while it downloads.
-        with self.pacer.transfer(Traffic.RESTORE):
-            return self._fetch_files(item, expected, layouts, staged, cancelled)
-
-    def _fetch_files(
-        self,
-        item: ItemId,
-        expected: str,
-        layouts: Sequence[int],
-        staged: Path,
-        cancelled: CancelCheck,
-    ) -> Manifest:
         manifest, layout = self._pinned_manifest(item, expected, layouts)
         data = staged / "data"
         if manifest.kind is ItemKind.DIR:
             data.mkdir()
             for d in manifest.dirs:
                 (data / d).mkdir(parents=True, exist_ok=True)
-        for entry in manifest.files:
-            crc, size = 0, 0
-            try:
-                with open(data_file(data, entry), "xb") as out:
-                    for chunk in self.objects.read_chunks(data_key(item, entry.path, layout)):
-                        if cancelled():
-                            raise Cancelled(str(item))
-                        size += len(chunk)
-                        if size > entry.size:
-                            break
-                        crc = google_crc32c.extend(crc, chunk)
-                        out.write(chunk)
-            except ObjectNotFound:
-                raise CorruptItem(
-                    f"{item}: backup object {entry.path or 'data'} is missing"
-                ) from None
-            except ChecksumMismatch as exc:
-                raise CorruptItem(f"{item}: backup object {entry.path or 'data'}: {exc}") from None
-            if size != entry.size or crc != entry.crc32c:
-                raise CorruptItem(
-                    f"{item}: backup object {entry.path or 'data'} does not match its manifest "
-                    f"(size {size} vs {entry.size})"
-                )
+        # A restore: never throttled, and this node's uploads trickle while it downloads.
+        with self.pacer.transfer(Traffic.RESTORE):
+            for entry in manifest.files:
+                self._fetch_file(item, entry, data_file(data, entry), layout, cancelled)
         return manifest
+
+    def _fetch_file(
+        self, item: ItemId, entry: FileEntry, dest: Path, layout: int, cancelled: CancelCheck
+    ) -> None:
+        """One file of ``item`` into ``dest``, checked against its manifest entry."""
+        crc, size = 0, 0
+        what = f"{item}: backup object {entry.path or 'data'}"
+        try:
+            with open(dest, "xb") as out:
+                for chunk in self.objects.read_chunks(data_key(item, entry.path, layout)):
+                    if cancelled():
+                        raise Cancelled(str(item))
+                    size += len(chunk)
+                    if size > entry.size:
+                        break
+                    crc = google_crc32c.extend(crc, chunk)
+                    out.write(chunk)
+        except ObjectNotFound:
+            raise CorruptItem(f"{what} is missing") from None
+        except ChecksumMismatch as exc:
+            raise CorruptItem(f"{what}: {exc}") from None
+        if size != entry.size or crc != entry.crc32c:
+            raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
 
     def _pinned_manifest(
         self, item: ItemId, expected: str, layouts: Sequence[int]
