@@ -1,0 +1,93 @@
+"""The restore timeline (``core.timeline``), from real daemons: the INFO line of every
+phase's seconds, the DEBUG span per phase and item, and ``mtc_restore_phase_seconds`` on
+``/metrics``, for a cluster whose node lost its RAM disk and pulls from a peer."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from replicator.core.timeline import RestorePhase
+from tests.integration.cluster import Cluster, assert_restored
+from tests.integration.test_metrics import METRICS, sample, scrape_until
+
+pytestmark = pytest.mark.integration
+
+_SUMMARY = re.compile(r"INFO \S+: restore timeline: (total=.*?) job=(\S+) rank=(\d+) step=(\d+)")
+_SPAN = re.compile(r"DEBUG \S+: restore timeline: \+(\S+)s (\S+)s (\w+)(?: (.*?))? job=\S+ rank=")
+
+
+def summaries(log: str, step: int) -> list[dict[str, float]]:
+    """The INFO lines of the restores of ``step``, as {phase or 'total': seconds}."""
+    found = []
+    for m in _SUMMARY.finditer(log):
+        if int(m.group(4)) == step:
+            found.append({k: float(v) for k, v in (kv.split("=") for kv in m.group(1).split())})
+    return found
+
+
+def spans(log: str) -> list[tuple[float, float, str, str]]:
+    return [
+        (float(m.group(1)), float(m.group(2)), m.group(3), m.group(4) or "")
+        for m in _SPAN.finditer(log)
+    ]
+
+
+@pytest.mark.parametrize("cluster_extra", [(*METRICS, "--log-level", "debug")])
+def test_a_peer_restore_logs_and_exports_its_timeline(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    files = cluster.save(5)
+    lost = 2
+    holder = cluster.holder(lost, 5)
+    cluster.wipe(lost)
+    cluster.handshake([0, 2, 1, 3])
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, files)
+
+    # Rank 2: one INFO line naming every phase; the time went to settling, the round, the
+    # pull from its holder and the markers; the phases add up to the total.
+    log = cluster.daemon(lost).log()
+    (summary,) = summaries(log, 5)
+    assert list(summary) == ["total", *(p.value for p in RestorePhase)]
+    assert [summary[p] > 0 for p in ("settle", "join", "peer", "markers")] == [True] * 4
+    assert (summary["local"], summary["backup"]) == (0, 0)
+    phases = sum(v for k, v in summary.items() if k != "total")
+    assert phases == pytest.approx(summary["total"], abs=0.01)
+    # At DEBUG every span, in order from the handshake, the pull naming item and holder.
+    restored = [s for s in spans(log) if s[0] >= 0]
+    pulls = [s for s in restored if s[2] == "peer"]
+    assert pulls
+    assert all(f"from rank {holder}" in s[3] for s in pulls)
+    assert any(f"s5/n{lost}-w0" in s[3] for s in pulls)
+    order = [s[2] for s in restored[-len(summary) + 1 :]]
+    assert order.index("settle") < order.index("join") < order.index("peer")
+    assert order[-1] == "markers"
+
+    # A surviving rank verified its own copy: the local phase, no pull.
+    (kept,) = summaries(cluster.daemon(0).log(), 5)
+    assert kept["local"] > 0
+    assert kept["peer"] == 0
+
+    # /metrics: the wiped node's daemon restarted: its one restore pulled; nothing was
+    # verified or downloaded there, and every phase is exported.
+    got = scrape_until(
+        cluster.daemon(lost),
+        "rank 2's restore phases exported",
+        lambda s: sample(s, "mtc_restore_phase_seconds_count", phase="peer") == 1,
+    )
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="join") == 1
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="markers") == 1
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="backup") == 0
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="local") == 0
+    assert sample(got, "mtc_restore_phase_seconds_sum", phase="peer") == pytest.approx(
+        summary["peer"], abs=0.002
+    )
+    survivor = scrape_until(
+        cluster.daemon(0),
+        "rank 0's local verification exported",
+        lambda s: sample(s, "mtc_restore_phase_seconds_count", phase="local") == 1,
+    )
+    # Rank 0's daemon ran both restores (the fresh start and this one).
+    assert sample(survivor, "mtc_restore_phase_seconds_count", phase="join") == 2
+    assert sample(survivor, "mtc_restore_phase_seconds_count", phase="peer") == 0
