@@ -1,28 +1,45 @@
 """The restore timeline (``core.timeline``), from real daemons: the INFO line of every
 phase's seconds, the DEBUG span per phase and item, and ``mtc_restore_phase_seconds`` on
-``/metrics``, for a cluster whose node lost its RAM disk and pulls from a peer."""
+``/metrics``: a cluster whose node lost its RAM disk and pulls from a peer, and one node
+that lost its RAM disk and downloads from the backup."""
 
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
 from replicator.core.timeline import RestorePhase
 from tests.integration.cluster import Cluster, assert_restored
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    config_text,
+    make_step,
+    payload,
+    read_tree,
+    store_root,
+    wait_ingested,
+    wait_markers,
+    write_yaml_atomic,
+)
 from tests.integration.test_metrics import METRICS, sample, scrape_until
 
 pytestmark = pytest.mark.integration
 
-_SUMMARY = re.compile(r"INFO \S+: restore timeline: (total=.*?) job=(\S+) rank=(\d+) step=(\d+)")
+_SUMMARY = re.compile(
+    r"INFO \S+: restore timeline: (total=.*?) job=(\S+) rank=(\d+)(?: step=(\d+))?$", re.M
+)
 _SPAN = re.compile(r"DEBUG \S+: restore timeline: \+(\S+)s (\S+)s (\w+)(?: (.*?))? job=\S+ rank=")
 
 
-def summaries(log: str, step: int) -> list[dict[str, float]]:
-    """The INFO lines of the restores of ``step``, as {phase or 'total': seconds}."""
+def summaries(log: str, step: int | None) -> list[dict[str, float]]:
+    """The INFO lines of the restores of ``step`` (None: fresh starts), as {phase or
+    'total': seconds}."""
     found = []
     for m in _SUMMARY.finditer(log):
-        if int(m.group(4)) == step:
+        if (None if m.group(4) is None else int(m.group(4))) == step:
             found.append({k: float(v) for k, v in (kv.split("=") for kv in m.group(1).split())})
     return found
 
@@ -91,3 +108,45 @@ def test_a_peer_restore_logs_and_exports_its_timeline(cluster: Cluster) -> None:
     # Rank 0's daemon ran both restores (the fresh start and this one).
     assert sample(survivor, "mtc_restore_phase_seconds_count", phase="join") == 2
     assert sample(survivor, "mtc_restore_phase_seconds_count", phase="peer") == 0
+
+
+def test_a_backup_restore_logs_and_exports_the_download(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon(backup=backup_dir, extra=(*METRICS, "--log-level", "debug"))
+    yaml_text = config_text(job, backup_interval_steps=1)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    files = payload(7, seed=job, size=300_000)
+    make_step(ckpt, 7, files)
+    wait_ingested(ckpt, job, 7, daemon)
+    scrape_until(
+        daemon,
+        "step 7 backed up",
+        lambda s: sample(s, "mtc_newest_step", job=job, tier="backup") == 7,
+    )
+    (fresh,) = summaries(daemon.log(), None)  # the first incarnation's: nothing to fetch
+    assert (fresh["local"], fresh["peer"], fresh["backup"]) == (0, 0, 0)
+
+    # The node loses its RAM disk and its daemon; the job restarts on a new daemon.
+    daemon.stop()
+    for entry in ckpt.iterdir():
+        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    shutil.rmtree(store_root(ckpt))
+    daemon = start_daemon(backup=backup_dir, extra=(*METRICS, "--log-level", "debug"))
+    write_yaml_atomic(ckpt, yaml_text)
+    marker = wait_markers(ckpt, job, 7, daemon)
+    assert read_tree(marker[0]) == files
+
+    (summary,) = summaries(daemon.log(), 7)
+    assert summary["backup"] > 0
+    assert (summary["local"], summary["peer"]) == (0, 0)
+    downloads = [s for s in spans(daemon.log()) if s[2] == "backup"]
+    assert [d[3] for d in downloads] == [f"{job}/s7/n0-w0"]
+    got = scrape_until(
+        daemon,
+        "the download's phase exported",
+        lambda s: sample(s, "mtc_restore_phase_seconds_count", phase="backup") == 1,
+    )
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="settle") == 1
+    assert sample(got, "mtc_restore_phase_seconds_count", phase="local") == 0
