@@ -30,6 +30,7 @@ from replicator.core.coordination import MAX_REPORT_EVERY
 from replicator.core.layout import replication_targets
 from replicator.core.manifest import Cancelled, ItemId, ManifestError
 from replicator.core.retry import Backoff
+from replicator.core.timeline import RestoreTimeline
 from replicator.local.store import LocalStore
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
@@ -108,7 +109,8 @@ class ClusterMember:
         self._targets = replication_targets(ctx.config)
         self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
 
-    async def restore(self) -> RoundOutcome:
+    async def restore(self, timeline: RestoreTimeline | None = None) -> RoundOutcome:
+        """Take this rank through the restore round; ``timeline`` records its phases."""
         participant = RoundParticipant(
             RoundContext(
                 config=self.config,
@@ -122,6 +124,7 @@ class ClusterMember:
                 error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
                 report_after=self.ctx.report_after,
                 obtaining=self.ctx.obtaining,
+                timeline=timeline,
             )
         )
         outcome = await participant.run()

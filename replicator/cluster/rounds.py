@@ -31,6 +31,7 @@ from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestErr
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.core.retry import Backoff
+from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local.store import LocalStore, StoreError
 from replicator.storage.objectstore import ObjectStoreError
 from replicator.transport.obtaining import Obtain, Obtaining
@@ -90,6 +91,8 @@ class RoundContext:
     pending pulls of other ranks); None: nobody pulls from this node during a round."""
     pending_wait: float = PENDING_WAIT_SECONDS
     pending_grace: float = PENDING_GRACE_SECONDS
+    timeline: RestoreTimeline | None = None
+    """Where the round marks its phases (join, plan, each fetch, release); None: nowhere."""
 
 
 class RoundParticipant:
@@ -107,6 +110,12 @@ class RoundParticipant:
         the same item, so the store alone cannot tell which was used)."""
         self._announced: set[ItemId] = set()
         """Items this round told the peer service about (``ctx.obtaining``)."""
+
+    def _mark(self, phase: RestorePhase, detail: str = "") -> None:
+        """The round is in ``phase`` from now (a phase already in continues)."""
+        timeline = self.ctx.timeline
+        if timeline is not None and (detail or timeline.phase is not phase):
+            timeline.enter(phase, detail)
 
     def _say_waiting(self, message: str) -> None:
         """Tell the workload what we wait for, once the wait got long, once per change."""
@@ -136,6 +145,7 @@ class RoundParticipant:
         backoff = Backoff()
         job = self.config.job_name
         while True:
+            self._mark(RestorePhase.JOIN)
             try:
                 client = await self.ctx.finder.find(job, timeout=POLL_SECONDS)
             except UntrustedCoordinator as exc:
@@ -173,6 +183,7 @@ class RoundParticipant:
         round_ = await client.join(
             rank, inc, cluster_view_json(self.config), self.ctx.advertise, self._inventory()
         )
+        self._mark(RestorePhase.PLAN)
         state: RoundState | None = None
         done_version = -1
         while True:
@@ -186,9 +197,11 @@ class RoundParticipant:
             if state.phase is None:
                 return None
             if state.phase is Phase.WAITING:
+                self._mark(RestorePhase.PLAN)
                 self._say_waiting(state.message)
             elif state.phase is Phase.FETCH and state.plan_version != done_version:
                 ready, failures = await self._obtain(state)
+                self._mark(RestorePhase.RELEASE)
                 await client.report_restore(
                     rank, inc, state.round, state.plan_version,
                     ready=ready, failures=failures, addresses=state.addresses,
@@ -224,10 +237,12 @@ class RoundParticipant:
             try:
                 held = store.get(f.item)
                 if held is not None and held.digest == f.digest:
+                    self._mark(RestorePhase.LOCAL, str(f.item))
                     await self.ctx.verify_local(f.item)
                 elif f.source is Source.LOCAL:
                     raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
                 elif f.source is Source.PEER:
+                    self._mark(RestorePhase.PEER, f"{f.item} from rank {f.holder}")
                     peers = self.ctx.peers
                     if peers is None or f.holder is None or f.holder not in addresses:
                         raise PeerError("?", f"no address for rank {f.holder}")
@@ -236,6 +251,7 @@ class RoundParticipant:
                     else:
                         await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
                 else:
+                    self._mark(RestorePhase.BACKUP, str(f.item))
                     await self.ctx.fetch_backup(f.item, f.digest)
                     fetched = store.get(f.item)
                     if fetched is None or fetched.digest != f.digest:

@@ -51,6 +51,7 @@ from replicator.core.policy import (
     retention_of_copies,
     save_in_progress,
 )
+from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local import fsutil
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
@@ -204,7 +205,10 @@ class Incarnation:
         incarnation_id: str | None = None,
         resume_steady: bool = False,
         owner: str = UNOWNED,
+        handshake_at: float | None = None,
     ) -> None:
+        """``handshake_at``: when (``time.monotonic``) the daemon first read the yaml this
+        incarnation was accepted from; the restore's timeline starts there."""
         self.config = config
         self.ctx = ctx
         self.owner = owner
@@ -223,6 +227,12 @@ class Incarnation:
         """This rank in its job (every job has one once the incarnation runs)."""
         self._saving = False
         """Whether the last scan saw the job writing a checkpoint."""
+        self.timeline = RestoreTimeline(
+            time.monotonic,
+            origin=handshake_at,
+            opening=None if handshake_at is None else RestorePhase.SETTLE,
+        )
+        """How long each phase of this incarnation's restore took (``core.timeline``)."""
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -274,6 +284,7 @@ class Incarnation:
                 for assumption in self.config.assumed:
                     self.error(assumption, kind=ErrorKind.CONFIG)
                 self.persist()
+                self.timeline.enter(RestorePhase.INGEST)
                 await self._ingest_ready(member)
                 await self._restore(member)
                 self.phase = IncarnationPhase.STEADY
@@ -289,6 +300,7 @@ class Incarnation:
             self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
             if self.phase is IncarnationPhase.RESTORING:
                 self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
+                self._report_timeline("restore failed", None)
             text = (
                 f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
                 f"{type(exc).__name__}: {exc}\nSee the replicator's log on this node; restart the "
@@ -349,7 +361,7 @@ class Incarnation:
     async def _restore(self, member: ClusterMember) -> None:
         started = time.monotonic()
         try:
-            outcome = await member.restore()
+            outcome = await member.restore(self.timeline)
         except RoundFailed as exc:
             raise RestoreBlocked(f"the restore round cannot complete: {exc}") from None
         if outcome.step is None and outcome.unavailable:
@@ -376,10 +388,12 @@ class Incarnation:
                 kind=ErrorKind.RESTORE,
             )
         self._tell_refused_commits()
+        self.timeline.enter(RestorePhase.MARKERS)
         if abandoned:
             self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
             await self._thread(self._delete_items, abandoned)
         await self._thread(self._publish_markers, outcome.step, outcome.source, outcome.stored_as)
+        self._report_timeline("restore timeline", outcome.step)
         self.log.info(
             "restore round done: step=%s source=%s in %.2fs",
             outcome.step,
@@ -388,6 +402,16 @@ class Incarnation:
             step=outcome.step,
         )
         self.ctx.metrics.restore_done(self.config.job_name, outcome.step, self._since_start())
+
+    def _report_timeline(self, what: str, step: int | None) -> None:
+        """End the restore's timeline: one INFO line of every phase's seconds, at DEBUG
+        each span, and the phases to ``mtc_restore_phase_seconds``."""
+        timeline = self.timeline
+        timeline.finish()
+        self.log.info("%s: %s", what, timeline.summary(), step=step)
+        for line in timeline.lines():
+            self.log.debug("restore timeline: %s", line, step=step)
+        self.ctx.metrics.restore_phases({p.value: t for p, t in timeline.totals().items()})
 
     def _tell_refused_commits(self) -> None:
         """Say which COMMITs the round passed over because they were not believed (unsigned

@@ -57,6 +57,7 @@ from replicator.core.pacing import (
     format_rate,
     parse_rate,
 )
+from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
 from replicator.local.watcher import DirectoryWatcher
@@ -448,7 +449,9 @@ class Daemon:
             if opts.backup
             else None
         )
-        self._prometheus = PrometheusMetrics() if opts.metrics else None
+        self._prometheus = (
+            PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
+        )
         self.metrics: Metrics = self._prometheus or NO_METRICS
         self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
@@ -735,7 +738,7 @@ class Daemon:
                 await self._reject(text, exc, "")
             return
         if stable >= self.VALID_SETTLE and finished:
-            await self._accept(config, text)
+            await self._accept(config, text, pending.first_seen)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
         await self._refuse(
@@ -917,8 +920,10 @@ class Daemon:
             self.incarnation = None
             save_state(self.store, None)
 
-    async def _accept(self, config: JobConfig, text: str) -> None:
-        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8)."""
+    async def _accept(self, config: JobConfig, text: str, seen_at: float | None = None) -> None:
+        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8); ``seen_at``:
+        when the yaml was first read (``time.monotonic``), where the restore's timeline
+        starts."""
         if config.unknown_keys:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
@@ -945,7 +950,12 @@ class Daemon:
             await self._refuse(text, str(exc), "Choose another job name")
             return
         self.incarnation = Incarnation(
-            config, self.ctx, config_text=text, owner=owner, incarnation_id=incarnation_id
+            config,
+            self.ctx,
+            config_text=text,
+            owner=owner,
+            incarnation_id=incarnation_id,
+            handshake_at=seen_at,
         )
         log.info(
             "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from wsgiref.simple_server import WSGIServer
@@ -81,6 +81,8 @@ class RoundOutcome(StrEnum):
 TRANSFER_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 RESTORE_BUCKETS = (0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800)
 """Seconds. Clients give up on a restore after 300 s, so the upper buckets mean trouble."""
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+"""Seconds: a phase takes milliseconds (a local join) to minutes (a backup download)."""
 
 NewestSteps = dict[tuple[str, StepTier], int]
 """(job, tier) -> newest step."""
@@ -122,6 +124,10 @@ class Metrics:
     def restore_failed(self, job: str, seconds: float) -> None:
         """The restore could not complete (``replicator.failed`` was written)."""
 
+    def restore_phases(self, seconds: Mapping[str, float]) -> None:
+        """A restore ended (done or failed): the seconds of each phase it went through
+        (``core.timeline.RestorePhase`` values)."""
+
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         """Export the daemon's pacer: ``read`` is called at every scrape."""
 
@@ -131,10 +137,15 @@ NO_METRICS = Metrics()
 
 
 class PrometheusMetrics(Metrics):
-    """Records into ``registry`` (a new one by default); ``clock`` is wall time, for ages."""
+    """Records into ``registry`` (a new one by default); ``clock`` is wall time, for ages;
+    ``phases``: every restore phase's name, exported from the start (``obs`` may not
+    import ``core``, which the CSI plugin must not carry: the daemon names them)."""
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.time
+        self,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+        phases: Iterable[str] = (),
     ) -> None:
         self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
@@ -166,7 +177,16 @@ class PrometheusMetrics(Metrics):
             registry=r,
             buckets=RESTORE_BUCKETS,
         )
+        self._phase_seconds = Histogram(
+            "mtc_restore_phase_seconds",
+            "Seconds each restore spent in each phase on this node (core.timeline).",
+            ["phase"],
+            registry=r,
+            buckets=PHASE_BUCKETS,
+        )
         # Every bounded label value exists from the start: rate() needs the zero.
+        for phase in phases:
+            self._phase_seconds.labels(phase)
         for transfer in TransferKind:
             self._bytes.labels(transfer.value)
             self._seconds.labels(transfer.value)
@@ -251,6 +271,10 @@ class PrometheusMetrics(Metrics):
             self._adopt(job)
             self._rounds.labels(job, outcome.value).inc()
         self._restore_seconds.labels(outcome.value).observe(max(seconds, 0.0))
+
+    def restore_phases(self, seconds: Mapping[str, float]) -> None:
+        for phase, secs in seconds.items():
+            self._phase_seconds.labels(phase).observe(max(secs, 0.0))
 
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         self.registry.register(_PacingCollector(read, limit))

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
-import functools
 import hashlib
 import os
 import re
@@ -26,6 +25,7 @@ from typing import Any, TypeVar
 
 import google_crc32c
 
+from replicator.core.crc import crc32c_combine
 from replicator.core.manifest import (
     CancelCheck,
     Cancelled,
@@ -54,51 +54,6 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LINKED = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-# --- crc32c arithmetic (pure) -----------------------------------------------------------------
-
-_CRC32C_POLY = 0x82F63B78  # Castagnoli, bit-reflected
-
-
-def _mult_mod_p(a: int, b: int) -> int:
-    """``a * b`` modulo the crc32c polynomial, in the reflected bit order crcs use."""
-    m = 1 << 31
-    product = 0
-    while a:
-        if a & m:
-            product ^= b
-            a ^= m
-        m >>= 1
-        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
-    return product
-
-
-_X_2N = [1 << 30]  # x^(2^k) mod p for k = 0..63 (lengths below 2^61 bytes), x^1 first
-for _ in range(63):
-    _X_2N.append(_mult_mod_p(_X_2N[-1], _X_2N[-1]))
-
-
-@functools.lru_cache(maxsize=64)
-def _x_8n(n: int) -> int:
-    """x^(8n) mod p: the operator that shifts a crc past ``n`` zero bytes."""
-    p = 1 << 31  # x^0
-    k = 3
-    while n:
-        if n & 1:
-            p = _mult_mod_p(_X_2N[k], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
-    """crc32c of ``A + B`` from crc32c(A), crc32c(B) and len(B), without reading either.
-
-    Lets the receiver check each chunk and extend the whole-file crc with one pass over
-    the bytes instead of two.
-    """
-    return _mult_mod_p(_x_8n(len_b), crc_a) ^ crc_b
 
 
 class TransferError(ValueError):

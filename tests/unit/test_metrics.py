@@ -10,6 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from csi.metrics import PrometheusCallMetrics
 from replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
+from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.node.daemon import parse_args as daemon_args
 from replicator.obs.metrics import (
@@ -57,7 +58,7 @@ def clock() -> Clock:
 
 @pytest.fixture
 def metrics(clock: Clock) -> PrometheusMetrics:
-    return PrometheusMetrics(clock=clock)
+    return PrometheusMetrics(clock=clock, phases=[p.value for p in RestorePhase])
 
 
 def test_every_bounded_label_value_is_exported_from_the_start(metrics: PrometheusMetrics) -> None:
@@ -67,6 +68,8 @@ def test_every_bounded_label_value_is_exported_from_the_start(metrics: Prometheu
         assert got[("mtc_transfer_seconds_count", (("kind", kind.value),))] == 0
     for error in ErrorKind:
         assert got[("mtc_errors_total", (("kind", error.value),))] == 0
+    for phase in RestorePhase:
+        assert got[("mtc_restore_phase_seconds_count", (("phase", phase.value),))] == 0
     # No job yet: no per-job series at all.
     assert not [k for k in got if any(label == "job" for label, _ in k[1])]
 
@@ -105,6 +108,20 @@ def test_restore_rounds_by_outcome_and_their_durations(metrics: PrometheusMetric
     assert value(r, "mtc_restore_seconds_sum", outcome="restored") == 1.5
     assert value(r, "mtc_restore_seconds_count", outcome="failed") == 1
     assert value(r, "mtc_restore_seconds_bucket", outcome="failed", le="300.0") == 0
+
+
+def test_restore_phases_observe_the_seconds_of_each_phase_gone_through(
+    metrics: PrometheusMetrics,
+) -> None:
+    metrics.restore_phases({"join": 0.02, "peer": 0.7})
+    metrics.restore_phases({"join": 0.03, "local": 0.0})
+    r = metrics.registry
+    assert value(r, "mtc_restore_phase_seconds_count", phase="join") == 2
+    assert value(r, "mtc_restore_phase_seconds_sum", phase="join") == pytest.approx(0.05)
+    assert value(r, "mtc_restore_phase_seconds_bucket", phase="peer", le="0.5") == 0
+    assert value(r, "mtc_restore_phase_seconds_bucket", phase="peer", le="1.0") == 1
+    assert value(r, "mtc_restore_phase_seconds_count", phase="local") == 1
+    assert value(r, "mtc_restore_phase_seconds_count", phase="backup") == 0
 
 
 def test_newest_steps_and_restorable_ages_per_tier(
@@ -189,6 +206,7 @@ def test_the_default_records_nothing() -> None:
     NO_METRICS.backed_up("j", 1, 1.0)
     NO_METRICS.restore_done("j", 1, 1.0)
     NO_METRICS.restore_failed("j", 1.0)
+    NO_METRICS.restore_phases({"join": 1.0})
     assert vars(NO_METRICS) == {}
 
 

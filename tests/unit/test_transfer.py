@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replicator.core.crc import crc32c_combine
 from replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest, verify_item
 from replicator.transport.transfer import (
@@ -24,7 +25,6 @@ from replicator.transport.transfer import (
     ItemWriter,
     TransferError,
     check_manifest,
-    crc32c_combine,
     iter_chunks,
     room_on,
 )

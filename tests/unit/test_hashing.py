@@ -1,0 +1,146 @@
+"""Tests for ``replicator.local.hashing``'s parallel verify: whatever a one-thread, one-pass
+verify caught is still caught when files and ranges of a file are hashed on many threads.
+
+Real files in ``tmp_path``; ``PIECE`` is made small so a file of a few hundred KiB has many
+ranges (the same code paths as 32 MiB ranges of a 1 GiB file).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest
+from replicator.local import hashing
+from replicator.local.hashing import build_manifest, verify_item
+
+ITEM = ItemId("job-1", 7, 0, 0)
+PIECE = 64 * 1024
+
+
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hashing, "PIECE", PIECE)
+
+
+@pytest.fixture
+def item(tmp_path: Path) -> tuple[Manifest, Path]:
+    """A large file of 4.5 ranges, small files, an empty file, one a single range long."""
+    root = tmp_path / "step"
+    (root / "d").mkdir(parents=True)
+    (root / "big").write_bytes(os.urandom(4 * PIECE + PIECE // 2))
+    (root / "exact").write_bytes(os.urandom(PIECE))
+    (root / "d" / "small").write_bytes(b"s" * 1000)
+    (root / "empty").write_bytes(b"")
+    return build_manifest(ITEM, root), root
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def unchanged(path: Path, data: bytes) -> None:
+    assert path.read_bytes() == data  # verifying never writes
+
+
+def test_an_intact_item_verifies(item: tuple[Manifest, Path]) -> None:
+    m, root = item
+    verify_item(m, root)
+
+
+@pytest.mark.parametrize("offset", [PIECE + PIECE // 2, 0, PIECE - 1, PIECE, 4 * PIECE + 10])
+def test_a_flipped_byte_in_any_range_is_caught(item: tuple[Manifest, Path], offset: int) -> None:
+    """The middle of the second range, and each range's edges, the last range's too."""
+    m, root = item
+    flip(root / "big", offset)
+    with pytest.raises(CorruptItem, match=r"big has size .* crc32c"):
+        verify_item(m, root)
+
+
+def test_two_equal_ranges_swapped_are_caught(tmp_path: Path) -> None:
+    """Ranges must combine in order: a file whose halves trade places differs."""
+    a, b = os.urandom(PIECE), os.urandom(PIECE)
+    f = tmp_path / "f"
+    f.write_bytes(a + b)
+    m = build_manifest(ITEM, f)
+    f.write_bytes(b + a)
+    with pytest.raises(CorruptItem, match="crc32c"):
+        verify_item(m, f)
+
+
+@pytest.mark.parametrize("size", [4 * PIECE + PIECE // 2 - 1, 2 * PIECE + 5, PIECE, 0])
+def test_a_truncated_large_file_is_caught(item: tuple[Manifest, Path], size: int) -> None:
+    m, root = item
+    os.truncate(root / "big", size)
+    with pytest.raises(CorruptItem, match=f"big has size {size}, manifest says size"):
+        verify_item(m, root)
+
+
+@pytest.mark.parametrize("name", ["big", "exact", "d/small", "empty"])
+def test_extra_bytes_after_a_file_are_caught(item: tuple[Manifest, Path], name: str) -> None:
+    """Bytes beyond the manifest's size, in a file of many ranges, one, or none."""
+    m, root = item
+    with open(root / name, "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CorruptItem, match=f"{name} has size"):
+        verify_item(m, root)
+
+
+def test_a_flipped_byte_in_a_small_file_among_many_is_caught(tmp_path: Path) -> None:
+    root = tmp_path / "many"
+    root.mkdir()
+    for i in range(40):
+        (root / f"f{i:02}").write_bytes(os.urandom(3000 + i))
+    m = build_manifest(ITEM, root)
+    flip(root / "f37", 2999)
+    with pytest.raises(CorruptItem, match="f37"):
+        verify_item(m, root)
+
+
+def test_the_first_bad_file_in_manifest_order_is_named(item: tuple[Manifest, Path]) -> None:
+    """Several bad files: the message is the same whichever thread finished first."""
+    m, root = item
+    flip(root / "big", 3 * PIECE)
+    flip(root / "exact", 1)
+    with pytest.raises(CorruptItem, match="big has size"):
+        verify_item(m, root)
+
+
+def test_a_file_replaced_by_a_symlink_is_caught(item: tuple[Manifest, Path]) -> None:
+    m, root = item
+    (root / "exact").unlink()
+    os.symlink("/etc/hostname", root / "exact")
+    with pytest.raises(CorruptItem, match=r"exact. is neither a regular file"):
+        verify_item(m, root)
+
+
+def test_cancelling_stops_the_verify(item: tuple[Manifest, Path]) -> None:
+    m, root = item
+    with pytest.raises(Cancelled):
+        verify_item(m, root, lambda: True)
+
+
+def test_a_verify_uses_several_threads_and_leaves_the_data_alone(
+    item: tuple[Manifest, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m, root = item
+    before = (root / "big").read_bytes()
+    seen: set[int] = set()
+    real = hashing._range_crc  # observed, not replaced
+
+    def watched(*args: object) -> tuple[int, int | None]:
+        seen.add(threading.get_ident())
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hashing, "_range_crc", watched)
+    verify_item(m, root)
+    unchanged(root / "big", before)
+    if (os.cpu_count() or 1) > 1:
+        assert threading.get_ident() not in seen  # on the pool, not the caller's thread
