@@ -10,8 +10,8 @@ the crc32c GCS reports back is compared with ours; downloads are checked against
 
 Pacing: the SDK reads a whole request body before it sends it, so a file put with a
 ``Meter`` is paced where it is sent instead: the client's HTTP session sends every body of a
-request made while the uploading thread names a meter (``_SENDING``) through a
-``PacedReader``, which urllib3 reads a block at a time as it writes to the socket.
+request made while the uploading thread names a meter (``_SENDING``) as a ``_PacedBody``,
+one booked slice at a time.
 
 A file goes up in one request up to ``single_limit`` (150 MiB, gcloud's own threshold for
 parallel composite uploads; ``core.uploads``): read into memory and checked before it is
@@ -57,7 +57,7 @@ from replicator.core.retry import RetryPolicy, RetryState, call_translated
 from replicator.core.uploads import plan_upload
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK
-from replicator.local.pacer import Meter, PacedReader, SharedMeter
+from replicator.local.pacer import Meter, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -118,11 +118,36 @@ class _PacedAdapter(requests.adapters.BaseAdapter):
         if meter is not None and isinstance(body, bytes) and body:
             # A copy: the SDK may send the same prepared request again (its own retry).
             request = request.copy()
-            request.body = PacedReader(body, meter)  # type: ignore[assignment]  # any file
+            request.body = _PacedBody(body, meter)  # type: ignore[assignment]  # any iterable
         return self.inner.send(request, *args, **kwargs)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _PacedBody:
+    """A request body that urllib3 sends slice by slice as the meter allows.
+
+    An iterable rather than a file: urllib3 reads a file 16 KiB at a time, a call and a
+    copy per read on our side and as many small reads on the server's; it sends each
+    item of an iterable as is, here a view of one booked slice (64 KiB to 4 MiB). The
+    request keeps the ``Content-Length`` of the bytes it replaces."""
+
+    def __init__(self, data: bytes, meter: Meter) -> None:
+        self._data = data
+        self._meter = meter
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        view = memoryview(self._data)
+        pos = 0
+        while pos < len(view):
+            n = min(self._meter.slice(), len(view) - pos)
+            self._meter.take(n)
+            yield view[pos : pos + n]
+            pos += n
 
 
 def _pace_sends(session: requests.Session) -> None:
