@@ -20,7 +20,7 @@ the SDK's call, ours as shipped, and ours with GCS composite uploads forced on (
 above ``part_size``), to show the per-size choice at a real link's bandwidth rather than the
 emulator's.
 
-    .venv/bin/python scripts/bench_backup.py --size-mib 1024 [--rounds 3] [--cluster]
+    .venv/bin/python scripts/bench_backup.py --size-mib 1024 [--rounds 5] [--cluster]
     sudo .venv/bin/python scripts/bench_backup.py --size-mib 1024 --shaped 1gbit
 
 Numbers are only comparable within one run; unshaped, the local servers bound them.
@@ -198,7 +198,10 @@ def bench_uploads(
     for r in range(1, rounds + 1):
         for k, fn in variants.items():
             times[k].append(timed(lambda fn=fn, r=r: fn(r)))
-        print(f"{name} round {r}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
+        print(
+            f"{name} round {r}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+            flush=True,
+        )
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med[next(iter(variants))]
     return [(f"{name} upload, {k}", m, base / m) for k, m in med.items()]
@@ -335,7 +338,7 @@ def bench_cluster(moto: servers.ServerProcess, scratch: Path, size_mib: int) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mib", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cluster", action="store_true", help="also time a 4-node restore")
     p.add_argument("--shaped", metavar="RATE", help="uploads only, over a link of tc RATE")
     a = p.parse_args()
