@@ -10,15 +10,21 @@ the crc32c GCS reports back is compared with ours; downloads are checked against
 
 Pacing: the SDK reads a whole request body before it sends it, so a file put with a
 ``Meter`` is paced where it is sent instead: the client's HTTP session sends every body of a
-request made while the uploading thread names a meter (``_SENDING``) through a
-``PacedReader``, which urllib3 reads a block at a time as it writes to the socket.
+request made while the uploading thread names a meter (``_SENDING``) as a ``_PacedBody``,
+one booked slice at a time.
 
-Files larger than ``part_size`` are uploaded as parallel composite uploads: parts go up as
-temporary objects (named with ``fsutil.TMP_PREFIX``, never listed) from a bounded window,
-are composed 32 at a time into the destination, then deleted. The SDK copies each part
-about twice on its way out, so an upload holds some ``2 * (workers + 1)`` parts in memory
-(320 MiB with the defaults); a download holds one ``range_size`` range. A process that dies
-mid-upload leaves such parts behind: a lifecycle rule on the prefix can collect them.
+A file goes up in one request up to ``single_limit`` (150 MiB, gcloud's own threshold for
+parallel composite uploads; ``core.uploads``): read into memory and checked before it is
+sent up to ``part_size``, streamed from the open file above that as one resumable upload
+whose one data request carries the whole file (the SDK holds it in memory as it sends),
+its crc32c checked before and declared in the request, so GCS refuses a file that changed
+meanwhile. Larger files are parallel composite uploads: parts go up as temporary objects
+(named with ``fsutil.TMP_PREFIX``, never listed) from a bounded window, are composed 32 at
+a time into the destination, then deleted. The SDK copies each part about twice on its way
+out, so a composite upload holds some ``2 * (workers + 1)`` parts in memory (320 MiB with
+the defaults); a download holds one ``range_size`` range. A process that dies mid-upload
+leaves such parts behind: a lifecycle rule on the prefix can collect them. Why one request
+below the limit: docs/performance.md ("Backups to S3 and GCS").
 
 Retries: the SDK's own are off; ``translate`` is the one place that maps SDK errors to ours
 and decides what is transient, and ``RetryPolicy`` how long to try.
@@ -37,7 +43,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import google.auth.exceptions as gauth
 import google_crc32c
@@ -48,9 +54,10 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
+from replicator.core.uploads import plan_upload
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK
-from replicator.local.pacer import Meter, PacedReader, SharedMeter
+from replicator.local.pacer import Meter, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
@@ -78,7 +85,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
+DEFAULT_SINGLE_LIMIT = 150 * 1024 * 1024
+"""Files up to this size go up in one request, larger ones as composite uploads."""
 DEFAULT_WORKERS = 4
+RESUMABLE_ALIGN = 256 * 1024
+"""A resumable upload's chunk size must be a multiple of this."""
+SDK_MULTIPART_MAX = 8 * 1024 * 1024
+"""The SDK sends a stream up to this size as a multipart request, which cannot declare
+our crc32c: such files go up from memory, checked before they are sent."""
 DEFAULT_RANGE = 16 * 1024 * 1024
 """Bytes per ranged GET of a download: what one stream holds in memory."""
 MAX_COMPOSE = 32
@@ -104,11 +118,36 @@ class _PacedAdapter(requests.adapters.BaseAdapter):
         if meter is not None and isinstance(body, bytes) and body:
             # A copy: the SDK may send the same prepared request again (its own retry).
             request = request.copy()
-            request.body = PacedReader(body, meter)  # type: ignore[assignment]  # any file
+            request.body = _PacedBody(body, meter)  # type: ignore[assignment]  # any iterable
         return self.inner.send(request, *args, **kwargs)
 
     def close(self) -> None:
         self.inner.close()
+
+
+class _PacedBody:
+    """A request body that urllib3 sends slice by slice as the meter allows.
+
+    An iterable rather than a file: urllib3 reads a file 16 KiB at a time, a call and a
+    copy per read on our side and as many small reads on the server's; it sends each
+    item of an iterable as is, here a view of one booked slice (64 KiB to 4 MiB). The
+    request keeps the ``Content-Length`` of the bytes it replaces."""
+
+    def __init__(self, data: bytes, meter: Meter) -> None:
+        self._data = data
+        self._meter = meter
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __iter__(self) -> Iterator[memoryview]:
+        view = memoryview(self._data)
+        pos = 0
+        while pos < len(view):
+            n = min(self._meter.slice(), len(view) - pos)
+            self._meter.take(n)
+            yield view[pos : pos + n]
+            pos += n
 
 
 def _pace_sends(session: requests.Session) -> None:
@@ -163,6 +202,15 @@ def _by_status(status: int, message: str, what: str) -> ObjectStoreError:
     return ObjectStoreError(message)
 
 
+def _stream_crc32c(f: BinaryIO) -> int:
+    """crc32c of an open file from its start (left at its end)."""
+    f.seek(0)
+    crc = 0
+    while chunk := f.read(CHUNK):
+        crc = google_crc32c.extend(crc, chunk)
+    return crc
+
+
 def _listable(key: str) -> bool:
     try:
         check_key(key)
@@ -182,6 +230,7 @@ class GcsObjectStore:
         url: str | None = None,
         client: storage.Client | None = None,
         part_size: int = DEFAULT_PART_SIZE,
+        single_limit: int = DEFAULT_SINGLE_LIMIT,
         workers: int = DEFAULT_WORKERS,
         chunk_size: int = CHUNK,
         range_size: int = DEFAULT_RANGE,
@@ -196,6 +245,7 @@ class GcsObjectStore:
         self.prefix = prefix
         self.url = url or f"gs://{bucket}/{prefix}"
         self.part_size = part_size
+        self.single_limit = max(single_limit, part_size)
         self.workers = workers
         self.chunk_size = chunk_size
         self.range_size = max(range_size, chunk_size)
@@ -298,13 +348,20 @@ class GcsObjectStore:
         bucket = self._get_bucket()
         t0 = time.monotonic()
         size = os.stat(src).st_size
-        if size <= self.part_size:
-            data = read_small_file(src, self.part_size)
+        # Composite parts are limited only by the 32-per-compose tree, never by a count.
+        plan = plan_upload(
+            size, single_limit=self.single_limit, part_size=self.part_size, max_parts=size + 1
+        )
+        if not plan.single:
+            parts = self._put_composite(bucket, key, name, src, crc32c, meter=meter)
+        elif size <= max(self.part_size, SDK_MULTIPART_MAX):
+            data = read_small_file(src, size)
             check_crc32c(key, google_crc32c.value(data), crc32c)
             self._upload(bucket.blob(name), data, meter=meter)
             parts = 1
         else:
-            parts = self._put_composite(bucket, key, name, src, crc32c, meter=meter)
+            self._put_streamed(bucket, key, name, src, crc32c, meter=meter)
+            parts = 1
         dt = max(time.monotonic() - t0, 1e-9)
         log.debug(
             "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",
@@ -314,6 +371,50 @@ class GcsObjectStore:
             dt,
             size / dt / 1e6,
         )
+
+    def _put_streamed(
+        self,
+        bucket: storage.Bucket,
+        key: str,
+        name: str,
+        src: Path,
+        crc32c: int | None,
+        *,
+        meter: Meter | None,
+    ) -> None:
+        """One resumable upload from the open file, its whole content in one data request.
+
+        Before each attempt the open file's crc32c is taken and checked against ``crc32c``;
+        the request declares it, so GCS refuses bytes that changed after the check, and the
+        stored object's crc32c is compared with it again."""
+        what = f"put {self.bucket_name}/{name}"
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            chunk = -(-max(size, 1) // RESUMABLE_ALIGN) * RESUMABLE_ALIGN
+            blob = bucket.blob(name, chunk_size=chunk)
+
+            def put() -> None:
+                crc = _stream_crc32c(f)
+                check_crc32c(key, crc, crc32c)
+                f.seek(0)
+                sending = _SENDING.set(meter)
+                try:
+                    blob.upload_from_file(
+                        f,
+                        size=size,
+                        content_type="application/octet-stream",
+                        checksum="crc32c",
+                        crc32c_checksum_value=crc32c_b64(crc),
+                        retry=None,
+                        timeout=self.timeout,
+                    )
+                finally:
+                    _SENDING.reset(sending)
+                if b64_crc32c(blob.crc32c) != crc:
+                    raise TransientError(f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}")
+
+            self._call(what, put)
 
     def _put_composite(
         self,

@@ -17,9 +17,11 @@ botocore would otherwise read the whole body once more to hash it before sending
 the meter twice, then sending in one burst); the signed ``Content-MD5`` and crc32c
 headers still bind the body to the request.
 
-Files larger than ``part_size`` go up as multipart uploads, parts sent in parallel from a
-bounded window (``storage.parts``): an upload holds at most ``workers + 1`` parts in
-memory (160 MiB with the defaults); a download streams ``chunk_size`` pieces. A process
+Files larger than ``part_size`` go up as multipart uploads (``core.uploads``), parts sent
+in parallel from a bounded window (``storage.parts``): an upload holds at most
+``workers + 1`` parts in memory (80 MiB with the defaults); a download streams
+``chunk_size`` pieces. 16 MiB parts: within what AWS advises (8-16 MiB), and what moto
+takes fastest (docs/performance.md, "Backups to S3 and GCS"). A process
 that dies mid-upload leaves an invisible incomplete upload: give the bucket an
 ``AbortIncompleteMultipartUpload`` lifecycle rule.
 
@@ -47,6 +49,7 @@ import urllib3.exceptions
 from botocore.config import Config
 
 from replicator.core.retry import RetryPolicy, RetryState, call_translated
+from replicator.core.uploads import plan_upload
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK, file_crc32c
 from replicator.local.pacer import Meter, PacedReader, SharedMeter
@@ -86,7 +89,7 @@ MIN_PART_SIZE = 5 * 1024 * 1024
 """S3's smallest part (all but the last)."""
 MAX_PARTS = 10_000
 """S3's most parts per upload: larger files get larger parts."""
-DEFAULT_PART_SIZE = 32 * 1024 * 1024
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_WORKERS = 4
 META_CRC32C = "crc32c"
 _HEX_CRC_RE = re.compile(r"[0-9a-f]{8}")
@@ -295,14 +298,16 @@ class S3ObjectStore:
         self._ensure_bucket()
         t0 = time.monotonic()
         size = os.stat(src).st_size
-        if size <= self.part_size:
+        plan = plan_upload(
+            size, single_limit=self.part_size, part_size=self.part_size, max_parts=MAX_PARTS
+        )
+        if plan.single:
             data = read_small_file(src, self.part_size)
             check_crc32c(key, google_crc32c.value(data), crc32c)
             self._put_object(name, data, meter=meter)
             parts = 1
         else:
-            part_size = max(self.part_size, -(-size // MAX_PARTS))
-            parts = self._put_multipart(key, name, src, crc32c, part_size, meter=meter)
+            parts = self._put_multipart(key, name, src, crc32c, plan.part_size, meter=meter)
         dt = max(time.monotonic() - t0, 1e-9)
         log.debug(
             "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",

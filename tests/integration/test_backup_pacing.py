@@ -1,7 +1,8 @@
 """Backup uploads obey the node's rate limit on every backend, and restores ignore it.
 
 ``BackupStore.upload_item`` with a ``Pacer`` at a limit, against ``file://``, S3 on moto's
-server and GCS on the emulator (one request, and a multipart or composite upload). The
+server and GCS on the emulator (one request from memory or streamed from the file, and a
+multipart or composite upload). The
 cloud uploads pass a byte-counting TCP relay, so the pace is measured on the wire: the
 relayed bytes take within 10% of what the limit allows (less the one-second burst), and no
 second carries more than the burst plus a second's worth, which an SDK that read a body
@@ -59,6 +60,8 @@ CASES = {
     "s3-single": Case("s3", 32 * MiB, 6 * MiB, 64 * MiB),
     "s3-multipart": Case("s3", 512 * MiB, 16 * MiB, PART),
     "gcs-single": Case("gcs", 32 * MiB, 6 * MiB, 64 * MiB),
+    # Above part_size, below the composite threshold: one request streamed from the file.
+    "gcs-streamed": Case("gcs", 48 * MiB, 6 * MiB, 16 * MiB),
     "gcs-composite": Case("gcs", 512 * MiB, 16 * MiB, PART),
 }
 

@@ -93,6 +93,7 @@ def s3_store(url: str, **kwargs: object) -> S3ObjectStore:
 def gcs_store(url: str, **kwargs: object) -> GcsObjectStore:
     options: dict[str, object] = {
         "part_size": GCS_PART,
+        "single_limit": GCS_PART,  # larger files are composite uploads, as above 150 MiB
         "workers": WORKERS,
         "chunk_size": SMALL_CHUNK,
         "range_size": 64 * SMALL_CHUNK,
