@@ -23,8 +23,10 @@ Numbers are only comparable within one run: this machine's two cores are shared.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -49,6 +51,23 @@ from tests.integration.helpers import (  # noqa: E402
     write_yaml_atomic,
 )
 from tests.tls import node_tls  # noqa: E402
+
+_PHASES = (
+    ("accepted replicator.yaml", "n{r} yaml accepted"),
+    ("ranks in ", "n{r} (coordinator) plan made"),
+    ("ready from", "n{r} item ready"),
+    ("restore round done", "n{r} round done"),
+)
+_PULLED = re.compile(r"pulled \S+ from \S+: \d+ bytes in ([0-9.]+)s")
+
+
+def _stamp(line: str) -> float | None:
+    """The wall-clock time of a daemon log line (``2026-11-23 06:08:01,879 INFO ...``)."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
 
 SHM = Path("/dev/shm")  # noqa: S108 (tmpfs, where a RAM disk lives)
 FILES = 8
@@ -112,6 +131,7 @@ class Job:
         for r in range(self.nodes):
             for marker in self.markers(r):
                 marker.unlink()  # the last incarnation's, consumed by its client
+        self.handshake_at = time.time()
         t0 = time.perf_counter()
         for r in range(self.nodes):
             text = config_text(self.name, rank=r, nodes=self.nodes, **self.keys)
@@ -125,6 +145,24 @@ class Job:
                 raise RuntimeError(f"no marker on ranks {sorted(waiting)}; see {self.root}")
             time.sleep(0.002)
         return time.perf_counter() - t0
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds from the last handshake to each phase's end, from the daemons' INFO log
+        lines (millisecond stamps): when the yaml was accepted, the plan made, each rank's
+        item ready (pulled: the pull's own seconds too) and each rank's round done."""
+        marks: dict[str, float] = {}
+        for r in range(self.nodes):
+            for line in (self.root / f"node{r}.log").read_text(errors="replace").splitlines():
+                stamp = _stamp(line)
+                if stamp is None or stamp < self.handshake_at - 0.002:
+                    continue
+                at = max(0.0, stamp - self.handshake_at)
+                for needle, phase in _PHASES:
+                    if needle in line:
+                        marks.setdefault(phase.format(r=r), at)
+                if (pulled := _PULLED.search(line)) is not None:
+                    marks.setdefault(f"n{r} pull itself (s)", float(pulled[1]))
+        return marks
 
     def source(self, rank: int) -> str:
         return str(read_prerestore(self.dirs[rank])["restore-source"])
@@ -173,9 +211,10 @@ def first_start(job: Job) -> None:
 
 def bench_peer_and_local(
     root: Path, size_mib: int, rounds: int, log_level: str
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
     job = Job(root / "peer", 2, log_level=log_level)
     out: dict[str, list[float]] = {"raw": [], "peer": [], "local": []}
+    phases: dict[str, list[dict[str, float]]] = {"peer": [], "local": []}
     try:
         for r in range(job.nodes):
             job.start(r)
@@ -195,11 +234,13 @@ def bench_peer_and_local(
                 job.wipe(1)
                 warm_pages(root, size)
                 out["peer"].append(job.restore(STEP))
+                phases["peer"].append(job.timeline())
                 if job.source(1) != "peer":
                     raise RuntimeError(f"rank 1 restored from {job.source(1)}, not its peer")
 
             def local() -> None:
                 out["local"].append(job.restore(STEP))
+                phases["local"].append(job.timeline())
                 if {job.source(r) for r in range(job.nodes)} != {"local"}:
                     raise RuntimeError("a rank did not restore its local copy")
 
@@ -213,7 +254,7 @@ def bench_peer_and_local(
             )
     finally:
         job.stop_all()
-    return out
+    return out, phases
 
 
 def bench_backup(
@@ -259,11 +300,20 @@ def bench_backup(
     return out
 
 
+def median_timeline(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the rounds, in the order of the last round."""
+    names = sorted({k for run in runs for k in run}, key=lambda k: runs[-1].get(k, 99.0))
+    return {k: statistics.median(run[k] for run in runs if k in run) for k in names}
+
+
 def report(
-    size_mib: int, peer: dict[str, list[float]], backup: dict[str, list[float]]
+    size_mib: int,
+    peer: dict[str, list[float]],
+    backup: dict[str, list[float]],
+    phases: dict[str, list[dict[str, float]]],
 ) -> dict[str, object]:
-    med = {k: statistics.median(v) for k, v in (peer | backup).items()}
-    best = {k: min(v) for k, v in (peer | backup).items()}
+    med = {k: statistics.median(v) for k, v in (peer | backup).items() if v}
+    best = {k: min(v) for k, v in (peer | backup).items() if v}
     peer_ratio = med["raw"] / med["peer"]
     rows = [
         ("raw socket copy of one rank's item (baseline)", "raw", "raw", ""),
@@ -276,6 +326,8 @@ def report(
     print("handshake to the last rank's marker; median (best) of the interleaved rounds")
     print(f"{'case':52} {'seconds':>16} {'vs baseline':>11}  target")
     for name, key, base, target in rows:
+        if key not in med:
+            continue  # --backup-rounds 0
         ratio = f"{med[base] / med[key]:.2f}x" if base else "-"
         print(f"{name:52} {med[key]:7.3f} ({best[key]:6.3f}) {ratio:>11}  {target}")
     holds = {
@@ -284,14 +336,20 @@ def report(
     }
     for what, ok in holds.items():
         print(f"target {what}: {'holds' if ok else 'MISSED'}")
+    timelines = {case: median_timeline(runs) for case, runs in phases.items()}
+    for case, timeline in timelines.items():
+        print(f"\nrestore {case}: seconds after the handshake (median; from the daemons' logs)")
+        for phase, at in timeline.items():
+            print(f"  {phase:40} {at:6.3f}")
     return {
         "size_mib": size_mib,
         "rounds": {k: v for k, v in (peer | backup).items()},
         "median": med,
         "best": best,
         "peer_vs_raw": peer_ratio,
-        "backup_vs_cp": med["cp"] / med["backup"],
+        "backup_vs_cp": med["cp"] / med["backup"] if "backup" in med else None,
         "targets": holds,
+        "timelines": timelines,
     }
 
 
@@ -309,9 +367,13 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
     try:
-        peer = bench_peer_and_local(root, a.size_mib, a.rounds, a.log_level)
-        backup = bench_backup(root, disk, a.size_mib, a.backup_rounds, a.log_level)
-        result = report(a.size_mib, peer, backup)
+        peer, phases = bench_peer_and_local(root, a.size_mib, a.rounds, a.log_level)
+        backup = (
+            bench_backup(root, disk, a.size_mib, a.backup_rounds, a.log_level)
+            if a.backup_rounds
+            else {}
+        )
+        result = report(a.size_mib, peer, backup, phases)
         if a.json:
             print(json.dumps(result))
     finally:
