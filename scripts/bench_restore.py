@@ -15,6 +15,10 @@ each against a baseline of the same bytes measured in the same run:
 - backup: a 4-node job, ``--size-mib`` in all, every RAM disk wiped, restored from a
   ``file://`` backup on disk; baseline: ``cp -r`` of the backup's step to tmpfs.
 
+After the table, each case's timeline (seconds after the handshake until the yaml was
+accepted, the plan made, each rank's item ready, each round done), read from the daemons'
+INFO log lines.
+
     .venv/bin/python scripts/bench_restore.py --size-mib 1024 [--rounds 7] [--json]
 
 Numbers are only comparable within one run: this machine's two cores are shared.
