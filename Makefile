@@ -37,6 +37,7 @@ test: $(STAMP) lint typecheck
 bench: $(STAMP)
 	$(PY) scripts/bench_local.py --size-mib 1024
 	$(PY) scripts/bench_peer.py --size-mib 1024
+	$(PY) scripts/bench_restore.py --size-mib 1024
 	$(PY) scripts/bench_backup.py --size-mib 1024 --cluster
 	$(PY) scripts/bench_fanout.py --size-mib 256
 	$(PY) scripts/bench_scale.py

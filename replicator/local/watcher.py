@@ -25,8 +25,10 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
-OnEvent = Callable[[str | None, bool], None]
-"""``(name, finished)``: a top-level file whose writer wrote (False) or is done (True)."""
+OnEvent = Callable[[str | None, bool, bool], None]
+"""``(name, finished, renamed)``: a top-level file whose writer wrote (False) or is done
+(True); ``renamed``: done by a rename into place, so complete when it appeared (no in-place
+writer can still be between two writes)."""
 
 
 class _Handler(FileSystemEventHandler):
@@ -39,16 +41,16 @@ class _Handler(FileSystemEventHandler):
         if isinstance(event, FileOpenedEvent | FileClosedNoWriteEvent):
             return  # a read (our own, of replicator.yaml) changes nothing: no busy loop
         path: str | None = None
-        finished = False
+        finished = renamed = False
         if isinstance(event, FileClosedEvent):  # closed after writing, not after a read
             path, finished = os.fsdecode(event.src_path), True
         elif isinstance(event, FileMovedEvent):  # renamed into place: complete
-            path, finished = os.fsdecode(event.dest_path), True
+            path, finished, renamed = os.fsdecode(event.dest_path), True, True
         elif isinstance(event, FileModifiedEvent):
             path = os.fsdecode(event.src_path)
         name = os.path.basename(path) if path and os.path.dirname(path) == self._root else None
         # Runs on watchdog's thread: hand over to the loop, never touch its state here.
-        self._loop.call_soon_threadsafe(self._on_event, name, finished)
+        self._loop.call_soon_threadsafe(self._on_event, name, finished, renamed)
 
 
 class DirectoryWatcher:

@@ -473,6 +473,8 @@ class Daemon:
         self._owner_checked = 0.0
         self._config_finished = False
         """Whether the yaml's writer is done: closed after writing or renamed into place."""
+        self._config_renamed = False
+        """Whether it was renamed into place, with no write since: complete as it appeared."""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -498,13 +500,14 @@ class Daemon:
         own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
         return Served(config, max(own, default=None))
 
-    def _on_event(self, name: str | None, finished: bool) -> None:
+    def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
         if name is not None and _is_own_output(name):
             # Our own writes (an error line, a marker) must not wake us: an error written
             # on every wake-up would otherwise become a busy loop.
             return
         if name == CONFIG_FILE:
             self._config_finished = finished
+            self._config_renamed = renamed
         elif name and parse_save_name(name) is not None:
             # Only `.save` files need "closed after writing"; other names (our unique temp
             # files among them) would make the set grow for the daemon's whole life.
@@ -693,7 +696,7 @@ class Daemon:
     async def _check_config(self) -> None:
         # Taken before the read: a close seen now covers the text we read, while one that
         # arrives during the read may follow a write our read missed.
-        closed = self._config_finished
+        closed, renamed = self._config_finished, self._config_renamed
         try:
             text = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self._read_config
@@ -737,7 +740,9 @@ class Daemon:
             if stable >= self.INVALID_SETTLE and finished:
                 await self._reject(text, exc, "")
             return
-        if stable >= self.VALID_SETTLE and finished:
+        # Renamed into place (Orbax, MaxText, our client): complete by the protocol, so the
+        # double read that guards in-place writers would only delay every restore.
+        if renamed or (stable >= self.VALID_SETTLE and finished):
             await self._accept(config, text, pending.first_seen)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
@@ -816,7 +821,7 @@ class Daemon:
         path = self.opts.checkpoint_dir / CONFIG_FILE
         if fsutil.lkind(path) not in (None, "a regular file"):
             path.unlink(missing_ok=True)  # unlink never follows the link it removes
-        self._config_finished = False
+        self._config_finished = self._config_renamed = False
         self._pending = None
 
     def _delete_config(self, accepted: str) -> None:
@@ -827,7 +832,7 @@ class Daemon:
             current = None  # replaced meanwhile: the next check refuses it
         if current == accepted:
             (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
-            self._config_finished = False
+            self._config_finished = self._config_renamed = False
         self._pending = None
 
     async def _host_coordinator(

@@ -1,0 +1,392 @@
+"""Measure restores as a training job sees them, handshake to the last marker, in one run.
+
+Real daemons on tmpfs (``/dev/shm``), mutual TLS (a throwaway CA made for the run), one
+shared ``file://`` registry or backup; this process plays the training job. Three cases,
+each against a baseline of the same bytes measured in the same run:
+
+- peer: a 2-node job, ``--size-mib`` per rank; node 1 loses its RAM disk (daemon killed,
+  directory and store emptied, daemon restarted), both ranks write ``replicator.yaml``
+  and the clock stops at the last rank's marker (node 1 pulls from node 0, node 0 verifies
+  its own copy). Baseline: a raw-socket copy of one rank's item between two processes
+  (``sendfile`` out, ``recv_into`` + ``write`` in: ``scripts/bench_peer.py``'s), rounds
+  interleaved; target >= 0.8x on medians;
+- local: the same job restarts with nothing lost (each rank verifies its own copy);
+  target < 0.2 s;
+- backup: a 4-node job, ``--size-mib`` in all, every RAM disk wiped, restored from a
+  ``file://`` backup on disk; baseline: ``cp -r`` of the backup's step to tmpfs.
+
+After the table, each case's timeline (seconds after the handshake until the yaml was
+accepted, the plan made, each rank's item ready, each round done), read from the daemons'
+INFO log lines.
+
+    .venv/bin/python scripts/bench_restore.py --size-mib 1024 [--rounds 7] [--json]
+
+Numbers are only comparable within one run: this machine's two cores are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from replicator.tools import certs  # noqa: E402
+from scripts.bench_peer import raw_copy, warm_pages  # noqa: E402
+from tests.daemon_process import DaemonProcess  # noqa: E402
+from tests.integration.helpers import (  # noqa: E402
+    config_text,
+    read_prerestore,
+    store_root,
+    write_big_step_tmp,
+    write_yaml_atomic,
+)
+from tests.tls import node_tls  # noqa: E402
+
+_PHASES = (
+    ("accepted replicator.yaml", "n{r} yaml accepted"),
+    ("ranks in ", "n{r} (coordinator) plan made"),
+    ("ready from", "n{r} item ready"),
+    ("restore round done", "n{r} round done"),
+)
+_PULLED = re.compile(r"pulled \S+ from \S+: \d+ bytes in ([0-9.]+)s")
+
+
+def _stamp(line: str) -> float | None:
+    """The wall-clock time of a daemon log line (``2026-11-23 06:08:01,879 INFO ...``)."""
+    try:
+        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    except ValueError:
+        return None
+
+
+SHM = Path("/dev/shm")  # noqa: S108 (tmpfs, where a RAM disk lives)
+FILES = 8
+STEP = 5
+PEER_TARGET = 0.8
+LOCAL_TARGET = 0.2
+
+
+class Job:
+    """One daemon per node on its own CHECKPOINT_DIR; the job's handshakes and markers."""
+
+    def __init__(
+        self, root: Path, nodes: int, *, backup: Path | None = None, log_level: str = "info"
+    ) -> None:
+        self.root, self.nodes, self.log_level = root, nodes, log_level
+        self.name = f"bench-{uuid.uuid4().hex[:6]}"
+        self.dirs = [root / f"node{r}" for r in range(nodes)]
+        for d in self.dirs:
+            d.mkdir(parents=True)
+        ca = certs.new_ca()
+        self.tls = [node_tls(root / "tls" / f"node{r}", ca) for r in range(nodes)]
+        self.backup = backup
+        if backup is None:
+            (root / "registry").mkdir()
+        self.keys: dict[str, object] = {"peers_per_node": 1, "backup_interval_steps": 1000}
+        self.daemons: list[DaemonProcess | None] = [None] * nodes
+
+    def start(self, rank: int) -> None:
+        where = ("--registry", (self.root / "registry").as_uri()) if self.backup is None else ()
+        daemon = DaemonProcess(
+            self.dirs[rank],
+            backup=self.backup.as_uri() if self.backup is not None else None,
+            extra_args=(*where, *self.tls[rank].args(), "--log-level", self.log_level),
+            log_path=self.root / f"node{rank}.log",
+        )
+        self.daemons[rank] = daemon.start()
+
+    def stop_all(self) -> None:
+        for d in self.daemons:
+            if d is not None and d.running:
+                d.stop()
+
+    def clear(self, rank: int) -> None:
+        """The node's RAM disk and the store beside it are gone (daemon down)."""
+        shutil.rmtree(self.dirs[rank])
+        shutil.rmtree(store_root(self.dirs[rank]), ignore_errors=True)
+        self.dirs[rank].mkdir()
+
+    def wipe(self, rank: int) -> None:
+        d = self.daemons[rank]
+        assert d is not None
+        d.kill()
+        self.clear(rank)
+        self.start(rank)
+
+    def markers(self, rank: int) -> list[Path]:
+        return [p for p in self.dirs[rank].iterdir() if p.name.endswith(".restore")]
+
+    def restore(self, step: int) -> float:
+        """Every rank's handshake at once; seconds until the last rank's marker of ``step``."""
+        for r in range(self.nodes):
+            for marker in self.markers(r):
+                marker.unlink()  # the last incarnation's, consumed by its client
+        self.handshake_at = time.time()
+        t0 = time.perf_counter()
+        for r in range(self.nodes):
+            text = config_text(self.name, rank=r, nodes=self.nodes, **self.keys)
+            write_yaml_atomic(self.dirs[r], text)
+        want = [f"{self.name}-s{step}-n{r}-w0.restore" for r in range(self.nodes)]
+        deadline = time.monotonic() + 120
+        waiting = set(range(self.nodes))
+        while waiting:
+            waiting = {r for r in waiting if not os.path.lexists(self.dirs[r] / want[r])}
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no marker on ranks {sorted(waiting)}; see {self.root}")
+            time.sleep(0.002)
+        return time.perf_counter() - t0
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds from the last handshake to each phase's end, from the daemons' INFO log
+        lines (millisecond stamps): when the yaml was accepted, the plan made, each rank's
+        item ready (pulled: the pull's own seconds too) and each rank's round done."""
+        marks: dict[str, float] = {}
+        for r in range(self.nodes):
+            for line in (self.root / f"node{r}.log").read_text(errors="replace").splitlines():
+                stamp = _stamp(line)
+                if stamp is None or stamp < self.handshake_at - 0.002:
+                    continue
+                at = max(0.0, stamp - self.handshake_at)
+                for needle, phase in _PHASES:
+                    if needle in line:
+                        marks.setdefault(phase.format(r=r), at)
+                if (pulled := _PULLED.search(line)) is not None:
+                    marks.setdefault(f"n{r} pull itself (s)", float(pulled[1]))
+        return marks
+
+    def source(self, rank: int) -> str:
+        return str(read_prerestore(self.dirs[rank])["restore-source"])
+
+    def save(self, step: int, mib_per_rank: int) -> None:
+        """Every rank publishes ``step`` (``FILES`` shards) and it is committed where the
+        job's layout puts it: at home, at the peer, and in the backup when there is one."""
+        for r in range(self.nodes):
+            tmp, _ = write_big_step_tmp(self.dirs[r], step, FILES, mib_per_rank // FILES)
+            os.rename(tmp, self.dirs[r] / str(step))
+        self.wait(lambda: all(self.copies(r, step) >= 2 for r in range(self.nodes)), "replicas")
+        if self.backup is not None:
+            self.wait((self.backup_step(step) / "COMMIT").is_file, "backup")
+
+    def backup_step(self, step: int) -> Path:
+        assert self.backup is not None
+        return self.backup / self.name / str(step)
+
+    def copies(self, rank: int, step: int) -> int:
+        """Committed copies of ``rank``'s item of ``step`` in every node's store."""
+        return sum(
+            (
+                store_root(d) / "items" / self.name / str(step) / f"{rank}-0" / "MANIFEST.json"
+            ).is_file()
+            for d in self.dirs
+        )
+
+    def item_data(self, rank: int, step: int) -> Path:
+        return store_root(self.dirs[rank]) / "items" / self.name / str(step) / f"{rank}-0" / "data"
+
+    def wait(self, predicate: Callable[[], bool], what: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}; see {self.root}")
+            time.sleep(0.05)
+
+
+def first_start(job: Job) -> None:
+    """The job's first incarnation: every rank starts from scratch (step 0, no data)."""
+    job.restore(0)
+    for r in range(job.nodes):
+        for marker in job.markers(r):
+            marker.unlink()
+
+
+def bench_peer_and_local(
+    root: Path, size_mib: int, rounds: int, log_level: str
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
+    job = Job(root / "peer", 2, log_level=log_level)
+    out: dict[str, list[float]] = {"raw": [], "peer": [], "local": []}
+    phases: dict[str, list[dict[str, float]]] = {"peer": [], "local": []}
+    try:
+        for r in range(job.nodes):
+            job.start(r)
+        first_start(job)
+        job.save(STEP, size_mib)
+        size = size_mib << 20
+        raw_src = job.item_data(0, STEP)
+        for i in range(rounds):
+
+            def raw() -> None:
+                warm_pages(root, size)
+                dest = root / "raw"
+                out["raw"].append(raw_copy(raw_src, dest)["seconds"])
+                shutil.rmtree(dest)
+
+            def peer() -> None:
+                job.wipe(1)
+                warm_pages(root, size)
+                out["peer"].append(job.restore(STEP))
+                phases["peer"].append(job.timeline())
+                if job.source(1) != "peer":
+                    raise RuntimeError(f"rank 1 restored from {job.source(1)}, not its peer")
+
+            def local() -> None:
+                out["local"].append(job.restore(STEP))
+                phases["local"].append(job.timeline())
+                if {job.source(r) for r in range(job.nodes)} != {"local"}:
+                    raise RuntimeError("a rank did not restore its local copy")
+
+            # Alternate the order: whoever goes first may meet colder tmpfs pages.
+            for case in (raw, peer, local) if i % 2 == 0 else (peer, local, raw):
+                case()
+            print(
+                f"round {i + 1}: raw {out['raw'][-1]:.3f}s  peer restore {out['peer'][-1]:.3f}s"
+                f"  local restore {out['local'][-1]:.3f}s",
+                flush=True,
+            )
+    finally:
+        job.stop_all()
+    return out, phases
+
+
+def bench_backup(
+    root: Path, disk: Path, size_mib: int, rounds: int, log_level: str
+) -> dict[str, list[float]]:
+    """A 4-node job, ``size_mib`` in all, every RAM disk wiped, restored from ``file://``."""
+    job = Job(root / "backup", 4, backup=disk / "backup", log_level=log_level)
+    job.keys["backup_interval_steps"] = 1
+    out: dict[str, list[float]] = {"cp": [], "backup": []}
+    try:
+        for r in range(job.nodes):
+            job.start(r)
+        first_start(job)
+        job.save(STEP, size_mib // job.nodes)
+        for i in range(rounds):
+
+            def cp() -> None:
+                dest = root / "cp"
+                t0 = time.perf_counter()
+                subprocess.run(["cp", "-r", str(job.backup_step(STEP)), str(dest)], check=True)
+                out["cp"].append(time.perf_counter() - t0)
+                shutil.rmtree(dest)
+
+            def restore() -> None:
+                job.stop_all()
+                for r in range(job.nodes):
+                    job.clear(r)
+                for r in range(job.nodes):
+                    job.start(r)
+                out["backup"].append(job.restore(STEP))
+                if {job.source(r) for r in range(job.nodes)} != {"backup"}:
+                    raise RuntimeError("a rank did not restore from the backup")
+
+            for case in (cp, restore) if i % 2 == 0 else (restore, cp):
+                case()
+            print(
+                f"round {i + 1}: cp {out['cp'][-1]:.3f}s  4-node restore from file:// "
+                f"{out['backup'][-1]:.3f}s",
+                flush=True,
+            )
+    finally:
+        job.stop_all()
+    return out
+
+
+def median_timeline(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the rounds, in the order of the last round."""
+    names = sorted({k for run in runs for k in run}, key=lambda k: runs[-1].get(k, 99.0))
+    return {k: statistics.median(run[k] for run in runs if k in run) for k in names}
+
+
+def report(
+    size_mib: int,
+    peer: dict[str, list[float]],
+    backup: dict[str, list[float]],
+    phases: dict[str, list[dict[str, float]]],
+) -> dict[str, object]:
+    med = {k: statistics.median(v) for k, v in (peer | backup).items() if v}
+    best = {k: min(v) for k, v in (peer | backup).items() if v}
+    peer_ratio = med["raw"] / med["peer"]
+    rows = [
+        ("raw socket copy of one rank's item (baseline)", "raw", "raw", ""),
+        ("restore from a peer, 2 nodes, node 1 wiped", "peer", "raw", f">= {PEER_TARGET}x"),
+        ("restore from local copies, 2 nodes, nothing lost", "local", "", f"< {LOCAL_TARGET}s"),
+        ("cp -r of the backup's step to tmpfs (baseline)", "cp", "cp", ""),
+        ("restore from file://, 4 nodes, every RAM disk wiped", "backup", "cp", "reported"),
+    ]
+    print(f"\n{size_mib} MiB per rank (peer, local), {size_mib} MiB in all (backup), tmpfs")
+    print("handshake to the last rank's marker; median (best) of the interleaved rounds")
+    print(f"{'case':52} {'seconds':>16} {'vs baseline':>11}  target")
+    for name, key, base, target in rows:
+        if key not in med:
+            continue  # --backup-rounds 0
+        ratio = f"{med[base] / med[key]:.2f}x" if base else "-"
+        print(f"{name:52} {med[key]:7.3f} ({best[key]:6.3f}) {ratio:>11}  {target}")
+    holds = {
+        "peer >= 0.8x raw": peer_ratio >= PEER_TARGET,
+        "local < 0.2 s": med["local"] < LOCAL_TARGET,
+    }
+    for what, ok in holds.items():
+        print(f"target {what}: {'holds' if ok else 'MISSED'}")
+    timelines = {case: median_timeline(runs) for case, runs in phases.items()}
+    for case, timeline in timelines.items():
+        print(f"\nrestore {case}: seconds after the handshake (median; from the daemons' logs)")
+        for phase, at in timeline.items():
+            print(f"  {phase:40} {at:6.3f}")
+    return {
+        "size_mib": size_mib,
+        "rounds": {k: v for k, v in (peer | backup).items()},
+        "median": med,
+        "best": best,
+        "peer_vs_raw": peer_ratio,
+        "backup_vs_cp": med["cp"] / med["backup"] if "backup" in med else None,
+        "targets": holds,
+        "timelines": timelines,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--size-mib", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--backup-rounds", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="also print the results as one object")
+    p.add_argument(
+        "--log-level", default="info", help="the daemons' (debug logs every phase, slower)"
+    )
+    p.add_argument("--keep", action="store_true", help="keep the run's directories (and logs)")
+    a = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-", dir=SHM))
+    disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
+    try:
+        peer, phases = bench_peer_and_local(root, a.size_mib, a.rounds, a.log_level)
+        backup = (
+            bench_backup(root, disk, a.size_mib, a.backup_rounds, a.log_level)
+            if a.backup_rounds
+            else {}
+        )
+        result = report(a.size_mib, peer, backup, phases)
+        if a.json:
+            print(json.dumps(result))
+    finally:
+        if a.keep:
+            print(f"kept {root} and {disk}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(disk, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
