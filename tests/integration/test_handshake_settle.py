@@ -20,7 +20,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.accepted: list[str] = []
 
-    async def __call__(self, config: JobConfig, text: str) -> None:
+    async def __call__(self, config: JobConfig, text: str, seen_at: float | None = None) -> None:
         self.accepted.append(text)
 
 
