@@ -232,7 +232,10 @@ def verify_item(
             if files != sorted(f.path for f in manifest.files) or dirs != sorted(manifest.dirs):
                 raise CorruptItem(f"{manifest.item}: the file list differs from the manifest")
         where = [(base, rel) if top is None else (top, e.path) for e in manifest.files]
-        _verify_files(manifest, where, cancelled)
+        try:
+            _verify_files(manifest, where, cancelled)
+        except ManifestError as exc:  # a file swapped for a symlink or a special file
+            raise CorruptItem(f"{manifest.item}: {exc}") from None
     finally:
         if top is not None:
             os.close(top)

@@ -91,11 +91,6 @@ class Pacer:
             return booking
 
 
-UNPACED = Pacer()
-"""No limit, no holds that matter: for tools and tests that move bytes outside a daemon.
-(Its priorities still apply between the transfers that share it.)"""
-
-
 class Meter:
     """One transfer's account at the ``Pacer``: it books whole slices, so concurrent
     transfers share the link slice by slice, and spends what it booked before booking again."""
@@ -128,6 +123,16 @@ class Meter:
             used = min(nbytes, self._credit)
             self._credit -= used
             nbytes -= used
+
+    def paced(self, data: bytes | memoryview) -> Iterator[memoryview]:
+        """``data`` in slices, each yielded once the meter allows it to be sent."""
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view):
+            n = min(self.slice(), len(view) - pos)
+            self.take(n)
+            yield view[pos : pos + n]
+            pos += n
 
     def refund(self, nbytes: int) -> None:
         """``nbytes`` taken were not sent after all (a short send): keep them for the next."""

@@ -141,13 +141,7 @@ class _PacedBody:
         return len(self._data)
 
     def __iter__(self) -> Iterator[memoryview]:
-        view = memoryview(self._data)
-        pos = 0
-        while pos < len(view):
-            n = min(self._meter.slice(), len(view) - pos)
-            self._meter.take(n)
-            yield view[pos : pos + n]
-            pos += n
+        return self._meter.paced(self._data)
 
 
 def _pace_sends(session: requests.Session) -> None:

@@ -291,12 +291,8 @@ def paced_write(out: BinaryIO, data: bytes, meter: Meter | None) -> None:
     if meter is None:
         out.write(data)
         return
-    view = memoryview(data)
-    while view:
-        n = min(meter.slice(), len(view))
-        meter.take(n)
-        out.write(view[:n])
-        view = view[n:]
+    for piece in meter.paced(data):
+        out.write(piece)
 
 
 def check_crc32c(key: str, actual: int, expected: int | None) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest
+from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
 from replicator.local import hashing
 from replicator.local.hashing import build_manifest, verify_item
 
@@ -144,3 +144,18 @@ def test_a_verify_uses_several_threads_and_leaves_the_data_alone(
     unchanged(root / "big", before)
     if (os.cpu_count() or 1) > 1:
         assert threading.get_ident() not in seen  # on the pool, not the caller's thread
+
+
+def test_a_file_swapped_for_a_non_regular_one_mid_verify_is_corruption(
+    item: tuple[Manifest, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the walk and a range's open the file can change under us (a pod still holds
+    the directory): that is corruption of the copy, not a malformed manifest."""
+    m, root = item
+
+    def swapped(base: Path | int, rel: str) -> int:
+        raise ManifestError(f"{rel!r} is a FIFO, not a regular file")
+
+    monkeypatch.setattr(hashing, "_open_regular", swapped)
+    with pytest.raises(CorruptItem, match="not a regular file"):
+        verify_item(m, root)

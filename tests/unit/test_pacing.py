@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import threading
 
 import pytest
@@ -220,3 +221,15 @@ def test_a_paced_reader_reads_like_a_file_and_pays_for_rereads() -> None:
         reader.seek(0)
         assert reader.read() == data
         assert clock.now - first == pytest.approx(3.0, rel=0.05)
+
+
+def test_paced_slices_carry_every_byte_in_order_and_book_them() -> None:
+    p, clock = pacer(rate=1 * MiB)
+    data = os.urandom(3 * MiB + 123)
+    start = clock.now
+    with p.transfer(Traffic.BACKUP) as meter:
+        pieces = list(meter.paced(data))
+    assert b"".join(pieces) == data
+    assert max(len(x) for x in pieces) <= 64 << 10
+    assert p.sent[Traffic.BACKUP] >= len(data)
+    assert clock.now - start == pytest.approx((len(data) - MiB) / MiB, rel=0.05)
