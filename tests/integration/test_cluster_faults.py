@@ -49,6 +49,12 @@ def test_kill9_of_the_receiver_mid_push(cluster: Cluster) -> None:
 
 
 def test_kill9_of_the_sender_mid_push(cluster: Cluster) -> None:
+    # The sender is paced (its first second's burst, then 16 MiB/s): on a busy box the rest
+    # of an unpaced item can arrive between the poll and the kill, a complete copy that the
+    # receiver rightly commits; paced, the kill always lands mid-item.
+    cluster.daemon(1).stop()
+    cluster.node_env[1] = {"MTC_MAX_TRANSFER_RATE": "16MiB"}
+    cluster.start(1)
     cluster.fresh_start()
     cluster.save(3)
     holder = cluster.holder(1, 3)
@@ -62,6 +68,7 @@ def test_kill9_of_the_sender_mid_push(cluster: Cluster) -> None:
         daemon=cluster.daemon(holder),
     )
     assert (5, "1-0") not in cluster.held(holder)
+    del cluster.node_env[1]
     cluster.start(1)  # same RAM disk: its committed step 5 is intact and pushed again
     cluster.wait_saved(5)
     cluster.handshake([0, 1, 2, 3])
