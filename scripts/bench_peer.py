@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import mmap
 import os
@@ -44,6 +45,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from replicator.core.manifest import ItemId, Manifest
 from replicator.core.storedir import default_store_dir
@@ -51,7 +53,7 @@ from replicator.local.store import LocalStore
 from replicator.node.daemon import tune_malloc
 from replicator.tools import certs
 from replicator.transport.peer import PeerClient
-from replicator.transport.tls import TlsFiles, TlsMaterial
+from replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
 
 try:
     import uvloop
@@ -66,8 +68,36 @@ _READY = re.compile(rb"daemon ready:.* listen=(\S+) advertise=")
 # --- the raw-socket baseline (run as child processes) -----------------------------------------
 
 
-def raw_receive(dest: Path) -> None:
-    """Accept one connection; write each ``(name, size, bytes)`` record below ``dest``."""
+class _TlsReader(io.RawIOBase):
+    """A ``TlsStream`` as a file, so the receiver below reads TLS and plaintext alike."""
+
+    def __init__(self, stream: TlsStream) -> None:
+        self.stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        return self.stream.recv_into(memoryview(b).cast("B"))
+
+
+def _tls_stream(conn: socket.socket, tls_dir: Path, *, server: bool) -> TlsStream:
+    """The data channel's own TLS (``TlsStream``, the daemons' certificates), handshaken."""
+    material = TlsMaterial(certs.node_files(tls_dir))
+    context = material.server_context() if server else material.client_context()
+    stream = TlsStream(
+        conn,
+        context,
+        server_side=server,
+        server_hostname=None if server else certs.DEFAULT_SERVER_NAME,
+    )
+    stream.handshake()
+    return stream
+
+
+def raw_receive(dest: Path, tls_dir: Path | None = None) -> None:
+    """Accept one connection; write each ``(name, size, bytes)`` record below ``dest``
+    (``tls_dir``: the connection is TLS, with the certificates there)."""
     dest.mkdir(parents=True)
     with socket.create_server(("127.0.0.1", 0)) as srv:
         print(srv.getsockname()[1], flush=True)
@@ -77,8 +107,11 @@ def raw_receive(dest: Path) -> None:
     buf = mmap.mmap(-1, 1 << 20)
     view = memoryview(buf)
     total = 0
+    tls = _tls_stream(conn, tls_dir, server=True) if tls_dir is not None else None
     with conn:
-        stream = conn.makefile("rb")
+        stream = (
+            io.BufferedReader(_TlsReader(tls), 1 << 20) if tls is not None else conn.makefile("rb")
+        )
         while True:
             name_len, size = _HEADER.unpack(stream.read(_HEADER.size))
             if name_len == 0:
@@ -96,30 +129,45 @@ def raw_receive(dest: Path) -> None:
                 left -= n
             os.close(fd)
             total += size
-        conn.sendall(b"k")
+        (tls or conn).sendall(b"k")
     cpu1 = os.times()
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": total, "cpu": cpu}))
 
 
-def raw_send(port: int, src: Path) -> None:
+def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
+    """Send every file below ``src``: ``sendfile`` in plaintext; with ``tls_dir``, a MiB
+    read at a time through ``TlsStream`` (what the data channel does with TLS on)."""
     files = sorted(p for p in src.rglob("*") if p.is_file())
     with socket.create_connection(("127.0.0.1", port)) as conn:
+        tls = _tls_stream(conn, tls_dir, server=False) if tls_dir is not None else None
+        out = tls or conn
+        buf = bytearray(1 << 20)
         for path in files:
             name = str(path.relative_to(src)).encode()
-            conn.sendall(_HEADER.pack(len(name), path.stat().st_size) + name)
+            out.sendall(_HEADER.pack(len(name), path.stat().st_size) + name)
             with path.open("rb") as f:
-                conn.sendfile(f)
-        conn.sendall(_HEADER.pack(0, 0))
-        conn.recv(1)
+                if tls is None:
+                    conn.sendfile(f)
+                    continue
+                while n := f.readinto(buf):
+                    tls.sendall(memoryview(buf)[:n])
+        out.sendall(_HEADER.pack(0, 0))
+        if tls is not None:
+            tls.recv_into(memoryview(bytearray(1)))
+        else:
+            conn.recv(1)
 
 
-def raw_copy(src: Path, dest: Path) -> dict[str, float]:
+def raw_copy(src: Path, dest: Path, tls_dir: Path | None = None) -> dict[str, float]:
+    """Copy ``src`` to ``dest`` between two processes over loopback TCP; with ``tls_dir``
+    (a node's certificate files), over TLS."""
     me = [sys.executable, __file__]
-    recv = subprocess.Popen([*me, "_raw-recv", str(dest)], stdout=subprocess.PIPE, text=True)
+    tls = [str(tls_dir)] if tls_dir is not None else []
+    recv = subprocess.Popen([*me, "_raw-recv", str(dest), *tls], stdout=subprocess.PIPE, text=True)
     assert recv.stdout is not None
     port = recv.stdout.readline().strip()
-    subprocess.run([*me, "_raw-send", port, str(src)], check=True)
+    subprocess.run([*me, "_raw-send", port, str(src), *tls], check=True)
     out, _ = recv.communicate(timeout=600)
     if recv.returncode:
         raise RuntimeError(f"raw receiver failed: {recv.returncode}")
@@ -402,10 +450,11 @@ def report(size: int, files: int, results: list[Round]) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_raw-recv":
-        raw_receive(Path(sys.argv[2]))
+        raw_receive(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_raw-send":
-        raw_send(int(sys.argv[2]), Path(sys.argv[3]))
+        tls_dir = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+        raw_send(int(sys.argv[2]), Path(sys.argv[3]), tls_dir)
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--size-mib", type=int, default=1024)

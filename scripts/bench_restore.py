@@ -84,7 +84,13 @@ class Job:
     """One daemon per node on its own CHECKPOINT_DIR; the job's handshakes and markers."""
 
     def __init__(
-        self, root: Path, nodes: int, *, backup: Path | None = None, log_level: str = "info"
+        self,
+        root: Path,
+        nodes: int,
+        *,
+        backup: Path | None = None,
+        log_level: str = "info",
+        tls: bool = True,
     ) -> None:
         self.root, self.nodes, self.log_level = root, nodes, log_level
         self.name = f"bench-{uuid.uuid4().hex[:6]}"
@@ -93,6 +99,7 @@ class Job:
             d.mkdir(parents=True)
         ca = certs.new_ca()
         self.tls = [node_tls(root / "tls" / f"node{r}", ca) for r in range(nodes)]
+        self.use_tls = tls
         self.backup = backup
         if backup is None:
             (root / "registry").mkdir()
@@ -104,7 +111,12 @@ class Job:
         daemon = DaemonProcess(
             self.dirs[rank],
             backup=self.backup.as_uri() if self.backup is not None else None,
-            extra_args=(*where, *self.tls[rank].args(), "--log-level", self.log_level),
+            extra_args=(
+                *where,
+                *(self.tls[rank].args() if self.use_tls else ()),
+                "--log-level",
+                self.log_level,
+            ),
             log_path=self.root / f"node{rank}.log",
         )
         self.daemons[rank] = daemon.start()
@@ -214,11 +226,19 @@ def first_start(job: Job) -> None:
 
 
 def bench_peer_and_local(
-    root: Path, size_mib: int, rounds: int, log_level: str
+    root: Path, size_mib: int, rounds: int, log_level: str, *, tls: bool = True
 ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
-    job = Job(root / "peer", 2, log_level=log_level)
-    out: dict[str, list[float]] = {"raw": [], "peer": [], "local": []}
-    phases: dict[str, list[dict[str, float]]] = {"peer": [], "local": []}
+    """The peer and local cases, interleaved with the raw copies they are compared with.
+
+    With ``tls`` (the daemons' mutual TLS): the plaintext raw copy, the same copy over the
+    data channel's TLS (``TlsStream``, the daemons' certificates), the peer restore and the
+    local restore. Without: the plaintext raw copy and the peer restore, keyed ``*_plain``.
+    """
+    sfx = "" if tls else "_plain"
+    job = Job(root / f"peer{sfx}", 2, log_level=log_level, tls=tls)
+    keys = ["raw", "raw_tls", "peer", "local"] if tls else ["raw", "peer"]
+    out: dict[str, list[float]] = {f"{k}{sfx}": [] for k in keys}
+    phases: dict[str, list[dict[str, float]]] = {f"peer{sfx}": [], **({"local": []} if tls else {})}
     try:
         for r in range(job.nodes):
             job.start(r)
@@ -226,34 +246,40 @@ def bench_peer_and_local(
         job.save(STEP, size_mib)
         size = size_mib << 20
         raw_src = job.item_data(0, STEP)
+
+        def raw(tls_dir: Path | None = None) -> float:
+            warm_pages(root, size)
+            dest = root / "raw"
+            seconds = raw_copy(raw_src, dest, tls_dir)["seconds"]
+            shutil.rmtree(dest)
+            return seconds
+
+        def peer() -> float:
+            job.wipe(1)
+            warm_pages(root, size)
+            seconds = job.restore(STEP)
+            phases[f"peer{sfx}"].append(job.timeline())
+            if job.source(1) != "peer":
+                raise RuntimeError(f"rank 1 restored from {job.source(1)}, not its peer")
+            return seconds
+
+        def local() -> float:
+            seconds = job.restore(STEP)
+            phases["local"].append(job.timeline())
+            if {job.source(r) for r in range(job.nodes)} != {"local"}:
+                raise RuntimeError("a rank did not restore its local copy")
+            return seconds
+
+        cases: dict[str, Callable[[], float]] = {"raw": raw, "peer": peer}
+        if tls:
+            cases |= {"raw_tls": lambda: raw(job.tls[1].root), "local": local}
         for i in range(rounds):
-
-            def raw() -> None:
-                warm_pages(root, size)
-                dest = root / "raw"
-                out["raw"].append(raw_copy(raw_src, dest)["seconds"])
-                shutil.rmtree(dest)
-
-            def peer() -> None:
-                job.wipe(1)
-                warm_pages(root, size)
-                out["peer"].append(job.restore(STEP))
-                phases["peer"].append(job.timeline())
-                if job.source(1) != "peer":
-                    raise RuntimeError(f"rank 1 restored from {job.source(1)}, not its peer")
-
-            def local() -> None:
-                out["local"].append(job.restore(STEP))
-                phases["local"].append(job.timeline())
-                if {job.source(r) for r in range(job.nodes)} != {"local"}:
-                    raise RuntimeError("a rank did not restore its local copy")
-
             # Alternate the order: whoever goes first may meet colder tmpfs pages.
-            for case in (raw, peer, local) if i % 2 == 0 else (peer, local, raw):
-                case()
+            order = keys if i % 2 == 0 else keys[::-1]
+            for key in order:
+                out[f"{key}{sfx}"].append(cases[key]())
             print(
-                f"round {i + 1}: raw {out['raw'][-1]:.3f}s  peer restore {out['peer'][-1]:.3f}s"
-                f"  local restore {out['local'][-1]:.3f}s",
+                f"round {i + 1}:" + "".join(f"  {k} {v[-1]:.3f}s" for k, v in out.items()),
                 flush=True,
             )
     finally:
@@ -318,10 +344,13 @@ def report(
 ) -> dict[str, object]:
     med = {k: statistics.median(v) for k, v in (peer | backup).items() if v}
     best = {k: min(v) for k, v in (peer | backup).items() if v}
-    peer_ratio = med["raw"] / med["peer"]
     rows = [
         ("raw socket copy of one rank's item (baseline)", "raw", "raw", ""),
-        ("restore from a peer, 2 nodes, node 1 wiped", "peer", "raw", f">= {PEER_TARGET}x"),
+        ("the same copy over TLS (TlsStream; baseline)", "raw_tls", "raw_tls", ""),
+        ("restore from a peer, TLS, node 1 wiped", "peer", "raw", f">= {PEER_TARGET}x"),
+        ("  the same against the TLS copy", "peer", "raw_tls", "reported"),
+        ("raw socket copy (baseline, plaintext run)", "raw_plain", "raw_plain", ""),
+        ("restore from a peer, plaintext", "peer_plain", "raw_plain", f">= {PEER_TARGET}x"),
         ("restore from local copies, 2 nodes, nothing lost", "local", "", f"< {LOCAL_TARGET}s"),
         ("cp -r of the backup's step to tmpfs (baseline)", "cp", "cp", ""),
         ("restore from file://, 4 nodes, every RAM disk wiped", "backup", "cp", "reported"),
@@ -330,14 +359,24 @@ def report(
     print("handshake to the last rank's marker; median (best) of the interleaved rounds")
     print(f"{'case':52} {'seconds':>16} {'vs baseline':>11}  target")
     for name, key, base, target in rows:
-        if key not in med:
-            continue  # --backup-rounds 0
+        if key not in med or (base and base not in med):
+            continue  # --backup-rounds 0, --no-plaintext
         ratio = f"{med[base] / med[key]:.2f}x" if base else "-"
         print(f"{name:52} {med[key]:7.3f} ({best[key]:6.3f}) {ratio:>11}  {target}")
+    ratios = {
+        "peer_vs_raw": med["raw"] / med["peer"],
+        "peer_vs_raw_tls": med["raw_tls"] / med["peer"],
+        "peer_plain_vs_raw_plain": (
+            med["raw_plain"] / med["peer_plain"] if "peer_plain" in med else None
+        ),
+        "backup_vs_cp": med["cp"] / med["backup"] if "backup" in med else None,
+    }
     holds = {
-        "peer >= 0.8x raw": peer_ratio >= PEER_TARGET,
+        "peer (TLS) >= 0.8x raw (plaintext)": ratios["peer_vs_raw"] >= PEER_TARGET,
         "local < 0.2 s": med["local"] < LOCAL_TARGET,
     }
+    if (plain := ratios["peer_plain_vs_raw_plain"]) is not None:
+        holds["peer (plaintext) >= 0.8x raw (plaintext)"] = plain >= PEER_TARGET
     for what, ok in holds.items():
         print(f"target {what}: {'holds' if ok else 'MISSED'}")
     timelines = {case: median_timeline(runs) for case, runs in phases.items()}
@@ -350,8 +389,7 @@ def report(
         "rounds": {k: v for k, v in (peer | backup).items()},
         "median": med,
         "best": best,
-        "peer_vs_raw": peer_ratio,
-        "backup_vs_cp": med["cp"] / med["backup"] if "backup" in med else None,
+        **ratios,
         "targets": holds,
         "timelines": timelines,
     }
@@ -367,11 +405,23 @@ def main() -> None:
         "--log-level", default="info", help="the daemons' (debug logs every phase, slower)"
     )
     p.add_argument("--keep", action="store_true", help="keep the run's directories (and logs)")
+    p.add_argument(
+        "--no-plaintext",
+        dest="plaintext",
+        action="store_false",
+        help="skip the plaintext run (daemons without TLS against the same raw copy)",
+    )
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
     try:
         peer, phases = bench_peer_and_local(root, a.size_mib, a.rounds, a.log_level)
+        if a.plaintext:
+            plain, plain_phases = bench_peer_and_local(
+                root, a.size_mib, a.rounds, a.log_level, tls=False
+            )
+            peer |= plain
+            phases |= plain_phases
         backup = (
             bench_backup(root, disk, a.size_mib, a.backup_rounds, a.log_level)
             if a.backup_rounds
