@@ -3,7 +3,7 @@
 #   docker build -t REGISTRY/mtc-replicator:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
-# --- builder: a self-contained virtualenv with the package and its s3/gcs extras ----------
+# --- builder: a self-contained virtualenv with the package, the daemon and s3/gcs extras --
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -11,7 +11,7 @@ RUN python -m venv /opt/mtc
 COPY . /src
 # Every dependency ships manylinux wheels, so no compiler is needed even here. A regular
 # (non-editable) install: the final stage copies /opt/mtc alone, not /src.
-RUN /opt/mtc/bin/pip install "/src[s3,gcs]"
+RUN /opt/mtc/bin/pip install "/src[daemon,s3,gcs]"
 
 # --- final: the venv, util-linux for mounts, nothing to build with ------------------------
 FROM ${PYTHON_IMAGE}

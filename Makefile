@@ -1,23 +1,34 @@
-# One entry point. `make demo` runs the main job; `make test` installs everything and runs
-# the whole suite (lint, types, tests). Both create ./.venv on first use.
+# One entry point. `make demo` installs only what the demo needs (the `demo` extra: the
+# daemons and torch) and runs the main job; `make test` installs everything and runs the
+# whole suite (lint, types, tests). Both create ./.venv on first use.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
+# torch is pinned to the CPU wheel available here; it goes in first so that the extras'
+# range (torch>=2.7,<3) is already satisfied and nothing pulls CUDA.
+TORCH  := torch==2.13.0
 
 .PHONY: venv demo test lint typecheck unit bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch is pinned to the CPU wheel available here; install it first so nothing pulls CUDA.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,torch,interop,s3,gcs]'
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[daemon,dev,torch,interop,s3,gcs]'
 	touch $(STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[demo]'
+	touch $(DEMO_STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/mtc demo --nodes 4
 
 lint: $(STAMP)

@@ -52,6 +52,24 @@ def test_jobset_gives_the_client_what_replicator_yaml_needs() -> None:
     assert _pod_spec()["securityContext"]["runAsUser"] == render.WORKLOAD_UID
 
 
+def test_jobset_places_one_training_pod_per_node() -> None:
+    # Two ranks on one node would share its RAM disk and its replicator (one rank each).
+    jobset = yaml.safe_load(JOBSET.read_text())
+    (term,) = _pod_spec()["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    # Every pod of the JobSet, all slices: JobSet labels each pod with its JobSet's name.
+    assert term["labelSelector"] == {
+        "matchLabels": {"jobset.sigs.k8s.io/jobset-name": jobset["metadata"]["name"]}
+    }
+    # Exclusive topology by hostname would put a whole slice (several pods) on one node.
+    annotations = jobset["metadata"].get("annotations", {})
+    assert (
+        annotations.get("alpha.jobset.sigs.k8s.io/exclusive-topology") != "kubernetes.io/hostname"
+    )
+
+
 def _strings(node: object) -> list[str]:
     if isinstance(node, dict):
         return [s for k, v in node.items() for s in (str(k), *_strings(v))]

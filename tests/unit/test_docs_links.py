@@ -1,4 +1,6 @@
-"""Relative links in README.md and docs/ point at files that exist, and at headings they have.
+"""Relative links in README.md, SECURITY.md and docs/ point at files of this repository that
+exist, and at headings they have: a clone has nothing beside it (a link to ``../shared/``
+resolved on the machine it was written on and nowhere else).
 
 Anchors are GitHub's: the heading lowercased, punctuation other than ``-`` and ``_`` dropped,
 spaces turned into ``-``. Links inside fenced code blocks and to other sites are not checked.
@@ -30,13 +32,17 @@ def _links(page: Path) -> list[str]:
     return [t for t in LINK.findall(text) if not re.match(r"[a-z]+:", t)]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize(
+    "page", [*PAGES, ROOT / "SECURITY.md"], ids=lambda p: p.relative_to(ROOT).as_posix()
+)
 def test_relative_links_resolve(page: Path) -> None:
     broken = []
     for target in _links(page):
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
-        if not dest.exists():
+        if not dest.is_relative_to(ROOT):
+            broken.append(f"{target}: outside the repository")
+        elif not dest.exists():
             broken.append(f"{target}: no such file")
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             broken.append(f"{target}: no such heading")
