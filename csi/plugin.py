@@ -58,8 +58,9 @@ class PluginOptions:
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
     policy: MountPolicy = OPEN_POLICY
     """Whose pods may mount; open (with a warning) when no list is given."""
-    fs_group: int = DEFAULT_FS_GROUP
-    """The group of the RAM disk and CHECKPOINT_DIR: the replicator's and the pods'."""
+    fs_group: int | None = None
+    """The group of the RAM disk and CHECKPOINT_DIR: the replicator's and the pods'
+    (``--fs-group``, default ``DEFAULT_FS_GROUP``); None: the plugin's own group."""
 
 
 def parse_args(
@@ -219,7 +220,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
         return EXIT_STARTUP_FAILED
     log.info(
         "%s: endpoint=unix://%s driver=%s node=%s ram-dir=%s checkpoint-dir=%s ram-device=%s "
-        "version=%s metrics=%s allowed=%s fs-group=%d",
+        "version=%s metrics=%s allowed=%s fs-group=%s",
         READY_LINE,
         opts.socket_path,
         opts.driver_name,
@@ -230,7 +231,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
         __version__,
         metrics_server.address if metrics_server else None,
         opts.policy.describe(),
-        opts.fs_group,
+        volumes.checkpoint.group,
     )
     try:
         stop.wait()
