@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from csi.checkpoint import CheckpointDir
 from csi.errors import MountDenied
+from csi.mounter import MemoryMounter
+from csi.mountinfo import mount_at
+from csi.node import NodeVolumes
 from csi.owner import PodInfo
 from csi.plugin import DEFAULT_FS_GROUP, parse_args
+from csi.ramdisk import ensure_ram_disk
 from csi.tenancy import MountPolicy, parse_namespaces, parse_service_accounts
+from csi.validation import Publish
 
 ENV = {
     "CSI_ENDPOINT": "unix:///csi/csi.sock",
@@ -91,3 +99,21 @@ def test_bad_values_are_usage_errors(
         parse_args(flags, ENV)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_refused_pod_gets_nothing_made_or_mounted(tmp_path: Path) -> None:
+    """Over the in-memory mounter (any user): the check comes before the target, the
+    owner record and the bind."""
+    mounter, ram = MemoryMounter(), tmp_path / "ram"
+    ensure_ram_disk(mounter, ram, 2**20)
+    CheckpointDir(ram).prepare()
+    volumes = NodeVolumes(mounter, ram, policy=MountPolicy(parse_namespaces("ml-team")))
+    target = tmp_path / "pod" / "mount"
+    target.parent.mkdir()
+    with pytest.raises(MountDenied):
+        volumes.publish(Publish("v", target, readonly=False, pod=pod("other")))
+    assert not target.exists()
+    assert mount_at(mounter.mounts(), str(target)) is None
+    assert not (ram / "owner.json").exists()
+    assert volumes.publish(Publish("v", target, readonly=False, pod=pod("ml-team")))
+    assert mount_at(mounter.mounts(), str(target)) is not None
