@@ -114,8 +114,8 @@ def parse_args(
         "--allowed-service-accounts",
         default=env.get("MTC_CSI_ALLOWED_SERVICE_ACCOUNTS", ""),
         metavar="NS/NAME[,...]",
-        help="service accounts whose pods may mount the volume, in any listed namespace "
-        "or not [MTC_CSI_ALLOWED_SERVICE_ACCOUNTS]",
+        help="service accounts whose pods may mount the volume, whether their namespace "
+        "is listed or not [MTC_CSI_ALLOWED_SERVICE_ACCOUNTS]",
     )
     p.add_argument(
         "--fs-group",

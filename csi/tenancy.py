@@ -16,11 +16,8 @@ from dataclasses import dataclass
 
 from csi.errors import MountDenied
 from csi.owner import PodInfo
+from csi.validation import LABEL_RE, SUBDOMAIN_RE
 
-# Kubernetes' own rules: a namespace is a DNS-1123 label, a service account name a
-# DNS-1123 subdomain (the same patterns csi.validation checks kubelet's values with).
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _SEPARATORS = re.compile(r"[\s,]+")
 
 ALLOW_HINT = (
@@ -79,7 +76,7 @@ def parse_namespaces(text: str | Iterable[str]) -> frozenset[str]:
     """``a,b`` or ``a b`` (or a list); a ``ValueError`` names the first bad entry."""
     names = _items(text)
     for name in names:
-        if not _LABEL.fullmatch(name):
+        if not LABEL_RE.fullmatch(name):
             raise ValueError(f"allowed namespace {name!r} is not a namespace name (a DNS label)")
     return frozenset(names)
 
@@ -89,7 +86,7 @@ def parse_service_accounts(text: str | Iterable[str]) -> frozenset[tuple[str, st
     accounts: set[tuple[str, str]] = set()
     for item in _items(text):
         namespace, slash, name = item.partition("/")
-        if not slash or not _LABEL.fullmatch(namespace) or not _SUBDOMAIN.fullmatch(name):
+        if not slash or not LABEL_RE.fullmatch(namespace) or not SUBDOMAIN_RE.fullmatch(name):
             raise ValueError(
                 f"allowed service account {item!r} must be NAMESPACE/NAME, e.g. ml-team/trainer"
             )
