@@ -4,7 +4,8 @@ The RAM disk holds three things: ``<subdir>/`` (CHECKPOINT_DIR, the only part po
 the daemon's store (a sibling it makes itself) and ``owner.json`` (ours). The RAM disk's
 root is root-owned with the sticky bit, and CHECKPOINT_DIR and ``owner.json`` are owned by
 the plugin: so once checked, neither the daemon's uid nor a pod can swap them for a symlink
-between the check and the bind mount.
+between the check and the bind mount. Both directories belong to the configured group (the
+replicator's and the training pods') and are closed to every other user of the node.
 
 Every step works on descriptors opened with ``O_NOFOLLOW``: a symlink planted where
 CHECKPOINT_DIR should be is refused, and one inside it is removed, never followed.
@@ -30,8 +31,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SUBDIR = "checkpoint"
 OWNER_FILE = "owner.json"
-CHECKPOINT_MODE = 0o777
-"""Training pods run as any user and must write CHECKPOINT_DIR, and so must the daemon."""
+CHECKPOINT_MODE = 0o2770
+"""Owner (the plugin, root) and the configured group (``--fs-group``: the replicator's gid,
+which training pods get through their ``fsGroup`` or ``runAsGroup``) may write; nobody else
+may even list it. Setgid: what the pod and the daemon create inside stays in that group."""
 OWNER_MODE = 0o644
 """The daemon (another uid) reads it; only the plugin writes it."""
 MAX_OWNER_BYTES = 64 * 1024
@@ -47,15 +50,20 @@ def check_subdir_name(name: str) -> str:
 class CheckpointDir:
     """``ram_dir/subdir``, the directory pods get, and ``ram_dir/owner.json``."""
 
-    def __init__(self, ram_dir: Path, subdir: str = DEFAULT_SUBDIR) -> None:
+    def __init__(
+        self, ram_dir: Path, subdir: str = DEFAULT_SUBDIR, group: int | None = None
+    ) -> None:
         self.ram_dir = ram_dir
+        self.group = os.getegid() if group is None else group
+        """CHECKPOINT_DIR's group: the one the daemon and the training pods share."""
         self.name = check_subdir_name(subdir)
         self.path = ram_dir / self.name
         self.owner_path = ram_dir / OWNER_FILE
 
     def prepare(self) -> None:
-        """Make CHECKPOINT_DIR a real directory owned by us, mode 0777, creating it when
-        absent; refuse a symlink or anything else in its place."""
+        """Make CHECKPOINT_DIR a real directory owned by us and our group, mode 2770,
+        creating it when absent (or migrating an older 0777 one); refuse a symlink or
+        anything else in its place."""
         try:
             self.path.mkdir(mode=CHECKPOINT_MODE)
             log.info("created the checkpoint directory %s", self.path)
@@ -66,13 +74,21 @@ class CheckpointDir:
         with self._open() as fd:
             info = os.fstat(fd)
             try:
-                if (info.st_uid, info.st_gid) != (os.geteuid(), os.getegid()):
+                if (info.st_uid, info.st_gid) != (os.geteuid(), self.group):
                     # Made by someone else (the daemon, an older layout): take it, so that
                     # only we can rename or replace it in the sticky RAM disk root.
-                    os.fchown(fd, os.geteuid(), os.getegid())
-                    log.warning("took ownership of %s (was uid %d)", self.path, info.st_uid)
-                if stat.S_IMODE(info.st_mode) != CHECKPOINT_MODE:
+                    os.fchown(fd, os.geteuid(), self.group)
+                    log.warning(
+                        "took ownership of %s (was uid %d gid %d, now gid %d)",
+                        self.path,
+                        info.st_uid,
+                        info.st_gid,
+                        self.group,
+                    )
+                # After the chown, which may clear the setgid bit.
+                if stat.S_IMODE(os.fstat(fd).st_mode) != CHECKPOINT_MODE:
                     os.fchmod(fd, CHECKPOINT_MODE)
+                    log.info("%s: mode set to %04o", self.path, CHECKPOINT_MODE)
             except OSError as exc:
                 raise CheckpointDirError(f"cannot set up {self.path}: {exc}") from None
 

@@ -28,6 +28,10 @@ class OwnerBusy(CsiError):
     retries, and the publish goes through once that pod's volume is unpublished)."""
 
 
+class MountDenied(CsiError):
+    """The pod's namespace and service account are not allowed to mount (PERMISSION_DENIED)."""
+
+
 class CheckpointDirError(CsiError):
     """The checkpoint directory is unsafe (a symlink, not a directory) or cannot be prepared
     or emptied (FAILED_PRECONDITION)."""

@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from csi.checkpoint import DEFAULT_SUBDIR, CheckpointDir
 from csi.errors import (
     InvalidRequest,
+    MountDenied,
     MountError,
     OperationPending,
     OwnerBusy,
@@ -32,6 +33,7 @@ from csi.errors import (
 from csi.mounter import Mounter
 from csi.mountinfo import MountInfo, mount_at
 from csi.owner import OwnerDecision, decide_owner
+from csi.tenancy import OPEN_POLICY, MountPolicy
 from csi.validation import Publish, Unpublish
 
 log = logging.getLogger(__name__)
@@ -132,14 +134,19 @@ class NodeVolumes:
         self,
         mounter: Mounter,
         ram_dir: Path,
+        *,
         locks: TargetLocks | None = None,
         subdir: str = DEFAULT_SUBDIR,
         clock: Callable[[], float] = time.time,
+        policy: MountPolicy | None = None,
+        group: int | None = None,
     ) -> None:
         self.mounter = mounter
         self.ram_dir = ram_dir
         self.locks = locks or TargetLocks()
-        self.checkpoint = CheckpointDir(ram_dir, subdir)
+        self.checkpoint = CheckpointDir(ram_dir, subdir, group)
+        self.policy = policy or OPEN_POLICY
+        """Who may mount; open (any namespace) unless configured."""
         self.clock = clock
         self._owner_lock = threading.Lock()
         """One owner decision at a time, across all targets, from reading the mount table
@@ -153,7 +160,19 @@ class NodeVolumes:
         """Make CHECKPOINT_DIR appear at the target; False when it already did (idempotent).
 
         A pod of another namespace than the owner's waits (``OwnerBusy``) while any target
-        is published; once none is, it gets the directory emptied."""
+        is published; once none is, it gets the directory emptied. A pod the policy does
+        not allow is refused (``MountDenied``) before anything is created or mounted."""
+        try:
+            self.policy.check(request.pod)
+        except MountDenied:
+            pod = request.pod
+            log.warning(
+                "refused publish for pod %s/%s (service account %s): not in the allow-list",
+                pod.namespace,
+                pod.pod,
+                pod.service_account,
+            )
+            raise
         target = request.target
         check_target(target, self.ram_dir)
         with self.locks.hold(target), self._owner_decision():

@@ -27,6 +27,7 @@ from csi.quantity import SizeError, format_size, parse_size
 from csi.ramdisk import ensure_ram_disk
 from csi.server import CsiServer, EndpointError, parse_endpoint
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
+from csi.tenancy import OPEN_POLICY, MountPolicy, parse_namespaces, parse_service_accounts
 from replicator import __version__
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import MetricsError, MetricsServer, serve, split_address
@@ -37,6 +38,9 @@ READY_LINE = "csi plugin ready"
 GRACE_SECONDS = 5.0
 """How long a mount in flight may finish after SIGTERM; kubelet retries whatever is cut."""
 EXIT_STARTUP_FAILED = 3
+DEFAULT_FS_GROUP = 65532
+"""The RAM disk's group: the replicator's gid in deploy/ (its ``runAsGroup``)."""
+MAX_GID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,11 @@ class PluginOptions:
     log_level: str = "INFO"
     metrics: str | None = None
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
+    policy: MountPolicy = OPEN_POLICY
+    """Whose pods may mount; open (with a warning) when no list is given."""
+    fs_group: int | None = None
+    """The group of the RAM disk and CHECKPOINT_DIR: the replicator's and the pods'
+    (``--fs-group``, default ``DEFAULT_FS_GROUP``); None: the plugin's own group."""
 
 
 def parse_args(
@@ -93,6 +102,29 @@ def parse_args(
         help="the RAM disk's subdirectory that pods get as their volume, the daemon's "
         f"CHECKPOINT_DIR (default {DEFAULT_SUBDIR}) [MTC_CHECKPOINT_SUBDIR]",
     )
+    p.add_argument(
+        "--allowed-namespaces",
+        default=env.get("MTC_CSI_ALLOWED_NAMESPACES", ""),
+        metavar="NS[,NS...]",
+        help="namespaces whose pods may mount the volume; with neither this nor "
+        "--allowed-service-accounts, every namespace may (and the plugin warns) "
+        "[MTC_CSI_ALLOWED_NAMESPACES]",
+    )
+    p.add_argument(
+        "--allowed-service-accounts",
+        default=env.get("MTC_CSI_ALLOWED_SERVICE_ACCOUNTS", ""),
+        metavar="NS/NAME[,...]",
+        help="service accounts whose pods may mount the volume, whether their namespace "
+        "is listed or not [MTC_CSI_ALLOWED_SERVICE_ACCOUNTS]",
+    )
+    p.add_argument(
+        "--fs-group",
+        default=env.get("MTC_CSI_FS_GROUP", str(DEFAULT_FS_GROUP)),
+        metavar="GID",
+        help="group of the RAM disk and the checkpoint directory (mode 2770): the "
+        "replicator's gid; training pods join it with fsGroup or runAsGroup "
+        f"(default {DEFAULT_FS_GROUP}) [MTC_CSI_FS_GROUP]",
+    )
     p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
     p.add_argument(
         "--metrics",
@@ -116,6 +148,11 @@ def parse_args(
         check_subdir_name(a.checkpoint_subdir)
         if a.metrics is not None:
             split_address(a.metrics)
+        policy = MountPolicy(
+            parse_namespaces(a.allowed_namespaces),
+            parse_service_accounts(a.allowed_service_accounts),
+        )
+        fs_group = _gid(a.fs_group)
     except (EndpointError, SizeError, ValueError) as exc:
         p.error(str(exc))
     if not a.ram_dir.is_absolute():
@@ -129,19 +166,44 @@ def parse_args(
         checkpoint_subdir=a.checkpoint_subdir,
         log_level=a.log_level,
         metrics=a.metrics,
+        policy=policy,
+        fs_group=fs_group,
     )
+
+
+def _gid(text: str) -> int:
+    try:
+        gid = int(text)
+    except ValueError:
+        gid = -1
+    if not 0 <= gid <= MAX_GID:
+        raise ValueError(f"--fs-group must be a numeric group id, got {text!r}")
+    return gid
 
 
 def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
     """Serve until ``stop`` is set; the process exit code."""
     try:
-        ram = ensure_ram_disk(mounter, opts.ram_dir, opts.ram_size)
+        ram = ensure_ram_disk(mounter, opts.ram_dir, opts.ram_size, opts.fs_group)
         # Made now, not at the first publish: the daemon watches it from its start.
-        CheckpointDir(opts.ram_dir, opts.checkpoint_subdir).prepare()
+        CheckpointDir(opts.ram_dir, opts.checkpoint_subdir, opts.fs_group).prepare()
     except (RamDiskError, CheckpointDirError) as exc:
         log.error("%s", exc)
         return EXIT_STARTUP_FAILED
-    volumes = NodeVolumes(mounter, opts.ram_dir, subdir=opts.checkpoint_subdir)
+    volumes = NodeVolumes(
+        mounter,
+        opts.ram_dir,
+        subdir=opts.checkpoint_subdir,
+        policy=opts.policy,
+        group=opts.fs_group,
+    )
+    if opts.policy.open:
+        log.warning(
+            "every namespace may mount the node's checkpoints: no --allowed-namespaces or "
+            "--allowed-service-accounts (MTC_CSI_ALLOWED_NAMESPACES, "
+            "MTC_CSI_ALLOWED_SERVICE_ACCOUNTS; spec.allowedNamespaces in the "
+            "CheckpointConfiguration); set them to your training namespaces (SECURITY.md)"
+        )
     metrics = PrometheusCallMetrics() if opts.metrics else None
     server = CsiServer(opts.socket_path, metrics=metrics or NO_CALL_METRICS)
     server.add(IdentityServicer(opts.driver_name, __version__, volumes).register)
@@ -158,7 +220,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
         return EXIT_STARTUP_FAILED
     log.info(
         "%s: endpoint=unix://%s driver=%s node=%s ram-dir=%s checkpoint-dir=%s ram-device=%s "
-        "version=%s metrics=%s",
+        "version=%s metrics=%s allowed=%s fs-group=%s",
         READY_LINE,
         opts.socket_path,
         opts.driver_name,
@@ -168,6 +230,8 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
         ram.device,
         __version__,
         metrics_server.address if metrics_server else None,
+        opts.policy.describe(),
+        volumes.checkpoint.group,
     )
     try:
         stop.wait()

@@ -25,9 +25,10 @@ from csi.quantity import format_size
 
 log = logging.getLogger(__name__)
 
-RAM_DISK_MODE = 0o1777
+RAM_DISK_MODE = 0o1770
 """Pods never see the root (they get its CHECKPOINT_DIR subdirectory); the daemon, another
-uid, creates its store here. The sticky bit keeps it from renaming or replacing what the
+uid in the RAM disk's group (``--fs-group``), creates its store here, and no other user of
+the node may enter. The sticky bit keeps the daemon from renaming or replacing what the
 plugin owns here: CHECKPOINT_DIR and ``owner.json``."""
 
 
@@ -67,8 +68,11 @@ def plan_ram_disk(
     return RamDiskPlan(Action.RESIZE, current)
 
 
-def ensure_ram_disk(mounter: Mounter, path: Path, size_bytes: int) -> MountInfo:
-    """Mount (or reuse, or resize) the RAM disk at ``path``; the mount it ends up with."""
+def ensure_ram_disk(
+    mounter: Mounter, path: Path, size_bytes: int, group: int | None = None
+) -> MountInfo:
+    """Mount (or reuse, or resize) the RAM disk at ``path``, root ours and ``group``'s (None:
+    our own group); the mount it ends up with."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -100,13 +104,18 @@ def ensure_ram_disk(mounter: Mounter, path: Path, size_bytes: int) -> MountInfo:
     mounted = mount_at(mounter.mounts(), str(path))
     if mounted is None or mounted.fs_type != "tmpfs":
         raise RamDiskError(f"the RAM disk at {path} is not mounted after setting it up")
-    _set_root_mode(path)
+    _set_root_mode(path, os.getegid() if group is None else group)
     return mounted
 
 
-def _set_root_mode(path: Path) -> None:
-    """A RAM disk mounted by an older plugin (mode 0777, no sticky bit) gets ours."""
+def _set_root_mode(path: Path, group: int) -> None:
+    """A RAM disk mounted by an older plugin (mode 0777 or 1777, our group) gets ours."""
     try:
+        info = path.stat()
+        if (info.st_uid, info.st_gid) != (os.geteuid(), group):
+            os.chown(path, os.geteuid(), group)
+            log.info("RAM disk %s: group set to %d", path, group)
+        # After the chown: it may clear mode bits.
         if stat.S_IMODE(path.stat().st_mode) != RAM_DISK_MODE:
             os.chmod(path, RAM_DISK_MODE)
             log.info("RAM disk %s: mode set to %04o", path, RAM_DISK_MODE)

@@ -19,6 +19,7 @@ from csi.errors import (
     CheckpointDirError,
     CsiError,
     InvalidRequest,
+    MountDenied,
     MountError,
     OperationPending,
     OwnerBusy,
@@ -37,6 +38,7 @@ cluster, and kubelet routes volumes to plugins by this name."""
 
 _STATUS: dict[type[CsiError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    MountDenied: grpc.StatusCode.PERMISSION_DENIED,
     PublishConflict: grpc.StatusCode.ALREADY_EXISTS,
     OperationPending: grpc.StatusCode.ABORTED,
     OwnerBusy: grpc.StatusCode.UNAVAILABLE,

@@ -26,8 +26,8 @@ SERVICE_ACCOUNT_KEY = "csi.storage.k8s.io/serviceAccount.name"
 
 # Kubernetes' own rules: a namespace is a DNS-1123 label; pod and service account names are
 # DNS-1123 subdomains; a UID is a UUID, accepted here as any short run of its characters.
-_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 _UID = re.compile(r"[A-Za-z0-9-]{1,128}")
 
 _READ_ONLY_MODES = frozenset(
@@ -77,10 +77,10 @@ def validate_publish(request: pb.NodePublishVolumeRequest) -> Publish:
 def pod_info(context: Mapping[str, str]) -> PodInfo:
     """The pod kubelet names in volume_context; the namespace decides who owns the volume."""
     fields = (
-        (NAMESPACE_KEY, _LABEL),
-        (POD_NAME_KEY, _SUBDOMAIN),
+        (NAMESPACE_KEY, LABEL_RE),
+        (POD_NAME_KEY, SUBDOMAIN_RE),
         (POD_UID_KEY, _UID),
-        (SERVICE_ACCOUNT_KEY, _SUBDOMAIN),
+        (SERVICE_ACCOUNT_KEY, SUBDOMAIN_RE),
     )
     values: list[str] = []
     for key, pattern in fields:

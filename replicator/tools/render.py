@@ -98,6 +98,8 @@ SPEC_FIELDS = frozenset(
         "metricsNamespace",
         "maxTransferRate",
         "yieldToSavesSeconds",
+        "allowedNamespaces",
+        "allowedServiceAccounts",
     }
 )
 IGNORED_GKE_FIELDS = frozenset(
@@ -114,6 +116,10 @@ mount, and the replicator has no such options. Accepted so GKE configurations re
 # The patterns are the CRD's (deploy/base/crd.yaml); a test feeds both the same bad input.
 DNS_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DNS_SUBDOMAIN_RE = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+SERVICE_ACCOUNT_RE = re.compile(rf"{DNS_LABEL_RE.pattern}/{DNS_SUBDOMAIN_RE.pattern}")
+"""``spec.allowedServiceAccounts`` entries: ``NAMESPACE/NAME``."""
+MAX_ALLOWED = 256
+"""Entries per allow-list: a plugin flag, not a database."""
 _BUCKET = r"[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]"
 BUCKET_RE = re.compile(_BUCKET)
 OBJECT_URL_RE = re.compile(rf"(gs|s3)://{_BUCKET}(/\S*)?")
@@ -182,6 +188,11 @@ class NodeConfig:
     """``--max-transfer-rate`` as written (validated); None: unlimited."""
     yield_to_saves_seconds: float | None = None
     """``--yield-to-saves-seconds``; None: the daemon's default."""
+    allowed_namespaces: tuple[str, ...] = ()
+    """Namespaces whose pods may mount the CSI volume (the plugin's allow-list)."""
+    allowed_service_accounts: tuple[str, ...] = ()
+    """``NAMESPACE/NAME`` service accounts whose pods may mount it. Both empty: any pod may
+    (the plugin warns, and so does ``mtc render``)."""
     ignored: tuple[str, ...] = ()
     """GKE fields present in the input that have no effect here."""
 
@@ -232,6 +243,15 @@ def _string_map(value: object, field: str, keys: re.Pattern[str] | None = None) 
             raise RenderError(f"{field}.{key}", f"expected a string, got {item!r}")
         out[key] = item
     return out
+
+
+def _string_list(value: object, field: str, pattern: re.Pattern[str], what: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise RenderError(field, f"expected a list, got {_kind(value)}")
+    if len(value) > MAX_ALLOWED:
+        raise RenderError(field, f"at most {MAX_ALLOWED} entries, got {len(value)}")
+    items = [_string(item, f"{field}[{i}]", pattern, what) for i, item in enumerate(value)]
+    return tuple(sorted(set(items)))
 
 
 def _kind(value: object) -> str:
@@ -398,6 +418,18 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
                 f"expected a number of seconds from 0 to {MAX_YIELD_TO_SAVES:g}, "
                 f"got {yield_seconds!r}",
             )
+    allowed_namespaces = _string_list(
+        spec.get("allowedNamespaces", []),
+        "spec.allowedNamespaces",
+        DNS_LABEL_RE,
+        "a namespace name",
+    )
+    allowed_accounts = _string_list(
+        spec.get("allowedServiceAccounts", []),
+        "spec.allowedServiceAccounts",
+        SERVICE_ACCOUNT_RE,
+        "NAMESPACE/NAME of a service account",
+    )
     return NodeConfig(
         name=name,
         namespace=namespace,
@@ -423,6 +455,8 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         metrics_namespace=metrics_namespace,
         max_transfer_rate=rate,
         yield_to_saves_seconds=yield_seconds,
+        allowed_namespaces=allowed_namespaces,
+        allowed_service_accounts=allowed_accounts,
         ignored=tuple(sorted(k for k in spec if k in IGNORED_GKE_FIELDS)),
     )
 
@@ -457,6 +491,10 @@ def config_data(c: NodeConfig) -> dict[str, str]:
         data["MTC_MAX_TRANSFER_RATE"] = c.max_transfer_rate
     if c.yield_to_saves_seconds is not None:
         data["MTC_YIELD_TO_SAVES_SECONDS"] = f"{c.yield_to_saves_seconds:g}"
+    if c.allowed_namespaces:
+        data["MTC_CSI_ALLOWED_NAMESPACES"] = ",".join(c.allowed_namespaces)
+    if c.allowed_service_accounts:
+        data["MTC_CSI_ALLOWED_SERVICE_ACCOUNTS"] = ",".join(c.allowed_service_accounts)
     if c.s3_endpoint:
         data["AWS_ENDPOINT_URL_S3"] = c.s3_endpoint
     if c.s3_region:
@@ -505,6 +543,9 @@ def _plugin(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_RAM_DIR", "value": RAM_DIR},
             {"name": "MTC_CHECKPOINT_SUBDIR", "value": CHECKPOINT_SUBDIR},
             {"name": "MTC_CSI_DRIVER_NAME", "value": DRIVER_NAME},
+            # The RAM disk's group (mode 1770, checkpoint/ 2770): the replicator's, which
+            # training pods join with fsGroup or runAsGroup.
+            {"name": "MTC_CSI_FS_GROUP", "value": str(c.run_as_group)},
         ],
         "envFrom": [{"configMapRef": {"name": config_map}}],
         "ports": [{"name": "healthz", "containerPort": PLUGIN_HEALTH_PORT, "protocol": "TCP"}],
@@ -966,6 +1007,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for name in config.ignored:
         print(f"mtc render: warning: spec.{name} has no effect here (GKE-only)", file=sys.stderr)
+    if not config.allowed_namespaces and not config.allowed_service_accounts:
+        print(
+            "mtc render: warning: no spec.allowedNamespaces or spec.allowedServiceAccounts: "
+            "pods of every namespace may mount the node's checkpoints",
+            file=sys.stderr,
+        )
     objects = manifests(config)
     if args.output == "-":
         sys.stdout.write(to_yaml(objects))

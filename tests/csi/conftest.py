@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -87,17 +87,21 @@ StartPlugin = Callable[..., PluginProcess]
 
 @pytest.fixture
 def start_plugin(sandbox: Path) -> Iterator[StartPlugin]:
-    """``start_plugin(ram_size="64Mi")``: a real plugin on ``sandbox``/csi.sock with its RAM
-    disk at ``sandbox``/ram. Every process is stopped (killed if it hangs) before the
-    sandbox is unmounted, and the log is printed so a failure shows what it did."""
+    """``start_plugin(ram_size="64Mi", args=[...])``: a real plugin on ``sandbox``/csi.sock
+    with its RAM disk at ``sandbox``/ram and more flags from ``args``. Every process is
+    stopped (killed if it hangs) before the sandbox is unmounted, and the log is printed so
+    a failure shows what it did."""
     started: list[PluginProcess] = []
 
-    def start(ram_size: str = "64Mi", *, wait: bool = True) -> PluginProcess:
+    def start(
+        ram_size: str = "64Mi", *, wait: bool = True, args: Sequence[str] = ()
+    ) -> PluginProcess:
         plugin = PluginProcess(
             socket_path=sandbox / "csi.sock",
             ram_dir=sandbox / "ram",
             ram_size=ram_size,
             log_path=sandbox.parent / "plugin.log",
+            args=args,
         )
         started.append(plugin)
         return plugin.start() if wait else plugin

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from csi.plugin import READY_LINE
@@ -17,8 +18,17 @@ ROOT = Path(__file__).resolve().parents[2]
 class PluginProcess:
     """One plugin process; its log (stdout and stderr) goes to ``log_path``."""
 
-    def __init__(self, socket_path: Path, ram_dir: Path, ram_size: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        socket_path: Path,
+        ram_dir: Path,
+        ram_size: str,
+        log_path: Path,
+        args: Sequence[str] = (),
+    ) -> None:
         self.socket_path = socket_path
+        self.args = tuple(args)
+        """More flags (``--allowed-namespaces``...)."""
         self.ram_dir = ram_dir
         self.ram_size = ram_size
         self.log_path = log_path
@@ -42,6 +52,7 @@ class PluginProcess:
             self.ram_size,
             "--log-level",
             "DEBUG",
+            *self.args,
         ]
         self._offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with self.log_path.open("ab") as log:

@@ -326,7 +326,7 @@ def test_the_ram_disk_is_mounted_when_absent(mounter: MemoryMounter, tmp_path: P
     mounted = ensure_ram_disk(mounter, tmp_path / "a" / "ram", SIZE)
     assert (tmp_path / "a" / "ram").is_dir()
     assert (mounted.fs_type, tmpfs_size(mounted)) == ("tmpfs", SIZE)
-    assert "mode=1777" in mounted.super_options
+    assert "mode=1770" in mounted.super_options
 
 
 def test_an_existing_ram_disk_is_reused(

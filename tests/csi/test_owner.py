@@ -212,8 +212,8 @@ def test_a_missing_checkpoint_dir_is_made_again(
     publish(volumes, tmp_path / "a0", A0)
     info = (ram / "checkpoint").lstat()
     assert stat.S_ISDIR(info.st_mode)
-    assert stat.S_IMODE(info.st_mode) == 0o777
+    assert stat.S_IMODE(info.st_mode) == 0o2770
 
 
 def test_the_ram_disk_root_is_sticky(ram: Path) -> None:
-    assert stat.S_IMODE(ram.stat().st_mode) == 0o1777
+    assert stat.S_IMODE(ram.stat().st_mode) == 0o1770

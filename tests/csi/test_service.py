@@ -19,7 +19,7 @@ from csi._pb.csi.v1 import csi_pb2 as pb
 from csi.mounter import MemoryMounter
 from csi.mountinfo import mount_at
 from csi.node import NodeVolumes
-from csi.plugin import EXIT_STARTUP_FAILED, PluginOptions, parse_args, run
+from csi.plugin import DEFAULT_FS_GROUP, EXIT_STARTUP_FAILED, PluginOptions, parse_args, run
 from csi.ramdisk import ensure_ram_disk
 from csi.server import CsiServer, EndpointError, parse_endpoint, remove_stale_socket
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
@@ -324,6 +324,7 @@ def test_options_from_the_environment() -> None:
         ram_dir=Path("/var/lib/mtc/ram"),
         ram_size=64 * 2**30,
         driver_name=DEFAULT_DRIVER_NAME,
+        fs_group=DEFAULT_FS_GROUP,
     )
     named = parse_args([], {**ENV, "MTC_CSI_DRIVER_NAME": "ckpt.example.com"})
     assert named.driver_name == "ckpt.example.com"

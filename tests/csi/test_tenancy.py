@@ -112,7 +112,7 @@ def test_a_pod_sees_checkpoint_dir_only(
         assert not (target / hidden).exists(), f"{hidden} is visible to the pod"
     assert committed.read_bytes() == b"committed"
     mode = stat.S_IMODE((ram / "checkpoint").lstat().st_mode)
-    assert mode == 0o777
+    assert mode == 0o2770
     assert (ram / "checkpoint").lstat().st_uid == os.geteuid()
 
 
@@ -150,7 +150,7 @@ def test_another_namespace_waits_and_then_sees_an_empty_dir(
     assert owner(ram)["namespace"] == "team-b"
     assert committed.read_bytes() == b"committed", "the store is not the pod's to clear"
     assert (outside / "keep").read_text() == "not the pod's", "symlinks are removed, not followed"
-    assert stat.S_IMODE((ram / "checkpoint").lstat().st_mode) == 0o777
+    assert stat.S_IMODE((ram / "checkpoint").lstat().st_mode) == 0o2770
 
 
 def test_the_same_namespace_keeps_its_files_across_a_plugin_restart(

@@ -168,6 +168,21 @@ def test_pods_get_checkpoint_dir_and_the_store_and_owner_file_lie_beside_it(
     assert checkpoint.owner_path.parent == ram_dir
 
 
+def test_the_plugin_serves_listed_namespaces_in_the_replicator_s_group(
+    built: list[Obj],
+) -> None:
+    """What ``mtc-csi`` makes of its container's environment and the ConfigMap: an
+    allow-list (never open by default), and the replicator's gid as the RAM disk's group."""
+    pod = _pod(built)
+    data = only(built, "ConfigMap")["data"]
+    plugin_env = {**data, **env(container(pod, "csi-plugin")), "NODE_NAME": "node-a"}
+    plugin = csi_plugin.parse_args([], env=plugin_env)
+    assert not plugin.policy.open
+    assert plugin.policy.namespaces == {"default"}, "the example JobSet's namespace"
+    replicator = container(pod, "replicator")["securityContext"]
+    assert plugin.fs_group == replicator["runAsGroup"]
+
+
 def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
     replicator = container(_pod(built), "replicator")
     e = env(replicator)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from csi import plugin as csi_plugin
 from replicator.core.pacing import MAX_YIELD_TO_SAVES
 from replicator.tools import cli, render
 from tests.deploy.k8s import (
@@ -429,6 +430,27 @@ BAD: list[tuple[str, Obj, str, bool]] = [
     ("rate zero", cr(maxTransferRate="0MiB"), "spec.maxTransferRate", False),
     ("yield too long", cr(yieldToSavesSeconds=60), "spec.yieldToSavesSeconds", True),
     ("yield string", cr(yieldToSavesSeconds="5"), "spec.yieldToSavesSeconds", True),
+    ("namespaces string", cr(allowedNamespaces="ml"), "spec.allowedNamespaces", True),
+    ("namespace name", cr(allowedNamespaces=["ml", "ML"]), "spec.allowedNamespaces[1]", True),
+    ("namespace int", cr(allowedNamespaces=[3]), "spec.allowedNamespaces[0]", True),
+    (
+        "too many namespaces",
+        cr(allowedNamespaces=[f"ns-{i}" for i in range(render.MAX_ALLOWED + 1)]),
+        "spec.allowedNamespaces",
+        True,
+    ),
+    (
+        "account without namespace",
+        cr(allowedServiceAccounts=["trainer"]),
+        "spec.allowedServiceAccounts[0]",
+        True,
+    ),
+    (
+        "account name",
+        cr(allowedServiceAccounts=["ml/Trainer"]),
+        "spec.allowedServiceAccounts[0]",
+        True,
+    ),
     ("unknown field", cr(bucket="x"), "spec.bucket", True),
     ("spec list", cr() | {"spec": []}, "spec", True),
     ("no name", cr() | {"metadata": {}}, "metadata.name", False),
@@ -451,9 +473,48 @@ def test_bad_input_names_the_field(doc: Obj, field: str, in_schema: bool) -> Non
         assert cr_errors(doc), "the CRD's schema accepts what render rejects"
 
 
+def test_who_may_mount_and_the_ram_disk_group_are_rendered() -> None:
+    """The allow-lists reach the plugin through the ConfigMap; the RAM disk's group is the
+    replicator's gid, which the plugin gets in its own environment."""
+    objs = render.render(
+        cr(
+            allowedNamespaces=["research", "ml-team", "research"],
+            allowedServiceAccounts=["shared/trainer"],
+            runAsGroup=1234,
+        )
+    )
+    data = only(objs, "ConfigMap")["data"]
+    assert data["MTC_CSI_ALLOWED_NAMESPACES"] == "ml-team,research"
+    assert data["MTC_CSI_ALLOWED_SERVICE_ACCOUNTS"] == "shared/trainer"
+    pod = _pod(objs)
+    plugin_env = {**data, **env(container(pod, "csi-plugin")), "NODE_NAME": "node-a"}
+    plugin = csi_plugin.parse_args([], env=plugin_env)
+    assert plugin.policy.namespaces == {"ml-team", "research"}
+    assert plugin.policy.service_accounts == {("shared", "trainer")}
+    assert plugin.fs_group == 1234 == container(pod, "replicator")["securityContext"]["runAsGroup"]
+    assert not cr_errors(cr(allowedNamespaces=["a"], allowedServiceAccounts=["a/b.c"]))
+
+
+def test_an_open_configuration_renders_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = only(render.render(cr()), "ConfigMap")["data"]
+    assert "MTC_CSI_ALLOWED_NAMESPACES" not in data
+    path = tmp_path / "open.yaml"
+    path.write_text(yaml.safe_dump(cr()))
+    assert cli.main(["render", str(path)]) == 0
+    assert "pods of every namespace may mount" in capsys.readouterr().err
+
+
 def test_the_crd_schema_uses_render_s_patterns() -> None:
     (version,) = crd()["spec"]["versions"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["allowedNamespaces"]["items"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
+    assert (
+        spec["allowedServiceAccounts"]["items"]["pattern"]
+        == f"^{render.SERVICE_ACCOUNT_RE.pattern}$"
+    )
+    assert spec["allowedNamespaces"]["maxItems"] == render.MAX_ALLOWED
     assert spec["backupUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
     assert spec["registryUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
     assert spec["cloudStorageBucketName"]["pattern"] == f"^{render.BUCKET_RE.pattern}$"
@@ -498,7 +559,13 @@ def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None
     )
     config_map = base["ConfigMap/mtc-node-default-config"]
     rendered = _without_config_map_hash(
-        render.render(cr(inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"], tls=tls))
+        render.render(
+            cr(
+                inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"],
+                allowedNamespaces=config_map["data"]["MTC_CSI_ALLOWED_NAMESPACES"].split(","),
+                tls=tls,
+            )
+        )
     )
     # deploy/base has no backup location; everything else must be the same objects.
     config_map["data"]["MTC_BACKUP"] = "gs://ckpt-bucket/mtc"
