@@ -28,6 +28,7 @@ from csi.ramdisk import ensure_ram_disk
 from csi.server import CsiServer, EndpointError, parse_endpoint
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
 from replicator import __version__
+from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import MetricsError, MetricsServer, serve, split_address
 
@@ -50,16 +51,21 @@ class PluginOptions:
     checkpoint_subdir: str = DEFAULT_SUBDIR
     """CHECKPOINT_DIR's name in the RAM disk: what pods get, never the RAM disk itself."""
     log_level: str = "INFO"
+    log_format: str = "text"
+    """``text`` or ``json`` (``replicator.obs.logs``)."""
     metrics: str | None = None
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
 
 
-def parse_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> PluginOptions:
-    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
-    p = argparse.ArgumentParser(prog="mtc-csi", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="mtc-csi",
+        description="The CSI node plugin: mounts this node's RAM disk and publishes its "
+        "checkpoint directory into training pods. Every flag also reads the environment "
+        "variable in brackets.",
+    )
     p.add_argument(
         "--endpoint",
         default=env.get("CSI_ENDPOINT"),
@@ -93,14 +99,24 @@ def parse_args(
         help="the RAM disk's subdirectory that pods get as their volume, the daemon's "
         f"CHECKPOINT_DIR (default {DEFAULT_SUBDIR}) [MTC_CHECKPOINT_SUBDIR]",
     )
-    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
+    add_log_arguments(p, env)
     p.add_argument(
         "--metrics",
         default=env.get("MTC_CSI_METRICS") or None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default "
         "[MTC_CSI_METRICS]",
     )
-    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument(
+        "--version", action="version", version=__version__, help="print the version and exit"
+    )
+    return p
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> PluginOptions:
+    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+    p = make_parser(env)
     a = p.parse_args(argv)
     for flag, variable in (
         ("endpoint", "CSI_ENDPOINT"),
@@ -128,6 +144,7 @@ def parse_args(
         driver_name=a.driver_name,
         checkpoint_subdir=a.checkpoint_subdir,
         log_level=a.log_level,
+        log_format=a.log_format,
         metrics=a.metrics,
     )
 
@@ -182,7 +199,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
-    configure_logging(opts.log_level)
+    configure_logging(opts.log_level, opts.log_format)
     log.info(
         "starting mtc-csi %s: ram-dir=%s ram-size=%s",
         __version__,
