@@ -28,9 +28,17 @@ from csi.ramdisk import ensure_ram_disk
 from csi.server import CsiServer, EndpointError, parse_endpoint
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
 from replicator import __version__
+from replicator.obs.health import Health, directory_check
 from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
-from replicator.obs.metrics import MetricsError, MetricsServer, serve, split_address
+from replicator.obs.metrics import (
+    FilesystemCollector,
+    MetricsError,
+    MetricsServer,
+    process_metrics,
+    serve,
+    split_address,
+)
 
 log = logging.getLogger("csi.plugin")
 
@@ -166,7 +174,13 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
     metrics_server: MetricsServer | None = None
     try:
         if metrics is not None and opts.metrics is not None:
-            metrics_server = serve(metrics.registry, opts.metrics)
+            process_metrics(metrics.registry)
+            metrics.registry.register(
+                FilesystemCollector(opts.ram_dir, "mtc_csi_ram_disk", "the RAM disk")
+            )
+            # Ready while pods can be given the checkpoint directory.
+            ready = directory_check(volumes.checkpoint.path, "the checkpoint directory")
+            metrics_server = serve(metrics.registry, opts.metrics, Health(ready=[ready]))
         server.start()
     except (EndpointError, MetricsError) as exc:
         log.error("%s", exc)

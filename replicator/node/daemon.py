@@ -71,15 +71,18 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
 from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import (
     NO_METRICS,
     ErrorKind,
+    FilesystemCollector,
     Metrics,
     MetricsError,
     MetricsServer,
     PrometheusMetrics,
+    process_metrics,
     serve,
 )
 from replicator.storage.backup import BackupStore
@@ -502,6 +505,18 @@ class Daemon:
             PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
         )
         self.metrics: Metrics = self._prometheus or NO_METRICS
+        if self._prometheus is not None:
+            process_metrics(self._prometheus.registry)
+            self._prometheus.registry.register(
+                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+            )
+        self.heartbeat = Heartbeat()
+        """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
+        self.readiness = Readiness(stage="opening the store")
+        self.health = Health(
+            live=[self.heartbeat.check],
+            ready=[self.readiness.check, directory_check(opts.checkpoint_dir, "CHECKPOINT_DIR")],
+        )
         self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
@@ -573,6 +588,28 @@ class Daemon:
         self._wake.set()  # the loop may sit in a one-second wait for file events
 
     async def run(self) -> None:
+        """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
+        that a long store recovery reads as "not ready" rather than as no answer."""
+        heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
+        try:
+            self._serve_metrics()
+            await self._run()
+        except MetricsError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+        finally:
+            self.readiness.stopping = True
+            heart.cancel()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+                self._metrics_server = None
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            await asyncio.sleep(1.0)
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop)
@@ -587,6 +624,7 @@ class Daemon:
             log.error("%s", exc)
             self.exit_code = 3
             return
+        self.readiness.stage = "starting the servers"
         log.info(
             "store opened: %d items, %d pending ingest, %d discarded",
             report.items,
@@ -635,8 +673,7 @@ class Daemon:
             self.listen_address = rpc.bind(self.opts.listen, credentials)
             if self.opts.health_listen is not None:
                 self.health_address = rpc.bind_health(self.opts.health_listen)
-            self._serve_metrics()
-        except (ServerError, MetricsError) as exc:
+        except ServerError as exc:
             log.error("%s", exc)
             self.exit_code = 3
             self.store.close()
@@ -681,6 +718,7 @@ class Daemon:
                 "believed, so whoever can write the bucket can choose what a job restores "
                 "and where its ranks join; turn it off once every record is signed"
             )
+        self.readiness.stage = None
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
             "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
@@ -717,14 +755,15 @@ class Daemon:
             watcher.stop()
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.store.close()
-            if self._metrics_server is not None:
-                self._metrics_server.close()
             log.info("stopped")
 
     def _serve_metrics(self) -> None:
-        """Serve ``/metrics`` from a thread when ``--metrics`` asks for it."""
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
+        asks for it."""
         if self._prometheus is not None and self.opts.metrics is not None:
-            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics)
+            self._metrics_server = serve(
+                self._prometheus.registry, self.opts.metrics, self.health
+            )
 
     # --- the handshake file ----------------------------------------------------------------
 
