@@ -761,9 +761,7 @@ class Daemon:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
         asks for it."""
         if self._prometheus is not None and self.opts.metrics is not None:
-            self._metrics_server = serve(
-                self._prometheus.registry, self.opts.metrics, self.health
-            )
+            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics, self.health)
 
     # --- the handshake file ----------------------------------------------------------------
 
