@@ -604,6 +604,21 @@ class Daemon:
                 self._metrics_server.close()
                 self._metrics_server = None
 
+    async def _report_readiness(self, rpc: RpcServer) -> None:
+        """Mirror ``/readyz`` on the gRPC health service ``readiness`` (kubelet's probes use
+        the plaintext gRPC health port), and log each change with its reasons."""
+        was: list[str] | None = None
+        while True:
+            problems = self.health.readiness()
+            if problems != was:
+                await rpc.set_ready(not problems)
+                if problems:
+                    log.warning("not ready: %s", "; ".join(problems))
+                elif was is not None:
+                    log.info("ready again")
+                was = problems
+            await asyncio.sleep(1.0)
+
     async def _beat(self) -> None:
         while True:
             self.heartbeat.beat()
@@ -736,6 +751,7 @@ class Daemon:
             self.opts.owner_file or "off",
         )
         await rpc.set_serving()
+        readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
         try:
             while not self._stop.is_set():
                 tick = 0.05 if self._pending is not None else 1.0
@@ -746,6 +762,7 @@ class Daemon:
                 await self._check_owner()
         finally:
             log.info("stopping")
+            readiness.cancel()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
             if channel is not None:

@@ -10,7 +10,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from replicator import __version__
@@ -112,10 +114,23 @@ def test_process_build_and_ram_disk_metrics(ckpt: Path, start_daemon: StartDaemo
     assert after
 
 
+def grpc_health(address: str, service: str) -> str:
+    """The gRPC health status of ``service`` at ``address``, as kubelet's probe reads it."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
 def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon) -> None:
-    daemon = start_daemon(extra=METRICS)
+    daemon = start_daemon(extra=(*METRICS, "--health-listen", "127.0.0.1:0"))
     address = daemon.metrics
     assert address is not None
+    found = re.search(r"daemon ready:.* health=(\S+)", daemon.log())
+    assert found
+    probes = found[1]
+    wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
+    assert grpc_health(probes, "") == "SERVING"
     assert get(address, "/healthz") == (200, "ok\n")
     wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready", daemon=daemon)
     status, body = get(address, "/nope")
@@ -133,9 +148,18 @@ def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon
         assert status == 503
         assert f"CHECKPOINT_DIR {ckpt} is missing" in body
         assert get(address, "/healthz") == (200, "ok\n")
+        # kubelet's readiness probe sees it too; its liveness probe does not.
+        wait_until(
+            lambda: grpc_health(probes, "readiness") == "NOT_SERVING",
+            "not ready over gRPC",
+            daemon=daemon,
+        )
+        assert grpc_health(probes, "") == "SERVING"
     finally:
         away.rename(ckpt)
     wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready again", daemon=daemon)
+    wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
+    assert "not ready: CHECKPOINT_DIR" in daemon.log()
 
 
 def test_probes_answer_503_with_the_reasons() -> None:
