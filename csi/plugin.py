@@ -29,8 +29,17 @@ from csi.server import CsiServer, EndpointError, parse_endpoint
 from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
 from csi.tenancy import OPEN_POLICY, MountPolicy, parse_namespaces, parse_service_accounts
 from replicator import __version__
+from replicator.obs.health import Health, directory_check
+from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
-from replicator.obs.metrics import MetricsError, MetricsServer, serve, split_address
+from replicator.obs.metrics import (
+    FilesystemCollector,
+    MetricsError,
+    MetricsServer,
+    process_metrics,
+    serve,
+    split_address,
+)
 
 log = logging.getLogger("csi.plugin")
 
@@ -54,6 +63,8 @@ class PluginOptions:
     checkpoint_subdir: str = DEFAULT_SUBDIR
     """CHECKPOINT_DIR's name in the RAM disk: what pods get, never the RAM disk itself."""
     log_level: str = "INFO"
+    log_format: str = "text"
+    """``text`` or ``json`` (``replicator.obs.logs``)."""
     metrics: str | None = None
     """Where to serve Prometheus metrics (``HOST:PORT``); None: no metrics."""
     policy: MountPolicy = OPEN_POLICY
@@ -63,12 +74,15 @@ class PluginOptions:
     (``--fs-group``, default ``DEFAULT_FS_GROUP``); None: the plugin's own group."""
 
 
-def parse_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> PluginOptions:
-    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
-    p = argparse.ArgumentParser(prog="mtc-csi", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="mtc-csi",
+        description="The CSI node plugin: mounts this node's RAM disk and publishes its "
+        "checkpoint directory into training pods. Every flag also reads the environment "
+        "variable in brackets.",
+    )
     p.add_argument(
         "--endpoint",
         default=env.get("CSI_ENDPOINT"),
@@ -125,14 +139,24 @@ def parse_args(
         "replicator's gid; training pods join it with fsGroup or runAsGroup "
         f"(default {DEFAULT_FS_GROUP}) [MTC_CSI_FS_GROUP]",
     )
-    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
+    add_log_arguments(p, env)
     p.add_argument(
         "--metrics",
         default=env.get("MTC_CSI_METRICS") or None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default "
         "[MTC_CSI_METRICS]",
     )
-    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument(
+        "--version", action="version", version=__version__, help="print the version and exit"
+    )
+    return p
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> PluginOptions:
+    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+    p = make_parser(env)
     a = p.parse_args(argv)
     for flag, variable in (
         ("endpoint", "CSI_ENDPOINT"),
@@ -165,6 +189,7 @@ def parse_args(
         driver_name=a.driver_name,
         checkpoint_subdir=a.checkpoint_subdir,
         log_level=a.log_level,
+        log_format=a.log_format,
         metrics=a.metrics,
         policy=policy,
         fs_group=fs_group,
@@ -211,7 +236,13 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
     metrics_server: MetricsServer | None = None
     try:
         if metrics is not None and opts.metrics is not None:
-            metrics_server = serve(metrics.registry, opts.metrics)
+            process_metrics(metrics.registry)
+            metrics.registry.register(
+                FilesystemCollector(opts.ram_dir, "mtc_csi_ram_disk", "the RAM disk")
+            )
+            # Ready while pods can be given the checkpoint directory.
+            ready = directory_check(volumes.checkpoint.path, "the checkpoint directory")
+            metrics_server = serve(metrics.registry, opts.metrics, Health(ready=[ready]))
         server.start()
     except (EndpointError, MetricsError) as exc:
         log.error("%s", exc)
@@ -246,7 +277,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
-    configure_logging(opts.log_level)
+    configure_logging(opts.log_level, opts.log_format)
     log.info(
         "starting mtc-csi %s: ram-dir=%s ram-size=%s",
         __version__,

@@ -66,9 +66,9 @@ _PULLED = re.compile(r"pulled \S+ from \S+: \d+ bytes in ([0-9.]+)s")
 
 
 def _stamp(line: str) -> float | None:
-    """The wall-clock time of a daemon log line (``2026-11-23 06:08:01,879 INFO ...``)."""
+    """The wall-clock time of a daemon log line (``2026-11-23T06:08:01.879Z INFO ...``)."""
     try:
-        return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        return datetime.datetime.fromisoformat(line[:24]).timestamp()
     except ValueError:
         return None
 

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import re
 import signal
@@ -70,14 +71,18 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
+from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import (
     NO_METRICS,
     ErrorKind,
+    FilesystemCollector,
     Metrics,
     MetricsError,
     MetricsServer,
     PrometheusMetrics,
+    process_metrics,
     serve,
 )
 from replicator.storage.backup import BackupStore
@@ -131,6 +136,8 @@ class DaemonOptions:
     backup: str | None = None
     registry: str | None = None
     log_level: str = "INFO"
+    log_format: str = "text"
+    """``text`` or ``json`` (``obs.logs``)."""
     threads: int = 4
     settle_seconds: float = 10.0
     """How long a ``.save`` file must stay unchanged to count as finished without a close event."""
@@ -192,6 +199,23 @@ def _rate(value: str) -> float | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive_int(value: str) -> int:
+    if not ascii_digits(value.strip()) or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _seconds(value: str) -> float:
+    """A duration in seconds: a finite number >= 0 (``30``, ``2.5``)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {value!r}")
+    return seconds
+
+
 def _flag(value: str) -> bool:
     """An environment variable that turns something on: 1, true, yes, on (any case)."""
     return value.strip().lower() in ("1", "true", "yes", "on")
@@ -204,13 +228,14 @@ def _host_port(value: str) -> str:
     return value
 
 
-def parse_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> DaemonOptions:
-    """Flags win over ``MTC_*`` environment variables (the Kubernetes way to configure)."""
+def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
     p = argparse.ArgumentParser(
-        prog="mtc-replicator", description=__doc__.splitlines()[0] if __doc__ else None
+        prog="mtc-replicator",
+        description="The per-node checkpoint replicator: keeps each step of a training job "
+        "in this node's RAM disk, on peer nodes and in object storage, and restores it. "
+        "Every flag also reads the environment variable in brackets.",
     )
     p.add_argument(
         "--checkpoint-dir",
@@ -247,22 +272,42 @@ def parse_args(
         default=env.get("MTC_REGISTRY"),
         help="where job coordinators register; defaults to --backup [MTC_REGISTRY]",
     )
-    p.add_argument("--log-level", default=env.get("MTC_LOG_LEVEL", "INFO"))
-    p.add_argument("--threads", type=int, default=int(env.get("MTC_THREADS", "4")))
+    # String defaults go through each option's type like a flag would: a bad environment
+    # variable is a usage error too, not a traceback.
+    add_log_arguments(p, env)
     p.add_argument(
-        "--settle-seconds", type=float, default=float(env.get("MTC_SETTLE_SECONDS", "10"))
+        "--threads",
+        type=_positive_int,
+        default=env.get("MTC_THREADS", "4"),
+        help="threads for disk and object-store work (default: %(default)s) [MTC_THREADS]",
     )
     p.add_argument(
-        "--config-wait-seconds", type=float, default=float(env.get("MTC_CONFIG_WAIT_SECONDS", "30"))
+        "--settle-seconds",
+        type=_seconds,
+        default=env.get("MTC_SETTLE_SECONDS", "10"),
+        help="a checkpoint file unchanged this long counts as written even when its close "
+        "was not seen (default: %(default)s) [MTC_SETTLE_SECONDS]",
     )
     p.add_argument(
-        "--rescan-seconds", type=float, default=float(env.get("MTC_RESCAN_SECONDS", "2"))
+        "--config-wait-seconds",
+        type=_seconds,
+        default=env.get("MTC_CONFIG_WAIT_SECONDS", "30"),
+        help="how long a partial or empty replicator.yaml is re-read before it is judged "
+        "(default: %(default)s) [MTC_CONFIG_WAIT_SECONDS]",
+    )
+    p.add_argument(
+        "--rescan-seconds",
+        type=_seconds,
+        default=env.get("MTC_RESCAN_SECONDS", "2"),
+        help="how often CHECKPOINT_DIR is scanned again besides its file events "
+        "(default: %(default)s) [MTC_RESCAN_SECONDS]",
     )
     p.add_argument(
         "--report-after-seconds",
-        type=float,
-        default=float(env.get("MTC_REPORT_AFTER_SECONDS", "60")),
-        help="a waiting restore round says what it waits for in replicator.errors after this",
+        type=_seconds,
+        default=env.get("MTC_REPORT_AFTER_SECONDS", "60"),
+        help="a waiting restore round says what it waits for in replicator.errors after this "
+        "(default: %(default)s) [MTC_REPORT_AFTER_SECONDS]",
     )
     p.add_argument(
         "--metrics",
@@ -273,7 +318,7 @@ def parse_args(
     p.add_argument(
         "--data-port",
         type=_data_port,
-        default=_data_port(env.get("MTC_DATA_PORT", "auto")),
+        default=env.get("MTC_DATA_PORT", "auto"),
         help="TCP port for item bytes beside gRPC, on the --listen host: a number, 'auto' "
         "(any free port, told to peers over gRPC) or 'off' (bytes in gRPC chunks) "
         "[MTC_DATA_PORT]",
@@ -316,21 +361,21 @@ def parse_args(
     p.add_argument(
         "--expand-vars",
         type=_var_names,
-        default=_var_names(env.get("MTC_EXPAND_VARS", ",".join(DEFAULT_EXPAND_VARS))),
+        default=env.get("MTC_EXPAND_VARS", ",".join(DEFAULT_EXPAND_VARS)),
         help="comma-separated environment variables that $VAR in replicator.yaml may name; "
         "no others are expanded (default: %(default)s) [MTC_EXPAND_VARS]",
     )
     p.add_argument(
         "--max-step-lead",
-        type=int,
-        default=int(env.get("MTC_MAX_STEP_LEAD", str(MAX_STEP_LEAD))),
+        type=_positive_int,
+        default=env.get("MTC_MAX_STEP_LEAD", str(MAX_STEP_LEAD)),
         help="refuse a peer's push of a step more than this far ahead of this rank's newest "
         "own step (from 0 before its first) (default: %(default)s) [MTC_MAX_STEP_LEAD]",
     )
     p.add_argument(
         "--idle-timeout-seconds",
-        type=float,
-        default=float(env.get("MTC_IDLE_TIMEOUT_SECONDS", str(IDLE_SECONDS))),
+        type=_seconds,
+        default=env.get("MTC_IDLE_TIMEOUT_SECONDS", f"{IDLE_SECONDS:g}"),
         help="a peer transfer with no progress this long is dropped, with its space "
         "reservation and staging (default: %(default)s) [MTC_IDLE_TIMEOUT_SECONDS]",
     )
@@ -345,7 +390,7 @@ def parse_args(
     p.add_argument(
         "--max-transfer-rate",
         type=_rate,
-        default=_rate(env.get("MTC_MAX_TRANSFER_RATE", "unlimited")),
+        default=env.get("MTC_MAX_TRANSFER_RATE", "unlimited"),
         metavar="RATE",
         help="most bytes per second this daemon sends for replication and backup uploads "
         "together, shared fairly between transfers, bursts of at most one second's worth: "
@@ -354,13 +399,23 @@ def parse_args(
     )
     p.add_argument(
         "--yield-to-saves-seconds",
-        type=float,
-        default=float(env.get("MTC_YIELD_TO_SAVES_SECONDS", str(DEFAULT_YIELD_TO_SAVES))),
+        type=_seconds,
+        default=env.get("MTC_YIELD_TO_SAVES_SECONDS", f"{DEFAULT_YIELD_TO_SAVES:g}"),
         help="while the job writes a checkpoint, hold replication and backups this long at "
         f"most (0 to {MAX_YIELD_TO_SAVES:g}; 0: never) (default: %(default)s) "
         "[MTC_YIELD_TO_SAVES_SECONDS]",
     )
-    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument(
+        "--version", action="version", version=__version__, help="print the version and exit"
+    )
+    return p
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+) -> DaemonOptions:
+    """Flags win over ``MTC_*`` environment variables (the Kubernetes way to configure)."""
+    p = make_parser(env)
     a = p.parse_args(argv)
     if not a.idle_timeout_seconds > 0:
         p.error("--idle-timeout-seconds must be > 0")
@@ -368,10 +423,6 @@ def parse_args(
         p.error("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
     if a.checkpoint_dir is None:
         p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
-    if a.threads < 1:
-        p.error("--threads must be >= 1")
-    if a.max_step_lead < 1:
-        p.error("--max-step-lead must be >= 1")
     if not 0 <= a.yield_to_saves_seconds <= MAX_YIELD_TO_SAVES:
         p.error(
             f"--yield-to-saves-seconds must be in [0, {MAX_YIELD_TO_SAVES:g}]: peers and "
@@ -385,6 +436,7 @@ def parse_args(
         backup=a.backup,
         registry=a.registry or a.backup,
         log_level=a.log_level,
+        log_format=a.log_format,
         threads=a.threads,
         settle_seconds=a.settle_seconds,
         config_wait_seconds=a.config_wait_seconds,
@@ -453,6 +505,18 @@ class Daemon:
             PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
         )
         self.metrics: Metrics = self._prometheus or NO_METRICS
+        if self._prometheus is not None:
+            process_metrics(self._prometheus.registry)
+            self._prometheus.registry.register(
+                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+            )
+        self.heartbeat = Heartbeat()
+        """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
+        self.readiness = Readiness(stage="opening the store")
+        self.health = Health(
+            live=[self.heartbeat.check],
+            ready=[self.readiness.check, directory_check(opts.checkpoint_dir, "CHECKPOINT_DIR")],
+        )
         self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
@@ -524,6 +588,43 @@ class Daemon:
         self._wake.set()  # the loop may sit in a one-second wait for file events
 
     async def run(self) -> None:
+        """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
+        that a long store recovery reads as "not ready" rather than as no answer."""
+        heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
+        try:
+            self._serve_metrics()
+            await self._run()
+        except MetricsError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+        finally:
+            self.readiness.stopping = True
+            heart.cancel()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+                self._metrics_server = None
+
+    async def _report_readiness(self, rpc: RpcServer) -> None:
+        """Mirror ``/readyz`` on the gRPC health service ``readiness`` (kubelet's probes use
+        the plaintext gRPC health port), and log each change with its reasons."""
+        was: list[str] | None = None
+        while True:
+            problems = self.health.readiness()
+            if problems != was:
+                await rpc.set_ready(not problems)
+                if problems:
+                    log.warning("not ready: %s", "; ".join(problems))
+                elif was is not None:
+                    log.info("ready again")
+                was = problems
+            await asyncio.sleep(1.0)
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            await asyncio.sleep(1.0)
+
+    async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop)
@@ -538,6 +639,7 @@ class Daemon:
             log.error("%s", exc)
             self.exit_code = 3
             return
+        self.readiness.stage = "starting the servers"
         log.info(
             "store opened: %d items, %d pending ingest, %d discarded",
             report.items,
@@ -586,8 +688,7 @@ class Daemon:
             self.listen_address = rpc.bind(self.opts.listen, credentials)
             if self.opts.health_listen is not None:
                 self.health_address = rpc.bind_health(self.opts.health_listen)
-            self._serve_metrics()
-        except (ServerError, MetricsError) as exc:
+        except ServerError as exc:
             log.error("%s", exc)
             self.exit_code = 3
             self.store.close()
@@ -632,6 +733,7 @@ class Daemon:
                 "believed, so whoever can write the bucket can choose what a job restores "
                 "and where its ranks join; turn it off once every record is signed"
             )
+        self.readiness.stage = None
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
             "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
@@ -649,6 +751,7 @@ class Daemon:
             self.opts.owner_file or "off",
         )
         await rpc.set_serving()
+        readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
         try:
             while not self._stop.is_set():
                 tick = 0.05 if self._pending is not None else 1.0
@@ -659,6 +762,7 @@ class Daemon:
                 await self._check_owner()
         finally:
             log.info("stopping")
+            readiness.cancel()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
             if channel is not None:
@@ -668,14 +772,13 @@ class Daemon:
             watcher.stop()
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.store.close()
-            if self._metrics_server is not None:
-                self._metrics_server.close()
             log.info("stopped")
 
     def _serve_metrics(self) -> None:
-        """Serve ``/metrics`` from a thread when ``--metrics`` asks for it."""
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
+        asks for it."""
         if self._prometheus is not None and self.opts.metrics is not None:
-            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics)
+            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics, self.health)
 
     # --- the handshake file ----------------------------------------------------------------
 
@@ -982,7 +1085,7 @@ class Daemon:
 
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
-    configure_logging(opts.log_level)
+    configure_logging(opts.log_level, opts.log_format)
     tune_malloc()
     try:
         daemon = Daemon(opts)

@@ -1,16 +1,81 @@
-"""Structured logging: one line per event, ``key=value`` fields for job, rank and step.
+"""Logging: one line per event on stderr, as text or JSON, with job, rank and step.
 
 I/O only in ``configure`` (it installs the handler). Every line about a job carries the job
-name and rank, so one grep follows a job across the fleet's logs.
+name and rank, so one grep (or one JSON query) follows a job across the fleet's logs. Text
+lines read ``<time> <LEVEL> <logger>: <message> job=... rank=... step=...``; JSON lines
+(python-json-logger) carry the same fields as top-level keys. Both stamp the time in UTC,
+RFC 3339 with its zone, so lines from nodes in different zones sort together.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
+import time
+from collections.abc import Mapping
 from typing import Any
 
+from pythonjsonlogger.json import JsonFormatter
+
 _FIELDS = ("job", "rank", "step")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def parse_log_level(value: str) -> str:
+    """``info`` -> ``INFO``; raises ``ValueError`` naming the choices."""
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(
+            f"invalid log level {value!r} (choose from {', '.join(x.lower() for x in LOG_LEVELS)})"
+        )
+    return level
+
+
+def parse_log_format(value: str) -> str:
+    fmt = value.strip().lower()
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"invalid log format {value!r} (choose from {', '.join(LOG_FORMATS)})")
+    return fmt
+
+
+def _arg_type(parse: Any) -> Any:
+    """``parse`` as an argparse type: its ``ValueError`` becomes a usage error that says
+    what is wrong (argparse's own would read "invalid parse value")."""
+
+    def convert(value: str) -> str:
+        try:
+            return str(parse(value))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def add_log_arguments(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """``--log-level`` and ``--log-format``, shared by ``mtc-replicator`` and ``mtc-csi``."""
+    p.add_argument(
+        "--log-level",
+        type=_arg_type(parse_log_level),
+        default=env.get("MTC_LOG_LEVEL", "info"),
+        metavar="{debug,info,warning,error,critical}",
+        help="least severe log lines written (default: %(default)s) [MTC_LOG_LEVEL]",
+    )
+    p.add_argument(
+        "--log-format",
+        type=_arg_type(parse_log_format),
+        default=env.get("MTC_LOG_FORMAT", "text"),
+        metavar="{text,json}",
+        help="log lines on stderr as text, or as one JSON object per line with job, rank and "
+        "step as keys (default: %(default)s) [MTC_LOG_FORMAT]",
+    )
+
+
+def rfc3339(created: float) -> str:
+    """``2026-11-23T07:23:50.964Z``: UTC, milliseconds."""
+    whole = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
+    return f"{whole}.{int(created * 1000) % 1000:03d}Z"
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -18,6 +83,9 @@ class KeyValueFormatter(logging.Formatter):
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return rfc3339(record.created)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -27,9 +95,31 @@ class KeyValueFormatter(logging.Formatter):
         return f"{line} {' '.join(extras)}" if extras else line
 
 
-def configure(level: str = "INFO") -> None:
+class JsonLineFormatter(JsonFormatter):
+    """One JSON object per line: ``time``, ``level``, ``logger``, ``message``, then any
+    context (``job``, ``rank``, ``step``, other ``extra=`` keys) as top-level keys; an
+    exception's traceback in ``exc_info``. A context key that is None is left out."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "%(levelname)s %(name)s %(message)s",
+            rename_fields={"levelname": "level", "name": "logger"},
+            json_ensure_ascii=False,
+        )
+
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        log_data["time"] = rfc3339(record.created)
+        super().add_fields(log_data, record, message_dict)
+        for key in [k for k, v in log_data.items() if v is None and k in _FIELDS]:
+            del log_data[key]
+
+
+def configure(level: str = "INFO", fmt: str = "text") -> None:
+    """Log ``level`` and above to stderr in ``fmt`` (``text`` or ``json``)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
+    handler.setFormatter(JsonLineFormatter() if fmt == "json" else KeyValueFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -3,8 +3,11 @@
 ``Metrics`` is the interface the daemon's code calls, one line per event; as it is, it does
 nothing, so a daemon started without ``--metrics`` pays one method call per event.
 ``PrometheusMetrics`` records on its own ``CollectorRegistry`` (never the process-global
-one, so tests can make several), and ``serve`` exposes a registry over HTTP from a thread.
-No I/O except in ``serve``.
+one, so tests can make several), and ``serve`` exposes a registry over HTTP from a thread,
+with ``/healthz`` and ``/readyz`` beside ``/metrics``. ``process_metrics`` adds what every
+process exports (memory, CPU, descriptors, build) and ``FilesystemCollector`` a
+directory's free and total bytes. No I/O except in ``serve`` and at scrape time (``/proc``
+and ``statvfs``).
 
 Labels stay few and bounded: a transfer or error kind, a tier, an outcome, and the job a
 daemon serves now (the series of a job go when the daemon accepts another job). Step
@@ -13,15 +16,33 @@ numbers are values, never labels.
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
+import platform
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from wsgiref.simple_server import WSGIServer
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_wsgi_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from replicator import __version__
+from replicator.obs.health import Health
 
 
 class TransferKind(StrEnum):
@@ -355,6 +376,57 @@ class _PacingCollector:
         yield from (nbytes, seconds, limit)
 
 
+# --- every process ---------------------------------------------------------------------------
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def process_metrics(registry: CollectorRegistry) -> None:
+    """``process_*`` (resident memory, CPU seconds, open and max descriptors, from
+    ``/proc``), ``python_info`` and ``mtc_build_info{version, python, grpc}`` = 1."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    info = Gauge(
+        "mtc_build_info",
+        "Always 1: the mtc version and the Python and grpcio it runs on.",
+        ["version", "python", "grpc"],
+        registry=registry,
+    )
+    info.labels(__version__, platform.python_version(), _distribution_version("grpcio")).set(1)
+
+
+class FilesystemCollector:
+    """``<prefix>_free_bytes`` and ``<prefix>_size_bytes`` of the filesystem holding
+    ``path``, read with ``statvfs`` at each scrape; nothing while ``path`` is missing (the
+    readiness probe says why)."""
+
+    def __init__(self, path: Path, prefix: str, what: str) -> None:
+        self._path = path
+        self._prefix = prefix
+        self._what = what
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            st = os.statvfs(self._path)
+        except OSError:
+            return
+        free = GaugeMetricFamily(
+            f"{self._prefix}_free_bytes",
+            f"Bytes an unprivileged writer can still write to {self._what}.",
+        )
+        free.add_metric([], st.f_bavail * st.f_frsize)
+        size = GaugeMetricFamily(
+            f"{self._prefix}_size_bytes", f"Total bytes of the filesystem of {self._what}."
+        )
+        size.add_metric([], st.f_blocks * st.f_frsize)
+        yield from (free, size)
+
+
 # --- the endpoint -------------------------------------------------------------------------------
 
 
@@ -385,12 +457,62 @@ class MetricsServer:
         self._thread.join(timeout)
 
 
-def serve(registry: CollectorRegistry, address: str) -> MetricsServer:
-    """Serve ``registry`` at ``http://address/metrics`` (port 0: a free port)."""
+class _QuietHandler(WSGIRequestHandler):
+    """No access log: Prometheus and kubelet poll every few seconds."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+Environ = dict[str, Any]
+StartResponse = Callable[..., Any]
+App = Callable[[Environ, StartResponse], list[bytes]]
+
+
+def _app(
+    registry: CollectorRegistry, health: Health
+) -> Callable[[Environ, StartResponse], list[bytes]]:
+    """``/metrics``; ``/healthz`` (liveness) and ``/readyz`` (readiness): 200 ``ok`` or 503
+    with one line per problem; 404 for any other path."""
+    metrics = make_wsgi_app(registry)
+
+    def probe(problems: list[str], start_response: StartResponse) -> list[bytes]:
+        body = ("\n".join(problems) if problems else "ok").encode() + b"\n"
+        status = "503 Service Unavailable" if problems else "200 OK"
+        start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+        return [body]
+
+    def app(environ: Environ, start_response: StartResponse) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/metrics":
+            return list(metrics(environ, start_response))
+        if path == "/healthz":
+            return probe(health.liveness(), start_response)
+        if path == "/readyz":
+            return probe(health.readiness(), start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: try /metrics, /healthz or /readyz\n"]
+
+    return app
+
+
+def serve(registry: CollectorRegistry, address: str, health: Health | None = None) -> MetricsServer:
+    """Serve ``registry`` at ``http://address/metrics``, and ``health`` at ``/healthz`` and
+    ``/readyz`` (None: both always ``ok``), from a thread (port 0: a free port)."""
+    app = _app(registry, health or Health())
     try:
         host, port = split_address(address)
-        httpd, thread = start_wsgi_server(port, host, registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family
+
+        httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
     except (ValueError, OSError) as exc:
         raise MetricsError(f"cannot serve metrics on {address}: {exc}") from None
+    thread = threading.Thread(target=httpd.serve_forever, name="mtc-metrics", daemon=True)
+    thread.start()
     shown = f"[{host}]" if ":" in host else host
     return MetricsServer(f"{shown}:{httpd.server_port}", httpd, thread)

@@ -26,6 +26,7 @@ import yaml
 
 from replicator import __version__
 from replicator.core.pacing import MAX_YIELD_TO_SAVES, parse_rate
+from replicator.transport.server import READINESS_SERVICE
 
 Manifest = dict[str, Any]
 
@@ -513,10 +514,12 @@ def _resources(cpu: str, memory: str, memory_limit: str | None) -> Manifest:
     return out
 
 
-def _grpc_probe(period: int, failures: int) -> Manifest:
+def _grpc_probe(period: int, failures: int, service: str | None = None) -> Manifest:
     # The plaintext health-only port: kubelet cannot present a client certificate to 7070.
+    # Service "" is SERVING while the daemon's loop answers; "readiness" while CHECKPOINT_DIR
+    # is usable (the daemon's /readyz).
     return {
-        "grpc": {"port": HEALTH_PORT},
+        "grpc": {"port": HEALTH_PORT, **({"service": service} if service else {})},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -624,7 +627,7 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
         ],
         # Opening the store re-hashes what a crash left unhashed: give it minutes.
         "startupProbe": _grpc_probe(period=5, failures=120),
-        "readinessProbe": _grpc_probe(period=10, failures=3),
+        "readinessProbe": _grpc_probe(period=10, failures=3, service=READINESS_SERVICE),
         "livenessProbe": _grpc_probe(period=10, failures=6),
         "securityContext": {
             "runAsNonRoot": c.run_as_user != 0,

@@ -19,6 +19,10 @@ from replicator.transport.peer import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 
+READINESS_SERVICE = "readiness"
+"""The health service name kubelet's readiness probe asks: SERVING while the daemon's
+readiness checks pass (``/readyz``), where ``""`` stays SERVING as long as the loop answers."""
+
 
 class ServerError(Exception):
     """The gRPC server cannot serve (for example, the address is taken)."""
@@ -78,7 +82,7 @@ class RpcServer:
 
     async def start(self) -> None:
         # Up but not ready until the daemon says so (``set_serving``).
-        for name in ("", *self._services):
+        for name in ("", READINESS_SERVICE, *self._services):
             await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
         if self._health_server is not None:
@@ -88,6 +92,11 @@ class RpcServer:
     async def set_serving(self) -> None:
         for name in ("", *self._services):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_ready(self, ready: bool) -> None:
+        """What the ``readiness`` health service says (not ready until first told)."""
+        status = health_pb2.HealthCheckResponse
+        await self._health.set(READINESS_SERVICE, status.SERVING if ready else status.NOT_SERVING)
 
     async def stop(self, grace: float) -> None:
         """Refuse new calls, give calls in flight ``grace`` seconds, then cancel them."""

@@ -147,5 +147,13 @@ def test_the_plugin_process_serves_call_metrics(
     found = _METRICS_RE.search(plugin.log())
     assert found, plugin.log()
     make_calls(connect(plugin.socket_path))
-    assert_counted(scrape(found[1]))
+    samples = scrape(found[1])
+    assert_counted(samples)
+    # The process, its build and the RAM disk it mounted (64Mi of tmpfs).
+    assert samples[("mtc_csi_ram_disk_size_bytes", ())] == 64 * 2**20
+    assert 0 < samples[("mtc_csi_ram_disk_free_bytes", ())] <= 64 * 2**20
+    assert samples[("process_resident_memory_bytes", ())] > 2**20
+    assert [v for (name, _), v in samples.items() if name == "mtc_build_info"] == [1.0]
+    with urllib.request.urlopen(f"http://{found[1]}/readyz", timeout=TIMEOUT) as response:
+        assert response.read() == b"ok\n"
     assert plugin.stop() == 0

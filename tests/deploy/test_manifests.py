@@ -16,6 +16,7 @@ from csi.checkpoint import CheckpointDir
 from replicator.node import daemon
 from replicator.tools import certs, render
 from replicator.transport import tls
+from replicator.transport.server import READINESS_SERVICE
 from tests.deploy.k8s import (
     DEPLOY,
     REPO,
@@ -68,7 +69,7 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
         "overlays/gke",
         "overlays/s3",
     ]
-    assert [_id(p) for p in COMPONENTS] == ["components/cert-manager"]
+    assert [_id(p) for p in COMPONENTS] == ["components/cert-manager", "components/monitoring"]
 
 
 @pytest.fixture(params=KUSTOMIZATIONS, ids=_id)
@@ -197,8 +198,10 @@ def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
     # The probes ask the plaintext health-only port: the gRPC port wants a client certificate.
     health = int(e["MTC_HEALTH_LISTEN"].rsplit(":", 1)[1])
     assert ports["health"] == health not in (port, ports["data"], ports["metrics"])
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         assert replicator[probe]["grpc"] == {"port": health}, probe
+    # Readiness asks the daemon's readiness checks (its /readyz), not only "started".
+    assert replicator["readinessProbe"]["grpc"] == {"port": health, "service": READINESS_SERVICE}
 
 
 def test_no_probe_targets_the_grpc_or_data_port(built: list[Obj]) -> None:

@@ -1,0 +1,184 @@
+"""What an operator reads from a real daemon: JSON logs, the process and RAM-disk metrics,
+and the ``/healthz`` and ``/readyz`` probes beside ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from replicator import __version__
+from replicator.obs.health import Health, Heartbeat, Readiness
+from replicator.obs.metrics import serve
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    config_text,
+    make_step,
+    payload,
+    wait_ingested,
+    wait_markers,
+    wait_until,
+    write_yaml_atomic,
+)
+from tests.integration.test_metrics import METRICS, sample, scrape_daemon
+
+pytestmark = pytest.mark.integration
+
+RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|\+00:00)")
+
+
+def get(address: str, path: str) -> tuple[int, str]:
+    """Status and body of ``GET http://address/path``, errors included."""
+    try:
+        with urllib.request.urlopen(f"http://{address}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_json_logs_are_json_lines_with_the_job_as_keys(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon(extra=("--log-format", "json", "--log-level", "debug"))
+    write_yaml_atomic(ckpt, config_text(job))
+    wait_markers(ckpt, job, 0, daemon)
+    make_step(ckpt, 3, payload(3, seed=job))
+    wait_ingested(ckpt, job, 3, daemon)
+    daemon.stop()
+
+    lines = [json.loads(line) for line in daemon.log().splitlines()]  # every line is JSON
+    assert len(lines) > 5
+    for line in lines:
+        assert RFC3339_UTC.fullmatch(line["time"]), line
+        assert line["level"] in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), line
+        assert line["logger"], line
+        assert isinstance(line["message"], str), line
+    about_the_job = [line for line in lines if line.get("job") == job]
+    assert about_the_job, "no line carries the job as a key"
+    assert all(line["rank"] == 0 for line in about_the_job)
+    assert any(line.get("step") == 3 for line in about_the_job), "no line carries step 3"
+    assert any(line["message"].startswith("daemon ready") for line in lines)
+
+
+def test_text_logs_stamp_utc_with_its_zone(ckpt: Path, job: str, start_daemon: StartDaemon) -> None:
+    daemon = start_daemon()
+    write_yaml_atomic(ckpt, config_text(job))
+    wait_markers(ckpt, job, 0, daemon)
+    ready = next(line for line in daemon.log().splitlines() if "daemon ready" in line)
+    assert RFC3339_UTC.match(ready.split(" ", 1)[0]), ready
+    assert any(f"job={job} rank=0" in line for line in daemon.log().splitlines())
+
+
+def test_process_build_and_ram_disk_metrics(ckpt: Path, start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(extra=METRICS)
+    got = scrape_daemon(daemon)
+    rss = sample(got, "process_resident_memory_bytes")
+    assert rss is not None
+    assert rss > 1 << 20
+    fds = sample(got, "process_open_fds")
+    assert fds is not None
+    assert fds > 0
+    assert sample(got, "process_cpu_seconds_total") is not None
+    build = [
+        dict(labels)
+        for (name, labels), value in got.items()
+        if name == "mtc_build_info" and value == 1
+    ]
+    assert len(build) == 1
+    assert build[0]["version"] == __version__
+    assert build[0]["python"].count(".") == 2
+    assert build[0]["grpc"][0].isdigit()
+    st = os.statvfs(ckpt)
+    assert sample(got, "mtc_checkpoint_dir_size_bytes") == st.f_blocks * st.f_frsize
+    free = sample(got, "mtc_checkpoint_dir_free_bytes")
+    assert free is not None
+    assert 0 < free <= st.f_blocks * st.f_frsize
+    # Free bytes are read at each scrape: a file written in CHECKPOINT_DIR shows.
+    (ckpt / "filler.bin").write_bytes(os.urandom(4 << 20))
+    after = wait_until(
+        lambda: (
+            (v := sample(scrape_daemon(daemon), "mtc_checkpoint_dir_free_bytes")) is not None
+            and v <= free - (3 << 20)
+        ),
+        "free bytes to drop by the file written",
+        daemon=daemon,
+    )
+    assert after
+
+
+def grpc_health(address: str, service: str) -> str:
+    """The gRPC health status of ``service`` at ``address``, as kubelet's probe reads it."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
+
+
+def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon) -> None:
+    daemon = start_daemon(extra=(*METRICS, "--health-listen", "127.0.0.1:0"))
+    address = daemon.metrics
+    assert address is not None
+    found = re.search(r"daemon ready:.* health=(\S+)", daemon.log())
+    assert found
+    probes = found[1]
+    wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
+    assert grpc_health(probes, "") == "SERVING"
+    assert get(address, "/healthz") == (200, "ok\n")
+    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready", daemon=daemon)
+    status, body = get(address, "/nope")
+    assert status == 404
+    assert "/readyz" in body
+    status, body = get(address, "/metrics")
+    assert status == 200
+    assert "mtc_build_info" in body
+
+    # CHECKPOINT_DIR gone (an unmounted RAM disk): not ready, and the body says why; alive.
+    away = ckpt.with_name(ckpt.name + ".away")
+    ckpt.rename(away)
+    try:
+        status, body = get(address, "/readyz")
+        assert status == 503
+        assert f"CHECKPOINT_DIR {ckpt} is missing" in body
+        assert get(address, "/healthz") == (200, "ok\n")
+        # kubelet's readiness probe sees it too; its liveness probe does not.
+        wait_until(
+            lambda: grpc_health(probes, "readiness") == "NOT_SERVING",
+            "not ready over gRPC",
+            daemon=daemon,
+        )
+        assert grpc_health(probes, "") == "SERVING"
+    finally:
+        away.rename(ckpt)
+    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready again", daemon=daemon)
+    wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
+    assert "not ready: CHECKPOINT_DIR" in daemon.log()
+
+
+def test_probes_answer_503_with_the_reasons() -> None:
+    """The endpoint itself, in this process: not ready before startup ends, not alive once
+    the loop stops beating (a stalled process cannot be asked to say so itself)."""
+    now = [0.0]
+    heart = Heartbeat(limit=60, clock=lambda: now[0])
+    ready = Readiness(stage="opening the store")
+    served = serve(CollectorRegistry(), "127.0.0.1:0", Health([heart.check], [ready.check]))
+    try:
+        assert get(served.address, "/readyz") == (503, "not started yet: opening the store\n")
+        assert get(served.address, "/healthz") == (200, "ok\n")
+        ready.stage = None
+        assert get(served.address, "/readyz") == (200, "ok\n")
+        now[0] = 61.0
+        expected = "the event loop has not answered for 61s (limit 60s)\n"
+        assert get(served.address, "/healthz") == (503, expected)
+        assert get(served.address, "/readyz") == (503, expected)
+        heart.beat()
+        assert get(served.address, "/healthz") == (200, "ok\n")
+    finally:
+        served.close()

@@ -1,0 +1,140 @@
+"""Both daemons' command lines: every flag says what it does, and a bad value, as a flag or
+in its environment variable, is a usage error (exit 2, a message), never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from csi import plugin as csi_plugin
+from replicator.node import daemon
+
+# The least each parser needs to get past its required options.
+DAEMON_ENV = {"MTC_CHECKPOINT_DIR": "/tmp/mtc-flags-test"}
+CSI_ENV = {
+    "CSI_ENDPOINT": "unix:///tmp/mtc-flags-test/csi.sock",
+    "NODE_NAME": "node-a",
+    "MTC_RAM_DIR": "/tmp/mtc-flags-test/ram",
+    "MTC_RAM_SIZE": "1Gi",
+}
+PARSERS: dict[str, tuple[Callable[..., Any], Callable[..., Any], dict[str, str]]] = {
+    "mtc-replicator": (daemon.make_parser, daemon.parse_args, DAEMON_ENV),
+    "mtc-csi": (csi_plugin.make_parser, csi_plugin.parse_args, CSI_ENV),
+}
+MARKUP = re.compile(r"``|:[a-z]+:`")
+"""Sphinx markup leaking from docstrings: ``code`` and :role:`target`."""
+ENV_VAR = re.compile(r"\[([A-Z][A-Z0-9_]*)\]$")
+BAD = "x!"
+"""Neither a number, a duration, a rate, an address, a port nor a choice."""
+
+
+def _options(make: Callable[..., argparse.ArgumentParser]) -> list[argparse.Action]:
+    return [a for a in make({})._actions if a.option_strings]
+
+
+def _typed(make: Callable[..., argparse.ArgumentParser]) -> list[argparse.Action]:
+    """Options whose value is checked: anything but a free string or path."""
+    return [a for a in _options(make) if a.type not in (None, str, Path) and a.nargs != 0]
+
+
+@pytest.mark.parametrize("prog", PARSERS)
+def test_every_flag_has_help_without_markup(prog: str) -> None:
+    make = PARSERS[prog][0]
+    parser = make({})
+    assert parser.description
+    assert not MARKUP.search(parser.description)
+    for action in _options(make):
+        name = action.option_strings[-1]
+        assert action.help, f"{prog} {name} has no help"
+        assert action.help.strip(), f"{prog} {name} has no help"
+        assert not MARKUP.search(action.help), f"{prog} {name}: {action.help!r}"
+        # Options that take a value tell where else it comes from, or what it defaults to.
+        if action.nargs != 0 and name not in ("--help", "--version"):
+            assert ENV_VAR.search(action.help) or "default" in action.help, name
+
+
+@pytest.mark.parametrize("prog", PARSERS)
+def test_a_bad_value_is_a_usage_error(prog: str, capsys: pytest.CaptureFixture[str]) -> None:
+    make, parse, env = PARSERS[prog]
+    typed = _typed(make)
+    assert len(typed) >= 2  # at least --log-level and --log-format
+    for action in typed:
+        name = action.option_strings[-1]
+        with pytest.raises(SystemExit) as exited:
+            parse([name, BAD], env)
+        assert exited.value.code == 2, name
+        err = capsys.readouterr().err
+        assert f"argument {name}" in err, err
+        assert repr(BAD) in err, err
+        # argparse's own message names the converter: "invalid _count value".
+        assert not re.search(r"invalid _?\w+ value", err), err
+
+
+@pytest.mark.parametrize("prog", PARSERS)
+def test_a_bad_environment_variable_is_a_usage_error(
+    prog: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make, parse, env = PARSERS[prog]
+    for action in _typed(make):
+        found = ENV_VAR.search(action.help or "")
+        if found is None:
+            continue
+        with pytest.raises(SystemExit) as exited:
+            parse([], {**env, found[1]: BAD})
+        assert exited.value.code == 2, found[1]
+        assert repr(BAD) in capsys.readouterr().err, found[1]
+
+
+@pytest.mark.parametrize(
+    ("prog", "flags"),
+    [
+        ("mtc-replicator", {"--log-level": "verbose", "--threads": "0", "--rescan-seconds": "-1"}),
+        ("mtc-replicator", {"--settle-seconds": "nan", "--log-format": "xml"}),
+        ("mtc-csi", {"--log-level": "verbose", "--log-format": "xml"}),
+    ],
+)
+def test_bad_values_name_the_flag_and_the_choices(
+    prog: str, flags: Mapping[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, parse, env = PARSERS[prog]
+    for flag, value in flags.items():
+        with pytest.raises(SystemExit) as exited:
+            parse([flag, value], env)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: " in err, err
+        assert repr(value) in err, err
+        if flag == "--log-level":
+            assert "debug, info, warning, error, critical" in err
+        if flag == "--log-format":
+            assert "text, json" in err
+
+
+@pytest.mark.parametrize("module", ["replicator.node.daemon", "csi.plugin"])
+def test_the_process_exits_2_without_a_traceback(module: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--log-level", "verbose"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**DAEMON_ENV, **CSI_ENV, "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    assert "invalid log level 'verbose'" in run.stderr
+
+
+def test_levels_and_formats_are_normalised() -> None:
+    opts = daemon.parse_args(["--log-level", "debug", "--log-format", "JSON"], DAEMON_ENV)
+    assert (opts.log_level, opts.log_format) == ("DEBUG", "json")
+    assert daemon.parse_args([], {**DAEMON_ENV, "MTC_LOG_FORMAT": "json"}).log_format == "json"
+    defaults = csi_plugin.parse_args([], CSI_ENV)
+    assert (defaults.log_level, defaults.log_format) == ("INFO", "text")
