@@ -37,6 +37,7 @@ from tests.integration.helpers import (
     wait_ingested,
     wait_markers,
     wait_until,
+    write_big_step_tmp,
     write_yaml_atomic,
 )
 from tests.integration.test_metrics import METRICS, sample, scrape_until
@@ -159,7 +160,7 @@ def bucket(auth_s3: AuthS3, monkeypatch: pytest.MonkeyPatch) -> str:
     return name
 
 
-StartDaemon = Callable[[dict[str, str]], DaemonProcess]
+StartDaemon = Callable[..., DaemonProcess]
 
 
 @pytest.fixture
@@ -167,11 +168,11 @@ def start_s3_daemon(ckpt: Path, bucket: str, auth_s3: AuthS3) -> Iterator[StartD
     """A real daemon backing up to ``s3://bucket/backups`` with the given credentials."""
     started: list[DaemonProcess] = []
 
-    def start(creds: dict[str, str]) -> DaemonProcess:
+    def start(creds: dict[str, str], extra: tuple[str, ...] = ()) -> DaemonProcess:
         daemon = DaemonProcess(
             ckpt,
             backup=f"s3://{bucket}/{PREFIX}",
-            extra_args=(*FAST_ARGS, *METRICS),
+            extra_args=(*FAST_ARGS, *METRICS, *extra),
             env=auth_s3.env(creds),
         )
         started.append(daemon)
@@ -316,3 +317,47 @@ def test_without_put_object_a_backup_fails_and_says_so(
     )
     assert "backup" in errors, errors
     assert not exists(auth_s3, bucket, f"{job}/1/COMMIT")
+
+
+def incomplete_uploads(auth_s3: AuthS3, bucket: str, job: str) -> list[str]:
+    listing = auth_s3.client("s3", auth_s3.admin).list_multipart_uploads(
+        Bucket=bucket, Prefix=f"{PREFIX}/{job}/"
+    )
+    return [u["Key"] for u in listing.get("Uploads", [])]
+
+
+def test_a_multipart_upload_a_killed_daemon_left_is_aborted_at_the_next_backup(
+    ckpt: Path, job: str, bucket: str, auth_s3: AuthS3, start_s3_daemon: StartDaemon
+) -> None:
+    """Under the documented daemon policy. Before: the parts stayed, billed, for ever."""
+    node = auth_s3.user(documented_policy("s3-daemon", bucket))
+    # Paced so that the kill lands mid-upload: 40 MiB is 3 parts of 16 MiB at 8 MiB/s.
+    daemon = start_s3_daemon(node, ("--max-transfer-rate", "8MiB"))
+    yaml_text = config_text(job, backup_interval_steps=1)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    tmp, _ = write_big_step_tmp(ckpt, 1, files=1, mib_each=40)
+    tmp.rename(ckpt / "1")
+    left = wait_until(
+        lambda: incomplete_uploads(auth_s3, bucket, job),
+        "a multipart upload under way",
+        daemon=daemon,
+        timeout=60,
+        interval=0.2,
+    )
+    daemon.kill()
+    assert incomplete_uploads(auth_s3, bucket, job) == left
+    assert not exists(auth_s3, bucket, f"{job}/1/COMMIT")
+
+    daemon = start_s3_daemon(node)
+    write_yaml_atomic(ckpt, yaml_text)  # the job restarts from its local step 1
+    wait_markers(ckpt, job, 1, daemon)
+    save_backed_up(ckpt, job, daemon, auth_s3, bucket, range(2, 3))
+    wait_until(
+        lambda: not incomplete_uploads(auth_s3, bucket, job),
+        "the leftover upload aborted",
+        daemon=daemon,
+        timeout=60,
+        interval=0.2,
+    )
+    assert "aborted an incomplete upload" in daemon.log()
