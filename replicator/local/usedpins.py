@@ -56,6 +56,6 @@ class UsedPins:
         with self._lock:
             digests = [d for d in self._read(job) if d != digest]
             digests.append(digest)
-            self.root.mkdir(mode=0o700, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             body = json.dumps({"digests": digests[-KEEP:]}).encode()
             fsutil.atomic_write_bytes(self._path(job), body, durable=True)

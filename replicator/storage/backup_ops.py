@@ -882,6 +882,7 @@ class StorePins:
 
     def consumed(self, job: str, step: int) -> None:
         pin = self._offered.pop(job, None)
+        recorded = False
         try:
             if pin is None or pin.step != step:
                 pin = read_restore_pin(self.objects, job)
@@ -889,14 +890,18 @@ class StorePins:
                 return
             if self.used is not None:
                 # First: should the delete fail, the pin is still used up.
-                self.used.record(job, pin_digest(pin))
+                try:
+                    self.used.record(job, pin_digest(pin))
+                    recorded = True
+                except OSError as exc:
+                    log.error("cannot record the used restore pin of job %s: %s", job, exc)
             clear_restore_pin(self.objects, job, expected=pin)
-        except (PinError, ObjectStoreError, OSError) as exc:
+        except (PinError, ObjectStoreError) as exc:
             message = (
                 f"cannot remove the used restore pin {pin_key(job)} (step {step}): {exc}; "
                 + (
                     "it is recorded as used on this node and not honoured again here; "
-                    if self.used is not None
+                    if recorded
                     else ""
                 )
                 + "delete it (mtc backups restore URL --job JOB --clear) or let the daemon "
