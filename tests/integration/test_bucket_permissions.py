@@ -25,6 +25,7 @@ import botocore.exceptions
 import pytest
 
 from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (
     ERRORS,
     FAST_ARGS,
@@ -361,3 +362,32 @@ def test_a_multipart_upload_a_killed_daemon_left_is_aborted_at_the_next_backup(
         interval=0.2,
     )
     assert "aborted an incomplete upload" in daemon.log()
+
+
+def test_a_cluster_job_registers_backs_up_and_restores_on_the_daemon_policy(
+    tmp_path: Path,
+    job: str,
+    bucket: str,
+    auth_s3: AuthS3,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four daemons: the registry (created, then replaced at each restart by its owner),
+    commits by the coordinator, its listings, and every node restoring from the bucket."""
+    for key, value in auth_s3.env(auth_s3.admin).items():
+        monkeypatch.setenv(key, value)  # the test's own reads
+    cluster = Cluster(tmp_path, job)
+    cluster.backup_url = f"s3://{bucket}/{PREFIX}"
+    cluster.env = auth_s3.env(auth_s3.user(documented_policy("s3-daemon", bucket)))
+    with running(cluster):
+        cluster.keys["backup_interval_steps"] = 1
+        cluster.fresh_start()
+        files = cluster.save(3)
+        cluster.wait_backup(3)
+        assert exists(auth_s3, bucket, f"_registry/{job}.json")
+        cluster.wipe_all()
+        cluster.handshake(list(range(NODES)))
+        cluster.wait_markers(3)
+        assert_restored(cluster, 3, files)
+        assert [cluster.source(r) for r in range(NODES)] == ["backup"] * NODES
+        for r in range(NODES):
+            assert "AccessDenied" not in cluster.daemon(r).log(), f"node {r}"
