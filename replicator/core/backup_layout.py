@@ -85,6 +85,19 @@ def manifest_item_key(name: str) -> str | None:
     return m.group(2)
 
 
+def item_key_of(job: str, key: str) -> str | None:
+    """The ``<rank>-<worker>`` whose data ``key`` is, in either layout (a v2 key only below
+    its item's own ``<hh>``); None for a key that is not item data of ``job``."""
+    parts = key.split("/")
+    if len(parts) < 4 or parts[0] != job or not parts[1].isascii() or not parts[1].isdigit():
+        return None
+    if _ITEM_KEY_RE.fullmatch(parts[2]):
+        return parts[2]
+    if len(parts) >= 5 and _ITEM_KEY_RE.fullmatch(parts[3]) and parts[2] == shard(parts[3]):
+        return parts[3]
+    return None
+
+
 def commit_key(job: str, step: int) -> str:
     return f"{step_prefix(job, step)}{COMMIT}"
 

@@ -61,6 +61,7 @@ from replicator.core.pacing import (
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
+from replicator.local.usedpins import UsedPins
 from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
     AgentContext,
@@ -679,7 +680,16 @@ class Daemon:
         self.ctx.coordinators = Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
-            pins=StorePins(backups.objects, self.trust) if backups else None,
+            pins=StorePins(
+                backups.objects,
+                self.trust,
+                used=UsedPins(self.store.root),
+                on_failure=lambda *failed: loop.call_soon_threadsafe(
+                    self._pin_not_removed, *failed
+                ),
+            )
+            if backups
+            else None,
             commit=backups.try_commit if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
@@ -1016,6 +1026,14 @@ class Daemon:
         log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
         self.incarnation = resumed
         resumed.start()
+
+    def _pin_not_removed(self, job: str, step: int, message: str) -> None:
+        """A used restore pin stayed in the bucket: the metric, and the job's errors file
+        when this node runs one of its ranks (the coordinator's node runs rank 0)."""
+        self.metrics.pin_delete_failed(job)
+        running = self.incarnation
+        if running is not None and running.config.job_name == job:
+            running.error(message, step, kind=ErrorKind.RESTORE)
 
     async def _end_incarnation(self) -> None:
         if self.incarnation is not None:

@@ -16,6 +16,7 @@ numbers are values, never labels.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -123,6 +124,9 @@ class Metrics:
     def error(self, kind: ErrorKind) -> None:
         """A problem was reported (logged and written to ``replicator.errors``)."""
 
+    def pin_delete_failed(self, job: str) -> None:
+        """A used restore pin of ``job`` could not be deleted from the bucket."""
+
     def serving(self, job: str) -> None:
         """The daemon serves ``job`` now: the series of any other job go."""
 
@@ -188,6 +192,12 @@ class PrometheusMetrics(Metrics):
         self._errors = Counter(
             "mtc_errors", "Problems reported to the workload, by kind.", ["kind"], registry=r
         )
+        self._pin_delete_failures = Counter(
+            "mtc_pin_delete_failures",
+            "Used restore pins this node's coordinator could not delete from the bucket.",
+            ["job"],
+            registry=r,
+        )
         self._rounds = Counter(
             "mtc_restore_rounds", "Restores, by outcome.", ["job", "outcome"], registry=r
         )
@@ -224,6 +234,9 @@ class PrometheusMetrics(Metrics):
     def error(self, kind: ErrorKind) -> None:
         self._errors.labels(kind.value).inc()
 
+    def pin_delete_failed(self, job: str) -> None:
+        self._pin_delete_failures.labels(job).inc()
+
     def serving(self, job: str) -> None:
         with self._lock:
             self._adopt(job)
@@ -235,6 +248,8 @@ class PrometheusMetrics(Metrics):
         if self._job is not None:
             for outcome in RoundOutcome:
                 self._rounds.remove(self._job, outcome.value)
+            with contextlib.suppress(KeyError):
+                self._pin_delete_failures.remove(self._job)
         self._job = job
         self._steps = {k: v for k, v in self._steps.items() if k[0] == job}
         self._restorable = {k: v for k, v in self._restorable.items() if k[0] == job}

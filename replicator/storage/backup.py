@@ -29,6 +29,7 @@ from replicator.core.backup_layout import (
     CommitRecord,
     commit_key,
     data_key,
+    item_key_of,
     manifest_key,
 )
 from replicator.core.contract import ascii_digits
@@ -48,8 +49,10 @@ from replicator.local.hashing import data_file
 from replicator.local.pacer import Pacer
 from replicator.storage.objectstore import (
     ChecksumMismatch,
+    LeftoverUploads,
     ObjectNotFound,
     ObjectStore,
+    ObjectStoreError,
     PreconditionFailed,
 )
 
@@ -77,6 +80,7 @@ class BackupStore:
         restores and are not)."""
         self.refused: dict[str, dict[int, str]] = {}
         """Per job, the COMMITs the newest listing refused, and why (told to the job)."""
+        self._leftovers_warned = False
 
     @property
     def url(self) -> str:
@@ -100,6 +104,41 @@ class BackupStore:
                     meter=meter,
                 )
         self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
+
+    def abort_leftover_uploads(self, job: str, item_keys: Collection[str]) -> int:
+        """Abort the incomplete uploads (S3 multipart) of ``job``'s items ``item_keys``
+        (``<rank>-<worker>``, any step) that a killed daemon left; how many.
+
+        Only the rank that owns those items writes them, one step at a time, so before
+        its next upload every incomplete one is a leftover. Failures are logged, never
+        raised: a backup does not depend on this (a lifecycle rule is the fallback).
+        """
+        objects = self.objects
+        if not isinstance(objects, LeftoverUploads) or not item_keys:
+            return 0
+        aborted = 0
+        try:
+            for upload in list(objects.incomplete_uploads(f"{job}/")):
+                if item_key_of(job, upload.key) in item_keys:
+                    objects.abort_upload(upload)
+                    aborted += 1
+                    log.info(
+                        "aborted an incomplete upload of %s, begun %.0fs ago by an earlier run "
+                        "job=%s",
+                        upload.key,
+                        max(time.time() - upload.initiated, 0.0),
+                        job,
+                    )
+        except ObjectStoreError as exc:
+            if not self._leftovers_warned:
+                self._leftovers_warned = True
+                log.warning(
+                    "cannot clean up incomplete uploads of job %s (docs/permissions.md; a "
+                    "bucket lifecycle rule does it too): %s",
+                    job,
+                    exc,
+                )
+        return aborted
 
     def try_commit(
         self, job: str, step: int, item_keys: Collection[str], now: float | None = None

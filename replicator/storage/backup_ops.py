@@ -38,6 +38,7 @@ from replicator.core.contract import JOB_NAME_RE, STEP_DIR_RE
 from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.manifest import MAX_MANIFEST_BYTES, FileEntry, ItemId, Manifest, ManifestError
 from replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
+from replicator.local.usedpins import UsedPins
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import ObjectInfo, ObjectNotFound, ObjectStore, ObjectStoreError
 
@@ -817,32 +818,95 @@ def apply_prune(
     return done
 
 
+PinFailed = Callable[[str, int, str], object]
+"""Told ``(job, step, message)`` when a used pin could not be removed (from a thread)."""
+
+
+def pin_digest(pin: RestorePin) -> str:
+    """A pin's identity: the sha256 of its canonical form (a new pin has a new request
+    time, so the same step pinned again is another pin)."""
+    return hashlib.sha256(pin.to_json()).hexdigest()
+
+
 class StorePins:
     """The restore pins in a backup store, as the coordinator consumes them.
 
     A pin that is malformed or names a step no longer committed as pinned is logged and
     ignored: the round then restores the last-known-good step, and the operator sees why.
+    With ``used`` (the node's record of used pins), a pin is honoured once: its digest is
+    recorded before it is deleted, so a pin whose delete is refused never rolls the job
+    back again; ``on_failure`` hears of that refusal.
     """
 
-    def __init__(self, objects: ObjectStore, trust: RecordTrust = OPEN) -> None:
+    def __init__(
+        self,
+        objects: ObjectStore,
+        trust: RecordTrust = OPEN,
+        *,
+        used: UsedPins | None = None,
+        on_failure: PinFailed | None = None,
+    ) -> None:
         self.objects = objects
         self.trust = trust
+        self.used = used
+        self.on_failure = on_failure
+        self._offered: dict[str, RestorePin] = {}
+        """Per job, the pin ``pinned_step`` last answered with: the one a round used."""
 
     def pinned_step(self, job: str) -> int | None:
         try:
             pin = read_restore_pin(self.objects, job)
             if pin is None:
                 return None
+            if self.used is not None and self.used.used(job, pin_digest(pin)):
+                self._retry_delete(job, pin)
+                return None
             resolve_restore_pin(self.objects, pin, self.trust)
         except (PinError, ObjectStoreError) as exc:
             log.warning("ignoring the restore pin of job %s: %s", job, exc)
             return None
+        self._offered[job] = pin
         return pin.step
 
-    def consumed(self, job: str, step: int) -> None:
+    def _retry_delete(self, job: str, pin: RestorePin) -> None:
+        """A used pin is still there: never honoured again; one more try to remove it."""
+        log.info(
+            "restore pin of job %s (step %d) was used already; not honoured again",
+            job,
+            pin.step,
+        )
         try:
-            pin = read_restore_pin(self.objects, job)
-            if pin is not None and pin.step == step:
-                clear_restore_pin(self.objects, job, expected=pin)
+            clear_restore_pin(self.objects, job, expected=pin)
+        except ObjectStoreError as exc:
+            log.debug("cannot remove the used restore pin of job %s: %s", job, exc)
+
+    def consumed(self, job: str, step: int) -> None:
+        pin = self._offered.pop(job, None)
+        recorded = False
+        try:
+            if pin is None or pin.step != step:
+                pin = read_restore_pin(self.objects, job)
+            if pin is None or pin.step != step:
+                return
+            if self.used is not None:
+                # First: should the delete fail, the pin is still used up.
+                try:
+                    self.used.record(job, pin_digest(pin))
+                    recorded = True
+                except OSError as exc:
+                    log.error("cannot record the used restore pin of job %s: %s", job, exc)
+            clear_restore_pin(self.objects, job, expected=pin)
         except (PinError, ObjectStoreError) as exc:
-            log.warning("cannot remove the used restore pin of job %s: %s", job, exc)
+            message = (
+                f"cannot remove the used restore pin {pin_key(job)} (step {step}): {exc}; "
+                + (
+                    "it is recorded as used on this node and not honoured again here; "
+                    if recorded
+                    else ""
+                )
+                + "delete it (mtc backups restore URL --job JOB --clear) or let the daemon "
+                "delete it (docs/permissions.md)"
+            )
+            log.warning("%s", message)
+            if self.on_failure is not None:
+                self.on_failure(job, step, message)

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 import google_crc32c
@@ -122,6 +122,27 @@ class ObjectStore(Protocol):
         ...
 
     def delete(self, key: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class IncompleteUpload:
+    """A multipart upload begun and never completed or aborted (its parts are billed)."""
+
+    key: str
+    upload_id: str
+    initiated: float
+
+
+@runtime_checkable
+class LeftoverUploads(Protocol):
+    """A store whose large uploads can outlive a killed writer, invisible to ``list``
+    (S3 multipart uploads): what is left can be found and aborted."""
+
+    def incomplete_uploads(self, prefix: str) -> Iterator[IncompleteUpload]:
+        """The incomplete uploads of keys starting with ``prefix``."""
+        ...
+
+    def abort_upload(self, upload: IncompleteUpload) -> None: ...
 
 
 def prefixes_of(prefix: str, keys: Iterator[str]) -> Iterator[str]:

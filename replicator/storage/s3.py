@@ -22,8 +22,10 @@ in parallel from a bounded window (``storage.parts``): an upload holds at most
 ``workers + 1`` parts in memory (80 MiB with the defaults); a download streams
 ``chunk_size`` pieces. 16 MiB parts: within what AWS advises (8-16 MiB), and what moto
 takes fastest (docs/performance.md, "Backups to S3 and GCS"). A process
-that dies mid-upload leaves an invisible incomplete upload: give the bucket an
-``AbortIncompleteMultipartUpload`` lifecycle rule.
+that dies mid-upload leaves an invisible incomplete upload: the rank aborts its own before
+its next upload (``incomplete_uploads``, ``BackupStore.abort_leftover_uploads``); give the
+bucket an ``AbortIncompleteMultipartUpload`` lifecycle rule too, for nodes that never
+come back (docs/permissions.md).
 
 Retries: botocore's own are off; ``translate`` is the one place that maps botocore and
 urllib3 errors to ours and decides what is transient, and ``RetryPolicy`` how long to try.
@@ -56,6 +58,7 @@ from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
+    IncompleteUpload,
     ObjectInfo,
     ObjectNotFound,
     ObjectStoreError,
@@ -492,6 +495,37 @@ class S3ObjectStore:
             if not page.get("IsTruncated") or not token:
                 return
             args["ContinuationToken"] = token
+
+    def incomplete_uploads(self, prefix: str) -> Iterator[IncompleteUpload]:
+        self._ensure_bucket()
+        what = f"list multipart uploads {self.url} {prefix!r}"
+        args: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix + prefix}
+        while True:
+            page = self._call(what, lambda: self.client.list_multipart_uploads(**args))
+            for upload in page.get("Uploads", []):
+                key = upload.get("Key", "")[len(self.prefix) :]
+                initiated = upload.get("Initiated")
+                if _listable(key) and "UploadId" in upload:
+                    at = initiated.timestamp() if initiated is not None else 0.0
+                    yield IncompleteUpload(key, upload["UploadId"], at)
+            if not page.get("IsTruncated"):
+                return
+            args["KeyMarker"] = page.get("NextKeyMarker", "")
+            args["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    def abort_upload(self, upload: IncompleteUpload) -> None:
+        name = self._name(upload.key)
+
+        def abort() -> None:
+            try:
+                self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=name, UploadId=upload.upload_id
+                )
+            except bexc.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise  # else: completed or aborted meanwhile
+
+        self._call(f"abort multipart upload {self.bucket}/{name}", abort)
 
     def delete(self, key: str) -> None:
         name = self._name(key)

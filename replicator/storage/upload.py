@@ -45,7 +45,9 @@ async def upload_step(
     """
     t0 = time.monotonic()
     total = 0
-    for item in rank_items(config, step):
+    items = rank_items(config, step)
+    await run_thread(backups.abort_leftover_uploads, config.job_name, {i.key for i in items})
+    for item in items:
         manifest = store.get(item)
         if manifest is None:
             raise ItemNotHeld(item)

@@ -28,9 +28,11 @@ from replicator.local.hashing import build_manifest, verify_item
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import (
     FileObjectStore,
+    IncompleteUpload,
     MemoryObjectStore,
     ObjectInfo,
     ObjectStore,
+    PermissionDenied,
     PreconditionFailed,
 )
 
@@ -534,3 +536,46 @@ def test_a_download_is_a_restore_for_the_pacer(backup: BackupStore, uploaded: Up
     assert set(seen) == {1}
     assert backup.pacer.active(Traffic.RESTORE) == 0
     assert backup.pacer.sent[Traffic.RESTORE] == 0
+
+
+# --- uploads a killed daemon left ----------------------------------------------------------
+
+
+class WithUploads(MemoryObjectStore):
+    """An in-memory store that also keeps incomplete multipart uploads, as S3 does."""
+
+    def __init__(self, keys: list[str], *, denied: bool = False) -> None:
+        super().__init__()
+        self.uploads = [IncompleteUpload(k, f"id-{i}", 0.0) for i, k in enumerate(keys)]
+        self.denied = denied
+
+    def incomplete_uploads(self, prefix: str) -> Iterator[IncompleteUpload]:
+        if self.denied:
+            raise PermissionDenied("list multipart uploads: 403 AccessDenied")
+        return iter([u for u in self.uploads if u.key.startswith(prefix)])
+
+    def abort_upload(self, upload: IncompleteUpload) -> None:
+        self.uploads.remove(upload)
+
+
+def test_only_the_ranks_own_leftover_uploads_are_aborted() -> None:
+    own = [data_key(ItemId("j", 4, 1, 0), "a"), data_key(ItemId("j", 9, 1, 0), "", LAYOUT_V1)]
+    others = [
+        data_key(ItemId("j", 4, 2, 0), "a"),  # another rank's, maybe under way
+        data_key(ItemId("k", 4, 1, 0), "a"),  # another job's
+        "j/4/COMMIT",
+    ]
+    objects = WithUploads([*own, *others])
+    assert BackupStore(objects).abort_leftover_uploads("j", {"1-0"}) == 2
+    assert [u.key for u in objects.uploads] == others
+
+
+def test_leftover_uploads_that_cannot_be_listed_cost_a_warning_not_the_backup(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backup = BackupStore(WithUploads([data_key(ItemId("j", 4, 1, 0), "a")], denied=True))
+    with caplog.at_level(logging.WARNING):
+        assert backup.abort_leftover_uploads("j", {"1-0"}) == 0
+        assert backup.abort_leftover_uploads("j", {"1-0"}) == 0
+    assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
+    assert "AccessDenied" in caplog.records[0].getMessage()

@@ -14,6 +14,7 @@ from replicator.core.backup_layout import (
     LAYOUT_V2,
     CommitRecord,
     data_key,
+    item_key_of,
     item_prefix,
     manifest_item_key,
     manifest_key,
@@ -85,3 +86,26 @@ def test_a_commit_of_an_unknown_layout_is_refused(layout: object) -> None:
     body = {"job": "job", "step": 7, "items": {"0-0": DIGEST}, "created": 1.0, "layout": layout}
     with pytest.raises(ManifestError, match="layout"):
         CommitRecord.from_json(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_V1, LAYOUT_V2])
+def test_item_key_of_names_the_item_whose_data_a_key_is(layout: int) -> None:
+    item = ItemId("j", 7, 3, 1)
+    assert item_key_of("j", data_key(item, "state/a.bin", layout)) == "3-1"
+    assert item_key_of("j", data_key(item, "", layout)) == "3-1"
+    assert item_key_of("other", data_key(item, "", layout)) is None
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "j/7/COMMIT",
+        "j/x/3-1/data",
+        "j/7/00/3-1/data",
+        "j/7/3-1.manifest.json",
+        "j/\u0667/3-1/data",
+        "j",
+    ],
+)
+def test_item_key_of_is_none_for_anything_else(key: str) -> None:
+    assert item_key_of("j", key) is None

@@ -31,9 +31,10 @@ from replicator.core.backup_layout import (
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest
+from replicator.local.usedpins import UsedPins
 from replicator.storage import backup_ops as ops
 from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import MemoryObjectStore
+from replicator.storage.objectstore import MemoryObjectStore, PermissionDenied
 from replicator.tools.backups import ProgressBar
 from tests.unit.test_backup import upload_v1
 
@@ -828,3 +829,73 @@ def test_a_v1_backup_lists_verifies_and_prunes(tmp_path: Path) -> None:
     }
     assert list(objects.list(f"{JOB}/50/")) == []
     assert set(backup.committed_steps(JOB)) == {100}
+
+
+# --- a used pin, when its delete is refused ----------------------------------------------------
+
+
+class NoDelete(MemoryObjectStore):
+    """A bucket whose policy refuses every delete."""
+
+    def delete(self, key: str) -> None:
+        raise PermissionDenied(f"delete {key}: 403 AccessDenied")
+
+
+def _pin_step(backup: BackupStore, tmp_path: Path, step: int, at: float) -> ops.RestorePin:
+    raw = backup.read_commit_raw(JOB, step)
+    assert raw is not None
+    pin = ops.RestorePin(JOB, step, at, ops.commit_digest(raw[1]))
+    ops.write_restore_pin(backup.objects, pin)
+    return pin
+
+
+def test_a_pin_whose_delete_is_refused_is_honoured_once(tmp_path: Path) -> None:
+    """Before: the pin stayed and every round rolled the job back to it again."""
+    objects = NoDelete()
+    backup = BackupStore(objects)
+    for step in (1, 2):
+        upload_step(backup, tmp_path, step)
+    failures: list[tuple[str, int, str]] = []
+    pins = ops.StorePins(
+        objects,
+        used=UsedPins(tmp_path / "store"),
+        on_failure=lambda *failed: failures.append(failed),
+    )
+    _pin_step(backup, tmp_path, 1, 1000.0)
+    assert pins.pinned_step(JOB) == 1
+    pins.consumed(JOB, 1)
+    ((job, step, message),) = failures
+    assert (job, step) == (JOB, 1)
+    assert "AccessDenied" in message
+    assert ops.read_restore_pin(objects, JOB) is not None, "the store kept it"
+    assert pins.pinned_step(JOB) is None
+    # After a daemon restart too: the record is on disk.
+    again = ops.StorePins(objects, used=UsedPins(tmp_path / "store"))
+    assert again.pinned_step(JOB) is None
+    # A pin made later, of the same step, is another pin.
+    _pin_step(backup, tmp_path, 1, 2000.0)
+    assert again.pinned_step(JOB) == 1
+
+
+def test_a_pin_deleted_as_granted_reports_nothing(
+    objects: MemoryObjectStore, tmp_path: Path
+) -> None:
+    backup = BackupStore(objects)
+    upload_step(backup, tmp_path, 1)
+    failures: list[object] = []
+    pins = ops.StorePins(objects, used=UsedPins(tmp_path), on_failure=lambda *f: failures.append(f))
+    _pin_step(backup, tmp_path, 1, 1000.0)
+    assert pins.pinned_step(JOB) == 1
+    pins.consumed(JOB, 1)
+    assert ops.read_restore_pin(objects, JOB) is None
+    assert failures == []
+
+
+def test_an_unreadable_record_of_used_pins_is_ignored(tmp_path: Path) -> None:
+    used = UsedPins(tmp_path)
+    used.record(JOB, "a" * 64)
+    assert used.used(JOB, "a" * 64)
+    (tmp_path / "used-pins" / f"{JOB}.json").write_text("{not json")
+    assert not used.used(JOB, "a" * 64)
+    used.record(JOB, "b" * 64)
+    assert used.used(JOB, "b" * 64)
