@@ -55,6 +55,7 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     metrics.cluster_restorable("j", 2)
     metrics.backed_up("j", 2, 1.0)
     metrics.restore_failed("j", 1.0)
+    metrics.pin_delete_failed("j")
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
