@@ -31,6 +31,7 @@ try:
     import uvloop
 except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
     uvloop = None  # type: ignore[assignment]
+from replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
@@ -70,6 +71,8 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.node.status import SERVICE as NODE_SERVICE
+from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import (
     NO_METRICS,
@@ -581,6 +584,7 @@ class Daemon:
             commit=backups.try_commit if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
+        rpc.add_service(NODE_SERVICE, NodeServicer(self._status).register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
             self.listen_address = rpc.bind(self.opts.listen, credentials)
@@ -602,6 +606,11 @@ class Daemon:
         await rpc.start()
         if channel is not None:
             channel.start()
+        self.metrics.peer_contacts(self.ctx.peers.contacts.snapshot)
+        probe = asyncio.create_task(
+            probe_peers(self.ctx.peers, lambda: peer_addresses(self.incarnation)),
+            name="peer-probe",
+        )
         # A yaml written while we were down has no events left to tell: trust it.
         self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
@@ -659,6 +668,7 @@ class Daemon:
                 await self._check_owner()
         finally:
             log.info("stopping")
+            probe.cancel()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
             if channel is not None:
@@ -671,6 +681,10 @@ class Daemon:
             if self._metrics_server is not None:
                 self._metrics_server.close()
             log.info("stopped")
+
+    def _status(self, job: str | None) -> NodeStatusResponse:
+        """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
+        return node_status(self.store, self.incarnation, self.ctx.peers, self.advertise or "", job)
 
     def _serve_metrics(self) -> None:
         """Serve ``/metrics`` from a thread when ``--metrics`` asks for it."""
