@@ -64,7 +64,9 @@ class Target:
         return Path(*self.package.split("."))
 
 
-REPLICATOR = Target("replicator._pb", ("mtc/v1/peer.proto", "mtc/v1/coordinator.proto"))
+REPLICATOR = Target(
+    "replicator._pb", ("mtc/v1/peer.proto", "mtc/v1/coordinator.proto", "mtc/v1/node.proto")
+)
 CSI = Target("csi._pb", ("csi/v1/csi.proto",))
 TARGETS = (REPLICATOR, CSI)
 

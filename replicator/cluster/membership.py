@@ -139,6 +139,11 @@ class ClusterMember:
             self.replication.newest_replicated = outcome.step
 
     @property
+    def coordinator(self) -> str | None:
+        """The address of the coordinator this rank follows now (None: none found yet)."""
+        return self._client.address if self._client is not None else None
+
+    @property
     def protected(self) -> set[int]:
         """Steps retention must keep: the restorable one and the one being uploaded."""
         return {s for s in (self.restorable, self.uploading) if s is not None}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from replicator.tools import argtypes
+
 
 def _nodes(text: str) -> int:
     try:
@@ -23,22 +25,21 @@ def _nodes(text: str) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    demo = sub.add_parser(
-        "demo",
-        help="run the demo: save, crash, restore locally (or from a peer), restore from backup",
-    )
+    about = "run the demo: save, crash, restore locally (or from a peer), restore from backup"
+    demo = sub.add_parser("demo", help=about, description=about)
     demo.add_argument(
         "--nodes",
         type=_nodes,
         default=1,
-        help="1: the single-node story; N > 1: N daemons and an N-rank job (make demo: 4)",
+        help="1: the single-node story; N > 1: N daemons and an N-rank job (make demo: 4; "
+        "default: %(default)s)",
     )
     demo.add_argument(
         "--workdir", type=Path, help="keep logs and the backup here (default: a temp dir)"
     )
     demo.add_argument(
         "--step-seconds",
-        type=float,
+        type=argtypes.non_negative,
         help="simulated time per training step (default 0.05; 0.2 with --nodes > 1)",
     )
 

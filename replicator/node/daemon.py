@@ -32,6 +32,7 @@ try:
     import uvloop
 except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
     uvloop = None  # type: ignore[assignment]
+from replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
@@ -72,6 +73,8 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.node.status import SERVICE as NODE_SERVICE
+from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
 from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
@@ -693,6 +696,7 @@ class Daemon:
             commit=backups.try_commit if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
+        rpc.add_service(NODE_SERVICE, NodeServicer(self._status).register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
             self.listen_address = rpc.bind(self.opts.listen, credentials)
@@ -713,6 +717,11 @@ class Daemon:
         await rpc.start()
         if channel is not None:
             channel.start()
+        self.metrics.peer_contacts(self.ctx.peers.contacts.snapshot)
+        probe = asyncio.create_task(
+            probe_peers(self.ctx.peers, lambda: peer_addresses(self.incarnation)),
+            name="peer-probe",
+        )
         # A yaml written while we were down has no events left to tell: trust it.
         self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
@@ -773,6 +782,7 @@ class Daemon:
         finally:
             log.info("stopping")
             readiness.cancel()
+            probe.cancel()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
             if channel is not None:
@@ -783,6 +793,10 @@ class Daemon:
             self.executor.shutdown(wait=True, cancel_futures=True)
             self.store.close()
             log.info("stopped")
+
+    def _status(self, job: str | None) -> NodeStatusResponse:
+        """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
+        return node_status(self.store, self.incarnation, self.ctx.peers, self.advertise or "", job)
 
     def _serve_metrics(self) -> None:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``

@@ -23,11 +23,11 @@ import platform
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -115,6 +115,18 @@ PacingCounts = tuple[Mapping[str, int], Mapping[str, float]]
 """Per traffic class (``restore``, ``replication``, ``backup``): bytes booked, seconds waited."""
 
 
+class PeerContact(Protocol):
+    """The last contact with one peer, as ``core.contacts.Contact`` has it (metrics.py does
+    not import the core: the CSI plugin shares this module)."""
+
+    @property
+    def peer(self) -> str: ...
+    @property
+    def reachable(self) -> bool: ...
+    @property
+    def last_answer_at(self) -> float | None: ...
+
+
 class Metrics:
     """What the daemon reports; this base class records nothing (no ``--metrics``)."""
 
@@ -152,6 +164,9 @@ class Metrics:
     def restore_phases(self, seconds: Mapping[str, float]) -> None:
         """A restore ended (done or failed): the seconds of each phase it went through
         (``core.timeline.RestorePhase`` values)."""
+
+    def peer_contacts(self, read: Callable[[], Sequence[PeerContact]]) -> None:
+        """Export ``read()``, the last contact per peer, at each scrape."""
 
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         """Export the daemon's pacer: ``read`` is called at every scrape."""
@@ -315,6 +330,9 @@ class PrometheusMetrics(Metrics):
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         self.registry.register(_PacingCollector(read, limit))
 
+    def peer_contacts(self, read: Callable[[], Sequence[PeerContact]]) -> None:
+        self.registry.register(_PeerCollector(read))
+
     def job_state(self) -> JobState:
         """A copy of the per-job state: newest steps, and restorable steps with since when."""
         with self._lock:
@@ -440,6 +458,30 @@ class FilesystemCollector:
         )
         size.add_metric([], st.f_blocks * st.f_frsize)
         yield from (free, size)
+
+
+class _PeerCollector:
+    """Whether each peer answered its last call or probe, and when it last answered."""
+
+    def __init__(self, read: Callable[[], Sequence[PeerContact]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        reachable = GaugeMetricFamily(
+            "mtc_peer_reachable",
+            "1 when the peer (HOST:PORT) answered this daemon's last call or health probe.",
+            labels=["peer"],
+        )
+        answered = GaugeMetricFamily(
+            "mtc_peer_last_contact_timestamp_seconds",
+            "When the peer last answered this daemon (unix seconds); absent: never.",
+            labels=["peer"],
+        )
+        for contact in self._read():
+            reachable.add_metric([contact.peer], 1.0 if contact.reachable else 0.0)
+            if contact.last_answer_at is not None:
+                answered.add_metric([contact.peer], contact.last_answer_at)
+        yield from (reachable, answered)
 
 
 # --- the endpoint -------------------------------------------------------------------------------

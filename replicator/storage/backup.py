@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import google_crc32c
@@ -227,16 +227,29 @@ class BackupStore:
         return found
 
     def fetch_item(
-        self, record: CommitRecord, item: ItemId, staged: Path, cancelled: CancelCheck = _never
+        self,
+        record: CommitRecord,
+        item: ItemId,
+        staged: Path,
+        cancelled: CancelCheck = _never,
+        progress: Callable[[int], None] | None = None,
     ) -> Manifest:
-        """Download one item of ``record`` into ``staged/data``, verifying every byte.
+        """Download one item of ``record`` into ``staged/data``, verifying every byte;
+        ``progress`` hears the bytes written as they are.
 
         Raises ``CorruptItem`` when anything differs from what the COMMIT pinned.
         """
         expected = record.items.get(item.key)
         if expected is None or not record.has(item):
             raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
-        return self._fetch(item, expected, (record.layout,), staged, cancelled)
+        return self._fetch(item, expected, (record.layout,), staged, cancelled, progress=progress)
+
+    def item_manifest(self, record: CommitRecord, item: ItemId) -> Manifest:
+        """The manifest ``record`` pins for ``item`` (``CorruptItem`` if it is not that one)."""
+        expected = record.items.get(item.key)
+        if expected is None or not record.has(item):
+            raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
+        return self._pinned_manifest(item, expected, (record.layout,))[0]
 
     def fetch_pinned(
         self, item: ItemId, digest: str, staged: Path, cancelled: CancelCheck = _never
@@ -258,6 +271,8 @@ class BackupStore:
         layouts: Sequence[int],
         staged: Path,
         cancelled: CancelCheck,
+        *,
+        progress: Callable[[int], None] | None = None,
     ) -> Manifest:
         manifest, layout = self._pinned_manifest(item, expected, layouts)
         data = staged / "data"
@@ -268,11 +283,20 @@ class BackupStore:
         # A restore: never throttled, and this node's uploads trickle while it downloads.
         with self.pacer.transfer(Traffic.RESTORE):
             for entry in manifest.files:
-                self._fetch_file(item, entry, data_file(data, entry), layout, cancelled)
+                self._fetch_file(
+                    item, entry, data_file(data, entry), layout, cancelled, progress=progress
+                )
         return manifest
 
     def _fetch_file(
-        self, item: ItemId, entry: FileEntry, dest: Path, layout: int, cancelled: CancelCheck
+        self,
+        item: ItemId,
+        entry: FileEntry,
+        dest: Path,
+        layout: int,
+        cancelled: CancelCheck,
+        *,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """One file of ``item`` into ``dest``, checked against its manifest entry."""
         crc, size = 0, 0
@@ -287,6 +311,8 @@ class BackupStore:
                         break
                     crc = google_crc32c.extend(crc, chunk)
                     out.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
         except ObjectNotFound:
             raise CorruptItem(f"{what} is missing") from None
         except ChecksumMismatch as exc:

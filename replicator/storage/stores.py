@@ -10,16 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from replicator.storage.objectstore import FileObjectStore, ObjectStore
+from replicator.storage.objectstore import BucketNotFound, FileObjectStore, ObjectStore
 
 
-def open_object_store(url: str) -> ObjectStore:
+def open_object_store(url: str, *, create: bool = True) -> ObjectStore:
     """The backend for a URL: ``file:///abs/path`` (or a plain absolute path),
     ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
 
     Cloud credentials and endpoints come from each SDK's standard chain (``AWS_*`` variables,
     ``AWS_ENDPOINT_URL_S3``, config files, instance roles; Application Default Credentials,
     ``STORAGE_EMULATOR_HOST``). A missing SDK is a ValueError that names the pip extra.
+    Without ``create`` (the operator's CLI), a ``file://`` directory that does not exist is
+    ``BucketNotFound``, as a missing bucket is, rather than made empty and listed.
     """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
@@ -28,6 +30,8 @@ def open_object_store(url: str) -> ObjectStore:
         path = Path(unquote(parsed.path))
         if not path.is_absolute():
             raise ValueError(f"backup path must be absolute, got {url!r}")
+        if not create and not path.is_dir():
+            raise BucketNotFound(f"{url}: no such directory")
         return FileObjectStore(path, url if parsed.scheme else path.as_uri())
     if parsed.scheme == "s3":
         try:

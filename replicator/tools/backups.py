@@ -1,9 +1,9 @@
-"""``mtc backups list|verify|restore|prune``: the operator's view of a backup location.
+"""``mtc backups list|verify|restore|prune|download``: the operator's view of a backup location.
 
-Argument wiring, text and JSON output, a progress bar and exit codes; every decision is in
-``replicator.storage.backup_ops``. Exit codes: 0 done (and everything verified), 1 corruption found
-or the operation refused or failed, 2 bad usage. Works on any URL ``open_object_store``
-takes, through the ``ObjectStore`` interface only.
+Argument wiring, text and JSON output, progress bars and exit codes; every decision is in
+``replicator.storage.backup_ops``. Exit codes: 0 done (and everything verified), 1 corruption
+found, something asked for not found, or the operation refused or failed, 2 bad usage. Works
+on any URL ``open_object_store`` takes, through the ``ObjectStore`` interface only.
 """
 
 from __future__ import annotations
@@ -18,101 +18,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from replicator.core.manifest import ManifestError
 from replicator.core.signed import OPEN, RecordTrust
 from replicator.storage import backup_ops as ops
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
 from replicator.storage.stores import open_object_store
+from replicator.tools import argtypes, download, progress
 from replicator.transport.signing import CaVerifier
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
 PROG = "mtc backups"
 
 
-class ProgressBar:
-    """Bytes read of a known total on one line of ``stream``, redrawn at most every
-    ``interval`` seconds so a fast local read is not slowed down by drawing."""
-
-    def __init__(
-        self,
-        stream: TextIO,
-        total: int,
-        label: str,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        interval: float = 0.2,
-        width: int = 24,
-    ) -> None:
-        self.stream, self.total, self.label = stream, total, label
-        self.clock, self.interval, self.width = clock, interval, width
-        self.done = 0
-        self._drawn_at: float | None = None
-        self._last_len = 0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        now = self.clock()
-        if self._drawn_at is None or now - self._drawn_at >= self.interval:
-            self._draw(now)
-
-    def _draw(self, now: float) -> None:
-        share = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = int(share * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        line = (
-            f"{self.label} [{bar}] {ops.human_bytes(self.done)} / "
-            f"{ops.human_bytes(self.total)} {share:4.0%}"
-        )
-        # Pad over a longer previous line ("1023 B" is longer than "1.0 KiB").
-        self.stream.write(f"\r{line.ljust(self._last_len)}")
-        self._last_len = len(line)
-        self.stream.flush()
-        self._drawn_at = now
-
-    def close(self) -> None:
-        """Draw the final state and end the line."""
-        self._draw(self.clock())
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-class _NoBar:
-    def __call__(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _bar(args: argparse.Namespace, total: int, label: str) -> ProgressBar | _NoBar:
-    if args.progress or sys.stderr.isatty():
-        return ProgressBar(sys.stderr, total, label)
-    return _NoBar()
-
-
 # --- argument wiring -----------------------------------------------------------------------
-
-
-def _job(value: str) -> str:
-    if not ops.is_job_name(value):
-        raise argparse.ArgumentTypeError(f"not a job name: {value!r:.80}")
-    return value
-
-
-def _count(value: str) -> int:
-    n = int(value)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
-    return n
-
-
-def _minutes(value: str) -> float:
-    m = float(value)
-    if not m >= 0 or m == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of minutes >= 0, got {value!r:.40}")
-    return m
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -124,20 +44,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     sub = p.add_subparsers(dest="backups_command", required=True)
 
-    def command(name: str, help_text: str, *, job_required: bool = True) -> argparse.ArgumentParser:
+    def command(name: str, help_text: str, *, jobs: str = "one") -> argparse.ArgumentParser:
+        """``jobs``: "one" (--job required), "any" (--job optional), "all" (--job or
+        --all-jobs, one of them)."""
         c = sub.add_parser(name, help=help_text, description=help_text)
         c.add_argument("url", help="backup location (the daemon's --backup)")
-        c.add_argument("--job", type=_job, required=job_required, help="the job's name")
+        if jobs == "all":
+            which = c.add_mutually_exclusive_group(required=True)
+            which.add_argument("--job", type=argtypes.job, help="the job's name")
+            which.add_argument("--all-jobs", action="store_true", help="every job in the location")
+        else:
+            c.add_argument(
+                "--job",
+                type=argtypes.job,
+                required=jobs == "one",
+                help="the job's name" + (" (default: every job)" if jobs == "any" else ""),
+            )
         c.add_argument(
             "--tls-ca",
             default=os.environ.get("MTC_TLS_CA") or None,
-            help="the nodes' CA (PEM): check that each COMMIT is signed by a node; without "
-            "it signatures are not checked [MTC_TLS_CA]",
+            help="the nodes' CA (PEM): check that each COMMIT is signed by a node [MTC_TLS_CA] "
+            "(default: none, signatures are not checked)",
         )
         c.add_argument(
             "--tls-server-name",
             default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
-            help="the DNS name in node certificates (default: %(default)s)",
+            help="the DNS name in node certificates [MTC_TLS_SERVER_NAME] (default: %(default)s)",
         )
         c.add_argument(
             "--accept-unsigned-records",
@@ -146,41 +78,50 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         )
         return c
 
-    ls = command("list", "jobs and steps: state, items, size, age", job_required=False)
+    ls = command("list", "jobs and steps: state, items, size, age", jobs="any")
     ls.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
-    verify = command("verify", "re-read committed steps and check every byte")
-    verify.add_argument("--step", type=_count, help="only this step (default: every one)")
+    verify = command("verify", "re-read committed steps and check every byte", jobs="all")
+    verify.add_argument(
+        "--step", type=argtypes.count, help="only this step, with --job (default: every one)"
+    )
     verify.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
     restore = command("restore", "make the job's next restore round use one committed step")
     which = restore.add_mutually_exclusive_group(required=True)
-    which.add_argument("--step", type=_count, help="the committed step to restore")
+    which.add_argument("--step", type=argtypes.count, help="the committed step to restore")
     which.add_argument("--clear", action="store_true", help="remove the job's restore pin")
     restore.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     restore.add_argument(
         "--no-verify", action="store_true", help="pin without re-reading the step first"
     )
 
-    prune = command("prune", "delete old steps by a retention policy (dry run unless --apply)")
+    prune = command(
+        "prune", "delete old steps by a retention policy (dry run unless --apply)", jobs="all"
+    )
     prune.add_argument(
-        "--keep-last", type=_count, default=0, metavar="N", help="the N newest committed steps"
+        "--keep-last",
+        type=argtypes.count,
+        default=0,
+        metavar="N",
+        help="the N newest committed steps (default: %(default)s)",
     )
     for period, unit in (("hourly", "hours"), ("daily", "days (UTC)"), ("weekly", "ISO weeks")):
         prune.add_argument(
             f"--keep-{period}",
-            type=_count,
+            type=argtypes.count,
             default=0,
             metavar="N",
-            help=f"the newest step of each of the N newest {unit} that have one",
+            help=f"the newest step of each of the N newest {unit} that have one "
+            "(default: %(default)s)",
         )
     prune.add_argument(
         "--min-age-minutes",
-        type=_minutes,
+        type=argtypes.non_negative,
         default=ops.DEFAULT_MIN_AGE_SECONDS / 60,
         metavar="M",
         help="a step without COMMIT written to within M minutes is kept as uploading "
-        "(default %(default)g)",
+        "(default: %(default)g)",
     )
     prune.add_argument(
         "--verify-newest",
@@ -190,10 +131,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     prune.add_argument("--apply", action="store_true", help="delete (default: only show)")
     prune.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
-    for c in (verify, restore, prune):
-        c.add_argument(
-            "--progress", action="store_true", help="progress bar on stderr even if not a TTY"
-        )
+    dl = command("download", "download a committed step into a directory, every byte verified")
+    download.add_arguments(dl)
+
+    for c in (verify, restore, prune, dl):
+        progress.add_option(c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,20 +145,21 @@ def run(args: argparse.Namespace) -> int:
         "verify": _verify,
         "restore": _restore,
         "prune": _prune,
+        "download": download.run,
     }
     try:
         args.trust = _trust(args)
-        objects = open_object_store(args.url)
+        objects = open_object_store(args.url, create=False)
     except (ValueError, TlsError) as exc:
-        return _fail(str(exc), 2)
+        return fail(str(exc), 2)
     except ObjectStoreError as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     try:
         return commands[args.backups_command](args, objects, time.time())
-    except (ObjectStoreError, ops.PinError, ManifestError) as exc:
-        return _fail(str(exc))
+    except (ObjectStoreError, ops.PinError, ManifestError, download.DownloadError) as exc:
+        return fail(str(exc))
     except KeyboardInterrupt:
-        return _fail("interrupted", 130)
+        return fail("interrupted", 130)
     except BrokenPipeError:
         # Output piped into `head`: stop quietly, and keep the exit-time flush from failing too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -231,7 +174,8 @@ def _trust(args: argparse.Namespace) -> RecordTrust:
     return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
 
 
-def _fail(message: str, code: int = 1) -> int:
+def fail(message: str, code: int = 1) -> int:
+    """Say what went wrong on stderr; the exit code."""
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return code
 
@@ -294,6 +238,8 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
                 "stray_objects": list(listing.stray),
             }
         )
+    if args.job and _nothing(out[0]):
+        return fail(f"no backups of job {args.job} in {objects.url}")
     if args.json:
         _print_json({"url": objects.url, "jobs": out})
         return 0
@@ -303,6 +249,13 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     for job in out:
         _print_job(job, now)
     return 0
+
+
+def _nothing(job: dict[str, Any]) -> bool:
+    """Whether the location holds nothing at all of this job."""
+    return not (
+        job["steps"] or job["stray_objects"] or job["restore_pin"] or job["restore_pin_error"]
+    )
 
 
 def _print_job(job: dict[str, Any], now: float) -> None:
@@ -378,15 +331,18 @@ def _verify_steps(
     plans = [ops.plan_verify(objects, job, s, args.trust) for s in steps]
     if any(not p.committed for p in plans):
         return None
-    bar = _bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
+    bar = progress.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
     try:
         return [ops.run_verify(objects, p, bar) for p in plans]
     finally:
         bar.close()
 
 
-def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
-    job = args.job
+def _verify_job(
+    args: argparse.Namespace, objects: ObjectStore, job: str, *, required: bool
+) -> tuple[bool, dict[str, Any]]:
+    """Verify one job's committed steps (or ``--step``); whether all are good, and the JSON.
+    A job with nothing committed fails when it was asked for by name (``required``)."""
     if args.step is not None:
         steps = [args.step]
     else:
@@ -394,24 +350,41 @@ def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         steps = [s.step for s in listing.steps if s.commit or s.commit_error]
     verdicts = _verify_steps(args, objects, job, steps)
     if verdicts is None:
-        return _fail(f"step {args.step} of job {job} is not committed")
-    ok = all(v.ok for v in verdicts)
-    if args.json:
-        _print_json(
-            {
-                "url": objects.url,
-                "job": job,
-                "ok": ok,
-                "steps": [_verdict_json(v) for v in verdicts],
-            }
-        )
-    elif not verdicts:
-        print(f"job {job} has no committed backups in {objects.url}")
-    else:
+        fail(f"step {args.step} of job {job} is not committed in {objects.url}")
+        return False, {"job": job, "ok": False, "steps": []}
+    ok = all(v.ok for v in verdicts) and (bool(verdicts) or not required)
+    if not verdicts:
+        message = f"job {job} has no committed backups in {objects.url}"
+        if required:
+            fail(message)
+        elif not args.json:
+            print(message)
+    elif not args.json:
         for v in verdicts:
             _print_verdict(v)
         bad = sum(1 for v in verdicts if not v.ok)
         print(f"{len(verdicts)} step(s) verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
+    return ok, {"job": job, "ok": ok, "steps": [_verdict_json(v) for v in verdicts]}
+
+
+def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    if not args.all_jobs:
+        ok, body = _verify_job(args, objects, args.job, required=True)
+        if args.json:
+            _print_json({"url": objects.url, **body})
+        return 0 if ok else 1
+    if args.step is not None:
+        return fail("--step goes with --job, not with --all-jobs", 2)
+    jobs = ops.list_jobs(objects)
+    if not jobs:
+        return fail(f"no backups in {objects.url}")
+    bodies = [_verify_job(args, objects, job, required=False)[1] for job in jobs]
+    ok = all(b["ok"] for b in bodies)
+    if args.json:
+        _print_json({"url": objects.url, "ok": ok, "jobs": bodies})
+    else:
+        bad = [b["job"] for b in bodies if not b["ok"]]
+        print(f"{len(jobs)} job(s) verified: " + (f"CORRUPT: {', '.join(bad)}" if bad else "OK"))
     return 0 if ok else 1
 
 
@@ -438,7 +411,7 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     step = args.step
     found = ops.read_commit_raw(objects, job, step, args.trust)
     if found is None:
-        return _fail(
+        return fail(
             f"step {step} of job {job} is not committed; `mtc backups list` shows which are"
         )
     try:
@@ -448,7 +421,7 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         replaces = " (replacing a malformed pin)"
     if not args.yes:
         if not sys.stdin.isatty():
-            return _fail("confirm with --yes (stdin is not a terminal)", 2)
+            return fail("confirm with --yes (stdin is not a terminal)", 2)
         answer = input(f"Pin job {job}'s next restore to backup step {step}{replaces}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing pinned")
@@ -456,10 +429,10 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     if not args.no_verify:
         verdicts = _verify_steps(args, objects, job, [step])
         if verdicts is None:
-            return _fail(f"step {step} of job {job} is not committed any more")
+            return fail(f"step {step} of job {job} is not committed any more")
         if not verdicts[0].ok:
             _print_verdict(verdicts[0])
-            return _fail(f"step {step} of job {job} is corrupt: nothing pinned")
+            return fail(f"step {step} of job {job} is corrupt: nothing pinned")
     pin = ops.RestorePin(job, step, now, ops.commit_digest(found[1]), _whoami()[:256])
     ops.write_restore_pin(objects, pin)
     checked = "unverified" if args.no_verify else "verified"
@@ -474,7 +447,6 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
 
 
 def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
-    job = args.job
     policy = ops.RetentionPolicy(
         args.keep_last,
         args.keep_hourly,
@@ -483,22 +455,51 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         args.min_age_minutes * 60,
     )
     if not (policy.keep_last or policy.keep_hourly or policy.keep_daily or policy.keep_weekly):
-        return _fail(
+        return fail(
             "give a retention policy: at least one of --keep-last/-hourly/-daily/-weekly", 2
         )
+    if not args.all_jobs:
+        rc, body = _prune_job(args, objects, now, args.job, policy, required=True)
+        if args.json and body is not None:
+            _print_json(body)
+        return rc
+    jobs = ops.list_jobs(objects)
+    if not jobs:
+        return fail(f"no backups in {objects.url}")
+    results = [_prune_job(args, objects, now, job, policy, required=False) for job in jobs]
+    if args.json:
+        bodies = [b for _, b in results if b is not None]
+        _print_json({"url": objects.url, "apply": args.apply, "jobs": bodies})
+    return max(rc for rc, _ in results)
+
+
+def _prune_job(
+    args: argparse.Namespace,
+    objects: ObjectStore,
+    now: float,
+    job: str,
+    policy: ops.RetentionPolicy,
+    *,
+    required: bool,
+) -> tuple[int, dict[str, Any] | None]:
+    """Plan (and with ``--apply``, do) one job's prune; the exit code and the JSON body.
+    Text goes out as it is decided; a job with nothing stored fails when ``required``."""
     listing = ops.scan_job(objects, job, args.trust)
     try:
         pin = ops.read_restore_pin(objects, job)
     except ops.MalformedPin as exc:
-        return _fail(f"{exc}; fix it or remove it (mtc backups restore --clear) before pruning")
+        msg = f"job {job}: {exc}; fix it or remove it (mtc backups restore --clear) before pruning"
+        return fail(msg), None
+    if required and not listing.steps and not listing.stray and pin is None:
+        return fail(f"no backups of job {job} in {objects.url}"), None
     verdicts: list[ops.StepVerdict] = []
     newest_verified: int | None = None
     if args.verify_newest:
         committed = [s.step for s in listing.steps if s.commit is not None]
-        bars: list[ProgressBar | _NoBar] = []
+        bars: list[progress.Bar] = []
 
         def bar_for(plan: ops.VerifyPlan) -> ops.Progress:
-            bars.append(_bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
+            bars.append(progress.bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
             return bars[-1]
 
         try:
@@ -524,48 +525,46 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     )
     sizes = {s.step: s for s in listing.steps}
     doomed = [d for d in decisions if d.action is ops.Action.DELETE]
-    if args.json:
-        _print_json(
+    result = {
+        "url": objects.url,
+        "job": job,
+        "apply": args.apply,
+        "policy": {
+            "keep_last": policy.keep_last,
+            "keep_hourly": policy.keep_hourly,
+            "keep_daily": policy.keep_daily,
+            "keep_weekly": policy.keep_weekly,
+            "min_age_seconds": policy.min_age_seconds,
+        },
+        "restore_pin": _pin_json(pin),
+        "verified": [_verdict_json(v) for v in verdicts],
+        "steps": [
             {
-                "url": objects.url,
-                "job": job,
-                "apply": args.apply,
-                "policy": {
-                    "keep_last": policy.keep_last,
-                    "keep_hourly": policy.keep_hourly,
-                    "keep_daily": policy.keep_daily,
-                    "keep_weekly": policy.keep_weekly,
-                    "min_age_seconds": policy.min_age_seconds,
-                },
-                "restore_pin": _pin_json(pin),
-                "verified": [_verdict_json(v) for v in verdicts],
-                "steps": [
-                    {
-                        "step": d.step,
-                        "state": d.state.value,
-                        "action": d.action.value,
-                        "reasons": list(d.reasons),
-                        "objects": sizes[d.step].objects,
-                        "bytes": sizes[d.step].bytes,
-                    }
-                    for d in decisions
-                ],
-                "deleted": [
-                    {"step": x.step, "objects": x.objects, "bytes": x.bytes}
-                    for x in deletions
-                    if x.skipped is None
-                ],
-                "skipped": [{"step": x.step, "reason": x.skipped} for x in deletions if x.skipped],
+                "step": d.step,
+                "state": d.state.value,
+                "action": d.action.value,
+                "reasons": list(d.reasons),
+                "objects": sizes[d.step].objects,
+                "bytes": sizes[d.step].bytes,
             }
-        )
-        return 0
+            for d in decisions
+        ],
+        "deleted": [
+            {"step": x.step, "objects": x.objects, "bytes": x.bytes}
+            for x in deletions
+            if x.skipped is None
+        ],
+        "skipped": [{"step": x.step, "reason": x.skipped} for x in deletions if x.skipped],
+    }
+    if args.json:
+        return 0, result
     mode = "deleting" if args.apply else "dry run: nothing is deleted, add --apply to delete"
     print(f"job {job} in {objects.url}: prune ({mode})")
     for v in verdicts:
         _print_verdict(v)
     if not decisions:
         print("  no backups")
-        return 0
+        return 0, result
     rows = []
     for d in decisions:
         s = sizes[d.step]
@@ -585,11 +584,11 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         count = sum(sizes[d.step].objects for d in doomed)
         size = ops.human_bytes(sum(sizes[d.step].bytes for d in doomed))
         print(f"would delete {len(doomed)} step(s): {count} objects, {size}")
-        return 0
+        return 0, result
     done = [x for x in deletions if x.skipped is None]
     size = ops.human_bytes(sum(x.bytes for x in done))
     print(f"deleted {len(done)} step(s): {sum(x.objects for x in done)} objects, {size}")
     for x in deletions:
         if x.skipped:
             print(f"  left step {x.step}: {x.skipped}")
-    return 0
+    return 0, result

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from replicator.local import fsutil
+from replicator.tools import argtypes
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
@@ -193,13 +194,11 @@ def secret_manifest(directory: Path, name: str, namespace: str) -> str:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "certs", help="make a CA and the node certificate for mutual TLS, or their Secret"
-    )
+    about = "make a CA and the node certificate for mutual TLS, or their Secret"
+    p = sub.add_parser("certs", help=about, description=about)
     verbs = p.add_subparsers(dest="certs_command", required=True)
-    init_p = verbs.add_parser(
-        "init", help="make a CA in DIR (kept if present) and issue a fresh node certificate"
-    )
+    about = "make a CA in DIR (kept if present) and issue a fresh node certificate"
+    init_p = verbs.add_parser("init", help=about, description=about)
     init_p.add_argument("dir", type=Path, help="where ca.crt, ca.key, tls.crt, tls.key go")
     init_p.add_argument(
         "--server-name",
@@ -207,11 +206,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="the DNS name in the node certificate; daemons check it (default: %(default)s)",
     )
     init_p.add_argument(
-        "--days", type=int, default=365, help="node certificate lifetime (default: %(default)s)"
+        "--days",
+        type=argtypes.positive,
+        default=365,
+        help="node certificate lifetime (default: %(default)s)",
     )
-    secret_p = verbs.add_parser(
-        "secret", help="print the kubernetes.io/tls Secret of DIR's node certificate"
-    )
+    about = "print the kubernetes.io/tls Secret of DIR's node certificate"
+    secret_p = verbs.add_parser("secret", help=about, description=about)
     secret_p.add_argument("dir", type=Path, help="a directory made by 'mtc certs init'")
     secret_p.add_argument(
         "--name", default="mtc-replicator-tls", help="Secret name (default: %(default)s)"
@@ -223,9 +224,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     if args.certs_command == "init":
-        if args.days < 1:
-            print("mtc certs: --days must be at least 1", file=sys.stderr)
-            return 2
         _, made = init(args.dir, args.server_name, args.days)
         print(
             f"{'made a CA and' if made else 'kept the CA and made'} a node certificate in "

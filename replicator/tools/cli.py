@@ -1,10 +1,10 @@
 """``mtc``: the operator CLI. I/O only through the commands it dispatches to.
 
-Built-in commands are ``backups``, ``certs`` and ``render``. Other commands plug in through the
-``mtc.commands`` entry-point group: each names a module with ``add_parser(subparsers)`` and
-``run(args) -> int``, like the built-in ones. ``mtc demo`` comes that way from
-``replicator.demo``, so that the product never imports the demo (an import contract holds
-this) while ``mtc demo`` works wherever the distribution is installed.
+Built-in commands are ``backups``, ``certs``, ``render`` and ``status``. Other commands plug
+in through the ``mtc.commands`` entry-point group: each names a module with
+``add_parser(subparsers)`` and ``run(args) -> int``, like the built-in ones. ``mtc demo``
+comes that way from ``replicator.demo``, so that the product never imports the demo (an
+import contract holds this) while ``mtc demo`` works wherever the distribution is installed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from types import ModuleType
 
 from replicator import __version__
 from replicator.tools import backups as backups_cli
-from replicator.tools import certs, render
+from replicator.tools import certs, render, status
 
 COMMANDS_GROUP = "mtc.commands"
 log = logging.getLogger(__name__)
@@ -36,16 +36,33 @@ def _plugins() -> dict[str, ModuleType]:
     return found
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _commands() -> dict[str, ModuleType]:
+    commands: dict[str, ModuleType] = {
+        "backups": backups_cli,
+        "certs": certs,
+        "render": render,
+        "status": status,
+    }
+    commands.update(_plugins())
+    return commands
+
+
+def build_parser(commands: dict[str, ModuleType] | None = None) -> argparse.ArgumentParser:
+    """The whole ``mtc`` parser, every command registered (tests walk it)."""
     p = argparse.ArgumentParser(
         prog="mtc", description="Operate the multi-tier checkpoint replicator."
     )
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True)
-    commands: dict[str, ModuleType] = {"backups": backups_cli, "certs": certs, "render": render}
-    commands.update(_plugins())
+    commands = _commands() if commands is None else commands
     for name in sorted(commands):
         commands[name].add_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    commands = _commands()
+    p = build_parser(commands)
     a = p.parse_args(argv)
     command = commands.get(a.command)
     if command is None:

@@ -981,11 +981,8 @@ def write_dir(objects: Sequence[Manifest], out: Path) -> list[Path]:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``mtc render`` on the operator CLI's subcommands."""
-    p = sub.add_parser(
-        "render",
-        help="turn a CheckpointConfiguration into the node stack's Kubernetes manifests",
-        description=__doc__.splitlines()[0] if __doc__ else None,
-    )
+    about = "turn a CheckpointConfiguration into the node stack's Kubernetes manifests"
+    p = sub.add_parser("render", help=about, description=about)
     p.add_argument("config", help="the CheckpointConfiguration YAML file, or - for stdin")
     p.add_argument(
         "-o",

@@ -26,9 +26,11 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
+from replicator.core.contacts import Contacts
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from replicator.core.pacing import Traffic
@@ -149,6 +151,12 @@ _RETRYABLE = frozenset(
         grpc.StatusCode.CANCELLED,
     }
 )
+
+
+_UNREACHED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""Statuses that mean the peer did not answer (any other status is its answer)."""
+PROBE_SECONDS = 3.0
+"""How long a health probe waits for a peer's answer."""
 
 
 def _rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
@@ -302,6 +310,47 @@ class PeerClient:
         self._generation = tls.generation if tls is not None else 0
         self._retired: list[grpc.aio.Channel] = []
         """Channels opened with certificates since rotated: calls in flight finish on them."""
+        self.contacts = Contacts()
+        """Whether each peer answered this client's last call to it (``mtc status``)."""
+
+    @contextlib.contextmanager
+    def _contact(self, address: str) -> Iterator[None]:
+        """Note whether ``address`` answered the call made inside: any status but
+        UNAVAILABLE or DEADLINE_EXCEEDED is an answer."""
+        try:
+            yield
+        except PeerError as exc:
+            if exc.code in _UNREACHED:
+                self.contacts.unreachable(address, time.time(), str(exc))
+            else:
+                self.contacts.answered(address, time.time())
+            raise
+        except CorruptItem:
+            self.contacts.answered(address, time.time())
+            raise
+        self.contacts.answered(address, time.time())
+
+    async def probe(self, address: str, timeout: float = PROBE_SECONDS) -> bool:
+        """Ask ``address``'s health service whether it serves (cheap, no data); the answer,
+        also noted in ``contacts``. A peer that answers NOT_SERVING is starting or stopping:
+        noted as not reachable, with that reason."""
+        self._stub(address)  # the address's channel, made with this node's TLS
+        health = health_pb2_grpc.HealthStub(self._channels[address])
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"health check at {address}: {exc.code().name}: {exc.details() or ''}"
+            if exc.code() in _UNREACHED:
+                self.contacts.unreachable(address, time.time(), reason)
+            else:
+                self.contacts.answered(address, time.time())
+            return False
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            self.contacts.unreachable(address, time.time(), f"{address} is {status}")
+            return False
+        self.contacts.answered(address, time.time())
+        return True
 
     def _stub(self, address: str) -> peer_pb2_grpc.PeerAsyncStub:
         if self.tls is not None:
@@ -363,6 +412,13 @@ class PeerClient:
         )
 
     async def push_item(
+        self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
+    ) -> bool:
+        """Send a committed item (``_push_item``), noting whether the peer answered."""
+        with self._contact(address):
+            return await self._push_item(address, manifest, data_path, root)
+
+    async def _push_item(
         self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
     ) -> bool:
         """Send a committed item; True when the peer already held it (nothing was sent).
@@ -533,6 +589,21 @@ class PeerClient:
         *,
         total_bytes: int | None = None,
     ) -> Manifest:
+        """Fetch ``item`` (``_pull_item``), noting whether the peer answered."""
+        with self._contact(address):
+            return await self._pull_item(
+                address, item, store, expected_digest, total_bytes=total_bytes
+            )
+
+    async def _pull_item(
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None = None,
+        *,
+        total_bytes: int | None = None,
+    ) -> Manifest:
         """Fetch ``item`` into ``store``, verified chunk by chunk and file by file, committed
         with its manifest last; its manifest. ``total_bytes`` (from a listing) tightens the
         deadline.
@@ -643,6 +714,10 @@ class PeerClient:
 
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         """The committed items ``address`` holds (of ``job`` only, when given)."""
+        with self._contact(address):
+            return await self._list_items(address, job)
+
+    async def _list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         request = pb.ListItemsRequest(job=job or "")
         try:
             response = await self._stub(address).ListItems(request, timeout=self.timeout)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -35,7 +34,6 @@ from replicator.local.usedpins import UsedPins
 from replicator.storage import backup_ops as ops
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore, PermissionDenied
-from replicator.tools.backups import ProgressBar
 from tests.unit.test_backup import upload_v1
 
 JOB = "job"
@@ -143,21 +141,6 @@ def test_human_bytes(n: int, text: str) -> None:
 )
 def test_human_age(seconds: float, text: str) -> None:
     assert ops.human_age(seconds) == text
-
-
-def test_progress_bar_throttles_and_ends_at_the_total() -> None:
-    out = io.StringIO()
-    clock = iter([0.0, 0.05, 0.1, 0.5, 0.6])
-    bar = ProgressBar(out, 4096, "verify", clock=lambda: next(clock), interval=0.2, width=4)
-    bar(1024)  # drawn (first)
-    bar(1024)  # 0.05 s later: skipped
-    bar(1024)  # 0.1 s: skipped
-    bar(1024)  # 0.5 s: drawn
-    bar.close()
-    lines = out.getvalue().split("\r")[1:]
-    assert lines[0] == "verify [#...] 1.0 KiB / 4.0 KiB  25%"
-    assert lines[1] == "verify [####] 4.0 KiB / 4.0 KiB 100%"
-    assert lines[2] == "verify [####] 4.0 KiB / 4.0 KiB 100%\n"
 
 
 # --- restore pin ---------------------------------------------------------------------------

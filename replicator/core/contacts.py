@@ -1,0 +1,62 @@
+"""Whether this node reaches each of its peers: the outcome of the last contact. Pure.
+
+Every call to a peer (a push, a pull, a listing, a health probe) ends in one of two ways
+that matter to an operator: the peer answered (whatever it said: refusing a push is an
+answer) or it could not be reached (no connection, no answer in time). ``Contacts`` keeps
+the last of those per peer address, with the time of the last answer, for ``mtc status``
+and the ``mtc_peer_*`` metrics. Times are given by the caller (no clock here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_PEERS = 1024
+"""Peers remembered at once; the oldest contact goes first (addresses change on restarts)."""
+MAX_ERROR = 300
+"""Characters of a failure's reason kept (a peer's message is not ours to store whole)."""
+
+
+@dataclass(frozen=True)
+class Contact:
+    """The last contact with one peer."""
+
+    peer: str
+    """Its address, HOST:PORT."""
+    reachable: bool
+    """Whether it answered the last time it was called."""
+    at: float
+    """When that last call ended (unix seconds)."""
+    last_answer_at: float | None
+    """When it last answered at all (unix seconds); None: never, since this daemon started."""
+    error: str | None
+    """Why the last call did not reach it (None when it did)."""
+
+
+class Contacts:
+    """The last contact per peer address."""
+
+    def __init__(self, max_peers: int = MAX_PEERS) -> None:
+        self.max_peers = max_peers
+        self._by_peer: dict[str, Contact] = {}
+
+    def answered(self, peer: str, at: float) -> None:
+        self._put(Contact(peer, True, at, at, None))
+
+    def unreachable(self, peer: str, at: float, error: str) -> None:
+        old = self._by_peer.get(peer)
+        last = old.last_answer_at if old is not None else None
+        self._put(Contact(peer, False, at, last, error[:MAX_ERROR]))
+
+    def _put(self, contact: Contact) -> None:
+        self._by_peer.pop(contact.peer, None)  # re-inserted last: the dict stays in time order
+        self._by_peer[contact.peer] = contact
+        while len(self._by_peer) > self.max_peers:
+            del self._by_peer[next(iter(self._by_peer))]
+
+    def get(self, peer: str) -> Contact | None:
+        return self._by_peer.get(peer)
+
+    def snapshot(self) -> list[Contact]:
+        """Every contact, by peer address (a copy: safe to read from another thread)."""
+        return sorted(self._by_peer.copy().values(), key=lambda c: c.peer)

@@ -1,0 +1,135 @@
+"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, and the peer probe.
+
+Read-only and cheap: the answer is assembled from what the daemon has in memory (the
+store's index, the running incarnation, the peer client's last contacts); no disk or
+network I/O in the handler. The probe asks every peer of the running job's health service
+now and then, so a peer that died between two checkpoints shows as unreachable within
+``PROBE_EVERY`` plus the probe's own timeout, not at the next push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from replicator import __version__
+from replicator._pb.mtc.v1 import node_pb2 as pb
+from replicator._pb.mtc.v1 import node_pb2_grpc
+from replicator.core.contacts import Contact
+from replicator.core.contract import JOB_NAME_RE
+from replicator.local.store import LocalStore
+from replicator.node.agent import Incarnation
+from replicator.transport.peer import PeerClient
+
+log = logging.getLogger(__name__)
+
+SERVICE = "mtc.v1.Node"
+PROBE_EVERY = 5.0
+"""Seconds between two health probes of the running job's peers."""
+
+
+def peer_addresses(incarnation: Incarnation | None) -> dict[int, str]:
+    """The other ranks of the running job and where they are, as its coordinator said."""
+    if incarnation is None or incarnation.member is None:
+        return {}
+    own = incarnation.config.node_rank
+    addresses = incarnation.member.replication.addresses
+    return {r: a for r, a in sorted(addresses.items()) if r != own}
+
+
+def _contact(rank: int, address: str, contact: Contact | None) -> pb.PeerContact:
+    if contact is None:
+        return pb.PeerContact(rank=rank, address=address)
+    return pb.PeerContact(
+        rank=rank,
+        address=address,
+        contacted=True,
+        reachable=contact.reachable,
+        last_contact_at=contact.at,
+        last_answer_at=contact.last_answer_at or 0.0,
+        error=contact.error or "",
+    )
+
+
+def node_status(
+    store: LocalStore,
+    incarnation: Incarnation | None,
+    peers: PeerClient | None,
+    address: str,
+    job: str | None = None,
+) -> pb.NodeStatusResponse:
+    """Every job this node serves or holds items of (or ``job`` only)."""
+    held: dict[str, dict[int, set[int]]] = {}
+    for item in store.manifests(job):
+        held.setdefault(item.job, {}).setdefault(item.rank, set()).add(item.step)
+    active = incarnation.config.job_name if incarnation is not None else None
+    names = set(held) | ({active} if active is not None and job in (None, active) else set())
+    jobs = []
+    for name in sorted(names):
+        by_rank = held.get(name, {})
+        status = pb.JobStatus(job=name)
+        own: int | None = None
+        if incarnation is not None and name == active:
+            own = incarnation.config.node_rank
+            status.active = True
+            status.incarnation = incarnation.id
+            status.rank = own
+            status.nodes = incarnation.config.nodes
+            status.phase = incarnation.phase.value
+            member = incarnation.member
+            if member is not None:
+                status.coordinator = member.coordinator or ""
+                if member.replication.newest_replicated is not None:
+                    status.last_replicated = member.replication.newest_replicated
+                if member.uploaded is not None:
+                    status.last_backed_up = member.uploaded
+            for rank, peer in peer_addresses(incarnation).items():
+                seen = peers.contacts.get(peer) if peers is not None else None
+                status.peers.append(_contact(rank, peer, seen))
+        status.local_steps.extend(sorted(by_rank.get(own, ())) if own is not None else ())
+        for rank, steps in sorted(by_rank.items()):
+            if rank != own:
+                status.peer_copies.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
+        jobs.append(status)
+    return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs)
+
+
+class NodeServicer(node_pb2_grpc.NodeServicer):
+    """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``)."""
+
+    def __init__(self, status: Callable[[str | None], pb.NodeStatusResponse]) -> None:
+        self.status = status
+
+    async def Status(
+        self,
+        request: pb.NodeStatusRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.NodeStatusResponse:
+        job = request.job or None
+        if job is not None and (not JOB_NAME_RE.fullmatch(job) or ".." in job):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+        return self.status(job)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        node_pb2_grpc.add_NodeServicer_to_server(self, server)
+
+
+async def probe_peers(
+    peers: PeerClient, addresses: Callable[[], dict[int, str]], every: float = PROBE_EVERY
+) -> None:
+    """Health-probe the running job's peers every ``every`` seconds, until cancelled."""
+    while True:
+        targets = sorted(set(addresses().values()))
+        if targets:
+            results = await asyncio.gather(
+                *(peers.probe(a) for a in targets), return_exceptions=True
+            )
+            for address, result in zip(targets, results, strict=True):
+                if isinstance(result, Exception):
+                    log.debug("probe of %s failed: %s", address, result)
+        await asyncio.sleep(every)

@@ -1,0 +1,67 @@
+"""Argument types for ``mtc``: each parses one kind of value or says what it expected. Pure.
+
+argparse turns a ``ValueError`` from a type function into "invalid <function name> value";
+these raise ``ArgumentTypeError`` instead, whose message argparse prints after the option's
+name, so a bad value reads "argument --step: must be a whole number >= 0, got 'abc'".
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from replicator.core.contract import JOB_NAME_RE
+
+
+def _whole(value: str, what: str, low: int) -> int:
+    try:
+        n = int(value, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r:.40}") from None
+    if n < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {n}")
+    return n
+
+
+def count(value: str) -> int:
+    """A whole number >= 0 (steps, ranks, how many to keep)."""
+    return _whole(value, "a whole number >= 0", 0)
+
+
+def positive(value: str) -> int:
+    """A whole number >= 1 (days, limits)."""
+    return _whole(value, "a whole number >= 1", 1)
+
+
+def non_negative(value: str) -> float:
+    """A finite number >= 0 (minutes, seconds)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r:.40}") from None
+    if not (x >= 0 and math.isfinite(x)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r:.40}")
+    return x
+
+
+def seconds(value: str) -> float:
+    """A duration in seconds, more than 0."""
+    x = non_negative(value)
+    if x == 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return x
+
+
+def job(value: str) -> str:
+    """A job name as ``replicator.yaml`` allows it."""
+    if not JOB_NAME_RE.fullmatch(value) or ".." in value:
+        raise argparse.ArgumentTypeError(f"not a job name: {value!r:.80}")
+    return value
+
+
+def host_port(value: str) -> str:
+    """``HOST:PORT`` with a port in 1..65535 (a bracketed IPv6 host is fine)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {value!r:.80}")
+    return value
