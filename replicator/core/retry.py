@@ -90,6 +90,27 @@ class RetryPolicy:
 
 NO_RETRY = RetryPolicy(attempts=1)
 
+DEFAULT_STORAGE_TIMEOUT = 300.0
+"""``--storage-timeout``: seconds one object-store request may take with its retries."""
+MAX_STORAGE_TIMEOUT = 86_400.0
+
+
+def parse_storage_timeout(text: str) -> float:
+    """``--storage-timeout`` as given: seconds, more than 0 and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected seconds, e.g. 300, got {text!r}") from None
+    if not 0 < value <= MAX_STORAGE_TIMEOUT:  # NaN fails too
+        raise ValueError(f"must be more than 0 and at most {MAX_STORAGE_TIMEOUT:g} s, got {text!r}")
+    return value
+
+
+def resend_policy(deadline: float) -> RetryPolicy:
+    """For what the SDKs do not retry: bytes a server reports damaged after a successful
+    request, and downloads cut off mid-body (resumed where they stopped)."""
+    return RetryPolicy(attempts=3, first_delay=0.2, max_delay=2.0, deadline=deadline)
+
 
 class RetryState:
     """The retry state of one operation: call ``failed`` with each error it raises.

@@ -55,6 +55,25 @@ class TransientError(ObjectStoreError):
     transient = True
 
 
+class DamagedInTransit(TransientError):
+    """The server reports other bytes than were sent: the body is still in memory, and is
+    sent again (the SDKs do not retry this themselves)."""
+
+
+def is_resendable(exc: BaseException) -> bool:
+    return isinstance(exc, DamagedInTransit)
+
+
+class StorageTimeout(TransientError):
+    """A request kept failing until its deadline (``--storage-timeout``) ran out."""
+
+
+def is_resumable(exc: BaseException) -> bool:
+    """Whether a download cut off mid-body may resume: a transient error, but not one that
+    already used up its request's deadline."""
+    return is_transient(exc) and not isinstance(exc, StorageTimeout)
+
+
 class PermissionDenied(ObjectStoreError):
     """Credentials are missing, wrong or not allowed: retrying cannot help."""
 
