@@ -165,7 +165,7 @@ def test_the_storage_timeout_bounds_a_server_that_always_fails(
     make = request.getfixturevalue(f"{backend}_proxied")
     proxy, store = make([s3_503() if backend == "s3" else gcs_503()], timeout=bound)
     t0 = time.monotonic()
-    with pytest.raises(StorageTimeout, match=r"storage timeout of 4s") as raised:
+    with pytest.raises(StorageTimeout, match=r"storage timeout") as raised:
         store.put_bytes("k", b"x")
     elapsed = time.monotonic() - t0
     assert elapsed < bound + 3.0, f"took {elapsed:.1f}s for a {bound}s bound"
