@@ -57,6 +57,7 @@ from replicator.core.pacing import (
     format_rate,
     parse_rate,
 )
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -173,6 +174,8 @@ class DaemonOptions:
     unlimited. Restores are never throttled (``core.pacing``)."""
     yield_to_saves_seconds: float = DEFAULT_YIELD_TO_SAVES
     """How long a save in progress may hold this daemon's replication and backups."""
+    storage_timeout: float = DEFAULT_STORAGE_TIMEOUT
+    """Seconds one backup-store request may take with the SDK's retries."""
 
 
 def _data_port(value: str) -> int | None:
@@ -188,6 +191,13 @@ def _data_port(value: str) -> int | None:
 def _rate(value: str) -> float | None:
     try:
         return parse_rate(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _storage_timeout(value: str) -> float:
+    try:
+        return parse_storage_timeout(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -360,6 +370,15 @@ def parse_args(
         f"most (0 to {MAX_YIELD_TO_SAVES:g}; 0: never) (default: %(default)s) "
         "[MTC_YIELD_TO_SAVES_SECONDS]",
     )
+    p.add_argument(
+        "--storage-timeout",
+        type=_storage_timeout,
+        default=env.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
+        metavar="SECONDS",
+        help="the most seconds one request to the backup bucket may take, its retries "
+        "included; the SDK's own retry settings (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE) apply "
+        "within it (default: %(default)s) [MTC_STORAGE_TIMEOUT]",
+    )
     p.add_argument("--version", action="version", version=__version__)
     a = p.parse_args(argv)
     if not a.idle_timeout_seconds > 0:
@@ -404,6 +423,7 @@ def parse_args(
         owner_file=a.owner_file.absolute() if a.owner_file is not None else None,
         max_transfer_rate=a.max_transfer_rate,
         yield_to_saves_seconds=a.yield_to_saves_seconds,
+        storage_timeout=a.storage_timeout,
     )
 
 
@@ -445,7 +465,11 @@ class Daemon:
         )
         """The node's outgoing bytes: replication and backups under the limit, restores first."""
         backups = (
-            BackupStore(open_object_store(opts.backup), self.trust, pacer=self.pacer)
+            BackupStore(
+                open_object_store(opts.backup, timeout=opts.storage_timeout),
+                self.trust,
+                pacer=self.pacer,
+            )
             if opts.backup
             else None
         )

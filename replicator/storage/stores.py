@@ -10,16 +10,18 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.storage.objectstore import FileObjectStore, ObjectStore
 
 
-def open_object_store(url: str) -> ObjectStore:
+def open_object_store(url: str, *, timeout: float = DEFAULT_STORAGE_TIMEOUT) -> ObjectStore:
     """The backend for a URL: ``file:///abs/path`` (or a plain absolute path),
     ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
 
     Cloud credentials and endpoints come from each SDK's standard chain (``AWS_*`` variables,
     ``AWS_ENDPOINT_URL_S3``, config files, instance roles; Application Default Credentials,
     ``STORAGE_EMULATOR_HOST``). A missing SDK is a ValueError that names the pip extra.
+    ``timeout`` bounds each request of a cloud store with its retries (``--storage-timeout``).
     """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
@@ -36,7 +38,7 @@ def open_object_store(url: str) -> ObjectStore:
             raise ValueError(
                 f"s3:// storage needs boto3: pip install 'mtc-replicator[s3]' ({exc})"
             ) from None
-        return S3ObjectStore.from_url(url)
+        return S3ObjectStore.from_url(url, timeout=timeout)
     if parsed.scheme == "gs":
         try:
             from replicator.storage.gcs import GcsObjectStore
@@ -45,5 +47,5 @@ def open_object_store(url: str) -> ObjectStore:
                 f"gs:// storage needs google-cloud-storage: pip install 'mtc-replicator[gcs]' "
                 f"({exc})"
             ) from None
-        return GcsObjectStore.from_url(url)
+        return GcsObjectStore.from_url(url, timeout=timeout)
     raise ValueError(f"unsupported storage URL {url!r}: use file://, gs:// or s3://")

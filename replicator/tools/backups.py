@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from replicator.core.manifest import ManifestError
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
 from replicator.core.signed import OPEN, RecordTrust
 from replicator.storage import backup_ops as ops
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
@@ -108,6 +109,13 @@ def _count(value: str) -> int:
     return n
 
 
+def _storage_timeout(value: str) -> float:
+    try:
+        return parse_storage_timeout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _minutes(value: str) -> float:
     m = float(value)
     if not m >= 0 or m == float("inf"):
@@ -143,6 +151,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "--accept-unsigned-records",
             action="store_true",
             help="with --tls-ca: take unsigned COMMITs (written before records were signed)",
+        )
+        c.add_argument(
+            "--storage-timeout",
+            type=_storage_timeout,
+            default=os.environ.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
+            metavar="SECONDS",
+            help="the most seconds one request to the bucket may take, its retries included "
+            "(default: %(default)s) [MTC_STORAGE_TIMEOUT]",
         )
         return c
 
@@ -206,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         args.trust = _trust(args)
-        objects = open_object_store(args.url)
+        objects = open_object_store(args.url, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
         return _fail(str(exc), 2)
     except ObjectStoreError as exc:

@@ -12,6 +12,7 @@ import pytest
 from replicator.core.retry import Backoff, RetryPolicy, RetryState, call_with_retry
 from replicator.storage.objectstore import (
     BucketNotFound,
+    DamagedInTransit,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
@@ -230,7 +231,7 @@ def client_error(code: str, status: int, operation: str = "GetObject") -> Except
         ("InternalError", 500, TransientError),
         ("TooManyRequests", 429, TransientError),
         ("RequestTimeout", 400, TransientError),
-        ("BadDigest", 400, TransientError),
+        ("BadDigest", 400, DamagedInTransit),
         ("ConditionalRequestConflict", 409, TransientError),
         ("AccessDenied", 403, PermissionDenied),
         ("InvalidAccessKeyId", 403, PermissionDenied),
@@ -251,7 +252,7 @@ def test_s3_errors_are_classified(code: str, status: int, expected: type[Excepti
     mapped = translate(client_error(code, status), "get b/k")
     assert type(mapped) is expected
     assert mapped is not None
-    assert mapped.transient == (expected is TransientError)
+    assert mapped.transient == issubclass(expected, TransientError)
 
 
 def test_s3_transport_errors_are_transient() -> None:
@@ -289,7 +290,7 @@ def test_s3_transport_errors_are_transient() -> None:
         (401, "login required", PermissionDenied),
         (404, "no such object", ObjectNotFound),
         (412, "conditionNotMet", PreconditionFailed),
-        (400, 'Provided CRC32C "AAAA" doesn\'t match calculated CRC32C "BBBB".', TransientError),
+        (400, 'Provided CRC32C "AAAA" doesn\'t match calculated CRC32C "BBBB".', DamagedInTransit),
         (400, "invalid argument", ObjectStoreError),
     ],
 )
