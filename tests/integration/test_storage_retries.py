@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -104,6 +105,22 @@ def test_aws_max_attempts_sets_the_number_of_tries(
     with pytest.raises(TransientError, match="SlowDown"):
         store.put_bytes("k", b"x")
     assert len(proxy.requests()) == 2
+
+
+def test_the_aws_config_file_sets_the_retry_mode_and_tries(
+    s3_proxied: Callable[..., tuple[FaultProxy, S3ObjectStore]],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """What ``~/.aws/config`` says applies too (here through ``AWS_CONFIG_FILE``)."""
+    config = tmp_path / "aws-config"
+    config.write_text("[default]\nretry_mode = standard\nmax_attempts = 4\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    proxy, store = s3_proxied([s3_503()])
+    with pytest.raises(TransientError, match="SlowDown"):
+        store.head("k")
+    assert len(proxy.requests()) == 4
 
 
 def test_the_default_mode_retries_transient_errors_and_succeeds(
