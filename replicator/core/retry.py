@@ -1,10 +1,12 @@
 """Jittered exponential backoff, and the bounded storage retries built on it. Pure.
 
-``Backoff`` is the one delay schedule of the project: object-storage retries here, and the
-agent's waits for its coordinator and its peers elsewhere. Whether an error is worth another
-try is the caller's decision (each storage backend has one function for it); ``RetryState``
-counts tries and gives up after so many, or so long. Clock, sleep and randomness are injected so
-tests never wait.
+``Backoff`` is the one delay schedule of the project: the agent's waits for its coordinator
+and its peers, and the few storage retries the SDKs do not make themselves (a body the
+server stored damaged, a download cut off mid-body: ``resend_policy``); the SDKs retry
+everything else, within ``--storage-timeout`` (``parse_storage_timeout``). Whether an error
+is worth another try is the caller's decision (each storage backend has one function for
+it); ``RetryState`` counts tries and gives up after so many, or so long. Clock, sleep and
+randomness are injected so tests never wait.
 """
 
 from __future__ import annotations
