@@ -9,6 +9,9 @@ import pytest
 
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
 from replicator.node.daemon import parse_args
+from replicator.storage.gcs import GcsObjectStore
+from replicator.storage.s3 import S3ObjectStore
+from replicator.storage.stores import open_object_store
 from replicator.tools import cli
 
 BAD = ["abc", "0", "-5", "nan", "inf", "1e9", ""]
@@ -65,3 +68,16 @@ def test_mtc_backups_takes_the_flag_and_refuses_a_bad_value(
     with pytest.raises(SystemExit) as exited:
         cli.main(["backups", "list", url])
     assert exited.value.code == 2
+
+
+def test_the_cloud_stores_get_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a store does no I/O: the timeout is only wired through."""
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3 = open_object_store("s3://bucket/prefix", timeout=7.0)
+    gcs = open_object_store("gs://bucket/prefix", timeout=8.0)
+    assert isinstance(s3, S3ObjectStore)
+    assert isinstance(gcs, GcsObjectStore)
+    assert s3.timeout == 7.0
+    assert s3.client.meta.config.read_timeout == 7.0
+    assert gcs.storage_timeout == 8.0
+    assert gcs.timeout == (8.0, 8.0)
