@@ -60,8 +60,14 @@ class DamagedInTransit(TransientError):
     sent again (the SDKs do not retry this themselves)."""
 
 
+class ResendRequested(TransientError):
+    """The server asks for the same request again (S3, after a concurrent conditional
+    write to the key), which the SDK's retry modes do not do."""
+
+
 def is_resendable(exc: BaseException) -> bool:
-    return isinstance(exc, DamagedInTransit)
+    """What we send again ourselves once the SDK's own retries have answered."""
+    return isinstance(exc, DamagedInTransit | ResendRequested)
 
 
 class StorageTimeout(TransientError):

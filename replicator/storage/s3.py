@@ -74,6 +74,7 @@ from replicator.storage.objectstore import (
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
+    ResendRequested,
     StorageTimeout,
     TransientError,
     check_crc32c,
@@ -122,11 +123,10 @@ _TRANSIENT_CODES = frozenset(
         "RequestTimeoutException",
         "InternalError",
         "ServiceUnavailable",
-        # A concurrent conditional write to the same key: S3 asks for a retry.
-        "ConditionalRequestConflict",
-        "OperationAborted",
     }
 )
+_RESEND_CODES = frozenset({"ConditionalRequestConflict", "OperationAborted"})
+"""A concurrent conditional write to the same key: S3 asks for a retry, botocore makes none."""
 _DENIED_CODES = frozenset(
     {
         "AccessDenied",
@@ -170,6 +170,8 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
             return PreconditionFailed(message)
         if code in _DAMAGED_CODES:
             return DamagedInTransit(message)
+        if code in _RESEND_CODES:
+            return ResendRequested(message)
         if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
             return TransientError(message)
         if code in _DENIED_CODES or status in (401, 403):

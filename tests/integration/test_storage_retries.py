@@ -147,6 +147,19 @@ def test_each_retry_is_logged_with_its_reason(
     assert "SlowDown" in retried[0].message or "503" in retried[0].message
 
 
+def test_what_botocore_does_not_retry_is_sent_again_by_us(
+    s3_proxied: Callable[..., tuple[FaultProxy, S3ObjectStore]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3 asks for a retry of a conditional write that met a concurrent one (409
+    ConditionalRequestConflict); botocore's modes do not retry it, so we do."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    conflict = s3_error("ConditionalRequestConflict", "a concurrent conditional write")
+    proxy, store = s3_proxied([answer(409, conflict, times=1, match=lambda r: r.method == "PUT")])
+    store.put_bytes("job/1/COMMIT", b"commit", if_absent=True)
+    assert store.get_bytes("job/1/COMMIT") == b"commit"
+    assert [r.status for r in proxy.requests("PUT")] == [409, 200]
+
+
 # --- GCS: google-cloud-storage's Retry --------------------------------------------------------
 
 

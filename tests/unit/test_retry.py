@@ -17,6 +17,7 @@ from replicator.storage.objectstore import (
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
+    ResendRequested,
     TransientError,
 )
 
@@ -232,7 +233,7 @@ def client_error(code: str, status: int, operation: str = "GetObject") -> Except
         ("TooManyRequests", 429, TransientError),
         ("RequestTimeout", 400, TransientError),
         ("BadDigest", 400, DamagedInTransit),
-        ("ConditionalRequestConflict", 409, TransientError),
+        ("ConditionalRequestConflict", 409, ResendRequested),
         ("AccessDenied", 403, PermissionDenied),
         ("InvalidAccessKeyId", 403, PermissionDenied),
         ("SignatureDoesNotMatch", 403, PermissionDenied),
