@@ -94,8 +94,6 @@ T = TypeVar("T")
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_SINGLE_LIMIT = 150 * 1024 * 1024
 """Files up to this size go up in one request, larger ones in ``part_size`` chunks."""
-DEFAULT_WORKERS = 4
-"""Connections in the client's pool (registry and backup threads share a store)."""
 FIRST_WAIT = 1.0
 MAX_WAIT = 32.0
 """The SDK's waits between tries grow from ``FIRST_WAIT`` to this (jittered)."""
@@ -246,7 +244,6 @@ class GcsObjectStore:
         client: storage.Client | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         single_limit: int = DEFAULT_SINGLE_LIMIT,
-        workers: int = DEFAULT_WORKERS,
         chunk_size: int = CHUNK,
         range_size: int = DEFAULT_RANGE,
         timeout: float = DEFAULT_STORAGE_TIMEOUT,
@@ -261,7 +258,6 @@ class GcsObjectStore:
         self.url = url or f"gs://{bucket}/{prefix}"
         self.part_size = part_size
         self.single_limit = max(single_limit, part_size)
-        self.workers = workers
         self.chunk_size = chunk_size
         self.range_size = max(range_size, chunk_size)
         self.storage_timeout = timeout

@@ -48,9 +48,7 @@ def proxy(gcs_bucket: Bucket, monkeypatch: pytest.MonkeyPatch) -> Iterator[Fault
 
 @pytest.fixture
 def store(gcs_bucket: Bucket, proxy: FaultProxy) -> GcsObjectStore:
-    return GcsObjectStore.from_url(
-        gcs_bucket.url, part_size=PART, single_limit=LIMIT, workers=3, timeout=20.0
-    )
+    return GcsObjectStore.from_url(gcs_bucket.url, part_size=PART, single_limit=LIMIT, timeout=20.0)
 
 
 def raw_names(store: GcsObjectStore) -> list[str]:

@@ -91,7 +91,6 @@ def gcs_store(url: str, **kwargs: object) -> GcsObjectStore:
     options: dict[str, object] = {
         "part_size": GCS_PART,
         "single_limit": GCS_PART,  # larger files go in chunks, as above 150 MiB
-        "workers": WORKERS,
         "chunk_size": SMALL_CHUNK,
         "range_size": 64 * SMALL_CHUNK,
         **kwargs,
@@ -180,7 +179,7 @@ class TestObjectStoreContract(ServerlessContract):
 
 
 class TestLargeObjects:
-    """Files of many parts: parallel, verified, and never whole in memory."""
+    """Files of many parts or chunks: verified, and never whole in memory."""
 
     def size(self, backend: str) -> int:
         if backend == "gcs":
@@ -524,7 +523,7 @@ class TestFaults:
         self, remote: Remote, proxied: Proxied, tmp_path: Path
     ) -> None:
         if remote.backend == "gcs":
-            pytest.skip("the GCS emulator serves one request at a time")
+            pytest.skip("a GCS file is one resumable upload: its chunks go one after another")
         proxy, store = proxied()
         src = tmp_path / "big"
         data = random_file(src, S3_PART * 6)
