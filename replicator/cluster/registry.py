@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from replicator.core.contract import JOB_NAME_RE
 from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_claim
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.core.signed import OPEN, REGISTRY_KIND, RecordRefused, RecordTrust
 from replicator.storage.objectstore import ObjectNotFound, ObjectStore, PreconditionFailed
 from replicator.storage.stores import open_object_store
@@ -264,6 +265,9 @@ class Registry:
         return entry
 
 
-def open_registry(url: str, trust: RecordTrust = OPEN) -> Registry:
-    """The registry at a storage URL (``file:///abs/path``; gs:// and s3:// as the stores)."""
-    return Registry(open_object_store(url), trust)
+def open_registry(
+    url: str, trust: RecordTrust = OPEN, *, timeout: float = DEFAULT_STORAGE_TIMEOUT
+) -> Registry:
+    """The registry at a storage URL (``file:///abs/path``; gs:// and s3:// as the stores);
+    ``timeout`` bounds each request with its retries (``--storage-timeout``)."""
+    return Registry(open_object_store(url, timeout=timeout), trust)

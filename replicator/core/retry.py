@@ -1,10 +1,12 @@
 """Jittered exponential backoff, and the bounded storage retries built on it. Pure.
 
-``Backoff`` is the one delay schedule of the project: object-storage retries here, and the
-agent's waits for its coordinator and its peers elsewhere. Whether an error is worth another
-try is the caller's decision (each storage backend has one function for it); ``RetryState``
-counts tries and gives up after so many, or so long. Clock, sleep and randomness are injected so
-tests never wait.
+``Backoff`` is the one delay schedule of the project: the agent's waits for its coordinator
+and its peers, and the few storage retries the SDKs do not make themselves (a body the
+server stored damaged, a download cut off mid-body: ``resend_policy``); the SDKs retry
+everything else, within ``--storage-timeout`` (``parse_storage_timeout``). Whether an error
+is worth another try is the caller's decision (each storage backend has one function for
+it); ``RetryState`` counts tries and gives up after so many, or so long. Clock, sleep and
+randomness are injected so tests never wait.
 """
 
 from __future__ import annotations
@@ -89,6 +91,27 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(attempts=1)
+
+DEFAULT_STORAGE_TIMEOUT = 300.0
+"""``--storage-timeout``: seconds one object-store request may take with its retries."""
+MAX_STORAGE_TIMEOUT = 86_400.0
+
+
+def parse_storage_timeout(text: str) -> float:
+    """``--storage-timeout`` as given: seconds, more than 0 and at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"expected seconds, e.g. 300, got {text!r}") from None
+    if not 0 < value <= MAX_STORAGE_TIMEOUT:  # NaN fails too
+        raise ValueError(f"must be more than 0 and at most {MAX_STORAGE_TIMEOUT:g} s, got {text!r}")
+    return value
+
+
+def resend_policy(deadline: float) -> RetryPolicy:
+    """For what the SDKs do not retry: bytes a server reports damaged after a successful
+    request, and downloads cut off mid-body (resumed where they stopped)."""
+    return RetryPolicy(attempts=3, first_delay=0.2, max_delay=2.0, deadline=deadline)
 
 
 class RetryState:

@@ -59,6 +59,7 @@ from replicator.core.pacing import (
     format_rate,
     parse_rate,
 )
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -184,6 +185,8 @@ class DaemonOptions:
     unlimited. Restores are never throttled (``core.pacing``)."""
     yield_to_saves_seconds: float = DEFAULT_YIELD_TO_SAVES
     """How long a save in progress may hold this daemon's replication and backups."""
+    storage_timeout: float = DEFAULT_STORAGE_TIMEOUT
+    """Seconds one backup-store request may take with the SDK's retries."""
 
 
 def _data_port(value: str) -> int | None:
@@ -218,6 +221,13 @@ def _seconds(value: str) -> float:
     if not (math.isfinite(seconds) and seconds >= 0):
         raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {value!r}")
     return seconds
+
+
+def _storage_timeout(value: str) -> float:
+    try:
+        return parse_storage_timeout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _flag(value: str) -> bool:
@@ -410,6 +420,15 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
         "[MTC_YIELD_TO_SAVES_SECONDS]",
     )
     p.add_argument(
+        "--storage-timeout",
+        type=_storage_timeout,
+        default=env.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
+        metavar="SECONDS",
+        help="the most seconds one request to the backup bucket may take, its retries "
+        "included; the SDK's own retry settings (AWS_MAX_ATTEMPTS, AWS_RETRY_MODE) apply "
+        "within it (default: %(default)s) [MTC_STORAGE_TIMEOUT]",
+    )
+    p.add_argument(
         "--version", action="version", version=__version__, help="print the version and exit"
     )
     return p
@@ -460,6 +479,7 @@ def parse_args(
         owner_file=a.owner_file.absolute() if a.owner_file is not None else None,
         max_transfer_rate=a.max_transfer_rate,
         yield_to_saves_seconds=a.yield_to_saves_seconds,
+        storage_timeout=a.storage_timeout,
     )
 
 
@@ -501,7 +521,11 @@ class Daemon:
         )
         """The node's outgoing bytes: replication and backups under the limit, restores first."""
         backups = (
-            BackupStore(open_object_store(opts.backup), self.trust, pacer=self.pacer)
+            BackupStore(
+                open_object_store(opts.backup, timeout=opts.storage_timeout),
+                self.trust,
+                pacer=self.pacer,
+            )
             if opts.backup
             else None
         )
@@ -553,7 +577,9 @@ class Daemon:
         self.advertise: str | None = opts.advertise
         """The address other nodes use to reach this one (defaults to the bound address)."""
         self.registry: Registry | None = (
-            open_registry(opts.registry, self.trust) if opts.registry else None
+            open_registry(opts.registry, self.trust, timeout=opts.storage_timeout)
+            if opts.registry
+            else None
         )
         self.coordinators = CoordinatorHost()
         self.ctx.registry = self.registry

@@ -13,34 +13,37 @@ Pacing: the SDK reads a whole request body before it sends it, so a file put wit
 request made while the uploading thread names a meter (``_SENDING``) as a ``_PacedBody``,
 one booked slice at a time.
 
-A file goes up in one request up to ``single_limit`` (150 MiB, gcloud's own threshold for
-parallel composite uploads; ``core.uploads``): read into memory and checked before it is
-sent up to ``part_size``, streamed from the open file above that as one resumable upload
-whose one data request carries the whole file (the SDK holds it in memory as it sends),
-its crc32c checked before and declared in the request, so GCS refuses a file that changed
-meanwhile. Larger files are parallel composite uploads: parts go up as temporary objects
-(named with ``fsutil.TMP_PREFIX``, never listed) from a bounded window, are composed 32 at
-a time into the destination, then deleted. The SDK copies each part about twice on its way
-out, so a composite upload holds some ``2 * (workers + 1)`` parts in memory (320 MiB with
-the defaults); a download holds one ``range_size`` range. A process that dies mid-upload
-leaves such parts behind: a lifecycle rule on the prefix can collect them. Why one request
-below the limit: docs/performance.md ("Backups to S3 and GCS").
+A file up to ``part_size`` is read into memory, checked, and sent in one request. A larger
+one is one resumable upload streamed from the open file, its crc32c checked before and
+declared when the upload starts, so GCS refuses a file that changed meanwhile: up to
+``single_limit`` (150 MiB) its one data request carries the whole file, above it the file
+goes in ``part_size`` chunks one after another, so the SDK holds one chunk in memory. No
+upload makes a temporary object: nothing needs delete permission, nothing is composed, and
+a process that dies mid-upload leaves only an unfinished session GCS drops after a week,
+never a billed object. Why not parallel composite or XML multipart uploads:
+docs/performance.md ("GCS uploads without temporary objects").
 
-Retries: the SDK's own are off; ``translate`` is the one place that maps SDK errors to ours
-and decides what is transient, and ``RetryPolicy`` how long to try.
+Retries are google-cloud-storage's own (``google.api_core.retry.Retry``): every request
+that fails with what ``translate`` calls transient is tried again, with growing jittered
+waits, until ``timeout`` seconds after its first try (``StorageTimeout``); each retry is
+logged with its reason. Uploads are retried whether or not they carry a precondition: the
+SDK's own default retries only conditional writes, because an unconditional one repeated
+could overwrite a newer object; ours put the same bytes under the same name, and the
+create-only ones (``ifGenerationMatch=0``) answer a repeat that lost its answer with 412,
+which callers re-read (``ObjectStore.put_bytes``). A body GCS refused as damaged is sent
+again by us (``DamagedInTransit``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
@@ -50,35 +53,39 @@ import google_crc32c
 import requests
 import urllib3.exceptions
 from google.api_core import exceptions as gapi
+from google.api_core.retry import Retry
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from replicator.core.retry import RetryPolicy, RetryState, call_translated
+from replicator.core.retry import (
+    DEFAULT_STORAGE_TIMEOUT,
+    RetryPolicy,
+    RetryState,
+    call_translated,
+    resend_policy,
+)
 from replicator.core.uploads import plan_upload
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK
-from replicator.local.pacer import Meter, SharedMeter
+from replicator.local.pacer import Meter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
+    DamagedInTransit,
     ObjectInfo,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
+    StorageTimeout,
     TransientError,
     check_crc32c,
     check_key,
-    is_transient,
+    is_resendable,
+    is_resumable,
     split_bucket_url,
 )
-from replicator.storage.parts import (
-    b64_crc32c,
-    crc32c_b64,
-    read_small_file,
-    upload_parts,
-    verified_chunks,
-)
+from replicator.storage.parts import b64_crc32c, crc32c_b64, read_small_file, verified_chunks
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +93,10 @@ T = TypeVar("T")
 
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_SINGLE_LIMIT = 150 * 1024 * 1024
-"""Files up to this size go up in one request, larger ones as composite uploads."""
-DEFAULT_WORKERS = 4
+"""Files up to this size go up in one request, larger ones in ``part_size`` chunks."""
+FIRST_WAIT = 1.0
+MAX_WAIT = 32.0
+"""The SDK's waits between tries grow from ``FIRST_WAIT`` to this (jittered)."""
 RESUMABLE_ALIGN = 256 * 1024
 """A resumable upload's chunk size must be a multiple of this."""
 SDK_MULTIPART_MAX = 8 * 1024 * 1024
@@ -95,8 +104,6 @@ SDK_MULTIPART_MAX = 8 * 1024 * 1024
 our crc32c: such files go up from memory, checked before they are sent."""
 DEFAULT_RANGE = 16 * 1024 * 1024
 """Bytes per ranged GET of a download: what one stream holds in memory."""
-MAX_COMPOSE = 32
-"""GCS composes at most this many sources per request."""
 _CORRUPT_UPLOAD = "doesn't match calculated"  # GCS's words when it refuses damaged bytes
 
 _SENDING: ContextVar[Meter | None] = ContextVar("mtc_gcs_sending", default=None)
@@ -159,13 +166,17 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
     """
     if isinstance(exc, ObjectStoreError):
         return exc
+    if isinstance(exc, gapi.RetryError):  # the SDK's retries ran out of time
+        cause = exc.cause
+        last = translate(cause, what) if isinstance(cause, BaseException) else None
+        return StorageTimeout(f"{what}: gave up at the storage timeout ({exc.message}): {last}")
     if isinstance(exc, InvalidResponse):
         status = getattr(getattr(exc, "response", None), "status_code", 0) or 0
         return _by_status(int(status), f"{what}: {exc}", what)
     if isinstance(exc, gapi.GoogleAPICallError):
         return _by_status(int(exc.code or 0), f"{what}: {exc.code} {exc.message}", what)
     if isinstance(exc, DataCorruption):
-        return TransientError(f"{what}: damaged in transit: {exc}")
+        return DamagedInTransit(f"{what}: damaged in transit: {exc}")
     if isinstance(exc, gauth.DefaultCredentialsError | gauth.RefreshError):
         return PermissionDenied(f"{what}: no usable Google credentials ({exc})")
     if isinstance(
@@ -192,15 +203,23 @@ def _by_status(status: int, message: str, what: str) -> ObjectStoreError:
     if status in (408, 429) or status >= 500:
         return TransientError(message)
     if status in (400, 409) and _CORRUPT_UPLOAD in message:
-        return TransientError(message)  # the upload is still in memory: resend it
+        return DamagedInTransit(message)  # the upload is still in memory: resend it
     return ObjectStoreError(message)
 
 
-def _stream_crc32c(f: BinaryIO) -> int:
-    """crc32c of an open file from its start (left at its end)."""
+def _sdk_retries(exc: BaseException) -> bool:
+    """The SDK's retry predicate: what ``translate`` calls transient, except damaged
+    bodies, which ``_call`` sends again once the SDK's request has returned."""
+    mapped = translate(exc, "")
+    return mapped is not None and mapped.transient and not isinstance(mapped, DamagedInTransit)
+
+
+def _stream_crc32c(f: BinaryIO, block: int) -> int:
+    """crc32c of an open file from its start (left at its end), read ``block`` bytes at a
+    time."""
     f.seek(0)
     crc = 0
-    while chunk := f.read(CHUNK):
+    while chunk := f.read(block):
         crc = google_crc32c.extend(crc, chunk)
     return crc
 
@@ -225,12 +244,11 @@ class GcsObjectStore:
         client: storage.Client | None = None,
         part_size: int = DEFAULT_PART_SIZE,
         single_limit: int = DEFAULT_SINGLE_LIMIT,
-        workers: int = DEFAULT_WORKERS,
         chunk_size: int = CHUNK,
         range_size: int = DEFAULT_RANGE,
-        policy: RetryPolicy | None = None,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_STORAGE_TIMEOUT,
     ) -> None:
+        """``timeout``: the most seconds one request spends with its retries."""
         if prefix and not prefix.endswith("/"):
             prefix += "/"
         if part_size < 1 or chunk_size < 1 or range_size < 1:
@@ -240,11 +258,12 @@ class GcsObjectStore:
         self.url = url or f"gs://{bucket}/{prefix}"
         self.part_size = part_size
         self.single_limit = max(single_limit, part_size)
-        self.workers = workers
         self.chunk_size = chunk_size
         self.range_size = max(range_size, chunk_size)
-        self.policy = policy or RetryPolicy()
-        self.timeout = (10.0, timeout)
+        self.storage_timeout = timeout
+        self.policy: RetryPolicy = resend_policy(timeout)
+        self.timeout = (min(10.0, timeout), min(60.0, timeout))
+        """Per HTTP request: connect, and each read."""
         self._client = client
         self._bucket: storage.Bucket | None = None
         self._bucket_checked = False
@@ -261,8 +280,28 @@ class GcsObjectStore:
         return self.prefix + check_key(key)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()`` with SDK errors translated and transient ones retried."""
-        return call_translated(fn, self.policy, translate, is_transient, what=what)
+        """``fn()`` (the SDK retries inside it, as ``_retry`` says) with its errors
+        translated, and sent again when GCS refused the bytes as damaged."""
+        return call_translated(fn, self.policy, translate, is_resendable, what=what)
+
+    def _retry(self, what: str) -> Retry:
+        """The SDK's retries of one request: transient errors until the storage timeout,
+        each one logged (the SDK's own are silent)."""
+        attempts = itertools.count(1)
+
+        def failed(exc: Exception) -> None:
+            log.warning(
+                "retrying %s (attempt %d failed): %s", what, next(attempts), translate(exc, what)
+            )
+
+        return Retry(
+            predicate=_sdk_retries,
+            initial=FIRST_WAIT,
+            maximum=MAX_WAIT,
+            multiplier=2.0,
+            timeout=self.storage_timeout,
+            on_error=failed,
+        )
 
     def _get_bucket(self) -> storage.Bucket:
         """The bucket handle, made on first use; checks once that the bucket exists."""
@@ -291,7 +330,7 @@ class GcsObjectStore:
             page_size=size,
             max_results=size,
             page_token=token,
-            retry=None,
+            retry=self._retry(f"list {self.url} {prefix!r}"),
             timeout=self.timeout,
         )
         page = next(blobs.pages, None)
@@ -318,14 +357,14 @@ class GcsObjectStore:
                     checksum="crc32c",
                     crc32c_checksum_value=crc32c_b64(crc),
                     if_generation_match=0 if if_absent else None,
-                    retry=None,
+                    retry=self._retry(what),  # see the module doc: safe for our writes
                     timeout=self.timeout,
                 )
             finally:
                 _SENDING.reset(sending)
             stored = b64_crc32c(blob.crc32c)
             if stored != crc:
-                raise TransientError(f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}")
+                raise DamagedInTransit(f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}")
 
         self._call(what, put)
 
@@ -342,20 +381,19 @@ class GcsObjectStore:
         bucket = self._get_bucket()
         t0 = time.monotonic()
         size = os.stat(src).st_size
-        # Composite parts are limited only by the 32-per-compose tree, never by a count.
+        # One object, however large: only the chunk size depends on the size.
         plan = plan_upload(
             size, single_limit=self.single_limit, part_size=self.part_size, max_parts=size + 1
         )
-        if not plan.single:
-            parts = self._put_composite(bucket, key, name, src, crc32c, meter=meter)
-        elif size <= max(self.part_size, SDK_MULTIPART_MAX):
+        if size <= max(self.part_size, SDK_MULTIPART_MAX):
             data = read_small_file(src, size)
             check_crc32c(key, google_crc32c.value(data), crc32c)
             self._upload(bucket.blob(name), data, meter=meter)
             parts = 1
         else:
-            self._put_streamed(bucket, key, name, src, crc32c, meter=meter)
-            parts = 1
+            parts = self._put_streamed(
+                bucket, key, name, src, crc32c, chunk=plan.part_size, meter=meter
+            )
         dt = max(time.monotonic() - t0, 1e-9)
         log.debug(
             "put %s: %d bytes in %d part(s), %.2fs (%.1f MB/s)",
@@ -374,22 +412,25 @@ class GcsObjectStore:
         src: Path,
         crc32c: int | None,
         *,
+        chunk: int,
         meter: Meter | None,
-    ) -> None:
-        """One resumable upload from the open file, its whole content in one data request.
+    ) -> int:
+        """One resumable upload from the open file, in data requests of ``chunk`` bytes
+        (rounded up as GCS requires) sent one after another; returns their number.
 
         Before each attempt the open file's crc32c is taken and checked against ``crc32c``;
-        the request declares it, so GCS refuses bytes that changed after the check, and the
-        stored object's crc32c is compared with it again."""
+        the upload declares it, so GCS refuses bytes that changed after the check, and the
+        stored object's crc32c is compared with it again. The object exists only once the
+        last chunk is in: there is nothing to clean up after a failure."""
         what = f"put {self.bucket_name}/{name}"
         fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            chunk = -(-max(size, 1) // RESUMABLE_ALIGN) * RESUMABLE_ALIGN
+            chunk = -(-max(min(chunk, size), 1) // RESUMABLE_ALIGN) * RESUMABLE_ALIGN
             blob = bucket.blob(name, chunk_size=chunk)
 
             def put() -> None:
-                crc = _stream_crc32c(f)
+                crc = _stream_crc32c(f, self.chunk_size)
                 check_crc32c(key, crc, crc32c)
                 f.seek(0)
                 sending = _SENDING.set(meter)
@@ -400,88 +441,18 @@ class GcsObjectStore:
                         content_type="application/octet-stream",
                         checksum="crc32c",
                         crc32c_checksum_value=crc32c_b64(crc),
-                        retry=None,
+                        retry=self._retry(what),  # each chunk's request
                         timeout=self.timeout,
                     )
                 finally:
                     _SENDING.reset(sending)
                 if b64_crc32c(blob.crc32c) != crc:
-                    raise TransientError(f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}")
+                    raise DamagedInTransit(
+                        f"{what}: GCS stored crc32c {blob.crc32c}, sent {crc:08x}"
+                    )
 
             self._call(what, put)
-
-    def _put_composite(
-        self,
-        bucket: storage.Bucket,
-        key: str,
-        name: str,
-        src: Path,
-        crc32c: int | None,
-        *,
-        meter: Meter | None,
-    ) -> int:
-        what = f"composite put {self.bucket_name}/{name}"
-        folder, _, base = name.rpartition("/")
-        stem = f"{folder}/" if folder else ""
-        stem += f"{TMP_PREFIX}{uuid.uuid4().hex[:12]}-{base}"
-        temps: list[storage.Blob] = []
-        meter = None if meter is None else SharedMeter(meter)  # the parts' threads share it
-        lock = threading.Lock()
-
-        def temp(suffix: str) -> storage.Blob:
-            blob = bucket.blob(f"{stem}.{suffix}")
-            with lock:
-                temps.append(blob)
-            return blob
-
-        def upload(number: int, data: bytes) -> storage.Blob:
-            blob = temp(f"{number:06d}")
-            self._upload(blob, data, meter=meter)
-            return blob
-
-        try:
-            sources, _, crc = upload_parts(
-                src, self.part_size, self.workers, upload, name="gcs-put"
-            )
-            check_crc32c(key, crc, crc32c)
-            parts = len(sources)
-            level = 0
-            while len(sources) > MAX_COMPOSE:
-                groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
-                sources = [
-                    self._compose(temp(f"c{level}-{i:06d}"), group)
-                    for i, group in enumerate(groups)
-                ]
-                level += 1
-            dest = self._compose(bucket.blob(name), sources)
-            if b64_crc32c(dest.crc32c) != crc:
-                raise ChecksumMismatch(f"{what}: composed crc32c {dest.crc32c}, file {crc:08x}")
-        finally:
-            self._delete_quietly(temps)
-        return parts
-
-    def _compose(self, dest: storage.Blob, sources: list[storage.Blob]) -> storage.Blob:
-        dest.content_type = "application/octet-stream"
-        self._call(
-            f"compose {self.bucket_name}/{dest.name}",
-            lambda: dest.compose(sources, retry=None, timeout=self.timeout),
-        )
-        return dest
-
-    def _delete_quietly(self, blobs: list[storage.Blob]) -> None:
-        def delete(blob: storage.Blob) -> None:
-            try:
-                self._call(
-                    f"delete {self.bucket_name}/{blob.name}",
-                    lambda: blob.delete(retry=None, timeout=self.timeout),
-                )
-            except ObjectNotFound:
-                pass
-            except ObjectStoreError as exc:
-                log.warning("could not delete temporary object %s: %s", blob.name, exc)
-
-        with ThreadPoolExecutor(self.workers, thread_name_prefix="mtc-gcs-del") as pool:
-            list(pool.map(delete, blobs))
+        return -(-size // chunk)
 
     # --- reads ----------------------------------------------------------------------------
 
@@ -489,7 +460,9 @@ class GcsObjectStore:
         name = self._name(key)
         bucket = self._get_bucket()
         what = f"get {self.bucket_name}/{name}"
-        blob = self._call(what, lambda: bucket.get_blob(name, retry=None, timeout=self.timeout))
+        blob = self._call(
+            what, lambda: bucket.get_blob(name, retry=self._retry(what), timeout=self.timeout)
+        )
         if blob is None:
             raise ObjectNotFound(what)
         size = int(blob.size or 0)
@@ -506,7 +479,7 @@ class GcsObjectStore:
                         raw_download=True,
                         checksum=None,  # a range has no checksum; the whole is checked
                         if_generation_match=generation,
-                        retry=None,
+                        retry=self._retry(what),
                         timeout=self.timeout,
                     )
                 except Exception as exc:
@@ -527,7 +500,8 @@ class GcsObjectStore:
             what=what,
             size=size,
             crc32c=b64_crc32c(blob.crc32c),
-            backoff=RetryState(self.policy, is_transient, what=what),
+            # A range cut off mid-body (past the SDK's retries) resumes where it stopped.
+            backoff=RetryState(self.policy, is_resumable, what=what),
         )
 
     def get_bytes(self, key: str) -> bytes:
@@ -536,9 +510,9 @@ class GcsObjectStore:
     def head(self, key: str) -> ObjectInfo | None:
         name = self._name(key)
         bucket = self._get_bucket()
+        what = f"head {self.bucket_name}/{name}"
         blob = self._call(
-            f"head {self.bucket_name}/{name}",
-            lambda: bucket.get_blob(name, retry=None, timeout=self.timeout),
+            what, lambda: bucket.get_blob(name, retry=self._retry(what), timeout=self.timeout)
         )
         if blob is None:
             return None
@@ -573,7 +547,7 @@ class GcsObjectStore:
                     prefix=self.prefix + prefix,
                     delimiter="/",
                     page_token=token,
-                    retry=None,
+                    retry=self._retry(what),
                     timeout=self.timeout,
                 )
                 first = next(blobs.pages, None)
@@ -591,8 +565,6 @@ class GcsObjectStore:
     def delete(self, key: str) -> None:
         name = self._name(key)
         blob = self._get_bucket().blob(name)
+        what = f"delete {self.bucket_name}/{name}"
         with contextlib.suppress(ObjectNotFound):
-            self._call(
-                f"delete {self.bucket_name}/{name}",
-                lambda: blob.delete(retry=None, timeout=self.timeout),
-            )
+            self._call(what, lambda: blob.delete(retry=self._retry(what), timeout=self.timeout))

@@ -55,6 +55,31 @@ class TransientError(ObjectStoreError):
     transient = True
 
 
+class DamagedInTransit(TransientError):
+    """The server reports other bytes than were sent: the body is still in memory, and is
+    sent again (the SDKs do not retry this themselves)."""
+
+
+class ResendRequested(TransientError):
+    """The server asks for the same request again (S3, after a concurrent conditional
+    write to the key), which the SDK's retry modes do not do."""
+
+
+def is_resendable(exc: BaseException) -> bool:
+    """What we send again ourselves once the SDK's own retries have answered."""
+    return isinstance(exc, DamagedInTransit | ResendRequested)
+
+
+class StorageTimeout(TransientError):
+    """A request kept failing until its deadline (``--storage-timeout``) ran out."""
+
+
+def is_resumable(exc: BaseException) -> bool:
+    """Whether a download cut off mid-body may resume: a transient error, but not one that
+    already used up its request's deadline."""
+    return is_transient(exc) and not isinstance(exc, StorageTimeout)
+
+
 class PermissionDenied(ObjectStoreError):
     """Credentials are missing, wrong or not allowed: retrying cannot help."""
 

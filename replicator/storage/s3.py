@@ -27,8 +27,14 @@ its next upload (``incomplete_uploads``, ``BackupStore.abort_leftover_uploads``)
 bucket an ``AbortIncompleteMultipartUpload`` lifecycle rule too, for nodes that never
 come back (docs/permissions.md).
 
-Retries: botocore's own are off; ``translate`` is the one place that maps botocore and
-urllib3 errors to ours and decides what is transient, and ``RetryPolicy`` how long to try.
+Retries are botocore's own: its ``standard`` mode unless ``AWS_RETRY_MODE`` or the AWS
+config file's ``retry_mode`` names another, as many tries as ``AWS_MAX_ATTEMPTS`` (or
+``max_attempts``) says, 3 by default. Two hooks on the client (``_RetryWatch``) log every
+retry with the failure that caused it, and stop retrying once a request would run past
+``timeout`` seconds from its first try (``StorageTimeout``). ``translate`` maps what is left
+to our errors once. What botocore does not retry is ours: a body the server stored
+damaged (``DamagedInTransit``) is sent again, and a download cut off mid-body resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -50,7 +56,13 @@ import google_crc32c
 import urllib3.exceptions
 from botocore.config import Config
 
-from replicator.core.retry import RetryPolicy, RetryState, call_translated
+from replicator.core.retry import (
+    DEFAULT_STORAGE_TIMEOUT,
+    RetryPolicy,
+    RetryState,
+    call_translated,
+    resend_policy,
+)
 from replicator.core.uploads import plan_upload
 from replicator.local.fsutil import TMP_PREFIX
 from replicator.local.hashing import CHUNK, file_crc32c
@@ -58,16 +70,20 @@ from replicator.local.pacer import Meter, PacedReader, SharedMeter
 from replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
+    DamagedInTransit,
     IncompleteUpload,
     ObjectInfo,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
+    ResendRequested,
+    StorageTimeout,
     TransientError,
     check_crc32c,
     check_key,
-    is_transient,
+    is_resendable,
+    is_resumable,
     split_bucket_url,
 )
 from replicator.storage.parts import (
@@ -110,14 +126,10 @@ _TRANSIENT_CODES = frozenset(
         "RequestTimeoutException",
         "InternalError",
         "ServiceUnavailable",
-        # The body arrived damaged; the part is still in memory, so resending fixes it.
-        "BadDigest",
-        "XAmzContentSHA256Mismatch",
-        # A concurrent conditional write to the same key: S3 asks for a retry.
-        "ConditionalRequestConflict",
-        "OperationAborted",
     }
 )
+_RESEND_CODES = frozenset({"ConditionalRequestConflict", "OperationAborted"})
+"""A concurrent conditional write to the same key: S3 asks for a retry, botocore makes none."""
 _DENIED_CODES = frozenset(
     {
         "AccessDenied",
@@ -130,7 +142,13 @@ _DENIED_CODES = frozenset(
         "AccountProblem",
     }
 )
+_DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
+"""The body arrived damaged; it is still in memory, so sending it again fixes it."""
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
+_RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
+"""What botocore's modes retry besides throttling codes and broken connections."""
+MAX_BACKOFF = 20.0
+"""The longest wait botocore's retry modes make between two tries."""
 _NO_MD5_ETAG = frozenset({"aws:kms", "aws:kms:dsse"})
 
 
@@ -153,6 +171,10 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
             return ObjectNotFound(what)
         if code == "PreconditionFailed" or status == 412:
             return PreconditionFailed(message)
+        if code in _DAMAGED_CODES:
+            return DamagedInTransit(message)
+        if code in _RESEND_CODES:
+            return ResendRequested(message)
         if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
             return TransientError(message)
         if code in _DENIED_CODES or status in (401, 403):
@@ -186,12 +208,97 @@ def _check_response(what: str, response: Mapping[str, Any], md5: bytes, crc: int
     """Raise a (transient) error if the server reports other bytes than we sent."""
     etag = str(response.get("ETag", "")).strip('"')
     if _etag_is_md5(response) and etag and etag != md5.hex():
-        raise TransientError(
+        raise DamagedInTransit(
             f"{what}: server stored other bytes (ETag {etag}, sent MD5 {md5.hex()})"
         )
     echoed = response.get("ChecksumCRC32C")
     if echoed is not None and b64_crc32c(echoed) != crc:
-        raise TransientError(f"{what}: server stored other bytes (crc32c {echoed})")
+        raise DamagedInTransit(f"{what}: server stored other bytes (crc32c {echoed})")
+
+
+_DEADLINE = "mtc_deadline"
+_STARTED = "mtc_started"
+_FAILURE = "mtc_last_failure"
+
+
+class _RetryWatch:
+    """Hooks on one client's events around botocore's retries, which it keeps silent.
+
+    ``before-call`` starts a request's clock; ``needs-retry`` (run before botocore's own
+    handler decides) notes why an attempt failed, and raises ``StorageTimeout`` when the
+    longest wait botocore could make next would end past the deadline; ``request-created``
+    of a second or later attempt logs the retry with that reason."""
+
+    def __init__(self, client: S3Client, timeout: float) -> None:
+        self.timeout = timeout
+        retries: Mapping[str, Any] = getattr(client.meta.config, "retries", None) or {}
+        default = 5 if retries.get("mode") == "legacy" else 3  # botocore's own defaults
+        self.max_attempts = int(retries.get("total_max_attempts") or default)
+        events = client.meta.events
+        events.register("before-call.s3", self.started)
+        events.register_first("needs-retry.s3", self.attempt_failed)
+        events.register("request-created.s3", self.retrying)
+
+    def started(self, context: dict[str, Any], **_: Any) -> None:
+        now = time.monotonic()
+        context[_STARTED] = now
+        context[_DEADLINE] = now + self.timeout
+
+    def attempt_failed(
+        self,
+        attempts: int,
+        response: tuple[Any, Mapping[str, Any]] | None,
+        caught_exception: BaseException | None,
+        request_dict: Mapping[str, Any],
+        operation: Any,
+        **_: Any,
+    ) -> None:
+        reason = _retryable_reason(response, caught_exception)
+        if reason is None:
+            return  # a success, or an error no mode retries: botocore answers it
+        context = request_dict["context"]
+        context[_FAILURE] = reason
+        what = f"{operation.name} {request_dict.get('url_path', '')}"
+        log.debug("%s: attempt %d failed: %s", what, attempts, reason)
+        if attempts >= self.max_attempts:
+            return  # botocore gives up now with the error itself
+        now = time.monotonic()
+        wait = min(MAX_BACKOFF, 2.0 ** (attempts - 1))
+        if now + wait > context.get(_DEADLINE, float("inf")):
+            elapsed = now - context.get(_STARTED, now)
+            raise StorageTimeout(
+                f"{what}: gave up after {attempts} attempts in {elapsed:.1f}s, at the storage "
+                f"timeout of {self.timeout:g}s: {reason}"
+            )
+
+    def retrying(self, request: Any, operation_name: str, **_: Any) -> None:
+        context = getattr(request, "context", {})
+        attempt = context.get("retries", {}).get("attempt", 1)
+        if attempt > 1:
+            log.warning(
+                "retrying %s %s (attempt %d of %s): %s",
+                operation_name,
+                request.url.split("?")[0],
+                attempt,
+                self.max_attempts,
+                context.get(_FAILURE, "an earlier attempt failed"),
+            )
+
+
+def _retryable_reason(
+    response: tuple[Any, Mapping[str, Any]] | None, caught: BaseException | None
+) -> str | None:
+    """Why an attempt failed, if it is a failure botocore's modes may retry."""
+    if caught is not None:
+        return f"{type(caught).__name__}: {caught}"
+    if response is None:
+        return None
+    http, parsed = response
+    status = int(getattr(http, "status_code", 0) or 0)
+    code = str(parsed.get("Error", {}).get("Code", ""))
+    if status in _RETRIED_STATUS or code in _TRANSIENT_CODES:
+        return f"{status} {code} {parsed.get('Error', {}).get('Message', '')}".rstrip()
+    return None
 
 
 class S3ObjectStore:
@@ -207,9 +314,9 @@ class S3ObjectStore:
         part_size: int = DEFAULT_PART_SIZE,
         workers: int = DEFAULT_WORKERS,
         chunk_size: int = CHUNK,
-        policy: RetryPolicy | None = None,
-        timeout: float = 60.0,
+        timeout: float = DEFAULT_STORAGE_TIMEOUT,
     ) -> None:
+        """``timeout``: the most seconds one request spends with its retries."""
         if part_size < MIN_PART_SIZE:
             raise ValueError(f"S3 parts must be at least {MIN_PART_SIZE} bytes, got {part_size}")
         if prefix and not prefix.endswith("/"):
@@ -220,17 +327,20 @@ class S3ObjectStore:
         self.part_size = part_size
         self.workers = workers
         self.chunk_size = chunk_size
-        self.policy = policy or RetryPolicy()
+        self.timeout = timeout
+        self.policy: RetryPolicy = resend_policy(timeout)
+        # No ``retries`` here: botocore takes its mode and tries from the environment and
+        # the config file, ``standard`` mode by default.
         self.client: S3Client = client or boto3.session.Session().client(
             "s3",
             config=Config(
-                retries={"total_max_attempts": 1},  # ours decide (``translate``)
                 s3={"payload_signing_enabled": False},  # see the module doc, "Pacing"
-                connect_timeout=10,
-                read_timeout=timeout,
+                connect_timeout=min(10.0, timeout),
+                read_timeout=min(60.0, timeout),
                 max_pool_connections=max(10, 2 * workers),
             ),
         )
+        self._watch = _RetryWatch(self.client, timeout)
         self._bucket_checked = False
 
     @classmethod
@@ -244,8 +354,9 @@ class S3ObjectStore:
         return self.prefix + check_key(key)
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()`` with vendor errors translated and transient ones retried."""
-        return call_translated(fn, self.policy, translate, is_transient, what=what)
+        """``fn()`` (botocore retries inside it) with its errors translated, and sent again
+        when the server stored other bytes than we sent."""
+        return call_translated(fn, self.policy, translate, is_resendable, what=what)
 
     def _ensure_bucket(self) -> None:
         """Check once that the bucket exists and we may list it, so a missing bucket is
@@ -444,7 +555,16 @@ class S3ObjectStore:
             what=what,
             size=first["ContentLength"],
             crc32c=expected,
-            backoff=RetryState(self.policy, is_transient, what=what),
+            # A body cut off mid-stream is past botocore's retries: resume it as often.
+            backoff=RetryState(
+                RetryPolicy(
+                    attempts=self._watch.max_attempts,
+                    max_delay=MAX_BACKOFF,
+                    deadline=self.timeout,
+                ),
+                is_resumable,
+                what=what,
+            ),
         )
 
     def get_bytes(self, key: str) -> bytes:

@@ -10,10 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.storage.objectstore import BucketNotFound, FileObjectStore, ObjectStore
 
 
-def open_object_store(url: str, *, create: bool = True) -> ObjectStore:
+def open_object_store(
+    url: str, *, create: bool = True, timeout: float = DEFAULT_STORAGE_TIMEOUT
+) -> ObjectStore:
     """The backend for a URL: ``file:///abs/path`` (or a plain absolute path),
     ``s3://bucket/prefix`` or ``gs://bucket/prefix``.
 
@@ -22,6 +25,7 @@ def open_object_store(url: str, *, create: bool = True) -> ObjectStore:
     ``STORAGE_EMULATOR_HOST``). A missing SDK is a ValueError that names the pip extra.
     Without ``create`` (the operator's CLI), a ``file://`` directory that does not exist is
     ``BucketNotFound``, as a missing bucket is, rather than made empty and listed.
+    ``timeout`` bounds each request of a cloud store with its retries (``--storage-timeout``).
     """
     parsed = urlparse(url)
     if parsed.scheme in ("", "file"):
@@ -40,7 +44,7 @@ def open_object_store(url: str, *, create: bool = True) -> ObjectStore:
             raise ValueError(
                 f"s3:// storage needs boto3: pip install 'mtc-replicator[s3]' ({exc})"
             ) from None
-        return S3ObjectStore.from_url(url)
+        return S3ObjectStore.from_url(url, timeout=timeout)
     if parsed.scheme == "gs":
         try:
             from replicator.storage.gcs import GcsObjectStore
@@ -49,5 +53,5 @@ def open_object_store(url: str, *, create: bool = True) -> ObjectStore:
                 f"gs:// storage needs google-cloud-storage: pip install 'mtc-replicator[gcs]' "
                 f"({exc})"
             ) from None
-        return GcsObjectStore.from_url(url)
+        return GcsObjectStore.from_url(url, timeout=timeout)
     raise ValueError(f"unsupported storage URL {url!r}: use file://, gs:// or s3://")

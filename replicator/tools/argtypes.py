@@ -11,6 +11,7 @@ import argparse
 import math
 
 from replicator.core.contract import JOB_NAME_RE
+from replicator.core.retry import parse_storage_timeout
 
 
 def _whole(value: str, what: str, low: int) -> int:
@@ -65,3 +66,11 @@ def host_port(value: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {value!r:.80}")
     return value
+
+
+def storage_timeout(value: str) -> float:
+    """``--storage-timeout``: seconds, within the bounds ``core.retry`` sets."""
+    try:
+        return parse_storage_timeout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from replicator.core.manifest import ManifestError
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.core.signed import OPEN, RecordTrust
 from replicator.storage import backup_ops as ops
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
@@ -75,6 +76,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "--accept-unsigned-records",
             action="store_true",
             help="with --tls-ca: take unsigned COMMITs (written before records were signed)",
+        )
+        c.add_argument(
+            "--storage-timeout",
+            type=argtypes.storage_timeout,
+            default=os.environ.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
+            metavar="SECONDS",
+            help="the most seconds one request to the bucket may take, its retries included "
+            "(default: %(default)s) [MTC_STORAGE_TIMEOUT]",
         )
         return c
 
@@ -149,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         args.trust = _trust(args)
-        objects = open_object_store(args.url, create=False)
+        objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
         return fail(str(exc), 2)
     except ObjectStoreError as exc:

@@ -2,14 +2,14 @@
 
 ``BackupStore.upload_item`` with a ``Pacer`` at a limit, against ``file://``, S3 on moto's
 server and GCS on the emulator (one request from memory or streamed from the file, and a
-multipart or composite upload). The
+multipart upload or a resumable one in chunks). The
 cloud uploads pass a byte-counting TCP relay, so the pace is measured on the wire: the
 relayed bytes take within 10% of what the limit allows (less the one-second burst), and no
 second carries more than the burst plus a second's worth, which an SDK that read a body
 whole and then sent it at once would break. The bytes stored are intact, and a download of
 the same object with the same ``Pacer`` is not throttled.
 
-Sizes: 512 MiB on ``file://`` and in the multipart and composite uploads (16 parts);
+Sizes: 512 MiB on ``file://`` and in the multipart and chunked uploads (16 parts or chunks);
 32 MiB in one request. moto and the emulator take 512 MiB at 25-120 MiB/s here (measured
 unpaced; the number falls with the other work on the 2 cores), so their limit is 16 MiB/s,
 well under it: about half a minute per 512 MiB upload.
@@ -60,9 +60,10 @@ CASES = {
     "s3-single": Case("s3", 32 * MiB, 6 * MiB, 64 * MiB),
     "s3-multipart": Case("s3", 512 * MiB, 16 * MiB, PART),
     "gcs-single": Case("gcs", 32 * MiB, 6 * MiB, 64 * MiB),
-    # Above part_size, below the composite threshold: one request streamed from the file.
+    # Above part_size, below single_limit: one request streamed from the file.
     "gcs-streamed": Case("gcs", 48 * MiB, 6 * MiB, 16 * MiB),
-    "gcs-composite": Case("gcs", 512 * MiB, 16 * MiB, PART),
+    # Above single_limit: one resumable upload, its chunks sent one after another.
+    "gcs-chunked": Case("gcs", 512 * MiB, 16 * MiB, PART),
 }
 
 
@@ -217,8 +218,8 @@ def test_uploads_keep_to_the_limit_and_restores_ignore_it(
             assert took >= least
             # The pacer lets at most a burst plus a second's worth go in any second. On the
             # wire, what the kernel's socket buffers (client to relay, relay to server: a few
-            # MiB each on loopback) held while the server stalled (the emulator does, when a
-            # composite upload's parts pile up) passes at once when it reads again.
+            # MiB each on loopback) held while the server stalled (the emulator does, when it
+            # appends a chunk to a large upload) passes at once when it reads again.
             busiest = relay.busiest_second()
             allowed = 1.1 * (burst + case.rate) + SOCKET_BUFFERS
             assert busiest <= allowed, f"{busiest / MiB:.1f} MiB in 1 s"

@@ -12,10 +12,12 @@ import pytest
 from replicator.core.retry import Backoff, RetryPolicy, RetryState, call_with_retry
 from replicator.storage.objectstore import (
     BucketNotFound,
+    DamagedInTransit,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
+    ResendRequested,
     TransientError,
 )
 
@@ -230,8 +232,8 @@ def client_error(code: str, status: int, operation: str = "GetObject") -> Except
         ("InternalError", 500, TransientError),
         ("TooManyRequests", 429, TransientError),
         ("RequestTimeout", 400, TransientError),
-        ("BadDigest", 400, TransientError),
-        ("ConditionalRequestConflict", 409, TransientError),
+        ("BadDigest", 400, DamagedInTransit),
+        ("ConditionalRequestConflict", 409, ResendRequested),
         ("AccessDenied", 403, PermissionDenied),
         ("InvalidAccessKeyId", 403, PermissionDenied),
         ("SignatureDoesNotMatch", 403, PermissionDenied),
@@ -251,7 +253,7 @@ def test_s3_errors_are_classified(code: str, status: int, expected: type[Excepti
     mapped = translate(client_error(code, status), "get b/k")
     assert type(mapped) is expected
     assert mapped is not None
-    assert mapped.transient == (expected is TransientError)
+    assert mapped.transient == issubclass(expected, TransientError)
 
 
 def test_s3_transport_errors_are_transient() -> None:
@@ -289,7 +291,7 @@ def test_s3_transport_errors_are_transient() -> None:
         (401, "login required", PermissionDenied),
         (404, "no such object", ObjectNotFound),
         (412, "conditionNotMet", PreconditionFailed),
-        (400, 'Provided CRC32C "AAAA" doesn\'t match calculated CRC32C "BBBB".', TransientError),
+        (400, 'Provided CRC32C "AAAA" doesn\'t match calculated CRC32C "BBBB".', DamagedInTransit),
         (400, "invalid argument", ObjectStoreError),
     ],
 )
