@@ -8,6 +8,7 @@ hand against the monitoring.coreos.com/v1 fields they use.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,15 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> list[Obj]:
     return kustomize(_overlay(tmp, text))
 
 
+@dataclass(frozen=True)
+class Contact:
+    """A peer's last contact, as ``core.contacts`` has it."""
+
+    peer: str
+    reachable: bool
+    last_answer_at: float | None
+
+
 def exported_metrics(tmp_path: Path) -> set[str]:
     """Every sample name a daemon with a job in every tier exports (the daemon registers
     these collectors on its registry, node/daemon.py)."""
@@ -56,6 +66,7 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     metrics.backed_up("j", 2, 1.0)
     metrics.restore_failed("j", 1.0)
     metrics.pin_delete_failed("j")
+    metrics.peer_contacts(lambda: [Contact("10.0.0.2:7070", reachable=False, last_answer_at=1.0)])
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 
