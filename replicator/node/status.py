@@ -10,6 +10,7 @@ now and then, so a peer that died between two checkpoints shows as unreachable w
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -56,6 +57,16 @@ def _contact(rank: int, address: str, contact: Contact | None) -> pb.PeerContact
     )
 
 
+def incarnation_tag(incarnation_id: str) -> str:
+    """What ``Status`` shows of an incarnation: the first 12 hex digits of its id's SHA-256.
+
+    The id itself is what the coordinator takes as proof that a report comes from that
+    rank's running incarnation (``core.coordination``); a caller of ``Status`` may hold any
+    node certificate, so it gets a tag that tells incarnations apart and proves nothing.
+    """
+    return hashlib.sha256(incarnation_id.encode()).hexdigest()[:12]
+
+
 def node_status(
     store: LocalStore,
     incarnation: Incarnation | None,
@@ -77,7 +88,7 @@ def node_status(
         if incarnation is not None and name == active:
             own = incarnation.config.node_rank
             status.active = True
-            status.incarnation = incarnation.id
+            status.incarnation = incarnation_tag(incarnation.id)
             status.rank = own
             status.nodes = incarnation.config.nodes
             status.phase = incarnation.phase.value

@@ -4,8 +4,10 @@ the errors an operator meets (no certificate, a stranger's, nobody listening).""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -84,7 +86,13 @@ def test_status_shows_steps_progress_and_peers(cluster: Cluster) -> None:
     job = job_of(cluster, me)
     assert job["active"] is True
     assert (job["rank"], job["nodes"], job["phase"]) == (me, NODES, "steady")
-    assert job["incarnation"]
+    # A tag of the incarnation, never its id: the coordinator takes the id as the rank's
+    # proof in its reports, and any node certificate may call Status.
+    log_text = cluster.daemon(me).log()
+    ids = re.findall(r"accepted replicator.yaml: .* incarnation=([0-9a-f]+)", log_text)
+    assert ids
+    assert job["incarnation"] == hashlib.sha256(ids[-1].encode()).hexdigest()[:12]
+    assert ids[-1] not in json.dumps(status_of(cluster, me))
     assert job["coordinator"] == cluster.daemon(0).advertise
     assert 100 in job["local_steps"]
     held_here = {(c["rank"], s) for c in job["peer_copies"] for s in c["steps"]}

@@ -135,12 +135,15 @@ class JobStatus(_message.Message):
     active: _builtins.bool
     """True for the job this node serves now; the fields below up to `peers` are set only then."""
     incarnation: _builtins.str
+    """A tag of the running incarnation (12 hex digits of its id's SHA-256), never the id:
+    the id is what the coordinator accepts as the rank's proof in its reports.
+    """
     rank: _builtins.int
     nodes: _builtins.int
     phase: _builtins.str
     """restoring or steady."""
     coordinator: _builtins.str
-    """The coordinator this rank follows (HOST:PORT, or "local" for one in this daemon)."""
+    """The coordinator this rank follows (HOST:PORT, or "in-process" for one in this daemon)."""
     last_replicated: _builtins.int
     """Newest own step held here and on every replication target."""
     last_backed_up: _builtins.int
