@@ -12,6 +12,7 @@ at (the step directory of a directory item, the file of a file item).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -58,7 +59,8 @@ def plan_download(store: BackupStore, job: str, step: int, rank: int | None = No
     record = store.read_commit(job, step)
     if record is None:
         raise DownloadError(f"step {step} of job {job} is not committed in {store.url}")
-    items = sorted(_item_of(record, key) for key in record.items)
+    # A set: a hostile COMMIT may name one item twice ("1-0" and "01-0").
+    items = sorted({_item_of(record, key) for key in record.items})
     if rank is not None:
         items = [i for i in items if i.rank == rank]
         if not items:
@@ -103,15 +105,33 @@ def download(
             staged = staging / target_name(item)
             staged.mkdir()
             store.fetch_item(plan.record, item, staged, progress=progress)
-        made = []
-        for item, _ in plan.items:
-            final = dest / target_name(item)
-            if final.is_dir() and not final.is_symlink():
-                shutil.rmtree(final)
-            elif final.exists() or final.is_symlink():
-                final.unlink()
-            os.replace(staging / target_name(item) / "data", final)
-            made.append(final)
-        return made
+        return _place(plan, staging, dest)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _place(plan: DownloadPlan, staging: Path, dest: Path) -> list[Path]:
+    """Move every staged item to its final name, all or none: a name already there is moved
+    aside into ``staging`` first, and on any failure the items placed so far are taken
+    back out and what they replaced is put back."""
+    placed: list[tuple[Path, Path | None]] = []
+    try:
+        for item, _ in plan.items:
+            final = dest / target_name(item)
+            aside: Path | None = None
+            if final.exists() or final.is_symlink():
+                aside = staging / f"replaced-{target_name(item)}"
+                os.replace(final, aside)
+            placed.append((final, aside))
+            os.replace(staging / target_name(item) / "data", final)
+    except OSError:
+        for final, aside in reversed(placed):
+            with contextlib.suppress(OSError):
+                if final.is_dir() and not final.is_symlink():
+                    shutil.rmtree(final)
+                elif final.exists() or final.is_symlink():
+                    final.unlink()
+                if aside is not None:
+                    os.replace(aside, final)
+        raise
+    return [final for final, _ in placed]

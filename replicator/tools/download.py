@@ -45,12 +45,20 @@ def run(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     """Plan, check the target, download; raises what ``mtc backups`` turns into exit 1."""
     store = BackupStore(objects, args.trust)
     dl.check_target(args.to, force=args.force)
-    plan = dl.plan_download(store, args.job, args.step, args.rank)
+    try:
+        plan = dl.plan_download(store, args.job, args.step, args.rank)
+    except CorruptItem as exc:
+        raise DownloadError(f"{exc}: nothing was written to {args.to}") from None
     bar = progress.bar(args, plan.total_bytes, f"download {args.job} step {args.step}")
     try:
         made = dl.download(store, plan, args.to, force=args.force, progress=bar)
     except CorruptItem as exc:
         raise DownloadError(f"{exc}: nothing was written to {args.to}") from None
+    except OSError as exc:
+        raise DownloadError(
+            f"cannot write to {args.to}: {exc}; nothing was left there, and names it "
+            "already held are as they were"
+        ) from None
     finally:
         bar.close()
     if args.json:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import data_key
+from replicator.core.backup_layout import data_key, manifest_key
 from replicator.core.manifest import ItemId
 from replicator.local.hashing import build_manifest
 from replicator.storage.backup import BackupStore
@@ -164,6 +164,27 @@ def test_a_tampered_byte_fails_and_leaves_nothing(backup: Backup, tmp_path: Path
     out = mtc("download", backup.url, "--job", backup.job, "--step", "200", "--to", str(dest))
     _fails(out, "does not match its manifest", "nothing was written")
     assert list(dest.iterdir()) == []  # not even the staging directory
+
+
+def test_download_errors_are_messages_not_tracebacks(backup: Backup, tmp_path: Path) -> None:
+    # A target under a regular file: nothing can be written there.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = mtc(
+        "download", backup.url, "--job", backup.job, "--step", "200", "--to", str(blocker / "d")
+    )
+    _fails(out, "cannot write to")
+    assert "Traceback" not in out.stderr
+    # A manifest changed after its COMMIT pinned it.
+    manifest = backup.root / manifest_key(ItemId(backup.job, 200, 0, 0))
+    edited = json.loads(manifest.read_bytes())
+    edited["files"][0][2] = f"{int(edited['files'][0][2], 16) ^ 1:08x}"  # another crc32c
+    manifest.write_text(json.dumps(edited))
+    dest = tmp_path / "out"
+    out = mtc("download", backup.url, "--job", backup.job, "--step", "200", "--to", str(dest))
+    _fails(out, "nothing was written")
+    assert "Traceback" not in out.stderr
+    assert not dest.exists() or list(dest.iterdir()) == []
 
 
 def test_download_checks_the_commit_signature(tmp_path: Path, job: str) -> None:
