@@ -41,6 +41,7 @@ import functools
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -172,11 +173,12 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
         return StorageTimeout(f"{what}: gave up at the storage timeout ({exc.message}): {last}")
     if isinstance(exc, InvalidResponse):
         status = getattr(getattr(exc, "response", None), "status_code", 0) or 0
-        return _by_status(int(status), f"{what}: {exc}", what)
+        return _by_status(int(status), f"{what}: {_redact(exc)}", what)
     if isinstance(exc, gapi.GoogleAPICallError):
-        return _by_status(int(exc.code or 0), f"{what}: {exc.code} {exc.message}", what)
+        message = _QUERY.sub("?<query>", str(exc.message))
+        return _by_status(int(exc.code or 0), f"{what}: {exc.code} {message}", what)
     if isinstance(exc, DataCorruption):
-        return DamagedInTransit(f"{what}: damaged in transit: {exc}")
+        return DamagedInTransit(f"{what}: damaged in transit: {_redact(exc)}")
     if isinstance(exc, gauth.DefaultCredentialsError | gauth.RefreshError):
         return PermissionDenied(f"{what}: no usable Google credentials ({exc})")
     if isinstance(
@@ -189,8 +191,18 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
         | ConnectionError
         | TimeoutError,
     ):
-        return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+        return TransientError(f"{what}: {type(exc).__name__}: {_redact(exc)}")
     return None
+
+
+_QUERY = re.compile(r"\?[^\s'\")>]+")
+
+
+def _redact(exc: BaseException) -> str:
+    """``exc``'s text without URL query strings: a resumable upload's URL carries its
+    ``upload_id``, which works as a credential for that session (GCS's documentation) and
+    must not reach logs or ``replicator.errors``, which the training pod reads."""
+    return _QUERY.sub("?<query>", str(exc))
 
 
 def _by_status(status: int, message: str, what: str) -> ObjectStoreError:

@@ -81,3 +81,21 @@ def test_the_cloud_stores_get_the_timeout(monkeypatch: pytest.MonkeyPatch) -> No
     assert s3.client.meta.config.read_timeout == 7.0
     assert gcs.storage_timeout == 8.0
     assert gcs.timeout == (8.0, 8.0)
+
+
+def test_gcs_errors_never_carry_a_resumable_session_id() -> None:
+    """A resumable upload's URL holds its upload_id, a credential for that session."""
+    import google.api_core.exceptions as gapi
+    import requests
+
+    from replicator.storage.gcs import translate
+
+    url = "http://127.0.0.1:9/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SECRET123"
+    for exc in (
+        requests.ConnectionError(f"HTTPConnectionPool: Max retries exceeded with url: {url}"),
+        gapi.ServiceUnavailable(f"PUT {url}: backend error"),
+    ):
+        err = translate(exc, "put b/k")
+        assert err is not None
+        assert "SECRET123" not in str(err)
+        assert "upload_id" not in str(err)
