@@ -212,8 +212,15 @@ def print_status(body: dict[str, Any], now: float) -> None:
                 reach = {None: "unknown", True: "yes", False: "NO"}[p["reachable"]]
                 seen = p["last_answer_at"]
                 ago = "never" if seen is None else f"{human_age(now - seen)} ago"
-                rows.append([str(p["rank"]), p["address"], reach, ago, p["error"] or ""])
+                error = _printable(p["error"] or "")
+                rows.append([str(p["rank"]), _printable(p["address"]), reach, ago, error])
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
             for r in rows:
                 cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)]
                 print("  " + "  ".join([*cells, r[-1]]).rstrip())
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped: a peer's error comes from the peer, and a
+    hostile one must not write escape sequences to the operator's terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

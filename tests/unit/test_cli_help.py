@@ -108,3 +108,9 @@ def test_a_bad_value_is_a_clear_usage_error(
     message = err.strip().splitlines()[-1]
     assert action.option_strings[0] in message or (action.metavar or "") in message
     assert not re.search(r"invalid \S+ value", message), message
+
+
+def test_status_escapes_what_a_peer_says() -> None:
+    from replicator.tools.status import _printable
+
+    assert _printable("refused\x1b[2J\x07 ok é") == "refused\\x1b[2J\\x07 ok é"
