@@ -743,7 +743,11 @@ class Daemon:
         await rpc.start()
         if channel is not None:
             channel.start()
-        self.metrics.peer_contacts(self.ctx.peers.contacts.snapshot)
+        contacts = self.ctx.peers.contacts
+        self.metrics.peer_contacts(
+            lambda: contacts.snapshot(time.time()),
+            lambda: peer_addresses(self.incarnation).values(),
+        )
         probe = asyncio.create_task(
             probe_peers(self.ctx.peers, lambda: peer_addresses(self.incarnation)),
             name="peer-probe",
