@@ -559,8 +559,21 @@ def _app(
         return [body]
 
     def app(environ: Environ, start_response: StartResponse) -> list[bytes]:
+        said: list[tuple[str, list[tuple[str, str]]]] = []
+        body = route(environ, lambda status, headers, *_: said.append((status, headers)))
+        status, headers = said[-1]
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers = [*headers, ("Content-Length", str(sum(map(len, body))))]
+        start_response(status, headers)
+        # HEAD: the same status and headers (Content-Length included), no body (RFC 9110).
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else body
+
+    def route(environ: Environ, start_response: StartResponse) -> list[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            # prometheus_client answers HEAD with 405 and a body: serve it as GET instead.
+            if environ.get("REQUEST_METHOD") == "HEAD":
+                environ = {**environ, "REQUEST_METHOD": "GET"}
             return list(metrics(environ, start_response))
         if path == "/healthz":
             return probe(health.liveness(), start_response)
