@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from replicator import __version__
+from replicator.node.daemon import Daemon, DaemonOptions
 from replicator.obs.health import Health, Heartbeat, Readiness
 from replicator.obs.metrics import PrometheusMetrics, serve
 from tests.integration.conftest import StartDaemon
@@ -218,3 +219,19 @@ def test_head_answers_headers_without_a_body(path: str) -> None:
         assert rest == b""
     finally:
         served.close()
+
+
+def test_readyz_says_stopping_as_soon_as_a_stop_is_asked(tmp_path: Path) -> None:
+    """SIGTERM's handler marks the daemon not ready at once, not after the whole shutdown
+    (gRPC grace, the incarnation's stop) when nobody asks any more."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    daemon = Daemon(DaemonOptions(checkpoint_dir=ckpt, listen="127.0.0.1:0"))
+    try:
+        daemon.readiness.stage = None
+        assert daemon.health.readiness() == []
+        daemon._request_stop()
+        assert daemon.health.readiness() == ["stopping"]
+    finally:
+        daemon.executor.shutdown()
+        daemon.store.close()
