@@ -614,6 +614,9 @@ class Daemon:
             self.incarnation.wake()
 
     def _request_stop(self) -> None:
+        # Not ready from the signal on, not once the shutdown is over: Services stop sending
+        # to a pod that says "stopping" while it still drains.
+        self.readiness.stopping = True
         self._stop.set()
         self._wake.set()  # the loop may sit in a one-second wait for file events
 
@@ -743,7 +746,11 @@ class Daemon:
         await rpc.start()
         if channel is not None:
             channel.start()
-        self.metrics.peer_contacts(self.ctx.peers.contacts.snapshot)
+        contacts = self.ctx.peers.contacts
+        self.metrics.peer_contacts(
+            lambda: contacts.snapshot(time.time()),
+            lambda: peer_addresses(self.incarnation).values(),
+        )
         probe = asyncio.create_task(
             probe_peers(self.ctx.peers, lambda: peer_addresses(self.incarnation)),
             name="peer-probe",
@@ -806,6 +813,7 @@ class Daemon:
                 await self._check_config()
                 await self._check_owner()
         finally:
+            self.readiness.stopping = True  # whatever ended the loop
             log.info("stopping")
             readiness.cancel()
             probe.cancel()

@@ -87,8 +87,9 @@ class KeyValueFormatter(logging.Formatter):
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
         return rfc3339(record.created)
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The message line with its fields; ``format`` puts a traceback after it."""
+        line = super().formatMessage(record)
         extras = [
             f"{k}={getattr(record, k)}" for k in _FIELDS if getattr(record, k, None) is not None
         ]

@@ -23,7 +23,7 @@ import platform
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -165,8 +165,14 @@ class Metrics:
         """A restore ended (done or failed): the seconds of each phase it went through
         (``core.timeline.RestorePhase`` values)."""
 
-    def peer_contacts(self, read: Callable[[], Sequence[PeerContact]]) -> None:
-        """Export ``read()``, the last contact per peer, at each scrape."""
+    def peer_contacts(
+        self,
+        read: Callable[[], Sequence[PeerContact]],
+        current: Callable[[], Collection[str]],
+    ) -> None:
+        """Export ``read()``, the last contact per peer, at each scrape: only the contacts of
+        ``current()``, the running job's peer addresses (an address a peer left behind when
+        it moved, or a restore's source, is not a peer to alert on)."""
 
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         """Export the daemon's pacer: ``read`` is called at every scrape."""
@@ -330,8 +336,12 @@ class PrometheusMetrics(Metrics):
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         self.registry.register(_PacingCollector(read, limit))
 
-    def peer_contacts(self, read: Callable[[], Sequence[PeerContact]]) -> None:
-        self.registry.register(_PeerCollector(read))
+    def peer_contacts(
+        self,
+        read: Callable[[], Sequence[PeerContact]],
+        current: Callable[[], Collection[str]],
+    ) -> None:
+        self.registry.register(_PeerCollector(read, current))
 
     def job_state(self) -> JobState:
         """A copy of the per-job state: newest steps, and restorable steps with since when."""
@@ -461,10 +471,16 @@ class FilesystemCollector:
 
 
 class _PeerCollector:
-    """Whether each peer answered its last call or probe, and when it last answered."""
+    """Whether each of the running job's peers answered its last call or probe, and when it
+    last answered."""
 
-    def __init__(self, read: Callable[[], Sequence[PeerContact]]) -> None:
+    def __init__(
+        self,
+        read: Callable[[], Sequence[PeerContact]],
+        current: Callable[[], Collection[str]],
+    ) -> None:
         self._read = read
+        self._current = current
 
     def collect(self) -> Iterator[Metric]:
         reachable = GaugeMetricFamily(
@@ -477,7 +493,10 @@ class _PeerCollector:
             "When the peer last answered this daemon (unix seconds); absent: never.",
             labels=["peer"],
         )
+        current = set(self._current())
         for contact in self._read():
+            if contact.peer not in current:
+                continue
             reachable.add_metric([contact.peer], 1.0 if contact.reachable else 0.0)
             if contact.last_answer_at is not None:
                 answered.add_metric([contact.peer], contact.last_answer_at)
@@ -540,8 +559,21 @@ def _app(
         return [body]
 
     def app(environ: Environ, start_response: StartResponse) -> list[bytes]:
+        said: list[tuple[str, list[tuple[str, str]]]] = []
+        body = route(environ, lambda status, headers, *_: said.append((status, headers)))
+        status, headers = said[-1]
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers = [*headers, ("Content-Length", str(sum(map(len, body))))]
+        start_response(status, headers)
+        # HEAD: the same status and headers (Content-Length included), no body (RFC 9110).
+        return [] if environ.get("REQUEST_METHOD") == "HEAD" else body
+
+    def route(environ: Environ, start_response: StartResponse) -> list[bytes]:
         path = environ.get("PATH_INFO", "")
         if path == "/metrics":
+            # prometheus_client answers HEAD with 405 and a body: serve it as GET instead.
+            if environ.get("REQUEST_METHOD") == "HEAD":
+                environ = {**environ, "REQUEST_METHOD": "GET"}
             return list(metrics(environ, start_response))
         if path == "/healthz":
             return probe(health.liveness(), start_response)

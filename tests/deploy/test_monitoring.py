@@ -66,7 +66,10 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     metrics.backed_up("j", 2, 1.0)
     metrics.restore_failed("j", 1.0)
     metrics.pin_delete_failed("j")
-    metrics.peer_contacts(lambda: [Contact("10.0.0.2:7070", reachable=False, last_answer_at=1.0)])
+    metrics.peer_contacts(
+        lambda: [Contact("10.0.0.2:7070", reachable=False, last_answer_at=1.0)],
+        lambda: ["10.0.0.2:7070"],
+    )
     text = generate_latest(metrics.registry).decode()
     return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
 

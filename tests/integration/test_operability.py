@@ -3,6 +3,7 @@ and the ``/healthz`` and ``/readyz`` probes beside ``/metrics``."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -16,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from replicator import __version__
+from replicator.node.daemon import Daemon, DaemonOptions
 from replicator.obs.health import Health, Heartbeat, Readiness
-from replicator.obs.metrics import serve
+from replicator.obs.metrics import PrometheusMetrics, serve
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     config_text,
@@ -182,3 +184,54 @@ def test_probes_answer_503_with_the_reasons() -> None:
         assert get(served.address, "/healthz") == (200, "ok\n")
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/nothing"])
+def test_head_answers_headers_without_a_body(path: str) -> None:
+    """A HEAD answer has the GET answer's status and headers and no body: a body would be
+    read by a keep-alive client as the start of the next answer."""
+    ready = Readiness(stage="opening the store")
+    served = serve(PrometheusMetrics().registry, "127.0.0.1:0", Health([], [ready.check]))
+    try:
+        host, port = served.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", path)
+            got = conn.getresponse()
+            get_status, body = got.status, got.read()
+            get_headers = {k: got.getheader(k) for k in ("Content-Type", "Content-Length")}
+            conn.close()
+            conn.connect()
+            # Raw, so that the client does not skip what it is not told to expect.
+            conn.sock.sendall(f"HEAD {path} HTTP/1.0\r\nHost: x\r\n\r\n".encode())
+            raw = b""
+            while chunk := conn.sock.recv(65536):
+                raw += chunk
+        finally:
+            conn.close()
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in header_lines)
+        assert int(status_line.split()[1]) == get_status
+        assert {k: headers.get(k) for k in get_headers} == get_headers
+        assert get_headers["Content-Length"] == str(len(body))
+        assert body
+        assert rest == b""
+    finally:
+        served.close()
+
+
+def test_readyz_says_stopping_as_soon_as_a_stop_is_asked(tmp_path: Path) -> None:
+    """SIGTERM's handler marks the daemon not ready at once, not after the whole shutdown
+    (gRPC grace, the incarnation's stop) when nobody asks any more."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    daemon = Daemon(DaemonOptions(checkpoint_dir=ckpt, listen="127.0.0.1:0"))
+    try:
+        daemon.readiness.stage = None
+        assert daemon.health.readiness() == []
+        daemon._request_stop()
+        assert daemon.health.readiness() == ["stopping"]
+    finally:
+        daemon.executor.shutdown()
+        daemon.store.close()

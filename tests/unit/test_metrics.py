@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from csi.metrics import PrometheusCallMetrics
+from replicator.core.contacts import Contacts
 from replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
@@ -311,3 +312,25 @@ def test_transfer_rate_flags_and_environment(capsys: pytest.CaptureFixture[str])
         err = capsys.readouterr().err
         assert "e.g. 400MiB" in err or "idle" in err, err
         assert "Traceback" not in err
+
+
+def test_only_the_running_jobs_current_peers_and_fresh_contacts_are_exported(
+    metrics: PrometheusMetrics,
+) -> None:
+    """A peer that moved leaves its old pod IP behind, unreachable: exported, it would fire
+    the MtcPeerUnreachable alert for ever."""
+    contacts = Contacts(max_age=30.0)
+    contacts.unreachable("10.0.0.2:7070", 100.0, "UNAVAILABLE")  # rank 1's old pod
+    contacts.unreachable("10.0.0.7:7070", 110.0, "UNAVAILABLE")  # a dead restore source
+    contacts.answered("10.0.0.9:7070", 125.0)  # rank 1 now
+    contacts.unreachable("10.0.0.3:7070", 125.0, "UNAVAILABLE")  # rank 2, down now
+    current = {1: "10.0.0.9:7070", 2: "10.0.0.3:7070"}
+    now = [126.0]
+    metrics.peer_contacts(lambda: contacts.snapshot(now[0]), current.values)
+    got = {k[1]: v for k, v in samples(metrics.registry).items() if k[0] == "mtc_peer_reachable"}
+    assert got == {(("peer", "10.0.0.9:7070"),): 1.0, (("peer", "10.0.0.3:7070"),): 0.0}
+    current.pop(2)  # the job's next incarnation has one peer
+    now[0] = 200.0  # and no contact was refreshed since: stale, whatever the addresses
+    current[1] = "10.0.0.2:7070"
+    got = {k[1]: v for k, v in samples(metrics.registry).items() if k[0] == "mtc_peer_reachable"}
+    assert got == {}
