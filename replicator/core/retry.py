@@ -118,7 +118,8 @@ class RetryState:
     """The retry state of one operation: call ``failed`` with each error it raises.
 
     Usable around a plain call (``call_with_retry``) and inside loops that resume where
-    they stopped, such as a download that reopens at the last byte it received.
+    they stopped, such as a download that reopens at the last byte it received (such a
+    loop calls ``reset`` when the try that failed had made progress).
     """
 
     def __init__(
@@ -139,6 +140,17 @@ class RetryState:
         self.backoff = policy.backoff(rand)
         self.failures = 0
         self.started = clock()
+
+    def reset(self) -> None:
+        """A fresh budget from now: tries, deadline and waits start again.
+
+        For a resuming loop whose last try made progress (a download that received bytes
+        before it was cut): the budget bounds each stretch without progress, not the
+        whole operation, which may rightly last far longer than the deadline.
+        """
+        self.backoff.reset()
+        self.failures = 0
+        self.started = self.clock()
 
     def failed(self, exc: BaseException) -> None:
         """Wait before the next try, or re-raise ``exc`` when it is final."""

@@ -58,6 +58,10 @@ from replicator.storage.objectstore import (
 
 log = logging.getLogger(__name__)
 
+LEFTOVER_SKEW = 60.0
+"""Seconds by which the store's clock may run ahead of ours: an incomplete upload is a
+leftover only if it began this long before this process started."""
+
 
 def _never() -> bool:
     return False
@@ -78,6 +82,8 @@ class BackupStore:
         self.pacer = pacer or Pacer()
         """The node's outgoing transfers: uploads are backups, paced by it (downloads are
         restores and are not)."""
+        self.started = time.time()
+        """Wall-clock start: uploads begun since may be another live daemon's."""
         self.refused: dict[str, dict[int, str]] = {}
         """Per job, the COMMITs the newest listing refused, and why (told to the job)."""
         self._leftovers_warned = False
@@ -109,17 +115,19 @@ class BackupStore:
         """Abort the incomplete uploads (S3 multipart) of ``job``'s items ``item_keys``
         (``<rank>-<worker>``, any step) that a killed daemon left; how many.
 
-        Only the rank that owns those items writes them, one step at a time, so before
-        its next upload every incomplete one is a leftover. Failures are logged, never
-        raised: a backup does not depend on this (a lifecycle rule is the fallback).
+        Only uploads begun before this store was made (less ``LEFTOVER_SKEW``): during a
+        reschedule the old node's daemon may still be uploading the same items, and an
+        upload begun since may be its, live. Failures are logged, never raised: a backup
+        does not depend on this (a lifecycle rule is the fallback).
         """
         objects = self.objects
         if not isinstance(objects, LeftoverUploads) or not item_keys:
             return 0
+        cutoff = self.started - LEFTOVER_SKEW
         aborted = 0
         try:
             for upload in list(objects.incomplete_uploads(f"{job}/")):
-                if item_key_of(job, upload.key) in item_keys:
+                if upload.initiated < cutoff and item_key_of(job, upload.key) in item_keys:
                     objects.abort_upload(upload)
                     aborted += 1
                     log.info(

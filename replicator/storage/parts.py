@@ -134,12 +134,14 @@ def verified_chunks(
     """Stream an object of ``size`` bytes, resuming after transient errors, then verify it.
 
     ``open_at(offset)`` yields the object's bytes from ``offset`` on (the backend pins the
-    version it first saw, so a resumed stream never splices two versions). Raises
+    version it first saw, so a resumed stream never splices two versions). ``backoff``
+    bounds each stretch without progress: a cut after new bytes resets it. Raises
     ``ChecksumMismatch`` after the last chunk when the length or the store's crc32c
     disagree: the caller must discard everything it received.
     """
     offset = crc = 0
     while True:
+        opened_at = offset
         try:
             for chunk in open_at(offset):
                 offset += len(chunk)
@@ -147,6 +149,10 @@ def verified_chunks(
                 yield chunk
             break
         except ObjectStoreError as exc:
+            if offset > opened_at:
+                # Cut after new bytes: a fresh budget, so a long download (and a slow
+                # consumer between chunks) is bounded per stall, not overall.
+                backoff.reset()
             backoff.failed(exc)  # re-raises when it is final
     if offset != size:
         raise ChecksumMismatch(f"{what}: got {offset} bytes, the store says {size}")

@@ -22,10 +22,11 @@ in parallel from a bounded window (``storage.parts``): an upload holds at most
 ``workers + 1`` parts in memory (80 MiB with the defaults); a download streams
 ``chunk_size`` pieces. 16 MiB parts: within what AWS advises (8-16 MiB), and what moto
 takes fastest (docs/performance.md, "Backups to S3 and GCS"). A process
-that dies mid-upload leaves an invisible incomplete upload: the rank aborts its own before
-its next upload (``incomplete_uploads``, ``BackupStore.abort_leftover_uploads``); give the
-bucket an ``AbortIncompleteMultipartUpload`` lifecycle rule too, for nodes that never
-come back (docs/permissions.md).
+that dies mid-upload leaves an invisible incomplete upload: the rank aborts its own (those
+begun before its daemon started) before its next upload (``incomplete_uploads``,
+``BackupStore.abort_leftover_uploads``); give the bucket an
+``AbortIncompleteMultipartUpload`` lifecycle rule too, for nodes that never come back
+(docs/permissions.md).
 
 Retries are botocore's own: its ``standard`` mode unless ``AWS_RETRY_MODE`` or the AWS
 config file's ``retry_mode`` names another, as many tries as ``AWS_MAX_ATTEMPTS`` (or

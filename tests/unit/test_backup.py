@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from replicator.core.backup_layout import (
 from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
 from replicator.core.pacing import Traffic
 from replicator.local.hashing import build_manifest, verify_item
-from replicator.storage.backup import BackupStore
+from replicator.storage.backup import LEFTOVER_SKEW, BackupStore
 from replicator.storage.objectstore import (
     FileObjectStore,
     IncompleteUpload,
@@ -568,6 +569,22 @@ def test_only_the_ranks_own_leftover_uploads_are_aborted() -> None:
     objects = WithUploads([*own, *others])
     assert BackupStore(objects).abort_leftover_uploads("j", {"1-0"}) == 2
     assert [u.key for u in objects.uploads] == others
+
+
+def test_uploads_begun_after_this_daemon_started_are_never_aborted() -> None:
+    """During a reschedule the old node's daemon may still upload the same items: only
+    uploads begun before this store started (less a clock-skew margin) are leftovers."""
+    key = data_key(ItemId("j", 4, 1, 0), "a")
+    started = time.time()
+    objects = WithUploads([])
+    objects.uploads = [
+        IncompleteUpload(key, "old", started - LEFTOVER_SKEW - 1),
+        IncompleteUpload(key, "skew", started - LEFTOVER_SKEW + 5),  # within the margin
+        IncompleteUpload(key, "live", started + 30),  # the other daemon's, under way
+    ]
+    backup = BackupStore(objects)
+    assert backup.abort_leftover_uploads("j", {"1-0"}) == 1
+    assert [u.upload_id for u in objects.uploads] == ["skew", "live"]
 
 
 def test_leftover_uploads_that_cannot_be_listed_cost_a_warning_not_the_backup(

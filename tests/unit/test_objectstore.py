@@ -431,6 +431,60 @@ def test_verified_chunks_resume_and_verify() -> None:
         list(verified_chunks(open_at, what="k", size=6000, crc32c=None, backoff=backoff))
 
 
+def test_a_long_download_resumes_after_each_cut_that_made_progress() -> None:
+    """Each stretch without progress has its own deadline and tries, not the whole download.
+
+    A slow stream (its consumer takes 10 s a chunk) runs far past the 30 s deadline and is
+    cut more often than the 3 tries allow; every cut came after new bytes, so it resumes.
+    """
+    data = os.urandom(10_000)
+    now = [0.0]
+    cut_at = {2000, 4000, 6000, 8000}
+
+    def open_at(offset: int) -> Iterator[bytes]:
+        for i in range(offset, len(data), 1000):
+            if i in cut_at:
+                cut_at.discard(i)
+                raise TransientError(f"reset at {i}")
+            now[0] += 10.0
+            yield data[i : i + 1000]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    backoff = RetryState(
+        RetryPolicy(attempts=3, first_delay=1.0, deadline=30.0),
+        lambda e: True,
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    got = verified_chunks(
+        open_at, what="k", size=len(data), crc32c=google_crc32c.value(data), backoff=backoff
+    )
+    assert b"".join(got) == data
+    assert now[0] > 100.0
+
+
+def test_a_download_stuck_at_one_byte_still_gives_up() -> None:
+    """Cuts with no bytes between them share one budget: the tries stay bounded."""
+    data = os.urandom(5000)
+    opened: list[int] = []
+
+    def open_at(offset: int) -> Iterator[bytes]:
+        opened.append(offset)
+        if offset < 2000:
+            yield data[offset : offset + 1000]
+        raise TransientError("reset")
+
+    backoff = RetryState(
+        RetryPolicy(attempts=3, first_delay=0.0), lambda e: True, sleep=lambda _: None
+    )
+    with pytest.raises(TransientError, match="reset"):
+        list(verified_chunks(open_at, what="k", size=len(data), crc32c=None, backoff=backoff))
+    # Two cuts after new bytes, then the 3 tries of a stretch (the cut one included).
+    assert opened == [0, 1000, 2000, 2000]
+
+
 def test_crc32c_wire_form() -> None:
     crc = google_crc32c.value(b"hello")
     assert b64_crc32c(crc32c_b64(crc)) == crc

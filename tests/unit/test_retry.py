@@ -210,6 +210,26 @@ def test_retry_state_serves_a_resuming_loop() -> None:
     assert t.sleeps == [0.25, 0.5]
 
 
+def test_reset_gives_a_fresh_budget_after_progress() -> None:
+    """After ``reset`` the tries, the deadline and the waits count from then on."""
+    t = FakeTime()
+    state = RetryState(
+        RetryPolicy(attempts=2, first_delay=1.0, deadline=5.0),
+        is_transient,
+        clock=t.clock,
+        sleep=t.sleep,
+        rand=lambda: 1.0,
+    )
+    state.failed(TransientError("cut"))
+    t.now += 60.0  # far past the deadline: a long stretch of progress
+    state.reset()
+    state.failed(TransientError("cut"))  # the first try of a new stretch: one wait
+    with pytest.raises(TransientError, match="stuck") as raised:
+        state.failed(TransientError("stuck"))
+    assert "gave up after 2 attempts in 1.0s" in raised.value.__notes__[0]
+    assert t.sleeps == [1.0, 1.0]  # the waits start again from the first delay
+
+
 # --- the S3 classifier -----------------------------------------------------------------------
 
 
