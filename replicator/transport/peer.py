@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 import grpc.aio
@@ -263,6 +264,24 @@ class ItemInfo:
     total_bytes: int
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _noting_contact(
+    call: Callable[Concatenate[PeerClient, str, _P], Awaitable[_R]],
+) -> Callable[Concatenate[PeerClient, str, _P], Coroutine[Any, Any, _R]]:
+    """A ``PeerClient`` call to the peer at its first argument, noting in ``contacts``
+    whether the peer answered (``PeerClient._contact``)."""
+
+    @functools.wraps(call)
+    async def noted(self: PeerClient, address: str, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._contact(address):
+            return await call(self, address, *args, **kwargs)
+
+    return noted
+
+
 class PeerClient:
     """Calls other daemons' ``mtc.v1.Peer``; one channel per address, a deadline on every call.
 
@@ -411,14 +430,8 @@ class PeerClient:
             CHUNKS_AFTER_UNREACHABLE,
         )
 
+    @_noting_contact
     async def push_item(
-        self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
-    ) -> bool:
-        """Send a committed item (``_push_item``), noting whether the peer answered."""
-        with self._contact(address):
-            return await self._push_item(address, manifest, data_path, root)
-
-    async def _push_item(
         self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
     ) -> bool:
         """Send a committed item; True when the peer already held it (nothing was sent).
@@ -580,22 +593,8 @@ class PeerClient:
                 meter=send.meter,
             )
 
+    @_noting_contact
     async def pull_item(
-        self,
-        address: str,
-        item: ItemId,
-        store: LocalStore,
-        expected_digest: str | None = None,
-        *,
-        total_bytes: int | None = None,
-    ) -> Manifest:
-        """Fetch ``item`` (``_pull_item``), noting whether the peer answered."""
-        with self._contact(address):
-            return await self._pull_item(
-                address, item, store, expected_digest, total_bytes=total_bytes
-            )
-
-    async def _pull_item(
         self,
         address: str,
         item: ItemId,
@@ -712,12 +711,9 @@ class PeerClient:
                 store, manifest, sock, idle_timeout=self.timeout, pool=self.pool
             )
 
+    @_noting_contact
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         """The committed items ``address`` holds (of ``job`` only, when given)."""
-        with self._contact(address):
-            return await self._list_items(address, job)
-
-    async def _list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:
         request = pb.ListItemsRequest(job=job or "")
         try:
             response = await self._stub(address).ListItems(request, timeout=self.timeout)
