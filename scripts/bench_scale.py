@@ -5,15 +5,17 @@ one peer per node they push their items to each other) on tmpfs, backing up to `
 the other N-2 ranks are simulated members in this process. Each simulated member has its own
 gRPC channel (with mutual TLS unless ``--no-tls``) and speaks the coordinator protocol as an
 agent does: it joins with an inventory (its own items of the steps it holds and its pusher's
-copies, with the digests of the manifests it uploads), long-polls its round, reports its
-restore, then reports progress as an agent does (when it takes a step, when the step is
+copies, with the digests of the manifests it uploads) in a call that long-polls until the
+round is planned, reports its restore in one that long-polls until the release, then
+reports progress as an agent does (when it takes a step, when the step is
 replicated, after each upload, and every ``report_every_seconds``), uploading its tiny
 item's manifest when ordered to back up so that the coordinator's COMMIT finds every item.
 
 Measured per N:
 
-- ``round``: a job restart with nothing lost: first join to the last member released; and
-  ``plan``, the plan's computation alone (from the coordinator's log);
+- ``round``: a job restart with nothing lost: first join to the last member released;
+  ``plan``, the plan's computation alone (from the coordinator's log); the coordinator
+  calls per member by method, and the calls the server dropped (retried);
 - ``loss 1%/10%/100%``: the same with that share of members' RAM disks lost (they join
   empty; at 100% the real daemons are wiped too and fetch their items from the backup),
   with the plan's busiest peer (how many items one holder serves);
@@ -207,6 +209,15 @@ class Member:
 
 
 _RETRIED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+
+
+def _stopping() -> bool:
+    """Whether this task is being cancelled (as opposed to a call of it cut by a channel
+    that closed under it, which grpc.aio also raises as CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 RETRIES = Counter[str]()
 RETRY_DETAILS = Counter[str]()
 """Calls that failed and were tried again, by status (reported with the results)."""
@@ -223,11 +234,16 @@ async def restore_round(m: Member, digests: dict[ItemId, str]) -> float:
             if exc.code() not in _RETRIED:
                 raise
             RETRIES[exc.code().name] += 1
-            RETRY_DETAILS[f"{exc.code().name}: {(exc.details() or '')[:80]}"] += 1
+            method = getattr(exc, "method", "?")
+            RETRY_DETAILS[f"{method} {exc.code().name}: {(exc.details() or '')[:80]}"] += 1
             await asyncio.sleep(0.2)
 
 
 async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
+    """As an agent does (``cluster.rounds``): a join that long-polls until the round is
+    planned, a restore report that long-polls until the release; RoundStatus only when a
+    wait ended first."""
+    targets = replication_targets(job_config(m.config.nodes, m.rank))
     join = pb.JoinRequest(
         job=JOB,
         rank=m.rank,
@@ -235,25 +251,33 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
         cluster_view=cluster_view_json(m.config),
         address=fake_address(m.rank),
         items=m.inventory(digests),
+        wait_seconds=10,
+        address_ranks=targets,
+        address_ranks_given=True,
     )
-    round_ = (await m.stub.Join(join, timeout=60)).round
-    targets = replication_targets(job_config(m.config.nodes, m.rank))
+    joined = await _call("Join", m.stub.Join(join, timeout=70))
+    round_ = joined.round
+    news: pb.RoundStatusResponse | None = joined.status if joined.HasField("status") else None
     seen_state, seen_version, done = State.STATE_UNSPECIFIED, 0, -1
     while True:
-        status = await m.stub.RoundStatus(
-            pb.RoundStatusRequest(
-                job=JOB,
-                rank=m.rank,
-                incarnation_id=m.incarnation,
-                round=round_,
-                wait_seconds=10,
-                seen_state=seen_state,
-                seen_plan_version=seen_version,
-                address_ranks=targets,
-                address_ranks_given=True,
+        status = news or await _call(
+            "RoundStatus",
+            m.stub.RoundStatus(
+                pb.RoundStatusRequest(
+                    job=JOB,
+                    rank=m.rank,
+                    incarnation_id=m.incarnation,
+                    round=round_,
+                    wait_seconds=10,
+                    seen_state=seen_state,
+                    seen_plan_version=seen_version,
+                    address_ranks=targets,
+                    address_ranks_given=True,
+                ),
+                timeout=70,
             ),
-            timeout=70,
         )
+        news = None
         round_, seen_state, seen_version = status.round, status.state, status.plan_version
         if status.state == State.REJOIN:
             raise RuntimeError(f"rank {m.rank} must rejoin: {status.message}")
@@ -263,22 +287,43 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
                 first = a.sources[0]
                 if first.kind == pb.ItemSource.PEER:
                     m.first_choices[first.holder_rank] += 1
-            await m.stub.ReportRestore(
-                pb.ReportRestoreRequest(
-                    job=JOB,
-                    rank=m.rank,
-                    incarnation_id=m.incarnation,
-                    round=round_,
-                    plan_version=status.plan_version,
-                    ready=True,
+            reported = await _call(
+                "ReportRestore",
+                m.stub.ReportRestore(
+                    pb.ReportRestoreRequest(
+                        job=JOB,
+                        rank=m.rank,
+                        incarnation_id=m.incarnation,
+                        round=round_,
+                        plan_version=status.plan_version,
+                        ready=True,
+                        wait_seconds=10,
+                        address_ranks=targets,
+                        address_ranks_given=True,
+                    ),
+                    timeout=70,
                 ),
-                timeout=60,
             )
             done = status.plan_version
+            news = reported.status if reported.HasField("status") else None
             m.steps = {status.step} | m.steps if not status.fresh_start else m.steps
         if status.state == State.RELEASED:
             m.restorable = None if status.fresh_start else status.step
             return time.monotonic()
+
+
+CALLS = Counter[str]()
+"""Coordinator calls made in restore rounds, by method (reported with the results)."""
+
+
+async def _call(method: str, call: Any) -> Any:
+    """Await one coordinator call, counting it (and naming its method if it fails)."""
+    CALLS[method] += 1
+    try:
+        return await call
+    except grpc.aio.AioRpcError as exc:
+        exc.method = method  # type: ignore[attr-defined]
+        raise
 
 
 class Steady:
@@ -336,9 +381,18 @@ class Steady:
                 ),
                 timeout=30,
             )
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if _stopping():
+                    raise
+                # Another member's failure reconnected every member, and closing the old
+                # channel cut this call (grpc.aio raises CancelledError in the caller):
+                # a failed report to retry, not the end of this member.
+                code = "CANCELLED by a reconnect"
+            else:
+                code = exc.code().name
             self.failures += 1
-            self.failure_codes[exc.code().name] += 1
+            self.failure_codes[code] += 1
             entry = await asyncio.to_thread(self.registry.lookup, JOB)
             if entry is not None and entry.address != self.address:
                 self.address = entry.address
@@ -519,6 +573,7 @@ class Run:
                 m.steps = set()
         plans_before = len(self.nodes[0].plans())
         retried_before = RETRIES.total()
+        calls_before = CALLS.copy()
         t0 = time.monotonic()
         released = await asyncio.gather(*(restore_round(m, digests) for m in members))
         elapsed = max(released) - t0
@@ -532,6 +587,10 @@ class Run:
             "busiest_peer_items": max((p[4] for p in plans), default=0),
             "busiest_peer_items_seen": max(load.values(), default=0),
             "retried_calls": RETRIES.total() - retried_before,
+            "calls_per_member": {
+                method: round((CALLS[method] - calls_before[method]) / len(members), 2)
+                for method in sorted(CALLS)
+            },
         }
 
     async def run(self) -> dict[str, Any]:
@@ -646,6 +705,8 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = [
         ("restore round, s (target < 10 at 4096)", lambda r: r["round"]["seconds"]),
         ("  plan alone, s", lambda r: r["round"]["plan_seconds"]),
+        ("  calls per member", lambda r: sum(r["round"]["calls_per_member"].values())),
+        ("  calls retried", lambda r: r["round"]["retried_calls"]),
         ("round, 1% lost, s", lambda r: r["loss_1"]["seconds"]),
         ("  busiest peer serves, items", lambda r: r["loss_1"]["busiest_peer_items"]),
         ("round, 10% lost, s", lambda r: r["loss_10"]["seconds"]),
@@ -704,6 +765,7 @@ def main() -> None:
             result["retried_calls"] = dict(RETRIES)
             result["retried_why"] = dict(RETRY_DETAILS.most_common(5))
             RETRIES.clear()
+            CALLS.clear()
             RETRY_DETAILS.clear()
             results.append(result)
             if args.json:

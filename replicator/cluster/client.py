@@ -33,13 +33,14 @@ from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import coordinator_pb2_grpc
 from replicator.cluster.messages import (
     MAX_HELD_STEPS,
-    MAX_WAIT_SECONDS,
     BadMessage,
     FailedFetch,
+    Joined,
     RoundState,
     address_map,
     failure_message,
     held_items,
+    long_poll_wait,
     round_state,
 )
 from replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
@@ -226,8 +227,16 @@ class CoordinatorClient(IdentityChecked):
         cluster_view: str,
         address: str,
         items: Mapping[ItemId, str],
-    ) -> int:
-        """Join (or re-join) the current round; returns the round the join counts for."""
+        *,
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> Joined:
+        """Join (or re-join) the current round: the round the join counts for and, with
+        ``wait_seconds`` (at most 30), the round as this rank sees it once it is no longer
+        waiting for joins or the wait is over (with the addresses of ``address_ranks``, as
+        in ``round_status``). A coordinator that predates the long poll answers at once
+        without the state: the caller polls ``round_status`` then."""
+        wait = long_poll_wait(wait_seconds)
         request = pb.JoinRequest(
             job=self.job,
             rank=rank,
@@ -236,13 +245,29 @@ class CoordinatorClient(IdentityChecked):
             address=address,
             items=held_items(items),
             owner=self.owner,
+            wait_seconds=wait,
+            address_ranks=sorted(address_ranks or ()),
+            address_ranks_given=address_ranks is not None,
         )
         try:
-            response = await self._stub.Join(request, timeout=self.timeout)
+            response = await self._stub.Join(request, timeout=wait + self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "Join") from None
         self._check(response.coordinator, "Join")
-        return response.round
+        state = self._status(response, "status", "Join", rank) if wait else None
+        return Joined(response.round, state)
+
+    def _status(self, response: Any, name: str, method: str, rank: int) -> RoundState | None:
+        """The round state a long-polled ``method`` carries in ``name``, checked like a
+        RoundStatus answer (None: the coordinator did not send one)."""
+        if not response.HasField(name):
+            return None
+        message: pb.RoundStatusResponse = getattr(response, name)
+        self._check(message.coordinator, method)
+        try:
+            return round_state(message, self.job, rank)
+        except BadMessage as exc:
+            raise CoordinatorError(f"{method} at {self.address}: {exc}") from None
 
     async def round_status(
         self,
@@ -261,7 +286,7 @@ class CoordinatorClient(IdentityChecked):
         when there was none, which answers at once), or when the wait is over. The answer
         carries the addresses of ``address_ranks`` (None: of every member).
         """
-        wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
+        wait = long_poll_wait(wait_seconds)
         request = pb.RoundStatusRequest(
             job=self.job,
             rank=rank,
@@ -293,11 +318,19 @@ class CoordinatorClient(IdentityChecked):
         ready: bool,
         failures: Sequence[FailedFetch] = (),
         addresses: Mapping[int, str] | None = None,
-    ) -> None:
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> RoundState | None:
         """Report the outcome of plan ``plan_version`` of ``round_``: ``ready`` when every
         assigned item is present and verified; ``failures`` are the sources that failed
-        (``addresses``, the status's, names PEER holders in the coordinator's log)."""
+        (``addresses``, the status's, names PEER holders in the coordinator's log).
+
+        With ``wait_seconds`` (at most 30) the answer waits until the round moved past
+        this report (released, re-planned, a new round) or the wait is over, and returns
+        the round as this rank sees it then; None without a wait, or from a coordinator
+        that predates the long poll (the caller polls ``round_status`` then)."""
         known = addresses or {}
+        wait = long_poll_wait(wait_seconds)
         request = pb.ReportRestoreRequest(
             job=self.job,
             rank=rank,
@@ -309,12 +342,16 @@ class CoordinatorClient(IdentityChecked):
                 failure_message(f, "" if f.fetch.holder is None else known.get(f.fetch.holder, ""))
                 for f in failures
             ],
+            wait_seconds=wait,
+            address_ranks=sorted(address_ranks or ()),
+            address_ranks_given=address_ranks is not None,
         )
         try:
-            response = await self._stub.ReportRestore(request, timeout=self.timeout)
+            response = await self._stub.ReportRestore(request, timeout=wait + self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "ReportRestore") from None
         self._check(response.coordinator, "ReportRestore")
+        return self._status(response, "status", "ReportRestore", rank) if wait else None
 
     async def report_progress(
         self,

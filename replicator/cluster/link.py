@@ -14,7 +14,6 @@ and both check who answers, so a replaced coordinator is noticed the same way.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
@@ -26,7 +25,14 @@ from replicator.cluster.client import (
     NotAMember,
     find_coordinator,
 )
-from replicator.cluster.messages import MAX_WAIT_SECONDS, BadMessage, FailedFetch, RoundState
+from replicator.cluster.messages import (
+    BadMessage,
+    FailedFetch,
+    Joined,
+    RoundState,
+    long_poll_wait,
+    state_of,
+)
 from replicator.cluster.registry import Registry
 from replicator.cluster.service import (
     BackupsUnavailable,
@@ -134,18 +140,28 @@ class LocalCoordinator(IdentityChecked):
         cluster_view: str,
         address: str,
         items: Mapping[ItemId, str],
-    ) -> int:
+        *,
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> Joined:
         inventory = NodeInventory(rank, address, dict(items))
         try:
             identity, round_ = await self.coordinators.join(
                 self.job, incarnation_id, cluster_view, inventory, self.owner
+            )
+            self._check(identity, "Join")
+            wait = long_poll_wait(wait_seconds)
+            if not wait:
+                return Joined(round_)
+            identity, status, addresses = await self.coordinators.after_join(
+                self.job, rank, incarnation_id, wait, address_ranks=address_ranks
             )
         except ForeignOwner as exc:
             raise JoinRejected(str(exc)) from None
         except (NotHosted, BackupsUnavailable, BadMessage) as exc:
             raise self._error(exc, "Join") from None
         self._check(identity, "Join")
-        return round_
+        return Joined(round_, round_state_of(status, addresses))
 
     async def round_status(
         self,
@@ -157,7 +173,7 @@ class LocalCoordinator(IdentityChecked):
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState:
-        wait = max(0, min(MAX_WAIT_SECONDS, math.ceil(wait_seconds)))
+        wait = long_poll_wait(wait_seconds)
         key = seen.key if seen is not None and seen.round == round_ else None
         try:
             identity, status, addresses = await self.coordinators.round_status(
@@ -178,7 +194,9 @@ class LocalCoordinator(IdentityChecked):
         ready: bool,
         failures: Sequence[FailedFetch] = (),
         addresses: Mapping[int, str] | None = None,
-    ) -> None:
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> RoundState | None:
         try:
             identity = self.coordinators.report_restore(
                 self.job,
@@ -189,9 +207,19 @@ class LocalCoordinator(IdentityChecked):
                 ready=ready,
                 failed=[f.fetch.key for f in failures],
             )
+            self._check(identity, "ReportRestore")
+            wait = long_poll_wait(wait_seconds)
+            if not wait:
+                return None
+            reported = (round_, state_of(Phase.FETCH), plan_version)
+            identity, status, found = await self.coordinators.round_status(
+                self.job, rank, incarnation_id, reported, wait,
+                address_ranks=address_ranks,
+            )  # fmt: skip
         except (NotHosted, BadMessage, ReportRefused) as exc:
             raise self._error(exc, "ReportRestore") from None
         self._check(identity, "ReportRestore")
+        return round_state_of(status, found)
 
     async def report_progress(
         self,

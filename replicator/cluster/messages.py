@@ -9,6 +9,7 @@ turns it into INVALID_ARGUMENT, the client into ``CoordinatorError``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field
@@ -303,6 +304,11 @@ def status_key(status: RankStatus) -> StatusKey:
     return (status.round, state_of(status.phase), status.plan_version)
 
 
+def long_poll_wait(seconds: float) -> int:
+    """A long poll's wait as the wire carries it: whole seconds, 0 to ``MAX_WAIT_SECONDS``."""
+    return max(0, min(MAX_WAIT_SECONDS, math.ceil(seconds)))
+
+
 def seen_key(request: pb.RoundStatusRequest) -> StatusKey:
     return (request.round, request.seen_state, request.seen_plan_version)
 
@@ -327,6 +333,15 @@ class RoundState:
     @property
     def key(self) -> StatusKey:
         return (self.round, state_of(self.phase), self.plan_version)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A Join answer: the round it counts for and, when the join long-polled, the round as
+    the rank sees it after the wait (None: not asked for, or an older coordinator)."""
+
+    round: int
+    state: RoundState | None = None
 
 
 def status_message(

@@ -180,19 +180,27 @@ class RoundParticipant:
         # Only the addresses this rank pushes to: PEER sources carry their own, and every
         # member's would make a round cost the coordinator N answers of N addresses.
         targets = replication_targets(self.config)
-        round_ = await client.join(
-            rank, inc, cluster_view_json(self.config), self.ctx.advertise, self._inventory()
+        # The join and the report long-poll (a coordinator that predates that answers at
+        # once, without the round's state, and the loop polls instead): two calls a round
+        # per rank instead of five, which is most of a round's cost at thousands of ranks.
+        joined = await client.join(
+            rank,
+            inc,
+            cluster_view_json(self.config),
+            self.ctx.advertise,
+            self._inventory(),
+            wait_seconds=self._wait(),
+            address_ranks=targets,
         )
         self._mark(RestorePhase.PLAN)
+        round_, news = joined.round, joined.state
         state: RoundState | None = None
         done_version = -1
         while True:
-            # Return in time to say what we wait for once ``report_after`` has passed.
-            report_in = self._started + self.ctx.report_after - time.monotonic()
-            wait = POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
-            state = await client.round_status(
-                rank, inc, round_, seen=state, wait_seconds=wait, address_ranks=targets
+            state = news or await client.round_status(
+                rank, inc, round_, seen=state, wait_seconds=self._wait(), address_ranks=targets
             )
+            news = None
             round_ = state.round
             if state.phase is None:
                 return None
@@ -202,13 +210,20 @@ class RoundParticipant:
             elif state.phase is Phase.FETCH and state.plan_version != done_version:
                 ready, failures = await self._obtain(state)
                 self._mark(RestorePhase.RELEASE)
-                await client.report_restore(
+                news = await client.report_restore(
                     rank, inc, state.round, state.plan_version,
                     ready=ready, failures=failures, addresses=state.addresses,
+                    wait_seconds=self._wait(), address_ranks=targets,
                 )  # fmt: skip
                 done_version = state.plan_version
             elif state.phase is Phase.RELEASED:
                 return self._outcome(state, client.address)
+
+    def _wait(self) -> float:
+        """A long poll's wait: short enough to say what we wait for once ``report_after``
+        has passed."""
+        report_in = self._started + self.ctx.report_after - time.monotonic()
+        return POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
 
     async def _obtain(self, state: RoundState) -> tuple[bool, list[FailedFetch]]:
         """Make every assigned item present and verified; False when one has no source left."""

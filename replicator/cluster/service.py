@@ -31,6 +31,7 @@ from replicator.cluster.messages import (
     MAX_WAIT_SECONDS,
     SERVICE,
     BadMessage,
+    State,
     StatusKey,
     check_address,
     check_address_ranks,
@@ -79,6 +80,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+UNADOPTED_SAY_SECONDS = 60.0
+"""How often a coordinator restarted in steady state names the ranks it has not heard from
+(ranks report at least every 30 s, ``core.coordination.report_every``)."""
 
 BACKUPS_TTL = 5.0
 """How long one listing of the committed backups serves joins: a round's joins arrive
@@ -147,6 +152,9 @@ class HostedJob:
     each of N joins woke every waiting rank, N^2 wake-ups per round."""
     backups_noted: bool = False
     """Whether a coordinator restarted in steady state has read the newest backup's time."""
+    said_unadopted: float | None = None
+    """Restarted in steady state: when the ranks yet to report were last logged (or the
+    first report came)."""
 
     @property
     def job(self) -> str:
@@ -450,6 +458,26 @@ class Coordinators:
             except TimeoutError:
                 pass  # answer with what there is now
 
+    async def after_join(
+        self,
+        job: str,
+        rank: int,
+        incarnation: str,
+        wait: float,
+        *,
+        address_ranks: Collection[int] | None = None,
+    ) -> tuple[Identity, RankStatus, dict[int, str]]:
+        """Right after ``rank``'s join: the round once it is no longer waiting for ranks to
+        join (planned, released, or this incarnation superseded), or when ``wait`` passed.
+
+        What a joining agent's first polls would wait for, in the join's own call.
+        """
+        now = self.hosted(job, rank).coordinator.status(rank, incarnation)
+        seen = status_key(now) if now.phase is Phase.WAITING else None
+        return await self.round_status(
+            job, rank, incarnation, seen, wait, address_ranks=address_ranks
+        )
+
     def report_restore(
         self,
         job: str,
@@ -545,7 +573,31 @@ class Coordinators:
         step = coordinator.take_commit()
         if step is not None:
             self._start(self._commit(job, coordinator, step), f"commit-{job}-{step}")
+        if coordinator.adopting:
+            self._say_unadopted(hosted)
         return hosted.identity, answer
+
+    def _say_unadopted(self, hosted: HostedJob) -> None:
+        """Restarted in steady state: once a minute, name the ranks that have not reported
+        since. The restorable step, and so every backup, waits for all of them; a rank
+        whose agent is gone would otherwise stop backups without a word."""
+        now = self.clock()
+        if hosted.said_unadopted is None:
+            hosted.said_unadopted = now
+        if now - hosted.said_unadopted < UNADOPTED_SAY_SECONDS:
+            return
+        hosted.said_unadopted = now
+        missing, first = hosted.coordinator.unadopted(8)
+        if missing:
+            log.warning(
+                "restarted coordinator: %d of %d ranks have not reported since (ranks %s%s); "
+                "no step is restorable and no backup is ordered until every rank has",
+                missing,
+                hosted.coordinator.config.nodes,
+                ", ".join(map(str, first)),
+                ", ..." if missing > len(first) else "",
+                extra={"job": hosted.job},
+            )
 
     def _start(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(work, name=name)
@@ -612,13 +664,24 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
             owner = check_owner(request.owner)
             items = inventory_items(job, request.items)
+            address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
             inventory = NodeInventory(request.rank, address, items)
             identity, round_ = await self.coordinators.join(
                 job, incarnation, request.cluster_view, inventory, owner
             )
-            return pb.JoinResponse(coordinator=_identity(identity), round=round_)
+            response = pb.JoinResponse(coordinator=_identity(identity), round=round_)
+            if request.wait_seconds:
+                identity, status, addresses = await self.coordinators.after_join(
+                    job,
+                    request.rank,
+                    incarnation,
+                    request.wait_seconds,
+                    address_ranks=address_ranks,
+                )
+                response.status.CopyFrom(status_message(_identity(identity), status, addresses))
         except Exception as exc:
             await _abort(context, "Join", request, exc)
+        return response
 
     async def RoundStatus(
         self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -649,6 +712,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             rank = request.rank
             nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
             failed = source_keys(request.failures, job, rank, nodes)
+            address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
             identity = self.coordinators.report_restore(
                 job,
                 rank,
@@ -669,9 +733,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     failure.detail[:MAX_DETAIL_CHARS],
                     step=key.item.step,
                 )
-            return pb.ReportRestoreResponse(coordinator=_identity(identity))
+            response = pb.ReportRestoreResponse(coordinator=_identity(identity))
+            if request.wait_seconds:
+                # Until the round moved past what was reported: one call instead of a
+                # report and a poll, at thousands of ranks most of a round's cost.
+                reported = (request.round, State.FETCH, request.plan_version)
+                identity, status, addresses = await self.coordinators.round_status(
+                    job,
+                    rank,
+                    incarnation,
+                    reported,
+                    request.wait_seconds,
+                    address_ranks=address_ranks,
+                )
+                response.status.CopyFrom(status_message(_identity(identity), status, addresses))
         except Exception as exc:
             await _abort(context, "ReportRestore", request, exc)
+        return response
 
     async def ReportProgress(
         self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]

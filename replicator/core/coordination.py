@@ -174,6 +174,17 @@ class JobCoordinator:
         self.phase = Phase.RELEASED
         self.adopting = True
 
+    def unadopted(self, limit: int) -> tuple[int, list[int]]:
+        """Restarted in steady state: how many ranks have not reported since, and the
+        first ``limit`` of them. Until every rank has, no step is restorable and no backup
+        is ordered. O(ranks): for a rate-limited log line, not for every report."""
+        if not self.adopting:
+            return 0, []
+        known = self.released_incarnations
+        missing = self.config.nodes - len(known)
+        first = [r for r in range(self.config.nodes) if r not in known][:limit] if missing else []
+        return missing, first
+
     # --- restore rounds ----------------------------------------------------------------------
 
     def join(

@@ -106,6 +106,12 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     # Without this a second daemon on the same fixed port would silently share it.
     ("grpc.so_reuseport", 0),
+    # Calls that arrived while the event loop was busy wait in gRPC's queue until the
+    # server asks for them, one per loop turn. Past 1,000 of them gRPC drops new calls at
+    # random (3,000: all): the joins of a 4,096-rank round arrive together, and each
+    # dropped one costs a retry with backoff. A rank has one coordinator call in flight.
+    ("grpc.server.max_pending_requests", 16384),
+    ("grpc.server.max_pending_requests_hard_limit", 65536),
 ]
 
 

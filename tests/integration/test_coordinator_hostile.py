@@ -47,7 +47,7 @@ def test_a_stray_join_in_steady_state_stops_no_backup(cluster: Cluster) -> None:
 
     async def stray_join() -> RoundState:
         async with _intruder(cluster) as client:
-            round_ = await client.join(2, "stray2", _view(cluster), NOWHERE, {})
+            round_ = (await client.join(2, "stray2", _view(cluster), NOWHERE, {})).round
             return await client.round_status(2, "stray2", round_)
 
     # A leftover or forged joiner of rank 2: it waits for rank 0's restart, no more.
@@ -87,7 +87,7 @@ def test_a_member_cannot_report_the_survivors_copies_as_failed(cluster: Cluster)
 
     async def intrude() -> str:
         async with _intruder(cluster) as client:
-            round_ = await client.join(3, "forged3", _view(cluster), NOWHERE, {})
+            round_ = (await client.join(3, "forged3", _view(cluster), NOWHERE, {})).round
             plan = await planned(client, round_)
             refusal = ""
             try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -31,14 +33,22 @@ from replicator.cluster.client import (
     find_coordinator,
 )
 from replicator.cluster.link import LocalCoordinator, LocalFinder
-from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from replicator.cluster.messages import FailedFetch, Joined, RoundState, cluster_view_json
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
-from replicator.cluster.service import SERVICE, CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.cluster.service import (
+    SERVICE,
+    CoordinatorHost,
+    Coordinators,
+    CoordinatorServicer,
+    Progress,
+)
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JoinRejected, Phase
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
+from replicator.local.store import LocalStore
 from replicator.storage.objectstore import TransientError
 from replicator.transport.server import RpcServer
 
@@ -133,7 +143,7 @@ async def cluster(
 async def join(
     client: CoordinatorClient, rank: int, inc: str, items: Mapping[ItemId, str], view: str = VIEW
 ) -> int:
-    return await client.join(rank, inc, view, peer_address(rank), items)
+    return (await client.join(rank, inc, view, peer_address(rank), items)).round
 
 
 async def status(
@@ -241,6 +251,117 @@ def test_a_long_poll_without_change_ends_after_its_wait() -> None:
     assert state.phase is Phase.WAITING
     assert state.missing == (2, 3)  # answered with what there is at the end of the wait
     assert 0.9 <= took < 2.5
+
+
+def test_a_long_polled_join_answers_once_the_round_is_planned() -> None:
+    """A join with a wait is the join and the polls that would follow it, in one call:
+    waiting joiners get the plan as the last rank joins, the last joiner at once, and a
+    joiner whose wait ends first gets WAITING with the missing ranks."""
+
+    async def scenario() -> tuple[list[RoundState], float, RoundState, float, Joined]:
+        async with cluster() as (_, client):
+            early = await client.join(0, "a0", VIEW, peer_address(0), own(0, 5), wait_seconds=1)
+            t0 = time.monotonic()
+            waiting = [
+                asyncio.ensure_future(
+                    client.join(
+                        r, f"a{r}", VIEW, peer_address(r), own(r, 5),
+                        wait_seconds=20, address_ranks=[(r + 1) % NODES],
+                    )
+                )
+                for r in (1, 2)
+            ]  # fmt: skip
+            await asyncio.sleep(0.3)
+            assert not any(w.done() for w in waiting)
+            last = await client.join(
+                3, "a3", VIEW, peer_address(3), own(3, 5), wait_seconds=20, address_ranks=[0]
+            )
+            joined = time.monotonic()
+            answers = [await w for w in waiting]
+            after = time.monotonic() - joined
+            assert last.state is not None
+            assert all(a.state is not None for a in answers)
+            states = [a.state for a in answers if a.state is not None]
+            # Each is what a poll with the same address ranks answers.
+            for rank, state in zip((1, 2), states, strict=True):
+                poll = await client.round_status(rank, f"a{rank}", 1, address_ranks=[rank + 1])
+                assert state == poll
+            assert last.state == await client.round_status(3, "a3", 1, address_ranks=[0])
+            return states, after, last.state, joined - t0, early
+
+    states, after, last, before, early = run(scenario())
+    assert early.round == 1
+    assert early.state is not None
+    assert early.state.phase is Phase.WAITING
+    assert early.state.missing == (1, 2, 3)
+    assert before >= 0.3
+    assert after < 0.5, f"the waiting joins answered {after:.3f}s after the last join"
+    for rank, state in zip((1, 2, 3), [*states, last], strict=True):
+        assert (state.phase, state.step) == (Phase.FETCH, 5)
+        assert list(state.assignments) == [ItemId(JOB, 5, rank, 0)]
+        assert (rank + 1) % NODES in state.addresses
+        assert len(state.addresses) < NODES  # the asked-for ones, not every member's
+
+
+def test_a_long_polled_report_answers_with_the_release() -> None:
+    """A report with a wait returns once the round moved past it: the last ready report
+    at once with RELEASED, earlier reporters as the last one arrives."""
+
+    async def scenario() -> tuple[list[RoundState | None], float, RoundState | None]:
+        async with cluster() as (_, client):
+            await all_join(client, "a", 5)
+            plan = await status(client, 0, "a0")
+            no_wait = await client.report_restore(
+                0, "a0", plan.round, plan.plan_version, ready=True
+            )
+            assert no_wait is None  # without a wait: the old answer, no state
+            early = [
+                asyncio.ensure_future(
+                    client.report_restore(
+                        r, f"a{r}", plan.round, plan.plan_version, ready=True, wait_seconds=20
+                    )
+                )
+                for r in (1, 2)
+            ]
+            await asyncio.sleep(0.3)
+            assert not any(e.done() for e in early)
+            last = await client.report_restore(
+                3, "a3", plan.round, plan.plan_version, ready=True, wait_seconds=20
+            )
+            reported = time.monotonic()
+            answers = [await e for e in early]
+            return answers, time.monotonic() - reported, last
+
+    answers, after, last = run(scenario())
+    assert after < 0.5
+    for state in [*answers, last]:
+        assert state is not None
+        assert (state.phase, state.step) == (Phase.RELEASED, 5)
+
+
+def test_a_long_polled_report_of_a_failed_source_answers_with_the_new_plan() -> None:
+    async def scenario() -> tuple[RoundState, RoundState | None]:
+        async with cluster() as (_, client):
+            for r in range(NODES):
+                # Rank 1's item is on rank 2 only (its RAM disk was wiped).
+                items = {} if r == 1 else own(r, 5)
+                if r == 2:
+                    items[ItemId(JOB, 5, 1, 0)] = digest(1, 5)
+                await join(client, r, f"a{r}", items)
+            plan = await status(client, 1, "a1")
+            (fetch,) = plan.assignments[ItemId(JOB, 5, 1, 0)]
+            failure = FailedFetch(fetch, False, "unreachable")
+            answer = await client.report_restore(
+                1, "a1", plan.round, plan.plan_version,
+                ready=False, failures=[failure], addresses=plan.addresses, wait_seconds=20,
+            )  # fmt: skip
+            return plan, answer
+
+    plan, answer = run(scenario())
+    assert answer is not None
+    assert answer.plan_version == plan.plan_version + 1  # at once: the report re-planned
+    assert answer.phase is Phase.FETCH
+    assert answer.step is None  # rank 1's step 5 has no other source: a fresh start
 
 
 def test_dropping_the_coordinator_ends_its_long_polls() -> None:
@@ -648,7 +769,11 @@ def test_the_in_process_link_answers_as_the_wire_does() -> None:
             async with CoordinatorClient(JOB, address, timeout=5.0) as wire:
                 links = {0: wire, 1: local, 2: wire, 3: local}
                 for r, link in links.items():
-                    await link.join(r, f"a{r}", VIEW, peer_address(r), own(r, 10))
+                    # The last joiner long-polls (in process): it is answered the plan.
+                    joined = await link.join(
+                        r, f"a{r}", VIEW, peer_address(r), own(r, 10), wait_seconds=5 * (r == 3)
+                    )
+                assert joined.state == await status(wire, 3, "a3")
                 for r in range(NODES):
                     over_wire = await status(wire, r, f"a{r}")
                     in_process = await local.round_status(r, f"a{r}", 1)
@@ -656,11 +781,17 @@ def test_the_in_process_link_answers_as_the_wire_does() -> None:
                     assert over_wire.phase is Phase.FETCH
                     assert over_wire.addresses == {p: peer_address(p) for p in range(NODES)}
                     state = over_wire
-                    await links[r].report_restore(
-                        r, f"a{r}", state.round, state.plan_version, ready=True
-                    )
+                    # The last two reports long-poll, one over each link: rank 2's wait
+                    # ends before the release, rank 3's report is the release.
+                    answer = await links[r].report_restore(
+                        r, f"a{r}", state.round, state.plan_version, ready=True,
+                        wait_seconds=r // 2,
+                    )  # fmt: skip
+                    if r == 2:
+                        assert answer == over_wire
                 released = await local.round_status(0, "a0", 1)
                 assert released == await status(wire, 0, "a0")
+                assert answer == await status(wire, 3, "a3")
                 assert released.phase is Phase.RELEASED
                 assert released.step == 10
                 # Not a member: both say "join again", neither answers for another rank.
@@ -747,3 +878,147 @@ def test_asking_for_too_many_addresses_is_refused() -> None:
                 await client.round_status(0, "a0", 1, address_ranks=range(1025))
 
     run(scenario())
+
+
+# --- real round participants: calls per round, and an older coordinator ----------------------
+
+
+class CountingServicer(CoordinatorServicer):
+    """The real servicer, counting calls by method; ``old`` answers as a coordinator that
+    predates the long-polled Join and ReportRestore (no ``status`` in their answers)."""
+
+    def __init__(self, coordinators: Coordinators, *, old: bool) -> None:
+        super().__init__(coordinators)
+        self.old = old
+        self.calls: dict[str, int] = {}
+
+    def _count(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+
+    async def Join(self, request: Any, context: Any) -> pb.JoinResponse:
+        self._count("Join")
+        if self.old:
+            request.wait_seconds = 0
+        return await super().Join(request, context)
+
+    async def RoundStatus(self, request: Any, context: Any) -> pb.RoundStatusResponse:
+        self._count("RoundStatus")
+        return await super().RoundStatus(request, context)
+
+    async def ReportRestore(self, request: Any, context: Any) -> pb.ReportRestoreResponse:
+        self._count("ReportRestore")
+        if self.old:
+            request.wait_seconds = 0
+        return await super().ReportRestore(request, context)
+
+
+class _AtAddress:
+    """A finder of the coordinator at one address (what the registry would say)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    async def find(self, job: str, *, timeout: float) -> CoordinatorClient:
+        return CoordinatorClient(job, self.address, timeout=5.0)
+
+    def open(self, job: str, address: str) -> CoordinatorClient:
+        return CoordinatorClient(job, address, timeout=5.0)
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["long-polls", "older-coordinator"])
+def test_real_participants_restore_in_two_calls_each(tmp_path: Path, old: bool) -> None:
+    """Four real round participants (a fresh job: nothing to fetch) against the coordinator
+    over gRPC. Each joins and reports with a long poll, so a round costs two calls per rank
+    and no RoundStatus; against a coordinator that predates the long polls the same
+    participants fall back to polling and still restore."""
+    servicers: list[CountingServicer] = []
+
+    async def participant(rank: int, address: str) -> RoundOutcome:
+        ckpt = tmp_path / f"n{rank}" / "checkpoint"
+        ckpt.mkdir(parents=True)
+        store = LocalStore(ckpt)
+        store.open()
+
+        async def nothing(*_: object) -> None:
+            raise AssertionError("a fresh start fetches nothing")
+
+        ctx = RoundContext(
+            config=dataclasses.replace(config(), node_rank=rank),
+            incarnation_id=f"a{rank}",
+            store=store,
+            peers=None,
+            finder=_AtAddress(address),
+            advertise=peer_address(rank),
+            verify_local=nothing,
+            fetch_backup=nothing,
+            error=lambda message, step: None,
+        )
+        try:
+            return await RoundParticipant(ctx).run()
+        finally:
+            store.close()
+
+    async def scenario() -> list[RoundOutcome]:
+        host = CoordinatorHost()
+        host.host(config(), VIEW)
+        servicer = CountingServicer(Coordinators(host, no_backups), old=old)
+        servicers.append(servicer)
+        rpc = RpcServer()
+        rpc.add_service(SERVICE, servicer.register)
+        address = rpc.bind("127.0.0.1:0")
+        await rpc.start()
+        try:
+            return await asyncio.gather(*(participant(r, address) for r in range(NODES)))
+        finally:
+            host.close()
+            await rpc.stop(0.5)
+
+    outcomes = run(scenario(), timeout=30)
+    assert [o.step for o in outcomes] == [None] * NODES  # released: a fresh start
+    calls = servicers[0].calls
+    if old:
+        assert calls["RoundStatus"] >= 2 * NODES  # polled for the plan and the release
+    else:
+        assert calls == {"Join": NODES, "ReportRestore": NODES}
+
+
+def test_a_restarted_coordinator_names_the_ranks_it_has_not_heard_from(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Restarted in steady state, the coordinator needs every rank's report before a step
+    is restorable; once a minute it names the ranks still silent, and stops once all
+    reported."""
+    now = [1000.0]
+    host = CoordinatorHost()
+    host.host(config(), VIEW, resume_steady=True)
+    coordinators = Coordinators(host, no_backups, clock=lambda: now[0])
+
+    async def report(rank: int) -> int | None:
+        _, answer = await coordinators.report_progress(
+            JOB, rank, f"s{rank}", Progress(replicated_step=5, held=frozenset({5}))
+        )
+        return answer.restorable_step
+
+    async def scenario() -> list[int | None]:
+        answers = [await report(r) for r in (0, 1)]
+        now[0] += 59
+        answers.append(await report(0))  # within the minute: nothing said yet
+        said_early = [r.getMessage() for r in caplog.records if "not reported" in r.message]
+        assert said_early == []
+        now[0] += 2
+        answers.append(await report(1))
+        now[0] += 30
+        answers += [await report(r) for r in (2, 3)]
+        now[0] += 61
+        answers.append(await report(0))
+        return answers
+
+    with caplog.at_level(logging.WARNING, logger="replicator.cluster.service"):
+        answers = run(scenario())
+    said = [r.getMessage() for r in caplog.records if "not reported" in r.getMessage()]
+    assert said == [
+        "restarted coordinator: 2 of 4 ranks have not reported since (ranks 2, 3); no step "
+        "is restorable and no backup is ordered until every rank has"
+    ]
+    assert answers[:4] == [None] * 4
+    assert answers[-1] == 5  # every rank reported: step 5 is restorable

@@ -328,10 +328,14 @@ def test_progress_of_an_agent_outside_the_released_round_is_refused() -> None:
 def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> None:
     c = JobCoordinator(config(), VIEW)
     c.resume_steady()
-    first = [
-        c.report_progress(r, f"s{r}", replicated_step=7 + r, uploaded_step=None, now=1.0)
-        for r in range(4)
-    ]
+    assert c.unadopted(2) == (4, [0, 1])
+    first = []
+    unadopted = [(3, [1, 2]), (2, [2, 3]), (1, [3]), (0, [])]
+    for r in range(4):
+        first.append(
+            c.report_progress(r, f"s{r}", replicated_step=7 + r, uploaded_step=None, now=1.0)
+        )
+        assert c.unadopted(2) == unadopted[r]
     assert all(a is not None for a in first)
     # Only once every rank reported is a step restorable: the oldest of their newest.
     assert [a.restorable_step for a in first if a is not None] == [None, None, None, 7]

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from replicator._pb.mtc.v1 import peer_pb2 as mtc_dot_v1_dot_peer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtc/v1/coordinator.proto\x12\x06mtc.v1\x1a\x11mtc/v1/peer.proto\":\n\x13\x43oordinatorIdentity\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\"B\n\x08HeldItem\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\"\x97\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63luster_view\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x1f\n\x05items\x18\x06 \x03(\x0b\x32\x10.mtc.v1.HeldItem\x12\r\n\x05owner\x18\x07 \x01(\t\"O\n\x0cJoinResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\r\n\x05round\x18\x02 \x01(\x04\"\xf2\x01\n\x12RoundStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\r\x12\x35\n\nseen_state\x18\x06 \x01(\x0e\x32!.mtc.v1.RoundStatusResponse.State\x12\x19\n\x11seen_plan_version\x18\x07 \x01(\x04\x12\x15\n\raddress_ranks\x18\x08 \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\t \x01(\x08\"\xfb\x01\n\nItemSource\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.mtc.v1.ItemSource.Kind\x12\x1d\n\x04item\x18\x02 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bholder_rank\x18\x05 \x01(\r\x12\x12\n\nequivalent\x18\x06 \x01(\x08\x12\x15\n\rafter_restore\x18\x07 \x01(\x08\"=\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\x08\n\x04PEER\x10\x02\x12\n\n\x06\x42\x41\x43KUP\x10\x03\"V\n\x0eItemAssignment\x12\x1f\n\x06target\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12#\n\x07sources\x18\x02 \x03(\x0b\x32\x12.mtc.v1.ItemSource\"\xd9\x03\n\x13RoundStatusResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x05state\x18\x03 \x01(\x0e\x32!.mtc.v1.RoundStatusResponse.State\x12\x15\n\rmissing_ranks\x18\x04 \x03(\r\x12\x13\n\x0b\x66resh_start\x18\x05 \x01(\x08\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x14\n\x0cplan_version\x18\x07 \x01(\x04\x12+\n\x0b\x61ssignments\x18\x08 \x03(\x0b\x32\x16.mtc.v1.ItemAssignment\x12\x0f\n\x07message\x18\t \x01(\t\x12=\n\taddresses\x18\n \x03(\x0b\x32*.mtc.v1.RoundStatusResponse.AddressesEntry\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07WAITING\x10\x01\x12\t\n\x05\x46\x45TCH\x10\x02\x12\x0c\n\x08RELEASED\x10\x03\x12\n\n\x06REJOIN\x10\x04\"S\n\x0c\x46\x61iledSource\x12\"\n\x06source\x18\x01 \x01(\x0b\x32\x12.mtc.v1.ItemSource\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xa5\x01\n\x14ReportRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cplan_version\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12&\n\x08\x66\x61ilures\x18\x07 \x03(\x0b\x32\x14.mtc.v1.FailedSource\"I\n\x15ReportRestoreResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\"\xd1\x02\n\x15ReportProgressRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x1c\n\x0freplicated_step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\ruploaded_step\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x12\n\nheld_steps\x18\x07 \x03(\x04\x12\x18\n\x10reports_holdings\x18\x08 \x01(\x08\x12\x1d\n\x10replicating_step\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x15\n\raddress_ranks\x18\n \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\x0b \x01(\x08\x42\x12\n\x10_replicated_stepB\x10\n\x0e_uploaded_stepB\x13\n\x11_replicating_step\"\xa7\x03\n\x16ReportProgressResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\x1c\n\x0frestorable_step\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0b\x62\x61\x63kup_step\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12@\n\taddresses\x18\x04 \x03(\x0b\x32-.mtc.v1.ReportProgressResponse.AddressesEntry\x12\x12\n\nkeep_steps\x18\x05 \x03(\x04\x12\x1c\n\x14report_every_seconds\x18\x06 \x01(\r\x12\"\n\x15\x63ommitted_backup_step\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x13\x63ommitted_backup_at\x18\x08 \x01(\x01\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_restorable_stepB\x0e\n\x0c_backup_stepB\x18\n\x16_committed_backup_step2\xa7\x02\n\x0b\x43oordinator\x12\x31\n\x04Join\x12\x13.mtc.v1.JoinRequest\x1a\x14.mtc.v1.JoinResponse\x12\x46\n\x0bRoundStatus\x12\x1a.mtc.v1.RoundStatusRequest\x1a\x1b.mtc.v1.RoundStatusResponse\x12L\n\rReportRestore\x12\x1c.mtc.v1.ReportRestoreRequest\x1a\x1d.mtc.v1.ReportRestoreResponse\x12O\n\x0eReportProgress\x12\x1d.mtc.v1.ReportProgressRequest\x1a\x1e.mtc.v1.ReportProgressResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18mtc/v1/coordinator.proto\x12\x06mtc.v1\x1a\x11mtc/v1/peer.proto\":\n\x13\x43oordinatorIdentity\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x16\n\x0e\x63oordinator_id\x18\x02 \x01(\t\"B\n\x08HeldItem\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\"\xe1\x01\n\x0bJoinRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x14\n\x0c\x63luster_view\x18\x04 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x05 \x01(\t\x12\x1f\n\x05items\x18\x06 \x03(\x0b\x32\x10.mtc.v1.HeldItem\x12\r\n\x05owner\x18\x07 \x01(\t\x12\x14\n\x0cwait_seconds\x18\x08 \x01(\r\x12\x15\n\raddress_ranks\x18\t \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\n \x01(\x08\"|\n\x0cJoinResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\r\n\x05round\x18\x02 \x01(\x04\x12+\n\x06status\x18\x03 \x01(\x0b\x32\x1b.mtc.v1.RoundStatusResponse\"\xf2\x01\n\x12RoundStatusRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x05 \x01(\r\x12\x35\n\nseen_state\x18\x06 \x01(\x0e\x32!.mtc.v1.RoundStatusResponse.State\x12\x19\n\x11seen_plan_version\x18\x07 \x01(\x04\x12\x15\n\raddress_ranks\x18\x08 \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\t \x01(\x08\"\xfb\x01\n\nItemSource\x12%\n\x04kind\x18\x01 \x01(\x0e\x32\x17.mtc.v1.ItemSource.Kind\x12\x1d\n\x04item\x18\x02 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x13\n\x0bholder_rank\x18\x05 \x01(\r\x12\x12\n\nequivalent\x18\x06 \x01(\x08\x12\x15\n\rafter_restore\x18\x07 \x01(\x08\"=\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\x08\n\x04PEER\x10\x02\x12\n\n\x06\x42\x41\x43KUP\x10\x03\"V\n\x0eItemAssignment\x12\x1f\n\x06target\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12#\n\x07sources\x18\x02 \x03(\x0b\x32\x12.mtc.v1.ItemSource\"\xd9\x03\n\x13RoundStatusResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\r\n\x05round\x18\x02 \x01(\x04\x12\x30\n\x05state\x18\x03 \x01(\x0e\x32!.mtc.v1.RoundStatusResponse.State\x12\x15\n\rmissing_ranks\x18\x04 \x03(\r\x12\x13\n\x0b\x66resh_start\x18\x05 \x01(\x08\x12\x0c\n\x04step\x18\x06 \x01(\x04\x12\x14\n\x0cplan_version\x18\x07 \x01(\x04\x12+\n\x0b\x61ssignments\x18\x08 \x03(\x0b\x32\x16.mtc.v1.ItemAssignment\x12\x0f\n\x07message\x18\t \x01(\t\x12=\n\taddresses\x18\n \x03(\x0b\x32*.mtc.v1.RoundStatusResponse.AddressesEntry\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x05State\x12\x15\n\x11STATE_UNSPECIFIED\x10\x00\x12\x0b\n\x07WAITING\x10\x01\x12\t\n\x05\x46\x45TCH\x10\x02\x12\x0c\n\x08RELEASED\x10\x03\x12\n\n\x06REJOIN\x10\x04\"S\n\x0c\x46\x61iledSource\x12\"\n\x06source\x18\x01 \x01(\x0b\x32\x12.mtc.v1.ItemSource\x12\x0f\n\x07\x63orrupt\x18\x02 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xef\x01\n\x14ReportRestoreRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\r\n\x05round\x18\x04 \x01(\x04\x12\x14\n\x0cplan_version\x18\x05 \x01(\x04\x12\r\n\x05ready\x18\x06 \x01(\x08\x12&\n\x08\x66\x61ilures\x18\x07 \x03(\x0b\x32\x14.mtc.v1.FailedSource\x12\x14\n\x0cwait_seconds\x18\x08 \x01(\r\x12\x15\n\raddress_ranks\x18\t \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\n \x01(\x08\"v\n\x15ReportRestoreResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12+\n\x06status\x18\x02 \x01(\x0b\x32\x1b.mtc.v1.RoundStatusResponse\"\xd1\x02\n\x15ReportProgressRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x16\n\x0eincarnation_id\x18\x03 \x01(\t\x12\x1c\n\x0freplicated_step\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\ruploaded_step\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0f\n\x07\x61\x64\x64ress\x18\x06 \x01(\t\x12\x12\n\nheld_steps\x18\x07 \x03(\x04\x12\x18\n\x10reports_holdings\x18\x08 \x01(\x08\x12\x1d\n\x10replicating_step\x18\t \x01(\x04H\x02\x88\x01\x01\x12\x15\n\raddress_ranks\x18\n \x03(\r\x12\x1b\n\x13\x61\x64\x64ress_ranks_given\x18\x0b \x01(\x08\x42\x12\n\x10_replicated_stepB\x10\n\x0e_uploaded_stepB\x13\n\x11_replicating_step\"\xa7\x03\n\x16ReportProgressResponse\x12\x30\n\x0b\x63oordinator\x18\x01 \x01(\x0b\x32\x1b.mtc.v1.CoordinatorIdentity\x12\x1c\n\x0frestorable_step\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0b\x62\x61\x63kup_step\x18\x03 \x01(\x04H\x01\x88\x01\x01\x12@\n\taddresses\x18\x04 \x03(\x0b\x32-.mtc.v1.ReportProgressResponse.AddressesEntry\x12\x12\n\nkeep_steps\x18\x05 \x03(\x04\x12\x1c\n\x14report_every_seconds\x18\x06 \x01(\r\x12\"\n\x15\x63ommitted_backup_step\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x1b\n\x13\x63ommitted_backup_at\x18\x08 \x01(\x01\x1a\x30\n\x0e\x41\x64\x64ressesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x12\n\x10_restorable_stepB\x0e\n\x0c_backup_stepB\x18\n\x16_committed_backup_step2\xa7\x02\n\x0b\x43oordinator\x12\x31\n\x04Join\x12\x13.mtc.v1.JoinRequest\x1a\x14.mtc.v1.JoinResponse\x12\x46\n\x0bRoundStatus\x12\x1a.mtc.v1.RoundStatusRequest\x1a\x1b.mtc.v1.RoundStatusResponse\x12L\n\rReportRestore\x12\x1c.mtc.v1.ReportRestoreRequest\x1a\x1d.mtc.v1.ReportRestoreResponse\x12O\n\x0eReportProgress\x12\x1d.mtc.v1.ReportProgressRequest\x1a\x1e.mtc.v1.ReportProgressResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,35 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELDITEM']._serialized_start=115
   _globals['_HELDITEM']._serialized_end=181
   _globals['_JOINREQUEST']._serialized_start=184
-  _globals['_JOINREQUEST']._serialized_end=335
-  _globals['_JOINRESPONSE']._serialized_start=337
-  _globals['_JOINRESPONSE']._serialized_end=416
-  _globals['_ROUNDSTATUSREQUEST']._serialized_start=419
-  _globals['_ROUNDSTATUSREQUEST']._serialized_end=661
-  _globals['_ITEMSOURCE']._serialized_start=664
-  _globals['_ITEMSOURCE']._serialized_end=915
-  _globals['_ITEMSOURCE_KIND']._serialized_start=854
-  _globals['_ITEMSOURCE_KIND']._serialized_end=915
-  _globals['_ITEMASSIGNMENT']._serialized_start=917
-  _globals['_ITEMASSIGNMENT']._serialized_end=1003
-  _globals['_ROUNDSTATUSRESPONSE']._serialized_start=1006
-  _globals['_ROUNDSTATUSRESPONSE']._serialized_end=1479
-  _globals['_ROUNDSTATUSRESPONSE_ADDRESSESENTRY']._serialized_start=1349
-  _globals['_ROUNDSTATUSRESPONSE_ADDRESSESENTRY']._serialized_end=1397
-  _globals['_ROUNDSTATUSRESPONSE_STATE']._serialized_start=1399
-  _globals['_ROUNDSTATUSRESPONSE_STATE']._serialized_end=1479
-  _globals['_FAILEDSOURCE']._serialized_start=1481
-  _globals['_FAILEDSOURCE']._serialized_end=1564
-  _globals['_REPORTRESTOREREQUEST']._serialized_start=1567
-  _globals['_REPORTRESTOREREQUEST']._serialized_end=1732
-  _globals['_REPORTRESTORERESPONSE']._serialized_start=1734
-  _globals['_REPORTRESTORERESPONSE']._serialized_end=1807
-  _globals['_REPORTPROGRESSREQUEST']._serialized_start=1810
-  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2147
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2150
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2573
-  _globals['_REPORTPROGRESSRESPONSE_ADDRESSESENTRY']._serialized_start=1349
-  _globals['_REPORTPROGRESSRESPONSE_ADDRESSESENTRY']._serialized_end=1397
-  _globals['_COORDINATOR']._serialized_start=2576
-  _globals['_COORDINATOR']._serialized_end=2871
+  _globals['_JOINREQUEST']._serialized_end=409
+  _globals['_JOINRESPONSE']._serialized_start=411
+  _globals['_JOINRESPONSE']._serialized_end=535
+  _globals['_ROUNDSTATUSREQUEST']._serialized_start=538
+  _globals['_ROUNDSTATUSREQUEST']._serialized_end=780
+  _globals['_ITEMSOURCE']._serialized_start=783
+  _globals['_ITEMSOURCE']._serialized_end=1034
+  _globals['_ITEMSOURCE_KIND']._serialized_start=973
+  _globals['_ITEMSOURCE_KIND']._serialized_end=1034
+  _globals['_ITEMASSIGNMENT']._serialized_start=1036
+  _globals['_ITEMASSIGNMENT']._serialized_end=1122
+  _globals['_ROUNDSTATUSRESPONSE']._serialized_start=1125
+  _globals['_ROUNDSTATUSRESPONSE']._serialized_end=1598
+  _globals['_ROUNDSTATUSRESPONSE_ADDRESSESENTRY']._serialized_start=1468
+  _globals['_ROUNDSTATUSRESPONSE_ADDRESSESENTRY']._serialized_end=1516
+  _globals['_ROUNDSTATUSRESPONSE_STATE']._serialized_start=1518
+  _globals['_ROUNDSTATUSRESPONSE_STATE']._serialized_end=1598
+  _globals['_FAILEDSOURCE']._serialized_start=1600
+  _globals['_FAILEDSOURCE']._serialized_end=1683
+  _globals['_REPORTRESTOREREQUEST']._serialized_start=1686
+  _globals['_REPORTRESTOREREQUEST']._serialized_end=1925
+  _globals['_REPORTRESTORERESPONSE']._serialized_start=1927
+  _globals['_REPORTRESTORERESPONSE']._serialized_end=2045
+  _globals['_REPORTPROGRESSREQUEST']._serialized_start=2048
+  _globals['_REPORTPROGRESSREQUEST']._serialized_end=2385
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=2388
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=2811
+  _globals['_REPORTPROGRESSRESPONSE_ADDRESSESENTRY']._serialized_start=1468
+  _globals['_REPORTPROGRESSRESPONSE_ADDRESSESENTRY']._serialized_end=1516
+  _globals['_COORDINATOR']._serialized_start=2814
+  _globals['_COORDINATOR']._serialized_end=3109
 # @@protoc_insertion_point(module_scope)

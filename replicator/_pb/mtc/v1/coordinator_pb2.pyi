@@ -91,6 +91,9 @@ class JoinRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     ITEMS_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_GIVEN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     rank: _builtins.int
     incarnation_id: _builtins.str
@@ -106,9 +109,20 @@ class JoinRequest(_message.Message):
     published its CHECKPOINT_DIR (empty: unowned). A coordinator admits only its own
     job's owner (PERMISSION_DENIED otherwise).
     """
+    wait_seconds: _builtins.int
+    """Long poll (<= 30; 0: answer at once, without `status`): the answer waits until the
+    round is planned for this rank (or released, or the rank must join again), or this
+    many seconds passed, and carries the round as RoundStatus would show it. One call
+    instead of a join and two polls: at thousands of ranks a round's cost is its calls.
+    """
+    address_ranks_given: _builtins.bool
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldItem]:
         """Every committed item in the node's store for this job, its own and peer copies."""
+
+    @_builtins.property
+    def address_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in RoundStatusRequest: the ranks whose addresses `status` carries."""
 
     def __init__(
         self,
@@ -120,10 +134,13 @@ class JoinRequest(_message.Message):
         address: _builtins.str = ...,
         items: _abc.Iterable[Global___HeldItem] | None = ...,
         owner: _builtins.str = ...,
+        wait_seconds: _builtins.int = ...,
+        address_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        address_ranks_given: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "cluster_view", b"cluster_view", "incarnation_id", b"incarnation_id", "items", b"items", "job", b"job", "owner", b"owner", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "address_ranks", b"address_ranks", "address_ranks_given", b"address_ranks_given", "cluster_view", b"cluster_view", "incarnation_id", b"incarnation_id", "items", b"items", "job", b"job", "owner", b"owner", "rank", b"rank", "wait_seconds", b"wait_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -135,19 +152,27 @@ class JoinResponse(_message.Message):
 
     COORDINATOR_FIELD_NUMBER: _builtins.int
     ROUND_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     round: _builtins.int
     """The round this join counts for; rounds only grow."""
     @_builtins.property
     def coordinator(self) -> Global___CoordinatorIdentity: ...
+    @_builtins.property
+    def status(self) -> Global___RoundStatusResponse:
+        """With `wait_seconds`: the round as this rank sees it after the wait. Absent from a
+        coordinator that predates the field: the caller then polls RoundStatus.
+        """
+
     def __init__(
         self,
         *,
         coordinator: Global___CoordinatorIdentity | None = ...,
         round: _builtins.int = ...,
+        status: Global___RoundStatusResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "round", b"round", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -448,6 +473,9 @@ class ReportRestoreRequest(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
     FAILURES_FIELD_NUMBER: _builtins.int
+    WAIT_SECONDS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_FIELD_NUMBER: _builtins.int
+    ADDRESS_RANKS_GIVEN_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     rank: _builtins.int
     incarnation_id: _builtins.str
@@ -455,9 +483,19 @@ class ReportRestoreRequest(_message.Message):
     plan_version: _builtins.int
     ready: _builtins.bool
     """True when every assigned item is present and verified on the node."""
+    wait_seconds: _builtins.int
+    """Long poll (<= 30; 0: answer at once, without `status`): the answer waits until the
+    round moved past this report (released, re-planned, a new round) or this many seconds
+    passed, and carries the round as RoundStatus would show it.
+    """
+    address_ranks_given: _builtins.bool
     @_builtins.property
     def failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___FailedSource]:
         """Sources that failed on the way; the coordinator plans around them."""
+
+    @_builtins.property
+    def address_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in RoundStatusRequest: the ranks whose addresses `status` carries."""
 
     def __init__(
         self,
@@ -469,10 +507,13 @@ class ReportRestoreRequest(_message.Message):
         plan_version: _builtins.int = ...,
         ready: _builtins.bool = ...,
         failures: _abc.Iterable[Global___FailedSource] | None = ...,
+        wait_seconds: _builtins.int = ...,
+        address_ranks: _abc.Iterable[_builtins.int] | None = ...,
+        address_ranks_given: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failures", b"failures", "incarnation_id", b"incarnation_id", "job", b"job", "plan_version", b"plan_version", "rank", b"rank", "ready", b"ready", "round", b"round"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address_ranks", b"address_ranks", "address_ranks_given", b"address_ranks_given", "failures", b"failures", "incarnation_id", b"incarnation_id", "job", b"job", "plan_version", b"plan_version", "rank", b"rank", "ready", b"ready", "round", b"round", "wait_seconds", b"wait_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -483,16 +524,24 @@ class ReportRestoreResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     COORDINATOR_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def coordinator(self) -> Global___CoordinatorIdentity: ...
+    @_builtins.property
+    def status(self) -> Global___RoundStatusResponse:
+        """With `wait_seconds`: the round as this rank sees it after the wait (absent from a
+        coordinator that predates the field).
+        """
+
     def __init__(
         self,
         *,
         coordinator: Global___CoordinatorIdentity | None = ...,
+        status: Global___RoundStatusResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "status", b"status"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator", b"coordinator", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
