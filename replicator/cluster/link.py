@@ -31,7 +31,6 @@ from replicator.cluster.messages import (
     Joined,
     RoundState,
     long_poll_wait,
-    state_of,
 )
 from replicator.cluster.registry import Registry
 from replicator.cluster.service import (
@@ -211,9 +210,8 @@ class LocalCoordinator(IdentityChecked):
             wait = long_poll_wait(wait_seconds)
             if not wait:
                 return None
-            reported = (round_, state_of(Phase.FETCH), plan_version)
-            identity, status, found = await self.coordinators.round_status(
-                self.job, rank, incarnation_id, reported, wait,
+            identity, status, found = await self.coordinators.after_report(
+                self.job, rank, incarnation_id, (round_, plan_version), wait,
                 address_ranks=address_ranks,
             )  # fmt: skip
         except (NotHosted, BadMessage, ReportRefused) as exc:

@@ -478,6 +478,26 @@ class Coordinators:
             job, rank, incarnation, seen, wait, address_ranks=address_ranks
         )
 
+    async def after_report(
+        self,
+        job: str,
+        rank: int,
+        incarnation: str,
+        reported: tuple[int, int],
+        wait: float,
+        *,
+        address_ranks: Collection[int] | None = None,
+    ) -> tuple[Identity, RankStatus, dict[int, str]]:
+        """Right after ``rank`` reported on plan ``reported`` (round, plan version): the
+        round once it moved past that plan (released, re-planned, a new round), or when
+        ``wait`` passed. What the reporting agent's next poll would wait for, in the
+        report's own call."""
+        round_, plan_version = reported
+        seen = (round_, State.FETCH, plan_version)
+        return await self.round_status(
+            job, rank, incarnation, seen, wait, address_ranks=address_ranks
+        )
+
     def report_restore(
         self,
         job: str,
@@ -735,14 +755,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 )
             response = pb.ReportRestoreResponse(coordinator=_identity(identity))
             if request.wait_seconds:
-                # Until the round moved past what was reported: one call instead of a
-                # report and a poll, at thousands of ranks most of a round's cost.
-                reported = (request.round, State.FETCH, request.plan_version)
-                identity, status, addresses = await self.coordinators.round_status(
+                identity, status, addresses = await self.coordinators.after_report(
                     job,
                     rank,
                     incarnation,
-                    reported,
+                    (request.round, request.plan_version),
                     request.wait_seconds,
                     address_ranks=address_ranks,
                 )

@@ -871,11 +871,30 @@ def test_answers_carry_only_the_addresses_a_rank_asked_for_and_its_holders() -> 
 
 
 def test_asking_for_too_many_addresses_is_refused() -> None:
+    """On every call that carries addresses, and before the call changes anything: the
+    refused join is no member, the refused report is not counted."""
+
     async def scenario() -> None:
-        async with cluster() as (_, client):
+        async with cluster() as (host, client):
+            too_many = range(1025)
+            with pytest.raises(CoordinatorError, match="address_ranks: 1025 entries"):
+                await client.join(
+                    0, "a0", VIEW, peer_address(0), own(0, 5), wait_seconds=1,
+                    address_ranks=too_many,
+                )  # fmt: skip
+            hosted = host.get(JOB)
+            assert hosted is not None
+            assert 0 not in hosted.coordinator.members
             await all_join(client, "a", 5)
             with pytest.raises(CoordinatorError, match="address_ranks: 1025 entries"):
-                await client.round_status(0, "a0", 1, address_ranks=range(1025))
+                await client.round_status(0, "a0", 1, address_ranks=too_many)
+            plan = await status(client, 0, "a0")
+            with pytest.raises(CoordinatorError, match="address_ranks: 1025 entries"):
+                await client.report_restore(
+                    0, "a0", plan.round, plan.plan_version, ready=True, wait_seconds=1,
+                    address_ranks=too_many,
+                )  # fmt: skip
+            assert 0 not in hosted.coordinator.ready
 
     run(scenario())
 
