@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from replicator.tools import argtypes
+from replicator.core import argtypes
 
 
 def _nodes(text: str) -> int:

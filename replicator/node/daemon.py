@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
-import math
 import os
 import re
 import signal
@@ -37,6 +36,7 @@ from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
 from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.core import argtypes
 from replicator.core.admission import MAX_STEP_LEAD, Served
 from replicator.core.contract import (
     CONFIG_FILE,
@@ -57,9 +57,8 @@ from replicator.core.pacing import (
     MAX_YIELD_TO_SAVES,
     PaceRules,
     format_rate,
-    parse_rate,
 )
-from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -199,47 +198,9 @@ def _data_port(value: str) -> int | None:
     return int(value)
 
 
-def _rate(value: str) -> float | None:
-    try:
-        return parse_rate(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(value: str) -> int:
-    if not ascii_digits(value.strip()) or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
-    return int(value)
-
-
-def _seconds(value: str) -> float:
-    """A duration in seconds: a finite number >= 0 (``30``, ``2.5``)."""
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise argparse.ArgumentTypeError(f"expected seconds (a number >= 0), got {value!r}")
-    return seconds
-
-
-def _storage_timeout(value: str) -> float:
-    try:
-        return parse_storage_timeout(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _flag(value: str) -> bool:
     """An environment variable that turns something on: 1, true, yes, on (any case)."""
     return value.strip().lower() in ("1", "true", "yes", "on")
-
-
-def _host_port(value: str) -> str:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not ascii_digits(port) or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
-    return value
 
 
 def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -266,13 +227,13 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--listen",
-        type=_host_port,
+        type=argtypes.listen_address,
         default=env.get("MTC_LISTEN", "0.0.0.0:7070"),
         help="gRPC address for peers and the coordinator [MTC_LISTEN]",
     )
     p.add_argument(
         "--advertise",
-        type=_host_port,
+        type=argtypes.host_port,
         default=env.get("MTC_ADVERTISE"),
         help="address other nodes use to reach this one [MTC_ADVERTISE]",
     )
@@ -291,41 +252,41 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     add_log_arguments(p, env)
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=argtypes.positive,
         default=env.get("MTC_THREADS", "4"),
         help="threads for disk and object-store work (default: %(default)s) [MTC_THREADS]",
     )
     p.add_argument(
         "--settle-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_SETTLE_SECONDS", "10"),
         help="a checkpoint file unchanged this long counts as written even when its close "
         "was not seen (default: %(default)s) [MTC_SETTLE_SECONDS]",
     )
     p.add_argument(
         "--config-wait-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_CONFIG_WAIT_SECONDS", "30"),
         help="how long a partial or empty replicator.yaml is re-read before it is judged "
         "(default: %(default)s) [MTC_CONFIG_WAIT_SECONDS]",
     )
     p.add_argument(
         "--rescan-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_RESCAN_SECONDS", "2"),
         help="how often CHECKPOINT_DIR is scanned again besides its file events "
         "(default: %(default)s) [MTC_RESCAN_SECONDS]",
     )
     p.add_argument(
         "--report-after-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_REPORT_AFTER_SECONDS", "60"),
         help="a waiting restore round says what it waits for in replicator.errors after this "
         "(default: %(default)s) [MTC_REPORT_AFTER_SECONDS]",
     )
     p.add_argument(
         "--metrics",
-        type=_host_port,
+        type=argtypes.listen_address,
         default=env.get("MTC_METRICS") or None,
         help="serve Prometheus metrics at http://HOST:PORT/metrics; off by default [MTC_METRICS]",
     )
@@ -367,7 +328,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--health-listen",
-        type=_host_port,
+        type=argtypes.listen_address,
         default=env.get("MTC_HEALTH_LISTEN") or None,
         help="also serve the gRPC health service alone, in plaintext, at HOST:PORT, for "
         "kubelet probes when TLS is on; off by default [MTC_HEALTH_LISTEN]",
@@ -381,14 +342,14 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--max-step-lead",
-        type=_positive_int,
+        type=argtypes.positive,
         default=env.get("MTC_MAX_STEP_LEAD", str(MAX_STEP_LEAD)),
         help="refuse a peer's push of a step more than this far ahead of this rank's newest "
         "own step (from 0 before its first) (default: %(default)s) [MTC_MAX_STEP_LEAD]",
     )
     p.add_argument(
         "--idle-timeout-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_IDLE_TIMEOUT_SECONDS", f"{IDLE_SECONDS:g}"),
         help="a peer transfer with no progress this long is dropped, with its space "
         "reservation and staging (default: %(default)s) [MTC_IDLE_TIMEOUT_SECONDS]",
@@ -403,7 +364,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--max-transfer-rate",
-        type=_rate,
+        type=argtypes.rate,
         default=env.get("MTC_MAX_TRANSFER_RATE", "unlimited"),
         metavar="RATE",
         help="most bytes per second this daemon sends for replication and backup uploads "
@@ -413,7 +374,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--yield-to-saves-seconds",
-        type=_seconds,
+        type=argtypes.non_negative,
         default=env.get("MTC_YIELD_TO_SAVES_SECONDS", f"{DEFAULT_YIELD_TO_SAVES:g}"),
         help="while the job writes a checkpoint, hold replication and backups this long at "
         f"most (0 to {MAX_YIELD_TO_SAVES:g}; 0: never) (default: %(default)s) "
@@ -421,7 +382,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--storage-timeout",
-        type=_storage_timeout,
+        type=argtypes.storage_timeout,
         default=env.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
         metavar="SECONDS",
         help="the most seconds one request to the backup bucket may take, its retries "

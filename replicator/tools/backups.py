@@ -20,13 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from replicator.core import argtypes
 from replicator.core.manifest import ManifestError
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.core.signed import OPEN, RecordTrust
 from replicator.storage import backup_ops as ops
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
 from replicator.storage.stores import open_object_store
-from replicator.tools import argtypes, download, progress
+from replicator.tools import download, progress
 from replicator.transport.signing import CaVerifier
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 

@@ -28,8 +28,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from replicator.core import argtypes
 from replicator.local import fsutil
-from replicator.tools import argtypes
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"

@@ -1,8 +1,10 @@
-"""Argument types for ``mtc``: each parses one kind of value or says what it expected. Pure.
+"""Argument types for both command lines (``mtc-replicator``, ``mtc``). Pure.
 
-argparse turns a ``ValueError`` from a type function into "invalid <function name> value";
-these raise ``ArgumentTypeError`` instead, whose message argparse prints after the option's
-name, so a bad value reads "argument --step: must be a whole number >= 0, got 'abc'".
+Each parses one kind of value or says what it expected. argparse turns a ``ValueError``
+from a type function into "invalid <function name> value"; these raise
+``ArgumentTypeError`` instead, whose message argparse prints after the option's name, so a
+bad value reads "argument --step: must be a whole number >= 0, got 'abc'". Digits are
+ASCII digits only (``core.contract.ascii_digits``): ``int`` takes "١٢" for 12.
 """
 
 from __future__ import annotations
@@ -10,18 +12,16 @@ from __future__ import annotations
 import argparse
 import math
 
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.contract import JOB_NAME_RE, ascii_digits
+from replicator.core.pacing import parse_rate
 from replicator.core.retry import parse_storage_timeout
 
 
 def _whole(value: str, what: str, low: int) -> int:
-    try:
-        n = int(value, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r:.40}") from None
-    if n < low:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {n}")
-    return n
+    text = value.strip()
+    if not ascii_digits(text) or int(text) < low:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value!r:.40}")
+    return int(text)
 
 
 def count(value: str) -> int:
@@ -35,7 +35,7 @@ def positive(value: str) -> int:
 
 
 def non_negative(value: str) -> float:
-    """A finite number >= 0 (minutes, seconds)."""
+    """A finite number >= 0 (minutes, seconds; ``30``, ``2.5``)."""
     try:
         x = float(value)
     except ValueError:
@@ -60,17 +60,35 @@ def job(value: str) -> str:
     return value
 
 
-def host_port(value: str) -> str:
-    """``HOST:PORT`` with a port in 1..65535 (a bracketed IPv6 host is fine)."""
+def _address(value: str, lowest_port: int) -> str:
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not ascii_digits(port) or not lowest_port <= int(port) < 65536:
         raise argparse.ArgumentTypeError(f"must be HOST:PORT, got {value!r:.80}")
     return value
+
+
+def host_port(value: str) -> str:
+    """``HOST:PORT`` to reach, with a port in 1..65535 (a bracketed IPv6 host is fine)."""
+    return _address(value, 1)
+
+
+def listen_address(value: str) -> str:
+    """``HOST:PORT`` to listen on: port 0 asks the system for a free one."""
+    return _address(value, 0)
 
 
 def storage_timeout(value: str) -> float:
     """``--storage-timeout``: seconds, within the bounds ``core.retry`` sets."""
     try:
         return parse_storage_timeout(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def rate(value: str) -> float | None:
+    """``--max-transfer-rate``: bytes per second as ``core.pacing`` reads them (None:
+    unlimited)."""
+    try:
+        return parse_rate(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
