@@ -254,15 +254,15 @@ class CoordinatorClient(IdentityChecked):
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "Join") from None
         self._check(response.coordinator, "Join")
-        state = self._status(response, "status", "Join", rank) if wait else None
+        state = self._status(response, "Join", rank) if wait else None
         return Joined(response.round, state)
 
-    def _status(self, response: Any, name: str, method: str, rank: int) -> RoundState | None:
-        """The round state a long-polled ``method`` carries in ``name``, checked like a
-        RoundStatus answer (None: the coordinator did not send one)."""
-        if not response.HasField(name):
+    def _status(self, response: Any, method: str, rank: int) -> RoundState | None:
+        """The round state a long-polled ``method`` answers with, checked like a RoundStatus
+        answer (None: the coordinator did not send one)."""
+        if not response.HasField("status"):
             return None
-        message: pb.RoundStatusResponse = getattr(response, name)
+        message: pb.RoundStatusResponse = response.status
         self._check(message.coordinator, method)
         try:
             return round_state(message, self.job, rank)
@@ -351,7 +351,7 @@ class CoordinatorClient(IdentityChecked):
         except grpc.aio.AioRpcError as exc:
             raise self._call_error(exc, "ReportRestore") from None
         self._check(response.coordinator, "ReportRestore")
-        return self._status(response, "status", "ReportRestore", rank) if wait else None
+        return self._status(response, "ReportRestore", rank) if wait else None
 
     async def report_progress(
         self,

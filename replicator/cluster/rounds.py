@@ -183,6 +183,8 @@ class RoundParticipant:
         # The join and the report long-poll (a coordinator that predates that answers at
         # once, without the round's state, and the loop polls instead): two calls a round
         # per rank instead of five, which is most of a round's cost at thousands of ranks.
+        # The call's own work is milliseconds; its time is the wait for the plan.
+        self._mark(RestorePhase.PLAN)
         joined = await client.join(
             rank,
             inc,
@@ -192,7 +194,6 @@ class RoundParticipant:
             wait_seconds=self._wait(),
             address_ranks=targets,
         )
-        self._mark(RestorePhase.PLAN)
         round_, news = joined.round, joined.state
         state: RoundState | None = None
         done_version = -1

@@ -24,9 +24,10 @@ class RestorePhase(StrEnum):
     INGEST = "ingest"
     """Taking in any save the job finished before the restart, before the round."""
     JOIN = "join"
-    """Finding the coordinator and joining its round (again after a rejoin)."""
+    """Finding the coordinator (again after a rejoin)."""
     PLAN = "plan"
-    """Waiting for every rank to join and for the coordinator's plan."""
+    """Joining its round and waiting for every rank to join and for the coordinator's plan
+    (one long-polled call)."""
     LOCAL = "local"
     """Verifying every byte of copies this node holds."""
     PEER = "peer"
