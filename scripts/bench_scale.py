@@ -244,40 +244,32 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
     planned, a restore report that long-polls until the release; RoundStatus only when a
     wait ended first."""
     targets = replication_targets(job_config(m.config.nodes, m.rank))
+    # What each of its round calls carries: who asks, the long poll, the addresses it needs.
+    asks: dict[str, Any] = {
+        "job": JOB,
+        "rank": m.rank,
+        "incarnation_id": m.incarnation,
+        "wait_seconds": 10,
+        "address_ranks": targets,
+        "address_ranks_given": True,
+    }
     join = pb.JoinRequest(
-        job=JOB,
-        rank=m.rank,
-        incarnation_id=m.incarnation,
+        **asks,
         cluster_view=cluster_view_json(m.config),
         address=fake_address(m.rank),
         items=m.inventory(digests),
-        wait_seconds=10,
-        address_ranks=targets,
-        address_ranks_given=True,
     )
     joined = await _call("Join", m.stub.Join(join, timeout=70))
     round_ = joined.round
     news: pb.RoundStatusResponse | None = joined.status if joined.HasField("status") else None
     seen_state, seen_version, done = State.STATE_UNSPECIFIED, 0, -1
     while True:
-        status = news or await _call(
-            "RoundStatus",
-            m.stub.RoundStatus(
-                pb.RoundStatusRequest(
-                    job=JOB,
-                    rank=m.rank,
-                    incarnation_id=m.incarnation,
-                    round=round_,
-                    wait_seconds=10,
-                    seen_state=seen_state,
-                    seen_plan_version=seen_version,
-                    address_ranks=targets,
-                    address_ranks_given=True,
-                ),
-                timeout=70,
-            ),
-        )
-        news = None
+        if news is None:
+            poll = pb.RoundStatusRequest(
+                **asks, round=round_, seen_state=seen_state, seen_plan_version=seen_version
+            )
+            news = await _call("RoundStatus", m.stub.RoundStatus(poll, timeout=70))
+        status, news = news, None
         round_, seen_state, seen_version = status.round, status.state, status.plan_version
         if status.state == State.REJOIN:
             raise RuntimeError(f"rank {m.rank} must rejoin: {status.message}")
@@ -287,23 +279,10 @@ async def _follow_round(m: Member, digests: dict[ItemId, str]) -> float:
                 first = a.sources[0]
                 if first.kind == pb.ItemSource.PEER:
                     m.first_choices[first.holder_rank] += 1
-            reported = await _call(
-                "ReportRestore",
-                m.stub.ReportRestore(
-                    pb.ReportRestoreRequest(
-                        job=JOB,
-                        rank=m.rank,
-                        incarnation_id=m.incarnation,
-                        round=round_,
-                        plan_version=status.plan_version,
-                        ready=True,
-                        wait_seconds=10,
-                        address_ranks=targets,
-                        address_ranks_given=True,
-                    ),
-                    timeout=70,
-                ),
+            report = pb.ReportRestoreRequest(
+                **asks, round=round_, plan_version=status.plan_version, ready=True
             )
+            reported = await _call("ReportRestore", m.stub.ReportRestore(report, timeout=70))
             done = status.plan_version
             news = reported.status if reported.HasField("status") else None
             m.steps = {status.step} | m.steps if not status.fresh_start else m.steps
