@@ -1,0 +1,39 @@
+"""The scale benchmark (scripts/bench_scale.py) runs end to end, tiny: a real coordinator
+daemon, a real peer daemon and simulated members over mutual TLS, every phase."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
+
+
+def test_the_scale_bench_measures_every_phase() -> None:
+    args = ["--nodes", "16", "--steady-seconds", "3", "--save-every", "1", "--json"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert (result["nodes"], result["tls"]) == (16, True)
+    for phase in ("round", "loss_1", "loss_10", "loss_100"):
+        # Every member joined and reported once, each call long-polled: no RoundStatus.
+        assert result[phase]["calls_per_member"] == {"Join": 1.0, "ReportRestore": 1.0}
+        assert result[phase]["retried_calls"] == 0
+        assert 0 < result[phase]["seconds"] < 30
+    assert result["steady"]["backups_committed"] >= 1
+    assert result["steady"]["cpu_seconds_per_minute"] > 0
+    # The restarted coordinator ordered a backup again (every member reported to it).
+    assert 0 < result["restart"]["seconds_to_backup_order"] < 60
