@@ -194,7 +194,7 @@ def _data_port(value: str) -> int | None:
     if value == "auto":
         return 0
     if not ascii_digits(value) or not 0 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port, 'auto' or 'off', got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be a port, 'auto' or 'off', got {value!r}")
     return int(value)
 
 

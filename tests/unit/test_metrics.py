@@ -245,10 +245,15 @@ def test_csi_calls_count_by_method_and_code() -> None:
 
 
 @pytest.mark.parametrize(
-    "flags", [("--data-port", "²"), ("--listen", "127.0.0.1:²"), ("--metrics", "h:\u0661\u0662")]
+    ("flags", "rule"),
+    [
+        (("--data-port", "²"), "must be a port"),
+        (("--listen", "127.0.0.1:²"), "must be HOST:PORT"),
+        (("--metrics", "h:\u0661\u0662"), "must be HOST:PORT"),
+    ],
 )
 def test_non_ascii_digits_in_daemon_flags_are_usage_errors(
-    flags: tuple[str, str], capsys: pytest.CaptureFixture[str]
+    flags: tuple[str, str], rule: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``"²".isdigit()`` is true and ``int("²")`` fails: our rule in the message, not
     argparse's "invalid value" for a ValueError escaping the check."""
@@ -256,7 +261,7 @@ def test_non_ascii_digits_in_daemon_flags_are_usage_errors(
         daemon_args(["--checkpoint-dir", "/ckpt", *flags], {})
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert "expected" in err, err
+    assert f"argument {flags[0]}: {rule}" in err, err
     assert "invalid _" not in err, err
 
 
@@ -283,7 +288,7 @@ def test_daemon_refuses_a_bad_metrics_address(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit) as info:
         daemon_args(["--checkpoint-dir", "/ckpt", "--metrics", "9464"], {})
     assert info.value.code == 2
-    assert "expected HOST:PORT" in capsys.readouterr().err
+    assert "argument --metrics: must be HOST:PORT, got '9464'" in capsys.readouterr().err
 
 
 def test_the_pacer_is_read_at_every_scrape(metrics: PrometheusMetrics) -> None:
