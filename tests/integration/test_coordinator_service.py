@@ -303,6 +303,35 @@ def test_a_long_polled_join_answers_once_the_round_is_planned() -> None:
         assert len(state.addresses) < NODES  # the asked-for ones, not every member's
 
 
+def test_a_rank_that_joins_before_rank_0_reopens_the_job_waits_in_one_call() -> None:
+    """At a job restart most ranks may join before rank 0 does: their long-polled join
+    waits through the new round's opening (still waiting for joins) until the plan."""
+
+    async def scenario() -> tuple[Joined, float]:
+        async with cluster() as (_, client):
+            await all_join(client, "old", 5)
+            for r in range(NODES):
+                await client.report_restore(r, f"old{r}", 1, 1, ready=True)
+            early = asyncio.ensure_future(
+                client.join(1, "new1", VIEW, peer_address(1), own(1, 5, 10), wait_seconds=20)
+            )
+            await asyncio.sleep(0.3)
+            assert await join(client, 0, "new0", own(0, 5, 10)) == 2  # rank 0 reopens
+            await asyncio.sleep(0.3)
+            assert not early.done()  # round 2 opened, but it still waits for joins
+            for r in (2, 3):
+                await join(client, r, f"new{r}", own(r, 5, 10))
+            planned = time.monotonic()
+            joined = await early
+            return joined, time.monotonic() - planned
+
+    joined, after = run(scenario())
+    assert joined.round == 1  # joined while round 1 stood released: it waited for rank 0
+    assert joined.state is not None
+    assert (joined.state.round, joined.state.phase, joined.state.step) == (2, Phase.FETCH, 10)
+    assert after < 0.5
+
+
 def test_a_long_polled_report_answers_with_the_release() -> None:
     """A report with a wait returns once the round moved past it: the last ready report
     at once with RELEASED, earlier reporters as the last one arrives."""
