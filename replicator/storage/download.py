@@ -22,6 +22,7 @@ from pathlib import Path
 
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.manifest import ItemId, Manifest
+from replicator.local import fsutil
 from replicator.storage.backup import BackupStore
 
 STAGING_PREFIX = ".mtc-download-"
@@ -127,10 +128,7 @@ def _place(plan: DownloadPlan, staging: Path, dest: Path) -> list[Path]:
     except OSError:
         for final, aside in reversed(placed):
             with contextlib.suppress(OSError):
-                if final.is_dir() and not final.is_symlink():
-                    shutil.rmtree(final)
-                elif final.exists() or final.is_symlink():
-                    final.unlink()
+                fsutil.remove_tree(final)
                 if aside is not None:
                     os.replace(aside, final)
         raise

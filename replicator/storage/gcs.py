@@ -175,7 +175,7 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
         status = getattr(getattr(exc, "response", None), "status_code", 0) or 0
         return _by_status(int(status), f"{what}: {_redact(exc)}", what)
     if isinstance(exc, gapi.GoogleAPICallError):
-        message = _QUERY.sub("?<query>", str(exc.message))
+        message = _redact(exc.message)
         return _by_status(int(exc.code or 0), f"{what}: {exc.code} {message}", what)
     if isinstance(exc, DataCorruption):
         return DamagedInTransit(f"{what}: damaged in transit: {_redact(exc)}")
@@ -198,11 +198,12 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
 _QUERY = re.compile(r"\?[^\s'\")>]+")
 
 
-def _redact(exc: BaseException) -> str:
-    """``exc``'s text without URL query strings: a resumable upload's URL carries its
-    ``upload_id``, which works as a credential for that session (GCS's documentation) and
-    must not reach logs or ``replicator.errors``, which the training pod reads."""
-    return _QUERY.sub("?<query>", str(exc))
+def _redact(said: object) -> str:
+    """``said`` (an error or its message) as text without URL query strings: a resumable
+    upload's URL carries its ``upload_id``, which works as a credential for that session
+    (GCS's documentation) and must not reach logs or ``replicator.errors``, which the
+    training pod reads."""
+    return _QUERY.sub("?<query>", str(said))
 
 
 def _by_status(status: int, message: str, what: str) -> ObjectStoreError:
