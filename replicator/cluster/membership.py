@@ -96,6 +96,10 @@ class ClusterMember:
         """What the next report promises (set by ``retained``)."""
         self._offering: frozenset[int] | None = None
         """The promise of the report in flight: kept until it is answered."""
+        self.running = False
+        """The round released this rank (``adopt``), or the daemon resumed it running. Not
+        before: a report would tell a restarted coordinator that a restoring incarnation
+        runs, and it would take it for the job's running rank (``JobCoordinator.adopted``)."""
         self._client: CoordinatorLink | None = None
         self._backup_task: asyncio.Task[None] | None = None
         self._next_report = 0.0
@@ -132,6 +136,7 @@ class ClusterMember:
         return outcome
 
     def adopt(self, outcome: RoundOutcome) -> None:
+        self.running = True
         self.replication.set_addresses(outcome.addresses)
         self._client = self.ctx.finder.open(self.config.job_name, outcome.coordinator)
         if outcome.step is not None:
@@ -187,6 +192,8 @@ class ClusterMember:
         if newest_step is not None:
             self.replication.committed(newest_step)
         self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
+        if not self.running:
+            return  # restoring: the round speaks for this rank until it is released
         now = time.monotonic()
         news = (self.replication.newest_replicated, self.uploaded) != self._reported
         if now < self._next_report and (self._failing or not (news or force)):

@@ -49,6 +49,10 @@ PENDING_GRACE_SECONDS = 10.0
 holder may not have received the plan. Past this the holder is not coming."""
 
 
+REFUSAL_SAID_EVERY = 60.0
+"""Seconds between log lines about joins the coordinator does not admit."""
+
+
 class RoundFailed(Exception):
     """The round can never complete for this rank (its config is rejected): fatal."""
 
@@ -110,6 +114,11 @@ class RoundParticipant:
         the same item, so the store alone cannot tell which was used)."""
         self._announced: set[ItemId] = set()
         """Items this round told the peer service about (``ctx.obtaining``)."""
+        self._admitted = False
+        """The last join was a member of a round (or waited for one) before it ended."""
+        self._refusal = ""
+        self._refusals = 0
+        self._refusal_said = 0.0
 
     def _mark(self, phase: RestorePhase, detail: str = "") -> None:
         """The round is in ``phase`` from now (a phase already in continues)."""
@@ -160,7 +169,10 @@ class RoundParticipant:
                 outcome = await self._member(client)
                 if outcome is not None:
                     return outcome
-                backoff.reset()
+                if self._admitted:
+                    backoff.reset()  # a member until the round moved on: join the next one
+                else:
+                    await self._refused(backoff.next())
             except JoinRejected as exc:
                 raise RoundFailed(str(exc)) from None
             except MustRejoin as exc:
@@ -197,6 +209,7 @@ class RoundParticipant:
         round_, news = joined.round, joined.state
         state: RoundState | None = None
         done_version = -1
+        self._admitted = False
         while True:
             state = news or await client.round_status(
                 rank, inc, round_, seen=state, wait_seconds=self._wait(), address_ranks=targets
@@ -204,7 +217,9 @@ class RoundParticipant:
             news = None
             round_ = state.round
             if state.phase is None:
+                self._refusal = state.message
                 return None
+            self._admitted = True
             if state.phase is Phase.WAITING:
                 self._mark(RestorePhase.PLAN)
                 self._say_waiting(state.message)
@@ -219,6 +234,26 @@ class RoundParticipant:
                 done_version = state.plan_version
             elif state.phase is Phase.RELEASED:
                 return self._outcome(state, client.address)
+
+    async def _refused(self, wait: float) -> None:
+        """The join was not admitted: wait ``wait`` before the next, and say why, once a
+        minute with a count (a refusal that lasts is a bug or a stale agent: never a spin)."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now - self._refusal_said >= REFUSAL_SAID_EVERY:
+            log.warning(
+                "join of job %s not admitted %d times (%s); next try in %.1fs",
+                self.config.job_name,
+                self._refusals,
+                self._refusal or "no reason given",
+                wait,
+            )
+            self._refusal_said = now
+        self._say_waiting(
+            f"the coordinator of job {self.config.job_name} does not admit this "
+            f"rank's join ({self._refusal or 'no reason given'}); retrying"
+        )
+        await asyncio.sleep(wait)
 
     def _wait(self) -> float:
         """A long poll's wait: short enough to say what we wait for once ``report_after``

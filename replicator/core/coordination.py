@@ -133,6 +133,10 @@ class JobCoordinator:
         """Released: new incarnations of other ranks, waiting for rank 0's to open a round."""
         self.released_incarnations: dict[int, str] = {}
         """Each rank's incarnation in the last released round."""
+        self.adopted: set[int] = set()
+        """Ranks whose entry in ``released_incarnations`` a restarted coordinator took from
+        a progress report (``resume_steady``), not from a round it released: weaker word,
+        which the rank's join overrides (an agent that joins is restoring, not running)."""
         self.plan: RoundPlan | None = None
         self.plan_version = 0
         self.ready: set[int] = set()
@@ -209,15 +213,13 @@ class JobCoordinator:
             if self.phase is Phase.WAITING:
                 self.members[join.rank] = join  # a re-join may carry a fresher inventory
             return self.round
-        if self.released_incarnations.get(join.rank) == join.incarnation_id:
-            # An agent of the released run: never a member of a newer round.
+        if self.refusal(join.rank, join.incarnation_id):
             return self.round
-        if (
-            join.rank == 0
-            and self.rank0_incarnation is not None
-            and join.incarnation_id != self.rank0_incarnation
-        ):
-            return self.round  # not the rank 0 this daemon runs: a stale agent or a forgery
+        if self.released_incarnations.get(join.rank) == join.incarnation_id:
+            # Adopted from a report it sent while restoring (an agent that reported a step
+            # it ingested before its round): joining proves it is not running. Forget it.
+            del self.released_incarnations[join.rank]
+            self.adopted.discard(join.rank)
         if self.phase is Phase.RELEASED and join.rank != 0:
             # Only rank 0's daemon can tell a job restart from a stray join: wait for it.
             self.pending[join.rank] = join
@@ -235,6 +237,24 @@ class JobCoordinator:
         if len(self.members) == self.config.nodes:
             self._plan()
         return self.round
+
+    def refusal(self, rank: int, incarnation_id: str) -> str:
+        """Why a join of this incarnation is never admitted ("": it may be)."""
+        if (
+            rank == 0
+            and self.rank0_incarnation is not None
+            and incarnation_id != self.rank0_incarnation
+        ):
+            return (
+                "rank 0's daemon runs another incarnation of this job: this agent is stale "
+                "(its replicator.yaml was replaced) or forged"
+            )
+        if self.released_incarnations.get(rank) == incarnation_id and rank not in self.adopted:
+            return (
+                f"this incarnation ran in released round {self.round}: it may not join a "
+                "newer round (the job restarted without it)"
+            )
+        return ""
 
     def _new_round(self, *, keep_members: bool) -> None:
         if not keep_members:
@@ -279,7 +299,8 @@ class JobCoordinator:
             )
         member = self.members.get(rank)
         if member is None or member.incarnation_id != incarnation_id:
-            return RankStatus(self.round, None, message="not a member of the current round")
+            why = self.refusal(rank, incarnation_id) or "join again"
+            return RankStatus(self.round, None, message=f"not a member of the current round: {why}")
         if self.phase is Phase.WAITING:
             missing, message = self._waiting()
             return RankStatus(self.round, Phase.WAITING, missing=missing, message=message)
@@ -368,6 +389,11 @@ class JobCoordinator:
         if len(self.ready) == self.config.nodes:
             self.phase = Phase.RELEASED
             self.released_incarnations = {r: m.incarnation_id for r, m in self.members.items()}
+            self.adopted = set()
+            if not self._committing:
+                # Ordered to incarnations that are gone (the job restarted mid-upload): the
+                # new ones never heard of it. Order again from the restored step, now.
+                self.backup_in_flight = None
             self.addresses = {r: m.inventory.address for r, m in self.members.items()}
             self.pin_consumed = self.pinned
             # The restored step is complete everywhere: it is the restorable step.
@@ -398,7 +424,10 @@ class JobCoordinator:
         if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
         if self.adopting and rank not in self.released_incarnations:
+            if not self._adoptable(rank, incarnation_id):
+                return None
             self.released_incarnations[rank] = incarnation_id
+            self.adopted.add(rank)
         if self.released_incarnations.get(rank) != incarnation_id:
             return None
         if address:
@@ -435,6 +464,14 @@ class JobCoordinator:
             report_every(self.config.nodes),
             self.last_backup,
         )
+
+    def _adoptable(self, rank: int, incarnation_id: str) -> bool:
+        """Whether a restarted coordinator may take this report's incarnation for the one
+        running ``rank``: never rank 0's other than the one its daemon names, nor one that
+        joined (it is restoring; an older agent reports a step it ingests meanwhile)."""
+        if rank == 0 and self.rank0_incarnation not in (None, incarnation_id):
+            return False
+        return not self.admitted(rank, incarnation_id)
 
     def take_commit(self) -> int | None:
         """The ordered backup whose COMMIT the host must write now: once every uploader

@@ -280,6 +280,7 @@ class Incarnation:
     async def _run(self) -> None:
         try:
             member = self.member = self._join()
+            member.running = self.phase is IncarnationPhase.STEADY  # resumed running
             if self.phase is IncarnationPhase.RESTORING:
                 for assumption in self.config.assumed:
                     self.error(assumption, kind=ErrorKind.CONFIG)

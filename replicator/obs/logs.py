@@ -13,7 +13,7 @@ import argparse
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
@@ -117,10 +117,66 @@ class JsonLineFormatter(JsonFormatter):
             del log_data[key]
 
 
+class RepeatLimit(logging.Filter):
+    """At most ``burst`` lines per cause per ``interval`` seconds, then a count.
+
+    A cause is a logger, a level and a message template (before its arguments): a problem
+    retried in a loop (a refused join, an unreachable peer) says so ``burst`` times, then
+    once per interval with how many lines like it were not written. Only WARNING and above:
+    INFO lines are work done, each worth its line, and DEBUG is asked for.
+    """
+
+    def __init__(
+        self,
+        burst: int = 10,
+        interval: float = 60.0,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        max_causes: int = 1024,
+    ) -> None:
+        super().__init__()
+        self.burst, self.interval, self.clock, self.max_causes = burst, interval, clock, max_causes
+        self._windows: dict[tuple[str, int, str], list[float]] = {}
+        """cause -> [window start, lines written in it, lines dropped in it]."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = self.clock()
+        key = (record.name, record.levelno, str(record.msg))
+        window = self._windows.get(key)
+        if window is None or now - window[0] >= self.interval:
+            dropped = 0 if window is None else int(window[2])
+            if window is None and len(self._windows) >= self.max_causes:
+                self._forget(now)
+            self._windows[key] = [now, 1, 0]
+            if dropped:
+                # No '%' in what is added: the template keeps its own arguments.
+                record.msg = (
+                    f"{record.msg} ({dropped} more lines like this in the last "
+                    f"{self.interval:.0f}s not logged)"
+                )
+            return True
+        if window[1] < self.burst:
+            window[1] += 1
+            return True
+        window[2] += 1
+        return False
+
+    def _forget(self, now: float) -> None:
+        """Bound the causes kept: drop the ended windows, or all of them if none ended
+        (messages built with f-strings make every line its own cause)."""
+        ended = [k for k, w in self._windows.items() if now - w[0] >= self.interval]
+        for k in ended or list(self._windows):
+            del self._windows[k]
+
+
 def configure(level: str = "INFO", fmt: str = "text") -> None:
-    """Log ``level`` and above to stderr in ``fmt`` (``text`` or ``json``)."""
+    """Log ``level`` and above to stderr in ``fmt`` (``text`` or ``json``), repeated
+    warnings limited (``RepeatLimit``)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLineFormatter() if fmt == "json" else KeyValueFormatter())
+    handler.addFilter(RepeatLimit())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -253,3 +253,30 @@ def test_a_backup_of_layout_v1_made_by_hand_still_restores(
     (marker,) = wait_markers(ckpt, job, 7, daemon)
     assert read_prerestore(ckpt) == {"restore-step": 7, "restore-source": "backup"}
     assert read_tree(marker) == payload(7, seed=job)
+
+
+def test_a_step_restored_after_a_job_restart_is_backed_up_without_a_new_save(
+    ckpt: Path, tmp_path: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    # A backup every step, uploads slow (paced): step 20's upload is under way when the
+    # trainer saves step 30 and restarts at once. The restored step 30 must go up next,
+    # not step 20 for an uploader that is gone, nor nothing until the job saves again.
+    backup = tmp_path / "backup"
+    daemon = start_daemon(backup=backup, extra=("--max-transfer-rate", "2MiB"))
+    yaml_text = config_text(job, backup_interval_steps=1)
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 0, daemon)
+    make_step(ckpt, 10, payload(10, seed=job, size=64 << 10))
+    wait_ingested(ckpt, job, 10, daemon)
+    wait_until(lambda: 10 in backup_commits(backup, job), "COMMIT of step 10", daemon=daemon)
+    for step in (20, 30):
+        make_step(ckpt, step, payload(step, seed=job, size=8 << 20))
+        wait_ingested(ckpt, job, step, daemon)
+    restarted = daemon.log_path.read_text().count("\n")
+    write_yaml_atomic(ckpt, yaml_text)
+    wait_markers(ckpt, job, 30, daemon)
+    wait_until(lambda: 30 in backup_commits(backup, job), "COMMIT of step 30", daemon=daemon)
+    after = daemon.log_path.read_text().splitlines()[restarted:]
+    ordered = [line for line in after if "backup of step" in line and "ordered" in line]
+    assert ordered, after
+    assert all("backup of step 30 " in line for line in ordered), ordered

@@ -523,3 +523,22 @@ def test_waiting_ranks_see_at_most_64_missing_and_an_exact_message_near_the_end(
     late = c.status(0, "a0")
     assert late.missing == (255,)
     assert late.message.startswith("waiting for rank 255 of job job")
+
+
+def test_a_step_restored_after_a_job_restart_is_ordered_backed_up_at_once() -> None:
+    # One node, a backup every step: step 20's upload was ordered, and the job restarted
+    # before it ended (the uploader is gone with its incarnation). The new incarnation
+    # restores step 30 locally: its backup is due now, not after the next save.
+    c = JobCoordinator(config(nodes=1, interval=BackupInterval(minutes=None, steps=1)), VIEW)
+    c.join(join(0, "a0", own(0, 10, 20)), {})
+    release(c, "a")
+    c.backup_committed(10, 1.0)
+    order = c.report_progress(0, "a0", replicated_step=20, uploaded_step=None, now=2.0)
+    assert order is not None
+    assert order.backup_step == 20
+    c.rank0_incarnation = "b0"
+    c.join(join(0, "b0", own(0, 10, 20, 30)), {})
+    release(c, "b")
+    answer = c.report_progress(0, "b0", replicated_step=30, uploaded_step=None, now=3.0)
+    assert answer is not None
+    assert answer.backup_step == 30
