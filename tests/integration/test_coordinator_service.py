@@ -1070,3 +1070,59 @@ def test_a_restarted_coordinator_names_the_ranks_it_has_not_heard_from(
     ]
     assert answers[:4] == [None] * 4
     assert answers[-1] == 5  # every rank reported: step 5 is restorable
+
+
+def test_a_join_never_admitted_backs_off_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rank 0 agent that its own daemon does not run (its coordinator names another
+    incarnation) is refused at every join: it retries with growing waits, not in a loop
+    (the wedge of issue 23 sent 265,752 joins in 8 minutes), and says why."""
+    servicers: list[CountingServicer] = []
+    said: list[str] = []
+
+    async def scenario() -> None:
+        host = CoordinatorHost()
+        host.host(config(), VIEW, rank0_incarnation="the-running-one")
+        servicer = CountingServicer(Coordinators(host, no_backups), old=False)
+        servicers.append(servicer)
+        rpc = RpcServer()
+        rpc.add_service(SERVICE, servicer.register)
+        address = rpc.bind("127.0.0.1:0")
+        await rpc.start()
+        ckpt = tmp_path / "checkpoint"
+        ckpt.mkdir()
+        store = LocalStore(ckpt)
+        store.open()
+
+        async def nothing(*_: object) -> None:
+            raise AssertionError("never planned")
+
+        ctx = RoundContext(
+            config=config(),
+            incarnation_id="stale",
+            store=store,
+            peers=None,
+            finder=_AtAddress(address),
+            advertise=peer_address(0),
+            verify_local=nothing,
+            fetch_backup=nothing,
+            error=lambda message, step: said.append(message),
+            report_after=1.0,
+        )
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(4.0):
+                    await RoundParticipant(ctx).run()
+        finally:
+            store.close()
+            host.close()
+            await rpc.stop(0.5)
+
+    with caplog.at_level(logging.WARNING, logger="replicator.cluster.rounds"):
+        run(scenario(), timeout=30)
+    joins = servicers[0].calls["Join"]
+    # Waits of 0.05-0.1, 0.1-0.2, 0.2-0.4, ... capped at 3 s: at most 7 joins in 4 s.
+    assert 2 <= joins <= 8, joins
+    assert any("another incarnation" in r.getMessage() for r in caplog.records)
+    assert any("does not admit" in m and "another incarnation" in m for m in said)
