@@ -177,6 +177,8 @@ class RoundParticipant:
                 raise RoundFailed(str(exc)) from None
             except MustRejoin as exc:
                 log.info("rejoining the round of job %s: %s", job, exc)
+                if not self._admitted:
+                    await asyncio.sleep(backoff.next())  # told so again before a round
             except UntrustedCoordinator as exc:
                 self._say_untrusted(exc)
                 await asyncio.sleep(backoff.next())
