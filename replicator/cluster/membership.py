@@ -42,6 +42,10 @@ from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
 
+UPLOAD_RETRY_MAX = 300.0
+"""Longest wait before a failed upload is tried again: the coordinator repeats its order at
+every report (each second in a small job), and a bucket down for an hour must not write a
+line to ``replicator.errors`` every second."""
 UNCONFIRMED_KEPT = 2
 """Own complete steps newer than the restorable one kept regardless (the newest ones):
 what the ranks are about to report as replicated. Anything else above the restorable step
@@ -108,6 +112,9 @@ class ClusterMember:
         self._retry = Backoff(first=1.0, cap=float(MAX_REPORT_EVERY))
         """After a failed report: retry soon (the coordinator may have restarted and needs
         every rank's report to order backups again), jittered so a job's ranks spread out."""
+        self._upload_retry = Backoff(first=2.0, cap=UPLOAD_RETRY_MAX)
+        self._upload_retry_at = 0.0
+        """After a failed upload, the order (repeated at every report) waits this long."""
         self._reported: tuple[int | None, int | None] = (None, None)
         """The replicated and uploaded steps of the last answered report."""
         self._targets = replication_targets(ctx.config)
@@ -250,7 +257,12 @@ class ClusterMember:
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         self.replication.update_addresses(answer.addresses)
         step = answer.backup_step
-        if step is not None and self.ctx.backups is not None and self.uploading is None:
+        if (
+            step is not None
+            and self.ctx.backups is not None
+            and self.uploading is None
+            and time.monotonic() >= self._upload_retry_at
+        ):
             self.uploading = step
             self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
         return True
@@ -270,6 +282,7 @@ class ClusterMember:
                 metrics=self.ctx.metrics,
             )
             self.uploaded = step
+            self._upload_retry.reset()
         except ItemNotHeld as exc:
             # Retention dropped it before the order arrived (a newer step became restorable
             # meanwhile): call the order done, so the coordinator's next order names a step
@@ -281,8 +294,10 @@ class ClusterMember:
         except Cancelled:
             pass
         except (ObjectStoreError, OSError, ManifestError) as exc:
+            wait = self._upload_retry.next()
+            self._upload_retry_at = time.monotonic() + wait
             self.ctx.error(
-                f"backup of step {step} to {backups.url} failed, will retry: {exc}",
+                f"backup of step {step} to {backups.url} failed, will retry in {wait:.0f}s: {exc}",
                 step,
                 ErrorKind.BACKUP,
             )

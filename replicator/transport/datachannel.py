@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from replicator.core.manifest import Cancelled, Manifest
+from replicator.core.retry import Backoff
 from replicator.local import fsutil
 from replicator.local.pacer import Meter
 from replicator.local.store import LocalStore, StoreError
@@ -232,13 +233,16 @@ class DataListener:
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        backoff = Backoff(0.1, 2.0)
         while True:
             try:
                 conn, peer = await loop.sock_accept(self._sock)
             except OSError as exc:  # EMFILE and friends: do not spin
-                log.warning("data channel: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
+                wait = backoff.next()
+                log.warning("data channel: accept failed, again in %.1fs: %s", wait, exc)
+                await asyncio.sleep(wait)
                 continue
+            backoff.reset()
             host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
             if self._handshakes.total() >= MAX_HANDSHAKES:
                 log.warning(

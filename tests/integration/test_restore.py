@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,30 @@ def test_a_step_restored_after_a_job_restart_is_backed_up_without_a_new_save(
     ordered = [line for line in after if "backup of step" in line and "ordered" in line]
     assert ordered, after
     assert all("backup of step 30 " in line for line in ordered), ordered
+
+
+def test_a_failing_backup_is_retried_with_growing_waits(
+    ckpt: Path, tmp_path: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    # Step 10's prefix in the bucket is a file: every upload of it fails. The coordinator
+    # repeats its order at every report (each second here); the uploads back off instead
+    # of failing, and writing to replicator.errors, once a second for as long as it lasts.
+    backup = tmp_path / "backup"
+    (backup / job).mkdir(parents=True)
+    (backup / job / "10").write_bytes(b"not a directory")
+    daemon = start_daemon(backup=backup)
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1))
+    wait_markers(ckpt, job, 0, daemon)
+    make_step(ckpt, 10, payload(10, seed=job))
+    wait_ingested(ckpt, job, 10, daemon)
+
+    def failures() -> list[str]:
+        text = read_text(ckpt / ERRORS) if (ckpt / ERRORS).exists() else ""
+        return [line for line in text.splitlines() if "backup of step 10" in line]
+
+    wait_until(failures, "the first failed upload", daemon=daemon)
+    time.sleep(12)
+    tries = failures()
+    # Waits of 1-2, 2-4, 4-8 s: at most 4 tries in the 12 s after the first (13 before).
+    assert 2 <= len(tries) <= 5, tries
+    assert "will retry in" in tries[-1]
