@@ -234,6 +234,8 @@ class Incarnation:
         """This rank in its job (every job has one once the incarnation runs)."""
         self._saving = False
         """Whether the last scan saw the job writing a checkpoint."""
+        self._draining = False
+        """SIGTERM: the steady loop ends after its pass in progress (``drain``)."""
         self.timeline = RestoreTimeline(
             time.monotonic,
             origin=handshake_at,
@@ -269,11 +271,13 @@ class Incarnation:
         member = self.member
         if member is None or self.phase is not IncarnationPhase.STEADY:
             return None
+        self._draining = True
+        self._wake.set()
         if self._task is not None and not self._task.done():
-            # No retention or rescan beside the drain: it must not drop what it uploads.
-            self._task.cancel()
+            # The steady loop ends after the pass in progress (a step being hashed is
+            # committed, not hashed twice), so no retention runs beside the drain.
             await asyncio.wait([self._task])
-        await self._ingest_ready(member)  # a step renamed in just before the signal
+        await self._ingest_ready(member)  # a step renamed in since that pass
         # A save in progress no longer holds the upload: the node may be gone before it ends.
         self.ctx.pacer.saving(False)
         job = self.config.job_name
@@ -565,7 +569,7 @@ class Incarnation:
     # --- steady state ----------------------------------------------------------------------
 
     async def _steady(self, member: ClusterMember) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._draining:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
             # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
             with contextlib.suppress(TimeoutError):
