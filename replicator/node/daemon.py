@@ -823,6 +823,9 @@ class Daemon:
                 await self._drain()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
+            # Uploads and pushes still in worker threads end at their next paced slice, so
+            # the pool's shutdown below does not wait for a whole item.
+            self.pacer.halt()
             if channel is not None:
                 await channel.close()
             if self.incarnation is not None:
@@ -874,7 +877,7 @@ class Daemon:
 
     async def _drain(self) -> None:
         """SIGTERM: the running job's newest step to its peers and the backup, within
-        ``--drain-seconds``; then paced transfers still going are halted."""
+        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
         running = self.incarnation
         if running is None or self.opts.drain_seconds <= 0:
             return
@@ -893,9 +896,7 @@ class Daemon:
             return
         except Exception as exc:
             log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
-            self.pacer.halt()
             return
-        self.pacer.halt()
         if plan is not None:
             log.info(
                 "drain of job %s done in %.2fs (step %s)",
