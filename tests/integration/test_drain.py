@@ -100,3 +100,18 @@ def test_sigterm_in_a_cluster_pushes_the_newest_step_to_the_peer_first(
     # The peer held the step before the process exited.
     assert (10, f"{rank}-0") in cluster.held(target), daemon.log()[-4000:]
     assert "drain: step 10 reached the peers" in daemon.log()
+
+
+def test_when_every_node_drains_the_last_uploader_commits_the_newest_step(
+    cluster: Cluster,
+) -> None:
+    cluster.fresh_start()
+    cluster.save(5)
+    cluster.wait_backup(5)  # the first step is backed up at once; the next in 100 steps
+    cluster.save(10)
+    assert 10 not in cluster.committed_backups()
+    cluster.stop_all()  # one after another, as a drain of every node would
+    # Each rank uploaded its own items of step 10; the last one's COMMIT found them all.
+    assert 10 in cluster.committed_backups()
+    logs = [cluster.daemon(r).log() for r in range(NODES)]
+    assert sum("drain: backup of step 10 committed" in log for log in logs) == 1
