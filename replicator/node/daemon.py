@@ -577,7 +577,11 @@ class Daemon:
         )
         self.coordinators = CoordinatorHost()
         self.foreign = ForeignItems(
-            self.store, backups, ttl=opts.foreign_job_ttl, metrics=self.metrics
+            self.store,
+            backups,
+            ttl=opts.foreign_job_ttl,
+            metrics=self.metrics,
+            current=self._running_job,
         )
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign

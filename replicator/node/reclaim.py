@@ -64,13 +64,19 @@ class ForeignItems:
         ttl: float = DEFAULT_TTL,
         clock: Callable[[], float] = time.time,
         metrics: Metrics = NO_METRICS,
+        current: Callable[[], str | None] = lambda: None,
     ) -> None:
+        """``current``: the job the daemon runs at the moment, read again before each drop
+        (one may have been accepted since the caller named the running job)."""
+        self.current = current
         self.store = store
         self.backups = backups
         self.ttl = ttl
         self.clock = clock
         self.metrics = metrics
         self._lock = threading.Lock()
+        self._dropping = threading.Lock()
+        """One look-and-drop at a time: the agent, the daemon loop and a push may ask at once."""
         self._ended: dict[str, float] = {}
         """When each job stopped running here, as this daemon saw it."""
         self._committed: dict[str, tuple[int, int | None, float]] = {}
@@ -168,6 +174,10 @@ class ForeignItems:
         ``need``: bytes the running job needs now (a push); None: its next step's size.
         With no job running, only the TTL applies.
         """
+        with self._dropping:
+            return self._reclaim(running, need)
+
+    def _reclaim(self, running: str | None, need: int | None) -> list[Dropped]:
         held = self.held(running)
         if not held:
             self._report(held)
@@ -180,7 +190,7 @@ class ForeignItems:
         plan = plan_eviction(held, now=self.clock(), ttl=self.ttl, free=free, need=need or 0)
         dropped = []
         for h in held:
-            if h.job in plan.jobs:
+            if h.job in plan.jobs and h.job != self.current():
                 gone = self._drop(h)
                 log.info(
                     "dropped job %s from this node (%s): %d items, %d bytes, steps %s; its "
@@ -199,9 +209,12 @@ class ForeignItems:
 
     def drop(self, job: str, running: str | None, *, only_copy: bool) -> Dropped:
         """An operator's drop (``mtc drop``); raises ``DropRefused``."""
-        found = [h for h in self.held(running) if h.job == job] if job != running else []
-        held = check_drop(job, running, found[0] if found else None, only_copy=only_copy)
-        gone = self._drop(held)
+        with self._dropping:
+            if job == self.current():
+                running = job
+            found = [h for h in self.held(running) if h.job == job] if job != running else []
+            held = check_drop(job, running, found[0] if found else None, only_copy=only_copy)
+            gone = self._drop(held)
         log.warning(
             "dropped job %s from this node on request: %d items, %d bytes (newest step held "
             "%d, newest committed in the backup %s)",

@@ -121,3 +121,16 @@ def test_the_operators_drop_refuses_what_it_must(store: LocalStore, tmp_path: Pa
     with pytest.raises(DropRefused, match="holds no items of job a"):
         foreign.drop("a", "run", only_copy=True)
     assert {i.job for i in store.manifests()} == {"run"}
+
+
+def test_a_job_accepted_meanwhile_is_never_dropped(store: LocalStore, tmp_path: Path) -> None:
+    """The caller named the running job, then the daemon accepted another: the drop checks
+    which job runs right before it deletes anything."""
+    backups = BackupStore(FileObjectStore(tmp_path / "backup"))
+    save(store, tmp_path, ItemId("a", 10, 0, 0))
+    back_up(store, backups, ItemId("a", 10, 0, 0))
+    foreign = ForeignItems(store, backups, ttl=0.0, current=lambda: "a")
+    assert foreign.reclaim(None) == []
+    with pytest.raises(DropRefused, match="runs on this node now"):
+        foreign.drop("a", None, only_copy=True)
+    assert {i.job for i in store.manifests()} == {"a"}
