@@ -644,6 +644,10 @@ class Incarnation:
 
     async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
         """Replicate and report: the coordinator's answers order backups."""
+        if self._draining:
+            # The drain pushes and uploads on its own; a report to a coordinator already
+            # gone would spend its call timeout of the drain's seconds.
+            return
         steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
         await member.tick(steps[-1] if steps else None, force=force)
 
@@ -667,7 +671,7 @@ class Incarnation:
         """Drop backed-up items of jobs that do not run here when this job's next step
         would not fit beside them (``core.foreign``)."""
         foreign = self.ctx.foreign
-        if foreign is None:
+        if foreign is None or self._draining:
             return
         try:
             await self._thread(foreign.reclaim, self.config.job_name)
