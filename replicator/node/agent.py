@@ -675,7 +675,10 @@ class Incarnation:
             return
         try:
             await self._thread(foreign.reclaim, self.config.job_name)
-        except (OSError, StoreError) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Housekeeping for other jobs never fails this one.
             self.log.warning("cannot give back the room of other jobs' items: %s", exc)
 
     def _delete_items(self, items: list[ItemId]) -> None:

@@ -862,9 +862,13 @@ class Daemon:
 
     async def _room_for_push(self, short: int) -> None:
         """A push lacks ``short`` bytes of room: drop backed-up items of other jobs."""
-        await asyncio.get_running_loop().run_in_executor(
-            self.executor, self.foreign.make_room, self._running_job(), short
-        )
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.make_room, self._running_job(), short
+            )
+        except Exception as exc:
+            # The push is then refused for room, as it would have been.
+            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
 
     async def _reclaim(self) -> None:
         """Now and then: drop the items of jobs past ``--foreign-job-ttl`` (and for room)."""
@@ -876,8 +880,9 @@ class Daemon:
             await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.foreign.reclaim, self._running_job()
             )
-        except (OSError, StoreError) as exc:
-            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
+        except Exception as exc:
+            # Housekeeping: the daemon's loop goes on whatever it meets.
+            log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401
 
     async def _drain(self) -> None:
         """SIGTERM: the running job's newest step to its peers and the backup, within
