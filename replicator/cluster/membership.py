@@ -192,6 +192,20 @@ class ClusterMember:
         if self._client is not None:
             await self._client.close()
 
+    async def settle_upload(self, step: int) -> bool:
+        """A drain: let an ordered upload of ``step`` end (True once it did), or cancel an
+        upload of another step, which the drain's own upload of ``step`` would share the
+        link with."""
+        task = self._backup_task
+        if task is None or task.done():
+            return self.uploaded is not None and self.uploaded >= step
+        if self.uploading != step:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False
+        await asyncio.wait([task])
+        return self.uploaded == step
+
     async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
         """After a rescan or a new step: replicate it, and report progress when forced (a
         new step), when there is news (a step replicated or uploaded) or when the

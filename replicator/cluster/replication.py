@@ -82,6 +82,22 @@ class Replication:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name=f"replicate-{self.config.job_name}")
 
+    async def settle(self, step: int) -> bool:
+        """A drain: let the push in flight end, then push ``step`` if a target still lacks
+        it; True when every target holds it."""
+        if self._task is not None and not self._task.done():
+            await asyncio.wait([self._task])
+        if self.newest_replicated is not None and self.newest_replicated >= step:
+            return True
+        if not self.targets:
+            self.committed(step)
+            return True
+        self.pushing = step
+        try:
+            return await self.replicate(step)
+        finally:
+            self.pushing = None
+
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()

@@ -48,6 +48,13 @@ class Pacer:
         """Bytes booked per class since start (what the transfers asked to send)."""
         self.waited: dict[Traffic, float] = dict.fromkeys(Traffic, 0.0)
         """Seconds spent waiting per class: the limit's, the priorities' and saves' cost."""
+        self.halted = threading.Event()
+        """Set by ``halt``: every booking from then on raises ``Cancelled``."""
+
+    def halt(self) -> None:
+        """The daemon's shutdown is past its deadline: paced transfers end at their next
+        slice (``Cancelled``), so no thread sends on for long after it."""
+        self.halted.set()
 
     @contextmanager
     def transfer(self, traffic: Traffic) -> Iterator[Meter]:
@@ -140,7 +147,7 @@ class Meter:
 
     def _book_blocking(self, stop: threading.Event | None) -> int:
         while True:
-            if stop is not None and stop.is_set():
+            if (stop is not None and stop.is_set()) or self.pacer.halted.is_set():
                 raise Cancelled(f"{self.traffic.name.lower()} transfer")
             size = self.pacer._slice(self.traffic)
             booking = self.pacer._book_bytes(self.traffic, size)
@@ -154,6 +161,8 @@ class Meter:
 
     async def _book_async(self) -> int:
         while True:
+            if self.pacer.halted.is_set():
+                raise Cancelled(f"{self.traffic.name.lower()} transfer")
             size = self.pacer._slice(self.traffic)
             booking = self.pacer._book_bytes(self.traffic, size)
             if booking.wait > 0:

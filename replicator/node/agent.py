@@ -39,6 +39,8 @@ from replicator.core.contract import (
     marker_name,
     parse_config,
 )
+from replicator.core.drain import DrainPlan, plan_drain
+from replicator.core.layout import backup_items
 from replicator.core.manifest import CorruptItem, ItemId, ManifestError
 from replicator.core.ownership import UNOWNED
 from replicator.core.policy import (
@@ -55,9 +57,12 @@ from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local import fsutil
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
+from replicator.node.reclaim import ForeignItems
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
+from replicator.storage.upload import ItemNotHeld, upload_step
 from replicator.transport.obtaining import Obtaining
 from replicator.transport.peer import PeerClient
 from replicator.transport.tls import TlsMaterial
@@ -111,6 +116,8 @@ class AgentContext:
     """What the restore round is still fetching, for the peer service (fan-out pulls)."""
     pacer: Pacer = field(default_factory=Pacer)
     """The node's outgoing transfers: the agent tells it when the job is saving."""
+    foreign: ForeignItems | None = None
+    """Items of jobs that do not run here: they give way when this job needs the room."""
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,8 @@ class Incarnation:
         """This rank in its job (every job has one once the incarnation runs)."""
         self._saving = False
         """Whether the last scan saw the job writing a checkpoint."""
+        self._draining = False
+        """SIGTERM: the steady loop ends after its pass in progress (``drain``)."""
         self.timeline = RestoreTimeline(
             time.monotonic,
             origin=handshake_at,
@@ -254,6 +263,92 @@ class Incarnation:
             await self.member.stop()
         if self._futures:
             await asyncio.wait(list(self._futures), timeout=timeout)
+
+    async def drain(self) -> DrainPlan | None:
+        """SIGTERM: get the newest step held here to the peers that lack it and into the
+        backup when it is older (``core.drain``), before ``stop``. The caller bounds it
+        (``--drain-seconds``). None: nothing done (the job had not restored yet)."""
+        member = self.member
+        if member is None or self.phase is not IncarnationPhase.STEADY:
+            return None
+        self._draining = True
+        self._wake.set()
+        if self._task is not None and not self._task.done():
+            # The steady loop ends after the pass in progress (a step being hashed is
+            # committed, not hashed twice), so no retention runs beside the drain.
+            await asyncio.wait([self._task])
+        await self._ingest_ready(member)  # a step renamed in since that pass
+        # A save in progress no longer holds the upload: the node may be gone before it ends.
+        self.ctx.pacer.saving(False)
+        job = self.config.job_name
+        steps = complete_steps(self.config, self.ctx.store.manifests(job).keys())
+        newest = steps[-1] if steps else None
+        backups = self.ctx.backups
+        committed = False
+        if backups is not None and newest is not None:
+            try:
+                committed = await self._thread(backups.read_commit, job, newest) is not None
+            except (ObjectStoreError, ManifestError, OSError) as exc:
+                self.log.warning("drain: cannot read the backup's COMMIT: %s", exc, step=newest)
+        plan = plan_drain(
+            self.config,
+            newest=newest,
+            replicated=member.replication.newest_replicated,
+            committed=committed,
+            has_backup=backups is not None,
+        )
+        self.log.info("drain: step %s: %s", plan.step, plan.why, step=plan.step)
+        if plan.step is None:
+            return plan
+        step = plan.step
+        if plan.push:
+            t0 = time.monotonic()
+            held = await member.replication.settle(step)
+            self.log.info(
+                "drain: step %d %s the peers in %.2fs",
+                step,
+                "reached" if held else "did NOT reach every one of",
+                time.monotonic() - t0,
+                step=step,
+            )
+        if plan.upload and backups is not None:
+            await self._drain_upload(member, backups, step)
+        return plan
+
+    async def _drain_upload(self, member: ClusterMember, backups: BackupStore, step: int) -> None:
+        t0 = time.monotonic()
+        job = self.config.job_name
+        try:
+            if not await member.settle_upload(step):
+                await upload_step(
+                    backups,
+                    self.ctx.store,
+                    self.config,
+                    step,
+                    run_thread=self._thread,
+                    log=self.log,
+                    metrics=self.ctx.metrics,
+                    cancelled=self.ctx.pacer.halted.is_set,
+                )
+            keys = [i.key for i in backup_items(self.config, step)]
+            record = await self._thread(backups.try_commit, job, step, keys)
+        except PreconditionFailed:
+            record = await self._thread(backups.read_commit, job, step)
+        except (ObjectStoreError, ManifestError, ItemNotHeld, OSError) as exc:
+            self.log.warning("drain: backup of step %d failed: %s", step, exc, step=step)
+            return
+        if record is None:
+            self.log.info(
+                "drain: step %d uploaded; not committed: other uploaders' items are missing "
+                "(the last of them to drain, or the coordinator's next order, commits it)",
+                step,
+                step=step,
+            )
+            return
+        self.ctx.metrics.backed_up(job, step, record.created)
+        self.log.info(
+            "drain: backup of step %d committed in %.2fs", step, time.monotonic() - t0, step=step
+        )
 
     async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
         fut = asyncio.get_running_loop().run_in_executor(self.ctx.executor, fn, *args)
@@ -285,6 +380,7 @@ class Incarnation:
                 for assumption in self.config.assumed:
                     self.error(assumption, kind=ErrorKind.CONFIG)
                 self.persist()
+                await self._make_room()  # the restore may fetch a step into this RAM disk
                 self.timeline.enter(RestorePhase.INGEST)
                 await self._ingest_ready(member)
                 await self._restore(member)
@@ -474,7 +570,7 @@ class Incarnation:
     # --- steady state ----------------------------------------------------------------------
 
     async def _steady(self, member: ClusterMember) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._draining:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
             # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
             with contextlib.suppress(TimeoutError):
@@ -541,6 +637,7 @@ class Incarnation:
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
         await self._collect_garbage(member)
+        await self._make_room()  # for the next save, before the job starts writing it
         # Replicate the new step at once, and report it: the promise the garbage collection
         # just made (the steps kept) reaches the coordinator now, so the steps it no longer
         # names can go. A report per step at ingest, another once it is replicated.
@@ -548,6 +645,10 @@ class Incarnation:
 
     async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
         """Replicate and report: the coordinator's answers order backups."""
+        if self._draining:
+            # The drain pushes and uploads on its own; a report to a coordinator already
+            # gone would spend its call timeout of the drain's seconds.
+            return
         steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
         await member.tick(steps[-1] if steps else None, force=force)
 
@@ -566,6 +667,20 @@ class Incarnation:
             doomed += retention_of_copies(self.config, have, protected, pushing)
         if doomed:
             await self._thread(self._delete_items, doomed)
+
+    async def _make_room(self) -> None:
+        """Drop backed-up items of jobs that do not run here when this job's next step
+        would not fit beside them (``core.foreign``)."""
+        foreign = self.ctx.foreign
+        if foreign is None or self._draining:
+            return
+        try:
+            await self._thread(foreign.reclaim, self.config.job_name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Housekeeping for other jobs never fails this one.
+            self.log.warning("cannot give back the room of other jobs' items: %s", exc)
 
     def _delete_items(self, items: list[ItemId]) -> None:
         doomed = set(items)

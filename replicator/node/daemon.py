@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import re
@@ -51,6 +52,8 @@ from replicator.core.contract import (
     parse_config,
     parse_save_name,
 )
+from replicator.core.drain import DEFAULT_DRAIN_SECONDS
+from replicator.core.foreign import DEFAULT_TTL
 from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
 from replicator.core.pacing import (
     DEFAULT_YIELD_TO_SAVES,
@@ -73,6 +76,7 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.node.reclaim import Dropped, ForeignItems
 from replicator.node.status import SERVICE as NODE_SERVICE
 from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
@@ -106,6 +110,8 @@ log = logging.getLogger("replicator.node.daemon")
 READY_LINE = "daemon ready"
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
+RECLAIM_EVERY = 30.0
+"""Seconds between two looks at the items of jobs that no longer run here (the TTL)."""
 
 
 _OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
@@ -186,6 +192,11 @@ class DaemonOptions:
     """How long a save in progress may hold this daemon's replication and backups."""
     storage_timeout: float = DEFAULT_STORAGE_TIMEOUT
     """Seconds one backup-store request may take with the SDK's retries."""
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS
+    """On SIGTERM, how long the newest step may take to reach the peers and the backup
+    (``core.drain``) before the daemon stops anyway; 0: no drain."""
+    foreign_job_ttl: float = DEFAULT_TTL
+    """Seconds a job that no longer runs here keeps its backed-up items (``core.foreign``)."""
 
 
 def _data_port(value: str) -> int | None:
@@ -390,6 +401,26 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
         "within it (default: %(default)s) [MTC_STORAGE_TIMEOUT]",
     )
     p.add_argument(
+        "--drain-seconds",
+        type=argtypes.non_negative,
+        default=env.get("MTC_DRAIN_SECONDS", f"{DEFAULT_DRAIN_SECONDS:g}"),
+        metavar="SECONDS",
+        help="on SIGTERM, push the job's newest step to peers that lack it and back it up "
+        "when the bucket is older, for at most this long before stopping; keep it under the "
+        "pod's terminationGracePeriodSeconds less 10; 0: stop at once (default: %(default)s) "
+        "[MTC_DRAIN_SECONDS]",
+    )
+    p.add_argument(
+        "--foreign-job-ttl",
+        type=argtypes.non_negative,
+        default=env.get("MTC_FOREIGN_JOB_TTL", f"{DEFAULT_TTL:g}"),
+        metavar="SECONDS",
+        help="items of a job that no longer runs here, whose newest step held is committed "
+        "in the backup, are dropped after this long (sooner when the running job needs the "
+        "room); items not in the backup are kept (default: %(default)s) "
+        "[MTC_FOREIGN_JOB_TTL]",
+    )
+    p.add_argument(
         "--version", action="version", version=__version__, help="print the version and exit"
     )
     return p
@@ -441,6 +472,8 @@ def parse_args(
         max_transfer_rate=a.max_transfer_rate,
         yield_to_saves_seconds=a.yield_to_saves_seconds,
         storage_timeout=a.storage_timeout,
+        drain_seconds=a.drain_seconds,
+        foreign_job_ttl=a.foreign_job_ttl,
     )
 
 
@@ -543,6 +576,16 @@ class Daemon:
             else None
         )
         self.coordinators = CoordinatorHost()
+        self.foreign = ForeignItems(
+            self.store,
+            backups,
+            ttl=opts.foreign_job_ttl,
+            metrics=self.metrics,
+            current=self._running_job,
+        )
+        """Items of jobs that no longer run here: given back when backed up."""
+        self.ctx.foreign = self.foreign
+        self._reclaimed_at = 0.0
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.tls = self.tls
@@ -667,6 +710,7 @@ class Daemon:
             idle_timeout=self.opts.idle_timeout_seconds,
             obtaining=self.ctx.obtaining,
             pacer=self.pacer,
+            make_room=self._room_for_push,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups
@@ -686,7 +730,7 @@ class Daemon:
             commit=backups.try_commit if backups else None,
         )
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
-        rpc.add_service(NODE_SERVICE, NodeServicer(self._status).register)
+        rpc.add_service(NODE_SERVICE, NodeServicer(self._status, self._drop).register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
             self.listen_address = rpc.bind(self.opts.listen, credentials)
@@ -773,13 +817,19 @@ class Daemon:
                 self._wake.clear()
                 await self._check_config()
                 await self._check_owner()
+                await self._reclaim()
         finally:
             self.readiness.stopping = True  # whatever ended the loop
             log.info("stopping")
             readiness.cancel()
             probe.cancel()
+            if self._stop.is_set():
+                await self._drain()
             self.coordinators.close()  # long polls answer at once instead of being cut off
             await rpc.stop(SERVER_GRACE_SECONDS)
+            # Uploads and pushes still in worker threads end at their next paced slice, so
+            # the pool's shutdown below does not wait for a whole item.
+            self.pacer.halt()
             if channel is not None:
                 await channel.close()
             if self.incarnation is not None:
@@ -791,7 +841,78 @@ class Daemon:
 
     def _status(self, job: str | None) -> NodeStatusResponse:
         """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
-        return node_status(self.store, self.incarnation, self.ctx.peers, self.advertise or "", job)
+        return node_status(
+            self.store,
+            self.incarnation,
+            self.ctx.peers,
+            self.advertise or "",
+            job,
+            foreign=self.foreign.last,
+        )
+
+    def _running_job(self) -> str | None:
+        return self.incarnation.config.job_name if self.incarnation is not None else None
+
+    async def _drop(self, job: str, only_copy: bool) -> Dropped:
+        """``mtc drop``: a job's items, never the running job's (``DropRefused``)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(self.foreign.drop, job, self._running_job(), only_copy=only_copy),
+        )
+
+    async def _room_for_push(self, short: int) -> None:
+        """A push lacks ``short`` bytes of room: drop backed-up items of other jobs."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.make_room, self._running_job(), short
+            )
+        except Exception as exc:
+            # The push is then refused for room, as it would have been.
+            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
+
+    async def _reclaim(self) -> None:
+        """Now and then: drop the items of jobs past ``--foreign-job-ttl`` (and for room)."""
+        now = time.monotonic()
+        if now - self._reclaimed_at < RECLAIM_EVERY:
+            return
+        self._reclaimed_at = now
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.reclaim, self._running_job()
+            )
+        except Exception as exc:
+            # Housekeeping: the daemon's loop goes on whatever it meets.
+            log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401
+
+    async def _drain(self) -> None:
+        """SIGTERM: the running job's newest step to its peers and the backup, within
+        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
+        running = self.incarnation
+        if running is None or self.opts.drain_seconds <= 0:
+            return
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.opts.drain_seconds):
+                plan = await running.drain()
+        except TimeoutError:
+            log.warning(
+                "drain of job %s stopped at its deadline (--drain-seconds %g): the newest step "
+                "may not have reached the peers or the backup",
+                running.config.job_name,
+                self.opts.drain_seconds,
+            )
+            self.pacer.halt()
+            return
+        except Exception as exc:
+            log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
+            return
+        if plan is not None:
+            log.info(
+                "drain of job %s done in %.2fs (step %s)",
+                running.config.job_name,
+                time.monotonic() - t0,
+                plan.step,
+            )
 
     def _serve_metrics(self) -> None:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
@@ -1052,6 +1173,7 @@ class Daemon:
                 self.incarnation.config.job_name,
             )
             await self.incarnation.stop()
+            self.foreign.ended(self.incarnation.config.job_name)
             self.incarnation = None
             save_state(self.store, None)
 

@@ -1,10 +1,12 @@
-"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, and the peer probe.
+"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, ``mtc drop``, and the
+peer probe.
 
-Read-only and cheap: the answer is assembled from what the daemon has in memory (the
+``Status`` is read-only and cheap: the answer is assembled from what the daemon has in memory (the
 store's index, the running incarnation, the peer client's last contacts); no disk or
 network I/O in the handler. The probe asks every peer of the running job's health service
 now and then, so a peer that died between two checkpoints shows as unreachable within
-``PROBE_EVERY`` plus the probe's own timeout, not at the next push.
+``PROBE_EVERY`` plus the probe's own timeout, not at the next push. ``Drop`` removes a
+job's items through the daemon (``node.reclaim``), which owns the store.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -23,8 +25,10 @@ from replicator._pb.mtc.v1 import node_pb2 as pb
 from replicator._pb.mtc.v1 import node_pb2_grpc
 from replicator.core.contacts import Contact
 from replicator.core.contract import JOB_NAME_RE
+from replicator.core.foreign import DropRefused, HeldJob
 from replicator.local.store import LocalStore
 from replicator.node.agent import Incarnation
+from replicator.node.reclaim import Dropped
 from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
@@ -73,8 +77,11 @@ def node_status(
     peers: PeerClient | None,
     address: str,
     job: str | None = None,
+    *,
+    foreign: Mapping[str, HeldJob] | None = None,
 ) -> pb.NodeStatusResponse:
-    """Every job this node serves or holds items of (or ``job`` only)."""
+    """Every job this node serves or holds items of (or ``job`` only); ``foreign``: the
+    jobs held that do not run here, as last surveyed (``node.reclaim``)."""
     held: dict[str, dict[int, set[int]]] = {}
     for item in store.manifests(job):
         held.setdefault(item.job, {}).setdefault(item.rank, set()).add(item.step)
@@ -102,6 +109,11 @@ def node_status(
             for rank, peer in peer_addresses(incarnation).items():
                 seen = peers.contacts.get(peer) if peers is not None else None
                 status.peers.append(_contact(rank, peer, seen))
+        gone = (foreign or {}).get(name)
+        if name != active and gone is not None:
+            if gone.committed is not None:
+                status.committed_backup_step = gone.committed
+            status.kept_without_backup = not gone.backed_up
         status.local_steps.extend(sorted(by_rank.get(own, ())) if own is not None else ())
         for rank, steps in sorted(by_rank.items()):
             if rank != own:
@@ -110,11 +122,19 @@ def node_status(
     return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs)
 
 
-class NodeServicer(node_pb2_grpc.NodeServicer):
-    """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``)."""
+Drop = Callable[[str, bool], Awaitable[Dropped]]
+"""``drop(job, even_if_only_copy)``: drop a job's items; raises ``DropRefused``."""
 
-    def __init__(self, status: Callable[[str | None], pb.NodeStatusResponse]) -> None:
+
+class NodeServicer(node_pb2_grpc.NodeServicer):
+    """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``), ``drop``
+    performs ``Drop`` (None: UNIMPLEMENTED)."""
+
+    def __init__(
+        self, status: Callable[[str | None], pb.NodeStatusResponse], drop: Drop | None = None
+    ) -> None:
         self.status = status
+        self.drop = drop
 
     async def Status(
         self,
@@ -125,6 +145,29 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if job is not None and (not JOB_NAME_RE.fullmatch(job) or ".." in job):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
         return self.status(job)
+
+    async def Drop(
+        self,
+        request: pb.DropRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.DropResponse:
+        job = request.job
+        if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+        if self.drop is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")
+        assert self.drop is not None
+        log.warning("Drop of job %s asked by %s", job, context.peer())
+        try:
+            gone = await self.drop(job, request.even_if_only_copy)
+        except DropRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        reply = pb.DropResponse(job=job, bytes=gone.bytes)
+        for rank, steps in sorted(gone.steps.items()):
+            reply.dropped.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
+        if gone.committed is not None:
+            reply.committed_backup_step = gone.committed
+        return reply
 
     def register(self, server: grpc.aio.Server) -> None:
         node_pb2_grpc.add_NodeServicer_to_server(self, server)

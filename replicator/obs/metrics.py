@@ -177,6 +177,13 @@ class Metrics:
     def pacing(self, read: Callable[[], PacingCounts], limit: float | None) -> None:
         """Export the daemon's pacer: ``read`` is called at every scrape."""
 
+    def held_without_backup(self, bytes_by_job: Mapping[str, int]) -> None:
+        """Bytes held here of each job that does not run here and whose newest step held
+        is not in the backup (kept: they may be its only copy); replaces the last set."""
+
+    def foreign_dropped(self, job: str, nbytes: int) -> None:
+        """A job that does not run here was dropped from this node (TTL, room, operator)."""
+
 
 NO_METRICS = Metrics()
 """The default everywhere: records nothing."""
@@ -246,6 +253,18 @@ class PrometheusMetrics(Metrics):
             self._errors.labels(error.value)
         for outcome in RoundOutcome:
             self._restore_seconds.labels(outcome.value)
+        self._held_unbacked = Gauge(
+            "mtc_held_without_backup_bytes",
+            "Bytes held here of a job that does not run here and whose newest step held is "
+            "not in the backup: kept, as they may be its only copy.",
+            ["job"],
+            registry=r,
+        )
+        self._foreign_dropped = Counter(
+            "mtc_foreign_dropped_bytes",
+            "Bytes of jobs that do not run here, dropped from this node (TTL, room, mtc drop).",
+            registry=r,
+        )
         r.register(_JobStateCollector(self.job_state, clock))
 
     def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
@@ -257,6 +276,15 @@ class PrometheusMetrics(Metrics):
 
     def pin_delete_failed(self, job: str) -> None:
         self._pin_delete_failures.labels(job).inc()
+
+    def held_without_backup(self, bytes_by_job: Mapping[str, int]) -> None:
+        with self._lock:
+            self._held_unbacked.clear()
+            for job, nbytes in bytes_by_job.items():
+                self._held_unbacked.labels(job).set(nbytes)
+
+    def foreign_dropped(self, job: str, nbytes: int) -> None:
+        self._foreign_dropped.inc(max(nbytes, 0))
 
     def serving(self, job: str) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """``mtc``: the operator CLI. I/O only through the commands it dispatches to.
 
-Built-in commands are ``backups``, ``certs``, ``render`` and ``status``. Other commands plug
-in through the ``mtc.commands`` entry-point group: each names a module with
+Built-in commands are ``backups``, ``certs``, ``drop``, ``render`` and ``status``. Other
+commands plug in through the ``mtc.commands`` entry-point group: each names a module with
 ``add_parser(subparsers)`` and ``run(args) -> int``, like the built-in ones. ``mtc demo``
 comes that way from ``replicator.demo``, so that the product never imports the demo (an
 import contract holds this) while ``mtc demo`` works wherever the distribution is installed.
@@ -18,7 +18,7 @@ from types import ModuleType
 
 from replicator import __version__
 from replicator.tools import backups as backups_cli
-from replicator.tools import certs, render, status
+from replicator.tools import certs, drop, render, status
 
 COMMANDS_GROUP = "mtc.commands"
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ def _commands() -> dict[str, ModuleType]:
     commands: dict[str, ModuleType] = {
         "backups": backups_cli,
         "certs": certs,
+        "drop": drop,
         "render": render,
         "status": status,
     }

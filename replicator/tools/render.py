@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import re
 import sys
 from collections.abc import Mapping, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import yaml
 
 from replicator import __version__
+from replicator.core.drain import DEFAULT_DRAIN_SECONDS
 from replicator.core.pacing import MAX_YIELD_TO_SAVES, parse_rate
 from replicator.transport.server import READINESS_SERVICE
 
@@ -39,6 +41,11 @@ DRIVER_NAME = "multitier-checkpoint.mtc.dev"
 DEFAULT_NAMESPACE = "mtc-system"
 DEFAULT_IMAGE = f"mtc-replicator:{__version__}"
 DEFAULT_CREDENTIALS_SECRET = "mtc-backup-credentials"  # noqa: S105 (a Secret's name)
+MAX_DRAIN_SECONDS = 600
+"""``spec.drainSeconds`` at most: a node drain waits this long plus ``STOP_MARGIN`` per pod."""
+STOP_MARGIN = 10
+"""Seconds of the pod's grace period after the drain: the replicator's gRPC server lets
+transfers in flight end (5 s), then it exits and its sidecars stop."""
 PRIORITY_CLASS = "mtc-node-critical"
 REGISTRAR_IMAGE = "registry.k8s.io/sig-storage/csi-node-driver-registrar:v2.17.0"
 LIVENESS_PROBE_IMAGE = "registry.k8s.io/sig-storage/livenessprobe:v2.19.0"
@@ -99,6 +106,7 @@ SPEC_FIELDS = frozenset(
         "metricsNamespace",
         "maxTransferRate",
         "yieldToSavesSeconds",
+        "drainSeconds",
         "allowedNamespaces",
         "allowedServiceAccounts",
     }
@@ -189,6 +197,8 @@ class NodeConfig:
     """``--max-transfer-rate`` as written (validated); None: unlimited."""
     yield_to_saves_seconds: float | None = None
     """``--yield-to-saves-seconds``; None: the daemon's default."""
+    drain_seconds: float | None = None
+    """``--drain-seconds``; None: the daemon's default. The pod's grace period follows it."""
     allowed_namespaces: tuple[str, ...] = ()
     """Namespaces whose pods may mount the CSI volume (the plugin's allow-list)."""
     allowed_service_accounts: tuple[str, ...] = ()
@@ -419,6 +429,18 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
                 f"expected a number of seconds from 0 to {MAX_YIELD_TO_SAVES:g}, "
                 f"got {yield_seconds!r}",
             )
+    drain = None
+    if "drainSeconds" in spec:
+        drain = spec["drainSeconds"]
+        if (
+            isinstance(drain, bool)
+            or not isinstance(drain, int | float)
+            or not 0 <= drain <= MAX_DRAIN_SECONDS
+        ):
+            raise RenderError(
+                "spec.drainSeconds",
+                f"expected a number of seconds from 0 to {MAX_DRAIN_SECONDS}, got {drain!r}",
+            )
     allowed_namespaces = _string_list(
         spec.get("allowedNamespaces", []),
         "spec.allowedNamespaces",
@@ -456,6 +478,7 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         metrics_namespace=metrics_namespace,
         max_transfer_rate=rate,
         yield_to_saves_seconds=yield_seconds,
+        drain_seconds=drain,
         allowed_namespaces=allowed_namespaces,
         allowed_service_accounts=allowed_accounts,
         ignored=tuple(sorted(k for k in spec if k in IGNORED_GKE_FIELDS)),
@@ -492,6 +515,8 @@ def config_data(c: NodeConfig) -> dict[str, str]:
         data["MTC_MAX_TRANSFER_RATE"] = c.max_transfer_rate
     if c.yield_to_saves_seconds is not None:
         data["MTC_YIELD_TO_SAVES_SECONDS"] = f"{c.yield_to_saves_seconds:g}"
+    if c.drain_seconds is not None:
+        data["MTC_DRAIN_SECONDS"] = f"{c.drain_seconds:g}"
     if c.allowed_namespaces:
         data["MTC_CSI_ALLOWED_NAMESPACES"] = ",".join(c.allowed_namespaces)
     if c.allowed_service_accounts:
@@ -746,7 +771,7 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
                     "priorityClassName": PRIORITY_CLASS,
                     "nodeSelector": {"kubernetes.io/os": "linux", **dict(c.node_selector)},
                     "tolerations": [dict(t) for t in c.tolerations],
-                    "terminationGracePeriodSeconds": 30,
+                    "terminationGracePeriodSeconds": grace_seconds(c),
                     "securityContext": pod_security,
                     "initContainers": [_plugin(c, config_map)],
                     "containers": [_replicator(c, config_map), _registrar(), _liveness_probe()],
@@ -755,6 +780,14 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
             },
         },
     }
+
+
+def grace_seconds(c: NodeConfig) -> int:
+    """The pod's ``terminationGracePeriodSeconds``: the replicator's drain (``--drain-seconds``),
+    then its gRPC server's grace for transfers in flight and its exit (``STOP_MARGIN``); 30,
+    Kubernetes' default, with the default drain."""
+    drain = DEFAULT_DRAIN_SECONDS if c.drain_seconds is None else c.drain_seconds
+    return math.ceil(drain) + STOP_MARGIN
 
 
 def _tcp(*ports: int) -> list[Manifest]:

@@ -37,6 +37,13 @@ SHOWN_STEPS = 5
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     about = "a node's jobs, held steps, progress and peers, from its daemon"
     p = sub.add_parser("status", help=about, description=about)
+    p.add_argument("--job", type=argtypes.job, help="only this job (default: every job)")
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    add_connection_arguments(p)
+
+
+def add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    """How to reach a daemon's ``mtc.v1.Node``: its address, a timeout, its TLS."""
     env = os.environ
     p.add_argument(
         "--address",
@@ -44,8 +51,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=env.get("MTC_STATUS_ADDRESS", DEFAULT_ADDRESS),
         help="the daemon's gRPC address, HOST:PORT [MTC_STATUS_ADDRESS] (default: %(default)s)",
     )
-    p.add_argument("--job", type=argtypes.job, help="only this job (default: every job)")
-    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
     p.add_argument(
         "--timeout",
         type=argtypes.seconds,
@@ -80,17 +85,21 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the daemon of ``add_connection_arguments``; ``TlsError`` for bad TLS
+    files."""
+    tls = open_material(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    if tls is None:
+        return grpc.insecure_channel(args.address)
+    return grpc.secure_channel(
+        args.address, tls.channel_credentials(), options=tls.channel_options()
+    )
+
+
 def ask(args: argparse.Namespace) -> pb.NodeStatusResponse:
     """The daemon's answer; ``TlsError`` for bad TLS files, ``grpc.RpcError`` for a call
     that failed."""
-    tls = open_material(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
-    if tls is None:
-        channel = grpc.insecure_channel(args.address)
-    else:
-        channel = grpc.secure_channel(
-            args.address, tls.channel_credentials(), options=tls.channel_options()
-        )
-    with channel:
+    with open_channel(args) as channel:
         stub = node_pb2_grpc.NodeStub(channel)
         reply: pb.NodeStatusResponse = stub.Status(
             pb.NodeStatusRequest(job=args.job or ""), timeout=args.timeout
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     except TlsError as exc:
         return _fail(str(exc), 2)
     except grpc.RpcError as exc:
-        return _fail(_explain(exc, args))
+        return _fail(explain(exc, args))
     if args.job is not None and not reply.jobs:
         return _fail(f"job {args.job} is not on the node at {args.address}")
     body = status_json(reply)
@@ -115,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(exc: grpc.RpcError, args: argparse.Namespace) -> str:
+def explain(exc: grpc.RpcError, args: argparse.Namespace) -> str:
+    """One line for a failed call to the daemon: what went wrong and what to try."""
     code = exc.code() if isinstance(exc, grpc.Call) else None
     details = (exc.details() if isinstance(exc, grpc.Call) else None) or str(exc)
     where = f"the daemon at {args.address}"
@@ -164,6 +174,10 @@ def _job_json(j: pb.JobStatus) -> dict[str, Any]:
         "local_steps": list(j.local_steps),
         "peer_copies": [{"rank": c.rank, "steps": list(c.steps)} for c in j.peer_copies],
         "peers": [_peer_json(p) for p in j.peers],
+        "committed_backup_step": (
+            j.committed_backup_step if j.HasField("committed_backup_step") else None
+        ),
+        "kept_without_backup": j.kept_without_backup,
     }
 
 
@@ -202,6 +216,18 @@ def print_status(body: dict[str, Any], now: float) -> None:
                 f"last backed up {_or_dash(j['last_backed_up'])}"
             )
             print(f"  local steps: {_steps(j['local_steps'])}")
+        elif j["kept_without_backup"]:
+            print(
+                f"job {j['job']}: not running here; its newest step held is NOT in the backup "
+                f"(newest committed: {_or_dash(j['committed_backup_step'])}): kept, it may be "
+                f"the only copy (mtc drop --job {j['job']} --even-if-only-copy frees it)"
+            )
+        elif j["committed_backup_step"] is not None:
+            print(
+                f"job {j['job']}: not running here; backed up (step "
+                f"{j['committed_backup_step']}): dropped when the room is needed or after "
+                "--foreign-job-ttl"
+            )
         else:
             print(f"job {j['job']}: not running here (items held from an earlier incarnation)")
         for c in j["peer_copies"]:

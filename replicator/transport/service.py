@@ -18,7 +18,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
@@ -208,6 +208,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
         obtaining: Obtaining | None = None,
         pacer: Pacer | None = None,
+        make_room: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -219,7 +220,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         be. ``obtaining`` says which items this node's restore round is still fetching, so a
         pull of one is told to try again (ABORTED) or, once the round gave it up, to go
         elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
-        outgoing transfers; a pull served is a restore (first, never throttled)."""
+        outgoing transfers; a pull served is a restore (first, never throttled).
+        ``make_room(short)``: asked before a push is refused for lacking ``short`` bytes
+        (the daemon drops backed-up items of jobs that no longer run here)."""
+        self.make_room = make_room
         self.store = store
         self.pacer = pacer or Pacer()
         self.obtaining = obtaining
@@ -276,6 +280,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             return manifest, True
         _refuse_unless(admission)
         room = self._room()
+        if manifest.total_bytes > room and self.make_room is not None:
+            await self.make_room(manifest.total_bytes - room)
+            room = self._room()
         if manifest.total_bytes > room:
             raise TooLarge(
                 f"{item}: {manifest.total_bytes} bytes do not fit, this node can take {room}"

@@ -89,6 +89,8 @@ def test_defaults() -> None:
     pod = _pod(objs)
     assert pod["tolerations"] == [dict(t) for t in render.DEFAULT_TOLERATIONS]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    # The default drain (20 s) and 10 s to stop: Kubernetes' default grace period.
+    assert pod["terminationGracePeriodSeconds"] == 30
     replicator = container(pod, "replicator")
     assert replicator["image"] == container(pod, "csi-plugin")["image"] == render.DEFAULT_IMAGE
     assert replicator["securityContext"]["runAsUser"] == render.WORKLOAD_UID
@@ -214,6 +216,7 @@ def test_every_field_maps() -> None:
             serviceAccountAnnotations={"eks.amazonaws.com/role-arn": "arn:aws:iam::1:role/x"},
             maxTransferRate="2Gbit",
             yieldToSavesSeconds=2.5,
+            drainSeconds=45.5,
         )
     )
     for obj in objs:
@@ -221,6 +224,7 @@ def test_every_field_maps() -> None:
     assert only(objs, "ConfigMap")["data"] == {
         "MTC_MAX_TRANSFER_RATE": "2Gbit",
         "MTC_YIELD_TO_SAVES_SECONDS": "2.5",
+        "MTC_DRAIN_SECONDS": "45.5",
         "MTC_LOG_LEVEL": "DEBUG",
         "MTC_RAM_SIZE": "1.5Ti",
         "MTC_BACKUP": "s3://ckpt-bucket/prefix/a",
@@ -229,6 +233,7 @@ def test_every_field_maps() -> None:
         "AWS_DEFAULT_REGION": "eu-west-1",
     }
     pod = _pod(objs)
+    assert pod["terminationGracePeriodSeconds"] == 56  # the drain, then 10 s to stop
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "pool": "a100"}
     assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "ml"}]
     for name in ("csi-plugin", "replicator"):
@@ -430,6 +435,9 @@ BAD: list[tuple[str, Obj, str, bool]] = [
     ("rate zero", cr(maxTransferRate="0MiB"), "spec.maxTransferRate", False),
     ("yield too long", cr(yieldToSavesSeconds=60), "spec.yieldToSavesSeconds", True),
     ("yield string", cr(yieldToSavesSeconds="5"), "spec.yieldToSavesSeconds", True),
+    ("drain too long", cr(drainSeconds=601), "spec.drainSeconds", True),
+    ("drain negative", cr(drainSeconds=-1), "spec.drainSeconds", True),
+    ("drain bool", cr(drainSeconds=True), "spec.drainSeconds", True),
     ("namespaces string", cr(allowedNamespaces="ml"), "spec.allowedNamespaces", True),
     ("namespace name", cr(allowedNamespaces=["ml", "ML"]), "spec.allowedNamespaces[1]", True),
     ("namespace int", cr(allowedNamespaces=[3]), "spec.allowedNamespaces[0]", True),
@@ -527,6 +535,7 @@ def test_the_crd_schema_uses_render_s_patterns() -> None:
     assert spec["metricsNamespace"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
     assert spec["maxTransferRate"]["pattern"] == f"^({render.RATE_RE.pattern})$"
     assert spec["yieldToSavesSeconds"]["maximum"] == MAX_YIELD_TO_SAVES
+    assert spec["drainSeconds"]["maximum"] == render.MAX_DRAIN_SECONDS
     fields = set(spec)
     assert fields == set(render.SPEC_FIELDS) | set(render.IGNORED_GKE_FIELDS)
 

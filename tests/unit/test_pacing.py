@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from replicator.core.manifest import Cancelled
 from replicator.core.pacing import (
     HELD_RATE,
     MAX_SLICE,
@@ -233,3 +234,14 @@ def test_paced_slices_carry_every_byte_in_order_and_book_them() -> None:
     assert max(len(x) for x in pieces) <= 64 << 10
     assert p.sent[Traffic.BACKUP] >= len(data)
     assert clock.now - start == pytest.approx((len(data) - MiB) / MiB, rel=0.05)
+
+
+def test_a_halted_pacer_ends_every_paced_transfer_at_its_next_slice() -> None:
+    p, _ = pacer(rate=1 * MiB)
+    with p.transfer(Traffic.BACKUP) as meter:
+        meter.take(1024)
+        p.halt()
+        with pytest.raises(Cancelled):
+            meter.take(2 * MiB)
+    with p.transfer(Traffic.REPLICATION) as meter, pytest.raises(Cancelled):
+        asyncio.run(meter.take_async(2 * MiB))

@@ -131,6 +131,8 @@ class JobStatus(_message.Message):
     LOCAL_STEPS_FIELD_NUMBER: _builtins.int
     PEER_COPIES_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    COMMITTED_BACKUP_STEP_FIELD_NUMBER: _builtins.int
+    KEPT_WITHOUT_BACKUP_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     active: _builtins.bool
     """True for the job this node serves now; the fields below up to `peers` are set only then."""
@@ -148,6 +150,14 @@ class JobStatus(_message.Message):
     """Newest own step held here and on every replication target."""
     last_backed_up: _builtins.int
     """Newest step this rank uploaded (or found committed) in the backup."""
+    committed_backup_step: _builtins.int
+    """A job not running here: the newest step committed in the backup, as last read (unset:
+    none, or not read yet).
+    """
+    kept_without_backup: _builtins.bool
+    """A job not running here whose newest step held is not in the backup: its items are
+    kept (they may be its only copy) until an operator drops them.
+    """
     @_builtins.property
     def local_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """This node's own rank's steps held here (local copies)."""
@@ -175,15 +185,21 @@ class JobStatus(_message.Message):
         local_steps: _abc.Iterable[_builtins.int] | None = ...,
         peer_copies: _abc.Iterable[Global___HeldCopies] | None = ...,
         peers: _abc.Iterable[Global___PeerContact] | None = ...,
+        committed_backup_step: _builtins.int | None = ...,
+        kept_without_backup: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "committed_backup_step", b"committed_backup_step", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "active", b"active", "coordinator", b"coordinator", "incarnation", b"incarnation", "job", b"job", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated", "local_steps", b"local_steps", "nodes", b"nodes", "peer_copies", b"peer_copies", "peers", b"peers", "phase", b"phase", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "active", b"active", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "incarnation", b"incarnation", "job", b"job", "kept_without_backup", b"kept_without_backup", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated", "local_steps", b"local_steps", "nodes", b"nodes", "peer_copies", b"peer_copies", "peers", b"peers", "phase", b"phase", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__committed_backup_step: _TypeAlias = _typing.Literal["committed_backup_step"]  # noqa: Y015
+    _WhichOneofArgType__committed_backup_step: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step"]  # noqa: Y015
     _WhichOneofReturnType__last_backed_up: _TypeAlias = _typing.Literal["last_backed_up"]  # noqa: Y015
     _WhichOneofArgType__last_backed_up: _TypeAlias = _typing.Literal["_last_backed_up", b"_last_backed_up"]  # noqa: Y015
     _WhichOneofReturnType__last_replicated: _TypeAlias = _typing.Literal["last_replicated"]  # noqa: Y015
     _WhichOneofArgType__last_replicated: _TypeAlias = _typing.Literal["_last_replicated", b"_last_replicated"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_backup_step) -> _WhichOneofReturnType__committed_backup_step | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_backed_up) -> _WhichOneofReturnType__last_backed_up | None: ...
     @_typing.overload
@@ -217,3 +233,63 @@ class NodeStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NodeStatusResponse: _TypeAlias = NodeStatusResponse  # noqa: Y015
+
+@_typing.final
+class DropRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    EVEN_IF_ONLY_COPY_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job whose items this node drops; never the job it runs now."""
+    even_if_only_copy: _builtins.bool
+    """Drop them even when the newest step held is not committed in the backup (the items
+    may be the job's only copy).
+    """
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        even_if_only_copy: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["even_if_only_copy", b"even_if_only_copy", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropRequest: _TypeAlias = DropRequest  # noqa: Y015
+
+@_typing.final
+class DropResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    COMMITTED_BACKUP_STEP_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    bytes: _builtins.int
+    committed_backup_step: _builtins.int
+    """The newest step committed in the backup, as read before the drop."""
+    @_builtins.property
+    def dropped(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldCopies]:
+        """The steps dropped, by rank."""
+
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        dropped: _abc.Iterable[Global___HeldCopies] | None = ...,
+        bytes: _builtins.int = ...,
+        committed_backup_step: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "committed_backup_step", b"committed_backup_step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "bytes", b"bytes", "committed_backup_step", b"committed_backup_step", "dropped", b"dropped", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__committed_backup_step: _TypeAlias = _typing.Literal["committed_backup_step"]  # noqa: Y015
+    _WhichOneofArgType__committed_backup_step: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__committed_backup_step) -> _WhichOneofReturnType__committed_backup_step | None: ...
+
+Global___DropResponse: _TypeAlias = DropResponse  # noqa: Y015

@@ -40,6 +40,11 @@ class NodeStub:
                 request_serializer=mtc_dot_v1_dot_node__pb2.NodeStatusRequest.SerializeToString,
                 response_deserializer=mtc_dot_v1_dot_node__pb2.NodeStatusResponse.FromString,
                 _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/mtc.v1.Node/Drop',
+                request_serializer=mtc_dot_v1_dot_node__pb2.DropRequest.SerializeToString,
+                response_deserializer=mtc_dot_v1_dot_node__pb2.DropResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -53,6 +58,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drop(self, request, context):
+        """Drop the items of a job that does not run here (`mtc drop`): refused for the running
+        job, and for items not in the backup unless even_if_only_copy is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=mtc_dot_v1_dot_node__pb2.NodeStatusRequest.FromString,
                     response_serializer=mtc_dot_v1_dot_node__pb2.NodeStatusResponse.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=mtc_dot_v1_dot_node__pb2.DropRequest.FromString,
+                    response_serializer=mtc_dot_v1_dot_node__pb2.DropResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -89,6 +107,33 @@ class Node:
             '/mtc.v1.Node/Status',
             mtc_dot_v1_dot_node__pb2.NodeStatusRequest.SerializeToString,
             mtc_dot_v1_dot_node__pb2.NodeStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.Node/Drop',
+            mtc_dot_v1_dot_node__pb2.DropRequest.SerializeToString,
+            mtc_dot_v1_dot_node__pb2.DropResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,10 @@ class NodeStub:
     """What this node holds and whom it reaches; read-only, cheap (no I/O beyond the store's
     in-memory index).
     """
+    Drop: _grpc.UnaryUnaryMultiCallable[_node_pb2.DropRequest, _node_pb2.DropResponse]
+    """Drop the items of a job that does not run here (`mtc drop`): refused for the running
+    job, and for items not in the backup unless even_if_only_copy is set.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -48,6 +52,10 @@ class NodeAsyncStub(NodeStub):
     Status: _aio.UnaryUnaryMultiCallable[_node_pb2.NodeStatusRequest, _node_pb2.NodeStatusResponse]  # type: ignore[assignment]
     """What this node holds and whom it reaches; read-only, cheap (no I/O beyond the store's
     in-memory index).
+    """
+    Drop: _aio.UnaryUnaryMultiCallable[_node_pb2.DropRequest, _node_pb2.DropResponse]  # type: ignore[assignment]
+    """Drop the items of a job that does not run here (`mtc drop`): refused for the running
+    job, and for items not in the backup unless even_if_only_copy is set.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -59,6 +67,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_node_pb2.NodeStatusResponse, _abc.Awaitable[_node_pb2.NodeStatusResponse]]:
         """What this node holds and whom it reaches; read-only, cheap (no I/O beyond the store's
         in-memory index).
+        """
+
+    @_abc_1.abstractmethod
+    def Drop(
+        self,
+        request: _node_pb2.DropRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.DropResponse, _abc.Awaitable[_node_pb2.DropResponse]]:
+        """Drop the items of a job that does not run here (`mtc drop`): refused for the running
+        job, and for items not in the backup unless even_if_only_copy is set.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
