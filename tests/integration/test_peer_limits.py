@@ -39,12 +39,14 @@ from replicator.tools import certs
 from replicator.transport import datachannel
 from replicator.transport.peer import PeerClient
 from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import (
     CONFIG,
     FAST_ARGS,
     RECEIVER,
     config_text,
     item_dir,
+    make_step,
     ram_disk,
     receiver_args,
     running_daemon,
@@ -317,6 +319,29 @@ def test_a_push_of_more_files_than_the_node_has_inodes_for_is_refused(node: Node
     reply = node.stub.PushItem(iter([header(node.job, 42, empty_files(1000))]), timeout=60)
     assert len(os.listdir(item_dir(node.ckpt, node.job, 42) / "data")) == 1000
     assert reply.bytes_received == 0
+
+
+@pytest.mark.parametrize("cluster_extra", [("--max-item-files", "20")])
+def test_a_real_step_over_the_file_limit_is_kept_and_its_refused_push_reported(
+    cluster: Cluster,
+) -> None:
+    """A job whose step has more files than its peers take (``--max-item-files 20``, 31
+    files): the step is still ingested and committed at home, never refused there; its
+    push is refused by the peer, and the job sees why in ``replicator.errors``."""
+    cluster.fresh_start()
+    files = {f"state/shard_{i:03d}.bin": bytes([i]) * 100 for i in range(30)}
+    files["_CHECKPOINT_METADATA"] = b'{"step": 5}'
+    make_step(cluster.dirs[1], 5, files)
+    wait_until(
+        lambda: (5, "1-0") in cluster.held(1), "rank 1 committed step 5", daemon=cluster.daemon(1)
+    )
+    wait_until(
+        lambda: "--max-item-files" in cluster.errors(1),
+        "the refused push in rank 1's replicator.errors",
+        daemon=cluster.daemon(1),
+    )
+    assert "replication to rank" in cluster.errors(1)
+    assert all((5, "1-0") not in cluster.held(r) for r in range(NODES) if r != 1)
 
 
 # --- handshakes ----------------------------------------------------------------------------------
