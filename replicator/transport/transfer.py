@@ -409,7 +409,10 @@ async def deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
     except TimeoutError:
         if not scope.expired():
             raise
-        raise TooSlow(f"{what}: not done within {seconds:.0f}s, under the minimum rate") from None
+        raise TooSlow(
+            f"{what}: not done within {seconds:.0f}s, under the minimum rate "
+            "(--min-transfer-rate of the node that dropped it)"
+        ) from None
 
 
 async def idle_bounded(messages: AsyncIterator[T], idle: float, what: str) -> AsyncIterator[T]:
