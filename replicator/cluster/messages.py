@@ -280,10 +280,11 @@ def failure_message(failure: FailedFetch, address: str = "") -> pb.FailedSource:
 
 
 def source_keys(
-    failures: Sequence[pb.FailedSource], job: str, rank: int, nodes: int
+    failures: Sequence[pb.FailedSource], job: str, rank: int, nodes: int, limit: int = MAX_ITEMS
 ) -> list[SourceKey]:
-    """The copies a rank reports as failed, as the state machine excludes them."""
-    check_count(failures, "failures")
+    """The copies a rank reports as failed, as the state machine excludes them: at most
+    ``limit`` (``join_item_limit``: a plan gives a rank far fewer sources), counted first."""
+    check_count(failures, "failures", limit)
     keys = []
     for i, failure in enumerate(failures):
         what = f"failures[{i}]"

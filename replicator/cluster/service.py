@@ -745,8 +745,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             rank = request.rank
-            nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
-            failed = source_keys(request.failures, job, rank, nodes)
+            config = self.coordinators.hosted(job, rank).coordinator.config
+            failed = source_keys(request.failures, job, rank, config.nodes, join_item_limit(config))
             address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
             identity = self.coordinators.report_restore(
                 job,

@@ -433,3 +433,29 @@ def test_one_function_maps_errors_to_status_codes() -> None:
     assert status_for(NotInReleasedRound("x"))[0] is grpc.StatusCode.FAILED_PRECONDITION
     assert status_for(RuntimeError())[0] is grpc.StatusCode.INTERNAL
     assert status_for(RuntimeError())[1] == "RuntimeError"
+
+
+def test_a_report_of_more_failures_than_a_join_may_list_is_refused_first() -> None:
+    """A plan gives a rank at most a few sources per item: a report of 257 failed copies
+    in a 4-node job is refused before any is converted, and nothing is listed."""
+    s, listed = servicer()
+    failure = failure_message(FailedFetch(Fetch(Source.PEER, item(1), 2, digest(1)), corrupt=False))
+    request = pb.ReportRestoreRequest(
+        job=JOB,
+        rank=1,
+        incarnation_id="inc1",
+        round=1,
+        plan_version=1,
+        failures=[failure] * (4 * MAX_JOIN_STEPS + 1),
+    )
+
+    async def go() -> pb.ReportRestoreResponse:
+        return await s.ReportRestore(request, Context())  # type: ignore[arg-type]
+
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(go())
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"failures: {4 * MAX_JOIN_STEPS + 1} entries, at most {4 * MAX_JOIN_STEPS}" in (
+        refused.value.details
+    )
+    assert listed == []
