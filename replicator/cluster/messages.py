@@ -29,6 +29,9 @@ SERVICE = "mtc.v1.Coordinator"
 MAX_ITEMS = 65_536
 """Items in one join or failures in one report. A node holds a few steps of its own items
 and its peers' (``workers-per-node`` each), far below this; ~7 MB of message at most."""
+MAX_JOIN_STEPS = 64
+"""Steps of one rank a join may list: a node keeps a rank's newest complete step, the
+steps still arriving and those being uploaded, a handful (``core.policy``)."""
 MAX_CLUSTER_VIEW_CHARS = 4096
 MAX_DETAIL_CHARS = 1024
 """A failure's detail is for logs: longer ones are cut, not refused."""
@@ -126,9 +129,18 @@ def held_items(items: Mapping[ItemId, str]) -> list[pb.HeldItem]:
     ]
 
 
-def inventory_items(job: str, held: Sequence[pb.HeldItem]) -> dict[ItemId, str]:
-    """A join's items: bounded in number, each of ``job``, a real digest, none listed twice."""
-    check_count(held, "items")
+def join_item_limit(config: JobConfig) -> int:
+    """The most items one join of ``config``'s job may list: every rank's workers, each
+    at ``MAX_JOIN_STEPS`` steps, and never more than ``MAX_ITEMS``. Counted before any item
+    is converted: 65,535 invented items cost a coordinator's loop up to 2.6 s per join."""
+    return min(MAX_ITEMS, config.nodes * config.workers_per_node * MAX_JOIN_STEPS)
+
+
+def inventory_items(
+    job: str, held: Sequence[pb.HeldItem], limit: int = MAX_ITEMS
+) -> dict[ItemId, str]:
+    """A join's items: at most ``limit``, each of ``job``, a real digest, none listed twice."""
+    check_count(held, "items", limit)
     items: dict[ItemId, str] = {}
     for i, entry in enumerate(held):
         item = item_id(entry.item, job, f"items[{i}]")
@@ -268,10 +280,11 @@ def failure_message(failure: FailedFetch, address: str = "") -> pb.FailedSource:
 
 
 def source_keys(
-    failures: Sequence[pb.FailedSource], job: str, rank: int, nodes: int
+    failures: Sequence[pb.FailedSource], job: str, rank: int, nodes: int, limit: int = MAX_ITEMS
 ) -> list[SourceKey]:
-    """The copies a rank reports as failed, as the state machine excludes them."""
-    check_count(failures, "failures")
+    """The copies a rank reports as failed, as the state machine excludes them: at most
+    ``limit`` (``join_item_limit``: a plan gives a rank far fewer sources), counted first."""
+    check_count(failures, "failures", limit)
     keys = []
     for i, failure in enumerate(failures):
         what = f"failures[{i}]"

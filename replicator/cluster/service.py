@@ -39,6 +39,7 @@ from replicator.cluster.messages import (
     check_incarnation,
     check_job,
     inventory_items,
+    join_item_limit,
     seen_key,
     source_keys,
     status_key,
@@ -335,6 +336,11 @@ class Coordinators:
         if not 0 <= rank < nodes:
             raise BadMessage(f"rank {rank} is out of range for job {job}")
         return hosted
+
+    def join_limit(self, job: str, rank: int, owner: str) -> int:
+        """The most items a join of ``owner``'s to ``job`` may list (``join_item_limit``);
+        refused as ``join`` would be when ``owner`` may not join it."""
+        return join_item_limit(self._admit(job, rank, owner).coordinator.config)
 
     def _admit(self, job: str, rank: int, owner: str) -> HostedJob:
         """The job, if ``owner`` may join it: checked before anything else about the job
@@ -691,7 +697,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
                 raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
             owner = check_owner(request.owner)
-            items = inventory_items(job, request.items)
+            limit = self.coordinators.join_limit(job, request.rank, owner)
+            items = inventory_items(job, request.items, limit)
             address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
             inventory = NodeInventory(request.rank, address, items)
             identity, round_ = await self.coordinators.join(
@@ -738,8 +745,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job = self._served(check_job(request.job))
             incarnation = check_incarnation(request.incarnation_id)
             rank = request.rank
-            nodes = self.coordinators.hosted(job, rank).coordinator.config.nodes
-            failed = source_keys(request.failures, job, rank, nodes)
+            config = self.coordinators.hosted(job, rank).coordinator.config
+            failed = source_keys(request.failures, job, rank, config.nodes, join_item_limit(config))
             address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
             identity = self.coordinators.report_restore(
                 job,

@@ -26,6 +26,21 @@ by the saves this node lags behind; the bound is that lag in steps, generously. 
 with no step of its own yet counts from 0."""
 
 
+INODE_RESERVE = 4096
+"""Inodes an incoming item must leave free on the store's filesystem (or a sixteenth of
+them when that is fewer): the job's next save needs some, and tmpfs counts them apart
+from bytes (``nr_inodes``), so a push of many empty files passes every byte check."""
+
+
+def inode_room(free: int, total: int, incoming: int, reserve: int = INODE_RESERVE) -> int | None:
+    """Inodes one more incoming item may take: ``free`` (statvfs ``f_favail``) less the
+    margin and less what pushes in flight (``incoming``) will still create; None when the
+    filesystem has no fixed number of inodes (``total`` 0: btrfs, some overlays)."""
+    if total <= 0:
+        return None
+    return free - min(reserve, total // 16) - incoming
+
+
 class Verdict(StrEnum):
     """What to do with a push; the service maps each to its gRPC answer."""
 

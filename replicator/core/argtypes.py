@@ -13,7 +13,7 @@ import argparse
 import math
 
 from replicator.core.contract import JOB_NAME_RE, ascii_digits
-from replicator.core.pacing import parse_rate
+from replicator.core.pacing import MIN_FLOOR_RATE, parse_rate
 from replicator.core.retry import parse_storage_timeout
 
 
@@ -92,3 +92,16 @@ def rate(value: str) -> float | None:
         return parse_rate(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def floor_rate(value: str) -> float:
+    """``--min-transfer-rate``: bytes per second, at least 1 KiB/s; ``off``: 0 (no floor)."""
+    if value.strip().lower() == "off":
+        return 0.0
+    try:
+        parsed = parse_rate(value, minimum=MIN_FLOOR_RATE)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"must be a rate such as 256KiB, or 'off', got {value!r}")
+    return parsed

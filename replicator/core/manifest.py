@@ -20,6 +20,13 @@ from typing import Any
 from replicator.core.contract import JOB_NAME_RE
 
 MAX_FILES = 1_000_000
+"""Most files and directories of any manifest this code reads (a stored item's included)."""
+DEFAULT_MAX_ITEM_FILES = 100_000
+"""Most files and directories of one item a peer may push here (``--max-item-files``).
+A rank's step holds a handful of files with Orbax's OCDBT or torch DCP (one ``.distcp`` per
+rank), a few thousand without OCDBT (a directory and chunk files per array): 100,000 is
+tens of times that, and 650,000 empty files (15 MiB of manifest) cost a receiver 13-25 s
+and as many inodes, which no byte budget counts."""
 MAX_PATH_BYTES = 4095
 """Longest relative path, in bytes as the filesystem takes it: Linux's PATH_MAX less its NUL."""
 MAX_NAME_BYTES = 255
@@ -111,9 +118,15 @@ class Manifest:
     def digest(self) -> str:
         return hashlib.sha256(self.to_json()).hexdigest()
 
+    @property
+    def entries(self) -> int:
+        """Files and directories: the inodes a copy of the item takes."""
+        return len(self.files) + len(self.dirs)
+
     @classmethod
-    def from_json(cls, raw: bytes) -> Manifest:
-        """Parse and validate a manifest from an untrusted source."""
+    def from_json(cls, raw: bytes, max_entries: int = MAX_FILES) -> Manifest:
+        """Parse and validate a manifest from an untrusted source; one of more than
+        ``max_entries`` files and directories is refused before any entry is checked."""
         if len(raw) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
         try:
@@ -122,7 +135,7 @@ class Manifest:
             raise ManifestError(f"manifest is not JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ManifestError("manifest must be a JSON object")
-        return _manifest_from_dict(data)
+        return _manifest_from_dict(data, max_entries)
 
 
 def _field(data: dict[str, Any], key: str, typ: type) -> Any:
@@ -132,7 +145,7 @@ def _field(data: dict[str, Any], key: str, typ: type) -> Any:
     return value
 
 
-def _manifest_from_dict(data: dict[str, Any]) -> Manifest:
+def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
     if data.get("version") != FORMAT_VERSION:
         raise ManifestError(f"unsupported manifest version {data.get('version')!r:.40}")
     job = _field(data, "job", str)
@@ -148,8 +161,12 @@ def _manifest_from_dict(data: dict[str, Any]) -> Manifest:
         raise ManifestError(f"unknown item kind {data.get('kind')!r:.40}") from None
     raw_files = _field(data, "files", list)
     raw_dirs = _field(data, "dirs", list)
-    if len(raw_files) + len(raw_dirs) > MAX_FILES:
-        raise ManifestError(f"manifest lists more than {MAX_FILES} entries")
+    listed, limit = len(raw_files) + len(raw_dirs), min(max_entries, MAX_FILES)
+    if listed > limit:
+        raise ManifestError(
+            f"manifest lists {listed} files and directories, more than {limit} "
+            "(the most one item may have here: --max-item-files)"
+        )
     files: list[FileEntry] = []
     for entry in raw_files:
         if not (isinstance(entry, list) and len(entry) == 3):

@@ -193,7 +193,7 @@ class PaceBook:
 _RATE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+?)(?:/s|ps)?\s*")
 
 
-def parse_rate(text: str) -> float | None:
+def parse_rate(text: str, minimum: float = MIN_RATE) -> float | None:
     """Bytes per second from ``400MiB``, ``1.5GB``, ``2Gbit`` or ``2Gb`` (bits), with an
     optional ``/s``; ``unlimited`` (or empty): None. ``ValueError`` says the rule."""
     if text.strip().lower() in ("", "unlimited", "none"):
@@ -213,12 +213,59 @@ def parse_rate(text: str) -> float | None:
             "400MiB or 2Gbit, or 'unlimited'"
         ) from None
     rate = float(size.bytes)
-    if rate < MIN_RATE:
-        raise ValueError(
-            f"transfer rate {text!r} is under the minimum of 64KiB per second (slower would "
-            "neither replicate a checkpoint nor keep a held transfer's connection alive)"
-        )
+    if rate < minimum:
+        if minimum == MIN_RATE:
+            raise ValueError(
+                f"transfer rate {text!r} is under the minimum of 64KiB per second (slower "
+                "would neither replicate a checkpoint nor keep a held transfer's connection "
+                "alive)"
+            )
+        raise ValueError(f"transfer rate {text!r} is under the minimum of {format_rate(minimum)}")
     return rate
+
+
+# --- the floor under a transfer a peer sends or takes -------------------------------------------
+
+DEFAULT_MIN_TRANSFER_RATE = 256 << 10
+"""The slowest average rate a peer's push or pull may keep, after a grace of one idle
+timeout (``transfer_deadline``). Far under what an unpaced push gets (hundreds of MiB/s),
+and under what a push paced at 4 MiB/s or more gets while it shares the limit with a
+dozen others; a slower ``--max-transfer-rate`` lowers it (``default_floor``)."""
+MIN_FLOOR_RATE = 1 << 10
+"""The lowest ``--min-transfer-rate``: 1 KiB/s."""
+
+
+def default_floor(max_rate: float | None) -> float:
+    """The floor when ``--min-transfer-rate`` is not given: ``DEFAULT_MIN_TRANSFER_RATE``,
+    or a sixteenth of this node's ``--max-transfer-rate`` when that is lower (the rate a
+    held class trickles at): nodes of one cluster share their flags, so a peer pacing its
+    pushes as this node does is not cut off."""
+    if max_rate is None:
+        return float(DEFAULT_MIN_TRANSFER_RATE)
+    return max(float(MIN_FLOOR_RATE), min(float(DEFAULT_MIN_TRANSFER_RATE), max_rate / 16))
+
+
+ENTRY_BYTES = 4096
+"""What one file or directory of an item counts as in ``transfer_deadline``: a page, the
+least tmpfs charges a non-empty file. Creating 30,000 small files takes seconds on a busy
+node, which their bytes alone would not allow for."""
+
+
+def transfer_deadline(
+    nbytes: int, floor: float | None, grace: float, entries: int = 0
+) -> float | None:
+    """Seconds a transfer of ``nbytes`` in ``entries`` files and directories may take in
+    all: ``grace`` plus its bytes, and ``ENTRY_BYTES`` per entry, at the ``floor`` rate;
+    None when there is no floor.
+
+    The idle timeout bounds each wait, not the whole: a sender dripping one byte a second
+    would otherwise hold its reservation (up to the node's free space) for ever. The grace
+    (the idle timeout) covers connection set-up and a save's hold (at most
+    ``MAX_YIELD_TO_SAVES``).
+    """
+    if floor is None:
+        return None
+    return grace + (max(nbytes, 0) + ENTRY_BYTES * max(entries, 0)) / floor
 
 
 def format_rate(rate: float | None) -> str:

@@ -54,11 +54,14 @@ from replicator.core.contract import (
 )
 from replicator.core.drain import DEFAULT_DRAIN_SECONDS
 from replicator.core.foreign import DEFAULT_TTL
+from replicator.core.manifest import DEFAULT_MAX_ITEM_FILES
 from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
 from replicator.core.pacing import (
+    DEFAULT_MIN_TRANSFER_RATE,
     DEFAULT_YIELD_TO_SAVES,
     MAX_YIELD_TO_SAVES,
     PaceRules,
+    default_floor,
     format_rate,
 )
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
@@ -188,6 +191,11 @@ class DaemonOptions:
     max_transfer_rate: float | None = None
     """Bytes per second this daemon sends for replication and backups together; None:
     unlimited. Restores are never throttled (``core.pacing``)."""
+    max_item_files: int = DEFAULT_MAX_ITEM_FILES
+    """The most files and directories of one item a peer may push here."""
+    min_transfer_rate: float | None = DEFAULT_MIN_TRANSFER_RATE
+    """The average rate a peer's push or pull served here must keep after one idle timeout
+    (``core.pacing.transfer_deadline``); None: no floor."""
     yield_to_saves_seconds: float = DEFAULT_YIELD_TO_SAVES
     """How long a save in progress may hold this daemon's replication and backups."""
     storage_timeout: float = DEFAULT_STORAGE_TIMEOUT
@@ -384,6 +392,25 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
         "(default: unlimited) [MTC_MAX_TRANSFER_RATE]",
     )
     p.add_argument(
+        "--max-item-files",
+        type=argtypes.positive,
+        default=env.get("MTC_MAX_ITEM_FILES", str(DEFAULT_MAX_ITEM_FILES)),
+        metavar="COUNT",
+        help="refuse a peer's push of an item of more files and directories than this, "
+        "before staging any; this node's own steps are never refused, their pushes are "
+        "(default: %(default)s) [MTC_MAX_ITEM_FILES]",
+    )
+    p.add_argument(
+        "--min-transfer-rate",
+        type=argtypes.floor_rate,
+        default=env.get("MTC_MIN_TRANSFER_RATE") or None,
+        metavar="RATE",
+        help="a peer's push or pull served here that moves slower on average, after one idle "
+        "timeout, is dropped with its space reservation: e.g. 256KiB, or 'off'; keep it under "
+        "what a paced peer gets (default: 256KiB, or a sixteenth of --max-transfer-rate when "
+        "that is lower) [MTC_MIN_TRANSFER_RATE]",
+    )
+    p.add_argument(
         "--yield-to-saves-seconds",
         type=argtypes.non_negative,
         default=env.get("MTC_YIELD_TO_SAVES_SECONDS", f"{DEFAULT_YIELD_TO_SAVES:g}"),
@@ -443,6 +470,15 @@ def parse_args(
             f"--yield-to-saves-seconds must be in [0, {MAX_YIELD_TO_SAVES:g}]: peers and "
             "object stores drop connections idle for longer"
         )
+    floor = default_floor(a.max_transfer_rate)
+    if a.min_transfer_rate is not None:
+        floor = a.min_transfer_rate
+        limit = a.max_transfer_rate
+        if limit is not None and floor >= limit:
+            p.error(
+                "--min-transfer-rate must be below --max-transfer-rate: peers pacing their "
+                "pushes as this node does would be dropped"
+            )
     return DaemonOptions(
         checkpoint_dir=a.checkpoint_dir.absolute(),
         store_dir=a.store_dir.absolute() if a.store_dir is not None else None,
@@ -470,6 +506,8 @@ def parse_args(
         idle_timeout_seconds=a.idle_timeout_seconds,
         owner_file=a.owner_file.absolute() if a.owner_file is not None else None,
         max_transfer_rate=a.max_transfer_rate,
+        min_transfer_rate=floor or None,
+        max_item_files=a.max_item_files,
         yield_to_saves_seconds=a.yield_to_saves_seconds,
         storage_timeout=a.storage_timeout,
         drain_seconds=a.drain_seconds,
@@ -711,6 +749,8 @@ class Daemon:
             obtaining=self.ctx.obtaining,
             pacer=self.pacer,
             make_room=self._room_for_push,
+            min_rate=self.opts.min_transfer_rate,
+            max_item_files=self.opts.max_item_files,
         )
         rpc.add_service(PEER_SERVICE, peer.register)
         backups = self.ctx.backups

@@ -136,6 +136,9 @@ class Metrics:
     def error(self, kind: ErrorKind) -> None:
         """A problem was reported (logged and written to ``replicator.errors``)."""
 
+    def transfer_too_slow(self, kind: TransferKind) -> None:
+        """A peer's push or pull was dropped under the minimum transfer rate."""
+
     def pin_delete_failed(self, job: str) -> None:
         """A used restore pin of ``job`` could not be deleted from the bucket."""
 
@@ -220,6 +223,12 @@ class PrometheusMetrics(Metrics):
         self._errors = Counter(
             "mtc_errors", "Problems reported to the workload, by kind.", ["kind"], registry=r
         )
+        self._too_slow = Counter(
+            "mtc_transfers_too_slow",
+            "Peer transfers dropped for moving under --min-transfer-rate, by kind.",
+            ["kind"],
+            registry=r,
+        )
         self._pin_delete_failures = Counter(
             "mtc_pin_delete_failures",
             "Used restore pins this node's coordinator could not delete from the bucket.",
@@ -249,6 +258,8 @@ class PrometheusMetrics(Metrics):
         for transfer in TransferKind:
             self._bytes.labels(transfer.value)
             self._seconds.labels(transfer.value)
+        for transfer in (TransferKind.REPLICATE_IN, TransferKind.SERVE_PULL):
+            self._too_slow.labels(transfer.value)
         for error in ErrorKind:
             self._errors.labels(error.value)
         for outcome in RoundOutcome:
@@ -273,6 +284,9 @@ class PrometheusMetrics(Metrics):
 
     def error(self, kind: ErrorKind) -> None:
         self._errors.labels(kind.value).inc()
+
+    def transfer_too_slow(self, kind: TransferKind) -> None:
+        self._too_slow.labels(kind.value).inc()
 
     def pin_delete_failed(self, job: str) -> None:
         self._pin_delete_failures.labels(job).inc()

@@ -63,7 +63,9 @@ log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
 HANDSHAKE_SECONDS = 10.0
-"""A connection must present its token within this long, or it is closed."""
+"""A connection must finish its TLS handshake and present its token within this long in
+all, or it is closed: a per-read timeout alone lets a peer dripping a byte every few
+seconds hold a handshake slot for ever."""
 MAX_HANDSHAKES = 64
 """Connections allowed to be presenting a token at once; more are closed at once."""
 MAX_HANDSHAKES_PER_PEER = 8
@@ -277,8 +279,11 @@ class DataListener:
                     self._tls_threads = ThreadPoolExecutor(
                         max_workers=MAX_HANDSHAKES, thread_name_prefix="mtc-tls-accept"
                     )
-                accepted, token = await asyncio.get_running_loop().run_in_executor(
-                    self._tls_threads, _tls_accept, conn, self.tls
+                accepted, token = await _within_handshake(
+                    asyncio.get_running_loop().run_in_executor(
+                        self._tls_threads, _tls_accept, conn, self.tls
+                    ),
+                    conn,
                 )
         except (TimeoutError, OSError, ChannelBroken) as exc:
             log.warning("data channel: %s sent no token: %s", peer, exc or type(exc).__name__)
@@ -306,9 +311,26 @@ class DataListener:
         return None
 
 
+async def _within_handshake(
+    accepting: asyncio.Future[tuple[TlsStream, bytes]], conn: socket.socket
+) -> tuple[TlsStream, bytes]:
+    """``accepting`` (``_tls_accept`` in a thread) within ``HANDSHAKE_SECONDS`` in all;
+    else the socket is shut down, which ends the thread's blocked read, and ``TimeoutError``.
+    The thread is awaited either way: the caller closes the socket it reads."""
+    done, _ = await asyncio.wait({accepting}, timeout=HANDSHAKE_SECONDS)
+    if done:
+        return accepting.result()
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        await accepting
+    raise TimeoutError(f"no TLS handshake and token within {HANDSHAKE_SECONDS:g}s")
+
+
 def _tls_accept(conn: socket.socket, tls: TlsMaterial) -> tuple[TlsStream, bytes]:
-    """The TLS handshake (a client certificate from the CA required), then the token, both
-    within ``HANDSHAKE_SECONDS``; blocking, so it runs in a thread."""
+    """The TLS handshake (a client certificate from the CA required), then the token, each
+    read within ``HANDSHAKE_SECONDS`` (``_within_handshake`` bounds the whole); blocking,
+    so it runs in a thread."""
     conn.setblocking(True)
     conn.settimeout(HANDSHAKE_SECONDS)
     stream = TlsStream(conn, tls.server_context(), server_side=True)

@@ -106,6 +106,9 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     # Without this a second daemon on the same fixed port would silently share it.
     ("grpc.so_reuseport", 0),
+    # One deadline for the whole TLS handshake and HTTP/2 preface (default 120 s): a client
+    # dripping its ClientHello must not hold a connection longer than the data port allows.
+    ("grpc.server_handshake_timeout_ms", 10_000),
     # Calls that arrived while the event loop was busy wait in gRPC's queue until the
     # server asks for them, one per loop turn. Past 1,000 of them gRPC drops new calls at
     # random (3,000: all): the joins of a 4,096-rank round arrive together, and each

@@ -34,10 +34,18 @@ from replicator.core.admission import (
     Verdict,
     admit_copy,
     admit_push,
+    inode_room,
 )
 from replicator.core.contract import JOB_NAME_RE
-from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
-from replicator.core.pacing import Traffic
+from replicator.core.manifest import (
+    DEFAULT_MAX_ITEM_FILES,
+    Cancelled,
+    CorruptItem,
+    ItemId,
+    Manifest,
+    ManifestError,
+)
+from replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic, transfer_deadline
 from replicator.local.pacer import Meter, Pacer
 from replicator.local.store import LocalStore, StoreError
 from replicator.obs.logs import JobLog
@@ -46,6 +54,7 @@ from replicator.transport.datachannel import (
     ChannelBroken,
     ChannelProtocolError,
     DataListener,
+    Ticket,
     receive_staged,
     send_staged,
 )
@@ -63,9 +72,12 @@ from replicator.transport.peer import (
 from replicator.transport.transfer import (
     RESERVE_BYTES,
     StreamIdle,
+    TooSlow,
     TransferError,
     check_manifest,
+    deadline,
     idle_bounded,
+    inodes_on,
     iter_chunks,
     receive_item,
     room_on,
@@ -209,6 +221,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         obtaining: Obtaining | None = None,
         pacer: Pacer | None = None,
         make_room: Callable[[int], Awaitable[None]] | None = None,
+        min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
+        max_item_files: int = DEFAULT_MAX_ITEM_FILES,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -222,13 +236,20 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
         outgoing transfers; a pull served is a restore (first, never throttled).
         ``make_room(short)``: asked before a push is refused for lacking ``short`` bytes
-        (the daemon drops backed-up items of jobs that no longer run here)."""
+        (the daemon drops backed-up items of jobs that no longer run here).
+        ``min_rate``: a push or a pull served must move its bytes at this average rate
+        after a grace of ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is
+        dropped, its reservation and staging with it; None: no floor. ``max_item_files``:
+        the most files and directories one pushed item may list (refused before any is
+        checked or staged); every push must also leave inodes free (``inode_room``)."""
         self.make_room = make_room
         self.store = store
         self.pacer = pacer or Pacer()
         self.obtaining = obtaining
         self.channel = channel
         self.idle_timeout = idle_timeout
+        self.min_rate = min_rate
+        self.max_item_files = max_item_files
         self.max_transfers_per_peer = max_transfers_per_peer
         self._per_peer: dict[str, int] = {}
         self.executor = executor
@@ -238,6 +259,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self.reserve_bytes = reserve_bytes
         self.metrics = metrics
         self._inflight: dict[ItemId, int] = {}
+        self._inflight_inodes: dict[ItemId, int] = {}
 
     def _room(self) -> int:
         if self.max_item_bytes is not None:
@@ -272,7 +294,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,
         # which must keep answering health checks and other transfers meanwhile.
         manifest = await asyncio.get_running_loop().run_in_executor(
-            self.executor, check_manifest, header.manifest, header.manifest_digest, item
+            self.executor,
+            check_manifest,
+            header.manifest,
+            header.manifest_digest,
+            item,
+            self.max_item_files,
         )
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
@@ -286,6 +313,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if manifest.total_bytes > room:
             raise TooLarge(
                 f"{item}: {manifest.total_bytes} bytes do not fit, this node can take {room}"
+            )
+        free, total = inodes_on(self.store.root)
+        inodes = inode_room(free, total, sum(self._inflight_inodes.values()))
+        if inodes is not None and manifest.entries > inodes:
+            raise TooLarge(
+                f"{item}: {manifest.entries} files and directories do not fit, this node "
+                f"has inodes for {max(inodes, 0)}"
             )
         return manifest, False
 
@@ -320,31 +354,26 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if item in self._inflight:
             raise Busy(f"{item}: another transfer of this item is in flight")
         self._inflight[item] = manifest.total_bytes
+        self._inflight_inodes[item] = manifest.entries
         host = peer_host(peer)
         slot = self._channel_slot(host, first.header.data_channel, manifest.total_bytes)
         ticket = self.channel.issue() if slot and self.channel is not None else None
         failed: Exception | None = None
+        limit = transfer_deadline(manifest.total_bytes, self.min_rate, idle, manifest.entries)
         try:
-            if ticket is None:
-                await context.send_initial_metadata((GO_AHEAD,))
-                chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
-                nbytes = await receive_item(self.store, manifest, chunks, self.executor)
-            else:
-                assert self.channel is not None
-                offer = f"{self.channel.port} {ticket.token_hex}"
-                await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
-                sock = await self.channel.connection(ticket, idle)
-                nbytes = await receive_staged(
-                    self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool
-                )
+            async with deadline(limit, f"push of {item} from {peer}"):
+                nbytes = await self._receive(requests, context, manifest, ticket)
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
             raise
         except Exception as exc:
             failed = exc
+            if isinstance(exc, TooSlow):
+                self.metrics.transfer_too_slow(TransferKind.REPLICATE_IN)
         finally:
             # Released before any draining: a stalled or hostile sender holds nothing.
             del self._inflight[item]
+            del self._inflight_inodes[item]
             if ticket is not None:
                 assert self.channel is not None
                 self.channel.withdraw(ticket)  # closes its connection
@@ -369,6 +398,28 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         )
         self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
         return pb.PushItemResponse(bytes_received=nbytes)
+
+    async def _receive(
+        self,
+        requests: AsyncIterator[pb.PushItemRequest],
+        context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
+        manifest: Manifest,
+        ticket: Ticket | None,
+    ) -> int:
+        """A push's bytes, staged and committed: in gRPC chunks, or on the data channel."""
+        idle = self.idle_timeout
+        item = manifest.item
+        if ticket is None:
+            await context.send_initial_metadata((GO_AHEAD,))
+            chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
+            return await receive_item(self.store, manifest, chunks, self.executor)
+        assert self.channel is not None
+        offer = f"{self.channel.port} {ticket.token_hex}"
+        await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
+        sock = await self.channel.connection(ticket, idle)
+        return await receive_staged(
+            self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool
+        )
 
     async def PullItem(  # type: ignore[override]  # writes with context.write, below
         self,
@@ -409,11 +460,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         slot = self._channel_slot(host, request.data_channel, manifest.total_bytes)
         # A restore: never throttled, and while it is served this node's pushes and backup
         # uploads trickle (the puller's job waits on these bytes with idle accelerators).
+        limit = transfer_deadline(
+            manifest.total_bytes, self.min_rate, self.idle_timeout, manifest.entries
+        )
         try:
             with self.pacer.transfer(Traffic.RESTORE) as meter:
-                via = await self._send_pulled(context, header, manifest, meter, slot=slot)
+                async with deadline(limit, f"pull of {item} by {context.peer()}"):
+                    via = await self._send_pulled(context, header, manifest, meter, slot=slot)
         except FileNotFoundError:
             raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+        except TooSlow:
+            self.metrics.transfer_too_slow(TransferKind.SERVE_PULL)
+            raise
         finally:
             if slot:
                 assert self.channel is not None

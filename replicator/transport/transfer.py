@@ -27,6 +27,7 @@ import google_crc32c
 
 from replicator.core.crc import crc32c_combine
 from replicator.core.manifest import (
+    MAX_FILES,
     CancelCheck,
     Cancelled,
     CorruptItem,
@@ -62,6 +63,11 @@ class TransferError(ValueError):
 
 class StreamIdle(Exception):
     """The other side of a transfer sent (or took) nothing for the idle timeout."""
+
+
+class TooSlow(StreamIdle):
+    """The other side of a transfer kept it under the minimum rate: it is dropped as a
+    stalled one is (``core.pacing.transfer_deadline``)."""
 
 
 def _never() -> bool:
@@ -173,8 +179,9 @@ def short_file(manifest: Manifest, entry: FileEntry, offset: int) -> CorruptItem
 # --- receiving ---------------------------------------------------------------------------------
 
 
-def check_manifest(raw: bytes, digest: str, item: ItemId) -> Manifest:
-    """The manifest of a transfer header, proven to be exactly what ``digest`` names.
+def check_manifest(raw: bytes, digest: str, item: ItemId, max_entries: int = MAX_FILES) -> Manifest:
+    """The manifest of a transfer header, proven to be exactly what ``digest`` names, of
+    at most ``max_entries`` files and directories.
 
     Raises ``ManifestError`` (unsafe or malformed), ``TransferError`` (not the item named,
     not canonical) or ``CorruptItem`` (the digest does not match).
@@ -184,13 +191,20 @@ def check_manifest(raw: bytes, digest: str, item: ItemId) -> Manifest:
     actual = hashlib.sha256(raw).hexdigest()
     if actual != digest:
         raise CorruptItem(f"{item}: manifest has sha256 {actual}, the header says {digest}")
-    manifest = Manifest.from_json(raw)
+    manifest = Manifest.from_json(raw, max_entries)
     if manifest.to_json() != raw:
         # Stored manifests are canonical; another form would commit under another digest.
         raise TransferError(f"{item}: manifest is not in canonical form")
     if manifest.item != item:
         raise TransferError(f"manifest describes {manifest.item}, the header names {item}")
     return manifest
+
+
+def inodes_on(path: Path) -> tuple[int, int]:
+    """``(free, total)`` inodes of ``path``'s filesystem for an unprivileged writer; a
+    total of 0 means the filesystem has no fixed number (``core.admission.inode_room``)."""
+    st = os.statvfs(path)
+    return st.f_favail, st.f_files
 
 
 def room_on(path: Path, reserve: int = RESERVE_BYTES) -> int:
@@ -379,6 +393,26 @@ async def within(step: Awaitable[T], idle: float, what: str) -> T:
             return await step
     except TimeoutError:
         raise StreamIdle(f"{what}: nothing for {idle:g}s") from None
+
+
+@contextlib.asynccontextmanager
+async def deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
+    """Run the body within ``seconds`` in all (None: no bound), else ``TooSlow``: cancelling
+    the body's awaits releases what it holds, as any cancellation of a transfer does."""
+    if seconds is None:
+        yield
+        return
+    scope = asyncio.timeout(seconds)
+    try:
+        async with scope:
+            yield
+    except TimeoutError:
+        if not scope.expired():
+            raise
+        raise TooSlow(
+            f"{what}: not done within {seconds:.0f}s, under the minimum rate "
+            "(--min-transfer-rate of the node that dropped it)"
+        ) from None
 
 
 async def idle_bounded(messages: AsyncIterator[T], idle: float, what: str) -> AsyncIterator[T]:

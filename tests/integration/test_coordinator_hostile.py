@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from replicator._pb.mtc.v1 import coordinator_pb2 as cpb
+from replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
 from replicator.cluster.client import CoordinatorClient, CoordinatorError
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
 from replicator.core.contract import parse_config
@@ -19,6 +25,7 @@ from replicator.core.coordination import Phase
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
+from replicator.tools import certs
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import config_text, read_prerestore, read_tree, wait_until
 
@@ -120,3 +127,75 @@ def test_a_member_cannot_report_the_survivors_copies_as_failed(cluster: Cluster)
         assert (5, f"{r}-0") in cluster.held(r)
     assert "INVALID_ARGUMENT" in refusal
     assert "did not give it" in refusal
+
+
+def _secure_channel(cluster: Cluster, address: str) -> grpc.Channel:
+    """A channel with node 3's certificate, as ``_intruder`` has, for raw stubs."""
+    tls = cluster.tls[3]
+    assert tls is not None
+    files = tls.files
+    creds = grpc.ssl_channel_credentials(
+        files.ca.read_bytes(), files.key.read_bytes(), files.cert.read_bytes()
+    )
+    options = [("grpc.ssl_target_name_override", certs.DEFAULT_SERVER_NAME)]
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def test_an_oversized_join_is_refused_before_it_costs_the_loop(cluster: Cluster) -> None:
+    """65,535 invented items in one Join (issue 23): refused INVALID_ARGUMENT at once, and
+    the health service on rank 0's loop answers promptly meanwhile. The limit of a 4-node,
+    1-worker job is 4 x 1 x 64 items."""
+    cluster.fresh_start()
+    job = cluster.job
+    request = cpb.JoinRequest(
+        job=job,
+        rank=2,
+        incarnation_id="oversized2",
+        cluster_view=_view(cluster),
+        address=NOWHERE,
+        items=[
+            cpb.HeldItem(
+                item=peer_pb2.ItemRef(job=job, step=step, rank=2, worker=0), manifest_digest=DIGEST
+            )
+            for step in range(65_535)
+        ],
+    )
+    address = cluster.daemon(0).address
+    latencies: list[float] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with _secure_channel(cluster, address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                t0 = time.monotonic()
+                health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                latencies.append(time.monotonic() - t0)
+                stop.wait(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    with _secure_channel(cluster, address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        prober.start()
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                with pytest.raises(grpc.RpcError) as refused:
+                    stub.Join(request, timeout=30)
+                elapsed = time.monotonic() - t0
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (
+                    refused.value.code(),
+                    refused.value.details(),
+                )
+                assert "items: 65535 entries, at most 256" in str(refused.value.details())
+                assert elapsed < 2.0, elapsed  # the 7 MB request crossing loopback, no more
+        finally:
+            stop.set()
+            prober.join(15)
+    assert latencies, "no health check answered"
+    # Each of those joins cost the loop 0.7-2.6 s before; a busy CI box adds its own delays.
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    # The job runs on: the refused join changed nothing.
+    cluster.save(5)
+    for r in range(NODES):
+        assert (5, f"{r}-0") in cluster.held(r)

@@ -12,6 +12,7 @@ from replicator.core.admission import (
     admit_copy,
     admit_push,
     expected_pushers,
+    inode_room,
     step_limit,
 )
 from replicator.core.contract import Framework, JobConfig
@@ -125,3 +126,13 @@ def test_every_push_the_layout_makes_is_admitted_and_no_other(
 
     senders = {r for r in range(nodes) if receiver in replication_targets(config(r))}
     assert expected_pushers(config(receiver)) == senders
+
+
+def test_inode_room_leaves_a_margin_and_counts_pushes_in_flight() -> None:
+    # A 20,000-inode tmpfs: a sixteenth (1,250) stays free, under the 4,096 margin.
+    assert inode_room(free=19_000, total=20_000, incoming=0) == 19_000 - 1_250
+    assert inode_room(free=19_000, total=20_000, incoming=5_000) == 19_000 - 1_250 - 5_000
+    # A large filesystem keeps the fixed margin.
+    assert inode_room(free=10**7, total=10**8, incoming=0) == 10**7 - 4096
+    # No fixed number of inodes (btrfs reports 0): no inode bound.
+    assert inode_room(free=0, total=0, incoming=0) is None

@@ -16,6 +16,7 @@ import pytest
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator.cluster.messages import (
     MAX_ITEMS,
+    MAX_JOIN_STEPS,
     BadMessage,
     FailedFetch,
     RoundState,
@@ -28,6 +29,7 @@ from replicator.cluster.messages import (
     inventory_items,
     item_ref,
     item_source,
+    join_item_limit,
     round_state,
     source_keys,
     status_message,
@@ -190,6 +192,26 @@ def test_inventories_are_bounded_and_of_one_job() -> None:
     with pytest.raises(BadMessage, match="listed twice"):
         inventory_items(JOB, [one, twice])
     assert inventory_items(JOB, [one, one]) == {item(0): digest(1)}
+
+
+def test_a_joins_items_are_bounded_by_its_jobs_size() -> None:
+    """Every rank's workers at ``MAX_JOIN_STEPS`` steps, at most ``MAX_ITEMS``: a 4-node job's
+    join of 257 items is refused before any is converted."""
+    small = JobConfig(JOB, Framework.ORBAX, 0, 4, peers_per_node=1, workers_per_node=2)
+    assert join_item_limit(small) == 4 * 2 * MAX_JOIN_STEPS
+    huge = JobConfig(JOB, Framework.ORBAX, 0, 4096, peers_per_node=1, workers_per_node=8)
+    assert join_item_limit(huge) == MAX_ITEMS
+    # A whole held set of a real node fits: its own and three peers' items of 64 steps.
+    held = [
+        pb.HeldItem(item=item_ref(ItemId(JOB, s, r, w)), manifest_digest=digest(1))
+        for s in range(MAX_JOIN_STEPS)
+        for r in range(4)
+        for w in range(2)
+    ]
+    assert len(inventory_items(JOB, held, join_item_limit(small))) == len(held)
+    bad = [pb.HeldItem(item=item_ref(item(0)), manifest_digest="not a digest")] * (len(held) + 1)
+    with pytest.raises(BadMessage, match=f"{len(held) + 1} entries, at most {len(held)}"):
+        inventory_items(JOB, bad, join_item_limit(small))  # counted before any is checked
 
 
 def test_failures_name_real_sources() -> None:
@@ -356,7 +378,7 @@ HUGE = [
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        ({"items": HUGE}, "at most 65536"),
+        ({"items": HUGE}, f"at most {4 * MAX_JOIN_STEPS}"),  # 4 nodes, 1 worker each
         ({"items": [pb.HeldItem(item=item_ref(item(1)), manifest_digest="0" * 63)]}, "digest"),
         ({"job": "../../etc"}, "unsafe job name"),
         ({"job": ""}, "unsafe job name"),
@@ -411,3 +433,29 @@ def test_one_function_maps_errors_to_status_codes() -> None:
     assert status_for(NotInReleasedRound("x"))[0] is grpc.StatusCode.FAILED_PRECONDITION
     assert status_for(RuntimeError())[0] is grpc.StatusCode.INTERNAL
     assert status_for(RuntimeError())[1] == "RuntimeError"
+
+
+def test_a_report_of_more_failures_than_a_join_may_list_is_refused_first() -> None:
+    """A plan gives a rank at most a few sources per item: a report of 257 failed copies
+    in a 4-node job is refused before any is converted, and nothing is listed."""
+    s, listed = servicer()
+    failure = failure_message(FailedFetch(Fetch(Source.PEER, item(1), 2, digest(1)), corrupt=False))
+    request = pb.ReportRestoreRequest(
+        job=JOB,
+        rank=1,
+        incarnation_id="inc1",
+        round=1,
+        plan_version=1,
+        failures=[failure] * (4 * MAX_JOIN_STEPS + 1),
+    )
+
+    async def go() -> pb.ReportRestoreResponse:
+        return await s.ReportRestore(request, Context())  # type: ignore[arg-type]
+
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(go())
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert f"failures: {4 * MAX_JOIN_STEPS + 1} entries, at most {4 * MAX_JOIN_STEPS}" in (
+        refused.value.details
+    )
+    assert listed == []

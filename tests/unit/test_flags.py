@@ -138,3 +138,23 @@ def test_levels_and_formats_are_normalised() -> None:
     assert daemon.parse_args([], {**DAEMON_ENV, "MTC_LOG_FORMAT": "json"}).log_format == "json"
     defaults = csi_plugin.parse_args([], CSI_ENV)
     assert (defaults.log_level, defaults.log_format) == ("INFO", "text")
+
+
+def test_the_transfer_floor_defaults_under_the_rate_limit(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--min-transfer-rate: 256 KiB/s, a sixteenth of a lower --max-transfer-rate, 'off';
+    one at or over --max-transfer-rate would drop peers paced as this node is."""
+    assert daemon.parse_args([], DAEMON_ENV).min_transfer_rate == 256 << 10
+    limited = daemon.parse_args(["--max-transfer-rate", "1MiB"], DAEMON_ENV)
+    assert limited.min_transfer_rate == (1 << 20) / 16
+    off = daemon.parse_args(["--min-transfer-rate", "off"], DAEMON_ENV)
+    assert off.min_transfer_rate is None
+    env = {**DAEMON_ENV, "MTC_MIN_TRANSFER_RATE": "2MiB"}
+    assert daemon.parse_args([], env).min_transfer_rate == 2 << 20
+    with pytest.raises(SystemExit) as exited:
+        daemon.parse_args(["--max-transfer-rate", "1MiB", "--min-transfer-rate", "1MiB"], env)
+    assert exited.value.code == 2
+    assert "--min-transfer-rate must be below --max-transfer-rate" in capsys.readouterr().err
+    assert daemon.parse_args([], DAEMON_ENV).max_item_files == 100_000
+    assert daemon.parse_args(["--max-item-files", "7"], DAEMON_ENV).max_item_files == 7

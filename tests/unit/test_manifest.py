@@ -444,3 +444,14 @@ def test_verify_tree_item_against_a_file(tree: tuple[Manifest, Path], tmp_path: 
     f.write_bytes(b"abc")
     with pytest.raises(CorruptItem, match="directory"):
         verify_item(m, f)
+
+
+def test_a_manifest_over_the_callers_entry_limit_is_refused_before_its_entries() -> None:
+    """``--max-item-files``: counted before any entry is checked, so a huge hostile list
+    costs its JSON parse and no more."""
+    body = good_dict()
+    assert len(body["files"]) + len(body["dirs"]) == 5
+    assert Manifest.from_json(raw(body), max_entries=5).entries == 5
+    body["files"].append(["../escape", 1, "zzzz"])  # would be refused for its path or crc
+    with pytest.raises(ManifestError, match=r"lists 6 files and directories, more than 5"):
+        Manifest.from_json(raw(body), max_entries=5)

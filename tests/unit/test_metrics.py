@@ -339,3 +339,14 @@ def test_only_the_running_jobs_current_peers_and_fresh_contacts_are_exported(
     current[1] = "10.0.0.2:7070"
     got = {k[1]: v for k, v in samples(metrics.registry).items() if k[0] == "mtc_peer_reachable"}
     assert got == {}
+
+
+def test_transfers_dropped_under_the_floor_are_counted_by_kind() -> None:
+    m = PrometheusMetrics()
+    sample = "mtc_transfers_too_slow_total"
+    assert m.registry.get_sample_value(sample, {"kind": "replicate_in"}) == 0
+    m.transfer_too_slow(TransferKind.REPLICATE_IN)
+    m.transfer_too_slow(TransferKind.SERVE_PULL)
+    m.transfer_too_slow(TransferKind.SERVE_PULL)
+    assert m.registry.get_sample_value(sample, {"kind": "replicate_in"}) == 1
+    assert m.registry.get_sample_value(sample, {"kind": "serve_pull"}) == 2

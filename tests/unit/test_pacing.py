@@ -11,14 +11,18 @@ import pytest
 
 from replicator.core.manifest import Cancelled
 from replicator.core.pacing import (
+    DEFAULT_MIN_TRANSFER_RATE,
     HELD_RATE,
     MAX_SLICE,
     MAX_YIELD_TO_SAVES,
+    MIN_RATE,
     PaceBook,
     PaceRules,
     Traffic,
+    default_floor,
     format_rate,
     parse_rate,
+    transfer_deadline,
 )
 from replicator.local.pacer import PacedReader, Pacer
 
@@ -245,3 +249,36 @@ def test_a_halted_pacer_ends_every_paced_transfer_at_its_next_slice() -> None:
             meter.take(2 * MiB)
     with p.transfer(Traffic.REPLICATION) as meter, pytest.raises(Cancelled):
         asyncio.run(meter.take_async(2 * MiB))
+
+
+# --- the floor under a peer's transfer ---------------------------------------------------------
+
+
+def test_a_transfer_may_take_a_grace_plus_its_bytes_at_the_floor() -> None:
+    assert transfer_deadline(8 << 20, 4 << 20, 30.0) == 32.0
+    assert transfer_deadline(0, 4 << 20, 30.0) == 30.0  # empty files: the grace alone
+    assert transfer_deadline(8 << 20, None, 30.0) is None  # --min-transfer-rate off
+    # Each file or directory counts as a page: 30,000 small files are not dropped for it.
+    assert transfer_deadline(0, 4 << 20, 2.0, entries=1024) == 3.0
+
+
+@pytest.mark.parametrize("limit", [None, MIN_RATE, 1 << 20, 4 << 20, 400 << 20])
+def test_the_default_floor_lets_a_held_push_of_its_own_pacing_finish(limit: float | None) -> None:
+    """A peer paced as this node is, even held to its class's trickle (a sixteenth of the
+    limit, or ``HELD_RATE``), moves at least the default floor: never dropped for it."""
+    floor = default_floor(limit)
+    assert floor <= DEFAULT_MIN_TRANSFER_RATE
+    slowest = HELD_RATE if limit is None else min(HELD_RATE, limit / 16)
+    assert floor <= slowest
+    size = 1 << 30
+    deadline = transfer_deadline(size, floor, 30.0)
+    assert deadline is not None
+    assert size / slowest <= deadline
+
+
+def test_the_floor_is_parsed_with_its_own_minimum() -> None:
+    assert parse_rate("1KiB", minimum=1024) == 1024
+    with pytest.raises(ValueError, match="under the minimum of 1KiB/s"):
+        parse_rate("512B", minimum=1024)
+    with pytest.raises(ValueError, match="64KiB per second"):
+        parse_rate("1KiB")  # --max-transfer-rate keeps its own
