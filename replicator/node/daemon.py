@@ -98,7 +98,7 @@ from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import IDLE_SECONDS, PeerServicer
-from replicator.transport.signing import record_trust
+from replicator.transport.signing import check_identity, record_trust
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
@@ -475,6 +475,8 @@ class Daemon:
         self.tls: TlsMaterial | None = open_material(
             opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
         )
+        if self.tls is not None:
+            check_identity(self.tls)  # what peers will check, before anything is served
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(

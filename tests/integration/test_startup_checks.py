@@ -1,0 +1,125 @@
+"""Fail fast on misconfiguration, against the real daemon process: a certificate its peers
+would refuse stops it at start with exit 2 and one line (the reason and the remedy).
+
+Before these checks each of these daemons started, said ``tls=on`` and ready, and every
+registry entry it signed was then refused by the others: the job hung.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from replicator.tools import certs
+from tests.daemon_process import DaemonProcess
+from tests.tls import hand_made_node, openssl_style_ca
+
+pytestmark = pytest.mark.integration
+
+Case = Callable[[], tuple[certs.Pair, certs.Pair]]
+"""(the CA the daemon trusts, its node certificate)."""
+
+
+def _ca_without_key_usage() -> tuple[certs.Pair, certs.Pair]:
+    ca = openssl_style_ca(key_usage=False)
+    return ca, hand_made_node(ca)
+
+
+def _no_san() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca()
+    return ca, hand_made_node(ca, dns_names=())
+
+
+def _other_name() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca()
+    return ca, hand_made_node(ca, dns_names=("node-7.example",))
+
+
+def _server_only() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca()
+    return ca, hand_made_node(ca, usages=(ExtendedKeyUsageOID.SERVER_AUTH,))
+
+
+def _expired() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca(not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=10))
+    return ca, hand_made_node(ca, valid_from=dt.timedelta(days=-3), valid_for=dt.timedelta(days=1))
+
+
+def _not_yet_valid() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca()
+    return ca, hand_made_node(ca, valid_from=dt.timedelta(days=2))
+
+
+def _other_ca() -> tuple[certs.Pair, certs.Pair]:
+    return certs.new_ca(), certs.issue(certs.new_ca())
+
+
+def _key_mismatch() -> tuple[certs.Pair, certs.Pair]:
+    ca = certs.new_ca()
+    return ca, certs.Pair(certs.issue(ca).cert, certs.issue(ca).key)
+
+
+BAD: dict[str, tuple[Case, str]] = {
+    "ca-without-keyUsage": (_ca_without_key_usage, "missing required extension"),
+    "no-subjectAltName": (_no_san, "subjectAltName"),
+    "another-dns-name": (_other_name, "subjectAltName"),
+    "no-clientAuth": (_server_only, "refused by peers"),
+    "expired": (_expired, "refused by peers"),
+    "not-yet-valid": (_not_yet_valid, "refused by peers"),
+    "signed-by-another-ca": (_other_ca, "refused by peers"),
+    "key-does-not-fit": (_key_mismatch, "does not fit"),
+}
+
+
+def _write(root: Path, case: Case) -> tuple[str, ...]:
+    ca, node = case()
+    certs.write_node_files(root, ca, node)
+    return certs.daemon_flags(certs.node_files(root))
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the daemon; one that is still up after 20 s started (the defect): fail."""
+    try:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "replicator.node.daemon",
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+                "--listen",
+                "127.0.0.1:0",
+                *args,
+            ],
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=20,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the daemon started instead of exiting 2: {exc.stderr!r:.600}")
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_certificate_peers_refuse_stops_the_daemon_at_start(tmp_path: Path, name: str) -> None:
+    case, reason = BAD[name]
+    done = _start(tmp_path, *_write(tmp_path / "tls", case))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert reason in lines[0]
+    if name != "key-does-not-fit":
+        assert "mtc certs init" in lines[0]
+    assert "daemon ready" not in done.stderr
+
+
+def test_a_certificate_peers_accept_starts(tmp_path: Path) -> None:
+    tls = _write(tmp_path / "tls", lambda: (ca := certs.new_ca(), certs.issue(ca)))
+    with DaemonProcess(tmp_path / "ckpt", extra_args=tls) as daemon:
+        assert "tls=on" in daemon.log()
