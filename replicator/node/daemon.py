@@ -214,13 +214,13 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_CHECKPOINT_DIR"),
         help="the RAM disk shared with the training job [MTC_CHECKPOINT_DIR]",
     )
     p.add_argument(
         "--store-dir",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_STORE_DIR") or None,
         help="the daemon's store: outside the checkpoint dir, on the same filesystem "
         "(default: <checkpoint-dir>.mtc-store) [MTC_STORE_DIR]",
@@ -239,12 +239,14 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--backup",
-        default=env.get("MTC_BACKUP"),
+        type=argtypes.storage_url,
+        default=env.get("MTC_BACKUP") or None,
         help="backup location: file:///path, gs://bucket/prefix, s3://bucket/prefix [MTC_BACKUP]",
     )
     p.add_argument(
         "--registry",
-        default=env.get("MTC_REGISTRY"),
+        type=argtypes.storage_url,
+        default=env.get("MTC_REGISTRY") or None,
         help="where job coordinators register; defaults to --backup [MTC_REGISTRY]",
     )
     # String defaults go through each option's type like a flag would: a bad environment
@@ -300,20 +302,26 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--tls-cert",
+        type=argtypes.path,
         default=env.get("MTC_TLS_CERT") or None,
         help="this node's certificate (PEM); with --tls-key and --tls-ca: mutual TLS on the "
         "gRPC and data ports and every call to peers and coordinators [MTC_TLS_CERT]",
     )
     p.add_argument(
-        "--tls-key", default=env.get("MTC_TLS_KEY") or None, help="its key (PEM) [MTC_TLS_KEY]"
+        "--tls-key",
+        type=argtypes.path,
+        default=env.get("MTC_TLS_KEY") or None,
+        help="its key (PEM) [MTC_TLS_KEY]",
     )
     p.add_argument(
         "--tls-ca",
+        type=argtypes.path,
         default=env.get("MTC_TLS_CA") or None,
         help="the CA every peer's certificate must chain to (PEM) [MTC_TLS_CA]",
     )
     p.add_argument(
         "--tls-server-name",
+        type=argtypes.dns_name,
         default=env.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
         help="the DNS name in every node certificate, checked by clients "
         "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
@@ -356,7 +364,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--owner-file",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_OWNER_FILE") or None,
         help="the owner.json the CSI plugin writes (the namespace of the pod that published "
         "CHECKPOINT_DIR); every job this node runs belongs to that namespace, and a job name "
@@ -428,9 +436,9 @@ def parse_args(
         report_after_seconds=a.report_after_seconds,
         metrics=a.metrics,
         data_port=a.data_port,
-        tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
-        tls_ca=a.tls_ca,
+        tls_cert=_text(a.tls_cert),
+        tls_key=_text(a.tls_key),
+        tls_ca=_text(a.tls_ca),
         tls_server_name=a.tls_server_name,
         accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
@@ -442,6 +450,10 @@ def parse_args(
         yield_to_saves_seconds=a.yield_to_saves_seconds,
         storage_timeout=a.storage_timeout,
     )
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def tune_malloc() -> None:
@@ -624,8 +636,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop)
-        self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             report = await loop.run_in_executor(self.executor, self.store.open)
         except StorePlacementError as exc:
             log.error("%s", exc)
@@ -634,6 +646,18 @@ class Daemon:
         except StoreError as exc:
             log.error("%s", exc)
             self.exit_code = 3
+            return
+        except OSError as exc:
+            # A directory this process cannot create or write (read-only, owned by another
+            # user, a name too long): a configuration error, said in one line.
+            log.error(
+                "cannot use CHECKPOINT_DIR %s or the store %s: %s: give the daemon a writable "
+                "directory on the RAM disk (--checkpoint-dir, --store-dir)",
+                self.opts.checkpoint_dir,
+                self.store.root,
+                exc,
+            )
+            self.exit_code = 2
             return
         self.readiness.stage = "starting the servers"
         log.info(

@@ -1,8 +1,11 @@
 """Fail fast on misconfiguration, against the real daemon process: a certificate its peers
-would refuse stops it at start with exit 2 and one line (the reason and the remedy).
+would refuse, a store it cannot write, a value the OS would refuse later, each stops it at
+start with exit 2 and one line (the reason and the remedy); a typo in a hand-written
+``replicator.yaml`` reaches the job's ``replicator.errors``.
 
-Before these checks each of these daemons started, said ``tls=on`` and ready, and every
-registry entry it signed was then refused by the others: the job hung.
+Before these checks each of these daemons started (a certificate: said ``tls=on`` and
+ready, and every registry entry it signed was then refused by the others, so the job hung),
+or died with a traceback and exit 1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replicator.tools import certs
 from tests.daemon_process import DaemonProcess
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    ERRORS,
+    config_text,
+    mount_tmpfs,
+    read_text,
+    unmount,
+    wait_markers,
+    write_yaml_atomic,
+)
 from tests.tls import hand_made_node, openssl_style_ca
 
 pytestmark = pytest.mark.integration
@@ -123,3 +136,55 @@ def test_a_certificate_peers_accept_starts(tmp_path: Path) -> None:
     tls = _write(tmp_path / "tls", lambda: (ca := certs.new_ca(), certs.issue(ca)))
     with DaemonProcess(tmp_path / "ckpt", extra_args=tls) as daemon:
         assert "tls=on" in daemon.log()
+
+
+def _one_line_exit_2(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "daemon ready" not in done.stderr
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("which", ["checkpoint-dir", "store-dir"])
+def test_a_directory_the_daemon_cannot_write_is_exit_2_and_one_line(
+    tmp_path: Path, which: str
+) -> None:
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    if not mount_tmpfs(ram, "4m"):
+        pytest.skip("needs root to mount a read-only tmpfs (root ignores mode bits)")
+    try:
+        if which == "store-dir":
+            (ram / "ckpt").mkdir()  # CHECKPOINT_DIR is there; its store cannot be made
+        subprocess.run(["mount", "-o", "remount,ro", str(ram)], check=True)
+        line = _one_line_exit_2(_start(tmp_path, "--checkpoint-dir", str(ram / "ckpt")))
+        assert "Read-only file system" in line
+        assert "writable directory" in line
+    finally:
+        unmount(ram)
+
+
+def test_a_backup_that_is_a_plain_path_is_a_usage_error(tmp_path: Path) -> None:
+    plain = tmp_path / "plainpath"
+    line = _one_line_exit_2(_start(tmp_path, "--backup", str(plain)))
+    assert f"for a directory: {plain.as_uri()}" in line
+    assert not plain.exists()
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--store-dir", "--owner-file"])
+def test_a_name_too_long_for_the_os_is_a_usage_error(tmp_path: Path, flag: str) -> None:
+    line = _one_line_exit_2(_start(tmp_path, flag, str(tmp_path / ("s" * 300))))
+    assert f"argument {flag}: a path component must be at most 255 bytes, got 300" in line
+
+
+def test_a_typo_in_a_hand_written_handshake_reaches_the_job(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    daemon = start_daemon()
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_minute=5))
+    wait_markers(ckpt, job, 0, daemon)  # unknown keys stay non-fatal (protocol)
+    errors = read_text(ckpt / ERRORS)
+    assert (
+        "replicator.yaml key 'backup-interval-minute' is not one the replicator knows and was "
+        "ignored: did you mean 'backup-interval-minutes'?"
+    ) in errors
