@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import re
 import signal
@@ -38,6 +39,7 @@ from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
 from replicator.core import argtypes
 from replicator.core.admission import MAX_STEP_LEAD, Served
+from replicator.core.bucketcheck import BucketCheck, Verdict
 from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -91,6 +93,8 @@ from replicator.obs.metrics import (
 )
 from replicator.storage.backup import BackupStore
 from replicator.storage.backup_ops import StorePins
+from replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
+from replicator.storage.probe import probe as probe_store
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
 from replicator.transport.obtaining import Obtaining
@@ -104,6 +108,8 @@ from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial,
 log = logging.getLogger("replicator.node.daemon")
 
 READY_LINE = "daemon ready"
+FIRST_PROBE_WAIT = 10.0
+"""How long a handshake waits for the first probe of the backup and registry."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
 
@@ -452,6 +458,43 @@ def parse_args(
     )
 
 
+def _bucket_checks(
+    backups: BackupStore | None, registry: Registry | None
+) -> list[tuple[BucketCheck, ObjectStore]]:
+    """What to probe: the backup, and the registry when it is another location."""
+    found = []
+    if backups is not None:
+        found.append((BucketCheck(backups.objects.url, "backup"), backups.objects))
+    if registry is not None and (backups is None or registry.url != backups.objects.url):
+        found.append((BucketCheck(registry.url, "registry"), registry.objects))
+    return found
+
+
+def _log_bucket(check: BucketCheck, was: Verdict, wait: float | None) -> None:
+    if check.verdict is Verdict.USABLE:
+        if was is not Verdict.USABLE:
+            log.info("%s %s: usable (listed and read under its prefix)", check.what, check.url)
+    elif check.verdict is Verdict.REFUSED:
+        if was is not Verdict.REFUSED:
+            log.error(
+                "%s %s refused: %s; jobs on this node get %s until it is fixed "
+                "(docs/permissions.md); checking again in %.0fs",
+                check.what,
+                check.url,
+                check.reason,
+                FAILED_FILE,
+                wait or 0.0,
+            )
+    else:
+        log.warning(
+            "%s %s unreachable: %s; retrying in %.1fs",
+            check.what,
+            check.url,
+            check.reason,
+            wait or 0.0,
+        )
+
+
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
@@ -557,6 +600,13 @@ class Daemon:
             else None
         )
         self.coordinators = CoordinatorHost()
+        self.bucket_checks = _bucket_checks(backups, self.registry)
+        """The backup and registry locations, probed at start and until usable."""
+        self._buckets_probed = asyncio.Event()
+        self.health = Health(
+            live=self.health.live,
+            ready=[*self.health.ready, *(check.readiness for check, _ in self.bucket_checks)],
+        )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.tls = self.tls
@@ -599,6 +649,7 @@ class Daemon:
         """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
         that a long store recovery reads as "not ready" rather than as no answer."""
         heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
+        buckets = asyncio.create_task(self._probe_buckets(), name="mtc-bucket-probe")
         try:
             self._serve_metrics()
             await self._run()
@@ -608,6 +659,7 @@ class Daemon:
         finally:
             self.readiness.stopping = True
             heart.cancel()
+            buckets.cancel()
             if self._metrics_server is not None:
                 self._metrics_server.close()
                 self._metrics_server = None
@@ -626,6 +678,44 @@ class Daemon:
                     log.info("ready again")
                 was = problems
             await asyncio.sleep(1.0)
+
+    async def _probe_buckets(self) -> None:
+        """Probe each location until it is usable: an unreachable one with backoff, a
+        refused one every few minutes (an operator may fix the policy); log each change."""
+        due = {id(check): 0.0 for check, _ in self.bucket_checks}
+        while True:
+            for check, store in self.bucket_checks:
+                if due[id(check)] > time.monotonic():
+                    continue
+                was = check.verdict
+                try:
+                    await asyncio.to_thread(probe_store, store)
+                except ObjectStoreError as exc:
+                    wait = check.record(str(exc), transient=is_transient(exc))
+                except Exception as exc:  # an SDK error no translation knows: may heal
+                    wait = check.record(f"{type(exc).__name__}: {exc}", transient=True)
+                else:
+                    wait = check.record(None, transient=False)
+                due[id(check)] = math.inf if wait is None else time.monotonic() + wait
+                _log_bucket(check, was, wait)
+            self._buckets_probed.set()
+            soonest = min(due.values(), default=math.inf)
+            if soonest == math.inf:
+                return
+            await asyncio.sleep(max(soonest - time.monotonic(), 0.0))
+
+    def _bucket_refusal(self) -> str | None:
+        """Why no job can run here until the configuration is fixed, if a location was
+        refused (see ``core.bucketcheck``)."""
+        return next((r for c, _ in self.bucket_checks if (r := c.refusal())), None)
+
+    async def _bucket_verdict(self) -> str | None:
+        """A refused location's reason, after the first probe of each (a handshake that
+        arrives during start-up waits for it, at most ``FIRST_PROBE_WAIT`` seconds)."""
+        if self.bucket_checks and not self._buckets_probed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._buckets_probed.wait(), FIRST_PROBE_WAIT)
+        return self._bucket_refusal()
 
     async def _beat(self) -> None:
         while True:
@@ -1089,6 +1179,15 @@ class Daemon:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
+        refused = await self._bucket_verdict()
+        if refused is not None:
+            await self._refuse(
+                text,
+                refused,
+                "Fix the daemon's credentials or the bucket's policy (docs/permissions.md), "
+                "then restart the job",
+            )
+            return
         loop = asyncio.get_running_loop()
         try:
             owner = await loop.run_in_executor(self.executor, self._read_owner)
