@@ -37,14 +37,22 @@ def positive(value: str) -> int:
     return _whole(value, "a whole number >= 1", 1)
 
 
+MAX_DURATION = 1e9
+"""The longest duration a flag takes (about 31 years, in seconds, minutes or days): the OS
+cannot wait much longer (a socket or lock timeout past 2**63 ns overflows), and anything
+near it is a typo, not a setting."""
+
+
 def non_negative(value: str) -> float:
-    """A finite number >= 0 (minutes, seconds; ``30``, ``2.5``)."""
+    """A finite number >= 0 (minutes, seconds; ``30``, ``2.5``), at most ``MAX_DURATION``."""
     try:
         x = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value!r:.40}") from None
     if not (x >= 0 and math.isfinite(x)):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value!r:.40}")
+    if x > MAX_DURATION:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DURATION:g}, got {value!r:.40}")
     return x
 
 

@@ -177,6 +177,21 @@ def test_a_name_too_long_for_the_os_is_a_usage_error(tmp_path: Path, flag: str) 
     assert f"argument {flag}: a path component must be at most 255 bytes, got 300" in line
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [
+        ("--idle-timeout-seconds", "1e300", "must be at most 1e+09"),
+        ("--tls-server-name", "mtc replicator", "must be a DNS name"),
+        ("--registry", "s3:/bucket", "must be s3://bucket/prefix"),
+    ],
+)
+def test_a_value_the_os_or_a_store_would_refuse_later_is_a_usage_error(
+    tmp_path: Path, flag: str, value: str, words: str
+) -> None:
+    line = _one_line_exit_2(_start(tmp_path, flag, value))
+    assert f"argument {flag}: {words}" in line
+
+
 def test_a_typo_in_a_hand_written_handshake_reaches_the_job(
     ckpt: Path, job: str, start_daemon: StartDaemon
 ) -> None:

@@ -108,3 +108,10 @@ def test_storage_urls_are_taken(value: str) -> None:
 def test_a_server_name_must_be_a_dns_name(value: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="DNS name"):
         argtypes.dns_name(value)
+
+
+def test_a_duration_the_os_cannot_wait_is_a_usage_error() -> None:
+    # settimeout(1e12) and Lock.acquire(timeout=1e300) raise OverflowError deep in a thread.
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at most 1e"):
+        argtypes.non_negative("1e300")
+    assert argtypes.non_negative("1e9") == 1e9
