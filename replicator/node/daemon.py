@@ -704,18 +704,20 @@ class Daemon:
                 return
             await asyncio.sleep(max(soonest - time.monotonic(), 0.0))
 
-    def _bucket_refusal(self) -> str | None:
-        """Why no job can run here until the configuration is fixed, if a location was
-        refused (see ``core.bucketcheck``)."""
-        return next((r for c, _ in self.bucket_checks if (r := c.refusal())), None)
+    def _bucket_refusal(self, config: JobConfig) -> str | None:
+        """Why ``config``'s job cannot run here until the configuration is fixed, if a
+        location it needs was refused (``core.bucketcheck``): the backup for every job, a
+        separate registry for cluster jobs only."""
+        needed = [c for c, _ in self.bucket_checks if c.what == "backup" or config.nodes > 1]
+        return next((r for c in needed if (r := c.refusal())), None)
 
-    async def _bucket_verdict(self) -> str | None:
+    async def _bucket_verdict(self, config: JobConfig) -> str | None:
         """A refused location's reason, after the first probe of each (a handshake that
         arrives during start-up waits for it, at most ``FIRST_PROBE_WAIT`` seconds)."""
         if self.bucket_checks and not self._buckets_probed.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._buckets_probed.wait(), FIRST_PROBE_WAIT)
-        return self._bucket_refusal()
+        return self._bucket_refusal(config)
 
     async def _beat(self) -> None:
         while True:
@@ -1179,7 +1181,7 @@ class Daemon:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
-        refused = await self._bucket_verdict()
+        refused = await self._bucket_verdict(config)
         if refused is not None:
             await self._refuse(
                 text,

@@ -14,7 +14,9 @@ through ``obs.metrics.serve``, so both are bounded alike.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +25,8 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client.exposition import ThreadingWSGIServer
+
+log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 32
 """Open connections at most: Prometheus and the kubelet each hold one at a time."""
@@ -78,6 +82,11 @@ class BoundedWSGIServer(ThreadingWSGIServer):
             held = self._open.get(request)
             if held is not None:
                 held.reading = False
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One debug line, not socketserver's traceback on stderr: a connection this server
+        cut, or a client that hung up, is routine, and a client must not fill the log."""
+        log.debug("HTTP connection from %s ended: %s", client_address, sys.exc_info()[1])
 
     def shutdown_request(self, request: Any) -> None:
         with self._changed:

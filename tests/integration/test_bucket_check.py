@@ -140,3 +140,28 @@ def test_an_unreachable_store_is_not_ready_retried_with_backoff_and_jobs_still_s
             timeout=20,
         )
         assert not (ckpt / FAILED).exists()
+
+
+def test_a_refused_registry_refuses_cluster_jobs_only(
+    tmp_path: Path, moto_server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = {k: v for k, v in s3_env(moto_server.url).items() if k not in NO_AWS_CREDENTIALS}
+    backup = (tmp_path / "backup").as_uri()
+    registry = f"s3://{unique_bucket_name()}/registry"
+    for key in NO_AWS_CREDENTIALS:
+        monkeypatch.delenv(key, raising=False)
+    extra = (*METRICS, "--registry", registry)
+    with DaemonProcess(tmp_path / "ckpt", backup=backup, extra_args=extra, env=env) as daemon:
+        wait_ready_says(daemon, f"registry {registry} refused")
+        ckpt = tmp_path / "ckpt"
+        write_yaml_atomic(ckpt, config_text("solo"))
+        wait_until(
+            lambda: f"accepted {CONFIG}: job=solo" in daemon.log(),
+            "a one-node job, which needs no registry, accepted",
+            daemon=daemon,
+            timeout=20,
+        )
+        assert not (ckpt / FAILED).exists()
+        write_yaml_atomic(ckpt, config_text("pair", nodes=2))
+        wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
+        assert f"the registry location {registry} cannot be used" in read_text(ckpt / FAILED)

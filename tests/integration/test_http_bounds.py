@@ -89,6 +89,8 @@ def test_300_unfinished_requests_hold_bounded_threads_and_are_closed(tmp_path: P
             timeout=10,
         )
         assert get(daemon.metrics, "/readyz")[0] == 200
+        assert "Traceback" not in daemon.log()
+        assert "Exception occurred" not in daemon.log(), "a client must not fill the log"
 
 
 def test_at_the_cap_the_oldest_unfinished_request_gives_way() -> None:
