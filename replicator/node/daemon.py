@@ -19,8 +19,9 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -470,6 +471,33 @@ def _bucket_checks(
     return found
 
 
+async def _in_daemon_thread(fn: Callable[[ObjectStore], None], store: ObjectStore) -> None:
+    """``fn(store)`` in a thread of its own that never holds up the process's exit: a probe
+    of an unreachable bucket may take the whole storage timeout, and the default executor
+    (``asyncio.to_thread``) is joined at shutdown, so SIGTERM would wait for it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn(store)
+        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="mtc-bucket-probe", daemon=True).start()
+    await done
+
+
 def _log_bucket(check: BucketCheck, was: Verdict, wait: float | None) -> None:
     if check.verdict is Verdict.USABLE:
         if was is not Verdict.USABLE:
@@ -689,7 +717,7 @@ class Daemon:
                     continue
                 was = check.verdict
                 try:
-                    await asyncio.to_thread(probe_store, store)
+                    await _in_daemon_thread(probe_store, store)
                 except ObjectStoreError as exc:
                     wait = check.record(str(exc), transient=is_transient(exc))
                 except Exception as exc:  # an SDK error no translation knows: may heal

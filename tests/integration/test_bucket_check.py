@@ -165,3 +165,26 @@ def test_a_refused_registry_refuses_cluster_jobs_only(
         write_yaml_atomic(ckpt, config_text("pair", nodes=2))
         wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
         assert f"the registry location {registry} cannot be used" in read_text(ckpt / FAILED)
+
+
+def test_sigterm_does_not_wait_for_a_probe_of_a_silent_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connections complete in the backlog, and nothing ever answers
+        env = s3_env(f"http://127.0.0.1:{silent.getsockname()[1]}")
+        for key in NO_AWS_CREDENTIALS:
+            monkeypatch.delenv(key, raising=False)
+        daemon = DaemonProcess(
+            tmp_path / "ckpt",
+            backup="s3://silent/backups",
+            extra_args=("--metrics", "127.0.0.1:0"),  # the default 300 s storage timeout
+            env=env,
+        ).start()
+        try:
+            wait_ready_says(daemon, "not checked yet")  # the probe is in flight
+            assert daemon.stop(timeout=15) == 0
+        finally:
+            if daemon.running:
+                daemon.kill()
