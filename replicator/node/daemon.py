@@ -560,6 +560,7 @@ class Daemon:
         )
         if self.tls is not None:
             check_identity(self.tls)  # what peers will check, before anything is served
+            self.tls.vet = check_identity  # and every rotated certificate, before it is used
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(

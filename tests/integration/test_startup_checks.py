@@ -20,6 +20,8 @@ import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from replicator.tools import certs
+from replicator.transport.signing import check_identity
+from replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -136,6 +138,29 @@ def test_a_certificate_peers_accept_starts(tmp_path: Path) -> None:
     tls = _write(tmp_path / "tls", lambda: (ca := certs.new_ca(), certs.issue(ca)))
     with DaemonProcess(tmp_path / "ckpt", extra_args=tls) as daemon:
         assert "tls=on" in daemon.log()
+
+
+def test_a_rotated_certificate_peers_would_refuse_is_kept_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Secret rotated in place to a certificate without the DNS name: the daemon keeps
+    the one it has (peers accept it) and says why, until the files change again."""
+    ca = certs.new_ca()
+    good = certs.issue(ca)
+    root = tmp_path / "tls"
+    certs.write_node_files(root, ca, good)
+    material = TlsMaterial(certs.node_files(root), vet=check_identity)
+    certs.write_node_files(root, ca, hand_made_node(ca, dns_names=()))
+    assert material.refresh() is False
+    assert material.identity()[0] == good.cert
+    assert "subjectAltName" in caplog.text
+    caplog.clear()
+    assert material.refresh() is False
+    assert caplog.text == "", "refused once per change, not at every call"
+    rotated = certs.issue(ca)
+    certs.write_node_files(root, ca, rotated)
+    assert material.refresh() is True
+    assert material.identity()[0] == rotated.cert
 
 
 def _one_line_exit_2(done: subprocess.CompletedProcess[str]) -> str:
