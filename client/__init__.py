@@ -23,6 +23,7 @@ from client.handshake import (
     wait_config_consumed,
 )
 from client.torch_io import (
+    CheckpointDirFull,
     load_distributed,
     load_state_dict,
     node_process_group,
@@ -35,6 +36,7 @@ from replicator.core.contract import ConfigError, Framework, JobConfig
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "CheckpointDirFull",
     "ConfigError",
     "ConfigFields",
     "Framework",

@@ -21,6 +21,7 @@ layout). The node's group rank 0 prepares the temp dir and renames it after all 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -39,6 +40,73 @@ log = logging.getLogger(__name__)
 DEFAULT_FILENAME = "state.pt"
 
 
+class CheckpointDirFull(OSError):
+    """CHECKPOINT_DIR (the RAM disk) has no room for the step: said with the bytes free and
+    the bytes the step needs, instead of torch's "unexpected pos 704 vs 598"."""
+
+    def __init__(self, directory: Path, free: int, needed: int) -> None:
+        super().__init__(
+            errno.ENOSPC,
+            f"CHECKPOINT_DIR full: {free} bytes free, the step needs {needed} "
+            f"(at least; {directory}). Give the RAM disk more room, or keep fewer steps",
+        )
+        self.free = free
+        self.needed = needed
+
+
+def _free_bytes(directory: Path) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def _tensor_bytes(state: object, seen: set[int] | None = None) -> int:
+    """The bytes of every tensor storage in ``state`` (nested mappings and sequences), each
+    storage once: what ``torch.save`` writes at least."""
+    seen = set() if seen is None else seen
+    if isinstance(state, Mapping):
+        return sum(_tensor_bytes(v, seen) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(_tensor_bytes(v, seen) for v in state)
+    storage = getattr(state, "untyped_storage", None)
+    if storage is None:
+        return 0
+    untyped = storage()
+    key = untyped.data_ptr() or id(untyped)
+    if key in seen:
+        return 0
+    seen.add(key)
+    return int(untyped.nbytes())
+
+
+def _check_room(directory: Path, state_dict: Mapping[str, Any]) -> int:
+    """Refuse a step that cannot fit before writing a byte of it; the bytes it needs."""
+    needed = _tensor_bytes(state_dict)
+    free = _free_bytes(directory)
+    if needed > free:
+        raise CheckpointDirFull(directory, free, needed)
+    return needed
+
+
+def _out_of_room(exc: BaseException) -> bool:
+    """Whether a failed write ran out of space: ENOSPC, or torch's zip writer's way of
+    saying so (``unexpected pos``: the bytes it wrote fell short)."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    return isinstance(exc, RuntimeError) and (
+        "unexpected pos" in str(exc) or "No space left" in str(exc)
+    )
+
+
+@contextlib.contextmanager
+def _saying_when_full(directory: Path, needed: int) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:
+        if _out_of_room(exc):
+            raise CheckpointDirFull(directory, _free_bytes(directory), needed) from exc
+        raise
+
+
 def save_state_dict(
     checkpoint_dir: str | os.PathLike[str],
     step: int,
@@ -51,14 +119,18 @@ def save_state_dict(
 
     The temp dir is ``step=<N>-unfinished``, a name the daemon ignores; it is removed when
     saving fails, so a partial ``<N>`` is never visible. Returns ``<checkpoint_dir>/<N>``.
+    Raises ``CheckpointDirFull`` when CHECKPOINT_DIR has no room for it (checked before
+    writing, and said again if the write runs out of space).
     ``zip_crc32``: see ``_torch_save``.
     """
     final, tmp = _step_paths(checkpoint_dir, step)
     _check_plain_name(filename)
     started = time.monotonic()
+    needed = _check_room(final.parent, state_dict)
     _prepare_temp_dir(final, tmp)
     try:
-        _write_synced(tmp / filename, lambda f: _torch_save(state_dict, f, zip_crc32))
+        with _saying_when_full(final.parent, needed):
+            _write_synced(tmp / filename, lambda f: _torch_save(state_dict, f, zip_crc32))
         _publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -121,8 +193,10 @@ def save_file(
     if os.path.lexists(final):
         raise FileExistsError(f"{final} already exists; a step is saved once")
     started = time.monotonic()
+    needed = _check_room(directory, state_dict)
     try:
-        _write_synced(tmp, lambda f: _torch_save(state_dict, f, zip_crc32))
+        with _saying_when_full(directory, needed):
+            _write_synced(tmp, lambda f: _torch_save(state_dict, f, zip_crc32))
         os.rename(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -7,6 +7,11 @@ import datetime as dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
 from replicator.tools import certs
 from replicator.transport.tls import TlsFiles, TlsMaterial
 
@@ -44,3 +49,90 @@ def node_tls(
     node = certs.issue(ca, server_name, days=2 if expired else 30, not_before=start)
     certs.write_node_files(root, trust or ca, node)
     return NodeTls(root)
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def openssl_style_ca(*, key_usage: bool = True) -> certs.Pair:
+    """A CA as ``openssl req -x509`` makes one: basicConstraints, no keyUsage unless asked."""
+    key = _key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "hand-made CA")])
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(days=1))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    if key_usage:
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+    cert = builder.sign(key, hashes.SHA256())
+    return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def hand_made_node(
+    ca: certs.Pair,
+    *,
+    dns_names: tuple[str, ...] = (certs.DEFAULT_SERVER_NAME,),
+    usages: tuple[x509.ObjectIdentifier, ...] = (
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+    ),
+    valid_from: dt.timedelta = dt.timedelta(days=-1),
+    valid_for: dt.timedelta = dt.timedelta(days=30),
+) -> certs.Pair:
+    """A node certificate with what a hand-written openssl config may leave out: no DNS
+    names (no subjectAltName), other extended key usages, another validity window."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert)
+    ca_key = serialization.load_pem_private_key(ca.key, password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = _key()
+    start = dt.datetime.now(dt.UTC) + valid_from
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "node")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + valid_for)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+    )
+    if dns_names:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False
+        )
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))

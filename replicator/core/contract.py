@@ -6,6 +6,7 @@ specification; every rule here cites its behaviour, not a wish.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import re
 from collections.abc import Mapping
@@ -108,8 +109,9 @@ class JobConfig:
     unknown_keys: tuple[str, ...] = ()
     """Keys we ignored; the daemon logs them at warning level."""
     assumed: tuple[str, ...] = ()
-    """What was not written and was assumed, one sentence each (MaxText's first multi-tier
-    release writes no ``framework``); the daemon warns in its log and ``replicator.errors``."""
+    """What was not written, or was written and ignored, and was assumed, one sentence each
+    (MaxText's first multi-tier release writes no ``framework``; an unknown key, with the
+    nearest known one); the daemon warns in its log and ``replicator.errors``."""
 
     @property
     def nodes_per_replica(self) -> int:
@@ -417,6 +419,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
         raise ConfigError("backup-interval-steps", steps, "must be > 0")
     interval = BackupInterval(minutes=minutes, steps=steps)
 
+    unknown = tuple(sorted(str(k) for k in data if k not in _KNOWN))
     return JobConfig(
         job_name=job,
         framework=framework,
@@ -427,9 +430,17 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
         data_parallelism=dp,
         workers_per_node=workers,
         backup_interval=interval,
-        unknown_keys=tuple(sorted(k for k in data if k not in _KNOWN)),
-        assumed=tuple(assumed),
+        unknown_keys=unknown,
+        assumed=(*assumed, *(unknown_key_note(k) for k in unknown)),
     )
+
+
+def unknown_key_note(key: str) -> str:
+    """What the job is told about a key the replicator ignores: a hand-written typo
+    (``backup-interval-minute``) otherwise silently leaves the default in force."""
+    near = difflib.get_close_matches(key, sorted(_KNOWN), n=1, cutoff=0.6)
+    hint = f": did you mean {near[0]!r}?" if near else f" (known keys: {', '.join(sorted(_KNOWN))})"
+    return f"{CONFIG_FILE} key {key[:80]!r} is not one the replicator knows and was ignored{hint}"
 
 
 def render_config(config: JobConfig) -> str:

@@ -15,12 +15,14 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 import os
 import re
 import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
 from replicator.core import argtypes
 from replicator.core.admission import MAX_STEP_LEAD, Served
+from replicator.core.bucketcheck import BucketCheck, Verdict
 from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -98,6 +101,8 @@ from replicator.obs.metrics import (
 )
 from replicator.storage.backup import BackupStore
 from replicator.storage.backup_ops import StorePins
+from replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
+from replicator.storage.probe import probe as probe_store
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
 from replicator.transport.obtaining import Obtaining
@@ -105,12 +110,14 @@ from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import IDLE_SECONDS, PeerServicer
-from replicator.transport.signing import record_trust
+from replicator.transport.signing import check_identity, record_trust
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
 
 READY_LINE = "daemon ready"
+FIRST_PROBE_WAIT = 10.0
+"""How long a handshake waits for the first probe of the backup and registry."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
 RECLAIM_EVERY = 30.0
@@ -233,13 +240,13 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_CHECKPOINT_DIR"),
         help="the RAM disk shared with the training job [MTC_CHECKPOINT_DIR]",
     )
     p.add_argument(
         "--store-dir",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_STORE_DIR") or None,
         help="the daemon's store: outside the checkpoint dir, on the same filesystem "
         "(default: <checkpoint-dir>.mtc-store) [MTC_STORE_DIR]",
@@ -258,12 +265,14 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--backup",
-        default=env.get("MTC_BACKUP"),
+        type=argtypes.storage_url,
+        default=env.get("MTC_BACKUP") or None,
         help="backup location: file:///path, gs://bucket/prefix, s3://bucket/prefix [MTC_BACKUP]",
     )
     p.add_argument(
         "--registry",
-        default=env.get("MTC_REGISTRY"),
+        type=argtypes.storage_url,
+        default=env.get("MTC_REGISTRY") or None,
         help="where job coordinators register; defaults to --backup [MTC_REGISTRY]",
     )
     # String defaults go through each option's type like a flag would: a bad environment
@@ -319,20 +328,26 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--tls-cert",
+        type=argtypes.path,
         default=env.get("MTC_TLS_CERT") or None,
         help="this node's certificate (PEM); with --tls-key and --tls-ca: mutual TLS on the "
         "gRPC and data ports and every call to peers and coordinators [MTC_TLS_CERT]",
     )
     p.add_argument(
-        "--tls-key", default=env.get("MTC_TLS_KEY") or None, help="its key (PEM) [MTC_TLS_KEY]"
+        "--tls-key",
+        type=argtypes.path,
+        default=env.get("MTC_TLS_KEY") or None,
+        help="its key (PEM) [MTC_TLS_KEY]",
     )
     p.add_argument(
         "--tls-ca",
+        type=argtypes.path,
         default=env.get("MTC_TLS_CA") or None,
         help="the CA every peer's certificate must chain to (PEM) [MTC_TLS_CA]",
     )
     p.add_argument(
         "--tls-server-name",
+        type=argtypes.dns_name,
         default=env.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
         help="the DNS name in every node certificate, checked by clients "
         "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
@@ -375,7 +390,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--owner-file",
-        type=Path,
+        type=argtypes.path,
         default=env.get("MTC_OWNER_FILE") or None,
         help="the owner.json the CSI plugin writes (the namespace of the pod that published "
         "CHECKPOINT_DIR); every job this node runs belongs to that namespace, and a job name "
@@ -495,9 +510,9 @@ def parse_args(
         report_after_seconds=a.report_after_seconds,
         metrics=a.metrics,
         data_port=a.data_port,
-        tls_cert=a.tls_cert,
-        tls_key=a.tls_key,
-        tls_ca=a.tls_ca,
+        tls_cert=_text(a.tls_cert),
+        tls_key=_text(a.tls_key),
+        tls_ca=_text(a.tls_ca),
         tls_server_name=a.tls_server_name,
         accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
@@ -513,6 +528,74 @@ def parse_args(
         drain_seconds=a.drain_seconds,
         foreign_job_ttl=a.foreign_job_ttl,
     )
+
+
+def _bucket_checks(
+    backups: BackupStore | None, registry: Registry | None
+) -> list[tuple[BucketCheck, ObjectStore]]:
+    """What to probe: the backup, and the registry when it is another location."""
+    found = []
+    if backups is not None:
+        found.append((BucketCheck(backups.objects.url, "backup"), backups.objects))
+    if registry is not None and (backups is None or registry.url != backups.objects.url):
+        found.append((BucketCheck(registry.url, "registry"), registry.objects))
+    return found
+
+
+async def _in_daemon_thread(fn: Callable[[ObjectStore], None], store: ObjectStore) -> None:
+    """``fn(store)`` in a thread of its own that never holds up the process's exit: a probe
+    of an unreachable bucket may take the whole storage timeout, and the default executor
+    (``asyncio.to_thread``) is joined at shutdown, so SIGTERM would wait for it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            fn(store)
+        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name="mtc-bucket-probe", daemon=True).start()
+    await done
+
+
+def _log_bucket(check: BucketCheck, was: Verdict, wait: float | None) -> None:
+    if check.verdict is Verdict.USABLE:
+        if was is not Verdict.USABLE:
+            log.info("%s %s: usable (listed and read under its prefix)", check.what, check.url)
+    elif check.verdict is Verdict.REFUSED:
+        if was is not Verdict.REFUSED:
+            log.error(
+                "%s %s refused: %s; jobs on this node get %s until it is fixed "
+                "(docs/permissions.md); checking again in %.0fs",
+                check.what,
+                check.url,
+                check.reason,
+                FAILED_FILE,
+                wait or 0.0,
+            )
+    else:
+        log.warning(
+            "%s %s unreachable: %s; retrying in %.1fs",
+            check.what,
+            check.url,
+            check.reason,
+            wait or 0.0,
+        )
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def tune_malloc() -> None:
@@ -546,6 +629,9 @@ class Daemon:
         self.tls: TlsMaterial | None = open_material(
             opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
         )
+        if self.tls is not None:
+            check_identity(self.tls)  # what peers will check, before anything is served
+            self.tls.vet = check_identity  # and every rotated certificate, before it is used
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(
@@ -624,6 +710,13 @@ class Daemon:
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign
         self._reclaimed_at = 0.0
+        self.bucket_checks = _bucket_checks(backups, self.registry)
+        """The backup and registry locations, probed at start and until usable."""
+        self._buckets_probed = asyncio.Event()
+        self.health = Health(
+            live=self.health.live,
+            ready=[*self.health.ready, *(check.readiness for check, _ in self.bucket_checks)],
+        )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.tls = self.tls
@@ -666,6 +759,7 @@ class Daemon:
         """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
         that a long store recovery reads as "not ready" rather than as no answer."""
         heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
+        buckets = asyncio.create_task(self._probe_buckets(), name="mtc-bucket-probe")
         try:
             self._serve_metrics()
             await self._run()
@@ -675,6 +769,7 @@ class Daemon:
         finally:
             self.readiness.stopping = True
             heart.cancel()
+            buckets.cancel()
             if self._metrics_server is not None:
                 self._metrics_server.close()
                 self._metrics_server = None
@@ -694,6 +789,46 @@ class Daemon:
                 was = problems
             await asyncio.sleep(1.0)
 
+    async def _probe_buckets(self) -> None:
+        """Probe each location until it is usable: an unreachable one with backoff, a
+        refused one every few minutes (an operator may fix the policy); log each change."""
+        due = {id(check): 0.0 for check, _ in self.bucket_checks}
+        while True:
+            for check, store in self.bucket_checks:
+                if due[id(check)] > time.monotonic():
+                    continue
+                was = check.verdict
+                try:
+                    await _in_daemon_thread(probe_store, store)
+                except ObjectStoreError as exc:
+                    wait = check.record(str(exc), transient=is_transient(exc))
+                except Exception as exc:  # an SDK error no translation knows: may heal
+                    wait = check.record(f"{type(exc).__name__}: {exc}", transient=True)
+                else:
+                    wait = check.record(None, transient=False)
+                due[id(check)] = math.inf if wait is None else time.monotonic() + wait
+                _log_bucket(check, was, wait)
+            self._buckets_probed.set()
+            soonest = min(due.values(), default=math.inf)
+            if soonest == math.inf:
+                return
+            await asyncio.sleep(max(soonest - time.monotonic(), 0.0))
+
+    def _bucket_refusal(self, config: JobConfig) -> str | None:
+        """Why ``config``'s job cannot run here until the configuration is fixed, if a
+        location it needs was refused (``core.bucketcheck``): the backup for every job, a
+        separate registry for cluster jobs only."""
+        needed = [c for c, _ in self.bucket_checks if c.what == "backup" or config.nodes > 1]
+        return next((r for c in needed if (r := c.refusal())), None)
+
+    async def _bucket_verdict(self, config: JobConfig) -> str | None:
+        """A refused location's reason, after the first probe of each (a handshake that
+        arrives during start-up waits for it, at most ``FIRST_PROBE_WAIT`` seconds)."""
+        if self.bucket_checks and not self._buckets_probed.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._buckets_probed.wait(), FIRST_PROBE_WAIT)
+        return self._bucket_refusal(config)
+
     async def _beat(self) -> None:
         while True:
             self.heartbeat.beat()
@@ -703,8 +838,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop)
-        self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         try:
+            self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             report = await loop.run_in_executor(self.executor, self.store.open)
         except StorePlacementError as exc:
             log.error("%s", exc)
@@ -713,6 +848,18 @@ class Daemon:
         except StoreError as exc:
             log.error("%s", exc)
             self.exit_code = 3
+            return
+        except OSError as exc:
+            # A directory this process cannot create or write (read-only, owned by another
+            # user, a name too long): a configuration error, said in one line.
+            log.error(
+                "cannot use CHECKPOINT_DIR %s or the store %s: %s: give the daemon a writable "
+                "directory on the RAM disk (--checkpoint-dir, --store-dir)",
+                self.opts.checkpoint_dir,
+                self.store.root,
+                exc,
+            )
+            self.exit_code = 2
             return
         self.readiness.stage = "starting the servers"
         log.info(
@@ -1225,6 +1372,15 @@ class Daemon:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
+        refused = await self._bucket_verdict(config)
+        if refused is not None:
+            await self._refuse(
+                text,
+                refused,
+                "Fix the daemon's credentials or the bucket's policy (docs/permissions.md), "
+                "then restart the job",
+            )
+            return
         loop = asyncio.get_running_loop()
         try:
             owner = await loop.run_in_executor(self.executor, self._read_owner)

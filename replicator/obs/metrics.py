@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -40,10 +40,15 @@ from prometheus_client import (
     make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from replicator import __version__
 from replicator.obs.health import Health
+from replicator.obs.httpserver import (
+    MAX_CONNECTIONS,
+    REQUEST_SECONDS,
+    BoundedHandler,
+    BoundedWSGIServer,
+)
 
 
 class TransferKind(StrEnum):
@@ -575,13 +580,6 @@ class MetricsServer:
         self._thread.join(timeout)
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log: Prometheus and kubelet poll every few seconds."""
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
 App = Callable[[Environ, StartResponse], list[bytes]]
@@ -627,9 +625,17 @@ def _app(
     return app
 
 
-def serve(registry: CollectorRegistry, address: str, health: Health | None = None) -> MetricsServer:
+def serve(
+    registry: CollectorRegistry,
+    address: str,
+    health: Health | None = None,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    request_seconds: float = REQUEST_SECONDS,
+) -> MetricsServer:
     """Serve ``registry`` at ``http://address/metrics``, and ``health`` at ``/healthz`` and
-    ``/readyz`` (None: both always ``ok``), from a thread (port 0: a free port)."""
+    ``/readyz`` (None: both always ``ok``), from a thread (port 0: a free port), at most
+    ``max_connections`` at once, each for ``request_seconds`` at most (``obs.httpserver``)."""
     app = _app(registry, health or Health())
     try:
         host, port = split_address(address)
@@ -637,10 +643,11 @@ def serve(registry: CollectorRegistry, address: str, health: Health | None = Non
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
 
-        class Server(ThreadingWSGIServer):
+        class Server(BoundedWSGIServer):
             address_family = family
 
-        httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=_QuietHandler)
+        Server.max_connections, Server.request_seconds = max_connections, request_seconds
+        httpd = make_server(str(sockaddr[0]), port, app, Server, handler_class=BoundedHandler)
     except (ValueError, OSError) as exc:
         raise MetricsError(f"cannot serve metrics on {address}: {exc}") from None
     thread = threading.Thread(target=httpd.serve_forever, name="mtc-metrics", daemon=True)

@@ -199,7 +199,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     verbs = p.add_subparsers(dest="certs_command", required=True)
     about = "make a CA in DIR (kept if present) and issue a fresh node certificate"
     init_p = verbs.add_parser("init", help=about, description=about)
-    init_p.add_argument("dir", type=Path, help="where ca.crt, ca.key, tls.crt, tls.key go")
+    init_p.add_argument("dir", type=argtypes.path, help="where ca.crt, ca.key, tls.crt, tls.key go")
     init_p.add_argument(
         "--server-name",
         default=DEFAULT_SERVER_NAME,
@@ -213,7 +213,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     about = "print the kubernetes.io/tls Secret of DIR's node certificate"
     secret_p = verbs.add_parser("secret", help=about, description=about)
-    secret_p.add_argument("dir", type=Path, help="a directory made by 'mtc certs init'")
+    secret_p.add_argument("dir", type=argtypes.path, help="a directory made by 'mtc certs init'")
     secret_p.add_argument(
         "--name", default="mtc-replicator-tls", help="Secret name (default: %(default)s)"
     )

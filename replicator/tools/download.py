@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from replicator.core import argtypes
 from replicator.core.manifest import CorruptItem
@@ -29,7 +28,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--to",
-        type=Path,
+        type=argtypes.path,
         required=True,
         metavar="DIR",
         help="where the items go, one per worker as DIR/n<rank>-w<worker>",

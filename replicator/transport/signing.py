@@ -13,6 +13,7 @@ Secret is used from the next record on without a restart.
 from __future__ import annotations
 
 import datetime as dt
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,6 +67,29 @@ def _when(at: float) -> dt.datetime:
         raise RecordRefused(f"the record's time {at!r:.40} is not a date") from None
 
 
+def _verify_node_chain(
+    roots_pem: bytes,
+    server_name: str,
+    leaf: x509.Certificate,
+    intermediates: list[x509.Certificate],
+    when: dt.datetime,
+) -> None:
+    """Raises ``VerificationError`` (or ``ValueError``) unless ``leaf`` is a node certificate
+    of the CA at ``when``: the one rule both records and start-up apply."""
+    roots = x509.load_pem_x509_certificates(roots_pem)
+    verifier = (
+        PolicyBuilder()
+        .store(Store(roots))
+        .time(when)
+        .build_server_verifier(x509.DNSName(server_name))
+    )
+    verifier.verify(leaf, intermediates)
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc).split(" (encountered")[0]
+
+
 class CaVerifier:
     """Believes a signature made by a node certificate of the CA, valid at the record's time."""
 
@@ -92,19 +116,12 @@ class CaVerifier:
         leaf, intermediates = chain[0], chain[1:]
         when = _when(at)
         try:
-            roots = x509.load_pem_x509_certificates(self.ca_pem())
-            verifier = (
-                PolicyBuilder()
-                .store(Store(roots))
-                .time(when)
-                .build_server_verifier(x509.DNSName(self.server_name))
-            )
-            verifier.verify(leaf, intermediates)
+            _verify_node_chain(self.ca_pem(), self.server_name, leaf, intermediates, when)
         except (VerificationError, ValueError, UnsupportedAlgorithm) as exc:
             raise RecordRefused(
                 f"the signer's certificate {leaf.subject.rfc4514_string()!r:.120} is not a "
                 f"node certificate ({self.server_name}) of the CA at the record's time "
-                f"{when:%Y-%m-%dT%H:%M:%SZ}: {str(exc).split(' (encountered')[0]}"
+                f"{when:%Y-%m-%dT%H:%M:%SZ}: {_reason(exc)}"
             ) from None
         try:
             _check_signature(leaf, signature.value, payload)
@@ -112,6 +129,73 @@ class CaVerifier:
             raise RecordRefused(
                 "the signature does not match the record: it was altered after signing"
             ) from None
+
+
+CERT_REMEDY = (
+    "issue node certificates with `mtc certs init DIR` (docs/deploy.md) or cert-manager: "
+    "signed by the --tls-ca CA (whose certificate has keyUsage keyCertSign), valid now, with "
+    "the DNS name {name} (--tls-server-name) as a subjectAltName and extendedKeyUsage "
+    "serverAuth and clientAuth"
+)
+
+
+def check_identity(tls: TlsMaterial, now: dt.datetime | None = None) -> None:
+    """Raise ``TlsError`` (the reason, then the remedy) unless peers will accept this node's
+    own certificate: as the signer of its records (the rule ``CaVerifier`` applies), as a
+    client certificate, and in a real TLS handshake with itself (what gRPC and the data
+    channel check). Without this a daemon with a bad certificate starts, says ready, and
+    every job it joins waits for records and connections its peers refuse."""
+    chain_pem, _ = tls.identity()
+    remedy = CERT_REMEDY.format(name=tls.server_name)
+    where = f"the TLS certificate {tls.files.cert} would be refused by peers"
+    try:
+        chain = x509.load_pem_x509_certificates(chain_pem)
+    except ValueError as exc:
+        raise TlsError(f"{where}: not a PEM certificate ({exc}); {remedy}") from None
+    leaf, intermediates = chain[0], chain[1:]
+    when = now or dt.datetime.now(dt.UTC)
+    try:
+        ca_pem = tls.ca_bundle()
+        _verify_node_chain(ca_pem, tls.server_name, leaf, intermediates, when)
+        roots = x509.load_pem_x509_certificates(ca_pem)
+        client = PolicyBuilder().store(Store(roots)).time(when).build_client_verifier()
+        client.verify(leaf, intermediates)
+    except (VerificationError, ValueError, UnsupportedAlgorithm) as exc:
+        start, end = leaf.not_valid_before_utc, leaf.not_valid_after_utc
+        window = (
+            ""
+            if start <= when <= end
+            else f" (it is valid from {start:%Y-%m-%dT%H:%M:%SZ} to {end:%Y-%m-%dT%H:%M:%SZ})"
+        )
+        raise TlsError(f"{where}: {_reason(exc)}{window}; {remedy}") from None
+    try:
+        _handshake_with_self(tls)
+    except ssl.SSLError as exc:
+        raise TlsError(f"{where}: a TLS handshake with itself fails: {exc}; {remedy}") from None
+
+
+def _handshake_with_self(tls: TlsMaterial) -> None:
+    """One TLS handshake between this node's server and client contexts, in memory."""
+    server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
+    server = tls.server_context().wrap_bio(server_in, server_out, server_side=True)
+    client = tls.client_context().wrap_bio(
+        client_in, client_out, server_side=False, server_hostname=tls.server_name
+    )
+    done = {id(server): False, id(client): False}
+    for _ in range(10):  # TLS 1.3 needs three flights
+        for end in (client, server):
+            if done[id(end)]:
+                continue
+            try:
+                end.do_handshake()
+                done[id(end)] = True
+            except ssl.SSLWantReadError:
+                pass
+        server_in.write(client_out.read())
+        client_in.write(server_out.read())
+        if all(done.values()):
+            return  # the server checked the client's certificate in its last step
+    raise ssl.SSLError("the handshake did not finish")
 
 
 def record_trust(tls: TlsMaterial | None, *, accept_unsigned: bool = False) -> RecordTrust:

@@ -27,6 +27,7 @@ import os
 import socket
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -100,9 +101,18 @@ def _check(pem: _Pem, files: TlsFiles) -> None:
 class TlsMaterial:
     """The node's TLS identity, re-read when its files change. Thread-safe."""
 
-    def __init__(self, files: TlsFiles, server_name: str = DEFAULT_SERVER_NAME) -> None:
+    def __init__(
+        self,
+        files: TlsFiles,
+        server_name: str = DEFAULT_SERVER_NAME,
+        vet: Callable[[TlsMaterial], None] | None = None,
+    ) -> None:
         self.files = files
         self.server_name = server_name
+        self.vet = vet
+        """Raises ``TlsError`` for material peers would refuse (``signing.check_identity``);
+        a rotated set it refuses is kept out like a half-rotated one."""
+        self._refused: tuple[tuple[int, int, int], ...] | None = None
         self._lock = threading.Lock()
         self._pem = self._load()
         try:
@@ -128,7 +138,8 @@ class TlsMaterial:
 
         A half-rotated set (a key that does not fit its certificate yet) keeps the old
         material and is tried again at the next call: the kubelet swaps all files at once,
-        but a hand-made rotation may not.
+        but a hand-made rotation may not. A set ``vet`` refuses (one peers would refuse)
+        keeps the old material until the files change again.
         """
         with self._lock:
             try:
@@ -136,12 +147,16 @@ class TlsMaterial:
             except OSError as exc:
                 log.warning("TLS files unreadable, keeping the loaded ones: %s", exc)
                 return False
-            if signature == self._signature:
+            if signature in (self._signature, self._refused):
                 return False
             try:
                 pem = self._load()
+                if self.vet is not None:
+                    self.vet(TlsMaterial(self.files, self.server_name))
             except TlsError as exc:
                 log.warning("new TLS files not usable yet, keeping the loaded ones: %s", exc)
+                if self.vet is not None:
+                    self._refused = signature  # vetted once per change: it costs a handshake
                 return False
             self._signature, self._pem = signature, pem
             self.generation += 1

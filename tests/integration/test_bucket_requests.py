@@ -222,12 +222,15 @@ def test_a_backup_restore_round_lists_a_constant_number_of_times(
             f"{len(lookups)} registry reads"
         )
     # The coordinator's listings, independent of the members: one delimiter listing of the
-    # job's steps per round, and each S3 store's one bucket check per process (max-keys=1;
-    # the daemon opens the backup and the registry apart).
+    # job's steps per round, each S3 store's one bucket check per process (max-keys=1;
+    # the daemon opens the backup and the registry apart), and the start-up probe's one
+    # listing of the empty _mtc-probe/ prefix (the backup is the registry here).
     for paths in listings.values():
         steps = [p for p in paths if "delimiter=%2F" in p]
         checks = [p for p in paths if "max-keys=1" in p]
+        probes = [p for p in paths if "_mtc-probe" in p]
         assert len(steps) == 1, paths
         assert len(checks) <= 2, paths
-        assert len(steps) + len(checks) == len(paths), paths
+        assert len(probes) == 1, paths
+        assert len(steps) + len(checks) + len(probes) == len(paths), paths
     assert len(listings[64]) == len(listings[256]), listings

@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from replicator.core import argtypes
 from replicator.tools import cli
+
+FREE = (None, str, Path, argtypes.path)
+"""Types that take any value (a path is checked only against the OS's length limits)."""
 
 MARKUP = re.compile(r"``|:\w+:`|`[^`]+`_")
 """reST that leaks from docstrings: ``literal``, :role:`x`, `link`_."""
@@ -88,7 +92,7 @@ def _typed() -> list[tuple[tuple[str, ...], argparse.Action]]:
     found = []
     for path, parser in _all():
         for action in _options(parser):
-            if action.option_strings and action.type not in (None, str, Path) and action.nargs != 0:
+            if action.option_strings and action.type not in FREE and action.nargs != 0:
                 found.append((path, action))
     return found
 

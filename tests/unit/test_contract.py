@@ -1200,3 +1200,16 @@ def test_an_error_quotes_the_value_as_written_not_as_expanded() -> None:
     assert info.value.value == "$TOKEN"
     assert "s3cr3t" not in str(info.value)
     assert "after $VAR expansion" in str(info.value)
+
+
+def test_an_unknown_key_is_told_to_the_job_with_the_nearest_known_key() -> None:
+    cfg = parse_config(doc() + "\nbackup-interval-minute: 5\nzzz-unrelated: 1\n")
+    assert cfg.unknown_keys == ("backup-interval-minute", "zzz-unrelated")
+    assert cfg.assumed == (
+        "replicator.yaml key 'backup-interval-minute' is not one the replicator knows and was "
+        "ignored: did you mean 'backup-interval-minutes'?",
+        "replicator.yaml key 'zzz-unrelated' is not one the replicator knows and was ignored "
+        "(known keys: assume-data-parallelism, backup-interval-minutes, backup-interval-steps, "
+        "framework, job-name, node-rank, nodes, peer-ranks, peers-per-node, workers-per-node)",
+    )
+    assert cfg.backup_interval == parse_config(doc()).backup_interval  # still non-fatal

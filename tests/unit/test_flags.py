@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from csi import plugin as csi_plugin
+from replicator.core import argtypes
 from replicator.node import daemon
 
 # The least each parser needs to get past its required options.
@@ -41,7 +42,9 @@ def _options(make: Callable[..., argparse.ArgumentParser]) -> list[argparse.Acti
 
 def _typed(make: Callable[..., argparse.ArgumentParser]) -> list[argparse.Action]:
     """Options whose value is checked: anything but a free string or path."""
-    return [a for a in _options(make) if a.type not in (None, str, Path) and a.nargs != 0]
+    return [
+        a for a in _options(make) if a.type not in (None, str, Path, argtypes.path) and a.nargs != 0
+    ]
 
 
 @pytest.mark.parametrize("prog", PARSERS)
