@@ -78,20 +78,7 @@ def openssl_style_ca(*, key_usage: bool = True) -> certs.Pair:
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
     )
     if key_usage:
-        builder = builder.add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        builder = builder.add_extension(certs.CA_KEY_USAGE, critical=True)
     cert = builder.sign(key, hashes.SHA256())
     return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 

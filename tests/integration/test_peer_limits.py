@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import os
 import socket
 import threading
@@ -25,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import grpc
 import pytest
 
@@ -54,6 +51,7 @@ from tests.integration.helpers import (
     wait_until,
     write_yaml_atomic,
 )
+from tests.integration.test_peer_bounded import crc, one_file, push_header
 from tests.tls import node_tls
 
 pytestmark = pytest.mark.integration
@@ -105,30 +103,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         yield Node(job, ckpt, daemon, peer_pb2_grpc.PeerStub(channel))
 
 
-def crc(data: bytes) -> int:
-    return int(google_crc32c.value(data))
-
-
-def header(job: str, step: int, body: dict[str, Any], *, data_channel: bool = False) -> Any:
-    raw = json.dumps(
-        {"version": 1, "job": job, "step": step, "rank": 0, "worker": 0, **body},
-        separators=(",", ":"),
-        sort_keys=True,
-    ).encode()
-    return pb.PushItemRequest(
-        header=pb.PushHeader(
-            item=pb.ItemRef(job=job, step=step, rank=0, worker=0),
-            manifest=raw,
-            manifest_digest=hashlib.sha256(raw).hexdigest(),
-            data_channel=data_channel,
-        )
-    )
-
-
-def one_file(size: int, checksum: int = 0) -> dict[str, Any]:
-    return {"kind": "dir", "dirs": [], "files": [["f", size, f"{checksum:08x}"]]}
-
-
 def empty_files(count: int) -> dict[str, Any]:
     return {"kind": "dir", "dirs": [], "files": [[f"{i:06d}", 0, "00000000"] for i in range(count)]}
 
@@ -173,7 +147,7 @@ def test_a_push_dripping_under_the_floor_is_dropped_at_its_deadline(node: Node, 
     slice_ = b"x" * 1000
 
     def requests() -> Iterator[pb.PushItemRequest]:
-        yield header(node.job, step, one_file(SIZE), data_channel=channel)
+        yield push_header(node.job, step, one_file(SIZE), data_channel=channel)
         offset = 0
         while not channel and not stop.wait(1.0):
             chunk = pb.Chunk(file_index=0, offset=offset, data=slice_, crc32c=crc(slice_))
@@ -297,7 +271,7 @@ def test_a_push_of_more_files_than_an_item_may_have_is_refused_before_staging(no
     """50,001 empty files: refused by the manifest check, no file created."""
     with pytest.raises(grpc.RpcError) as refused:
         node.stub.PushItem(
-            iter([header(node.job, 40, empty_files(MAX_ITEM_FILES + 1))]), timeout=60
+            iter([push_header(node.job, 40, empty_files(MAX_ITEM_FILES + 1))]), timeout=60
         )
     assert refused.value.code() == Code.INVALID_ARGUMENT, refused.value.details()
     assert f"more than {MAX_ITEM_FILES} (the most one item may have here: --max-item-files)" in str(
@@ -312,11 +286,11 @@ def test_a_push_of_more_files_than_the_node_has_inodes_for_is_refused(node: Node
     20,000 inodes: refused RESOURCE_EXHAUSTED naming inodes, before staging; a push that
     fits is taken afterwards."""
     with pytest.raises(grpc.RpcError) as refused:
-        node.stub.PushItem(iter([header(node.job, 41, empty_files(25_000))]), timeout=60)
+        node.stub.PushItem(iter([push_header(node.job, 41, empty_files(25_000))]), timeout=60)
     assert refused.value.code() == Code.RESOURCE_EXHAUSTED, refused.value.details()
     assert "inodes" in str(refused.value.details()), refused.value.details()
     assert staging(node) == []
-    reply = node.stub.PushItem(iter([header(node.job, 42, empty_files(1000))]), timeout=60)
+    reply = node.stub.PushItem(iter([push_header(node.job, 42, empty_files(1000))]), timeout=60)
     assert len(os.listdir(item_dir(node.ckpt, node.job, 42) / "data")) == 1000
     assert reply.bytes_received == 0
 
