@@ -239,9 +239,11 @@ def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:
             "final weights vs uninterrupted run", t2.first("done")["digest"], want_final, failures
         )
 
-        newest_backup = wait_for_backups(backup)
-        say(f"stage 3: newest committed backup is step {newest_backup}; wipe the RAM disk")
+        wait_for_backups(backup)
+        say("stage 3: stop the daemon (its drain backs up the newest step), wipe the RAM disk")
         daemon.stop()
+        newest_backup = max(BackupStore(FileObjectStore(backup)).committed_steps(JOB))
+        say(f"  newest committed backup: step {newest_backup}")
         wipe(ckpt)
         say(f"  {ckpt} is now empty: {sorted(p.name for p in ckpt.iterdir())}")
         daemon.start()
