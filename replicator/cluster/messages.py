@@ -18,8 +18,9 @@ from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2
 from replicator.cluster.registry import MalformedEntry
 from replicator.cluster.registry import check_address as _registry_check_address
-from replicator.core.contract import JOB_NAME_RE, JobConfig
+from replicator.core.contract import JobConfig
 from replicator.core.coordination import Phase, RankStatus
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch, SourceKey
@@ -55,7 +56,7 @@ def cluster_view_json(config: JobConfig) -> str:
 
 
 def check_job(job: str, what: str = "job") -> str:
-    if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+    if not is_job_name(job):
         raise BadMessage(f"{what}: unsafe job name {job!r:.80}")
     return job
 

@@ -47,7 +47,7 @@ from replicator.cluster.messages import (
 )
 from replicator.cluster.registry import new_coordinator_id
 from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import JOB_NAME_RE, JobConfig
+from replicator.core.contract import JobConfig
 from replicator.core.coordination import (
     COMMIT_RETRY_SECONDS,
     JobCoordinator,
@@ -58,6 +58,7 @@ from replicator.core.coordination import (
     RankStatus,
     ReportRefused,
 )
+from replicator.core.jobname import is_job_name
 from replicator.core.layout import backup_items
 from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_join
 from replicator.core.restore_plan import NodeInventory, SourceKey
@@ -880,7 +881,7 @@ async def _abort(
     job = getattr(request, "job", "")
     rank = getattr(request, "rank", None)
     # Refused requests are hostile input: a job name that is not one goes to the log quoted.
-    extra = {"job": job if JOB_NAME_RE.fullmatch(job) else repr(job[:80]), "rank": rank}
+    extra = {"job": job if is_job_name(job) else repr(job[:80]), "rank": rank}
     if code is grpc.StatusCode.INTERNAL:
         log.error(
             "%s from %s failed: %s", method, context.peer(), message, exc_info=exc, extra=extra

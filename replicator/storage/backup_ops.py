@@ -34,7 +34,8 @@ from replicator.core.backup_layout import (
     manifest_item_key,
     step_prefix,
 )
-from replicator.core.contract import JOB_NAME_RE, STEP_DIR_RE
+from replicator.core.contract import STEP_DIR_RE
+from replicator.core.jobname import is_job_name
 from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.manifest import MAX_MANIFEST_BYTES, FileEntry, ItemId, Manifest, ManifestError
 from replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
@@ -59,10 +60,6 @@ Progress = Callable[[int], None]
 
 def _no_progress(_: int) -> None:
     pass
-
-
-def is_job_name(name: str) -> bool:
-    return bool(JOB_NAME_RE.fullmatch(name)) and ".." not in name
 
 
 # --- formatting (pure) ---------------------------------------------------------------------
@@ -459,7 +456,7 @@ class StalePin(PinError):
 
 
 def pin_key(job: str) -> str:
-    if not isinstance(job, str) or not is_job_name(job):
+    if not is_job_name(job):
         raise MalformedPin(f"bad job name {job!r:.80}")
     return f"{CONTROL_PREFIX}{job}/{PIN_NAME}"
 
@@ -483,7 +480,7 @@ class RestorePin:
     """``user@host`` that made it, for the operator who finds it later."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.job, str) or not is_job_name(self.job):
+        if not is_job_name(self.job):
             raise MalformedPin(f"bad job name {self.job!r:.80}")
         if type(self.step) is not int or self.step < 0:
             raise MalformedPin(f"bad step {self.step!r:.40}")

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from replicator._pb.mtc.v1 import peer_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2_grpc
 from replicator.core.contacts import Contacts
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from replicator.core.pacing import Traffic
 from replicator.local.pacer import Meter, Pacer
@@ -189,7 +189,7 @@ def _rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Exception:
 
 def item_id(ref: pb.ItemRef) -> ItemId:
     """An ``ItemRef`` from the wire, its job name checked like a manifest's."""
-    if not JOB_NAME_RE.fullmatch(ref.job) or ".." in ref.job:
+    if not is_job_name(ref.job):
         raise TransferError(f"unsafe job name {ref.job!r:.80}")
     return ItemId(ref.job, ref.step, ref.rank, ref.worker)
 

@@ -27,7 +27,7 @@ from replicator.core.backup_layout import (
     data_key,
     manifest_key,
 )
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
 from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
 from replicator.local.hashing import build_manifest
 from replicator.local.usedpins import UsedPins
@@ -280,7 +280,7 @@ def test_a_pin_with_any_field_changed_parses_or_raises_malformed_pin(
     assert (pin.job, pin.step, pin.commit_digest) == (body["job"], body["step"], DIGEST)
 
 
-JOB_NAMES = st.from_regex(JOB_NAME_RE, fullmatch=True).filter(lambda j: ".." not in j)
+JOB_NAMES = st.from_regex(JOB_NAME_PATTERN, fullmatch=True).filter(lambda j: ".." not in j)
 
 
 @given(JOB_NAMES, JOB_NAMES)
@@ -291,8 +291,8 @@ def test_control_and_registry_keys_never_fall_under_a_job_prefix(a: str, b: str)
 
 
 def test_control_can_never_be_a_job() -> None:
-    assert not ops.is_job_name("_control")
-    assert JOB_NAME_RE.fullmatch("_control") is None
+    assert not is_job_name("_control")
+    assert re.fullmatch(JOB_NAME_PATTERN, "_control") is None
     with pytest.raises(ops.MalformedPin):
         ops.pin_key("_control")
 
