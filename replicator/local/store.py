@@ -303,7 +303,7 @@ class LocalStore:
             views = self._open_views(create=True)
             try:
                 parent = views
-                for name in (view, item.job, str(item.step)):
+                for name in (view, *item_path(item).parent.parts):
                     sub = _open_own_dir(parent, name, create=True)
                     if parent != views:
                         os.close(parent)
@@ -361,7 +361,7 @@ class LocalStore:
                     continue
                 try:
                     step = fsutil.open_dir_beneath(
-                        views, PurePosixPath(name, item.job, str(item.step))
+                        views, PurePosixPath(name) / item_path(item).parent
                     )
                 except OSError:
                     continue  # not a view of this item (or not ours: discarded with the rest)
