@@ -106,8 +106,8 @@ from replicator.storage.probe import probe as probe_store
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
 from replicator.transport.obtaining import Obtaining
-from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
+from replicator.transport.peerwire import SERVICE as PEER_SERVICE
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import IDLE_SECONDS, PeerServicer
 from replicator.transport.signing import check_identity, record_trust
