@@ -25,23 +25,23 @@ from replicator.cluster.client import (
     NotAMember,
     find_coordinator,
 )
+from replicator.cluster.coordinators import (
+    BackupsUnavailable,
+    Coordinators,
+    ForeignOwner,
+    NotInReleasedRound,
+)
+from replicator.cluster.hosting import NotHosted
 from replicator.cluster.messages import (
     BadMessage,
     FailedFetch,
+    Identity,
     Joined,
+    Progress,
     RoundState,
     long_poll_wait,
 )
 from replicator.cluster.registry import Registry
-from replicator.cluster.service import (
-    BackupsUnavailable,
-    Coordinators,
-    ForeignOwner,
-    Identity,
-    NotHosted,
-    NotInReleasedRound,
-    Progress,
-)
 from replicator.core.coordination import (
     JoinRejected,
     Phase,
