@@ -70,6 +70,8 @@ class BackupsUnavailable(Exception):
     """The committed backups could not be listed: planning without them could lose steps."""
 
 
+# --- the service -----------------------------------------------------------------------------
+
 BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
 CommitBackup = Callable[[str, int, Sequence[str]], CommitRecord | None]
 """Write the COMMIT of ``(job, step)`` naming these item keys (``BackupStore.try_commit``;
