@@ -59,7 +59,7 @@ from replicator.transport.datachannel import (
     send_staged,
 )
 from replicator.transport.obtaining import Obtain, Obtaining
-from replicator.transport.peer import (
+from replicator.transport.peerwire import (
     DATA_CHANNEL_KEY,
     GO_AHEAD,
     chunks_of,
