@@ -9,10 +9,10 @@ import argparse
 import json
 
 from replicator.core import argtypes
+from replicator.core.humanize import human_bytes
 from replicator.core.manifest import CorruptItem
 from replicator.storage import download as dl
 from replicator.storage.backup import BackupStore
-from replicator.storage.backup_ops import human_bytes
 from replicator.storage.objectstore import ObjectStore
 from replicator.tools import progress
 

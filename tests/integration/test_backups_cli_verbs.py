@@ -270,13 +270,13 @@ def test_the_bar_counts_the_bytes(backup: Backup) -> None:
     import argparse
     import io
 
-    from replicator.storage import backup_ops as ops
+    from replicator.storage.backup_audit import plan_verify, run_verify
 
-    plan = ops.plan_verify(backup.store.objects, backup.job, 200)
+    plan = plan_verify(backup.store.objects, backup.job, 200)
     stream = io.StringIO()
     bar = progress.bar(argparse.Namespace(progress=True), plan.total_bytes, "v", stream)
     assert isinstance(bar, progress.ByteBar)
-    ops.run_verify(backup.store.objects, plan, bar)
+    run_verify(backup.store.objects, plan, bar)
     assert bar.bar.total == plan.total_bytes == 2 * (64 * 1024 + len(b'{"step": 200}'))
     assert bar.bar.n == plan.total_bytes
     bar.close()
