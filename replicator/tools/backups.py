@@ -32,7 +32,7 @@ from replicator.storage import backup_prune
 from replicator.storage import restore_pins as pins
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
 from replicator.storage.stores import open_object_store
-from replicator.tools import download, progress
+from replicator.tools import download_cli, progress_bars
 from replicator.transport.signing import CaVerifier
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
@@ -147,10 +147,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     prune.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
     dl = command("download", "download a committed step into a directory, every byte verified")
-    download.add_arguments(dl)
+    download_cli.add_arguments(dl)
 
     for c in (verify, restore, prune, dl):
-        progress.add_option(c)
+        progress_bars.add_option(c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "verify": _verify,
         "restore": _restore,
         "prune": _prune,
-        "download": download.run,
+        "download": download_cli.run,
     }
     try:
         args.trust = _trust(args)
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     try:
         return commands[args.backups_command](args, objects, time.time())
-    except (ObjectStoreError, pins.PinError, ManifestError, download.DownloadError) as exc:
+    except (ObjectStoreError, pins.PinError, ManifestError, download_cli.DownloadError) as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("interrupted", 130)
@@ -346,7 +346,7 @@ def _verify_steps(
     plans = [audit.plan_verify(objects, job, s, args.trust) for s in steps]
     if any(not p.committed for p in plans):
         return None
-    bar = progress.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
+    bar = progress_bars.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
     try:
         return [audit.run_verify(objects, p, bar) for p in plans]
     finally:
@@ -511,10 +511,10 @@ def _prune_job(
     newest_verified: int | None = None
     if args.verify_newest:
         committed = [s.step for s in listing.steps if s.commit is not None]
-        bars: list[progress.Bar] = []
+        bars: list[progress_bars.Bar] = []
 
         def bar_for(plan: audit.VerifyPlan) -> audit.Progress:
-            bars.append(progress.bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
+            bars.append(progress_bars.bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
             return bars[-1]
 
         try:
