@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from replicator.core.humanize import human_age, human_bytes
 
@@ -45,3 +48,15 @@ def test_human_bytes(n: int, text: str) -> None:
 )
 def test_human_age(seconds: float, text: str) -> None:
     assert human_age(seconds) == text
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_human_age_answers_any_time_in_two_units_at_most(seconds: float) -> None:
+    """Prune words its reasons with it, for clocks and commit times from any writer."""
+    text = human_age(seconds).removesuffix(" ahead")
+    assert text == "?" or re.fullmatch(r"\d+[smhd](\d+[mh])?", text)
+
+
+@given(st.integers(0, 2**70))
+def test_human_bytes_is_one_number_and_a_unit(n: int) -> None:
+    assert re.fullmatch(r"\d+ B|\d+\.\d [KMGTP]iB", human_bytes(n))
