@@ -102,9 +102,9 @@ from replicator.obs.metrics import (
     serve,
 )
 from replicator.storage.backup import BackupStore
-from replicator.storage.backup_ops import StorePins
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
 from replicator.storage.probe import probe as probe_store
+from replicator.storage.restore_pins import StorePins
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
 from replicator.transport.obtaining import Obtaining

@@ -35,7 +35,7 @@ from replicator.core.jobname import (
 )
 from replicator.core.manifest import ItemId, ManifestError
 from replicator.local.store import LocalStore, item_path, view_path
-from replicator.storage import backup_ops
+from replicator.storage import restore_pins
 from replicator.transport import peer
 from replicator.transport.transfer import TransferError
 
@@ -172,7 +172,7 @@ def test_backup_keys_of_every_layout_stay_beneath_the_job(
         data_key(item, path, layout),
     ):
         assert beneath(root, key), key
-        assert not key.startswith((backup_ops.CONTROL_PREFIX, registry.PREFIX))
+        assert not key.startswith((restore_pins.CONTROL_PREFIX, registry.PREFIX))
 
 
 @given(JOB_NAMES)
@@ -181,8 +181,8 @@ def test_registry_and_pin_keys_stay_beneath_their_prefixes(job: str) -> None:
     entry = registry.entry_key(job)
     assert beneath(registry.PREFIX, entry)
     assert entry.count("/") == registry.PREFIX.count("/")
-    pin = backup_ops.pin_key(job)
-    assert beneath(f"{backup_ops.CONTROL_PREFIX}{job}/", pin)
+    pin = restore_pins.pin_key(job)
+    assert beneath(f"{restore_pins.CONTROL_PREFIX}{job}/", pin)
 
 
 # --- every site refuses what the rule refuses --------------------------------------------------
@@ -203,7 +203,7 @@ SITES: dict[str, tuple[Callable[[str], object], type[Exception]]] = {
     "argtypes.job": (argtypes.job, argparse.ArgumentTypeError),
     "registry.check_job": (registry.check_job, registry.MalformedEntry),
     "registry.entry_key": (registry.entry_key, registry.MalformedEntry),
-    "backup_ops.pin_key": (backup_ops.pin_key, backup_ops.MalformedPin),
+    "restore_pins.pin_key": (restore_pins.pin_key, restore_pins.MalformedPin),
     "messages.check_job": (messages.check_job, messages.BadMessage),
     "peer.item_id": (lambda j: peer.item_id(pb.ItemRef(job=j, step=1)), TransferError),
     "CommitRecord.from_json": (_commit, ManifestError),
