@@ -33,6 +33,7 @@ from typing import Any
 
 from client.handshake import RestoreResult
 from replicator.core import contract
+from replicator.core.jobname import check_job_name
 from replicator.local.fsutil import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -182,8 +183,7 @@ def save_file(
     ``zip_crc32``: see ``_torch_save``.
     """
     _check_step(step)
-    if not contract.JOB_NAME_RE.fullmatch(job) or ".." in job:
-        raise ValueError(f"job {job!r} is not a safe job name")
+    check_job_name(job)
     for label, value in (("rank", rank), ("worker", worker)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{label} must be an integer >= 0, got {value!r}")

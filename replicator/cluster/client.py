@@ -152,7 +152,8 @@ class IdentityChecked:
 
 
 class CoordinatorClient(IdentityChecked):
-    """The agent's calls to job ``job``'s coordinator at ``address``, in our own types.
+    """The agent's calls to job ``job``'s coordinator at ``address``, in our own types: a
+    ``cluster.link.CoordinatorLink`` over gRPC (each call's contract is there).
 
     Every answer must name ``job``; the first one fixes the coordinator's id, and a later
     answer with another id raises ``CoordinatorChanged`` (its state is gone: join again).
@@ -231,11 +232,7 @@ class CoordinatorClient(IdentityChecked):
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> Joined:
-        """Join (or re-join) the current round: the round the join counts for and, with
-        ``wait_seconds`` (at most 30), the round as this rank sees it once it is no longer
-        waiting for joins or the wait is over (with the addresses of ``address_ranks``, as
-        in ``round_status``). A coordinator that predates the long poll answers at once
-        without the state: the caller polls ``round_status`` then."""
+        """``CoordinatorLink.join`` over gRPC."""
         wait = long_poll_wait(wait_seconds)
         request = pb.JoinRequest(
             job=self.job,
@@ -279,13 +276,8 @@ class CoordinatorClient(IdentityChecked):
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState:
-        """The round as ``rank`` should see it.
-
-        With ``wait_seconds`` (at most 30) this is a long poll: it answers once the round,
-        state or plan version differs from ``seen`` (the last answer for ``round_``; None
-        when there was none, which answers at once), or when the wait is over. The answer
-        carries the addresses of ``address_ranks`` (None: of every member).
-        """
+        """``CoordinatorLink.round_status`` over gRPC: the answer is checked like any
+        coordinator message (``messages.round_state``)."""
         wait = long_poll_wait(wait_seconds)
         request = pb.RoundStatusRequest(
             job=self.job,
@@ -321,14 +313,8 @@ class CoordinatorClient(IdentityChecked):
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState | None:
-        """Report the outcome of plan ``plan_version`` of ``round_``: ``ready`` when every
-        assigned item is present and verified; ``failures`` are the sources that failed
-        (``addresses``, the status's, names PEER holders in the coordinator's log).
-
-        With ``wait_seconds`` (at most 30) the answer waits until the round moved past
-        this report (released, re-planned, a new round) or the wait is over, and returns
-        the round as this rank sees it then; None without a wait, or from a coordinator
-        that predates the long poll (the caller polls ``round_status`` then)."""
+        """``CoordinatorLink.report_restore`` over gRPC: each failure carries its PEER
+        holder's address from ``addresses``."""
         known = addresses or {}
         wait = long_poll_wait(wait_seconds)
         request = pb.ReportRestoreRequest(
@@ -365,12 +351,8 @@ class CoordinatorClient(IdentityChecked):
         replicating_step: int | None = None,
         address_ranks: Collection[int] | None = None,
     ) -> ProgressAnswer:
-        """Steady state: fold in this rank's progress; the answer may order a backup.
-
-        ``held`` promises the steps this rank keeps until the answer (None: all of them);
-        the answer carries the addresses of ``address_ranks`` (None: of every rank).
-        Raises ``NotAMember`` when this incarnation is not of the released round.
-        """
+        """``CoordinatorLink.report_progress`` over gRPC: the answer's report interval is
+        bounded, so a coordinator cannot silence a rank's reports for long."""
         request = pb.ReportProgressRequest(
             job=self.job,
             rank=rank,

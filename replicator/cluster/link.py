@@ -25,23 +25,23 @@ from replicator.cluster.client import (
     NotAMember,
     find_coordinator,
 )
+from replicator.cluster.coordinators import (
+    BackupsUnavailable,
+    Coordinators,
+    ForeignOwner,
+    NotInReleasedRound,
+)
+from replicator.cluster.hosting import NotHosted
 from replicator.cluster.messages import (
     BadMessage,
     FailedFetch,
+    Identity,
     Joined,
+    Progress,
     RoundState,
     long_poll_wait,
 )
 from replicator.cluster.registry import Registry
-from replicator.cluster.service import (
-    BackupsUnavailable,
-    Coordinators,
-    ForeignOwner,
-    Identity,
-    NotHosted,
-    NotInReleasedRound,
-    Progress,
-)
 from replicator.core.coordination import (
     JoinRejected,
     Phase,
@@ -56,6 +56,101 @@ from replicator.transport.tls import TlsMaterial
 
 LOCAL_ADDRESS = "in-process"
 """What a one-node job's link calls its coordinator's address (in logs)."""
+
+
+class CoordinatorLink(Protocol):
+    """What an agent calls its coordinator through: ``CoordinatorClient`` over gRPC or
+    ``LocalCoordinator`` in process, with the same calls, answers and exceptions
+    (``cluster.client``'s docstring says what an agent does about each). Both check who
+    answers (``IdentityChecked``): a replaced coordinator raises ``CoordinatorChanged``.
+    """
+
+    address: str
+    """Where the coordinator answers (for messages)."""
+
+    async def join(
+        self,
+        rank: int,
+        incarnation_id: str,
+        cluster_view: str,
+        address: str,
+        items: Mapping[ItemId, str],
+        *,
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> Joined:
+        """Join (or re-join) the current round: the round the join counts for and, with
+        ``wait_seconds`` (at most 30), the round as this rank sees it once it is no longer
+        waiting for joins or the wait is over (with the addresses of ``address_ranks``, as
+        in ``round_status``). A coordinator that predates the long poll answers at once
+        without the state: the caller polls ``round_status`` then."""
+        ...
+
+    async def round_status(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        *,
+        seen: RoundState | None = None,
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> RoundState:
+        """The round as ``rank`` should see it.
+
+        With ``wait_seconds`` (at most 30) this is a long poll: it answers once the round,
+        state or plan version differs from ``seen`` (the last answer for ``round_``; None
+        when there was none, which answers at once), or when the wait is over. The answer
+        carries the addresses of ``address_ranks`` (None: of every member).
+        """
+        ...
+
+    async def report_restore(
+        self,
+        rank: int,
+        incarnation_id: str,
+        round_: int,
+        plan_version: int,
+        *,
+        ready: bool,
+        failures: Sequence[FailedFetch] = (),
+        addresses: Mapping[int, str] | None = None,
+        wait_seconds: float = 0.0,
+        address_ranks: Collection[int] | None = None,
+    ) -> RoundState | None:
+        """Report the outcome of plan ``plan_version`` of ``round_``: ``ready`` when every
+        assigned item is present and verified; ``failures`` are the sources that failed
+        (``addresses``, the status's, names PEER holders in the coordinator's log).
+
+        With ``wait_seconds`` (at most 30) the answer waits until the round moved past
+        this report (released, re-planned, a new round) or the wait is over, and returns
+        the round as this rank sees it then; None without a wait, or from a coordinator
+        that predates the long poll (the caller polls ``round_status`` then)."""
+        ...
+
+    async def report_progress(
+        self,
+        rank: int,
+        incarnation_id: str,
+        *,
+        replicated_step: int | None,
+        uploaded_step: int | None = None,
+        address: str = "",
+        held: Collection[int] | None = None,
+        replicating_step: int | None = None,
+        address_ranks: Collection[int] | None = None,
+    ) -> ProgressAnswer:
+        """Steady state: fold in this rank's progress; the answer may order a backup.
+
+        ``held`` promises the steps this rank keeps until the answer (None: all of them);
+        the answer carries the addresses of ``address_ranks`` (None: of every rank).
+        Raises ``NotAMember`` when this incarnation is not of the released round.
+        """
+        ...
+
+    async def close(self) -> None:
+        """Release what the link holds (a channel)."""
+        ...
 
 
 class CoordinatorFinder(Protocol):
@@ -107,7 +202,8 @@ class LocalFinder:
 
 
 class LocalCoordinator(IdentityChecked):
-    """``CoordinatorLink`` to a coordinator in this process: same calls, no wire.
+    """``CoordinatorLink`` to a coordinator in this process: same calls, no wire (each
+    call's contract is on ``CoordinatorLink``).
 
     The inputs are this daemon's own, so the wire's hostile-input checks have nothing to
     check; the answers go through the same identity check as a gRPC client's.
@@ -250,10 +346,6 @@ class LocalCoordinator(IdentityChecked):
 
     async def close(self) -> None:
         """Nothing to release: no channel."""
-
-
-CoordinatorLink = CoordinatorClient | LocalCoordinator
-"""What an agent calls its coordinator through: the same calls, answers and exceptions."""
 
 
 def round_state_of(status: RankStatus, addresses: Mapping[int, str]) -> RoundState:

@@ -3,7 +3,10 @@
 Pure: no I/O. A request is hostile input until these checks pass (a bug or an attacker on
 another node can send anything), and so is an answer (the address in a registry entry may
 belong to anything by now). Every check raises ``BadMessage`` naming the field; the servicer
-turns it into INVALID_ARGUMENT, the client into ``CoordinatorError``.
+turns it into INVALID_ARGUMENT, the client into ``CoordinatorError``. The requests the
+servicer takes are checked here whole (``join_call``, ``status_call``, ``restore_report_call``,
+``progress_call``), in the order the checks were always made, so the servicer only calls
+``cluster.coordinators`` and answers.
 """
 
 from __future__ import annotations
@@ -11,18 +14,20 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from replicator._pb.mtc.v1 import peer_pb2
 from replicator.cluster.registry import MalformedEntry
 from replicator.cluster.registry import check_address as _registry_check_address
-from replicator.core.contract import JOB_NAME_RE, JobConfig
-from replicator.core.coordination import Phase, RankStatus
+from replicator.core.contract import JobConfig
+from replicator.core.coordination import Phase, ProgressAnswer, RankStatus
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import ItemId
+from replicator.core.ownership import check_owner
 from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch, SourceKey
+from replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
 
 SERVICE = "mtc.v1.Coordinator"
 """The full service name (health checks, method paths)."""
@@ -55,7 +60,7 @@ def cluster_view_json(config: JobConfig) -> str:
 
 
 def check_job(job: str, what: str = "job") -> str:
-    if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+    if not is_job_name(job):
         raise BadMessage(f"{what}: unsafe job name {job!r:.80}")
     return job
 
@@ -398,3 +403,131 @@ def round_state(message: pb.RoundStatusResponse, job: str, rank: int) -> RoundSt
         message=message.message[:MAX_DETAIL_CHARS],
         addresses=addresses,
     )
+
+
+# --- the servicer's calls and answers -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who answers a coordinator call: every answer names it, so callers notice a stale
+    registry entry (another job) or a restarted coordinator (another id)."""
+
+    job: str
+    coordinator_id: str
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A rank's ReportProgress, in our types."""
+
+    replicated_step: int | None
+    uploaded_step: int | None = None
+    address: str = ""
+    held: frozenset[int] | None = None
+    """The rank's promise (None: it keeps every step)."""
+    replicating_step: int | None = None
+    address_ranks: frozenset[int] | None = None
+    """The ranks whose addresses the answer carries (None: every rank's)."""
+
+
+def identity_message(identity: Identity) -> pb.CoordinatorIdentity:
+    return pb.CoordinatorIdentity(job=identity.job, coordinator_id=identity.coordinator_id)
+
+
+@dataclass(frozen=True)
+class JoinCall:
+    """A JoinRequest, checked, in our types."""
+
+    incarnation: str
+    cluster_view: str
+    owner: str
+    inventory: NodeInventory
+    address_ranks: frozenset[int] | None
+
+
+def join_call(request: pb.JoinRequest, job: str, item_limit: Callable[[str], int]) -> JoinCall:
+    """Check a join of ``job`` (its name checked already). ``item_limit(owner)`` is the most
+    items the job takes in a join of that owner's; it raises for an owner who may not join,
+    before the items are read, so a refusal tells nothing of the job."""
+    incarnation = check_incarnation(request.incarnation_id)
+    address = check_address(request.address)
+    if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
+        raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
+    owner = check_owner(request.owner)
+    items = inventory_items(job, request.items, item_limit(owner))
+    address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
+    inventory = NodeInventory(request.rank, address, items)
+    return JoinCall(incarnation, request.cluster_view, owner, inventory, address_ranks)
+
+
+@dataclass(frozen=True)
+class StatusCall:
+    """A RoundStatusRequest, checked, in our types."""
+
+    incarnation: str
+    seen: StatusKey
+    address_ranks: frozenset[int] | None
+
+
+def status_call(request: pb.RoundStatusRequest) -> StatusCall:
+    return StatusCall(
+        check_incarnation(request.incarnation_id),
+        seen_key(request),
+        check_address_ranks(request.address_ranks, request.address_ranks_given),
+    )
+
+
+@dataclass(frozen=True)
+class RestoreReportCall:
+    """A ReportRestoreRequest, checked, in our types."""
+
+    incarnation: str
+    failed: list[SourceKey]
+    """The request's failures, in their order."""
+    address_ranks: frozenset[int] | None
+
+
+def restore_report_call(
+    request: pb.ReportRestoreRequest, job: str, config_of: Callable[[], JobConfig]
+) -> RestoreReportCall:
+    """Check a restore report to ``job`` (its name checked already). ``config_of()`` is the
+    job's config as its coordinator has it (it raises for a rank out of range): the bound
+    on the failures a report may list."""
+    incarnation = check_incarnation(request.incarnation_id)
+    config = config_of()
+    failed = source_keys(request.failures, job, request.rank, config.nodes, join_item_limit(config))
+    address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
+    return RestoreReportCall(incarnation, failed, address_ranks)
+
+
+def progress_call(request: pb.ReportProgressRequest) -> tuple[str, Progress]:
+    """A ReportProgressRequest, checked: the incarnation and its progress."""
+    incarnation = check_incarnation(request.incarnation_id)
+    progress = Progress(
+        replicated_step=request.replicated_step if request.HasField("replicated_step") else None,
+        uploaded_step=request.uploaded_step if request.HasField("uploaded_step") else None,
+        address=check_address(request.address) if request.address else "",
+        held=check_held_steps(request.held_steps) if request.reports_holdings else None,
+        replicating_step=(
+            request.replicating_step if request.HasField("replicating_step") else None
+        ),
+        address_ranks=check_address_ranks(request.address_ranks, request.address_ranks_given),
+    )
+    return incarnation, progress
+
+
+def progress_message(identity: Identity, answer: ProgressAnswer) -> pb.ReportProgressResponse:
+    """A ReportProgress answer on the wire."""
+    response = pb.ReportProgressResponse(coordinator=identity_message(identity))
+    if answer.restorable_step is not None:
+        response.restorable_step = answer.restorable_step
+    if answer.backup_step is not None:
+        response.backup_step = answer.backup_step
+    response.addresses.update(answer.addresses)
+    response.keep_steps.extend(sorted(answer.keep_steps))
+    response.report_every_seconds = answer.report_every
+    if answer.last_backup is not None:
+        response.committed_backup_step = answer.last_backup.step
+        response.committed_backup_at = answer.last_backup.at
+    return response

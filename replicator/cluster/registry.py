@@ -30,7 +30,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import is_job_name
 from replicator.core.jsonobj import NotAnObject, load_object
 from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_claim
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
@@ -63,7 +63,7 @@ class OwnedByAnother(Exception):
 
 
 def check_job(job: str) -> str:
-    if not isinstance(job, str) or not JOB_NAME_RE.fullmatch(job) or ".." in job:
+    if not is_job_name(job):
         raise MalformedEntry(f"bad job name {job!r:.80}")
     return job
 

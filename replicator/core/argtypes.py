@@ -15,7 +15,8 @@ import re
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from replicator.core.contract import JOB_NAME_RE, ascii_digits
+from replicator.core.contract import ascii_digits
+from replicator.core.jobname import is_job_name
 from replicator.core.pacing import MIN_FLOOR_RATE, parse_rate
 from replicator.core.retry import parse_storage_timeout
 
@@ -66,7 +67,7 @@ def seconds(value: str) -> float:
 
 def job(value: str) -> str:
     """A job name as ``replicator.yaml`` allows it."""
-    if not JOB_NAME_RE.fullmatch(value) or ".." in value:
+    if not is_job_name(value):
         raise argparse.ArgumentTypeError(f"not a job name: {value!r:.80}")
     return value
 

@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import ItemId, ManifestError
 
 COMMIT = "COMMIT"
@@ -138,7 +138,7 @@ class CommitRecord:
         if not isinstance(data, dict):
             raise ManifestError("COMMIT must be a JSON object")
         job, step, items, created = (data.get(k) for k in ("job", "step", "items", "created"))
-        if not isinstance(job, str) or not JOB_NAME_RE.fullmatch(job):
+        if not is_job_name(job):
             raise ManifestError(f"COMMIT has a bad job {job!r:.80}")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ManifestError(f"COMMIT has a bad step {step!r:.40}")

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 
 import yaml
 
+from replicator.core.jobname import JOB_NAME_PATTERN, JOB_NAME_RULE, is_job_name
+
 # --- File names owned by one side of the contract ------------------------------------------
 
 CONFIG_FILE = "replicator.yaml"
@@ -31,7 +33,6 @@ MAX_WORKERS_PER_NODE = 1024
 """Far above any real host (GPUs per node); the daemon creates one marker per worker."""
 """A handshake is a few hundred bytes; anything this large is not one."""
 
-JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 STEP_DIR_RE = re.compile(r"0|[1-9][0-9]*")
 
 
@@ -44,7 +45,7 @@ def ascii_digits(text: str) -> bool:
 
 """Plain decimal, no padding: the only spelling markers use, so one step has one name."""
 _MARKER_BODY = (
-    r"(?P<job>[A-Za-z0-9][A-Za-z0-9._-]{0,126})"
+    rf"(?P<job>{JOB_NAME_PATTERN})"
     r"-s(?P<step>[0-9]+)-n(?P<rank>[0-9]+)-w(?P<worker>[0-9]+)"
 )
 SAVE_FILE_RE = re.compile(_MARKER_BODY + r"\.save")
@@ -351,12 +352,8 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
     job = data["job-name"]
     if not isinstance(job, str):
         raise ConfigError("job-name", job, "must be a string")
-    if not JOB_NAME_RE.fullmatch(job) or ".." in job:
-        raise ConfigError(
-            "job-name",
-            job,
-            "must match [A-Za-z0-9][A-Za-z0-9._-]{0,126} (no '/', no '..')",
-        )
+    if not is_job_name(job):
+        raise ConfigError("job-name", job, JOB_NAME_RULE)
 
     assumed: list[str] = []
     fw_raw = data.get("framework")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import is_job_name
 
 MAX_FILES = 1_000_000
 """Most files and directories of any manifest this code reads (a stored item's included)."""
@@ -149,7 +149,7 @@ def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
     if data.get("version") != FORMAT_VERSION:
         raise ManifestError(f"unsupported manifest version {data.get('version')!r:.40}")
     job = _field(data, "job", str)
-    if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+    if not is_job_name(job):
         raise ManifestError(f"unsafe job name {job!r:.80}")
     nums = {k: _field(data, k, int) for k in ("step", "rank", "worker")}
     if any(v < 0 for v in nums.values()):

@@ -35,7 +35,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from replicator.core.contract import JOB_NAME_RE, STORE_DIR, ascii_digits
+from replicator.core.contract import STORE_DIR, ascii_digits
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import (
     CancelCheck,
     CorruptItem,
@@ -71,8 +72,19 @@ class OpenReport:
     discarded: tuple[str, ...]
 
 
+def item_path(item: ItemId) -> PurePosixPath:
+    """``<job>/<step>/<rank>-<worker>``: where an item sits below ``items/``, ``ingest/`` and
+    a view; the inverse of ``_parse_item_path``."""
+    return PurePosixPath(item.job, str(item.step), item.key)
+
+
+def view_path(view: str, item: ItemId) -> PurePosixPath:
+    """The data of ``item``'s view for incarnation ``view``, relative to CHECKPOINT_DIR."""
+    return PurePosixPath(STORE_DIR, VIEWS_DIR, view) / item_path(item) / DATA
+
+
 def _parse_item_path(job: str, step: str, key: str) -> ItemId | None:
-    if not JOB_NAME_RE.fullmatch(job) or not ascii_digits(step):
+    if not is_job_name(job) or not ascii_digits(step):
         return None
     rank, sep, worker = key.partition("-")
     if not (sep and ascii_digits(rank) and ascii_digits(worker)):
@@ -250,7 +262,7 @@ class LocalStore:
     # --- paths -----------------------------------------------------------------------------
 
     def item_dir(self, item: ItemId) -> Path:
-        return self.items_root / item.job / str(item.step) / item.key
+        return self.items_root / item_path(item)
 
     def data_path(self, item: ItemId) -> Path:
         return self.item_dir(item) / DATA
@@ -291,7 +303,7 @@ class LocalStore:
             views = self._open_views(create=True)
             try:
                 parent = views
-                for name in (view, item.job, str(item.step)):
+                for name in (view, *item_path(item).parent.parts):
                     sub = _open_own_dir(parent, name, create=True)
                     if parent != views:
                         os.close(parent)
@@ -307,9 +319,7 @@ class LocalStore:
         except OSError as exc:
             fsutil.remove_tree(staged)
             raise StoreError(f"cannot expose {item}: {exc}") from exc
-        return str(
-            PurePosixPath(STORE_DIR, VIEWS_DIR, view, item.job, str(item.step), item.key, DATA)
-        )
+        return str(view_path(view, item))
 
     def _link_copy(self, manifest: Manifest, dst: Path) -> None:
         """Hard-link every file of a committed item at ``dst`` (in the store's staging),
@@ -351,7 +361,7 @@ class LocalStore:
                     continue
                 try:
                     step = fsutil.open_dir_beneath(
-                        views, PurePosixPath(name, item.job, str(item.step))
+                        views, PurePosixPath(name) / item_path(item).parent
                     )
                 except OSError:
                     continue  # not a view of this item (or not ours: discarded with the rest)
@@ -376,7 +386,7 @@ class LocalStore:
 
     def take(self, src: Path, item: ItemId) -> None:
         """Move the workload's finished step dir or ``.save`` file into the store (rename)."""
-        dest = self.ingest_root / item.job / str(item.step) / item.key
+        dest = self.ingest_root / item_path(item)
         if dest.exists():
             # A previous take of the same item never got hashed: the newer data wins.
             fsutil.discard_tree(dest, self.trash)
@@ -389,7 +399,7 @@ class LocalStore:
 
     def commit_ingested(self, item: ItemId, cancelled: CancelCheck | None = None) -> Manifest:
         """Hash taken data, write its manifest last, and publish it as a committed item."""
-        src = self.ingest_root / item.job / str(item.step) / item.key
+        src = self.ingest_root / item_path(item)
         manifest = build_manifest(
             item, src / DATA, *([cancelled] if cancelled else []), root=self.root
         )
@@ -398,7 +408,7 @@ class LocalStore:
 
     def discard_ingest(self, item: ItemId) -> None:
         """Drop taken data that can never be committed (for example, it holds a symlink)."""
-        fsutil.discard_tree(self.ingest_root / item.job / str(item.step) / item.key, self.trash)
+        fsutil.discard_tree(self.ingest_root / item_path(item), self.trash)
 
     def new_staging(self) -> Path:
         """A fresh directory for an incoming item; put its data at ``<dir>/data``."""

@@ -25,11 +25,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from replicator.cluster.coordinators import Coordinators
 from replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
 from replicator.cluster.membership import ClusterMember, MemberContext
 from replicator.cluster.registry import Registry
 from replicator.cluster.rounds import RoundFailed
-from replicator.cluster.service import Coordinators
 from replicator.core.admission import expected_pushers
 from replicator.core.contract import (
     ERRORS_FILE,

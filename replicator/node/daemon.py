@@ -35,10 +35,12 @@ try:
 except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
     uvloop = None  # type: ignore[assignment]
 from replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
+from replicator.cluster.coordinators import Coordinators
+from replicator.cluster.hosting import CoordinatorHost
+from replicator.cluster.messages import SERVICE as COORDINATOR_SERVICE
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
-from replicator.cluster.service import SERVICE as COORDINATOR_SERVICE
-from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core import argtypes
 from replicator.core.admission import MAX_STEP_LEAD, Served
 from replicator.core.bucketcheck import BucketCheck, Verdict
@@ -100,14 +102,14 @@ from replicator.obs.metrics import (
     serve,
 )
 from replicator.storage.backup import BackupStore
-from replicator.storage.backup_ops import StorePins
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
 from replicator.storage.probe import probe as probe_store
+from replicator.storage.restore_pins import StorePins
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
 from replicator.transport.obtaining import Obtaining
-from replicator.transport.peer import SERVICE as PEER_SERVICE
 from replicator.transport.peer import PeerClient
+from replicator.transport.peerwire import SERVICE as PEER_SERVICE
 from replicator.transport.server import RpcServer, ServerError, advertised_address, split_host_port
 from replicator.transport.service import IDLE_SECONDS, PeerServicer
 from replicator.transport.signing import check_identity, record_trust

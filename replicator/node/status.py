@@ -24,8 +24,8 @@ from replicator import __version__
 from replicator._pb.mtc.v1 import node_pb2 as pb
 from replicator._pb.mtc.v1 import node_pb2_grpc
 from replicator.core.contacts import Contact
-from replicator.core.contract import JOB_NAME_RE
 from replicator.core.foreign import DropRefused, HeldJob
+from replicator.core.jobname import is_job_name
 from replicator.local.store import LocalStore
 from replicator.node.agent import Incarnation
 from replicator.node.reclaim import Dropped
@@ -142,7 +142,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.NodeStatusResponse:
         job = request.job or None
-        if job is not None and (not JOB_NAME_RE.fullmatch(job) or ".." in job):
+        if job is not None and not is_job_name(job):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
         return self.status(job)
 
@@ -152,7 +152,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.DropResponse:
         job = request.job
-        if not JOB_NAME_RE.fullmatch(job) or ".." in job:
+        if not is_job_name(job):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
         if self.drop is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")

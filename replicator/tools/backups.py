@@ -1,7 +1,8 @@
 """``mtc backups list|verify|restore|prune|download``: the operator's view of a backup location.
 
 Argument wiring, text and JSON output, progress bars and exit codes; every decision is in
-``replicator.storage.backup_ops``. Exit codes: 0 done (and everything verified), 1 corruption
+``storage.backup_audit`` (list, verify), ``storage.restore_pins``, ``core.prune`` and
+``storage.backup_prune``. Exit codes: 0 done (and everything verified), 1 corruption
 found, something asked for not found, or the operation refused or failed, 2 bad usage. Works
 on any URL ``open_object_store`` takes, through the ``ObjectStore`` interface only.
 """
@@ -21,13 +22,17 @@ from pathlib import Path
 from typing import Any
 
 from replicator.core import argtypes
+from replicator.core import prune as retention
+from replicator.core.humanize import human_age, human_bytes
 from replicator.core.manifest import ManifestError
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from replicator.core.signed import OPEN, RecordTrust
-from replicator.storage import backup_ops as ops
+from replicator.storage import backup_audit as audit
+from replicator.storage import backup_prune
+from replicator.storage import restore_pins as pins
 from replicator.storage.objectstore import ObjectStore, ObjectStoreError
 from replicator.storage.stores import open_object_store
-from replicator.tools import download, progress
+from replicator.tools import download_cli, progress_bars
 from replicator.transport.signing import CaVerifier
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
@@ -128,7 +133,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     prune.add_argument(
         "--min-age-minutes",
         type=argtypes.non_negative,
-        default=ops.DEFAULT_MIN_AGE_SECONDS / 60,
+        default=retention.DEFAULT_MIN_AGE_SECONDS / 60,
         metavar="M",
         help="a step without COMMIT written to within M minutes is kept as uploading "
         "(default: %(default)g)",
@@ -142,10 +147,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     prune.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
     dl = command("download", "download a committed step into a directory, every byte verified")
-    download.add_arguments(dl)
+    download_cli.add_arguments(dl)
 
     for c in (verify, restore, prune, dl):
-        progress.add_option(c)
+        progress_bars.add_option(c)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "verify": _verify,
         "restore": _restore,
         "prune": _prune,
-        "download": download.run,
+        "download": download_cli.run,
     }
     try:
         args.trust = _trust(args)
@@ -166,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc))
     try:
         return commands[args.backups_command](args, objects, time.time())
-    except (ObjectStoreError, ops.PinError, ManifestError, download.DownloadError) as exc:
+    except (ObjectStoreError, pins.PinError, ManifestError, download_cli.DownloadError) as exc:
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("interrupted", 130)
@@ -205,7 +210,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], indent: str = 
 # --- list ----------------------------------------------------------------------------------
 
 
-def _pin_json(pin: ops.RestorePin | None) -> dict[str, Any] | None:
+def _pin_json(pin: pins.RestorePin | None) -> dict[str, Any] | None:
     return None if pin is None else pin.to_dict()
 
 
@@ -214,7 +219,7 @@ def _number(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _step_json(s: ops.StepListing, now: float) -> dict[str, Any]:
+def _step_json(s: audit.StepListing, now: float) -> dict[str, Any]:
     at = s.commit.created if s.commit is not None else s.newest_object_at
     return {
         "step": s.step,
@@ -231,13 +236,13 @@ def _step_json(s: ops.StepListing, now: float) -> dict[str, Any]:
 
 
 def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
-    jobs = [args.job] if args.job else ops.list_jobs(objects)
+    jobs = [args.job] if args.job else audit.list_jobs(objects)
     out: list[dict[str, Any]] = []
     for job in jobs:
-        listing = ops.scan_job(objects, job, args.trust)
+        listing = audit.scan_job(objects, job, args.trust)
         try:
-            pin, pin_error = ops.read_restore_pin(objects, job), None
-        except ops.MalformedPin as exc:
+            pin, pin_error = pins.read_restore_pin(objects, job), None
+        except pins.MalformedPin as exc:
             pin, pin_error = None, str(exc)
         out.append(
             {
@@ -274,11 +279,11 @@ def _print_job(job: dict[str, Any], now: float) -> None:
     for s in steps:
         states[s["state"]] = states.get(s["state"], 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in states.items()) or "no backups"
-    total = ops.human_bytes(sum(s["bytes"] for s in steps))
+    total = human_bytes(sum(s["bytes"] for s in steps))
     print(f"job {job['job']}: {summary} ({total})")
     pin = job["restore_pin"]
     if pin is not None:
-        age = ops.human_age(now - pin["requested_at"])
+        age = human_age(now - pin["requested_at"])
         who = f" by {pin['requested_by']}" if pin["requested_by"] else ""
         print(f"  next restore pinned to step {pin['step']} (requested {age} ago{who})")
     if job["restore_pin_error"]:
@@ -293,9 +298,9 @@ def _print_job(job: dict[str, Any], now: float) -> None:
                 s["state"],
                 str(s["items"]),
                 str(s["objects"]),
-                ops.human_bytes(s["bytes"]),
+                human_bytes(s["bytes"]),
                 s["signature"] or "-",
-                ops.human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
+                human_age(math.nan if s["age_seconds"] is None else s["age_seconds"]),
             ]
             for s in steps
         ]
@@ -305,7 +310,7 @@ def _print_job(job: dict[str, Any], now: float) -> None:
 # --- verify --------------------------------------------------------------------------------
 
 
-def _verdict_json(v: ops.StepVerdict) -> dict[str, Any]:
+def _verdict_json(v: audit.StepVerdict) -> dict[str, Any]:
     return {
         "job": v.job,
         "step": v.step,
@@ -321,9 +326,9 @@ def _verdict_json(v: ops.StepVerdict) -> dict[str, Any]:
     }
 
 
-def _print_verdict(v: ops.StepVerdict) -> None:
+def _print_verdict(v: audit.StepVerdict) -> None:
     status = "OK" if v.ok else "CORRUPT"
-    size = ops.human_bytes(v.bytes_checked)
+    size = human_bytes(v.bytes_checked)
     counts = f"{v.items} items, {v.objects_checked} objects, {size}"
     print(f"job {v.job} step {v.step}: {status} ({counts})")
     for p in v.problems:
@@ -336,14 +341,14 @@ def _print_verdict(v: ops.StepVerdict) -> None:
 
 def _verify_steps(
     args: argparse.Namespace, objects: ObjectStore, job: str, steps: Sequence[int]
-) -> list[ops.StepVerdict] | None:
+) -> list[audit.StepVerdict] | None:
     """Verify ``steps`` under one progress bar; None if one of them has no COMMIT."""
-    plans = [ops.plan_verify(objects, job, s, args.trust) for s in steps]
+    plans = [audit.plan_verify(objects, job, s, args.trust) for s in steps]
     if any(not p.committed for p in plans):
         return None
-    bar = progress.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
+    bar = progress_bars.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
     try:
-        return [ops.run_verify(objects, p, bar) for p in plans]
+        return [audit.run_verify(objects, p, bar) for p in plans]
     finally:
         bar.close()
 
@@ -356,7 +361,7 @@ def _verify_job(
     if args.step is not None:
         steps = [args.step]
     else:
-        listing = ops.scan_job(objects, job, args.trust)
+        listing = audit.scan_job(objects, job, args.trust)
         steps = [s.step for s in listing.steps if s.commit or s.commit_error]
     verdicts = _verify_steps(args, objects, job, steps)
     if verdicts is None:
@@ -385,7 +390,7 @@ def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         return 0 if ok else 1
     if args.step is not None:
         return fail("--step goes with --job, not with --all-jobs", 2)
-    jobs = ops.list_jobs(objects)
+    jobs = audit.list_jobs(objects)
     if not jobs:
         return fail(f"no backups in {objects.url}")
     bodies = [_verify_job(args, objects, job, required=False)[1] for job in jobs]
@@ -413,21 +418,21 @@ def _whoami() -> str:
 def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     job = args.job
     if args.clear:
-        if ops.clear_restore_pin(objects, job):
+        if pins.clear_restore_pin(objects, job):
             print(f"job {job}: restore pin removed; the next restore takes the newest step")
         else:
             print(f"job {job} had no restore pin")
         return 0
     step = args.step
-    found = ops.read_commit_raw(objects, job, step, args.trust)
+    found = audit.read_commit_raw(objects, job, step, args.trust)
     if found is None:
         return fail(
             f"step {step} of job {job} is not committed; `mtc backups list` shows which are"
         )
     try:
-        old = ops.read_restore_pin(objects, job)
+        old = pins.read_restore_pin(objects, job)
         replaces = f" (replacing the pin of step {old.step})" if old is not None else ""
-    except ops.MalformedPin:
+    except pins.MalformedPin:
         replaces = " (replacing a malformed pin)"
     if not args.yes:
         if not sys.stdin.isatty():
@@ -443,12 +448,12 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         if not verdicts[0].ok:
             _print_verdict(verdicts[0])
             return fail(f"step {step} of job {job} is corrupt: nothing pinned")
-    pin = ops.RestorePin(job, step, now, ops.commit_digest(found[1]), _whoami()[:256])
-    ops.write_restore_pin(objects, pin)
+    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), _whoami()[:256])
+    pins.write_restore_pin(objects, pin)
     checked = "unverified" if args.no_verify else "verified"
     print(
         f"job {job}: the next restore round will use backup step {step} ({checked}){replaces}; "
-        f"pin at {ops.pin_key(job)}"
+        f"pin at {pins.pin_key(job)}"
     )
     return 0
 
@@ -457,7 +462,7 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
 
 
 def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
-    policy = ops.RetentionPolicy(
+    policy = retention.RetentionPolicy(
         args.keep_last,
         args.keep_hourly,
         args.keep_daily,
@@ -473,7 +478,7 @@ def _prune(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         if args.json and body is not None:
             _print_json(body)
         return rc
-    jobs = ops.list_jobs(objects)
+    jobs = audit.list_jobs(objects)
     if not jobs:
         return fail(f"no backups in {objects.url}")
     results = [_prune_job(args, objects, now, job, policy, required=False) for job in jobs]
@@ -488,53 +493,53 @@ def _prune_job(
     objects: ObjectStore,
     now: float,
     job: str,
-    policy: ops.RetentionPolicy,
+    policy: retention.RetentionPolicy,
     *,
     required: bool,
 ) -> tuple[int, dict[str, Any] | None]:
     """Plan (and with ``--apply``, do) one job's prune; the exit code and the JSON body.
     Text goes out as it is decided; a job with nothing stored fails when ``required``."""
-    listing = ops.scan_job(objects, job, args.trust)
+    listing = audit.scan_job(objects, job, args.trust)
     try:
-        pin = ops.read_restore_pin(objects, job)
-    except ops.MalformedPin as exc:
+        pin = pins.read_restore_pin(objects, job)
+    except pins.MalformedPin as exc:
         msg = f"job {job}: {exc}; fix it or remove it (mtc backups restore --clear) before pruning"
         return fail(msg), None
     if required and not listing.steps and not listing.stray and pin is None:
         return fail(f"no backups of job {job} in {objects.url}"), None
-    verdicts: list[ops.StepVerdict] = []
+    verdicts: list[audit.StepVerdict] = []
     newest_verified: int | None = None
     if args.verify_newest:
         committed = [s.step for s in listing.steps if s.commit is not None]
-        bars: list[progress.Bar] = []
+        bars: list[progress_bars.Bar] = []
 
-        def bar_for(plan: ops.VerifyPlan) -> ops.Progress:
-            bars.append(progress.bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
+        def bar_for(plan: audit.VerifyPlan) -> audit.Progress:
+            bars.append(progress_bars.bar(args, plan.total_bytes, f"verify {job} step {plan.step}"))
             return bars[-1]
 
         try:
-            newest_verified, verdicts = ops.find_newest_verified(
+            newest_verified, verdicts = audit.find_newest_verified(
                 objects, job, committed, bar_for, args.trust
             )
         finally:
             for b in bars:
                 b.close()
-    facts = ops.prune_facts(
+    facts = backup_prune.prune_facts(
         listing,
         pinned=pin.step if pin is not None else None,
         verify_requested=args.verify_newest,
         newest_verified=newest_verified,
     )
-    decisions = ops.plan_prune(policy, facts, now)
+    decisions = retention.plan_prune(policy, facts, now)
     deletions = (
-        ops.apply_prune(
+        backup_prune.apply_prune(
             objects, job, decisions, min_age_seconds=policy.min_age_seconds, now=time.time()
         )
         if args.apply
         else []
     )
     sizes = {s.step: s for s in listing.steps}
-    doomed = [d for d in decisions if d.action is ops.Action.DELETE]
+    doomed = [d for d in decisions if d.action is retention.Action.DELETE]
     result = {
         "url": objects.url,
         "job": job,
@@ -584,19 +589,19 @@ def _prune_job(
                 str(d.step),
                 d.state.value,
                 d.action.value,
-                ops.human_bytes(s.bytes),
-                ops.human_age(now - at),
+                human_bytes(s.bytes),
+                human_age(now - at),
                 ", ".join(d.reasons),
             ]
         )
     _table(["STEP", "STATE", "ACTION", "SIZE", "AGE", "WHY"], rows)
     if not args.apply:
         count = sum(sizes[d.step].objects for d in doomed)
-        size = ops.human_bytes(sum(sizes[d.step].bytes for d in doomed))
+        size = human_bytes(sum(sizes[d.step].bytes for d in doomed))
         print(f"would delete {len(doomed)} step(s): {count} objects, {size}")
         return 0, result
     done = [x for x in deletions if x.skipped is None]
-    size = ops.human_bytes(sum(x.bytes for x in done))
+    size = human_bytes(sum(x.bytes for x in done))
     print(f"deleted {len(done)} step(s): {sum(x.objects for x in done)} objects, {size}")
     for x in deletions:
         if x.skipped:

@@ -18,7 +18,7 @@ from types import ModuleType
 
 from replicator import __version__
 from replicator.tools import backups as backups_cli
-from replicator.tools import certs, drop, render, status
+from replicator.tools import certs, drop, render, status_cli
 
 COMMANDS_GROUP = "mtc.commands"
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def _commands() -> dict[str, ModuleType]:
         "certs": certs,
         "drop": drop,
         "render": render,
-        "status": status,
+        "status": status_cli,
     }
     commands.update(_plugins())
     return commands

@@ -18,8 +18,8 @@ import grpc
 from replicator._pb.mtc.v1 import node_pb2 as pb
 from replicator._pb.mtc.v1 import node_pb2_grpc
 from replicator.core import argtypes
-from replicator.storage.backup_ops import human_bytes
-from replicator.tools.status import add_connection_arguments, explain, open_channel
+from replicator.core.humanize import human_bytes
+from replicator.tools.status_cli import add_connection_arguments, explain, open_channel
 from replicator.transport.tls import TlsError
 
 PROG = "mtc drop"

@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from replicator.transport.peer import SERVER_OPTIONS
+from replicator.transport.peerwire import SERVER_OPTIONS
 
 log = logging.getLogger(__name__)
 

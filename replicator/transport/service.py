@@ -36,7 +36,7 @@ from replicator.core.admission import (
     admit_push,
     inode_room,
 )
-from replicator.core.contract import JOB_NAME_RE
+from replicator.core.jobname import is_job_name
 from replicator.core.manifest import (
     DEFAULT_MAX_ITEM_FILES,
     Cancelled,
@@ -59,7 +59,7 @@ from replicator.transport.datachannel import (
     send_staged,
 )
 from replicator.transport.obtaining import Obtain, Obtaining
-from replicator.transport.peer import (
+from replicator.transport.peerwire import (
     DATA_CHANNEL_KEY,
     GO_AHEAD,
     chunks_of,
@@ -541,7 +541,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> pb.ListItemsResponse:
         try:
             job = request.job or None
-            if job is not None and (not JOB_NAME_RE.fullmatch(job) or ".." in job):
+            if job is not None and not is_job_name(job):
                 raise TransferError(f"unsafe job name {job!r:.80}")
             return pb.ListItemsResponse(
                 items=[

@@ -22,9 +22,9 @@ import pytest
 from replicator.core.backup_layout import data_key, item_prefix, manifest_key
 from replicator.core.manifest import ItemId
 from replicator.local.hashing import build_manifest
-from replicator.storage import backup_ops as ops
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import FileObjectStore
+from replicator.storage.restore_pins import read_restore_pin, resolve_restore_pin
 from replicator.storage.stores import open_object_store
 from tests.storage_servers import Bucket
 
@@ -234,9 +234,9 @@ def test_restore_pins_a_verified_committed_step(backup: Backup) -> None:
     assert abs(pin["requested_at"] - time.time()) < 60
     assert pin["commit_digest"] == hashlib.sha256(commit).hexdigest()
     objects = FileObjectStore(backup.root)
-    read = ops.read_restore_pin(objects, backup.job)
+    read = read_restore_pin(objects, backup.job)
     assert read is not None
-    assert ops.resolve_restore_pin(objects, read).step == 200
+    assert resolve_restore_pin(objects, read).step == 200
     assert backup.job in mtc("list", backup.url).stdout
     assert "next restore pinned to step 200" in mtc("list", backup.url).stdout
     assert set(backup.store.committed_steps(backup.job)) == set(COMMITTED)

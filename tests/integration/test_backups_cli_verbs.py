@@ -18,7 +18,7 @@ from replicator.core.manifest import ItemId
 from replicator.local.hashing import build_manifest
 from replicator.storage.backup import BackupStore
 from replicator.storage.stores import open_object_store
-from replicator.tools import certs, progress
+from replicator.tools import certs, progress_bars
 from tests.integration.test_backups_cli import COMMITTED, UPLOADING, Backup, mtc
 from tests.storage_servers import Bucket
 from tests.tls import node_tls
@@ -270,15 +270,15 @@ def test_the_bar_counts_the_bytes(backup: Backup) -> None:
     import argparse
     import io
 
-    from replicator.storage import backup_ops as ops
+    from replicator.storage.backup_audit import plan_verify, run_verify
 
-    plan = ops.plan_verify(backup.store.objects, backup.job, 200)
+    plan = plan_verify(backup.store.objects, backup.job, 200)
     stream = io.StringIO()
-    bar = progress.bar(argparse.Namespace(progress=True), plan.total_bytes, "v", stream)
-    assert isinstance(bar, progress.ByteBar)
-    ops.run_verify(backup.store.objects, plan, bar)
+    bar = progress_bars.bar(argparse.Namespace(progress=True), plan.total_bytes, "v", stream)
+    assert isinstance(bar, progress_bars.ByteBar)
+    run_verify(backup.store.objects, plan, bar)
     assert bar.bar.total == plan.total_bytes == 2 * (64 * 1024 + len(b'{"step": 200}'))
     assert bar.bar.n == plan.total_bytes
     bar.close()
-    quiet = progress.bar(argparse.Namespace(progress=None), 10, "v", io.StringIO())
-    assert isinstance(quiet, progress.NoBar)
+    quiet = progress_bars.bar(argparse.Namespace(progress=None), 10, "v", io.StringIO())
+    assert isinstance(quiet, progress_bars.NoBar)

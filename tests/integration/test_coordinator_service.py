@@ -32,17 +32,20 @@ from replicator.cluster.client import (
     WrongCoordinator,
     find_coordinator,
 )
+from replicator.cluster.coordinators import Coordinators
+from replicator.cluster.hosting import CoordinatorHost
 from replicator.cluster.link import LocalCoordinator, LocalFinder
-from replicator.cluster.messages import FailedFetch, Joined, RoundState, cluster_view_json
+from replicator.cluster.messages import (
+    SERVICE,
+    FailedFetch,
+    Joined,
+    Progress,
+    RoundState,
+    cluster_view_json,
+)
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
 from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
-from replicator.cluster.service import (
-    SERVICE,
-    CoordinatorHost,
-    Coordinators,
-    CoordinatorServicer,
-    Progress,
-)
+from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JoinRejected, Phase
@@ -1061,7 +1064,7 @@ def test_a_restarted_coordinator_names_the_ranks_it_has_not_heard_from(
         answers.append(await report(0))
         return answers
 
-    with caplog.at_level(logging.WARNING, logger="replicator.cluster.service"):
+    with caplog.at_level(logging.WARNING, logger="replicator.cluster.coordinators"):
         answers = run(scenario())
     said = [r.getMessage() for r in caplog.records if "not reported" in r.getMessage()]
     assert said == [

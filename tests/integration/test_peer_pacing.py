@@ -35,7 +35,8 @@ from replicator.local.hashing import build_manifest
 from replicator.local.pacer import Pacer
 from replicator.local.store import MANIFEST_FILE, LocalStore
 from replicator.tools import certs
-from replicator.transport.peer import SERVER_OPTIONS, PeerClient, item_ref
+from replicator.transport.peer import PeerClient
+from replicator.transport.peerwire import SERVER_OPTIONS, item_ref
 from replicator.transport.service import PeerServicer
 from replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess

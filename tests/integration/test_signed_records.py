@@ -25,9 +25,11 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from replicator.cluster.coordinators import Coordinators
+from replicator.cluster.hosting import CoordinatorHost
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import RegistryEntry
-from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core.backup_layout import CommitRecord, commit_key
 from replicator.core.contract import Framework, JobConfig
 from replicator.core.manifest import ItemId

@@ -31,9 +31,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replicator._pb.mtc.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
 from replicator._pb.mtc.v1 import peer_pb2 as pb
+from replicator.cluster.coordinators import Coordinators
+from replicator.cluster.hosting import CoordinatorHost
 from replicator.cluster.messages import cluster_view_json
 from replicator.cluster.registry import Registry, RegistryEntry
-from replicator.cluster.service import CoordinatorHost, Coordinators, CoordinatorServicer
+from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core.contract import Framework, JobConfig
 from replicator.core.manifest import ItemId, Manifest
 from replicator.local.hashing import build_manifest

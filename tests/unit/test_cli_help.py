@@ -115,6 +115,6 @@ def test_a_bad_value_is_a_clear_usage_error(
 
 
 def test_status_escapes_what_a_peer_says() -> None:
-    from replicator.tools.status import _printable
+    from replicator.tools.status_cli import _printable
 
     assert _printable("refused\x1b[2J\x07 ok é") == "refused\\x1b[2J\\x07 ok é"

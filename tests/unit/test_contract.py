@@ -33,6 +33,7 @@ from replicator.core.contract import (
     render_config,
     save_file_name,
 )
+from replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -109,8 +110,9 @@ def doc(**overrides: str | None) -> str:
 def check_invariants(cfg: JobConfig) -> None:
     """What every accepted config guarantees to the rest of the daemon."""
     assert isinstance(cfg.job_name, str)
-    assert contract.JOB_NAME_RE.fullmatch(cfg.job_name)
+    assert re.fullmatch(JOB_NAME_PATTERN, cfg.job_name)
     assert ".." not in cfg.job_name
+    assert is_job_name(cfg.job_name)
     assert isinstance(cfg.framework, Framework)
     assert cfg.nodes >= 1
     assert 0 <= cfg.node_rank < cfg.nodes
@@ -956,7 +958,7 @@ def test_expand_vars(value: str, expected: str) -> None:
 
 # --- Property-based ----------------------------------------------------------------------------
 
-JOB_NAMES = st.from_regex(contract.JOB_NAME_RE, fullmatch=True).filter(lambda s: ".." not in s)
+JOB_NAMES = st.from_regex(JOB_NAME_PATTERN, fullmatch=True).filter(lambda s: ".." not in s)
 
 
 @st.composite

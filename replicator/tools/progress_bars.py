@@ -3,7 +3,7 @@
 A bar is shown on stderr when it is a terminal, or when ``--progress`` asks for it; never
 with ``--no-progress``, and not by default with ``--json`` (whose reader is a program).
 A bar is a callable told how many more bytes are done, so the storage layer needs no
-knowledge of it (``backup_ops.Progress``).
+knowledge of it (``backup_audit.Progress``).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import grpc
 import pytest
 
 from replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from replicator.cluster.coordinators import Coordinators, NotInReleasedRound
+from replicator.cluster.hosting import CoordinatorHost, NotHosted
 from replicator.cluster.messages import (
     MAX_ITEMS,
     MAX_JOIN_STEPS,
@@ -34,14 +36,7 @@ from replicator.cluster.messages import (
     source_keys,
     status_message,
 )
-from replicator.cluster.service import (
-    CoordinatorHost,
-    Coordinators,
-    CoordinatorServicer,
-    NotHosted,
-    NotInReleasedRound,
-    status_for,
-)
+from replicator.cluster.servicer import CoordinatorServicer, status_for
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JoinRejected, Phase, RankStatus

@@ -20,7 +20,7 @@ import grpc
 from replicator._pb.mtc.v1 import node_pb2 as pb
 from replicator._pb.mtc.v1 import node_pb2_grpc
 from replicator.core import argtypes
-from replicator.storage.backup_ops import human_age
+from replicator.core.humanize import human_age
 from replicator.transport.tls import (
     DEFAULT_SERVER_NAME,
     TlsError,

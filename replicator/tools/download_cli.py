@@ -1,6 +1,6 @@
 """``mtc backups download``: one committed step into a directory, verified. Wiring only.
 
-The download itself, and every check on it, is ``replicator.storage.download``.
+The download itself, and every check on it, is ``replicator.storage.step_download``.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import argparse
 import json
 
 from replicator.core import argtypes
+from replicator.core.humanize import human_bytes
 from replicator.core.manifest import CorruptItem
-from replicator.storage import download as dl
+from replicator.storage import step_download as dl
 from replicator.storage.backup import BackupStore
-from replicator.storage.backup_ops import human_bytes
 from replicator.storage.objectstore import ObjectStore
-from replicator.tools import progress
+from replicator.tools import progress_bars
 
 DownloadError = dl.DownloadError
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         plan = dl.plan_download(store, args.job, args.step, args.rank)
     except CorruptItem as exc:
         raise DownloadError(f"{exc}: nothing was written to {args.to}") from None
-    bar = progress.bar(args, plan.total_bytes, f"download {args.job} step {args.step}")
+    bar = progress_bars.bar(args, plan.total_bytes, f"download {args.job} step {args.step}")
     try:
         made = dl.download(store, plan, args.to, force=args.force, progress=bar)
     except CorruptItem as exc:

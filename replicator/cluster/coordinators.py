@@ -1,13 +1,12 @@
-"""The job coordinator's server side: hosting coordinators and serving them. I/O module.
+"""The coordinator calls of every job this daemon hosts, in our own types. I/O module
+(backup listings, restore pins and COMMITs run in threads).
 
-``CoordinatorHost`` keeps the ``JobCoordinator`` state machines this daemon hosts (one per
-job whose rank 0 runs here, one-node jobs included), each with a random id and a change
-signal for long polls. ``Coordinators`` is the service in our own types: backup listings,
-restore pins, long polls around the pure state machine. Two transports reach it:
-``CoordinatorServicer`` serves ``mtc.v1.Coordinator`` over gRPC (every request is checked
-completely first; our exceptions become one status code in ``status_for``), and
-``cluster.link.LocalCoordinator`` calls it in process for a one-node job. Agents call it
-through ``cluster.link`` (docs/architecture.md, "Restore rounds").
+``Coordinators`` wraps the pure state machine (``core.coordination``) of each hosted job
+(``cluster.hosting``) with what it cannot do itself: listing the committed backups once for
+a round's joins, restore pins, long polls, writing an ordered backup's ``COMMIT``. Two
+transports reach it: ``cluster.servicer`` over gRPC (requests checked in
+``cluster.messages`` first) and ``cluster.link.LocalCoordinator`` in process for a one-node
+job. Agents call it through ``cluster.link`` (docs/architecture.md, "Restore rounds").
 """
 
 from __future__ import annotations
@@ -17,68 +16,33 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
-import grpc
-import grpc.aio
-
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from replicator.cluster.hosting import CoordinatorHost, HostedJob, NotHosted
 from replicator.cluster.messages import (
-    MAX_CLUSTER_VIEW_CHARS,
-    MAX_DETAIL_CHARS,
     MAX_WAIT_SECONDS,
-    SERVICE,
     BadMessage,
+    Identity,
+    Progress,
     State,
     StatusKey,
-    check_address,
-    check_address_ranks,
-    check_held_steps,
-    check_incarnation,
-    check_job,
-    inventory_items,
     join_item_limit,
-    seen_key,
-    source_keys,
     status_key,
-    status_message,
 )
-from replicator.cluster.registry import new_coordinator_id
 from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import JOB_NAME_RE, JobConfig
 from replicator.core.coordination import (
     COMMIT_RETRY_SECONDS,
     JobCoordinator,
     Join,
-    JoinRejected,
     Phase,
     ProgressAnswer,
     RankStatus,
     ReportRefused,
 )
 from replicator.core.layout import backup_items
-from replicator.core.ownership import UNOWNED, BadOwner, check_owner, may_join
+from replicator.core.ownership import UNOWNED, may_join
 from replicator.core.restore_plan import NodeInventory, SourceKey
 from replicator.obs.logs import JobLog
-
-__all__ = [
-    "BACKUPS_TTL",
-    "SERVICE",
-    "BackupsFor",
-    "BackupsUnavailable",
-    "CoordinatorHost",
-    "CoordinatorServicer",
-    "Coordinators",
-    "ForeignOwner",
-    "HostedJob",
-    "Identity",
-    "NotHosted",
-    "NotInReleasedRound",
-    "Progress",
-    "status_for",
-]
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +58,6 @@ together, and listing a bucket per join would cost N listings for N nodes."""
 # --- errors ----------------------------------------------------------------------------------
 
 
-class NotHosted(LookupError):
-    """This daemon hosts no coordinator for the job."""
-
-
 class NotInReleasedRound(Exception):
     """The caller's incarnation is not a member of the released round; it must join again."""
 
@@ -108,154 +68,6 @@ class ForeignOwner(PermissionError):
 
 class BackupsUnavailable(Exception):
     """The committed backups could not be listed: planning without them could lose steps."""
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one place that turns a servicer-side exception into a gRPC status."""
-    if isinstance(exc, BadMessage | ReportRefused | BadOwner):
-        code = grpc.StatusCode.INVALID_ARGUMENT
-    elif isinstance(exc, NotHosted):
-        code = grpc.StatusCode.NOT_FOUND
-    elif isinstance(exc, JoinRejected | NotInReleasedRound):
-        code = grpc.StatusCode.FAILED_PRECONDITION
-    elif isinstance(exc, ForeignOwner):
-        code = grpc.StatusCode.PERMISSION_DENIED
-    elif isinstance(exc, BackupsUnavailable):
-        code = grpc.StatusCode.UNAVAILABLE
-    else:
-        code = grpc.StatusCode.INTERNAL
-    return code, str(exc) or type(exc).__name__
-
-
-# --- hosting ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Identity:
-    """Who answers a coordinator call: every answer names it, so callers notice a stale
-    registry entry (another job) or a restarted coordinator (another id)."""
-
-    job: str
-    coordinator_id: str
-
-
-@dataclass
-class HostedJob:
-    """One coordinator this daemon hosts: the state machine, its id, its change signal."""
-
-    coordinator: JobCoordinator
-    coordinator_id: str
-    owner: str = UNOWNED
-    """The job's owner (``core.ownership``): the only one whose joins are admitted."""
-    _waiting: dict[int, asyncio.Event] = field(default_factory=dict)
-    """Per rank, the event its long polls wait on: set (and dropped) when the round changes
-    for everyone, or for that rank alone. One event per rank, not one for all: with one,
-    each of N joins woke every waiting rank, N^2 wake-ups per round."""
-    backups_noted: bool = False
-    """Whether a coordinator restarted in steady state has read the newest backup's time."""
-    said_unadopted: float | None = None
-    """Restarted in steady state: when the ranks yet to report were last logged (or the
-    first report came)."""
-
-    @property
-    def job(self) -> str:
-        return self.coordinator.config.job_name
-
-    @property
-    def identity(self) -> Identity:
-        return Identity(self.job, self.coordinator_id)
-
-    def addresses(self, ranks: Collection[int] | None = None) -> dict[int, str]:
-        """Members' addresses: of ``ranks`` (None: every member's)."""
-        members = self.coordinator.members
-        wanted = members if ranks is None else (r for r in ranks if r in members)
-        return {r: members[r].inventory.address for r in wanted}
-
-    def changed(self, rank: int) -> asyncio.Event:
-        """What a long poll of ``rank`` waits on."""
-        return self._waiting.setdefault(rank, asyncio.Event())
-
-    def notify(self, rank: int | None = None) -> None:
-        """Wake the long polls of ``rank`` (None: of every rank)."""
-        if rank is None:
-            waiting, self._waiting = self._waiting, {}
-            for event in waiting.values():
-                event.set()
-        elif rank in self._waiting:
-            self._waiting.pop(rank).set()
-
-
-class CoordinatorHost:
-    """The coordinators this daemon hosts, by job. Used from the daemon's event loop only."""
-
-    def __init__(self, new_id: Callable[[], str] = new_coordinator_id) -> None:
-        self._new_id = new_id
-        self._jobs: dict[str, HostedJob] = {}
-
-    def host(
-        self,
-        config: JobConfig,
-        cluster_view: str,
-        *,
-        resume_steady: bool = False,
-        rank0_incarnation: str | None = None,
-        owner: str = UNOWNED,
-    ) -> JobCoordinator:
-        """Host ``config``'s job for ``owner`` (this node accepted its ``replicator.yaml`` as
-        rank 0).
-
-        A new incarnation of rank 0 with the same owner and cluster-wide keys keeps the
-        coordinator: the state machine opens the new round when rank 0's
-        ``rank0_incarnation`` joins (the daemon names it: only it can tell a job restart from
-        a stray join). Other keys replace it with a new one (and a new id, so agents notice
-        and re-join under rank 0's config).
-        """
-        job = config.job_name
-        current = self._jobs.get(job)
-        if (
-            current is not None
-            and current.coordinator.cluster_view == cluster_view
-            and current.owner == owner
-        ):
-            current.coordinator.rank0_incarnation = rank0_incarnation
-            return current.coordinator
-        coordinator = JobCoordinator(config, cluster_view, rank0_incarnation)
-        hosted = HostedJob(coordinator, self._new_id(), check_owner(owner))
-        if resume_steady:
-            hosted.coordinator.resume_steady()
-        self._jobs[job] = hosted
-        if current is not None:
-            current.notify()
-        log.info(
-            "hosting the coordinator job=%s id=%s nodes=%d",
-            job,
-            hosted.coordinator_id,
-            config.nodes,
-        )
-        return hosted.coordinator
-
-    def drop(self, job: str) -> None:
-        """Stop hosting ``job``'s coordinator (this node no longer runs its rank 0)."""
-        hosted = self._jobs.pop(job, None)
-        if hosted is not None:
-            hosted.notify()  # long polls answer NOT_FOUND now, not at their deadline
-            log.info("dropped the coordinator job=%s id=%s", job, hosted.coordinator_id)
-
-    def close(self) -> None:
-        """Drop every coordinator, before the server stops, so long polls end at once."""
-        for job in list(self._jobs):
-            self.drop(job)
-
-    def get(self, job: str) -> HostedJob | None:
-        return self._jobs.get(job)
-
-    def coordinator_id(self, job: str) -> str | None:
-        """What to register for ``job`` (``RegistryEntry.coordinator_id``), if hosted."""
-        hosted = self._jobs.get(job)
-        return None if hosted is None else hosted.coordinator_id
-
-    def jobs(self) -> list[str]:
-        return sorted(self._jobs)
 
 
 # --- the service -----------------------------------------------------------------------------
@@ -280,20 +92,6 @@ class RestorePins(Protocol):
 
 Listing = tuple[Mapping[int, CommitRecord], int | None]
 """A job's committed backups and its pinned step."""
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A rank's ReportProgress, in our types."""
-
-    replicated_step: int | None
-    uploaded_step: int | None = None
-    address: str = ""
-    held: frozenset[int] | None = None
-    """The rank's promise (None: it keeps every step)."""
-    replicating_step: int | None = None
-    address_ranks: frozenset[int] | None = None
-    """The ranks whose addresses the answer carries (None: every rank's)."""
 
 
 class Coordinators:
@@ -665,165 +463,6 @@ class Coordinators:
         log.info("backup of step %d committed: %d items", step, len(keys), extra=extra)
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    """``mtc.v1.Coordinator`` over ``Coordinators``; handlers run in the daemon's loop.
-
-    Every request is hostile input: it is checked completely (``cluster.messages``) before
-    the state machine sees it, and our exceptions become one status code in ``status_for``.
-    """
-
-    def __init__(self, coordinators: Coordinators) -> None:
-        self.coordinators = coordinators
-        self.host = coordinators.host
-
-    def register(self, server: grpc.aio.Server) -> None:
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self, server)
-
-    def _served(self, job: str) -> str:
-        """``job``, unless its coordinator is a one-node job's: that one answers its own
-        daemon in process only, never the network (nobody else may join or report)."""
-        hosted = self.host.get(job)
-        if hosted is not None and hosted.coordinator.config.nodes == 1:
-            raise NotHosted(f"this daemon hosts no coordinator for job {job}")
-        return job
-
-    async def Join(
-        self, request: pb.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.JoinResponse:
-        try:
-            job = self._served(check_job(request.job))
-            incarnation = check_incarnation(request.incarnation_id)
-            address = check_address(request.address)
-            if not 0 < len(request.cluster_view) <= MAX_CLUSTER_VIEW_CHARS:
-                raise BadMessage(f"cluster_view must have 1 to {MAX_CLUSTER_VIEW_CHARS} characters")
-            owner = check_owner(request.owner)
-            limit = self.coordinators.join_limit(job, request.rank, owner)
-            items = inventory_items(job, request.items, limit)
-            address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
-            inventory = NodeInventory(request.rank, address, items)
-            identity, round_ = await self.coordinators.join(
-                job, incarnation, request.cluster_view, inventory, owner
-            )
-            response = pb.JoinResponse(coordinator=_identity(identity), round=round_)
-            if request.wait_seconds:
-                identity, status, addresses = await self.coordinators.after_join(
-                    job,
-                    request.rank,
-                    incarnation,
-                    request.wait_seconds,
-                    address_ranks=address_ranks,
-                )
-                response.status.CopyFrom(status_message(_identity(identity), status, addresses))
-        except Exception as exc:
-            await _abort(context, "Join", request, exc)
-        return response
-
-    async def RoundStatus(
-        self, request: pb.RoundStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RoundStatusResponse:
-        try:
-            job = self._served(check_job(request.job))
-            incarnation = check_incarnation(request.incarnation_id)
-            identity, status, addresses = await self.coordinators.round_status(
-                job,
-                request.rank,
-                incarnation,
-                seen_key(request),
-                request.wait_seconds,
-                address_ranks=check_address_ranks(
-                    request.address_ranks, request.address_ranks_given
-                ),
-            )
-            return status_message(_identity(identity), status, addresses)
-        except Exception as exc:
-            await _abort(context, "RoundStatus", request, exc)
-
-    async def ReportRestore(
-        self, request: pb.ReportRestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReportRestoreResponse:
-        try:
-            job = self._served(check_job(request.job))
-            incarnation = check_incarnation(request.incarnation_id)
-            rank = request.rank
-            config = self.coordinators.hosted(job, rank).coordinator.config
-            failed = source_keys(request.failures, job, rank, config.nodes, join_item_limit(config))
-            address_ranks = check_address_ranks(request.address_ranks, request.address_ranks_given)
-            identity = self.coordinators.report_restore(
-                job,
-                rank,
-                incarnation,
-                request.round,
-                request.plan_version,
-                ready=request.ready,
-                failed=failed,
-            )
-            jlog = JobLog(log, job, rank)
-            for failure, key in zip(request.failures, failed, strict=True):
-                holder = "the backup" if key.holder is None else f"rank {key.holder}"
-                jlog.warning(
-                    "restore: %s from %s failed (%s): %s",
-                    key.item,
-                    holder,
-                    "corrupt" if failure.corrupt else "unavailable",
-                    failure.detail[:MAX_DETAIL_CHARS],
-                    step=key.item.step,
-                )
-            response = pb.ReportRestoreResponse(coordinator=_identity(identity))
-            if request.wait_seconds:
-                identity, status, addresses = await self.coordinators.after_report(
-                    job,
-                    rank,
-                    incarnation,
-                    (request.round, request.plan_version),
-                    request.wait_seconds,
-                    address_ranks=address_ranks,
-                )
-                response.status.CopyFrom(status_message(_identity(identity), status, addresses))
-        except Exception as exc:
-            await _abort(context, "ReportRestore", request, exc)
-        return response
-
-    async def ReportProgress(
-        self, request: pb.ReportProgressRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ReportProgressResponse:
-        try:
-            job = self._served(check_job(request.job))
-            incarnation = check_incarnation(request.incarnation_id)
-            progress = Progress(
-                replicated_step=(
-                    request.replicated_step if request.HasField("replicated_step") else None
-                ),
-                uploaded_step=(
-                    request.uploaded_step if request.HasField("uploaded_step") else None
-                ),
-                address=check_address(request.address) if request.address else "",
-                held=check_held_steps(request.held_steps) if request.reports_holdings else None,
-                replicating_step=(
-                    request.replicating_step if request.HasField("replicating_step") else None
-                ),
-                address_ranks=check_address_ranks(
-                    request.address_ranks, request.address_ranks_given
-                ),
-            )
-            identity, answer = await self.coordinators.report_progress(
-                job, request.rank, incarnation, progress
-            )
-        except Exception as exc:
-            await _abort(context, "ReportProgress", request, exc)
-        response = pb.ReportProgressResponse(coordinator=_identity(identity))
-        if answer.restorable_step is not None:
-            response.restorable_step = answer.restorable_step
-        if answer.backup_step is not None:
-            response.backup_step = answer.backup_step
-        response.addresses.update(answer.addresses)
-        response.keep_steps.extend(sorted(answer.keep_steps))
-        response.report_every_seconds = answer.report_every
-        if answer.last_backup is not None:
-            response.committed_backup_step = answer.last_backup.step
-            response.committed_backup_at = answer.last_backup.at
-        return response
-
-
 def _with_holders(status: RankStatus, ranks: Collection[int] | None) -> Collection[int] | None:
     """``ranks`` and the holders of the rank's PEER sources (None: every member)."""
     if ranks is None:
@@ -867,26 +506,3 @@ def _log_plan(jlog: JobLog, coordinator: JobCoordinator, seconds: float) -> None
         busiest,
         step=None if plan is None else plan.step,
     )
-
-
-def _identity(identity: Identity) -> pb.CoordinatorIdentity:
-    return pb.CoordinatorIdentity(job=identity.job, coordinator_id=identity.coordinator_id)
-
-
-async def _abort(
-    context: grpc.aio.ServicerContext[Any, Any], method: str, request: Any, exc: Exception
-) -> NoReturn:
-    code, message = status_for(exc)
-    job = getattr(request, "job", "")
-    rank = getattr(request, "rank", None)
-    # Refused requests are hostile input: a job name that is not one goes to the log quoted.
-    extra = {"job": job if JOB_NAME_RE.fullmatch(job) else repr(job[:80]), "rank": rank}
-    if code is grpc.StatusCode.INTERNAL:
-        log.error(
-            "%s from %s failed: %s", method, context.peer(), message, exc_info=exc, extra=extra
-        )
-    else:
-        log.warning(
-            "%s from %s refused: %s: %s", method, context.peer(), code.name, message, extra=extra
-        )
-    await context.abort(code, message)

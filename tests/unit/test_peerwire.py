@@ -1,0 +1,99 @@
+"""The peer wire's conventions, both ends' (pure: no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from replicator._pb.mtc.v1 import peer_pb2 as pb
+from replicator.core.manifest import ItemId
+from replicator.transport.datachannel import TOKEN_BYTES
+from replicator.transport.peerwire import (
+    DATA_CHANNEL_KEY,
+    GO_AHEAD,
+    MAX_MESSAGE_BYTES,
+    SERVER_OPTIONS,
+    channel_offer,
+    chunks_of,
+    fill_chunk,
+    item_id,
+    item_ref,
+    push_offer,
+    rate,
+)
+from replicator.transport.transfer import MAX_CHUNK, TransferError
+
+
+def test_an_item_goes_to_the_wire_and_back_unchanged() -> None:
+    item = ItemId("job-1", 40, 3, 1)
+    assert item_id(item_ref(item)) == item
+
+
+@pytest.mark.parametrize("job", ["../etc", "a/b", "", ".hidden", "a..b", "x" * 300])
+def test_a_hostile_job_name_on_the_wire_is_refused(job: str) -> None:
+    with pytest.raises(TransferError, match="unsafe job name"):
+        item_id(pb.ItemRef(job=job, step=1, rank=0, worker=0))
+
+
+def test_no_offer_is_none_and_a_good_one_is_read() -> None:
+    token = bytes(range(TOKEN_BYTES))
+    assert channel_offer(0, b"") is None
+    assert channel_offer(7071, token) == (7071, token)
+
+
+@pytest.mark.parametrize(
+    ("port", "token"), [(0, b"x" * TOKEN_BYTES), (65536, b"x" * TOKEN_BYTES), (7071, b"short")]
+)
+def test_a_malformed_offer_is_refused(port: int, token: bytes) -> None:
+    with pytest.raises(TransferError, match="malformed"):
+        channel_offer(port, token)
+
+
+def test_a_push_offer_is_read_from_the_go_ahead_metadata() -> None:
+    token = bytes(range(TOKEN_BYTES))
+    metadata = (GO_AHEAD, (DATA_CHANNEL_KEY, f"7071 {token.hex()}"))
+    assert push_offer(metadata) == (7071, token)
+    assert push_offer((GO_AHEAD,)) is None
+
+
+@pytest.mark.parametrize("value", ["7071", "port abcd", "7071 zz", "7071 " + "ab" * 3])
+def test_a_malformed_push_offer_is_refused(value: str) -> None:
+    with pytest.raises(TransferError, match="malformed"):
+        push_offer((GO_AHEAD, (DATA_CHANNEL_KEY, value)))
+
+
+def test_a_filled_chunk_is_read_back_as_the_receiver_takes_it() -> None:
+    message = pb.PushItemRequest()
+    fill_chunk(message.chunk, 2, 4096, b"bytes", 1234)
+
+    async def one() -> AsyncIterator[pb.PushItemRequest]:
+        yield message
+
+    async def read() -> list[tuple[int, int, bytes, int]]:
+        return [c async for c in chunks_of(one())]
+
+    assert asyncio.run(read()) == [(2, 4096, b"bytes", 1234)]
+
+
+def test_only_chunks_may_follow_a_header() -> None:
+    async def header_again() -> AsyncIterator[pb.PushItemRequest]:
+        yield pb.PushItemRequest(header=pb.PushHeader())
+
+    async def read() -> None:
+        async for _ in chunks_of(header_again()):
+            pass
+
+    with pytest.raises(TransferError, match="only chunks"):
+        asyncio.run(read())
+
+
+def test_a_message_holds_the_largest_chunk() -> None:
+    assert MAX_MESSAGE_BYTES > MAX_CHUNK
+    assert ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES) in SERVER_OPTIONS
+
+
+def test_rate_is_megabytes_per_second_and_survives_zero_seconds() -> None:
+    assert rate(5_000_000, 2.0) == 2.5
+    assert rate(1, 0.0) > 0
