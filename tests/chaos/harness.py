@@ -1,0 +1,554 @@
+"""Run one chaos trial against real daemons and check the invariants at every job restart.
+
+Four daemon processes with mutual TLS, each on its own RAM disk (a tmpfs per node, the store
+beside CHECKPOINT_DIR) and, where ``ip netns`` works, in its own network namespace. The test
+process plays the training job (handshake, saves, markers) and injects the plan's faults.
+
+Invariants, checked at every restart of the job:
+
+- markers: every rank gets exactly one restore marker within ``MARKER_BOUND`` seconds of the
+  restart (plus the length of any fault during the round), and all name the same step;
+- bytes: each rank's marker leads to exactly the bytes that rank saved for that step;
+- nothing committed lost: the restored step is at least the *floor*, the newest step that
+  was durable just before the restart: a step with a backup ``COMMIT``, or a step of which
+  every rank's item was committed (``MANIFEST.json``) in some node's store. Faults only
+  destroy copies before the snapshot, so a step above the restored one that is still in the
+  snapshot was lost by the daemons, not by the faults;
+- no spinning: after the markers, each daemon uses under ``CPU_BOUND`` of a core and its log
+  grows by under ``LOG_BOUND`` bytes in ``IDLE_SECONDS``; while the job waits, the same
+  numbers are reported when the markers do not come.
+
+Does I/O (processes, tmpfs mounts, network namespaces).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replicator.storage.backup import BackupStore
+from replicator.storage.stores import open_object_store
+from tests.chaos import network
+from tests.chaos.plan import IN_ROUND, Epoch, Fault, Plan
+from tests.chaos.store_faults import FullDisk, StoreFaults
+from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import FAST, NODES, Cluster
+from tests.integration.helpers import (
+    FAILED,
+    mount_tmpfs,
+    read_prerestore,
+    read_text,
+    read_tree,
+    unmount,
+)
+from tests.storage_servers import (
+    ServerProcess,
+    create_gcs_bucket,
+    create_s3_bucket,
+    free_port,
+    gcs_env,
+    s3_env,
+    start_gcs_emulator,
+    start_moto,
+    unique_bucket_name,
+)
+
+MARKER_BOUND = 60.0
+"""Seconds from a job restart to its last marker (clients give up at 300)."""
+SAVE_BOUND = 30.0
+"""Seconds for a running daemon to take a saved step into its store."""
+IDLE_SECONDS = 2.0
+CPU_BOUND = 0.6
+"""Share of one core a daemon may use while the job trains after a restore (tiny steps)."""
+LOG_BOUND = 256 << 10
+"""Log bytes a daemon may write in ``IDLE_SECONDS``."""
+WEDGE = "is not admitted to round"
+"""The log line of the known wedge (issue 23: a restarted rank 0 then a job restart)."""
+TRIAL_LOG_BOUND = 8 << 20
+"""Log bytes a daemon may write in a whole trial (a few incarnations, a few faults)."""
+NODE_RAM = "64m"
+GRPC_PORT = 7070
+"""Every node's gRPC port in its own network namespace (its data port is the next)."""
+FULL_DISK = "16m"
+TRAIN_SECONDS = 0.3
+"""The job's compute between two saves."""
+
+
+class TrialFailed(Exception):
+    """An invariant broke; the message says which, with the daemons' evidence."""
+
+
+@dataclass
+class Result:
+    seed: int
+    ok: bool = False
+    message: str = ""
+    known: str = ""
+    """The known bug whose signature the failure shows, if any."""
+    steps_lost: int = 0
+    """Steps between the floor and the restored step, summed over restarts (should be 0)."""
+    rolled_back: int = 0
+    """Steps between the newest save and the restored step, summed (faults cause these)."""
+    fault_to_marker: list[float] = field(default_factory=list)
+    restart_to_marker: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    logs: Path | None = None
+
+
+class Servers:
+    """moto and the GCS emulator, started once and shared by the trials of one run."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._moto: ServerProcess | None = None
+        self._gcs: ServerProcess | None = None
+
+    def upstream(self, vendor: str) -> str:
+        if vendor == "s3":
+            if self._moto is None:
+                self._moto = start_moto(self.log_dir)
+            return self._moto.url
+        if self._gcs is None:
+            self._gcs = start_gcs_emulator(self.log_dir)
+        return self._gcs.url
+
+    def close(self) -> None:
+        for server in (self._moto, self._gcs):
+            if server is not None:
+                server.stop()
+
+
+class ChaosCluster(Cluster):
+    """The integration suite's cluster, with a RAM disk per node and a network per node."""
+
+    def __init__(self, root: Path, job: str, net: network.Network | None) -> None:
+        super().__init__(root, job)
+        self.net = net
+        self.mounts: list[Path] = []
+        # Fixed ports, as a DaemonSet's: a restarted daemon is where its peers last saw it.
+        self.ports = [
+            (GRPC_PORT, GRPC_PORT + 1) if net else (free_port(), free_port()) for _ in range(NODES)
+        ]
+        for r in range(NODES):
+            ram = root / f"ram{r}"
+            ram.mkdir()
+            if mount_tmpfs(ram, NODE_RAM):
+                self.mounts.append(ram)
+            self.dirs[r] = ram / "ckpt"
+            self.dirs[r].mkdir()
+
+    def start(self, rank: int) -> DaemonProcess:
+        tls = self.tls[rank]
+        assert tls is not None
+        daemon = DaemonProcess(
+            self.dirs[rank],
+            backup=self.backup_url,
+            extra_args=(*FAST, *tls.args(), "--data-port", str(self.ports[rank][1]), *self.extra),
+            env={**self.env, **self.node_env.get(rank, {})},
+            log_path=self.log(rank),
+            prefix=self.net.prefix(rank) if self.net else (),
+            listen=f"{self.net.address(rank) if self.net else '127.0.0.1'}:{self.ports[rank][0]}",
+        )
+        self.daemons[rank] = daemon.start(timeout=60)
+        return daemon
+
+    def log(self, rank: int) -> Path:
+        return self.root / f"node{rank}.log"
+
+    def start_all(self) -> None:
+        with concurrent.futures.ThreadPoolExecutor(NODES) as pool:
+            list(pool.map(self.start, range(NODES)))
+
+    def kill_all(self) -> None:
+        for d in self.daemons:
+            if d is not None and d.running:
+                d.kill()
+
+    def close(self) -> None:
+        for ram in self.mounts:
+            unmount(ram)
+
+
+# --- watching the daemons ------------------------------------------------------------------------
+
+
+def _cpu_ticks(pid: int) -> int | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return int(fields[11]) + int(fields[12])  # utime, stime
+
+
+class Meter:
+    """CPU (from /proc) and log growth of each node's daemon since ``reset``."""
+
+    TICKS = os.sysconf("SC_CLK_TCK")
+
+    def __init__(self, cluster: ChaosCluster) -> None:
+        self.cluster = cluster
+        self.reset()
+
+    def _sample(self) -> dict[int, tuple[int, int | None, int]]:
+        out = {}
+        for r in range(NODES):
+            d = self.cluster.daemons[r]
+            pid = d.pid if d is not None and d.running else -1
+            log = self.cluster.log(r)
+            out[r] = (
+                pid,
+                _cpu_ticks(pid) if pid > 0 else None,
+                log.stat().st_size if log.exists() else 0,
+            )
+        return out
+
+    def reset(self) -> None:
+        self.t0 = time.monotonic()
+        self.s0 = self._sample()
+
+    def read(self) -> dict[int, tuple[float, int]]:
+        """Per rank: share of a core (NaN across a restart) and log bytes written."""
+        elapsed = max(time.monotonic() - self.t0, 1e-3)
+        out = {}
+        for r, (pid, ticks, size) in self._sample().items():
+            pid0, ticks0, size0 = self.s0[r]
+            cpu = float("nan")
+            if pid == pid0 and ticks is not None and ticks0 is not None:
+                cpu = (ticks - ticks0) / self.TICKS / elapsed
+            out[r] = (cpu, size - size0)
+        return out
+
+    def describe(self) -> str:
+        return ", ".join(
+            f"rank {r}: {cpu:.0%} of a core, log +{grown} B"
+            for r, (cpu, grown) in self.read().items()
+        )
+
+
+# --- the trial ------------------------------------------------------------------------------------
+
+
+class Trial:
+    def __init__(
+        self, plan: Plan, root: Path, servers: Servers, *, netns: bool, keep: bool = False
+    ) -> None:
+        self.plan = plan
+        self.keep = keep
+        """Keep the trial's directory (the daemons' logs) when it passes too."""
+        self.root = root
+        self.servers = servers
+        self.netns = netns
+        self.result = Result(plan.seed)
+        self.files: dict[int, dict[int, dict[str, bytes]]] = {}
+        """What the job saved: step -> rank -> relative path -> bytes."""
+        self.pending: list[tuple[float, str, Callable[[], None]]] = []
+        """Heals and restarts due at a time (monotonic), with what they are."""
+        self.store: StoreFaults | FullDisk | None = None
+        self.backups: BackupStore | None = None
+        self.fault_times: list[float] = []
+        """When each fault since the last restart was injected."""
+        self.upstream_env: dict[str, str] = {}
+        self.job_down = False
+        """A node was lost: its pod died with it, so the job stops until it restarts."""
+
+    # The trial's whole life: set up, run every incarnation, tear down.
+    def run(self) -> Result:
+        start = time.monotonic()
+        with contextlib.ExitStack() as stack:
+            try:
+                self._setup(stack)
+                self._incarnations()
+                self._check_logs()
+            except TrialFailed as e:
+                self.result.message = str(e)
+            except Exception as e:  # a daemon that would not start, a tool that failed
+                self.result.message = f"{type(e).__name__}: {e}"
+            else:
+                self.result.ok = True
+            finally:
+                if not self.result.ok and self._wedged():
+                    self.result.known = "wedge: rank 0's agent refused by its own coordinator"
+                self.result.seconds = time.monotonic() - start
+        if self.result.ok and not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            self.result.logs = self.root
+        return self.result
+
+    def _setup(self, stack: contextlib.ExitStack) -> None:
+        self.root.mkdir(parents=True)
+        net = None
+        if self.netns:
+            net = network.Network(NODES).open()
+            stack.callback(net.close)
+        self.net = net
+        job = f"chaos{self.plan.seed}"
+        cluster = ChaosCluster(self.root, job, net)
+        stack.callback(cluster.close)
+        self.cluster = cluster
+        cluster.keys["backup_interval_steps"] = self.plan.interval
+        cluster.keys.update(self.plan.keys)
+        if "backup_interval_minutes" in cluster.keys:
+            del cluster.keys["backup_interval_steps"]  # at most one of the two
+        host = net.gateway if net else "127.0.0.1"
+        backend = self.plan.backend
+        if backend == "full":
+            fs = self.root / "backup-fs"
+            fs.mkdir()
+            if mount_tmpfs(fs, FULL_DISK):
+                stack.callback(unmount, fs)
+            cluster.backup = fs / "backup"
+            cluster.backup.mkdir()
+            cluster.backup_url = cluster.backup.as_uri()
+            self.store = FullDisk(cluster.backup)
+        elif backend in ("s3", "gcs"):
+            upstream = self.servers.upstream(backend)
+            bucket = unique_bucket_name()
+            if backend == "s3":
+                create_s3_bucket(upstream, bucket)
+            else:
+                create_gcs_bucket(upstream, bucket)
+            faults = StoreFaults(backend, upstream, self.plan.seed, host)
+            self.store = faults
+            cluster.backup_url = f"{'s3' if backend == 's3' else 'gs'}://{bucket}/chaos"
+            cluster.env = s3_env(faults.url) if backend == "s3" else gcs_env(faults.url)
+            # The harness reads the bucket itself, past the proxy and its faults.
+            self.upstream_env = s3_env(upstream) if backend == "s3" else gcs_env(upstream)
+            with _environ(self.upstream_env):
+                self.backups = BackupStore(open_object_store(cluster.backup_url))
+        if self.store is not None:
+            stack.callback(self.store.close)
+        stack.callback(cluster.kill_all)
+        cluster.start_all()
+
+    def _incarnations(self) -> None:
+        c = self.cluster
+        self._restart(Epoch(0, (), 0.0), newest=0)  # the job's first start: nothing to restore
+        step = 0
+        for epoch in self.plan.epochs:
+            self.job_down = False
+            for i in range(epoch.saves):
+                if self.job_down:
+                    break
+                step += 10
+                self.files[step] = c.write_step(step)
+                self._wait_saved(step)
+                self._schedule([f for f in epoch.faults if f.after_save == i])
+                self._run_due(until=time.monotonic() + TRAIN_SECONDS)
+            newest = step
+            self._run_due(until=None)  # every heal and restart done before the job restarts
+            time.sleep(epoch.restart_delay)
+            step = self._restart(epoch, newest=newest)
+
+    # --- faults -----------------------------------------------------------------------------------
+
+    def _start(self, rank: int) -> None:
+        d = self.cluster.daemons[rank]
+        if d is None or not d.running:  # two faults on one node: one restart
+            self.cluster.start(rank)
+
+    def _schedule(self, faults: list[Fault], *, base: float | None = None) -> None:
+        now = time.monotonic() if base is None else base
+        for f in faults:
+            self.pending.append(
+                (now + f.delay, f"inject {f.describe()}", lambda f=f: self._inject(f))
+            )
+        self.pending.sort(key=lambda p: p[0])
+
+    def _after(self, seconds: float, what: str, action: Callable[[], None]) -> None:
+        self.pending.append((time.monotonic() + seconds, what, action))
+        self.pending.sort(key=lambda p: p[0])
+
+    def _run_due(self, *, until: float | None) -> None:
+        """Run what is due; wait until ``until`` (None: until nothing is pending)."""
+        while True:
+            now = time.monotonic()
+            while self.pending and self.pending[0][0] <= now:
+                _, _, action = self.pending.pop(0)
+                action()
+            if until is None and not self.pending:
+                return
+            wake = self.pending[0][0] if self.pending else until
+            if until is not None:
+                wake = min(wake or until, until)
+                if now >= until:
+                    return
+            time.sleep(max(0.0, min((wake or now) - time.monotonic(), 0.05)))
+
+    def _inject(self, f: Fault) -> None:
+        c = self.cluster
+        self.fault_times.append(time.monotonic())
+        if f.kind in ("kill", "lose"):
+            c.daemon(f.rank).kill()
+            if f.kind == "lose":
+                c.clear(f.rank)
+                self.job_down = True
+            self._after(f.duration, f"restart rank {f.rank}", lambda: self._start(f.rank))
+            return
+        if f.kind == "store":
+            assert self.store is not None
+            self.store.begin(f.mode)
+            self._after(f.duration, "store healed", self.store.end)
+            return
+        assert self.net is not None
+        others = [r for r in range(NODES) if r != f.rank]
+        if f.kind == "isolate":
+            self.net.isolate(f.rank)
+        elif f.kind == "cut-coordinator":
+            self.net.cut(f.rank, [0])
+        else:
+            self.net.cut(f.rank, [r for r in others if r != 0] if f.rank else others)
+        self._after(f.duration, "network healed", self.net.heal)
+
+    # --- the job ----------------------------------------------------------------------------------
+
+    def _wait_saved(self, step: int) -> None:
+        """Each rank whose daemon runs takes the step into its store (a dead one later)."""
+        deadline = time.monotonic() + SAVE_BOUND
+        for r in range(NODES):
+            while not self._taken(r, step):
+                d = self.cluster.daemons[r]
+                if d is None or not d.running or self.job_down:
+                    break
+                if time.monotonic() > deadline:
+                    raise TrialFailed(
+                        f"rank {r}'s daemon did not take step {step} in {SAVE_BOUND}s"
+                    )
+                self._run_due(until=time.monotonic() + 0.05)
+
+    def _taken(self, rank: int, step: int) -> bool:
+        return not (self.cluster.dirs[rank] / str(step)).is_dir()
+
+    def _floor(self) -> tuple[int, str]:
+        """The newest durable step now, and why (see the module doc)."""
+        c = self.cluster
+        backed = max(self._committed_backups(), default=0)
+        held: dict[int, set[int]] = {}
+        for h in range(NODES):
+            for step, item in c.held(h):
+                held.setdefault(step, set()).add(int(item.split("-")[0]))
+        stored = max((s for s, ranks in held.items() if len(ranks) == NODES), default=0)
+        if stored >= backed:
+            return stored, f"step {stored}: every rank's item committed in some store"
+        return backed, f"step {backed}: backup COMMIT"
+
+    def _committed_backups(self) -> set[int]:
+        if self.backups is None:
+            return self.cluster.committed_backups()
+        with _environ(self.upstream_env):
+            return set(self.backups.committed_steps(self.cluster.job))
+
+    def _restart(self, epoch: Epoch, *, newest: int) -> int:
+        """The whole job restarts: handshake on every rank, markers, invariants."""
+        c = self.cluster
+        floor, why = self._floor()
+        meter = Meter(c)
+        t0 = time.monotonic()
+        order = list(epoch.order or range(NODES))  # the order the ranks' pods come up in
+        if not epoch.order:
+            random.Random(f"{self.plan.seed}/{newest}").shuffle(order)
+        in_round = [f for f in epoch.faults if f.after_save == IN_ROUND]
+        # A negative delay: the fault comes that long before the job's handshake (a daemon
+        # down while the pods restart).
+        early = [f for f in in_round if f.delay < 0]
+        for f in early:
+            self._inject(f)
+        time.sleep(max((-f.delay for f in early), default=0.0))
+        c.handshake(order)
+        self._schedule([f for f in in_round if f.delay >= 0], base=t0)
+        bound = MARKER_BOUND + sum(abs(f.delay) + f.duration for f in in_round)
+        seen: dict[int, float] = {}
+        while len(seen) < NODES:
+            now = time.monotonic()
+            for r in range(NODES):
+                if r not in seen and c.markers(r):
+                    seen[r] = now
+            if now - t0 > bound:
+                missing = [r for r in range(NODES) if r not in seen]
+                raise TrialFailed(
+                    f"restart after step {newest}: no marker on ranks {missing} in {bound:.0f}s "
+                    f"({meter.describe()}); errors: "
+                    + "; ".join(f"rank {r}: {self._said(r)!r}" for r in missing)
+                )
+            self._run_due(until=time.monotonic() + 0.05)
+        self._run_due(until=None)
+        last = max(seen.values())
+        self.result.restart_to_marker.append(last - t0)
+        self.result.fault_to_marker += [last - t for t in self.fault_times]
+        self.fault_times = []
+        for r in range(NODES):
+            d = c.daemon(r)
+            if not d.running:
+                raise TrialFailed(
+                    f"rank {r}'s daemon exited by itself (code {d.proc and d.proc.returncode})"
+                )
+        step = self._check_markers(floor, why, newest)
+        self._check_idle()
+        return step
+
+    def _said(self, rank: int) -> str:
+        """What the daemon told the job: ``replicator.failed``, else ``replicator.errors``."""
+        failed = read_text(self.cluster.dirs[rank] / FAILED)
+        return (failed or self.cluster.errors(rank)).strip()[-300:]
+
+    def _check_markers(self, floor: int, why: str, newest: int) -> int:
+        c = self.cluster
+        names = {r: c.markers(r) for r in range(NODES)}
+        if any(len(n) != 1 for n in names.values()):
+            raise TrialFailed(f"not one marker per rank: {names}")
+        steps = {r: int(n[0].split("-s")[-1].split("-n")[0]) for r, n in names.items()}
+        if len(set(steps.values())) != 1:
+            raise TrialFailed(f"ranks restored different steps: {steps}")
+        step = steps[0]
+        if step < floor:
+            self.result.steps_lost += floor - step
+            raise TrialFailed(f"restored step {step}, below the floor {why} (newest save {newest})")
+        self.result.rolled_back += newest - step
+        for r in range(NODES):
+            marker = c.restored(r, step)
+            if step == 0:
+                if marker.is_symlink() or marker.stat().st_size:
+                    raise TrialFailed(f"rank {r}'s step-0 marker is not an empty file")
+            elif read_tree(marker) != self.files[step][r]:
+                raise TrialFailed(f"rank {r}'s step {step} is not the bytes it saved")
+            if step and read_prerestore(c.dirs[r]).get("restore-step") != step:
+                raise TrialFailed(f"rank {r}'s prerestore disagrees with its marker {step}")
+            os.unlink(marker)  # the client takes it
+        return step
+
+    def _check_idle(self) -> None:
+        meter = Meter(self.cluster)
+        time.sleep(IDLE_SECONDS)
+        for r, (cpu, grown) in meter.read().items():
+            if cpu > CPU_BOUND or grown > LOG_BOUND:
+                raise TrialFailed(f"rank {r}'s daemon spins after the restore: {meter.describe()}")
+
+    def _check_logs(self) -> None:
+        for r in range(NODES):
+            size = self.cluster.log(r).stat().st_size
+            if size > TRIAL_LOG_BOUND:
+                raise TrialFailed(f"rank {r}'s daemon logged {size} bytes in one trial")
+
+    def _wedged(self) -> bool:
+        return WEDGE in read_text(self.cluster.log(0)) if hasattr(self, "cluster") else False
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,134 @@
+"""Chaos in the suite: a few fixed seeds of the harness, and the scenarios issue 23 found.
+
+Each trial runs four real daemons (mutual TLS, a RAM disk each, a network namespace each
+where ``ip netns`` works) and checks the invariants of ``tests/chaos/harness.py`` at every
+job restart. ``make chaos`` runs 100 seeds; a failure here prints the command that replays
+its seed alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicator.tools import certs
+from tests.chaos import network
+from tests.chaos.__main__ import BACKENDS, report
+from tests.chaos.harness import Servers, Trial
+from tests.chaos.plan import IN_ROUND, Epoch, Fault, Plan, make_plan
+from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES
+from tests.integration.helpers import (
+    FAST_ARGS,
+    backup_commits,
+    config_text,
+    make_step,
+    payload,
+    ram_disk,
+    read_tree,
+    stored_steps,
+    wait_markers,
+    wait_until,
+    write_yaml_atomic,
+)
+from tests.tls import node_tls
+
+pytestmark = pytest.mark.integration
+
+NETNS = network.available()
+SEEDS = (2, 5, 7)
+"""Between them: partitions (in the round too), kills, a lost node, S3-less file and GCS
+backups with latency and resets (see ``make_plan``); about 20 s each on a 2-core box."""
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    s = Servers(tmp_path_factory.mktemp("chaos-servers"))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def _run(plan: Plan, root: Path, servers: Servers) -> None:
+    print("\n".join(plan.describe()))
+    result = Trial(plan, root / f"seed-{plan.seed}", servers, netns=NETNS).run()
+    assert result.ok, report(result)
+    assert result.steps_lost == 0
+
+
+def test_a_plan_is_its_seed() -> None:
+    """Replaying a seed replays its plan (the timing around it aside)."""
+    one = make_plan(42, nodes=NODES, netns=True, backends=BACKENDS)
+    assert one == make_plan(42, nodes=NODES, netns=True, backends=BACKENDS)
+    assert one != make_plan(43, nodes=NODES, netns=True, backends=BACKENDS)
+    plans = [make_plan(s, nodes=NODES, netns=True, backends=BACKENDS) for s in range(100)]
+    kinds = {f.kind for p in plans for e in p.epochs for f in e.faults}
+    assert kinds == {"kill", "lose", "isolate", "cut-coordinator", "cut-peers", "store"}
+    modes = {f.mode for p in plans for e in p.epochs for f in e.faults if f.kind == "store"}
+    assert modes == {"slowdown", "reset", "cut", "latency", "full"}
+    assert any(f.rank == 0 and f.kind == "kill" for p in plans for e in p.epochs for f in e.faults)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_seed(seed: int, tmp_path: Path, servers: Servers) -> None:
+    _run(make_plan(seed, nodes=NODES, netns=NETNS, backends=BACKENDS), tmp_path, servers)
+
+
+def test_rank0_daemon_restarted_then_node_lost_then_job_restart(
+    tmp_path: Path, servers: Servers
+) -> None:
+    """Issue 23's wedge, as it describes it: a job saving every 10 steps; rank 0's daemon
+    SIGKILLed at step 20 and restarted while the job trains on; node 1 lost at step 30;
+    the whole job restarts at once. Every rank must get step 30's marker."""
+    kill0 = Fault("kill", 0, after_save=1, delay=0.2, duration=0.5)
+    lose1 = Fault("lose", 1, after_save=2, delay=0.2, duration=0.5)
+    plan = Plan(1_000_001, "file", 100, (Epoch(3, (kill0, lose1), 0.0),))
+    _run(plan, tmp_path, servers)
+
+
+def test_rank0_daemon_down_while_the_job_restarts(tmp_path: Path, servers: Servers) -> None:
+    """The same, with rank 0's daemon killed again as the pods restart: it comes back to a
+    resumable incarnation and a new ``replicator.yaml`` at once."""
+    kill0 = Fault("kill", 0, after_save=1, delay=0.2, duration=0.5)
+    lose1 = Fault("lose", 1, after_save=2, delay=0.2, duration=0.5)
+    again = Fault("kill", 0, after_save=IN_ROUND, delay=-0.2, duration=1.0)
+    plan = Plan(1_000_002, "file", 100, (Epoch(3, (kill0, lose1, again), 0.0),))
+    _run(plan, tmp_path, servers)
+
+
+def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
+    """One node, ``backup-interval-steps: 1``: steps 10, 20, 30 saved; the job restarts at
+    once and restores 30 from the local tier. Step 30 must reach the bucket without a
+    further save: a RAM disk lost now would otherwise lose steps 20-30."""
+    job = "restored-step"
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    tls = node_tls(tmp_path / "tls", certs.new_ca())
+    with ram_disk(tmp_path / "ram", "64m") as ckpt:
+        daemon = DaemonProcess(
+            ckpt, backup=backup.as_uri(), extra_args=(*FAST_ARGS, *tls.args())
+        ).start()
+        try:
+            text = config_text(job, backup_interval_steps=1)
+            write_yaml_atomic(ckpt, text)
+            os.unlink(wait_markers(ckpt, job, 0, daemon)[0])
+            files = {}
+            for step in (10, 20, 30):
+                files[step] = payload(step)
+                make_step(ckpt, step, files[step])
+            wait_until(lambda: 30 in stored_steps(ckpt, job), "step 30 taken", daemon=daemon)
+            write_yaml_atomic(ckpt, text)  # the trainer restarts at once
+            (marker,) = wait_markers(ckpt, job, 30, daemon)
+            assert read_tree(marker) == files[30]
+            wait_until(
+                lambda: 30 in backup_commits(backup, job),
+                "the restored step 30 backed up",
+                daemon=daemon,
+                timeout=20,
+            )
+        finally:
+            daemon.stop()
