@@ -36,6 +36,7 @@ from pathlib import Path
 from replicator.storage.backup import BackupStore
 from replicator.storage.stores import open_object_store
 from tests.chaos import network
+from tests.chaos.invariants import Violation, check_floor, floor, restored_step, spinning
 from tests.chaos.plan import IN_ROUND, Epoch, Fault, Plan
 from tests.chaos.store_faults import FullDisk, StoreFaults
 from tests.daemon_process import DaemonProcess
@@ -79,10 +80,6 @@ GRPC_PORT = 7070
 FULL_DISK = "16m"
 TRAIN_SECONDS = 0.3
 """The job's compute between two saves."""
-
-
-class TrialFailed(Exception):
-    """An invariant broke; the message says which, with the daemons' evidence."""
 
 
 @dataclass
@@ -266,7 +263,7 @@ class Trial:
                 self._setup(stack)
                 self._incarnations()
                 self._check_logs()
-            except TrialFailed as e:
+            except Violation as e:
                 self.result.message = str(e)
             except Exception as e:  # a daemon that would not start, a tool that failed
                 self.result.message = f"{type(e).__name__}: {e}"
@@ -302,8 +299,9 @@ class Trial:
         if backend == "full":
             fs = self.root / "backup-fs"
             fs.mkdir()
-            if mount_tmpfs(fs, FULL_DISK):
-                stack.callback(unmount, fs)
+            if not mount_tmpfs(fs, FULL_DISK):  # never fill a real disk
+                raise RuntimeError("the full-disk backend needs root (a tmpfs of its own)")
+            stack.callback(unmount, fs)
             cluster.backup = fs / "backup"
             cluster.backup.mkdir()
             cluster.backup_url = cluster.backup.as_uri()
@@ -418,26 +416,16 @@ class Trial:
                 if d is None or not d.running or self.job_down:
                     break
                 if time.monotonic() > deadline:
-                    raise TrialFailed(
-                        f"rank {r}'s daemon did not take step {step} in {SAVE_BOUND}s"
-                    )
+                    raise Violation(f"rank {r}'s daemon did not take step {step} in {SAVE_BOUND}s")
                 self._run_due(until=time.monotonic() + 0.05)
 
     def _taken(self, rank: int, step: int) -> bool:
         return not (self.cluster.dirs[rank] / str(step)).is_dir()
 
     def _floor(self) -> tuple[int, str]:
-        """The newest durable step now, and why (see the module doc)."""
-        c = self.cluster
-        backed = max(self._committed_backups(), default=0)
-        held: dict[int, set[int]] = {}
-        for h in range(NODES):
-            for step, item in c.held(h):
-                held.setdefault(step, set()).add(int(item.split("-")[0]))
-        stored = max((s for s, ranks in held.items() if len(ranks) == NODES), default=0)
-        if stored >= backed:
-            return stored, f"step {stored}: every rank's item committed in some store"
-        return backed, f"step {backed}: backup COMMIT"
+        """The newest durable step now, and why (``invariants.floor``)."""
+        held = {h: self.cluster.held(h) for h in range(NODES)}
+        return floor(held, self._committed_backups(), NODES)
 
     def _committed_backups(self) -> set[int]:
         if self.backups is None:
@@ -448,7 +436,7 @@ class Trial:
     def _restart(self, epoch: Epoch, *, newest: int) -> int:
         """The whole job restarts: handshake on every rank, markers, invariants."""
         c = self.cluster
-        floor, why = self._floor()
+        floor_step, why = self._floor()
         meter = Meter(c)
         t0 = time.monotonic()
         order = list(epoch.order or range(NODES))  # the order the ranks' pods come up in
@@ -472,7 +460,7 @@ class Trial:
                     seen[r] = now
             if now - t0 > bound:
                 missing = [r for r in range(NODES) if r not in seen]
-                raise TrialFailed(
+                raise Violation(
                     f"restart after step {newest}: no marker on ranks {missing} in {bound:.0f}s "
                     f"({meter.describe()}); errors: "
                     + "; ".join(f"rank {r}: {self._said(r)!r}" for r in missing)
@@ -486,10 +474,10 @@ class Trial:
         for r in range(NODES):
             d = c.daemon(r)
             if not d.running:
-                raise TrialFailed(
+                raise Violation(
                     f"rank {r}'s daemon exited by itself (code {d.proc and d.proc.returncode})"
                 )
-        step = self._check_markers(floor, why, newest)
+        step = self._check_markers(floor_step, why, newest)
         self._check_idle()
         return step
 
@@ -498,43 +486,37 @@ class Trial:
         failed = read_text(self.cluster.dirs[rank] / FAILED)
         return (failed or self.cluster.errors(rank)).strip()[-300:]
 
-    def _check_markers(self, floor: int, why: str, newest: int) -> int:
+    def _check_markers(self, floor_step: int, why: str, newest: int) -> int:
         c = self.cluster
-        names = {r: c.markers(r) for r in range(NODES)}
-        if any(len(n) != 1 for n in names.values()):
-            raise TrialFailed(f"not one marker per rank: {names}")
-        steps = {r: int(n[0].split("-s")[-1].split("-n")[0]) for r, n in names.items()}
-        if len(set(steps.values())) != 1:
-            raise TrialFailed(f"ranks restored different steps: {steps}")
-        step = steps[0]
-        if step < floor:
-            self.result.steps_lost += floor - step
-            raise TrialFailed(f"restored step {step}, below the floor {why} (newest save {newest})")
+        step = restored_step({r: c.markers(r) for r in range(NODES)})
+        if step < floor_step:
+            self.result.steps_lost += floor_step - step
+        check_floor(step, floor_step, why, newest)
         self.result.rolled_back += newest - step
         for r in range(NODES):
             marker = c.restored(r, step)
             if step == 0:
                 if marker.is_symlink() or marker.stat().st_size:
-                    raise TrialFailed(f"rank {r}'s step-0 marker is not an empty file")
+                    raise Violation(f"rank {r}'s step-0 marker is not an empty file")
             elif read_tree(marker) != self.files[step][r]:
-                raise TrialFailed(f"rank {r}'s step {step} is not the bytes it saved")
+                raise Violation(f"rank {r}'s step {step} is not the bytes it saved")
             if step and read_prerestore(c.dirs[r]).get("restore-step") != step:
-                raise TrialFailed(f"rank {r}'s prerestore disagrees with its marker {step}")
+                raise Violation(f"rank {r}'s prerestore disagrees with its marker {step}")
             os.unlink(marker)  # the client takes it
         return step
 
     def _check_idle(self) -> None:
         meter = Meter(self.cluster)
         time.sleep(IDLE_SECONDS)
-        for r, (cpu, grown) in meter.read().items():
-            if cpu > CPU_BOUND or grown > LOG_BOUND:
-                raise TrialFailed(f"rank {r}'s daemon spins after the restore: {meter.describe()}")
+        busy = spinning(meter.read(), CPU_BOUND, LOG_BOUND)
+        if busy:
+            raise Violation(f"ranks {busy} spin after the restore: {meter.describe()}")
 
     def _check_logs(self) -> None:
         for r in range(NODES):
             size = self.cluster.log(r).stat().st_size
             if size > TRIAL_LOG_BOUND:
-                raise TrialFailed(f"rank {r}'s daemon logged {size} bytes in one trial")
+                raise Violation(f"rank {r}'s daemon logged {size} bytes in one trial")
 
     def _wedged(self) -> bool:
         return WEDGE in read_text(self.cluster.log(0)) if hasattr(self, "cluster") else False
