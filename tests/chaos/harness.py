@@ -43,7 +43,9 @@ from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import FAST, NODES, Cluster
 from tests.integration.helpers import (
     FAILED,
+    make_step,
     mount_tmpfs,
+    payload,
     read_prerestore,
     read_text,
     read_tree,
@@ -342,6 +344,12 @@ class Trial:
                 self._run_due(until=time.monotonic() + TRAIN_SECONDS)
             newest = step
             self._run_due(until=None)  # every heal and restart done before the job restarts
+            if epoch.torn:
+                # The job dies mid-save: these ranks published the next step, the others not.
+                files = {r: payload(step + 10, seed=f"rank{r}") for r in range(NODES)}
+                self.files[step + 10] = files
+                for r in epoch.torn:
+                    make_step(c.dirs[r], step + 10, files[r])
             time.sleep(epoch.restart_delay)
             step = self._restart(epoch, newest=newest)
 

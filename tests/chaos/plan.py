@@ -55,6 +55,8 @@ class Epoch:
     """Seconds between the last heal (or daemon restart) and the job's restart: 0 is at once."""
     order: tuple[int, ...] = ()
     """The order the ranks' handshakes arrive in at the restart (empty: seeded shuffle)."""
+    torn: tuple[int, ...] = ()
+    """Ranks that publish one more step just before the restart (the job died mid-save)."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,10 @@ class Plan:
         lines = [f"seed {self.seed}: backup {self.backend}, backup every {self.interval} saves"]
         for i, e in enumerate(self.epochs):
             faults = "; ".join(f.describe() for f in e.faults) or "no fault"
+            torn = f"; ranks {list(e.torn)} publish one more step and die" if e.torn else ""
             lines.append(
-                f"  incarnation {i + 1}: {e.saves} saves; {faults}; restart +{e.restart_delay:.1f}s"
+                f"  incarnation {i + 1}: {e.saves} saves; {faults}{torn}; "
+                f"restart +{e.restart_delay:.1f}s"
             )
         return lines
 
@@ -108,5 +112,10 @@ def make_plan(seed: int, *, nodes: int, netns: bool, backends: Sequence[str]) ->
             faults.append(Fault(kind, rank, after, delay, duration, mode))
         faults.sort(key=lambda f: (f.after_save == IN_ROUND, f.after_save, f.delay))
         restart = 0.0 if rng.random() < 0.5 else rng.uniform(0.0, 3.0)
-        epochs.append(Epoch(saves, tuple(faults), restart))
+        # Drawn apart, so that adding this kept every other draw of the seed as it was.
+        tear = random.Random(f"{seed}/torn/{len(epochs)}")
+        torn = tuple(sorted(tear.sample(range(nodes), tear.randint(1, nodes - 1))))
+        epochs.append(
+            Epoch(saves, tuple(faults), restart, torn=torn if tear.random() < 0.3 else ())
+        )
     return Plan(seed, backend, rng.choice((1, 2)), tuple(epochs))
