@@ -53,6 +53,8 @@ def log_tails(root: Path, lines: int = 25) -> str:
 def report(result: Result) -> str:
     """One trial's outcome; a failure with its replay command and the daemons' logs."""
     head = f"seed {result.seed}: {'ok' if result.ok else 'FAILED'} in {result.seconds:.0f}s"
+    times = " ".join(f"{t:.1f}" for t in result.fault_to_marker)
+    head += f"; steps lost {result.steps_lost}; fault to last marker (s): {times or '-'}"
     if result.ok:
         return head
     known = f"\n  known bug: {result.known}" if result.known else ""

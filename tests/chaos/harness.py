@@ -178,16 +178,22 @@ class ChaosCluster(Cluster):
 # --- watching the daemons ------------------------------------------------------------------------
 
 
-def _cpu_ticks(pid: int) -> int | None:
+def _cpu(pid: int) -> tuple[int, int] | None:
+    """(utime + stime, start time) of a process, in clock ticks; None once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    return int(fields[11]) + int(fields[12])  # utime, stime
+    return int(fields[11]) + int(fields[12]), int(fields[19])
+
+
+def _uptime_ticks() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0]) * Meter.TICKS
 
 
 class Meter:
-    """CPU (from /proc) and log growth of each node's daemon since ``reset``."""
+    """CPU (from /proc) and log growth of each node's daemon since ``reset``; a daemon
+    restarted since is measured from its own start."""
 
     TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -195,17 +201,14 @@ class Meter:
         self.cluster = cluster
         self.reset()
 
-    def _sample(self) -> dict[int, tuple[int, int | None, int]]:
+    def _sample(self) -> dict[int, tuple[int, tuple[int, int] | None, int]]:
         out = {}
         for r in range(NODES):
             d = self.cluster.daemons[r]
             pid = d.pid if d is not None and d.running else -1
             log = self.cluster.log(r)
-            out[r] = (
-                pid,
-                _cpu_ticks(pid) if pid > 0 else None,
-                log.stat().st_size if log.exists() else 0,
-            )
+            size = log.stat().st_size if log.exists() else 0
+            out[r] = (pid, _cpu(pid) if pid > 0 else None, size)
         return out
 
     def reset(self) -> None:
@@ -213,15 +216,18 @@ class Meter:
         self.s0 = self._sample()
 
     def read(self) -> dict[int, tuple[float, int]]:
-        """Per rank: share of a core (NaN across a restart) and log bytes written."""
+        """Per rank: share of a core (NaN when no daemon runs) and log bytes written."""
         elapsed = max(time.monotonic() - self.t0, 1e-3)
         out = {}
-        for r, (pid, ticks, size) in self._sample().items():
-            pid0, ticks0, size0 = self.s0[r]
-            cpu = float("nan")
-            if pid == pid0 and ticks is not None and ticks0 is not None:
-                cpu = (ticks - ticks0) / self.TICKS / elapsed
-            out[r] = (cpu, size - size0)
+        for r, (pid, cpu, size) in self._sample().items():
+            pid0, cpu0, size0 = self.s0[r]
+            share = float("nan")
+            if cpu is not None and pid == pid0 and cpu0 is not None:
+                share = (cpu[0] - cpu0[0]) / self.TICKS / elapsed
+            elif cpu is not None:  # restarted meanwhile: since its start
+                age = max(_uptime_ticks() - cpu[1], 1.0)
+                share = cpu[0] / age
+            out[r] = (share, size - size0)
         return out
 
     def describe(self) -> str:
@@ -236,9 +242,17 @@ class Meter:
 
 class Trial:
     def __init__(
-        self, plan: Plan, root: Path, servers: Servers, *, netns: bool, keep: bool = False
+        self,
+        plan: Plan,
+        root: Path,
+        servers: Servers,
+        *,
+        netns: bool,
+        keep: bool = False,
+        marker_bound: float = MARKER_BOUND,
     ) -> None:
         self.plan = plan
+        self.marker_bound = marker_bound
         self.keep = keep
         """Keep the trial's directory (the daemons' logs) when it passes too."""
         self.root = root
@@ -290,6 +304,7 @@ class Trial:
         self.net = net
         job = f"chaos{self.plan.seed}"
         cluster = ChaosCluster(self.root, job, net)
+        cluster.extra = self.plan.flags
         stack.callback(cluster.close)
         self.cluster = cluster
         cluster.keys["backup_interval_steps"] = self.plan.interval
@@ -344,12 +359,6 @@ class Trial:
                 self._run_due(until=time.monotonic() + TRAIN_SECONDS)
             newest = step
             self._run_due(until=None)  # every heal and restart done before the job restarts
-            if epoch.torn:
-                # The job dies mid-save: these ranks published the next step, the others not.
-                files = {r: payload(step + 10, seed=f"rank{r}") for r in range(NODES)}
-                self.files[step + 10] = files
-                for r in epoch.torn:
-                    make_step(c.dirs[r], step + 10, files[r])
             time.sleep(epoch.restart_delay)
             step = self._restart(epoch, newest=newest)
 
@@ -456,10 +465,16 @@ class Trial:
         early = [f for f in in_round if f.delay < 0]
         for f in early:
             self._inject(f)
+        if epoch.torn:
+            # The job dies mid-save: these ranks published the next step, the others not.
+            files = {r: payload(newest + 10, seed=f"rank{r}") for r in range(NODES)}
+            self.files[newest + 10] = files
+            for r in epoch.torn:
+                make_step(c.dirs[r], newest + 10, files[r])
         time.sleep(max((-f.delay for f in early), default=0.0))
         c.handshake(order)
         self._schedule([f for f in in_round if f.delay >= 0], base=t0)
-        bound = MARKER_BOUND + sum(abs(f.delay) + f.duration for f in in_round)
+        bound = self.marker_bound + sum(abs(f.delay) + f.duration for f in in_round)
         seen: dict[int, float] = {}
         while len(seen) < NODES:
             now = time.monotonic()

@@ -17,8 +17,8 @@ import pytest
 from replicator.tools import certs
 from tests.chaos import network
 from tests.chaos.__main__ import BACKENDS, report
-from tests.chaos.harness import Servers, Trial
-from tests.chaos.plan import IN_ROUND, Epoch, Fault, Plan, make_plan
+from tests.chaos.harness import MARKER_BOUND, Servers, Trial
+from tests.chaos.plan import Epoch, Fault, Plan, make_plan
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES
 from tests.integration.helpers import (
@@ -39,6 +39,8 @@ from tests.tls import node_tls
 pytestmark = pytest.mark.integration
 
 NETNS = network.available()
+DEFAULT_RESCAN = ("--rescan-seconds", "2")
+"""The daemon's default, in place of the fast timers' 0.3 s."""
 SEEDS = (2, 5, 7)
 """Between them: partitions (in the round too), kills, a lost node, S3-less file and GCS
 backups with latency and resets (see ``make_plan``); about 20 s each on a 2-core box."""
@@ -53,9 +55,14 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
         s.close()
 
 
-def _run(plan: Plan, root: Path, servers: Servers) -> None:
+def _run(plan: Plan, root: Path, servers: Servers, *, bound: float = MARKER_BOUND) -> None:
+    """Run one trial; a failure with issue 23's wedge signature is an AssertionError (what
+    the known-bug marks expect), any other a plain test failure."""
     print("\n".join(plan.describe()))
-    result = Trial(plan, root / f"seed-{plan.seed}", servers, netns=NETNS).run()
+    trial = Trial(plan, root / f"seed-{plan.seed}", servers, netns=NETNS, marker_bound=bound)
+    result = trial.run()
+    if not result.ok and not result.known:
+        pytest.fail(report(result))
     assert result.ok, report(result)
     assert result.steps_lost == 0
 
@@ -79,26 +86,37 @@ def test_seed(seed: int, tmp_path: Path, servers: Servers) -> None:
     _run(make_plan(seed, nodes=NODES, netns=NETNS, backends=BACKENDS), tmp_path, servers)
 
 
+ISSUE_23 = (
+    Fault("kill", 0, after_save=1, delay=0.2, duration=0.5),  # step 20: rank 0's daemon
+    Fault("lose", 1, after_save=2, delay=0.2, duration=0.5),  # step 30: node 1's RAM disk
+)
+"""Issue 23's wedge: a job saving every 10 steps; rank 0's daemon SIGKILLed at step 20 and
+restarted while the job trains on; node 1 lost at step 30; the whole job restarts at once."""
+WEDGE_BOUND = 30.0
+"""Seconds for the markers in these scenarios (tiny steps, no fault in the round)."""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,  # only the wedge's signature; any other failure fails
+    reason="issue 23: a restarted rank-0 daemon followed by a job restart wedges the job",
+)
 def test_rank0_daemon_restarted_then_node_lost_then_job_restart(
     tmp_path: Path, servers: Servers
 ) -> None:
-    """Issue 23's wedge, as it describes it: a job saving every 10 steps; rank 0's daemon
-    SIGKILLed at step 20 and restarted while the job trains on; node 1 lost at step 30;
-    the whole job restarts at once. Every rank must get step 30's marker."""
-    kill0 = Fault("kill", 0, after_save=1, delay=0.2, duration=0.5)
-    lose1 = Fault("lose", 1, after_save=2, delay=0.2, duration=0.5)
-    plan = Plan(1_000_001, "file", 100, (Epoch(3, (kill0, lose1), 0.0),))
-    _run(plan, tmp_path, servers)
+    """With the daemons' default rescan (2 s): rank 0's new incarnation ingests the step
+    the job published while its daemon was down before it joins; its report is taken as
+    the resumed run's, and every join of it is refused (a warning each, no backoff)."""
+    plan = Plan(1_000_001, "file", 100, (Epoch(3, ISSUE_23, 0.0),), flags=DEFAULT_RESCAN)
+    _run(plan, tmp_path, servers, bound=WEDGE_BOUND)
 
 
-def test_rank0_daemon_down_while_the_job_restarts(tmp_path: Path, servers: Servers) -> None:
-    """The same, with rank 0's daemon killed again as the pods restart: it comes back to a
-    resumable incarnation and a new ``replicator.yaml`` at once."""
-    kill0 = Fault("kill", 0, after_save=1, delay=0.2, duration=0.5)
-    lose1 = Fault("lose", 1, after_save=2, delay=0.2, duration=0.5)
-    again = Fault("kill", 0, after_save=IN_ROUND, delay=-0.2, duration=1.0)
-    plan = Plan(1_000_002, "file", 100, (Epoch(3, (kill0, lose1, again), 0.0),))
-    _run(plan, tmp_path, servers)
+def test_rank0_daemon_restarted_then_node_lost_then_job_restart_fast_rescan(
+    tmp_path: Path, servers: Servers
+) -> None:
+    """The same with a 0.3 s rescan restores: the resumed incarnation takes the step first."""
+    plan = Plan(1_000_002, "file", 100, (Epoch(3, ISSUE_23, 0.0),))
+    _run(plan, tmp_path, servers, bound=WEDGE_BOUND)
 
 
 def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
@@ -117,8 +135,10 @@ def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
             text = config_text(job, backup_interval_steps=1)
             write_yaml_atomic(ckpt, text)
             os.unlink(wait_markers(ckpt, job, 0, daemon)[0])
-            files = {}
-            for step in (10, 20, 30):
+            files = {10: payload(10)}
+            make_step(ckpt, 10, files[10])
+            wait_until(lambda: 10 in backup_commits(backup, job), "step 10 backed up")
+            for step in (20, 30):
                 files[step] = payload(step)
                 make_step(ckpt, step, files[step])
             wait_until(lambda: 30 in stored_steps(ckpt, job), "step 30 taken", daemon=daemon)
