@@ -16,7 +16,6 @@ it under names this object made and removes in ``close``).
 
 from __future__ import annotations
 
-import itertools
 import os
 import shutil
 import subprocess
@@ -46,19 +45,26 @@ def available() -> bool:
 class Network:
     """``nodes`` namespaces on one bridge; node ``r`` has address ``10.77.<net>.<r+1>``."""
 
-    _ids = itertools.count()
-
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
-        # Unique per process and per network: two sessions on one host do not collide.
-        self.net = (os.getpid() + next(self._ids)) % 200 + 20
-        self.tag = f"mtc{self.net}"
-        self.bridge = f"{self.tag}br"
-        self.gateway = f"10.77.{self.net}.254"
-        """The test's own address on the bridge: where daemons reach the store proxy."""
+        self.net = 0
+        """The third octet of its subnet, chosen in ``open`` among those no one uses."""
         self._cut: set[tuple[int, int]] = set()
         self._isolated: set[int] = set()
         self._made: list[list[str]] = []
+
+    @property
+    def tag(self) -> str:
+        return f"mtc{self.net}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.tag}br"
+
+    @property
+    def gateway(self) -> str:
+        """The test's own address on the bridge: where daemons reach the store proxy."""
+        return f"10.77.{self.net}.254"
 
     def ns(self, rank: int) -> str:
         return f"{self.tag}n{rank}"
@@ -71,8 +77,18 @@ class Network:
         return ("ip", "netns", "exec", self.ns(rank))
 
     def open(self) -> Network:
-        self.close()  # leftovers of a killed run with the same pid
-        _ip("link", "add", self.bridge, "type", "bridge")
+        # Another run on this host (or a killed one's leftovers) may hold a subnet: the
+        # first bridge name that can be created is ours, and nothing of others is touched.
+        start = os.getpid() % 200
+        for i in range(200):
+            self.net = (start + i) % 200 + 20
+            try:
+                _ip("link", "add", self.bridge, "type", "bridge")
+            except subprocess.CalledProcessError:
+                continue
+            break
+        else:
+            raise RuntimeError("no free 10.77.x.0/24 subnet for a chaos network")
         self._made.append(["link", "del", self.bridge])
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -89,8 +105,7 @@ class Network:
 
     def close(self) -> None:
         """Remove everything this network made (its namespaces take their veths along)."""
-        names = [["netns", "del", self.ns(r)] for r in range(self.nodes)]
-        for args in [*reversed(self._made), *names, ["link", "del", self.bridge]]:
+        for args in reversed(self._made):
             subprocess.run(["ip", *args], capture_output=True, check=False, timeout=30)
         self._made.clear()
         self._cut.clear()

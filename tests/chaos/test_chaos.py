@@ -104,9 +104,10 @@ WEDGE_BOUND = 30.0
 def test_rank0_daemon_restarted_then_node_lost_then_job_restart(
     tmp_path: Path, servers: Servers
 ) -> None:
-    """With the daemons' default rescan (2 s): rank 0's new incarnation ingests the step
-    the job published while its daemon was down before it joins; its report is taken as
-    the resumed run's, and every join of it is refused (a warning each, no backoff)."""
+    """With the daemons' default rescan (2 s): rank 0's new incarnation finds a step in
+    CHECKPOINT_DIR that its resumed one had not taken yet, ingests it and reports it before
+    it joins; the restarted coordinator adopts that report as the old run's, and refuses
+    every join of it (a warning each, no backoff) while rank 0's daemon spins."""
     plan = Plan(1_000_001, "file", 100, (Epoch(3, ISSUE_23, 0.0),), flags=DEFAULT_RESCAN)
     _run(plan, tmp_path, servers, bound=WEDGE_BOUND)
 
