@@ -120,27 +120,33 @@ def test_rank0_daemon_restarted_then_node_lost_then_job_restart_fast_rescan(
     _run(plan, tmp_path, servers, bound=WEDGE_BOUND)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,  # the wait for step 30's COMMIT; anything else fails
+    reason="issue 23: a step restored after a job restart is never backed up",
+)
 def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
-    """One node, ``backup-interval-steps: 1``: steps 10, 20, 30 saved; the job restarts at
-    once and restores 30 from the local tier. Step 30 must reach the bucket without a
-    further save: a RAM disk lost now would otherwise lose steps 20-30."""
+    """One node, ``backup-interval-steps: 1``, uploads slowed to 64 KiB/s: steps 10, 20,
+    30 saved; the job restarts at once, while a backup ordered to the old incarnation is
+    still uploading, and restores 30 from the local tier. Step 30 must reach the bucket
+    without a further save: a RAM disk lost now would otherwise lose steps 20-30."""
     job = "restored-step"
     backup = tmp_path / "backup"
     backup.mkdir()
     tls = node_tls(tmp_path / "tls", certs.new_ca())
     with ram_disk(tmp_path / "ram", "64m") as ckpt:
         daemon = DaemonProcess(
-            ckpt, backup=backup.as_uri(), extra_args=(*FAST_ARGS, *tls.args())
+            ckpt,
+            backup=backup.as_uri(),
+            extra_args=(*FAST_ARGS, *tls.args(), "--max-transfer-rate", "64KiB"),
         ).start()
         try:
             text = config_text(job, backup_interval_steps=1)
             write_yaml_atomic(ckpt, text)
             os.unlink(wait_markers(ckpt, job, 0, daemon)[0])
-            files = {10: payload(10)}
-            make_step(ckpt, 10, files[10])
-            wait_until(lambda: 10 in backup_commits(backup, job), "step 10 backed up")
-            for step in (20, 30):
-                files[step] = payload(step)
+            files = {}
+            for step in (10, 20, 30):
+                files[step] = payload(step, size=192 << 10)  # 3 s each at 64 KiB/s
                 make_step(ckpt, step, files[step])
             wait_until(lambda: 30 in stored_steps(ckpt, job), "step 30 taken", daemon=daemon)
             write_yaml_atomic(ckpt, text)  # the trainer restarts at once
@@ -150,7 +156,7 @@ def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
                 lambda: 30 in backup_commits(backup, job),
                 "the restored step 30 backed up",
                 daemon=daemon,
-                timeout=20,
+                timeout=30,
             )
         finally:
             daemon.stop()
