@@ -16,11 +16,13 @@ it under names this object made and removes in ``close``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
 from collections.abc import Iterable
 
+_OPENED = itertools.count()
 BOGUS_MAC = "02:00:00:c4:a0:5f"
 """A locally administered address that no interface has: frames to it go nowhere."""
 
@@ -77,18 +79,23 @@ class Network:
         return ("ip", "netns", "exec", self.ns(rank))
 
     def open(self) -> Network:
-        # Another run on this host (or a killed one's leftovers) may hold a subnet: the
-        # first bridge name that can be created is ours, and nothing of others is touched.
-        start = os.getpid() % 200
+        """Make the bridge and the namespaces on the first subnet that is wholly free."""
+        # Another run on this host (or a killed one's leftovers) may hold a subnet; so may
+        # this process's previous network for a moment (namespaces go away asynchronously,
+        # their veths with them): such a subnet is skipped, and nothing of it is touched.
+        start = (os.getpid() + 37 * next(_OPENED)) % 200
         for i in range(200):
             self.net = (start + i) % 200 + 20
             try:
-                _ip("link", "add", self.bridge, "type", "bridge")
+                self._make()
             except subprocess.CalledProcessError:
+                self.close()
                 continue
-            break
-        else:
-            raise RuntimeError("no free 10.77.x.0/24 subnet for a chaos network")
+            return self
+        raise RuntimeError("no free 10.77.x.0/24 subnet for a chaos network")
+
+    def _make(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
         self._made.append(["link", "del", self.bridge])
         _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
@@ -101,7 +108,6 @@ class Network:
             _ip("-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        return self
 
     def close(self) -> None:
         """Remove everything this network made (its namespaces take their veths along)."""
