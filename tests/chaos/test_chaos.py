@@ -156,7 +156,7 @@ def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
                 lambda: 30 in backup_commits(backup, job),
                 "the restored step 30 backed up",
                 daemon=daemon,
-                timeout=30,
+                timeout=20,  # 10 s with the fix, steps 10-30 uploaded in turn
             )
         finally:
             daemon.stop()
