@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from tests.chaos import network
-from tests.chaos.harness import Result, Servers, Trial
+from tests.chaos.harness import Result, Trial
+from tests.chaos.nodes import Servers
 from tests.chaos.plan import make_plan
 from tests.integration.cluster import NODES
 

@@ -17,7 +17,8 @@ import pytest
 from replicator.tools import certs
 from tests.chaos import network
 from tests.chaos.__main__ import BACKENDS, report
-from tests.chaos.harness import MARKER_BOUND, Servers, Trial
+from tests.chaos.harness import MARKER_BOUND, Trial
+from tests.chaos.nodes import Servers
 from tests.chaos.plan import Epoch, Fault, Plan, make_plan
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES
