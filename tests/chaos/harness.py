@@ -348,8 +348,9 @@ class Trial:
         self._run_due(until=None)
         last = max(seen.values())
         self.result.restart_to_marker.append(last - t0)
-        self.result.fault_to_marker += [last - t for t in self.fault_times]
-        self.fault_times = []
+        # A fault of the round that came after its last marker counts for the next restart.
+        self.result.fault_to_marker += [last - t for t in self.fault_times if t <= last]
+        self.fault_times = [t for t in self.fault_times if t > last]
         for r in range(NODES):
             d = c.daemon(r)
             if not d.running:
