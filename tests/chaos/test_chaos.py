@@ -42,9 +42,11 @@ pytestmark = pytest.mark.integration
 NETNS = network.available()
 DEFAULT_RESCAN = ("--rescan-seconds", "2")
 """The daemon's default, in place of the fast timers' 0.3 s."""
-SEEDS = (2, 5, 7)
-"""Between them: partitions (in the round too), kills, a lost node, S3-less file and GCS
-backups with latency and resets (see ``make_plan``); about 20 s each on a 2-core box."""
+SEEDS = (12, 22, 35)
+"""Between them: S3 resets and a cut to the coordinator, then rank 0's daemon killed in the
+round (12); a full ``file://`` disk, rank 0 cut off from its peers in the round, a lost
+node, a kill in the round, a torn save (22); GCS cut bodies, an isolated node, kills, a cut
+to the coordinator (35). About 20-25 s each on this 2-core box."""
 
 
 @pytest.fixture(scope="module")
