@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # range (torch>=2.7,<3) is already satisfied and nothing pulls CUDA.
 TORCH  := torch==2.13.0
 
-.PHONY: venv demo test lint typecheck unit bench clean
+.PHONY: venv demo test lint typecheck unit bench chaos clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,14 @@ bench: $(STAMP)
 	$(PY) scripts/bench_fanout.py --size-mib 256
 	$(PY) scripts/bench_scale.py
 	$(PY) scripts/bench_interference.py --size-mib 1024
+
+# Seeded chaos trials against real daemons (root: a tmpfs and a network namespace per node).
+# A failing trial prints its seed and the command that replays it alone. Not in `make test`,
+# which runs a few fixed seeds.
+TRIALS ?= 100
+SEED   ?= 0
+chaos: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m tests.chaos --trials $(TRIALS) --seed $(SEED)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -37,6 +37,8 @@ class DaemonProcess:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         max_open_files: int | None = None,
+        prefix: tuple[str, ...] = (),
+        listen: str = "127.0.0.1:0",
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.backup = backup
@@ -45,6 +47,9 @@ class DaemonProcess:
         self.log_path = log_path or _default_log(checkpoint_dir)
         self.max_open_files = max_open_files
         """RLIMIT_NOFILE of the daemon, when given (a node with a low descriptor limit)."""
+        self.prefix = prefix
+        """A command the daemon runs under (``ip netns exec NS``: a node of its own network)."""
+        self.listen_arg = listen
         self.proc: subprocess.Popen[bytes] | None = None
         self.listen: str | None = None
         """The gRPC address the daemon bound (its ``127.0.0.1:0`` resolved), once ready."""
@@ -54,13 +59,14 @@ class DaemonProcess:
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
         args = [
+            *self.prefix,
             sys.executable,
             "-m",
             "replicator.node.daemon",
             "--checkpoint-dir",
             str(self.checkpoint_dir),
             "--listen",
-            "127.0.0.1:0",
+            self.listen_arg,
             *(["--backup", self.backup] if self.backup else []),
             *self.extra_args,
         ]

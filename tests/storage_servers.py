@@ -21,6 +21,7 @@ import http.client
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -256,6 +257,8 @@ class Reply:
     body: bytes = b""
     cut_after: int | None = None
     """Send only this many body bytes, then drop the connection (a broken download)."""
+    reset: bool = False
+    """Answer nothing: reset the connection once the request was read (a reset mid-call)."""
 
 
 Match = Callable[[Request], bool]
@@ -410,6 +413,8 @@ class FaultProxy:
         upstream: str,
         rules: list[Rule] | None = None,
         reply_rules: list[ReplyRule] | None = None,
+        *,
+        host: str = HOST,
     ) -> None:
         parts = urlsplit(upstream)
         self.upstream_host = parts.hostname or HOST
@@ -421,7 +426,7 @@ class FaultProxy:
         self.in_flight = 0
         self.max_in_flight = 0
         """The most requests the proxy was handling at once (parallel uploads show here)."""
-        self._server = ThreadingHTTPServer((HOST, 0), _handler_for(self))
+        self._server = ThreadingHTTPServer((host, 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -432,7 +437,8 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self._server.server_address[1]}"
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
 
     def start(self) -> FaultProxy:
         self._thread.start()
@@ -506,6 +512,13 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
             body = self._read_body()
             req = Request(self.command, self.path, list(self.headers.items()), body)
             reply = proxy.handle(req)
+            if reply.reset:
+                # SO_LINGER 0: close() sends RST, as a load balancer that drops a call does.
+                self.connection.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                self.close_connection = True
+                return
             self.send_response(reply.status)
             for key, value in reply.headers:
                 if key.lower() not in ("server", "date"):
