@@ -69,7 +69,7 @@ from replicator.core.pacing import (
     default_floor,
     format_rate,
 )
-from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
+from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, Backoff
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -116,6 +116,11 @@ from replicator.transport.signing import check_identity, record_trust
 from replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, TlsMaterial, open_material
 
 log = logging.getLogger("replicator.node.daemon")
+
+
+class Stopping(Exception):
+    """The daemon was asked to stop while it waited for something that may still heal."""
+
 
 READY_LINE = "daemon ready"
 FIRST_PROBE_WAIT = 10.0
@@ -689,6 +694,8 @@ class Daemon:
         """Whether it was renamed into place, with no write since: complete as it appeared."""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
+        self._registering: asyncio.Task[None] | None = None
+        """A registration a resume could not make at once (``_claim_later``)."""
         self.exit_code = 0
         self.health_address: str | None = None
         """The plaintext health-only address, when ``--health-listen`` asks for one."""
@@ -1012,6 +1019,8 @@ class Daemon:
             log.info("stopping")
             readiness.cancel()
             probe.cancel()
+            if self._registering is not None:
+                self._registering.cancel()
             if self._stop.is_set():
                 await self._drain()
             self.coordinators.close()  # long polls answer at once instead of being cut off
@@ -1274,9 +1283,12 @@ class Daemon:
         *,
         incarnation: str | None = None,
         resume_steady: bool = False,
+        register_later: bool = False,
     ) -> None:
         """Host the job's coordinator for ``owner`` when this node is its rank 0; drop any
-        other.
+        other. ``register_later``: a registration that fails for now goes on in the
+        background (a restarted daemon resumes its job meanwhile); otherwise it is waited
+        for.
 
         A cluster job's coordinator is registered for the other ranks to find; a one-node
         job's is called in process by its agent only, so it needs no registry. Raises
@@ -1288,6 +1300,9 @@ class Daemon:
         that runs rank 0 here, is the only one that may open a new round. A daemon restarted
         while its job runs (``resume_steady``) hosts one that takes the running ranks back.
         """
+        if self._registering is not None:
+            self._registering.cancel()  # superseded by what is decided now
+            self._registering = None
         keep = config.job_name if config is not None and config.node_rank == 0 else None
         for job in self.coordinators.jobs():
             hosted = self.coordinators.get(job)
@@ -1316,13 +1331,71 @@ class Daemon:
         assert self.advertise is not None
         entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time(), owner)
         try:
-            await asyncio.to_thread(self.registry.claim, entry)
-        except OwnedByAnother:
+            await self._claim(entry, once=register_later)
+        except (OwnedByAnother, Stopping):
             self.coordinators.drop(keep)
             raise
+        except (ObjectStoreError, OSError):
+            self._registering = asyncio.create_task(
+                self._claim_later(entry), name=f"register-{keep}"
+            )
+            return
         log.info(
             "hosting the coordinator of job %s at %s (id %s)", keep, self.advertise, coordinator_id
         )
+
+    async def _claim(self, entry: RegistryEntry, *, once: bool = False) -> None:
+        """Register ``entry``, waiting out what may heal (a full or unreachable store: the
+        uploads wait for it too) with jittered backoff and saying why, instead of letting
+        the error end the daemon. ``OwnedByAnother`` at once; ``Stopping`` when the daemon
+        is asked to stop first; with ``once``, the first error that may heal."""
+        assert self.registry is not None
+        backoff = Backoff(1.0, 30.0)
+        while True:
+            try:
+                await asyncio.to_thread(self.registry.claim, entry)
+            except (ObjectStoreError, OSError) as exc:
+                if once:
+                    log.warning(
+                        "cannot register the coordinator of job %s in %s yet (resuming "
+                        "meanwhile): %s",
+                        entry.job,
+                        self.registry.url,
+                        exc,
+                    )
+                    raise
+                wait = backoff.next()
+                log.warning(
+                    "cannot register the coordinator of job %s in %s, again in %.1fs: %s",
+                    entry.job,
+                    self.registry.url,
+                    wait,
+                    exc,
+                )
+            else:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+            if self._stop.is_set():
+                raise Stopping(f"stopped before the coordinator of job {entry.job} registered")
+
+    async def _claim_later(self, entry: RegistryEntry) -> None:
+        """The registration a resume could not make at once: retried until it is made. The
+        entry's owner refused meanwhile, the job stops here as a refused handshake would."""
+        with contextlib.suppress(Stopping):
+            try:
+                await self._claim(entry)
+            except OwnedByAnother as exc:
+                self.coordinators.drop(entry.job)
+                running = self.incarnation
+                if running is not None and running.config.job_name == entry.job:
+                    log.error("stopping job %s: %s", entry.job, exc)
+                    await self._end_incarnation()
+                    text = f"mtc-replicator: job {entry.job} stopped: {exc}.\nRestart the job.\n"
+                    fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
+                return
+        if not self._stop.is_set():
+            log.info("registered the coordinator of job %s at last", entry.job)
 
     async def _resume(self, resumed: Incarnation) -> None:
         """Resume the incarnation a restart interrupted, under the owner the node has now
@@ -1335,7 +1408,11 @@ class Daemon:
                 resumed.owner,
                 incarnation=resumed.id,
                 resume_steady=resumed.phase is IncarnationPhase.STEADY,
+                register_later=True,
             )
+        except Stopping as exc:
+            log.info("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            return  # its saved state stays: the next start resumes it
         except (BadOwner, OwnedByAnother) as exc:
             log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
             save_state(self.store, None)
@@ -1404,6 +1481,9 @@ class Daemon:
         except OwnedByAnother as exc:
             await self._refuse(text, str(exc), "Choose another job name")
             return
+        except Stopping as exc:
+            log.info("not accepting %s: %s", CONFIG_FILE, exc)
+            return  # the yaml stays: the next start takes it
         self.incarnation = Incarnation(
             config,
             self.ctx,

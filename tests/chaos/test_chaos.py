@@ -101,11 +101,6 @@ WEDGE_BOUND = 30.0
 """Seconds for the markers in these scenarios (tiny steps, no fault in the round)."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # only the wedge's signature; any other failure fails
-    reason="issue 23: a restarted rank-0 daemon followed by a job restart wedges the job",
-)
 def test_rank0_daemon_restarted_then_node_lost_then_job_restart(
     tmp_path: Path, servers: Servers
 ) -> None:
@@ -125,30 +120,19 @@ def test_rank0_daemon_restarted_then_node_lost_then_job_restart_fast_rescan(
     _run(plan, tmp_path, servers, bound=WEDGE_BOUND)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # only this exit; any other failure fails
-    reason="found by make chaos (seed 90): rank 0's daemon, restarted while its registry "
-    "(a full file:// disk) cannot be written, exits 1 with a traceback",
-)
 def test_rank0_daemon_restarted_while_the_registry_is_full(
     tmp_path: Path, servers: Servers
 ) -> None:
-    """Rank 0's daemon killed while the ``file://`` backup, its registry too, is full: on
-    restart it re-claims the job's registry entry to resume, the write fails with ENOSPC,
-    and the daemon dies (``_host_coordinator`` lets ObjectStoreError out) instead of
-    waiting for the store, as the uploads do."""
+    """Rank 0's daemon killed while the ``file://`` backup, its registry too, is full (found
+    by ``make chaos``, seed 90): on restart it re-claims the job's registry entry to resume,
+    and the write fails with ENOSPC until the disk has room. It waits for the store, as the
+    uploads do, instead of exiting 1 with a traceback."""
     full = Fault("store", -1, after_save=0, delay=0.0, duration=6.0, mode="full")
     kill0 = Fault("kill", 0, after_save=0, delay=0.5, duration=0.5)
     plan = Plan(1_000_003, "full", 1, (Epoch(2, (full, kill0), 0.0),))
     _run(plan, tmp_path, servers, known="daemon exited with 1")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,  # the wait for step 30's COMMIT; anything else fails
-    reason="issue 23: a step restored after a job restart is never backed up",
-)
 def test_a_restored_step_is_backed_up(tmp_path: Path) -> None:
     """One node, ``backup-interval-steps: 1``, uploads slowed to 64 KiB/s: steps 10, 20,
     30 saved; the job restarts at once, while a backup ordered to the old incarnation is
