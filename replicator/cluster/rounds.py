@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+import grpc
+
 from replicator.cluster.client import (
     CoordinatorError,
     MustRejoin,
@@ -35,7 +37,13 @@ from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local.store import LocalStore, StoreError
 from replicator.storage.objectstore import ObjectStoreError
 from replicator.transport.obtaining import Obtain, Obtaining
-from replicator.transport.peer import ItemBusy, ItemNotFound, PeerClient, PeerError
+from replicator.transport.peer import (
+    ItemBusy,
+    ItemNotFound,
+    PeerClient,
+    PeerError,
+    PeerUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,12 @@ holder may not have received the plan. Past this the holder is not coming."""
 
 REFUSAL_SAID_EVERY = 60.0
 """Seconds between log lines about joins the coordinator does not admit."""
+
+
+PEER_RETRY_SECONDS = 20.0
+"""How long a pull keeps trying a holder that cannot be reached before this rank reports the
+copy unavailable (and the round may fall back to an older step): a daemon's restart, with
+its start-up checks, fits."""
 
 
 class RoundFailed(Exception):
@@ -95,6 +109,7 @@ class RoundContext:
     pending pulls of other ranks); None: nobody pulls from this node during a round."""
     pending_wait: float = PENDING_WAIT_SECONDS
     pending_grace: float = PENDING_GRACE_SECONDS
+    peer_retry: float = PEER_RETRY_SECONDS
     timeline: RestoreTimeline | None = None
     """Where the round marks its phases (join, plan, each fetch, release); None: nowhere."""
 
@@ -257,6 +272,35 @@ class RoundParticipant:
         )
         await asyncio.sleep(wait)
 
+    async def _pull(self, peers: PeerClient, address: str, f: Fetch, *, retry: bool) -> None:
+        """Pull ``f`` from its holder. With ``retry`` (no other source of the item is left),
+        try again for ``peer_retry`` seconds while the holder cannot be reached: it joined
+        this round, so it is likely restarting (a DaemonSet update, a crash), and the
+        channel fails fast while it reconnects. Giving up at once would make the round fall
+        back to an older step and drop the newer copies everywhere (``make chaos``, seed
+        67); with another source left, that source is tried at once instead."""
+        backoff = Backoff(0.5, 4.0)
+        deadline = time.monotonic() + (self.ctx.peer_retry if retry else 0.0)
+        while True:
+            try:
+                await peers.pull_item(address, f.item, self.ctx.store, f.digest)
+            except PeerUnavailable as exc:
+                wait = backoff.next()
+                if exc.code is not grpc.StatusCode.UNAVAILABLE or (
+                    time.monotonic() + wait > deadline
+                ):
+                    raise
+                log.info(
+                    "pull of %s from rank %s: %s; again in %.1fs (the holder may be restarting)",
+                    f.item,
+                    f.holder,
+                    exc,
+                    wait,
+                )
+                await asyncio.sleep(wait)
+            else:
+                return
+
     def _wait(self) -> float:
         """A long poll's wait: short enough to say what we wait for once ``report_after``
         has passed."""
@@ -302,7 +346,8 @@ class RoundParticipant:
                     if f.pending:
                         await self._pull_pending(peers, addresses[f.holder], f)
                     else:
-                        await peers.pull_item(addresses[f.holder], f.item, store, f.digest)
+                        last = index == len(fetches) - 1
+                        await self._pull(peers, addresses[f.holder], f, retry=last)
                 else:
                     self._mark(RestorePhase.BACKUP, str(f.item))
                     await self.ctx.fetch_backup(f.item, f.digest)

@@ -120,6 +120,31 @@ def test_the_serving_peer_killed_mid_restore_fetch(cluster: Cluster) -> None:
     assert re.search(r"restored \S+/s5/n2-w0 from backup", cluster.daemon(2).log())
 
 
+def test_the_only_holder_restarted_mid_fetch_is_waited_for_not_rolled_back(
+    cluster: Cluster,
+) -> None:
+    # Found by make chaos (seed 67): step 10 of a rank exists only on rank 0's node, and
+    # rank 0's daemon (the coordinator's host too) restarts while that rank pulls it. Its
+    # channel to rank 0 failed fast while reconnecting; reporting the copy unavailable at
+    # once made the round fall back to step 5 (the backup) and every rank drop step 10.
+    cluster.fresh_start()
+    cluster.save(5)
+    cluster.wait_backup(5)  # the first step goes up at once; step 10 is not due
+    victim = next(r for r in range(1, NODES) if cluster.holder(r, 5) == 0)
+    files = cluster.write_step(10, sizes={victim: BIG})
+    cluster.wait_saved(10)
+    assert 10 not in cluster.committed_backups()
+    cluster.wipe(victim)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_staging(victim, at_least=STAGED)
+    cluster.daemon(0).kill()
+    time.sleep(1.0)
+    cluster.start(0)
+    cluster.wait_markers(10)
+    assert_restored(cluster, 10, files)
+    assert cluster.source(victim) == "peer"
+
+
 def test_a_stalled_peer_does_not_stall_the_others(cluster: Cluster) -> None:
     cluster.fresh_start()
     cluster.save(3)

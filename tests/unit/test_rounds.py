@@ -1,0 +1,116 @@
+"""``cluster.rounds``: how a participant obtains one item from the sources its plan gives."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from replicator.cluster.messages import FailedFetch
+from replicator.cluster.rounds import RoundContext, RoundParticipant
+from replicator.core.contract import BackupInterval, Framework, JobConfig
+from replicator.core.manifest import ItemId
+from replicator.core.policy import Source
+from replicator.core.restore_plan import Fetch
+from replicator.local.store import LocalStore
+from replicator.storage.objectstore import ObjectStoreError
+from replicator.transport.peer import PeerUnavailable
+
+ITEM = ItemId("job", 10, 2, 0)
+DIGEST = "ab" * 32
+
+
+class RestartingPeer:
+    """A holder that refuses connections ``down`` times (its daemon restarting), then
+    serves; records each call."""
+
+    def __init__(self, down: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        self.down, self.code, self.calls = down, code, 0
+
+    async def pull_item(self, address: str, item: ItemId, store: Any, digest: str) -> None:
+        self.calls += 1
+        if self.calls <= self.down:
+            raise PeerUnavailable(address, f"pull of {item}: connection refused", self.code)
+
+
+def participant(
+    tmp_path: Path, peer: RestartingPeer, peer_retry: float | None = None
+) -> RoundParticipant:
+    store = LocalStore(tmp_path / "checkpoint")
+    (tmp_path / "checkpoint").mkdir()
+    store.open()
+
+    async def never(*_: object) -> None:
+        raise AssertionError("not this source")
+
+    async def bucket_down(*_: object) -> None:
+        raise ObjectStoreError("the bucket is down too")
+
+    config = JobConfig(
+        job_name="job",
+        framework=Framework.ORBAX,
+        node_rank=2,
+        nodes=4,
+        peers_per_node=1,
+        backup_interval=BackupInterval(minutes=None, steps=10),
+    )
+    return RoundParticipant(
+        RoundContext(
+            config=config,
+            incarnation_id="b2",
+            store=store,
+            peers=peer,  # type: ignore[arg-type]
+            finder=None,  # type: ignore[arg-type]
+            advertise="127.0.0.1:7002",
+            verify_local=never,
+            fetch_backup=bucket_down,
+            error=lambda message, step: None,
+            **({} if peer_retry is None else {"peer_retry": peer_retry}),
+        )
+    )
+
+
+def obtain(p: RoundParticipant, fetches: list[Fetch]) -> tuple[bool, list[FailedFetch]]:
+    failures: list[FailedFetch] = []
+    ok = asyncio.run(p._obtain_one(ITEM, fetches, {0: "127.0.0.1:7000"}, failures))
+    return ok, failures
+
+
+PEER = Fetch(Source.PEER, ITEM, 0, DIGEST)
+BACKUP = Fetch(Source.BACKUP, ITEM, None, DIGEST)
+
+
+def test_the_only_holder_restarting_is_waited_for(tmp_path: Path) -> None:
+    # make chaos, seed 67: giving up at once rolled the job back to an older step.
+    peer = RestartingPeer(down=2)
+    ok, failures = obtain(participant(tmp_path, peer), [PEER])
+    assert (ok, failures, peer.calls) == (True, [], 3)
+
+
+def test_with_another_source_left_an_unreachable_holder_is_not_waited_for(
+    tmp_path: Path,
+) -> None:
+    peer = RestartingPeer(down=1)
+    ok, failures = obtain(participant(tmp_path, peer), [PEER, BACKUP])
+    assert peer.calls == 1  # straight on to the backup (down too, in this test)
+    assert not ok
+    assert [f.fetch.source for f in failures] == [Source.PEER, Source.BACKUP]
+
+
+@pytest.mark.parametrize(
+    ("down", "code"),
+    [(100, grpc.StatusCode.UNAVAILABLE), (1, grpc.StatusCode.RESOURCE_EXHAUSTED)],
+    ids=["gone-for-good", "full-not-restarting"],
+)
+def test_a_holder_gone_for_good_or_full_is_given_up(
+    tmp_path: Path, down: int, code: grpc.StatusCode
+) -> None:
+    peer = RestartingPeer(down=down, code=code)
+    ok, failures = obtain(participant(tmp_path, peer, peer_retry=1.0), [PEER])
+    assert not ok
+    assert len(failures) == 1
+    assert not failures[0].corrupt
+    assert peer.calls <= 4  # waits of 0.25-0.5 s, 0.5-1 s within one second, then no more
