@@ -36,7 +36,7 @@ from replicator.core.jobname import (
 from replicator.core.manifest import ItemId, ManifestError
 from replicator.local.store import LocalStore, item_path, view_path
 from replicator.storage import restore_pins
-from replicator.transport import peer
+from replicator.transport import peerwire
 from replicator.transport.transfer import TransferError
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -205,7 +205,7 @@ SITES: dict[str, tuple[Callable[[str], object], type[Exception]]] = {
     "registry.entry_key": (registry.entry_key, registry.MalformedEntry),
     "restore_pins.pin_key": (restore_pins.pin_key, restore_pins.MalformedPin),
     "messages.check_job": (messages.check_job, messages.BadMessage),
-    "peer.item_id": (lambda j: peer.item_id(pb.ItemRef(job=j, step=1)), TransferError),
+    "peerwire.item_id": (lambda j: peerwire.item_id(pb.ItemRef(job=j, step=1)), TransferError),
     "CommitRecord.from_json": (_commit, ManifestError),
     "LocalStore.item_of_link": (_store_link, ValueError),
 }
