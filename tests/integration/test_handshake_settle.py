@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from replicator.core.contract import CONFIG_FILE, JobConfig
-from replicator.node.daemon import Daemon, DaemonOptions
+from replicator.node.daemon import Daemon
+from replicator.node.options import DaemonOptions
 from tests.integration.helpers import config_text, write_yaml_atomic
 
 pytestmark = pytest.mark.integration
