@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from replicator import __version__
 from replicator.local import fsutil
@@ -44,7 +43,6 @@ from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
     FAILED_FILE,
-    MAX_CONFIG_BYTES,
     PRERESTORE_FILE,
     ConfigError,
     IncompleteConfigError,
@@ -58,6 +56,7 @@ from replicator.core.pacing import (
     format_rate,
 )
 from replicator.core.retry import Backoff
+from replicator.core.settle import Act, Reading, SettleRules, judge
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -72,6 +71,7 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.node.handshake_file import HandshakeFile
 from replicator.node.options import DaemonOptions, parse_args
 from replicator.node.reclaim import Dropped, ForeignItems
 from replicator.node.status import SERVICE as NODE_SERVICE
@@ -203,19 +203,8 @@ def tune_malloc() -> None:
         libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
 
 
-@dataclass
-class _PendingConfig:
-    text: str
-    first_seen: float
-    changed_at: float
-
-
 class Daemon:
     """Supervises incarnations on one CHECKPOINT_DIR."""
-
-    VALID_SETTLE = 0.1
-    """A valid handshake must read the same twice this far apart (non-atomic writers)."""
-    INVALID_SETTLE = 1.0
 
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
@@ -272,12 +261,11 @@ class Daemon:
             pacer=self.pacer,
         )
         self.incarnation: Incarnation | None = None
-        self._pending: _PendingConfig | None = None
+        self.handshake = HandshakeFile(opts.checkpoint_dir)
+        self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds)
+        self._recheck_in = self.settle_rules.poll
+        """When a pending handshake is read again (``core.settle``)."""
         self._owner_checked = 0.0
-        self._config_finished = False
-        """Whether the yaml's writer is done: closed after writing or renamed into place."""
-        self._config_renamed = False
-        """Whether it was renamed into place, with no write since: complete as it appeared."""
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._registering: asyncio.Task[None] | None = None
@@ -330,8 +318,7 @@ class Daemon:
             # on every wake-up would otherwise become a busy loop.
             return
         if name == CONFIG_FILE:
-            self._config_finished = finished
-            self._config_renamed = renamed
+            self.handshake.event(finished, renamed)
         elif name and parse_save_name(name) is not None:
             # Only `.save` files need "closed after writing"; other names (our unique temp
             # files among them) would make the set grow for the daemon's whole life.
@@ -543,7 +530,7 @@ class Daemon:
             name="peer-probe",
         )
         # A yaml written while we were down has no events left to tell: trust it.
-        self._config_finished = (self.opts.checkpoint_dir / CONFIG_FILE).exists()
+        self.handshake.trust_existing()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
         watcher.start(loop)
         resumed = restore_saved(self.ctx)
@@ -593,7 +580,7 @@ class Daemon:
         readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
         try:
             while not self._stop.is_set():
-                tick = 0.05 if self._pending is not None else 1.0
+                tick = self._recheck_in if self.handshake.reads is not None else 1.0
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=tick)
                 self._wake.clear()
@@ -706,71 +693,46 @@ class Daemon:
 
     # --- the handshake file ----------------------------------------------------------------
 
-    def _read_config(self) -> str | None:
-        """The handshake's text; None when there is none. ``NotRegularFile`` for a symlink
-        (it could name any file the daemon reads) or a FIFO (a read would block forever)."""
-        path = self.opts.checkpoint_dir / CONFIG_FILE
-        try:
-            raw = fsutil.read_regular(path, MAX_CONFIG_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except fsutil.NotRegularFile as exc:
-            if exc.kind == "a directory":
-                return None  # the workload's own business, as before
-            raise
-        return raw.decode("utf-8", errors="replace")
-
     async def _check_config(self) -> None:
+        """Read the handshake and act on it once it is settled (``core.settle``)."""
         # Taken before the read: a close seen now covers the text we read, while one that
         # arrives during the read may follow a write our read missed.
-        closed, renamed = self._config_finished, self._config_renamed
+        closed, renamed = self.handshake.finished, self.handshake.renamed
         try:
             text = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._read_config
+                self.executor, self.handshake.read
             )
         except fsutil.NotRegularFile as exc:
             await self._reject_not_regular(exc.kind)
             return
         now = time.monotonic()
-        if text is None:
-            self._pending = None
+        reads = self.handshake.observe(text, now)
+        if text is None or reads is None:
             return
-        if self._pending is None:
-            self._pending = _PendingConfig(text, now, now)
-        elif self._pending.text != text:
-            self._pending.text, self._pending.changed_at = text, now
-        pending = self._pending
-        stable = now - pending.changed_at
-        waited = now - pending.first_seen
+        config: JobConfig | None = None
+        error: ConfigError | None = None
         if not text.strip():
-            if waited >= self.opts.config_wait_seconds:
-                log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
-                await self._end_incarnation()
-                self._delete_config(text)
-            return
-        # A non-atomic writer's half can parse as a whole config (a truncated job name, or
-        # `nodes: 1` of `nodes: 16`): judge it once the writer closed it, or after the .save
-        # settle time when the close event was lost.
-        finished = closed or stable >= self.opts.settle_seconds
-        try:
-            config = parse_config(text, self.ctx.env)
-        except IncompleteConfigError as exc:
-            if closed and stable >= self.VALID_SETTLE:
-                # Closed or renamed into place and unchanged since: nothing more is coming,
-                # so the missing key is final. Without the event (an in-place writer that
-                # has not closed it, or a lost event) the bounded wait below still applies.
-                await self._reject(text, exc, "")
-            elif waited >= self.opts.config_wait_seconds:
-                await self._reject(text, exc, f"after {waited:.0f}s of waiting for a complete file")
-            return
-        except ConfigError as exc:
-            if stable >= self.INVALID_SETTLE and finished:
-                await self._reject(text, exc, "")
-            return
-        # Renamed into place (Orbax, MaxText, our client): complete by the protocol, so the
-        # double read that guards in-place writers would only delay every restore.
-        if renamed or (stable >= self.VALID_SETTLE and finished):
-            await self._accept(config, text, pending.first_seen)
+            reading = Reading.EMPTY
+        else:
+            try:
+                config, reading = parse_config(text, self.ctx.env), Reading.VALID
+            except IncompleteConfigError as exc:
+                error, reading = exc, Reading.INCOMPLETE
+            except ConfigError as exc:
+                error, reading = exc, Reading.INVALID
+        verdict = judge(self.settle_rules, reads, reading, now, closed=closed, renamed=renamed)
+        self._recheck_in = verdict.recheck_in or self.settle_rules.poll
+        if verdict.act is Act.CLEAR:
+            log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
+            await self._end_incarnation()
+            self.handshake.delete(text)
+        elif verdict.act is Act.REJECT:
+            assert error is not None
+            waited = f"after {verdict.waited:.0f}s of waiting for a complete file"
+            await self._reject(text, error, waited if verdict.timed_out else "")
+        elif verdict.act is Act.ACCEPT:
+            assert config is not None
+            await self._accept(config, text, reads.first_seen)
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
         await self._refuse(
@@ -788,7 +750,7 @@ class Daemon:
         message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
         fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
         if text is not None:
-            self._delete_config(text)
+            self.handshake.delete(text)
 
     async def _check_owner(self) -> None:
         """End the running job once its node changed hands, at most a second late.
@@ -845,22 +807,7 @@ class Daemon:
             "file",
             f"Write it as one (atomically: {CONFIG_FILE}.tmp, then rename)",
         )
-        path = self.opts.checkpoint_dir / CONFIG_FILE
-        if fsutil.lkind(path) not in (None, "a regular file"):
-            path.unlink(missing_ok=True)  # unlink never follows the link it removes
-        self._config_finished = self._config_renamed = False
-        self._pending = None
-
-    def _delete_config(self, accepted: str) -> None:
-        # Only the text we judged: a newer handshake written meanwhile must survive.
-        try:
-            current = self._read_config()
-        except fsutil.NotRegularFile:
-            current = None  # replaced meanwhile: the next check refuses it
-        if current == accepted:
-            (self.opts.checkpoint_dir / CONFIG_FILE).unlink(missing_ok=True)
-            self._config_finished = self._config_renamed = False
-        self._pending = None
+        self.handshake.remove_not_regular()
 
     async def _host_coordinator(
         self,
@@ -1092,7 +1039,7 @@ class Daemon:
         )
         # Persist before the yaml goes: a crash in between must still end in markers.
         await loop.run_in_executor(self.executor, self.incarnation.persist)
-        self._delete_config(text)
+        self.handshake.delete(text)
         self.incarnation.start()
 
 
