@@ -14,13 +14,11 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import math
 import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from replicator import __version__
@@ -34,11 +32,9 @@ from replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
 from replicator.cluster.coordinators import Coordinators
 from replicator.cluster.hosting import CoordinatorHost
 from replicator.cluster.messages import SERVICE as COORDINATOR_SERVICE
-from replicator.cluster.messages import cluster_view_json
-from replicator.cluster.registry import OwnedByAnother, Registry, RegistryEntry, open_registry
+from replicator.cluster.registry import OwnedByAnother, Registry, open_registry
 from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core.admission import Served
-from replicator.core.bucketcheck import BucketCheck, Verdict
 from replicator.core.contract import (
     CONFIG_FILE,
     ERRORS_FILE,
@@ -50,12 +46,11 @@ from replicator.core.contract import (
     parse_config,
     parse_save_name,
 )
-from replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
+from replicator.core.ownership import BadOwner
 from replicator.core.pacing import (
     PaceRules,
     format_rate,
 )
-from replicator.core.retry import Backoff
 from replicator.core.settle import Act, Reading, SettleRules, judge
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
@@ -71,8 +66,11 @@ from replicator.node.agent import (
     restore_saved,
     save_state,
 )
+from replicator.node.bucket_probes import BucketProbes
 from replicator.node.handshake_file import HandshakeFile
 from replicator.node.options import DaemonOptions, parse_args
+from replicator.node.owner_watch import OwnerWatch
+from replicator.node.rank0_coordinator import Rank0Coordinator, Stopping
 from replicator.node.reclaim import Dropped, ForeignItems
 from replicator.node.status import SERVICE as NODE_SERVICE
 from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
@@ -90,8 +88,6 @@ from replicator.obs.metrics import (
     serve,
 )
 from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
-from replicator.storage.probe import probe as probe_store
 from replicator.storage.restore_pins import StorePins
 from replicator.storage.stores import open_object_store
 from replicator.transport.datachannel import DataListener
@@ -106,13 +102,7 @@ from replicator.transport.tls import TlsError, TlsMaterial, open_material
 log = logging.getLogger("replicator.node.daemon")
 
 
-class Stopping(Exception):
-    """The daemon was asked to stop while it waited for something that may still heal."""
-
-
 READY_LINE = "daemon ready"
-FIRST_PROBE_WAIT = 10.0
-"""How long a handshake waits for the first probe of the backup and registry."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
 RECLAIM_EVERY = 30.0
@@ -125,70 +115,6 @@ _OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
 def _is_own_output(name: str) -> bool:
     """Files only the daemon writes: its reports, its markers and their temp files."""
     return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
-
-
-def _bucket_checks(
-    backups: BackupStore | None, registry: Registry | None
-) -> list[tuple[BucketCheck, ObjectStore]]:
-    """What to probe: the backup, and the registry when it is another location."""
-    found = []
-    if backups is not None:
-        found.append((BucketCheck(backups.objects.url, "backup"), backups.objects))
-    if registry is not None and (backups is None or registry.url != backups.objects.url):
-        found.append((BucketCheck(registry.url, "registry"), registry.objects))
-    return found
-
-
-async def _in_daemon_thread(fn: Callable[[ObjectStore], None], store: ObjectStore) -> None:
-    """``fn(store)`` in a thread of its own that never holds up the process's exit: a probe
-    of an unreachable bucket may take the whole storage timeout, and the default executor
-    (``asyncio.to_thread``) is joined at shutdown, so SIGTERM would wait for it."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-
-    def settle(error: BaseException | None) -> None:
-        if not done.done():
-            if error is None:
-                done.set_result(None)
-            else:
-                done.set_exception(error)
-
-    def run() -> None:
-        error: BaseException | None = None
-        try:
-            fn(store)
-        except BaseException as exc:  # handed to the awaiting task, not lost in the thread
-            error = exc
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, error)
-
-    threading.Thread(target=run, name="mtc-bucket-probe", daemon=True).start()
-    await done
-
-
-def _log_bucket(check: BucketCheck, was: Verdict, wait: float | None) -> None:
-    if check.verdict is Verdict.USABLE:
-        if was is not Verdict.USABLE:
-            log.info("%s %s: usable (listed and read under its prefix)", check.what, check.url)
-    elif check.verdict is Verdict.REFUSED:
-        if was is not Verdict.REFUSED:
-            log.error(
-                "%s %s refused: %s; jobs on this node get %s until it is fixed "
-                "(docs/permissions.md); checking again in %.0fs",
-                check.what,
-                check.url,
-                check.reason,
-                FAILED_FILE,
-                wait or 0.0,
-            )
-    else:
-        log.warning(
-            "%s %s unreachable: %s; retrying in %.1fs",
-            check.what,
-            check.url,
-            check.reason,
-            wait or 0.0,
-        )
 
 
 def tune_malloc() -> None:
@@ -265,11 +191,9 @@ class Daemon:
         self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds)
         self._recheck_in = self.settle_rules.poll
         """When a pending handshake is read again (``core.settle``)."""
-        self._owner_checked = 0.0
+        self.owner = OwnerWatch(opts.owner_file, self.executor)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
-        self._registering: asyncio.Task[None] | None = None
-        """A registration a resume could not make at once (``_claim_later``)."""
         self.exit_code = 0
         self.health_address: str | None = None
         """The plaintext health-only address, when ``--health-listen`` asks for one."""
@@ -283,6 +207,13 @@ class Daemon:
             else None
         )
         self.coordinators = CoordinatorHost()
+        self.rank0 = Rank0Coordinator(
+            self.coordinators,
+            self.registry,
+            advertise=lambda: self.advertise,
+            stop=self._stop,
+            on_refused=self._registration_refused,
+        )
         self.foreign = ForeignItems(
             self.store,
             backups,
@@ -293,12 +224,10 @@ class Daemon:
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign
         self._reclaimed_at = 0.0
-        self.bucket_checks = _bucket_checks(backups, self.registry)
-        """The backup and registry locations, probed at start and until usable."""
-        self._buckets_probed = asyncio.Event()
+        self.buckets = BucketProbes(backups, self.registry)
         self.health = Health(
             live=self.health.live,
-            ready=[*self.health.ready, *(check.readiness for check, _ in self.bucket_checks)],
+            ready=[*self.health.ready, *(check.readiness for check, _ in self.buckets.checks)],
         )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
@@ -341,7 +270,7 @@ class Daemon:
         """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
         that a long store recovery reads as "not ready" rather than as no answer."""
         heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
-        buckets = asyncio.create_task(self._probe_buckets(), name="mtc-bucket-probe")
+        buckets = asyncio.create_task(self.buckets.run(), name="mtc-bucket-probe")
         try:
             self._serve_metrics()
             await self._run()
@@ -370,46 +299,6 @@ class Daemon:
                     log.info("ready again")
                 was = problems
             await asyncio.sleep(1.0)
-
-    async def _probe_buckets(self) -> None:
-        """Probe each location until it is usable: an unreachable one with backoff, a
-        refused one every few minutes (an operator may fix the policy); log each change."""
-        due = {id(check): 0.0 for check, _ in self.bucket_checks}
-        while True:
-            for check, store in self.bucket_checks:
-                if due[id(check)] > time.monotonic():
-                    continue
-                was = check.verdict
-                try:
-                    await _in_daemon_thread(probe_store, store)
-                except ObjectStoreError as exc:
-                    wait = check.record(str(exc), transient=is_transient(exc))
-                except Exception as exc:  # an SDK error no translation knows: may heal
-                    wait = check.record(f"{type(exc).__name__}: {exc}", transient=True)
-                else:
-                    wait = check.record(None, transient=False)
-                due[id(check)] = math.inf if wait is None else time.monotonic() + wait
-                _log_bucket(check, was, wait)
-            self._buckets_probed.set()
-            soonest = min(due.values(), default=math.inf)
-            if soonest == math.inf:
-                return
-            await asyncio.sleep(max(soonest - time.monotonic(), 0.0))
-
-    def _bucket_refusal(self, config: JobConfig) -> str | None:
-        """Why ``config``'s job cannot run here until the configuration is fixed, if a
-        location it needs was refused (``core.bucketcheck``): the backup for every job, a
-        separate registry for cluster jobs only."""
-        needed = [c for c, _ in self.bucket_checks if c.what == "backup" or config.nodes > 1]
-        return next((r for c in needed if (r := c.refusal())), None)
-
-    async def _bucket_verdict(self, config: JobConfig) -> str | None:
-        """A refused location's reason, after the first probe of each (a handshake that
-        arrives during start-up waits for it, at most ``FIRST_PROBE_WAIT`` seconds)."""
-        if self.bucket_checks and not self._buckets_probed.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._buckets_probed.wait(), FIRST_PROBE_WAIT)
-        return self._bucket_refusal(config)
 
     async def _beat(self) -> None:
         while True:
@@ -592,8 +481,7 @@ class Daemon:
             log.info("stopping")
             readiness.cancel()
             probe.cancel()
-            if self._registering is not None:
-                self._registering.cancel()
+            self.rank0.cancel()
             if self._stop.is_set():
                 await self._drain()
             self.coordinators.close()  # long polls answer at once instead of being cut off
@@ -761,16 +649,9 @@ class Daemon:
         stops and its markers and views go, before the new pod's handshake arrives.
         """
         running = self.incarnation
-        now = time.monotonic()
-        if running is None or self.opts.owner_file is None or now - self._owner_checked < 1.0:
+        if running is None or not await self.owner.moved_from(running.owner):
             return
-        self._owner_checked = now
-        loop = asyncio.get_running_loop()
-        try:
-            owner: str | None = await loop.run_in_executor(self.executor, self._read_owner)
-        except BadOwner:
-            owner = None  # written by rename, so never half there: treat it as changed
-        if owner == running.owner or running is not self.incarnation:
+        if running is not self.incarnation:
             return
         log.warning(
             "CHECKPOINT_DIR was published to another namespace's pod: stopping job %s "
@@ -779,25 +660,9 @@ class Daemon:
             running.id,
         )
         await self._end_incarnation()
-        await loop.run_in_executor(
+        await asyncio.get_running_loop().run_in_executor(
             self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
         )
-
-    def _read_owner(self) -> str:
-        """The namespace this node's pod belongs to now (UNOWNED without ``--owner-file``);
-        raises ``BadOwner`` when the file is missing or malformed."""
-        path = self.opts.owner_file
-        if path is None:
-            return UNOWNED
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_OWNER_FILE_BYTES + 1)
-        except OSError as exc:
-            raise BadOwner(f"cannot read the owner file {path}: {exc.strerror or exc}") from None
-        try:
-            return parse_owner(raw).namespace
-        except BadOwner as exc:
-            raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
 
     async def _reject_not_regular(self, kind: str) -> None:
         """A ``replicator.yaml`` that is a symlink or FIFO: never read, refused, removed."""
@@ -809,134 +674,23 @@ class Daemon:
         )
         self.handshake.remove_not_regular()
 
-    async def _host_coordinator(
-        self,
-        config: JobConfig | None,
-        owner: str = UNOWNED,
-        *,
-        incarnation: str | None = None,
-        resume_steady: bool = False,
-        register_later: bool = False,
-    ) -> None:
-        """Host the job's coordinator for ``owner`` when this node is its rank 0; drop any
-        other. ``register_later``: a registration that fails for now goes on in the
-        background (a restarted daemon resumes its job meanwhile); otherwise it is waited
-        for.
-
-        A cluster job's coordinator is registered for the other ranks to find; a one-node
-        job's is called in process by its agent only, so it needs no registry. Raises
-        ``OwnedByAnother`` (hosting nothing) when the job is registered to another owner.
-        Entries of dropped coordinators stay: they keep their job names their owners'.
-
-        A new incarnation of rank 0 keeps the job's coordinator (and its memory of the
-        released round, which keeps stale agents out of the new one); ``incarnation``, the one
-        that runs rank 0 here, is the only one that may open a new round. A daemon restarted
-        while its job runs (``resume_steady``) hosts one that takes the running ranks back.
-        """
-        if self._registering is not None:
-            self._registering.cancel()  # superseded by what is decided now
-            self._registering = None
-        keep = config.job_name if config is not None and config.node_rank == 0 else None
-        for job in self.coordinators.jobs():
-            hosted = self.coordinators.get(job)
-            if job != keep and hosted is not None:
-                self.coordinators.drop(job)
-        if config is None or keep is None:
-            return
-        view = cluster_view_json(config)
-        if config.nodes == 1:
-            # A one-node job's agent calls it in process: nothing to register.
-            self.coordinators.host(
-                config,
-                view,
-                resume_steady=resume_steady,
-                owner=owner,
-                rank0_incarnation=incarnation,
-            )
-            return
-        if self.registry is None:
-            return
-        self.coordinators.host(
-            config, view, resume_steady=resume_steady, owner=owner, rank0_incarnation=incarnation
-        )
-        coordinator_id = self.coordinators.coordinator_id(keep)
-        assert coordinator_id is not None
-        assert self.advertise is not None
-        entry = RegistryEntry(keep, self.advertise, coordinator_id, time.time(), owner)
-        try:
-            await self._claim(entry, once=register_later)
-        except (OwnedByAnother, Stopping):
-            self.coordinators.drop(keep)
-            raise
-        except (ObjectStoreError, OSError):
-            self._registering = asyncio.create_task(
-                self._claim_later(entry), name=f"register-{keep}"
-            )
-            return
-        log.info(
-            "hosting the coordinator of job %s at %s (id %s)", keep, self.advertise, coordinator_id
-        )
-
-    async def _claim(self, entry: RegistryEntry, *, once: bool = False) -> None:
-        """Register ``entry``, waiting out what may heal (a full or unreachable store: the
-        uploads wait for it too) with jittered backoff and saying why, instead of letting
-        the error end the daemon. ``OwnedByAnother`` at once; ``Stopping`` when the daemon
-        is asked to stop first; with ``once``, the first error that may heal."""
-        assert self.registry is not None
-        backoff = Backoff(1.0, 30.0)
-        while True:
-            try:
-                await asyncio.to_thread(self.registry.claim, entry)
-            except (ObjectStoreError, OSError) as exc:
-                if once:
-                    log.warning(
-                        "cannot register the coordinator of job %s in %s yet (resuming "
-                        "meanwhile): %s",
-                        entry.job,
-                        self.registry.url,
-                        exc,
-                    )
-                    raise
-                wait = backoff.next()
-                log.warning(
-                    "cannot register the coordinator of job %s in %s, again in %.1fs: %s",
-                    entry.job,
-                    self.registry.url,
-                    wait,
-                    exc,
-                )
-            else:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), wait)
-            if self._stop.is_set():
-                raise Stopping(f"stopped before the coordinator of job {entry.job} registered")
-
-    async def _claim_later(self, entry: RegistryEntry) -> None:
-        """The registration a resume could not make at once: retried until it is made. The
-        entry's owner refused meanwhile, the job stops here as a refused handshake would."""
-        with contextlib.suppress(Stopping):
-            try:
-                await self._claim(entry)
-            except OwnedByAnother as exc:
-                self.coordinators.drop(entry.job)
-                running = self.incarnation
-                if running is not None and running.config.job_name == entry.job:
-                    log.error("stopping job %s: %s", entry.job, exc)
-                    await self._end_incarnation()
-                    text = f"mtc-replicator: job {entry.job} stopped: {exc}.\nRestart the job.\n"
-                    fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
-                return
-        if not self._stop.is_set():
-            log.info("registered the coordinator of job %s at last", entry.job)
+    async def _registration_refused(self, job: str, exc: OwnedByAnother) -> None:
+        """The job name ``job`` turned out registered to another owner after a resume: the
+        job stops here as a refused handshake would."""
+        running = self.incarnation
+        if running is not None and running.config.job_name == job:
+            log.error("stopping job %s: %s", job, exc)
+            await self._end_incarnation()
+            text = f"mtc-replicator: job {job} stopped: {exc}.\nRestart the job.\n"
+            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
 
     async def _resume(self, resumed: Incarnation) -> None:
         """Resume the incarnation a restart interrupted, under the owner the node has now
         (the same pod's, unless the handshake was refused before)."""
         job = resumed.config.job_name
         try:
-            resumed.owner = await asyncio.to_thread(self._read_owner)
-            await self._host_coordinator(
+            resumed.owner = await self.owner.read()
+            await self.rank0.host(
                 resumed.config,
                 resumed.owner,
                 incarnation=resumed.id,
@@ -984,7 +738,7 @@ class Daemon:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
-        refused = await self._bucket_verdict(config)
+        refused = await self.buckets.verdict(config)
         if refused is not None:
             await self._refuse(
                 text,
@@ -995,7 +749,7 @@ class Daemon:
             return
         loop = asyncio.get_running_loop()
         try:
-            owner = await loop.run_in_executor(self.executor, self._read_owner)
+            owner = await self.owner.read()
         except BadOwner as exc:
             await self._refuse(
                 text,
@@ -1010,7 +764,7 @@ class Daemon:
         incarnation_id = new_incarnation_id()
         try:
             # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
-            await self._host_coordinator(config, owner, incarnation=incarnation_id)
+            await self.rank0.host(config, owner, incarnation=incarnation_id)
         except OwnedByAnother as exc:
             await self._refuse(text, str(exc), "Choose another job name")
             return
