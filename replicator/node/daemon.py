@@ -1,9 +1,11 @@
 """``mtc-replicator``: the per-node daemon process. Owns the process lifecycle.
 
-One asyncio loop (uvloop when available) supervises: it watches CHECKPOINT_DIR, accepts
-each new ``replicator.yaml`` (re-reading a partial one until it settles), runs one
-incarnation at a time, and on SIGTERM stops within seconds without corrupting anything.
-Blocking disk and storage work runs in a bounded thread pool.
+One asyncio loop (uvloop when available) supervises: it watches CHECKPOINT_DIR, hands each
+wake-up to the ``Supervisor`` (handshakes and incarnations), and on SIGTERM stops within
+seconds without corrupting anything. Blocking disk and storage work runs in a bounded
+thread pool, the one its shutdown waits for. This module wires the parts: the flags are
+``node.options``, the handshake rule ``core.settle``, the owner ``node.owner_watch``, rank
+0's coordinator ``node.rank0_coordinator``, the bucket probes ``node.bucket_probes``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
 from replicator.cluster.coordinators import Coordinators
 from replicator.cluster.hosting import CoordinatorHost
 from replicator.cluster.messages import SERVICE as COORDINATOR_SERVICE
-from replicator.cluster.registry import OwnedByAnother, Registry, open_registry
+from replicator.cluster.registry import open_registry
 from replicator.cluster.servicer import CoordinatorServicer
 from replicator.core.admission import Served
 from replicator.core.contract import (
@@ -40,18 +42,13 @@ from replicator.core.contract import (
     ERRORS_FILE,
     FAILED_FILE,
     PRERESTORE_FILE,
-    ConfigError,
-    IncompleteConfigError,
-    JobConfig,
-    parse_config,
     parse_save_name,
 )
-from replicator.core.ownership import BadOwner
 from replicator.core.pacing import (
     PaceRules,
     format_rate,
 )
-from replicator.core.settle import Act, Reading, SettleRules, judge
+from replicator.core.signed import RecordTrust
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -60,20 +57,14 @@ from replicator.local.watcher import DirectoryWatcher
 from replicator.node.agent import (
     AgentContext,
     Incarnation,
-    IncarnationPhase,
-    cleanup_workload_files,
-    new_incarnation_id,
     restore_saved,
-    save_state,
 )
 from replicator.node.bucket_probes import BucketProbes
-from replicator.node.handshake_file import HandshakeFile
-from replicator.node.options import DaemonOptions, parse_args
-from replicator.node.owner_watch import OwnerWatch
-from replicator.node.rank0_coordinator import Rank0Coordinator, Stopping
+from replicator.node.options import DaemonOptions, parse_args, unsafe_settings
 from replicator.node.reclaim import Dropped, ForeignItems
 from replicator.node.status import SERVICE as NODE_SERVICE
 from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
+from replicator.node.supervisor import Supervisor
 from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
 from replicator.obs.logs import configure as configure_logging
 from replicator.obs.metrics import (
@@ -129,6 +120,14 @@ def tune_malloc() -> None:
         libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
 
 
+def _open_backups(opts: DaemonOptions, trust: RecordTrust, pacer: Pacer) -> BackupStore | None:
+    """The backup tier at ``--backup``, its uploads paced with replication; None without."""
+    if not opts.backup:
+        return None
+    objects = open_object_store(opts.backup, timeout=opts.storage_timeout)
+    return BackupStore(objects, trust, pacer=pacer)
+
+
 class Daemon:
     """Supervises incarnations on one CHECKPOINT_DIR."""
 
@@ -146,33 +145,8 @@ class Daemon:
             PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
         )
         """The node's outgoing bytes: replication and backups under the limit, restores first."""
-        backups = (
-            BackupStore(
-                open_object_store(opts.backup, timeout=opts.storage_timeout),
-                self.trust,
-                pacer=self.pacer,
-            )
-            if opts.backup
-            else None
-        )
-        self._prometheus = (
-            PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
-        )
-        self.metrics: Metrics = self._prometheus or NO_METRICS
-        if self._prometheus is not None:
-            process_metrics(self._prometheus.registry)
-            self._prometheus.registry.register(
-                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
-            )
-        self.heartbeat = Heartbeat()
-        """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
-        self.readiness = Readiness(stage="opening the store")
-        self.health = Health(
-            live=[self.heartbeat.check],
-            ready=[self.readiness.check, directory_check(opts.checkpoint_dir, "CHECKPOINT_DIR")],
-        )
-        self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
-        self._metrics_server: MetricsServer | None = None
+        backups = _open_backups(opts, self.trust, self.pacer)
+        self._observe(opts)
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
         self.ctx = AgentContext(
             checkpoint_dir=opts.checkpoint_dir,
@@ -186,12 +160,6 @@ class Daemon:
             obtaining=Obtaining(),
             pacer=self.pacer,
         )
-        self.incarnation: Incarnation | None = None
-        self.handshake = HandshakeFile(opts.checkpoint_dir)
-        self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds)
-        self._recheck_in = self.settle_rules.poll
-        """When a pending handshake is read again (``core.settle``)."""
-        self.owner = OwnerWatch(opts.owner_file, self.executor)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -201,19 +169,12 @@ class Daemon:
         """The address the gRPC server is bound to (port 0 resolved), once it is."""
         self.advertise: str | None = opts.advertise
         """The address other nodes use to reach this one (defaults to the bound address)."""
-        self.registry: Registry | None = (
+        self.registry = (
             open_registry(opts.registry, self.trust, timeout=opts.storage_timeout)
             if opts.registry
             else None
         )
         self.coordinators = CoordinatorHost()
-        self.rank0 = Rank0Coordinator(
-            self.coordinators,
-            self.registry,
-            advertise=lambda: self.advertise,
-            stop=self._stop,
-            on_refused=self._registration_refused,
-        )
         self.foreign = ForeignItems(
             self.store,
             backups,
@@ -226,12 +187,50 @@ class Daemon:
         self._reclaimed_at = 0.0
         self.buckets = BucketProbes(backups, self.registry)
         self.health = Health(
-            live=self.health.live,
-            ready=[*self.health.ready, *(check.readiness for check, _ in self.buckets.checks)],
+            live=[self.heartbeat.check],
+            ready=[
+                self.readiness.check,
+                directory_check(opts.checkpoint_dir, "CHECKPOINT_DIR"),
+                *(check.readiness for check, _ in self.buckets.checks),
+            ],
         )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.tls = self.tls
+        self.supervisor = Supervisor(
+            opts,
+            self.ctx,
+            foreign=self.foreign,
+            buckets=self.buckets,
+            coordinators=self.coordinators,
+            registry=self.registry,
+            advertise=lambda: self.advertise,
+            stop=self._stop,
+        )
+        """The handshakes and the incarnations they start."""
+
+    def _observe(self, opts: DaemonOptions) -> None:
+        """The metrics (Prometheus when ``--metrics`` asks for it), the heartbeat and the
+        readiness the health checks read."""
+        self._prometheus = (
+            PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
+        )
+        self.metrics: Metrics = self._prometheus or NO_METRICS
+        if self._prometheus is not None:
+            process_metrics(self._prometheus.registry)
+            self._prometheus.registry.register(
+                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+            )
+        self.heartbeat = Heartbeat()
+        """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
+        self.readiness = Readiness(stage="opening the store")
+        self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
+        self._metrics_server: MetricsServer | None = None
+
+    @property
+    def incarnation(self) -> Incarnation | None:
+        """The running job's incarnation on this node, if any."""
+        return self.supervisor.incarnation
 
     def serving(self) -> Served | None:
         """What peers may push here: the job this node serves now, and its newest own step."""
@@ -247,7 +246,7 @@ class Daemon:
             # on every wake-up would otherwise become a busy loop.
             return
         if name == CONFIG_FILE:
-            self.handshake.event(finished, renamed)
+            self.supervisor.handshake.event(finished, renamed)
         elif name and parse_save_name(name) is not None:
             # Only `.save` files need "closed after writing"; other names (our unique temp
             # files among them) would make the set grow for the daemon's whole life.
@@ -306,20 +305,55 @@ class Daemon:
             await asyncio.sleep(1.0)
 
     async def _run(self) -> None:
+        """The daemon's life in steps: the store, the servers, the watch on CHECKPOINT_DIR,
+        the loop until SIGTERM, the shutdown."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._request_stop)
+        if not await self._open_store(loop):
+            return
+        started = await self._start_servers(loop)
+        if started is None:
+            return
+        rpc, channel = started
+        peers = self.ctx.peers
+        assert peers is not None
+        probe = asyncio.create_task(
+            probe_peers(peers, lambda: peer_addresses(self.incarnation)), name="peer-probe"
+        )
+        # A yaml written while we were down has no events left to tell: trust it.
+        self.supervisor.handshake.trust_existing()
+        watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
+        watcher.start(loop)
+        resumed = restore_saved(self.ctx)
+        if resumed is not None:
+            await self.supervisor.resume(resumed)
+        for warning in unsafe_settings(
+            self.opts, tls=self.tls is not None, listen=self.listen_address
+        ):
+            log.warning("%s", warning)
+        self.readiness.stage = None
+        self._log_ready(channel)
+        await rpc.set_serving()
+        readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
+        try:
+            await self._serve()
+        finally:
+            await self._shutdown(rpc, channel, watcher, [readiness, probe])
+
+    async def _open_store(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Open (and recover) the store; False, with the exit code set, when it cannot be."""
         try:
             self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             report = await loop.run_in_executor(self.executor, self.store.open)
         except StorePlacementError as exc:
             log.error("%s", exc)
             self.exit_code = 2
-            return
+            return False
         except StoreError as exc:
             log.error("%s", exc)
             self.exit_code = 3
-            return
+            return False
         except OSError as exc:
             # A directory this process cannot create or write (read-only, owned by another
             # user, a name too long): a configuration error, said in one line.
@@ -331,7 +365,7 @@ class Daemon:
                 exc,
             )
             self.exit_code = 2
-            return
+            return False
         self.readiness.stage = "starting the servers"
         log.info(
             "store opened: %d items, %d pending ingest, %d discarded",
@@ -345,6 +379,14 @@ class Daemon:
             format_rate(self.opts.max_transfer_rate),
             self.opts.yield_to_saves_seconds,
         )
+        return True
+
+    async def _start_servers(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> tuple[RpcServer, DataListener | None] | None:
+        """Bind the gRPC server (peer, coordinator and node services) and the data channel,
+        then start them; None, with the store closed and the exit code set, when a port
+        cannot be had."""
         rpc = RpcServer()
         channel: DataListener | None = None
         if self.opts.data_port is not None:
@@ -355,8 +397,41 @@ class Daemon:
                 log.error("%s", exc)
                 self.exit_code = 3
                 self.store.close()
-                return
-        peer = PeerServicer(
+                return None
+        rpc.add_service(PEER_SERVICE, self._peer_servicer(channel).register)
+        self.ctx.coordinators = self._coordinators(loop)
+        rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
+        rpc.add_service(NODE_SERVICE, NodeServicer(self._status, self._drop).register)
+        try:
+            credentials = self.tls.server_credentials() if self.tls is not None else None
+            self.listen_address = rpc.bind(self.opts.listen, credentials)
+            if self.opts.health_listen is not None:
+                self.health_address = rpc.bind_health(self.opts.health_listen)
+        except ServerError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            self.store.close()
+            if channel is not None:
+                await channel.close()
+            return None
+        self.advertise = self.opts.advertise or advertised_address(self.listen_address)
+        self.ctx.advertise = self.advertise
+        self.ctx.peers = PeerClient(
+            executor=self.executor, metrics=self.metrics, tls=self.tls, pacer=self.pacer
+        )
+        await rpc.start()
+        if channel is not None:
+            channel.start()
+        contacts = self.ctx.peers.contacts
+        self.metrics.peer_contacts(
+            lambda: contacts.snapshot(time.time()),
+            lambda: peer_addresses(self.incarnation).values(),
+        )
+        return rpc, channel
+
+    def _peer_servicer(self, channel: DataListener | None) -> PeerServicer:
+        """What peers call here: pushes admitted against the job served, pulls served."""
+        return PeerServicer(
             self.store,
             self.executor,
             self.serving,
@@ -370,9 +445,11 @@ class Daemon:
             min_rate=self.opts.min_transfer_rate,
             max_item_files=self.opts.max_item_files,
         )
-        rpc.add_service(PEER_SERVICE, peer.register)
+
+    def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:
+        """The coordinators this node hosts, with the backup's steps, pins and commits."""
         backups = self.ctx.backups
-        self.ctx.coordinators = Coordinators(
+        return Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
             pins=StorePins(
@@ -387,68 +464,9 @@ class Daemon:
             else None,
             commit=backups.try_commit if backups else None,
         )
-        rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
-        rpc.add_service(NODE_SERVICE, NodeServicer(self._status, self._drop).register)
-        try:
-            credentials = self.tls.server_credentials() if self.tls is not None else None
-            self.listen_address = rpc.bind(self.opts.listen, credentials)
-            if self.opts.health_listen is not None:
-                self.health_address = rpc.bind_health(self.opts.health_listen)
-        except ServerError as exc:
-            log.error("%s", exc)
-            self.exit_code = 3
-            self.store.close()
-            if channel is not None:
-                await channel.close()
-            return
-        self.advertise = self.opts.advertise or advertised_address(self.listen_address)
-        self.ctx.advertise = self.advertise
-        self.ctx.peers = PeerClient(
-            executor=self.executor, metrics=self.metrics, tls=self.tls, pacer=self.pacer
-        )
-        await rpc.start()
-        if channel is not None:
-            channel.start()
-        contacts = self.ctx.peers.contacts
-        self.metrics.peer_contacts(
-            lambda: contacts.snapshot(time.time()),
-            lambda: peer_addresses(self.incarnation).values(),
-        )
-        probe = asyncio.create_task(
-            probe_peers(self.ctx.peers, lambda: peer_addresses(self.incarnation)),
-            name="peer-probe",
-        )
-        # A yaml written while we were down has no events left to tell: trust it.
-        self.handshake.trust_existing()
-        watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
-        watcher.start(loop)
-        resumed = restore_saved(self.ctx)
-        if resumed is not None:
-            await self._resume(resumed)
-        if self.opts.owner_file is None:
-            log.warning(
-                "no --owner-file: every job on this node is unowned, and any pod that can "
-                "write a replicator.yaml can take over any unowned job's coordinator "
-                "(SECURITY.md)"
-            )
-        if self.tls is None:
-            log.warning(
-                "TLS is off: the gRPC port %s and the data port are unauthenticated and "
-                "unencrypted; anyone who reaches them can read, push and restore checkpoints "
-                "and join jobs. Pass --tls-cert, --tls-key and --tls-ca (SECURITY.md)",
-                self.listen_address,
-            )
-            log.warning(
-                "without TLS material, COMMITs and registry entries are neither signed nor "
-                "checked: whoever can write the bucket chooses what a job restores"
-            )
-        elif self.opts.accept_unsigned_records:
-            log.warning(
-                "--accept-unsigned-records is on: unsigned COMMITs and registry entries are "
-                "believed, so whoever can write the bucket can choose what a job restores "
-                "and where its ranks join; turn it off once every record is signed"
-            )
-        self.readiness.stage = None
+
+    def _log_ready(self, channel: DataListener | None) -> None:
+        """The line that says the daemon serves, and with what."""
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
             "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
@@ -465,38 +483,48 @@ class Daemon:
             channel.port if channel is not None else "off",
             self.opts.owner_file or "off",
         )
-        await rpc.set_serving()
-        readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
-        try:
-            while not self._stop.is_set():
-                tick = self._recheck_in if self.handshake.reads is not None else 1.0
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=tick)
-                self._wake.clear()
-                await self._check_config()
-                await self._check_owner()
-                await self._reclaim()
-        finally:
-            self.readiness.stopping = True  # whatever ended the loop
-            log.info("stopping")
-            readiness.cancel()
-            probe.cancel()
-            self.rank0.cancel()
-            if self._stop.is_set():
-                await self._drain()
-            self.coordinators.close()  # long polls answer at once instead of being cut off
-            await rpc.stop(SERVER_GRACE_SECONDS)
-            # Uploads and pushes still in worker threads end at their next paced slice, so
-            # the pool's shutdown below does not wait for a whole item.
-            self.pacer.halt()
-            if channel is not None:
-                await channel.close()
-            if self.incarnation is not None:
-                await self.incarnation.stop()
-            watcher.stop()
-            self.executor.shutdown(wait=True, cancel_futures=True)
-            self.store.close()
-            log.info("stopped")
+
+    async def _serve(self) -> None:
+        """Until SIGTERM: the handshake, the owner and the reclaim, at each file event or
+        tick."""
+        while not self._stop.is_set():
+            tick = self.supervisor.next_check_in()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=tick)
+            self._wake.clear()
+            await self.supervisor.check_config()
+            await self.supervisor.check_owner()
+            await self._reclaim()
+
+    async def _shutdown(
+        self,
+        rpc: RpcServer,
+        channel: DataListener | None,
+        watcher: DirectoryWatcher,
+        tasks: list[asyncio.Task[None]],
+    ) -> None:
+        """Stop in order: the drain on SIGTERM, the servers (transfers in flight get
+        ``SERVER_GRACE_SECONDS``), the incarnation, the watch, the pool, the store."""
+        self.readiness.stopping = True  # whatever ended the loop
+        log.info("stopping")
+        for task in tasks:
+            task.cancel()
+        self.supervisor.rank0.cancel()
+        if self._stop.is_set():
+            await self._drain()
+        self.coordinators.close()  # long polls answer at once instead of being cut off
+        await rpc.stop(SERVER_GRACE_SECONDS)
+        # Uploads and pushes still in worker threads end at their next paced slice, so
+        # the pool's shutdown below does not wait for a whole item.
+        self.pacer.halt()
+        if channel is not None:
+            await channel.close()
+        if self.incarnation is not None:
+            await self.incarnation.stop()
+        watcher.stop()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        log.info("stopped")
 
     def _status(self, job: str | None) -> NodeStatusResponse:
         """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
@@ -581,135 +609,6 @@ class Daemon:
 
     # --- the handshake file ----------------------------------------------------------------
 
-    async def _check_config(self) -> None:
-        """Read the handshake and act on it once it is settled (``core.settle``)."""
-        # Taken before the read: a close seen now covers the text we read, while one that
-        # arrives during the read may follow a write our read missed.
-        closed, renamed = self.handshake.finished, self.handshake.renamed
-        try:
-            text = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.handshake.read
-            )
-        except fsutil.NotRegularFile as exc:
-            await self._reject_not_regular(exc.kind)
-            return
-        now = time.monotonic()
-        reads = self.handshake.observe(text, now)
-        if text is None or reads is None:
-            return
-        config: JobConfig | None = None
-        error: ConfigError | None = None
-        if not text.strip():
-            reading = Reading.EMPTY
-        else:
-            try:
-                config, reading = parse_config(text, self.ctx.env), Reading.VALID
-            except IncompleteConfigError as exc:
-                error, reading = exc, Reading.INCOMPLETE
-            except ConfigError as exc:
-                error, reading = exc, Reading.INVALID
-        verdict = judge(self.settle_rules, reads, reading, now, closed=closed, renamed=renamed)
-        self._recheck_in = verdict.recheck_in or self.settle_rules.poll
-        if verdict.act is Act.CLEAR:
-            log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
-            await self._end_incarnation()
-            self.handshake.delete(text)
-        elif verdict.act is Act.REJECT:
-            assert error is not None
-            waited = f"after {verdict.waited:.0f}s of waiting for a complete file"
-            await self._reject(text, error, waited if verdict.timed_out else "")
-        elif verdict.act is Act.ACCEPT:
-            assert config is not None
-            await self._accept(config, text, reads.first_seen)
-
-    async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
-        await self._refuse(
-            text,
-            f"{exc}{' (' + when + ')' if when else ''}",
-            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename)",
-        )
-
-    async def _refuse(self, text: str | None, reason: str, remedy: str) -> None:
-        """Refuse the handshake ``text`` (None: one that could not be read): ``replicator.failed``
-        says why, nothing committed is touched."""
-        log.error("rejecting %s: %s", CONFIG_FILE, reason)
-        self.metrics.error(ErrorKind.CONFIG)
-        await self._end_incarnation()
-        message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
-        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
-        if text is not None:
-            self.handshake.delete(text)
-
-    async def _check_owner(self) -> None:
-        """End the running job once its node changed hands, at most a second late.
-
-        The CSI plugin publishes CHECKPOINT_DIR to another namespace's pod only when no pod
-        of the last one holds it, and rewrites ``owner.json`` then; from that moment nothing
-        of the old job (a marker, a view of its items) may appear there, so the incarnation
-        stops and its markers and views go, before the new pod's handshake arrives.
-        """
-        running = self.incarnation
-        if running is None or not await self.owner.moved_from(running.owner):
-            return
-        if running is not self.incarnation:
-            return
-        log.warning(
-            "CHECKPOINT_DIR was published to another namespace's pod: stopping job %s "
-            "(incarnation %s) and removing its markers and views",
-            running.config.job_name,
-            running.id,
-        )
-        await self._end_incarnation()
-        await asyncio.get_running_loop().run_in_executor(
-            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
-        )
-
-    async def _reject_not_regular(self, kind: str) -> None:
-        """A ``replicator.yaml`` that is a symlink or FIFO: never read, refused, removed."""
-        await self._refuse(
-            None,
-            f"{CONFIG_FILE} is {kind}, not a regular file: the replicator reads only a regular "
-            "file",
-            f"Write it as one (atomically: {CONFIG_FILE}.tmp, then rename)",
-        )
-        self.handshake.remove_not_regular()
-
-    async def _registration_refused(self, job: str, exc: OwnedByAnother) -> None:
-        """The job name ``job`` turned out registered to another owner after a resume: the
-        job stops here as a refused handshake would."""
-        running = self.incarnation
-        if running is not None and running.config.job_name == job:
-            log.error("stopping job %s: %s", job, exc)
-            await self._end_incarnation()
-            text = f"mtc-replicator: job {job} stopped: {exc}.\nRestart the job.\n"
-            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
-
-    async def _resume(self, resumed: Incarnation) -> None:
-        """Resume the incarnation a restart interrupted, under the owner the node has now
-        (the same pod's, unless the handshake was refused before)."""
-        job = resumed.config.job_name
-        try:
-            resumed.owner = await self.owner.read()
-            await self.rank0.host(
-                resumed.config,
-                resumed.owner,
-                incarnation=resumed.id,
-                resume_steady=resumed.phase is IncarnationPhase.STEADY,
-                register_later=True,
-            )
-        except Stopping as exc:
-            log.info("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
-            return  # its saved state stays: the next start resumes it
-        except (BadOwner, OwnedByAnother) as exc:
-            log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
-            save_state(self.store, None)
-            text = f"mtc-replicator: not resuming job {job}: {exc}.\nRestart the job.\n"
-            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
-            return
-        log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
-        self.incarnation = resumed
-        resumed.start()
-
     def _pin_not_removed(self, job: str, step: int, message: str) -> None:
         """A used restore pin stayed in the bucket: the metric, and the job's errors file
         when this node runs one of its ranks (the coordinator's node runs rank 0)."""
@@ -717,84 +616,6 @@ class Daemon:
         running = self.incarnation
         if running is not None and running.config.job_name == job:
             running.error(message, step, kind=ErrorKind.RESTORE)
-
-    async def _end_incarnation(self) -> None:
-        if self.incarnation is not None:
-            log.info(
-                "stopping incarnation %s of job %s",
-                self.incarnation.id,
-                self.incarnation.config.job_name,
-            )
-            await self.incarnation.stop()
-            self.foreign.ended(self.incarnation.config.job_name)
-            self.incarnation = None
-            save_state(self.store, None)
-
-    async def _accept(self, config: JobConfig, text: str, seen_at: float | None = None) -> None:
-        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8); ``seen_at``:
-        when the yaml was first read (``time.monotonic``), where the restore's timeline
-        starts."""
-        if config.unknown_keys:
-            log.warning(
-                "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
-            )
-        refused = await self.buckets.verdict(config)
-        if refused is not None:
-            await self._refuse(
-                text,
-                refused,
-                "Fix the daemon's credentials or the bucket's policy (docs/permissions.md), "
-                "then restart the job",
-            )
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            owner = await self.owner.read()
-        except BadOwner as exc:
-            await self._refuse(
-                text,
-                f"cannot tell which namespace this node's pod belongs to: {exc}",
-                "The CSI plugin writes that file when it publishes the volume; restart the pod",
-            )
-            return
-        await self._end_incarnation()
-        removed = await loop.run_in_executor(
-            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
-        )
-        incarnation_id = new_incarnation_id()
-        try:
-            # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
-            await self.rank0.host(config, owner, incarnation=incarnation_id)
-        except OwnedByAnother as exc:
-            await self._refuse(text, str(exc), "Choose another job name")
-            return
-        except Stopping as exc:
-            log.info("not accepting %s: %s", CONFIG_FILE, exc)
-            return  # the yaml stays: the next start takes it
-        self.incarnation = Incarnation(
-            config,
-            self.ctx,
-            config_text=text,
-            owner=owner,
-            incarnation_id=incarnation_id,
-            handshake_at=seen_at,
-        )
-        log.info(
-            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
-            "(removed %d stale files)",
-            CONFIG_FILE,
-            config.job_name,
-            config.node_rank,
-            config.nodes,
-            config.framework.value,
-            config.workers_per_node,
-            self.incarnation.id,
-            len(removed),
-        )
-        # Persist before the yaml goes: a crash in between must still end in markers.
-        await loop.run_in_executor(self.executor, self.incarnation.persist)
-        self.handshake.delete(text)
-        self.incarnation.start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

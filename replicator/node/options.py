@@ -457,3 +457,32 @@ def parse_args(
 
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
+
+
+def unsafe_settings(opts: DaemonOptions, *, tls: bool, listen: str | None) -> list[str]:
+    """What the daemon warns of at start: settings that leave jobs or checkpoints open to
+    whoever reaches the node or the bucket (SECURITY.md); ``listen``: the bound address."""
+    found = []
+    if opts.owner_file is None:
+        found.append(
+            "no --owner-file: every job on this node is unowned, and any pod that can "
+            "write a replicator.yaml can take over any unowned job's coordinator "
+            "(SECURITY.md)"
+        )
+    if not tls:
+        found.append(
+            f"TLS is off: the gRPC port {listen} and the data port are unauthenticated and "
+            "unencrypted; anyone who reaches them can read, push and restore checkpoints "
+            "and join jobs. Pass --tls-cert, --tls-key and --tls-ca (SECURITY.md)"
+        )
+        found.append(
+            "without TLS material, COMMITs and registry entries are neither signed nor "
+            "checked: whoever can write the bucket chooses what a job restores"
+        )
+    elif opts.accept_unsigned_records:
+        found.append(
+            "--accept-unsigned-records is on: unsigned COMMITs and registry entries are "
+            "believed, so whoever can write the bucket can choose what a job restores "
+            "and where its ranks join; turn it off once every record is signed"
+        )
+    return found

@@ -162,3 +162,22 @@ def test_the_transfer_floor_defaults_under_the_rate_limit(
     assert "--min-transfer-rate must be below --max-transfer-rate" in capsys.readouterr().err
     assert options.parse_args([], DAEMON_ENV).max_item_files == 100_000
     assert options.parse_args(["--max-item-files", "7"], DAEMON_ENV).max_item_files == 7
+
+
+def test_unsafe_settings_are_named_at_start() -> None:
+    """What the daemon warns of when it starts: no owner file, no TLS, unsigned records."""
+    plain = options.parse_args([], DAEMON_ENV)
+    warned = options.unsafe_settings(plain, tls=False, listen="0.0.0.0:7070")
+    assert [w.split(":")[0] for w in warned] == [
+        "no --owner-file",
+        "TLS is off",
+        "without TLS material, COMMITs and registry entries are neither signed nor checked",
+    ]
+    assert "the gRPC port 0.0.0.0:7070 " in warned[1]
+    owned = options.parse_args(
+        ["--owner-file", "/run/owner.json", "--accept-unsigned-records"], DAEMON_ENV
+    )
+    (unsigned,) = options.unsafe_settings(owned, tls=True, listen=None)
+    assert unsigned.startswith("--accept-unsigned-records is on")
+    strict = options.parse_args(["--owner-file", "/run/owner.json"], DAEMON_ENV)
+    assert options.unsafe_settings(strict, tls=True, listen=None) == []
