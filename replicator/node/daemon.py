@@ -511,7 +511,7 @@ class Daemon:
             task.cancel()
         self.supervisor.rank0.cancel()
         if self._stop.is_set():
-            await self._drain()
+            await self.supervisor.drain()
         self.coordinators.close()  # long polls answer at once instead of being cut off
         await rpc.stop(SERVER_GRACE_SECONDS)
         # Uploads and pushes still in worker threads end at their next paced slice, so
@@ -570,36 +570,6 @@ class Daemon:
         except Exception as exc:
             # Housekeeping: the daemon's loop goes on whatever it meets.
             log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401
-
-    async def _drain(self) -> None:
-        """SIGTERM: the running job's newest step to its peers and the backup, within
-        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
-        running = self.incarnation
-        if running is None or self.opts.drain_seconds <= 0:
-            return
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self.opts.drain_seconds):
-                plan = await running.drain()
-        except TimeoutError:
-            log.warning(
-                "drain of job %s stopped at its deadline (--drain-seconds %g): the newest step "
-                "may not have reached the peers or the backup",
-                running.config.job_name,
-                self.opts.drain_seconds,
-            )
-            self.pacer.halt()
-            return
-        except Exception as exc:
-            log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
-            return
-        if plan is not None:
-            log.info(
-                "drain of job %s done in %.2fs (step %s)",
-                running.config.job_name,
-                time.monotonic() - t0,
-                plan.step,
-            )
 
     def _serve_metrics(self) -> None:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``

@@ -1,8 +1,8 @@
 """The handshakes on one CHECKPOINT_DIR and the incarnations they start: reads
 ``replicator.yaml`` until it is settled (``core.settle``), accepts or refuses it, resumes the
-incarnation a restart interrupted, hosts rank 0's coordinator, and ends the running job when
-its node changes hands. Does I/O through the pieces it is given; the daemon calls it from
-its loop.
+incarnation a restart interrupted, hosts rank 0's coordinator, ends the running job when
+its node changes hands, and drains it on SIGTERM. Does I/O through the pieces it is given;
+the daemon calls it from its loop.
 """
 
 from __future__ import annotations
@@ -83,6 +83,36 @@ class Supervisor:
         """How long the daemon's loop may wait for a file event before checking again: a
         pending handshake is re-read soon (``core.settle``)."""
         return self._recheck_in if self.handshake.reads is not None else 1.0
+
+    async def drain(self) -> None:
+        """SIGTERM: the running job's newest step to its peers and the backup, within
+        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
+        running = self.incarnation
+        if running is None or self.opts.drain_seconds <= 0:
+            return
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.opts.drain_seconds):
+                plan = await running.drain()
+        except TimeoutError:
+            log.warning(
+                "drain of job %s stopped at its deadline (--drain-seconds %g): the newest step "
+                "may not have reached the peers or the backup",
+                running.config.job_name,
+                self.opts.drain_seconds,
+            )
+            self.ctx.pacer.halt()
+            return
+        except Exception as exc:
+            log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
+            return
+        if plan is not None:
+            log.info(
+                "drain of job %s done in %.2fs (step %s)",
+                running.config.job_name,
+                time.monotonic() - t0,
+                plan.step,
+            )
 
     async def check_config(self) -> None:
         """Read the handshake and act on it once it is settled (``core.settle``)."""
