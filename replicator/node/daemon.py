@@ -129,7 +129,8 @@ def _open_backups(opts: DaemonOptions, trust: RecordTrust, pacer: Pacer) -> Back
 
 
 class Daemon:
-    """Supervises incarnations on one CHECKPOINT_DIR."""
+    """The ``mtc-replicator`` process on one CHECKPOINT_DIR: its parts wired, its servers, its
+    loop (each wake-up handed to the ``Supervisor``) and its shutdown."""
 
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
