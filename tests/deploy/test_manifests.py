@@ -13,7 +13,7 @@ import yaml
 
 from csi import plugin as csi_plugin
 from csi.checkpoint import CheckpointDir
-from replicator.node import daemon
+from replicator.node.options import DaemonOptions, parse_args
 from replicator.tools import certs, render
 from replicator.transport import tls
 from replicator.transport.server import READINESS_SERVICE
@@ -271,14 +271,14 @@ def test_the_tls_key_is_readable_by_the_replicator_and_not_by_others(built: list
     assert mode & 0o040, oct(mode)
 
 
-def _daemon_options(replicator: Obj) -> daemon.DaemonOptions:
+def _daemon_options(replicator: Obj) -> DaemonOptions:
     """What ``mtc-replicator`` makes of the container's environment (kubelet's $(VAR)
     expansion and the downward API replaced by stand-ins)."""
     values: dict[str, str] = {}
     for item in replicator["env"]:
         value = item.get("value", "10.0.0.7")
         values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], value)
-    return daemon.parse_args([], values)
+    return parse_args([], values)
 
 
 def test_the_daemon_reads_the_environment_as_meant(built: list[Obj]) -> None:

@@ -1,6 +1,6 @@
 """When a handshake is judged complete: at once when renamed into place, after a double read
-when written in place. In-process (the daemon's own ``_check_config`` on real files), so no
-timing is involved: the test says which event was seen and counts the reads."""
+when written in place. In-process (the daemon's own ``Supervisor.check_config`` on real
+files), so no timing is involved: the test says which event was seen and counts the reads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from replicator.core.contract import CONFIG_FILE, JobConfig
-from replicator.node.daemon import Daemon, DaemonOptions
+from replicator.node.daemon import Daemon
+from replicator.node.options import DaemonOptions
 from tests.integration.helpers import config_text, write_yaml_atomic
 
 pytestmark = pytest.mark.integration
@@ -27,7 +28,7 @@ class _Recorder:
 def _daemon(ckpt: Path) -> tuple[Daemon, _Recorder]:
     daemon = Daemon(DaemonOptions(checkpoint_dir=ckpt, listen="127.0.0.1:0"))
     recorder = _Recorder()
-    daemon._accept = recorder  # type: ignore[method-assign]
+    daemon.supervisor._accept = recorder  # type: ignore[method-assign]
     return daemon, recorder
 
 
@@ -39,7 +40,7 @@ def test_a_yaml_renamed_into_place_is_accepted_at_the_first_read(tmp_path: Path)
     write_yaml_atomic(ckpt, text)
     daemon._on_event(CONFIG_FILE, True, True)  # what the watcher reports for the rename
     try:
-        asyncio.run(daemon._check_config())
+        asyncio.run(daemon.supervisor.check_config())
     finally:
         daemon.executor.shutdown()
     assert recorder.accepted == [text], "a complete (renamed) handshake waited for a re-read"
@@ -61,7 +62,7 @@ def test_a_yaml_written_in_place_still_needs_two_equal_reads(tmp_path: Path, ren
         (ckpt / CONFIG_FILE).write_text(text)
         daemon._on_event(CONFIG_FILE, True, False)  # closed after writing
     try:
-        asyncio.run(daemon._check_config())
+        asyncio.run(daemon.supervisor.check_config())
         assert recorder.accepted == []
     finally:
         daemon.executor.shutdown()

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from replicator import __version__
-from replicator.node.daemon import Daemon, DaemonOptions
+from replicator.node.daemon import Daemon
+from replicator.node.options import DaemonOptions
 from replicator.obs.health import Health, Heartbeat, Readiness
 from replicator.obs.metrics import PrometheusMetrics, serve
 from tests.integration.conftest import StartDaemon

@@ -13,7 +13,7 @@ from replicator.core.contacts import Contacts
 from replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
 from replicator.core.timeline import RestorePhase
 from replicator.local.pacer import Pacer
-from replicator.node.daemon import parse_args as daemon_args
+from replicator.node.options import parse_args as daemon_args
 from replicator.obs.metrics import (
     NO_METRICS,
     ErrorKind,

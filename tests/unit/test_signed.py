@@ -27,7 +27,7 @@ from replicator.core.signed import (
     RecordTrust,
     Seal,
 )
-from replicator.node.daemon import parse_args
+from replicator.node.options import parse_args
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore
 from replicator.tools import certs

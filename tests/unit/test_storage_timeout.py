@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
-from replicator.node.daemon import parse_args
+from replicator.node.options import parse_args
 from replicator.storage.gcs import GcsObjectStore
 from replicator.storage.s3 import S3ObjectStore
 from replicator.storage.stores import open_object_store

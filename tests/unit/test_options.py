@@ -1,5 +1,6 @@
-"""Both daemons' command lines: every flag says what it does, and a bad value, as a flag or
-in its environment variable, is a usage error (exit 2, a message), never a traceback."""
+"""Both daemons' command lines (``node.options``, ``csi.plugin``): every flag says what it
+does, and a bad value, as a flag or in its environment variable, is a usage error (exit 2, a
+message), never a traceback."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from csi import plugin as csi_plugin
 from replicator.core import argtypes
-from replicator.node import daemon
+from replicator.node import options
 
 # The least each parser needs to get past its required options.
 DAEMON_ENV = {"MTC_CHECKPOINT_DIR": "/tmp/mtc-flags-test"}
@@ -26,7 +27,7 @@ CSI_ENV = {
     "MTC_RAM_SIZE": "1Gi",
 }
 PARSERS: dict[str, tuple[Callable[..., Any], Callable[..., Any], dict[str, str]]] = {
-    "mtc-replicator": (daemon.make_parser, daemon.parse_args, DAEMON_ENV),
+    "mtc-replicator": (options.make_parser, options.parse_args, DAEMON_ENV),
     "mtc-csi": (csi_plugin.make_parser, csi_plugin.parse_args, CSI_ENV),
 }
 MARKUP = re.compile(r"``|:[a-z]+:`")
@@ -136,9 +137,9 @@ def test_the_process_exits_2_without_a_traceback(module: str) -> None:
 
 
 def test_levels_and_formats_are_normalised() -> None:
-    opts = daemon.parse_args(["--log-level", "debug", "--log-format", "JSON"], DAEMON_ENV)
+    opts = options.parse_args(["--log-level", "debug", "--log-format", "JSON"], DAEMON_ENV)
     assert (opts.log_level, opts.log_format) == ("DEBUG", "json")
-    assert daemon.parse_args([], {**DAEMON_ENV, "MTC_LOG_FORMAT": "json"}).log_format == "json"
+    assert options.parse_args([], {**DAEMON_ENV, "MTC_LOG_FORMAT": "json"}).log_format == "json"
     defaults = csi_plugin.parse_args([], CSI_ENV)
     assert (defaults.log_level, defaults.log_format) == ("INFO", "text")
 
@@ -148,16 +149,35 @@ def test_the_transfer_floor_defaults_under_the_rate_limit(
 ) -> None:
     """--min-transfer-rate: 256 KiB/s, a sixteenth of a lower --max-transfer-rate, 'off';
     one at or over --max-transfer-rate would drop peers paced as this node is."""
-    assert daemon.parse_args([], DAEMON_ENV).min_transfer_rate == 256 << 10
-    limited = daemon.parse_args(["--max-transfer-rate", "1MiB"], DAEMON_ENV)
+    assert options.parse_args([], DAEMON_ENV).min_transfer_rate == 256 << 10
+    limited = options.parse_args(["--max-transfer-rate", "1MiB"], DAEMON_ENV)
     assert limited.min_transfer_rate == (1 << 20) / 16
-    off = daemon.parse_args(["--min-transfer-rate", "off"], DAEMON_ENV)
+    off = options.parse_args(["--min-transfer-rate", "off"], DAEMON_ENV)
     assert off.min_transfer_rate is None
     env = {**DAEMON_ENV, "MTC_MIN_TRANSFER_RATE": "2MiB"}
-    assert daemon.parse_args([], env).min_transfer_rate == 2 << 20
+    assert options.parse_args([], env).min_transfer_rate == 2 << 20
     with pytest.raises(SystemExit) as exited:
-        daemon.parse_args(["--max-transfer-rate", "1MiB", "--min-transfer-rate", "1MiB"], env)
+        options.parse_args(["--max-transfer-rate", "1MiB", "--min-transfer-rate", "1MiB"], env)
     assert exited.value.code == 2
     assert "--min-transfer-rate must be below --max-transfer-rate" in capsys.readouterr().err
-    assert daemon.parse_args([], DAEMON_ENV).max_item_files == 100_000
-    assert daemon.parse_args(["--max-item-files", "7"], DAEMON_ENV).max_item_files == 7
+    assert options.parse_args([], DAEMON_ENV).max_item_files == 100_000
+    assert options.parse_args(["--max-item-files", "7"], DAEMON_ENV).max_item_files == 7
+
+
+def test_unsafe_settings_are_named_at_start() -> None:
+    """What the daemon warns of when it starts: no owner file, no TLS, unsigned records."""
+    plain = options.parse_args([], DAEMON_ENV)
+    warned = options.unsafe_settings(plain, tls=False, listen="0.0.0.0:7070")
+    assert [w.split(":")[0] for w in warned] == [
+        "no --owner-file",
+        "TLS is off",
+        "without TLS material, COMMITs and registry entries are neither signed nor checked",
+    ]
+    assert "the gRPC port 0.0.0.0:7070 " in warned[1]
+    owned = options.parse_args(
+        ["--owner-file", "/run/owner.json", "--accept-unsigned-records"], DAEMON_ENV
+    )
+    (unsigned,) = options.unsafe_settings(owned, tls=True, listen=None)
+    assert unsigned.startswith("--accept-unsigned-records is on")
+    strict = options.parse_args(["--owner-file", "/run/owner.json"], DAEMON_ENV)
+    assert options.unsafe_settings(strict, tls=True, listen=None) == []

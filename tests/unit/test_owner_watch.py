@@ -1,0 +1,61 @@
+"""``node.owner_watch``: the owner file read on the pool given, at most once a second while a
+job runs, a missing or malformed file counted as a change of hands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from replicator.core.ownership import UNOWNED, BadOwner
+from replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, read_owner
+from tests.unit.test_ownership import owner_json
+
+
+def _write(path: Path, namespace: str) -> None:
+    path.write_text(json.dumps(owner_json(namespace=namespace)))
+
+
+def test_read_owner_names_the_file_when_it_cannot_be_used(tmp_path: Path) -> None:
+    path = tmp_path / "owner.json"
+    assert read_owner(None) == UNOWNED
+    with pytest.raises(BadOwner, match="cannot read the owner file"):
+        read_owner(path)
+    path.write_bytes(b"{not json")
+    with pytest.raises(BadOwner, match="is malformed"):
+        read_owner(path)
+    _write(path, "team-a")
+    assert read_owner(path) == "team-a"
+
+
+def test_the_watch_reads_on_its_pool_at_most_once_a_second(tmp_path: Path) -> None:
+    path = tmp_path / "owner.json"
+    _write(path, "team-a")
+    now = [100.0]
+    threads: list[str] = []
+
+    class Pool(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            threads.append("pool")
+            return super().submit(fn, *args, **kwargs)
+
+    async def scenario(watch: OwnerWatch) -> list[bool]:
+        seen = [await watch.moved_from("team-a")]
+        _write(path, "team-b")
+        now[0] += CHECK_EVERY / 2
+        seen.append(await watch.moved_from("team-a"))  # too soon: not read
+        now[0] += CHECK_EVERY / 2
+        seen.append(await watch.moved_from("team-a"))
+        path.unlink()
+        now[0] += CHECK_EVERY
+        seen.append(await watch.moved_from("team-b"))  # gone: changed hands
+        assert await OwnerWatch(None, pool).moved_from("team-a") is False
+        return seen
+
+    with Pool(max_workers=1) as pool:
+        watch = OwnerWatch(path, pool, clock=lambda: now[0])
+        assert asyncio.run(scenario(watch)) == [False, False, True, True]
+    assert threads == ["pool"] * 3
