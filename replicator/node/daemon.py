@@ -79,11 +79,11 @@ from replicator.node.agent import (
     AgentContext,
     Incarnation,
     IncarnationPhase,
-    cleanup_workload_files,
     new_incarnation_id,
     restore_saved,
     save_state,
 )
+from replicator.node.checkpoint_dir import cleanup_workload_files
 from replicator.node.reclaim import Dropped, ForeignItems
 from replicator.node.status import SERVICE as NODE_SERVICE
 from replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
