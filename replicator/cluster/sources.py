@@ -85,7 +85,7 @@ class ItemSources:
     def __init__(
         self,
         store: LocalStore,
-        log: JobLog,
+        rank: int,
         *,
         peers: PeerClient | None = None,
         backups: BackupStore | None = None,
@@ -96,11 +96,12 @@ class ItemSources:
         pending_grace: float = PENDING_GRACE_SECONDS,
         peer_retry: float = PEER_RETRY_SECONDS,
     ) -> None:
-        """``peers``: None where no peer can hold anything (a one-node job); ``backups``:
-        None where no backup is set; ``cancelled``: the incarnation stops (a verify or a
-        download in a thread ends early)."""
+        """``rank``: this node's, for the log lines; ``peers``: None where no peer can
+        hold anything (a one-node job); ``backups``: None where no backup is set;
+        ``cancelled``: the incarnation stops (a verify or a download in a thread ends
+        early)."""
         self.store = store
-        self.log = log
+        self.rank = rank
         self.peers = peers
         self.backups = backups
         self.run_thread = run_thread
@@ -247,7 +248,7 @@ class ItemSources:
             manifest = backups.fetch_pinned(item, digest, staged, self.cancelled)
             self.store.commit_staged(staged, manifest)
             dt = max(time.monotonic() - t0, 1e-9)
-            self.log.info(
+            JobLog(log, item.job, self.rank).info(
                 "restored %s from backup: %d bytes in %.2fs (%.1f MB/s)",
                 item,
                 manifest.total_bytes,

@@ -357,7 +357,7 @@ class Incarnation:
         )
         sources = ItemSources(
             ctx.store,
-            self.log,
+            self.config.node_rank,
             peers=ctx.peers,
             backups=ctx.backups,
             run_thread=self._thread,

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,6 @@ from replicator.core.contract import parse_config
 from replicator.core.manifest import ItemId
 from replicator.local.hashing import build_manifest
 from replicator.local.store import LocalStore
-from replicator.obs.logs import JobLog
 from replicator.storage.backup import BackupStore
 from replicator.storage.s3 import S3ObjectStore
 from tests.daemon_process import DaemonProcess
@@ -103,7 +101,7 @@ async def member(
         finder=RegistryFinder(registry),
         advertise=f"127.0.0.1:{20000 + rank}",
     )
-    sources = ItemSources(store, JobLog(logging.getLogger(__name__), job, rank), backups=backups)
+    sources = ItemSources(store, rank, backups=backups)
     ctx = RoundContext(me, sources, error=error)
     try:
         return await RoundParticipant(ctx).run()

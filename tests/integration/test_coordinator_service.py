@@ -54,7 +54,6 @@ from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.local.store import LocalStore
-from replicator.obs.logs import JobLog
 from replicator.storage.objectstore import TransientError
 from replicator.transport.server import RpcServer
 
@@ -103,7 +102,7 @@ class FetchingNothing(ItemSources):
     """The sources of a round that must fetch nothing: a fetch fails the test."""
 
     def __init__(self, store: LocalStore, why: str) -> None:
-        super().__init__(store, JobLog(logging.getLogger(__name__), JOB, 0))
+        super().__init__(store, 0)
         self.why = why
 
     async def fetch(self, f: Fetch, addresses: Mapping[int, str], *, last: bool) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from replicator.core.manifest import ItemId, ItemKind, Manifest
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.local.store import LocalStore
-from replicator.obs.logs import JobLog
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
 from replicator.transport.peer import PeerUnavailable
@@ -62,7 +60,7 @@ def participant(
     )
     sources = ItemSources(
         store,
-        JobLog(logging.getLogger(__name__), "job", 2),
+        2,
         peers=peer,  # type: ignore[arg-type]
         backups=BackupStore(BucketDown()),
         peer_retry=PEER_RETRY_SECONDS if peer_retry is None else peer_retry,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,6 @@ from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.local.hashing import build_manifest
 from replicator.local.store import LocalStore
-from replicator.obs.logs import JobLog
 from replicator.obs.metrics import Metrics, TransferKind
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
@@ -95,7 +93,7 @@ class World:
         kw.setdefault("backups", self.backups)
         return ItemSources(
             self.store,
-            JobLog(logging.getLogger(__name__), "job", 1),
+            1,
             metrics=self.metrics,
             **kw,  # type: ignore[arg-type]
         )
