@@ -17,27 +17,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from replicator.cluster.client import CoordinatorError, NoCoordinator
-from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
+from replicator.cluster.link import CoordinatorLink
 from replicator.cluster.replication import Replication
-from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
-from replicator.core.contract import JobConfig
+from replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
+from replicator.cluster.sources import ItemSources, RunThread
 from replicator.core.coordination import MAX_REPORT_EVERY
 from replicator.core.layout import replication_targets
-from replicator.core.manifest import Cancelled, ItemId, ManifestError
+from replicator.core.manifest import Cancelled, ManifestError
 from replicator.core.retry import Backoff
 from replicator.core.timeline import RestoreTimeline
-from replicator.local.store import LocalStore
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
 from replicator.storage.backup import BackupStore
 from replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
 from replicator.storage.upload import ItemNotHeld, upload_step
-from replicator.transport.obtaining import Obtaining
 from replicator.transport.peer import PeerClient
 
 log = logging.getLogger(__name__)
@@ -61,21 +59,16 @@ class ReportError(Protocol):
 
 @dataclass
 class MemberContext:
-    config: JobConfig
-    incarnation_id: str
-    store: LocalStore
+    rank: JobRank
+    """This rank, as its restore round sees it too."""
+    sources: ItemSources
+    """Where the restore round fetches each item from."""
     backups: BackupStore | None
     peers: PeerClient | None
     """The peer plane; None only where there are no peers (a one-node job)."""
-    finder: CoordinatorFinder
-    advertise: str
-    run_thread: Callable[..., Awaitable[object]]
-    verify_local: Callable[[ItemId], Awaitable[None]]
-    fetch_backup: Callable[[ItemId, str], Awaitable[None]]
+    run_thread: RunThread
     error: ReportError
-    report_after: float = 60.0
     metrics: Metrics = NO_METRICS
-    obtaining: Obtaining | None = None
 
 
 class ClusterMember:
@@ -83,9 +76,12 @@ class ClusterMember:
 
     def __init__(self, ctx: MemberContext) -> None:
         self.ctx = ctx
-        self.config = ctx.config
+        self.config = ctx.rank.config
         self.replication = Replication(
-            ctx.config, ctx.store, ctx.peers, lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION)
+            self.config,
+            ctx.rank.store,
+            ctx.peers,
+            lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION),
         )
         self.restorable: int | None = None
         """The cluster's restorable step, as the coordinator last said: never deleted."""
@@ -117,24 +113,16 @@ class ClusterMember:
         """After a failed upload, the order (repeated at every report) waits this long."""
         self._reported: tuple[int | None, int | None] = (None, None)
         """The replicated and uploaded steps of the last answered report."""
-        self._targets = replication_targets(ctx.config)
-        self._log = JobLog(log, ctx.config.job_name, ctx.config.node_rank)
+        self._targets = replication_targets(self.config)
+        self._log = JobLog(log, self.config.job_name, self.config.node_rank)
 
     async def restore(self, timeline: RestoreTimeline | None = None) -> RoundOutcome:
         """Take this rank through the restore round; ``timeline`` records its phases."""
         participant = RoundParticipant(
             RoundContext(
-                config=self.config,
-                incarnation_id=self.ctx.incarnation_id,
-                store=self.ctx.store,
-                peers=self.ctx.peers,
-                finder=self.ctx.finder,
-                advertise=self.ctx.advertise,
-                verify_local=self.ctx.verify_local,
-                fetch_backup=self.ctx.fetch_backup,
+                self.ctx.rank,
+                self.ctx.sources,
                 error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
-                report_after=self.ctx.report_after,
-                obtaining=self.ctx.obtaining,
                 timeline=timeline,
             )
         )
@@ -145,7 +133,7 @@ class ClusterMember:
     def adopt(self, outcome: RoundOutcome) -> None:
         self.running = True
         self.replication.set_addresses(outcome.addresses)
-        self._client = self.ctx.finder.open(self.config.job_name, outcome.coordinator)
+        self._client = self.ctx.rank.finder.open(self.config.job_name, outcome.coordinator)
         if outcome.step is not None:
             self.restorable = outcome.step
             self.replication.newest_replicated = outcome.step
@@ -230,7 +218,7 @@ class ClusterMember:
         """Report progress and act on the answer; False when no coordinator answered."""
         if self._client is None:
             try:
-                self._client = await self.ctx.finder.find(self.config.job_name, timeout=0)
+                self._client = await self.ctx.rank.finder.find(self.config.job_name, timeout=0)
             except NoCoordinator:
                 return False
         offer = self._offering = self._offer
@@ -238,10 +226,10 @@ class ClusterMember:
         try:
             answer = await self._client.report_progress(
                 self.config.node_rank,
-                self.ctx.incarnation_id,
+                self.ctx.rank.incarnation_id,
                 replicated_step=self.replication.newest_replicated,
                 uploaded_step=self.uploaded,
-                address=self.ctx.advertise,
+                address=self.ctx.rank.advertise,
                 held=offer,
                 replicating_step=self.replication.pushing,
                 address_ranks=self._targets,
@@ -288,7 +276,7 @@ class ClusterMember:
         try:
             await upload_step(
                 backups,
-                self.ctx.store,
+                self.ctx.rank.store,
                 self.config,
                 step,
                 run_thread=self.ctx.run_thread,

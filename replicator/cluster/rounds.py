@@ -3,7 +3,8 @@
 Find the job's coordinator (in the registry for a cluster job, in this daemon for a
 one-node job: ``cluster.link``), join with this node's inventory, wait until
 every rank joined, obtain and verify the planned items in the order given (local, peer,
-equivalent, backup), report, and return once the coordinator released the round: only
+equivalent, backup; each fetched by ``cluster.sources``, whose own failure types alone
+count as a source lost), report, and return once the coordinator released the round: only
 then may markers appear, and every rank's markers name the same step. While waiting, the
 agent says in ``replicator.errors`` what it waits for, well before the clients' 300 s.
 """
@@ -13,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-
-import grpc
 
 from replicator.cluster.client import (
     CoordinatorError,
@@ -26,45 +25,23 @@ from replicator.cluster.client import (
 )
 from replicator.cluster.link import CoordinatorFinder, CoordinatorLink
 from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from replicator.cluster.sources import ItemSources, SourceUnavailable
 from replicator.core.contract import JobConfig
 from replicator.core.coordination import JoinRejected, Phase
 from replicator.core.layout import replication_targets
-from replicator.core.manifest import Cancelled, CorruptItem, ItemId, ManifestError
+from replicator.core.manifest import Cancelled, CorruptItem, ItemId
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.core.retry import Backoff
 from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local.store import LocalStore, StoreError
-from replicator.storage.objectstore import ObjectStoreError
 from replicator.transport.obtaining import Obtain, Obtaining
-from replicator.transport.peer import (
-    ItemBusy,
-    ItemNotFound,
-    PeerClient,
-    PeerError,
-    PeerUnavailable,
-)
 
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 10.0
-PENDING_WAIT_SECONDS = 600.0
-"""How long a pull waits, at most, for a holder that says it is still obtaining the item
-(``Fetch.pending``): a backup download of a large item takes minutes; past this, this rank
-downloads it itself."""
-PENDING_GRACE_SECONDS = 10.0
-"""How long a pending pull keeps trying a holder that does not know the item yet: the
-holder may not have received the plan. Past this the holder is not coming."""
-
-
 REFUSAL_SAID_EVERY = 60.0
 """Seconds between log lines about joins the coordinator does not admit."""
-
-
-PEER_RETRY_SECONDS = 20.0
-"""How long a pull keeps trying a holder that cannot be reached before this rank reports the
-copy unavailable (and the round may fall back to an older step): a daemon's restart, with
-its start-up checks, fits."""
 
 
 class RoundFailed(Exception):
@@ -86,30 +63,30 @@ class RoundOutcome:
     an unreachable store or peer): with a fresh start, the job must not start from scratch."""
 
 
-@dataclass
-class RoundContext:
-    """What a participant needs from its incarnation."""
+@dataclass(frozen=True)
+class JobRank:
+    """This rank of its job as its restore round and its membership both see it."""
 
     config: JobConfig
     incarnation_id: str
     store: LocalStore
-    peers: PeerClient | None
-    """The peer plane; None where no peer can hold anything (a one-node job)."""
     finder: CoordinatorFinder
     advertise: str
-    verify_local: Callable[[ItemId], Awaitable[None]]
-    fetch_backup: Callable[[ItemId, str], Awaitable[None]]
-    """Download a committed backup item with the manifest digest the plan gives (the one
-    its COMMIT pins) into the store, verified; raises on failure. Never lists the bucket."""
-    error: Callable[[str, int | None], None]
     report_after: float = 60.0
     """Seconds of waiting before ``replicator.errors`` says what for (clients give up at 300)."""
     obtaining: Obtaining | None = None
     """Where this node's peer service learns which items the round still obtains (for
     pending pulls of other ranks); None: nobody pulls from this node during a round."""
-    pending_wait: float = PENDING_WAIT_SECONDS
-    pending_grace: float = PENDING_GRACE_SECONDS
-    peer_retry: float = PEER_RETRY_SECONDS
+
+
+@dataclass
+class RoundContext:
+    """What a participant needs from its incarnation."""
+
+    rank: JobRank
+    sources: ItemSources
+    """Where each planned item is fetched from (``cluster.sources``)."""
+    error: Callable[[str, int | None], None]
     timeline: RestoreTimeline | None = None
     """Where the round marks its phases (join, plan, each fetch, release); None: nowhere."""
 
@@ -119,7 +96,7 @@ class RoundParticipant:
 
     def __init__(self, ctx: RoundContext) -> None:
         self.ctx = ctx
-        self.config = ctx.config
+        self.config = ctx.rank.config
         self._started = time.monotonic()
         self._last_said = ""
         self._unavailable: list[str] = []
@@ -143,7 +120,10 @@ class RoundParticipant:
 
     def _say_waiting(self, message: str) -> None:
         """Tell the workload what we wait for, once the wait got long, once per change."""
-        if time.monotonic() - self._started < self.ctx.report_after or message == self._last_said:
+        if (
+            time.monotonic() - self._started < self.ctx.rank.report_after
+            or message == self._last_said
+        ):
             return
         self._last_said = message
         self.ctx.error(message, None)
@@ -155,15 +135,15 @@ class RoundParticipant:
             self.ctx.error(str(exc), None)
 
     def _inventory(self) -> dict[ItemId, str]:
-        return {i: m.digest for i, m in self.ctx.store.manifests(self.config.job_name).items()}
+        return {i: m.digest for i, m in self.ctx.rank.store.manifests(self.config.job_name).items()}
 
     async def run(self) -> RoundOutcome:
         try:
             return await self._run()
         finally:
             # Released, failed or cancelled: pulls of what was still coming go elsewhere.
-            if self.ctx.obtaining is not None:
-                self.ctx.obtaining.done(self._announced)
+            if self.ctx.rank.obtaining is not None:
+                self.ctx.rank.obtaining.done(self._announced)
 
     async def _run(self) -> RoundOutcome:
         backoff = Backoff()
@@ -171,7 +151,7 @@ class RoundParticipant:
         while True:
             self._mark(RestorePhase.JOIN)
             try:
-                client = await self.ctx.finder.find(job, timeout=POLL_SECONDS)
+                client = await self.ctx.rank.finder.find(job, timeout=POLL_SECONDS)
             except UntrustedCoordinator as exc:
                 self._say_untrusted(exc)
                 await asyncio.sleep(backoff.next())
@@ -205,7 +185,7 @@ class RoundParticipant:
 
     async def _member(self, client: CoordinatorLink) -> RoundOutcome | None:
         """One membership: join, follow the round; None means join again."""
-        rank, inc = self.config.node_rank, self.ctx.incarnation_id
+        rank, inc = self.config.node_rank, self.ctx.rank.incarnation_id
         # Only the addresses this rank pushes to: PEER sources carry their own, and every
         # member's would make a round cost the coordinator N answers of N addresses.
         targets = replication_targets(self.config)
@@ -218,7 +198,7 @@ class RoundParticipant:
             rank,
             inc,
             cluster_view_json(self.config),
-            self.ctx.advertise,
+            self.ctx.rank.advertise,
             self._inventory(),
             wait_seconds=self._wait(),
             address_ranks=targets,
@@ -272,39 +252,10 @@ class RoundParticipant:
         )
         await asyncio.sleep(wait)
 
-    async def _pull(self, peers: PeerClient, address: str, f: Fetch, *, retry: bool) -> None:
-        """Pull ``f`` from its holder. With ``retry`` (no other source of the item is left),
-        try again for ``peer_retry`` seconds while the holder cannot be reached: it joined
-        this round, so it is likely restarting (a DaemonSet update, a crash), and the
-        channel fails fast while it reconnects. Giving up at once would make the round fall
-        back to an older step and drop the newer copies everywhere (``make chaos``, seed
-        67); with another source left, that source is tried at once instead."""
-        backoff = Backoff(0.5, 4.0)
-        deadline = time.monotonic() + (self.ctx.peer_retry if retry else 0.0)
-        while True:
-            try:
-                await peers.pull_item(address, f.item, self.ctx.store, f.digest)
-            except PeerUnavailable as exc:
-                wait = backoff.next()
-                if exc.code is not grpc.StatusCode.UNAVAILABLE or (
-                    time.monotonic() + wait > deadline
-                ):
-                    raise
-                log.info(
-                    "pull of %s from rank %s: %s; again in %.1fs (the holder may be restarting)",
-                    f.item,
-                    f.holder,
-                    exc,
-                    wait,
-                )
-                await asyncio.sleep(wait)
-            else:
-                return
-
     def _wait(self) -> float:
         """A long poll's wait: short enough to say what we wait for once ``report_after``
         has passed."""
-        report_in = self._started + self.ctx.report_after - time.monotonic()
+        report_in = self._started + self.ctx.rank.report_after - time.monotonic()
         return POLL_SECONDS if report_in <= 0 else min(POLL_SECONDS, report_in + 0.05)
 
     async def _obtain(self, state: RoundState) -> tuple[bool, list[FailedFetch]]:
@@ -324,7 +275,6 @@ class RoundParticipant:
         addresses: Mapping[int, str],
         failures: list[FailedFetch],
     ) -> bool:
-        store = self.ctx.store
         items = {f.item for f in fetches}
         for index, f in enumerate(fetches):
             # Others may wait for this item while this rank tries its first choice or a
@@ -332,28 +282,8 @@ class RoundParticipant:
             # fallback), so waits never go round in a circle (core.restore_plan._fan_out).
             self._tell(items, Obtain.IN_PROGRESS if index == 0 or not f.pending else Obtain.GAVE_UP)
             try:
-                held = store.get(f.item)
-                if held is not None and held.digest == f.digest:
-                    self._mark(RestorePhase.LOCAL, str(f.item))
-                    await self.ctx.verify_local(f.item)
-                elif f.source is Source.LOCAL:
-                    raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
-                elif f.source is Source.PEER:
-                    self._mark(RestorePhase.PEER, f"{f.item} from rank {f.holder}")
-                    peers = self.ctx.peers
-                    if peers is None or f.holder is None or f.holder not in addresses:
-                        raise PeerError("?", f"no address for rank {f.holder}")
-                    if f.pending:
-                        await self._pull_pending(peers, addresses[f.holder], f)
-                    else:
-                        last = index == len(fetches) - 1
-                        await self._pull(peers, addresses[f.holder], f, retry=last)
-                else:
-                    self._mark(RestorePhase.BACKUP, str(f.item))
-                    await self.ctx.fetch_backup(f.item, f.digest)
-                    fetched = store.get(f.item)
-                    if fetched is None or fetched.digest != f.digest:
-                        raise CorruptItem(f"{f.item}: the backup copy differs from the plan")
+                self._mark_fetch(f)
+                await self.ctx.sources.fetch(f, addresses, last=index == len(fetches) - 1)
             except CorruptItem as exc:
                 self.ctx.error(
                     f"step {f.item.step}: {f.source.value} copy of {f.item} is corrupt "
@@ -361,17 +291,8 @@ class RoundParticipant:
                     f.item.step,
                 )
                 failures.append(FailedFetch(f, True, str(exc)))
-                if store.get(f.item) is not None and f.source is Source.LOCAL:
-                    store.delete(f.item)
                 continue
-            except (
-                PeerError,
-                ObjectStoreError,
-                StoreError,
-                ManifestError,
-                OSError,
-                KeyError,
-            ) as exc:
+            except SourceUnavailable as exc:
                 message = (
                     f"step {f.item.step}: cannot use the {f.source.value} copy of {f.item}: {exc}"
                 )
@@ -394,51 +315,37 @@ class RoundParticipant:
         self._tell(items, Obtain.GAVE_UP)
         return False
 
+    def _mark_fetch(self, f: Fetch) -> None:
+        """The phase fetching ``f`` is in: the local verify of a copy held here, else its
+        source's (a LOCAL fetch of a copy gone fails at once, in no phase)."""
+        if self.ctx.sources.holds(f):
+            self._mark(RestorePhase.LOCAL, str(f.item))
+        elif f.source is Source.PEER:
+            self._mark(RestorePhase.PEER, f"{f.item} from rank {f.holder}")
+        elif f.source is Source.BACKUP:
+            self._mark(RestorePhase.BACKUP, str(f.item))
+
     def _announce(self, assignments: Mapping[ItemId, list[Fetch]]) -> None:
         """Say, before fetching anything, every item this plan may bring here: a pending
         pull of one that arrives first then waits rather than failing."""
-        if self.ctx.obtaining is None:
+        if self.ctx.rank.obtaining is None:
             return
-        self.ctx.obtaining.done(self._announced)  # an older plan's
+        self.ctx.rank.obtaining.done(self._announced)  # an older plan's
         self._announced = {
             f.item
             for fetches in assignments.values()
             for f in fetches
-            if f.source is not Source.LOCAL and self.ctx.store.get(f.item) is None
+            if f.source is not Source.LOCAL and self.ctx.rank.store.get(f.item) is None
         }
-        self.ctx.obtaining.mark(self._announced, Obtain.IN_PROGRESS)
+        self.ctx.rank.obtaining.mark(self._announced, Obtain.IN_PROGRESS)
 
     def _tell(self, items: set[ItemId], state: Obtain) -> None:
-        if self.ctx.obtaining is not None:
-            self.ctx.obtaining.mark(items & self._announced, state)
+        if self.ctx.rank.obtaining is not None:
+            self.ctx.rank.obtaining.mark(items & self._announced, state)
 
     def _forget(self, items: set[ItemId]) -> None:
-        if self.ctx.obtaining is not None:
-            self.ctx.obtaining.done(items & self._announced)
-
-    async def _pull_pending(self, peers: PeerClient, address: str, f: Fetch) -> None:
-        """Pull an item its holder obtains during this round, once it has it.
-
-        While the holder says the item is coming (ABORTED), try again with backoff for up
-        to ``pending_wait``; while it does not know the item (NOT_FOUND: it may not have
-        the plan yet), for up to ``pending_grace``. Any other answer, including the
-        holder's word that it gave the item up, fails at once, so this rank falls back to
-        its next source (the backup) promptly. The bytes are verified against the plan's
-        digest like any pull's.
-        """
-        started = time.monotonic()
-        backoff = Backoff(0.05, 1.0)
-        while True:
-            try:
-                await peers.pull_item(address, f.item, self.ctx.store, f.digest)
-            except (ItemBusy, ItemNotFound) as exc:
-                waited = time.monotonic() - started
-                busy = isinstance(exc, ItemBusy)
-                if waited > (self.ctx.pending_wait if busy else self.ctx.pending_grace):
-                    raise PeerError(address, f"{exc} (waited {waited:.1f}s for it)") from None
-                await asyncio.sleep(backoff.next())
-            else:
-                return
+        if self.ctx.rank.obtaining is not None:
+            self.ctx.rank.obtaining.done(items & self._announced)
 
     def _outcome(self, state: RoundState, coordinator: str) -> RoundOutcome:
         stored_as: dict[ItemId, ItemId] = {}
@@ -447,7 +354,7 @@ class RoundParticipant:
             used = self._obtained.get(target)
             tried_first = [used] if used is not None and used in fetches else []
             for f in [*tried_first, *fetches]:
-                held = self.ctx.store.get(f.item)
+                held = self.ctx.rank.store.get(f.item)
                 if held is not None and held.digest == f.digest:
                     stored_as[target] = f.item
                     sources.add(f.origin)  # a relayed download restored from the backup

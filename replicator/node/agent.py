@@ -14,49 +14,46 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
 
 from replicator.cluster.coordinators import Coordinators
 from replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
 from replicator.cluster.membership import ClusterMember, MemberContext
 from replicator.cluster.registry import Registry
-from replicator.cluster.rounds import RoundFailed
+from replicator.cluster.rounds import JobRank, RoundFailed
+from replicator.cluster.sources import ItemSources
+from replicator.cluster.workload_errors import WorkloadErrors
 from replicator.core.admission import expected_pushers
 from replicator.core.contract import (
-    ERRORS_FILE,
     FAILED_FILE,
-    PRERESTORE_FILE,
     JobConfig,
-    marker_name,
     parse_config,
 )
 from replicator.core.drain import DrainPlan, plan_drain
 from replicator.core.layout import backup_items
-from replicator.core.manifest import CorruptItem, ItemId, ManifestError
+from replicator.core.manifest import ItemId, ManifestError
 from replicator.core.ownership import UNOWNED
 from replicator.core.policy import (
-    Entry,
     Handoff,
     complete_steps,
     find_handoffs,
-    marker_item,
     retention,
     retention_of_copies,
     save_in_progress,
 )
 from replicator.core.timeline import RestorePhase, RestoreTimeline
 from replicator.local import fsutil
+from replicator.local.offload import Offload
 from replicator.local.pacer import Pacer
 from replicator.local.store import LocalStore, StoreError
+from replicator.node.checkpoint_dir import list_top, publish_markers, unlink_links_to
 from replicator.node.reclaim import ForeignItems
 from replicator.obs.logs import JobLog
 from replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
@@ -68,7 +65,6 @@ from replicator.transport.peer import PeerClient
 from replicator.transport.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 STATE_FILE = "incarnation.json"
 
@@ -151,50 +147,6 @@ def load_state(store: LocalStore) -> SavedIncarnation | None:
         return None
 
 
-def list_top(checkpoint_dir: Path) -> list[Entry]:
-    """``lstat`` every top-level name (hidden ones excluded)."""
-    entries = []
-    with os.scandir(checkpoint_dir) as it:
-        for e in it:
-            if e.name.startswith("."):
-                continue
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            entries.append(
-                Entry(
-                    e.name,
-                    e.is_dir(follow_symlinks=False),
-                    e.is_file(follow_symlinks=False),
-                    st.st_mtime,
-                )
-            )
-    return entries
-
-
-def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
-    """Handshake step 3: remove stale files we published; never data, never jax-init-info."""
-    removed = []
-    with os.scandir(checkpoint_dir) as it:
-        for e in it:
-            path = Path(e.path)
-            stale = (
-                e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE)
-                or e.name.endswith(".restore")
-                or e.name.startswith(fsutil.TMP_PREFIX)
-            )
-            if not stale and e.is_symlink():
-                # `<N>` / `step=<N>` links that clients made of our markers.
-                stale = store.owns_link_target(os.readlink(path))
-            if stale and not e.is_dir(follow_symlinks=False):
-                path.unlink(missing_ok=True)
-                removed.append(e.name)
-    # No link into a view is left, so the previous incarnations' views are garbage.
-    store.drop_views()
-    return removed
-
-
 def new_incarnation_id() -> str:
     """A fresh incarnation id: 16 hex digits, unique per accepted handshake."""
     return uuid.uuid4().hex[:16]
@@ -227,7 +179,11 @@ class Incarnation:
         self.phase = IncarnationPhase.STEADY if resume_steady else IncarnationPhase.RESTORING
         self._wake = asyncio.Event()
         self._stopping = threading.Event()
-        self._futures: set[asyncio.Future[Any]] = set()
+        self._offload = Offload(ctx.executor)
+        """This incarnation's blocking calls, which ``stop`` waits for."""
+        self._thread = self._offload.run
+        self.error = WorkloadErrors(ctx.checkpoint_dir, config, self.log, ctx.metrics).report
+        """A non-fatal problem: logged, counted, and told to the workload."""
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
         self.member: ClusterMember | None = None
@@ -261,8 +217,7 @@ class Incarnation:
             await asyncio.wait([self._task], timeout=timeout)
         if self.member is not None:
             await self.member.stop()
-        if self._futures:
-            await asyncio.wait(list(self._futures), timeout=timeout)
+        await self._offload.wait(timeout)
 
     async def drain(self) -> DrainPlan | None:
         """SIGTERM: get the newest step held here to the peers that lack it and into the
@@ -350,28 +305,6 @@ class Incarnation:
             "drain: backup of step %d committed in %.2fs", step, time.monotonic() - t0, step=step
         )
 
-    async def _thread(self, fn: Callable[..., T], *args: Any) -> T:
-        fut = asyncio.get_running_loop().run_in_executor(self.ctx.executor, fn, *args)
-        self._futures.add(fut)
-        fut.add_done_callback(self._futures.discard)
-        return await fut
-
-    def _cancelled(self) -> bool:
-        return self._stopping.is_set()
-
-    def error(
-        self, message: str, step: int | None = None, kind: ErrorKind = ErrorKind.OTHER
-    ) -> None:
-        """A non-fatal problem: log it and tell the workload through ``replicator.errors``."""
-        self.log.warning(message, step=step)
-        self.ctx.metrics.error(kind)
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        line = f"{stamp} job={self.config.job_name} rank={self.config.node_rank}: {message}"
-        try:
-            fsutil.append_line(self.ctx.checkpoint_dir / ERRORS_FILE, line)
-        except OSError as exc:
-            self.log.error("cannot write %s: %s", ERRORS_FILE, exc)
-
     async def _run(self) -> None:
         try:
             member = self.member = self._join()
@@ -419,41 +352,32 @@ class Incarnation:
             )
         else:
             finder = RegistryFinder(ctx.registry, ctx.tls, owner=self.owner)
+        rank = JobRank(
+            self.config, self.id, ctx.store, finder, ctx.advertise, ctx.report_after, ctx.obtaining
+        )
+        sources = ItemSources(
+            ctx.store,
+            self.config.node_rank,
+            peers=ctx.peers,
+            backups=ctx.backups,
+            run_thread=self._thread,
+            cancelled=self._stopping.is_set,
+            metrics=ctx.metrics,
+        )
         return ClusterMember(
             MemberContext(
-                config=self.config,
-                incarnation_id=self.id,
-                store=ctx.store,
+                rank,
+                sources,
                 backups=ctx.backups,
                 peers=ctx.peers,
-                finder=finder,
-                advertise=ctx.advertise,
                 run_thread=self._thread,
-                verify_local=self._verify_local,
-                fetch_backup=self._fetch_backup_item,
                 error=self.error,
-                report_after=ctx.report_after,
                 metrics=ctx.metrics,
-                obtaining=ctx.obtaining,
             )
-        )
-
-    async def _verify_local(self, item: ItemId) -> None:
-        t0 = time.monotonic()
-        manifest = await self._thread(self.ctx.store.verify, item, self._cancelled)
-        self.ctx.metrics.transfer(
-            TransferKind.RESTORE_LOCAL, manifest.total_bytes, time.monotonic() - t0
         )
 
     def _since_start(self) -> float:
         return time.monotonic() - self._started_at
-
-    async def _fetch_backup_item(self, item: ItemId, digest: str) -> None:
-        # The plan's digest is the one the COMMIT pins (the coordinator listed the backups
-        # and checked the COMMIT's signature): no listing and no COMMIT read per rank.
-        if self.ctx.backups is None:
-            raise CorruptItem(f"{item}: no backup is set")
-        await self._thread(self._fetch_backup, item, digest)
 
     async def _restore(self, member: ClusterMember) -> None:
         started = time.monotonic()
@@ -489,7 +413,9 @@ class Incarnation:
         if abandoned:
             self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
             await self._thread(self._delete_items, abandoned)
-        await self._thread(self._publish_markers, outcome.step, outcome.source, outcome.stored_as)
+        await self._thread(
+            publish_markers, self.ctx.checkpoint_dir, self.ctx.store, self.config, self.id, outcome
+        )
         self._report_timeline("restore timeline", outcome.step)
         self.log.info(
             "restore round done: step=%s source=%s in %.2fs",
@@ -522,50 +448,6 @@ class Incarnation:
 
     def persist(self) -> None:
         save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
-
-    # --- restore ---------------------------------------------------------------------------
-
-    def _fetch_backup(self, item: ItemId, digest: str) -> None:
-        assert self.ctx.backups is not None
-        staged = self.ctx.store.new_staging()
-        try:
-            t0 = time.monotonic()
-            manifest = self.ctx.backups.fetch_pinned(item, digest, staged, self._cancelled)
-            self.ctx.store.commit_staged(staged, manifest)
-            dt = max(time.monotonic() - t0, 1e-9)
-            self.log.info(
-                "restored %s from backup: %d bytes in %.2fs (%.1f MB/s)",
-                item,
-                manifest.total_bytes,
-                dt,
-                manifest.total_bytes / dt / 1e6,
-                step=item.step,
-            )
-            self.ctx.metrics.transfer(TransferKind.RESTORE_BACKUP, manifest.total_bytes, dt)
-        finally:
-            fsutil.remove_tree(staged)
-
-    def _publish_markers(
-        self,
-        step: int | None,
-        source: str | None,
-        stored_as: Mapping[ItemId, ItemId] | None = None,
-    ) -> None:
-        """Handshake steps 6-7: ``replicator.prerestore`` first, then one marker per worker."""
-        d = self.ctx.checkpoint_dir
-        body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
-        fsutil.atomic_write_bytes(d / PRERESTORE_FILE, body.encode())
-        for w in range(self.config.workers_per_node):
-            name = d / marker_name(self.config.job_name, step or 0, self.config.node_rank, w)
-            name.unlink(missing_ok=True)
-            if step is None:
-                # An empty regular file is complete the moment it exists.
-                os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-            else:
-                wanted = marker_item(self.config, step, w)
-                held = (stored_as or {}).get(wanted, wanted)  # or a data-parallel equivalent
-                target = self.ctx.store.expose(held, self.id)
-                os.symlink(target, name)
 
     # --- steady state ----------------------------------------------------------------------
 
@@ -607,7 +489,9 @@ class Incarnation:
                 if name:
                     await self._thread(self.ctx.store.take, self.ctx.checkpoint_dir / name, item)
                     self.ctx.closed_files.discard(name)
-                manifest = await self._thread(self.ctx.store.commit_ingested, item, self._cancelled)
+                manifest = await self._thread(
+                    self.ctx.store.commit_ingested, item, self._stopping.is_set
+                )
             except FileNotFoundError:
                 continue  # the workload or a rescan raced us; the next scan sees the truth
             except ManifestError as exc:
@@ -683,11 +567,7 @@ class Incarnation:
             self.log.warning("cannot give back the room of other jobs' items: %s", exc)
 
     def _delete_items(self, items: list[ItemId]) -> None:
-        doomed = set(items)
-        for e in os.scandir(self.ctx.checkpoint_dir):
-            # The workload's `<N>` link to a restored step we now delete would dangle.
-            if e.is_symlink() and self.ctx.store.item_of_link(os.readlink(e.path)) in doomed:
-                Path(e.path).unlink(missing_ok=True)
+        unlink_links_to(self.ctx.checkpoint_dir, self.ctx.store, set(items))
         for item in items:
             self.ctx.store.drop_views(item)
             self.ctx.store.delete(item)

@@ -29,11 +29,11 @@ from replicator.node.agent import (
     AgentContext,
     Incarnation,
     IncarnationPhase,
-    cleanup_workload_files,
     new_incarnation_id,
     save_state,
 )
 from replicator.node.bucket_probes import BucketProbes
+from replicator.node.checkpoint_dir import cleanup_workload_files
 from replicator.node.handshake_file import HandshakeFile
 from replicator.node.options import DaemonOptions
 from replicator.node.owner_watch import OwnerWatch

@@ -519,7 +519,8 @@ class PeerClient:
         ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
         a malformed stream, ``PeerUnavailable`` when trying again later may work, and
         ``StoreError`` when the local store cannot take it. A data channel that cannot be
-        reached is not an error: the item comes in chunks.
+        reached is not an error: the item comes in chunks. The caller logs and counts the
+        transfer (``cluster.sources``, with the restore's other transfers).
         """
         args = (address, item, store, expected_digest)
         try:
@@ -546,7 +547,6 @@ class PeerClient:
             manifest_digest=expected_digest or "",
             data_channel=channel,
         )
-        t0 = time.monotonic()
         stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
         offer: tuple[int, bytes] | None = None
         try:
@@ -573,11 +573,9 @@ class PeerClient:
             try:
                 offer = channel_offer(first.header.data_port, first.header.data_token)
                 if offer is None:
-                    nbytes = await receive_item(
-                        store, manifest, chunks_of(responses), self.executor
-                    )
+                    await receive_item(store, manifest, chunks_of(responses), self.executor)
                 else:
-                    nbytes = await self._receive_over_channel(address, offer, store, manifest)
+                    await self._receive_over_channel(address, offer, store, manifest)
                     if await anext(responses, None) is not None:
                         raise TransferError("a message came after the data channel's bytes")
             except (TransferError, ChannelProtocolError) as exc:
@@ -598,17 +596,6 @@ class PeerClient:
             raise error from None
         finally:
             stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
-        dt = time.monotonic() - t0
-        JobLog(log, item.job, item.rank).info(
-            "pulled %s from %s: %d bytes in %.3fs (%.1f MB/s)",
-            item,
-            address,
-            nbytes,
-            dt,
-            rate(nbytes, dt),
-            step=item.step,
-        )
-        self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
         return manifest
 
     async def _receive_over_channel(

@@ -26,11 +26,11 @@ import pytest
 
 from replicator.cluster.link import RegistryFinder
 from replicator.cluster.registry import Registry
-from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
+from replicator.cluster.sources import ItemSources
 from replicator.core.backup_layout import data_key, manifest_key
 from replicator.core.contract import parse_config
 from replicator.core.manifest import ItemId
-from replicator.local import fsutil
 from replicator.local.hashing import build_manifest
 from replicator.local.store import LocalStore
 from replicator.storage.backup import BackupStore
@@ -91,33 +91,18 @@ async def member(
     store = LocalStore(ckpt)
     store.open()
 
-    def fetch(item: ItemId, digest: str) -> None:
-        staged = store.new_staging()
-        try:
-            store.commit_staged(staged, backups.fetch_pinned(item, digest, staged))
-        finally:
-            fsutil.remove_tree(staged)
-
-    async def fetch_backup(item: ItemId, digest: str) -> None:
-        await asyncio.to_thread(fetch, item, digest)
-
-    async def verify_local(item: ItemId) -> None:
-        await asyncio.to_thread(store.verify, item)
-
     def error(message: str, step: int | None) -> None:
         errors.append(f"rank {rank}: {message}")
 
-    ctx = RoundContext(
+    me = JobRank(
         config=config,
         incarnation_id=f"sim-{rank}-{uuid.uuid4().hex[:8]}",
         store=store,
-        peers=None,
         finder=RegistryFinder(registry),
         advertise=f"127.0.0.1:{20000 + rank}",
-        verify_local=verify_local,
-        fetch_backup=fetch_backup,
-        error=error,
     )
+    sources = ItemSources(store, rank, backups=backups)
+    ctx = RoundContext(me, sources, error=error)
     try:
         return await RoundParticipant(ctx).run()
     finally:

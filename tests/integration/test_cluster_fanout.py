@@ -115,7 +115,7 @@ def test_a_failed_download_sends_the_pullers_to_the_backup(
         proxy.seen.clear()
     cluster.handshake([2, 3, 0, 1])
     # Within wait_markers' 60 s: had rank 0 not said it gave up, the pullers would have
-    # waited for it up to PENDING_WAIT_SECONDS (cluster.rounds).
+    # waited for it up to PENDING_WAIT_SECONDS (cluster.sources).
     cluster.wait_markers(STEP)
     assert_restored(cluster, STEP, files)  # nobody exposed the corrupt bytes
     assert "corrupt" in cluster.errors(0)

@@ -44,13 +44,15 @@ from replicator.cluster.messages import (
     cluster_view_json,
 )
 from replicator.cluster.registry import Registry, RegistryEntry, open_registry
-from replicator.cluster.rounds import RoundContext, RoundOutcome, RoundParticipant
+from replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
 from replicator.cluster.servicer import CoordinatorServicer
+from replicator.cluster.sources import ItemSources
 from replicator.core.backup_layout import CommitRecord
 from replicator.core.contract import BackupInterval, Framework, JobConfig
 from replicator.core.coordination import JoinRejected, Phase
 from replicator.core.manifest import ItemId
 from replicator.core.policy import Source
+from replicator.core.restore_plan import Fetch
 from replicator.local.store import LocalStore
 from replicator.storage.objectstore import TransientError
 from replicator.transport.server import RpcServer
@@ -94,6 +96,17 @@ def peer_address(rank: int) -> str:
 
 
 BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
+
+
+class FetchingNothing(ItemSources):
+    """The sources of a round that must fetch nothing: a fetch fails the test."""
+
+    def __init__(self, store: LocalStore, why: str) -> None:
+        super().__init__(store, 0)
+        self.why = why
+
+    async def fetch(self, f: Fetch, addresses: Mapping[int, str], *, last: bool) -> None:
+        raise AssertionError(self.why)
 
 
 def no_backups(job: str) -> dict[int, CommitRecord]:
@@ -990,18 +1003,15 @@ def test_real_participants_restore_in_two_calls_each(tmp_path: Path, old: bool) 
         store = LocalStore(ckpt)
         store.open()
 
-        async def nothing(*_: object) -> None:
-            raise AssertionError("a fresh start fetches nothing")
-
         ctx = RoundContext(
-            config=dataclasses.replace(config(), node_rank=rank),
-            incarnation_id=f"a{rank}",
-            store=store,
-            peers=None,
-            finder=_AtAddress(address),
-            advertise=peer_address(rank),
-            verify_local=nothing,
-            fetch_backup=nothing,
+            JobRank(
+                config=dataclasses.replace(config(), node_rank=rank),
+                incarnation_id=f"a{rank}",
+                store=store,
+                finder=_AtAddress(address),
+                advertise=peer_address(rank),
+            ),
+            FetchingNothing(store, "a fresh start fetches nothing"),
             error=lambda message, step: None,
         )
         try:
@@ -1098,20 +1108,17 @@ def test_a_join_never_admitted_backs_off_and_says_why(
         store = LocalStore(ckpt)
         store.open()
 
-        async def nothing(*_: object) -> None:
-            raise AssertionError("never planned")
-
         ctx = RoundContext(
-            config=config(),
-            incarnation_id="stale",
-            store=store,
-            peers=None,
-            finder=_AtAddress(address),
-            advertise=peer_address(0),
-            verify_local=nothing,
-            fetch_backup=nothing,
+            JobRank(
+                config=config(),
+                incarnation_id="stale",
+                store=store,
+                finder=_AtAddress(address),
+                advertise=peer_address(0),
+                report_after=1.0,
+            ),
+            FetchingNothing(store, "never planned"),
             error=lambda message, step: said.append(message),
-            report_after=1.0,
         )
         try:
             with contextlib.suppress(TimeoutError):

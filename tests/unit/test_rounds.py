@@ -10,13 +10,15 @@ import grpc
 import pytest
 
 from replicator.cluster.messages import FailedFetch
-from replicator.cluster.rounds import RoundContext, RoundParticipant
+from replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
+from replicator.cluster.sources import PEER_RETRY_SECONDS, ItemSources
 from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.manifest import ItemId
+from replicator.core.manifest import ItemId, ItemKind, Manifest
 from replicator.core.policy import Source
 from replicator.core.restore_plan import Fetch
 from replicator.local.store import LocalStore
-from replicator.storage.objectstore import ObjectStoreError
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
 from replicator.transport.peer import PeerUnavailable
 
 ITEM = ItemId("job", 10, 2, 0)
@@ -30,10 +32,11 @@ class RestartingPeer:
     def __init__(self, down: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.down, self.code, self.calls = down, code, 0
 
-    async def pull_item(self, address: str, item: ItemId, store: Any, digest: str) -> None:
+    async def pull_item(self, address: str, item: ItemId, store: Any, digest: str) -> Manifest:
         self.calls += 1
         if self.calls <= self.down:
             raise PeerUnavailable(address, f"pull of {item}: connection refused", self.code)
+        return Manifest(item, ItemKind.DIR, ())
 
 
 def participant(
@@ -43,11 +46,9 @@ def participant(
     (tmp_path / "checkpoint").mkdir()
     store.open()
 
-    async def never(*_: object) -> None:
-        raise AssertionError("not this source")
-
-    async def bucket_down(*_: object) -> None:
-        raise ObjectStoreError("the bucket is down too")
+    class BucketDown(MemoryObjectStore):
+        def get_bytes(self, key: str) -> bytes:
+            raise ObjectStoreError("the bucket is down too")
 
     config = JobConfig(
         job_name="job",
@@ -57,18 +58,24 @@ def participant(
         peers_per_node=1,
         backup_interval=BackupInterval(minutes=None, steps=10),
     )
+    sources = ItemSources(
+        store,
+        2,
+        peers=peer,  # type: ignore[arg-type]
+        backups=BackupStore(BucketDown()),
+        peer_retry=PEER_RETRY_SECONDS if peer_retry is None else peer_retry,
+    )
     return RoundParticipant(
         RoundContext(
-            config=config,
-            incarnation_id="b2",
-            store=store,
-            peers=peer,  # type: ignore[arg-type]
-            finder=None,  # type: ignore[arg-type]
-            advertise="127.0.0.1:7002",
-            verify_local=never,
-            fetch_backup=bucket_down,
+            JobRank(
+                config=config,
+                incarnation_id="b2",
+                store=store,
+                finder=None,  # type: ignore[arg-type]
+                advertise="127.0.0.1:7002",
+            ),
+            sources,
             error=lambda message, step: None,
-            **({} if peer_retry is None else {"peer_retry": peer_retry}),
         )
     )
 

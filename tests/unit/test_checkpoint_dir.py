@@ -1,0 +1,102 @@
+"""``node.checkpoint_dir``: the markers a restore publishes, the handshake's clean-up of
+what earlier incarnations published (never data), and links to items being deleted."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from replicator.cluster.rounds import RoundOutcome
+from replicator.core.contract import (
+    ERRORS_FILE,
+    PRERESTORE_FILE,
+    BackupInterval,
+    Framework,
+    JobConfig,
+    marker_name,
+)
+from replicator.core.manifest import ItemId
+from replicator.local.hashing import build_manifest
+from replicator.local.store import LocalStore
+from replicator.node.checkpoint_dir import (
+    cleanup_workload_files,
+    list_top,
+    publish_markers,
+    unlink_links_to,
+)
+
+CONFIG = JobConfig(
+    job_name="job",
+    framework=Framework.ORBAX,
+    node_rank=1,
+    nodes=2,
+    peers_per_node=1,
+    backup_interval=BackupInterval(minutes=None, steps=10),
+    workers_per_node=2,
+)
+ITEM = ItemId("job", 20, 1, 0)
+
+
+def store_with_item(tmp_path: Path) -> tuple[Path, LocalStore]:
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    store = LocalStore(ckpt)
+    store.open()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard").write_bytes(b"x" * 100)
+    manifest = build_manifest(ITEM, data)
+    staged = store.new_staging()
+    os.rename(data, staged / "data")
+    store.commit_staged(staged, manifest)
+    return ckpt, store
+
+
+def outcome(step: int | None) -> RoundOutcome:
+    return RoundOutcome(step, None if step is None else "peer", {}, {}, "127.0.0.1:1")
+
+
+def test_a_fresh_start_publishes_empty_markers(tmp_path: Path) -> None:
+    ckpt, store = store_with_item(tmp_path)
+    publish_markers(ckpt, store, CONFIG, "inc", outcome(None))
+    assert (ckpt / PRERESTORE_FILE).read_text() == "{}\n"
+    for w in range(2):
+        marker = ckpt / marker_name("job", 0, 1, w)
+        assert marker.is_file()
+        assert not marker.is_symlink()
+        assert marker.stat().st_size == 0
+
+
+def test_a_restored_step_links_every_worker_to_a_view_of_its_item(tmp_path: Path) -> None:
+    ckpt, store = store_with_item(tmp_path)
+    publish_markers(ckpt, store, CONFIG, "inc", outcome(20))
+    assert (ckpt / PRERESTORE_FILE).read_text() == "restore-step: 20\nrestore-source: peer\n"
+    for w in range(2):  # a step directory: both workers' markers name the node's item
+        marker = ckpt / marker_name("job", 20, 1, w)
+        assert marker.is_symlink()
+        assert (marker / "shard").read_bytes() == b"x" * 100
+        assert store.item_of_link(os.readlink(marker)) == ITEM
+
+
+def test_cleanup_removes_what_we_published_never_data(tmp_path: Path) -> None:
+    ckpt, store = store_with_item(tmp_path)
+    publish_markers(ckpt, store, CONFIG, "inc", outcome(20))
+    (ckpt / ERRORS_FILE).write_text("old\n")
+    (ckpt / "20").mkdir()  # the workload's own step directory
+    removed = cleanup_workload_files(ckpt, store)
+    assert sorted(removed) == sorted(
+        [PRERESTORE_FILE, ERRORS_FILE, marker_name("job", 20, 1, 0), marker_name("job", 20, 1, 1)]
+    )
+    assert [e.name for e in list_top(ckpt)] == ["20"]
+    assert store.get(ITEM) is not None
+
+
+def test_links_to_deleted_items_go(tmp_path: Path) -> None:
+    ckpt, store = store_with_item(tmp_path)
+    publish_markers(ckpt, store, CONFIG, "inc", outcome(20))
+    os.symlink(os.readlink(ckpt / marker_name("job", 20, 1, 0)), ckpt / "20")
+    unlink_links_to(ckpt, store, {ItemId("job", 30, 1, 0)})
+    assert (ckpt / "20").is_symlink()
+    unlink_links_to(ckpt, store, {ITEM})
+    assert not (ckpt / "20").exists()
+    assert not (ckpt / marker_name("job", 20, 1, 0)).exists()

@@ -1,0 +1,310 @@
+"""``cluster.sources``: an item fetched by source into a real ``LocalStore``, verified, and
+each source's failures as our own types (``CorruptItem``, ``SourceUnavailable``); what is
+neither (a bug) reaches the round's caller."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from replicator.cluster.messages import FailedFetch
+from replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
+from replicator.cluster.sources import ItemSources, SourceUnavailable
+from replicator.core.contract import BackupInterval, Framework, JobConfig
+from replicator.core.manifest import CorruptItem, ItemId, Manifest
+from replicator.core.policy import Source
+from replicator.core.restore_plan import Fetch
+from replicator.local.hashing import build_manifest
+from replicator.local.store import LocalStore
+from replicator.obs.metrics import Metrics, TransferKind
+from replicator.storage.backup import BackupStore
+from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
+from replicator.transport.peer import ItemBusy, ItemNotFound, PeerUnavailable
+
+ITEM = ItemId("job", 10, 1, 0)
+ADDRESSES = {0: "127.0.0.1:7000"}
+
+
+class Recorded(Metrics):
+    def __init__(self) -> None:
+        self.transfers: list[tuple[TransferKind, int]] = []
+
+    def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
+        self.transfers.append((kind, nbytes))
+
+
+def make_item(path: Path, item: ItemId = ITEM) -> Manifest:
+    """An item's data at ``path``: two files in a step directory."""
+    (path / "state").mkdir(parents=True)
+    (path / "state" / "shard").write_bytes(os.urandom(3000))
+    (path / "_CHECKPOINT_METADATA").write_bytes(b'{"step": 10}')
+    return build_manifest(item, path)
+
+
+def commit_into(store: LocalStore, data: Path, manifest: Manifest) -> None:
+    """What a pull or a download does once the bytes are verified: stage, then commit."""
+    staged = store.new_staging()
+    os.rename(data, staged / "data")
+    store.commit_staged(staged, manifest)
+
+
+class FakePeers:
+    """The ``PeerClient`` methods sources use: ``pull_item`` answers from ``answers`` in
+    turn (an exception is raised; ``None`` lands ``source`` in the store)."""
+
+    def __init__(self, source: Path, manifest: Manifest, *answers: Exception | None) -> None:
+        self.source, self.manifest = source, manifest
+        self.answers = list(answers) or [None]
+        self.calls = 0
+
+    async def pull_item(
+        self, address: str, item: ItemId, store: LocalStore, expected_digest: str | None = None
+    ) -> Manifest:
+        answer = self.answers[min(self.calls, len(self.answers) - 1)]
+        self.calls += 1
+        if answer is not None:
+            raise answer
+        assert expected_digest == self.manifest.digest
+        commit_into(store, self.source, self.manifest)
+        return self.manifest
+
+
+class World:
+    """A store on tmp_path, a second item's bytes to serve, an in-memory bucket."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        (tmp_path / "checkpoint").mkdir()
+        self.store = LocalStore(tmp_path / "checkpoint")
+        self.store.open()
+        self.source = tmp_path / "elsewhere"
+        self.manifest = make_item(self.source)
+        self.objects = MemoryObjectStore()
+        self.backups = BackupStore(self.objects)
+        self.metrics = Recorded()
+        self.tmp_path = tmp_path
+
+    def sources(self, **kw: object) -> ItemSources:
+        kw.setdefault("backups", self.backups)
+        return ItemSources(
+            self.store,
+            1,
+            metrics=self.metrics,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    def fetch(self, sources: ItemSources, f: Fetch, *, last: bool = True) -> None:
+        asyncio.run(sources.fetch(f, ADDRESSES, last=last))
+
+    def holds_it(self) -> bool:
+        held = self.store.get(ITEM)
+        if held is None or held.digest != self.manifest.digest:
+            return False
+        self.store.verify(ITEM)
+        return True
+
+    def upload(self) -> None:
+        self.backups.upload_item(self.manifest, self.source)
+        assert self.backups.try_commit("job", 10, [ITEM.key]) is not None
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> World:
+    return World(tmp_path)
+
+
+def local(w: World) -> Fetch:
+    return Fetch(Source.LOCAL, ITEM, 1, w.manifest.digest)
+
+
+def peer(w: World, *, pending: bool = False, holder: int = 0) -> Fetch:
+    return Fetch(Source.PEER, ITEM, holder, w.manifest.digest, pending=pending)
+
+
+def backup(w: World) -> Fetch:
+    return Fetch(Source.BACKUP, ITEM, None, w.manifest.digest)
+
+
+def unavailable(code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> PeerUnavailable:
+    return PeerUnavailable("127.0.0.1:7000", "connection refused", code)
+
+
+# --- each source lands a verified item ----------------------------------------------------
+
+
+def test_a_local_copy_is_verified_in_place(world: World) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    world.fetch(world.sources(), local(world))
+    assert world.holds_it()
+    assert world.metrics.transfers == [(TransferKind.RESTORE_LOCAL, world.manifest.total_bytes)]
+
+
+def test_a_peer_copy_is_pulled(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest)
+    world.fetch(world.sources(peers=peers), peer(world))
+    assert world.holds_it()
+    assert peers.calls == 1
+    assert world.metrics.transfers == [(TransferKind.RESTORE_PEER, world.manifest.total_bytes)]
+
+
+def test_a_pending_pull_waits_for_the_holder_then_lands(world: World) -> None:
+    peers = FakePeers(
+        world.source, world.manifest, ItemNotFound("a", "not yet"), ItemBusy("a", "x"), None
+    )
+    world.fetch(world.sources(peers=peers), peer(world, pending=True))
+    assert world.holds_it()
+    assert peers.calls == 3
+    # The waits between tries are not transfer time: one transfer, counted once.
+    assert world.metrics.transfers == [(TransferKind.RESTORE_PEER, world.manifest.total_bytes)]
+
+
+def test_the_last_source_waits_for_a_restarting_holder(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest, unavailable(), None)
+    world.fetch(world.sources(peers=peers, peer_retry=5.0), peer(world), last=True)
+    assert world.holds_it()
+    assert peers.calls == 2
+
+
+def test_a_backup_copy_is_downloaded_pinned_by_digest(world: World) -> None:
+    world.upload()
+    world.fetch(world.sources(), backup(world))
+    assert world.holds_it()
+    assert world.metrics.transfers == [(TransferKind.RESTORE_BACKUP, world.manifest.total_bytes)]
+    assert list(world.store.staging_root.iterdir()) == []  # the staging is gone
+
+
+def test_a_copy_held_here_is_verified_whatever_the_plan_says(world: World) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    peers = FakePeers(world.source, world.manifest, AssertionError("not pulled"))
+    world.fetch(world.sources(peers=peers), peer(world))
+    assert peers.calls == 0
+    assert [k for k, _ in world.metrics.transfers] == [TransferKind.RESTORE_LOCAL]
+
+
+# --- a corrupt copy is CorruptItem --------------------------------------------------------
+
+
+def test_a_corrupt_local_copy_is_corrupt_and_deleted(world: World) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    shard = world.store.data_path(ITEM) / "state" / "shard"
+    data = bytearray(shard.read_bytes())
+    data[7] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptItem):
+        world.fetch(world.sources(), local(world))
+    assert world.store.get(ITEM) is None
+
+
+def test_a_local_copy_gone_is_corrupt(world: World) -> None:
+    with pytest.raises(CorruptItem, match="gone or differs from the plan"):
+        world.fetch(world.sources(), local(world))
+
+
+def test_a_corrupt_pull_is_corrupt(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest, CorruptItem("chunk 3: crc mismatch"))
+    with pytest.raises(CorruptItem, match="crc mismatch"):
+        world.fetch(world.sources(peers=peers), peer(world))
+
+
+def test_a_corrupt_backup_copy_is_corrupt_and_never_lands(world: World) -> None:
+    world.upload()
+    key = next(o.key for o in world.objects.list("job/") if o.key.endswith("/state/shard"))
+    data = bytearray(world.objects.get_bytes(key))
+    data[11] ^= 0x80
+    world.objects.put_bytes(key, bytes(data))
+    with pytest.raises(CorruptItem):
+        world.fetch(world.sources(), backup(world))
+    assert world.store.get(ITEM) is None
+    assert list(world.store.staging_root.iterdir()) == []
+
+
+def test_no_backup_set_is_corrupt(world: World) -> None:
+    with pytest.raises(CorruptItem, match="no backup is set"):
+        world.fetch(world.sources(backups=None), backup(world))
+
+
+# --- an unreachable source is SourceUnavailable -------------------------------------------
+
+
+class BucketDown(MemoryObjectStore):
+    def get_bytes(self, key: str) -> bytes:
+        raise ObjectStoreError("503 Service Unavailable")
+
+
+@pytest.mark.parametrize(
+    ("make", "text"),
+    [
+        (lambda w: w.sources(peers=FakePeers(w.source, w.manifest, unavailable())), "refused"),
+        (
+            lambda w: w.sources(
+                peers=FakePeers(w.source, w.manifest, OSError(errno.ENOSPC, "No space left"))
+            ),
+            "No space left",
+        ),
+        (lambda w: w.sources(peers=None), "no address for rank 0"),
+    ],
+    ids=["holder-unreachable", "disk-full", "no-peer-plane"],
+)
+def test_an_unusable_peer_is_unavailable(
+    world: World, make: Callable[[World], ItemSources], text: str
+) -> None:
+    with pytest.raises(SourceUnavailable, match=text):
+        world.fetch(make(world), peer(world), last=False)
+
+
+def test_a_holder_without_an_address_is_unavailable(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest)
+    with pytest.raises(SourceUnavailable, match="no address for rank 5"):
+        world.fetch(world.sources(peers=peers), peer(world, holder=5))
+    assert peers.calls == 0
+
+
+def test_a_holder_that_never_gets_the_item_is_unavailable(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest, ItemNotFound("a", "no such item"))
+    sources = world.sources(peers=peers, pending_grace=0.2)
+    with pytest.raises(SourceUnavailable, match=r"no such item \(waited"):
+        world.fetch(sources, peer(world, pending=True))
+
+
+def test_a_bucket_down_is_unavailable(world: World) -> None:
+    sources = world.sources(backups=BackupStore(BucketDown()))
+    with pytest.raises(SourceUnavailable, match="503"):
+        world.fetch(sources, backup(world))
+
+
+# --- a bug is not a lost source -----------------------------------------------------------
+
+
+def test_a_key_error_is_a_bug_not_an_unavailable_source(world: World) -> None:
+    peers = FakePeers(world.source, world.manifest, KeyError("rank"))
+    sources = world.sources(peers=peers)
+    with pytest.raises(KeyError):
+        world.fetch(sources, peer(world))
+    config = JobConfig(
+        job_name="job",
+        framework=Framework.ORBAX,
+        node_rank=1,
+        nodes=2,
+        peers_per_node=1,
+        backup_interval=BackupInterval(minutes=None, steps=10),
+    )
+    said: list[str] = []
+    participant = RoundParticipant(
+        RoundContext(
+            JobRank(config, "inc", world.store, None, "127.0.0.1:7001"),  # type: ignore[arg-type]
+            sources,
+            error=lambda message, step: said.append(message),
+        )
+    )
+    failures: list[FailedFetch] = []
+    # The round does not count it as a source lost (and so fall back to an older step).
+    with pytest.raises(KeyError):
+        asyncio.run(
+            participant._obtain_one(ITEM, [peer(world), backup(world)], ADDRESSES, failures)
+        )
+    assert (failures, said) == ([], [])
