@@ -358,6 +358,13 @@ def _tls(spec: Mapping[str, Any]) -> tuple[bool, bool, str]:
     return tls_enabled, cert_manager, tls_secret
 
 
+def _optional(spec: Mapping[str, Any], key: str, pattern: re.Pattern[str], what: str) -> str | None:
+    """``spec.KEY`` matching ``pattern``, or None where it is not set."""
+    if key not in spec:
+        return None
+    return _string(spec[key], f"spec.{key}", pattern, what)
+
+
 def _rate(spec: Mapping[str, Any]) -> str | None:
     if "maxTransferRate" not in spec:
         return None
@@ -392,22 +399,11 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
     name, namespace, spec = _document(cr)
     backup = _backup_url(spec)
     ram = _ram_size(spec)
-    registry = None
-    if "registryUrl" in spec:
-        registry = _string(
-            spec["registryUrl"], "spec.registryUrl", OBJECT_URL_RE, "a gs:// or s3:// URL"
-        )
+    registry = _optional(spec, "registryUrl", OBJECT_URL_RE, "a gs:// or s3:// URL")
     node_selector = _node_selector(spec)
     tolerations = _tolerations(spec)
     s3_endpoint, s3_region = _s3(spec, backup, registry)
-    secret = None
-    if "credentialsSecretName" in spec:
-        secret = _string(
-            spec["credentialsSecretName"],
-            "spec.credentialsSecretName",
-            DNS_SUBDOMAIN_RE,
-            "a Secret name",
-        )
+    secret = _optional(spec, "credentialsSecretName", DNS_SUBDOMAIN_RE, "a Secret name")
     annotations = _string_map(
         spec.get("serviceAccountAnnotations", {}), "spec.serviceAccountAnnotations", _LABEL_KEY
     )
