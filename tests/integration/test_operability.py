@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 from replicator import __version__
 from replicator.node.daemon import Daemon, DaemonOptions
 from replicator.obs.health import Health, Heartbeat, Readiness
-from replicator.obs.metrics import PrometheusMetrics, serve
+from replicator.obs.metrics import PrometheusMetrics
+from replicator.obs.metrics_endpoint import serve
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     config_text,
