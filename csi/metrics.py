@@ -1,9 +1,10 @@
 """Prometheus metrics of the CSI plugin: one count and one duration per gRPC call.
 
 Fed by the server's logging interceptor. ``CallMetrics`` records nothing (no ``--metrics``);
-``PrometheusCallMetrics`` records on its own registry, which ``replicator.obs.metrics.serve``
-exposes. Labels are bounded: a method of the Identity and Node services (unknown methods
-never reach the interceptor) and a status code name. No I/O.
+``PrometheusCallMetrics`` records on its own registry, which
+``replicator.obs.metrics_endpoint.serve`` exposes. Labels are bounded: a method of the
+Identity and Node services (unknown methods never reach the interceptor) and a status code
+name. No I/O.
 """
 
 from __future__ import annotations

@@ -32,14 +32,8 @@ from replicator import __version__
 from replicator.obs.health import Health, directory_check
 from replicator.obs.logs import add_log_arguments
 from replicator.obs.logs import configure as configure_logging
-from replicator.obs.metrics import (
-    FilesystemCollector,
-    MetricsError,
-    MetricsServer,
-    process_metrics,
-    serve,
-    split_address,
-)
+from replicator.obs.metrics import FilesystemCollector, process_metrics
+from replicator.obs.metrics_endpoint import MetricsError, MetricsServer, serve, split_address
 
 log = logging.getLogger("csi.plugin")
 

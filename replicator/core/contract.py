@@ -355,17 +355,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
     if not is_job_name(job):
         raise ConfigError("job-name", job, JOB_NAME_RULE)
 
-    assumed: list[str] = []
-    fw_raw = data.get("framework")
-    if fw_raw is None:
-        # MaxText's first multi-tier release (late 2024) writes no framework; it saves
-        # Orbax step directories, the only framework that ever omitted the key.
-        fw_raw = Framework.ORBAX.value
-        assumed.append(NO_FRAMEWORK_ASSUMED)
-    if not isinstance(fw_raw, str) or fw_raw not in {f.value for f in Framework}:
-        allowed = ", ".join(f.value for f in Framework)
-        raise ConfigError("framework", fw_raw, f"must be one of: {allowed}")
-    framework = Framework(fw_raw)
+    framework, assumed = _framework(data)
 
     nodes = _as_int("nodes", data["nodes"])
     if not 1 <= nodes <= MAX_NODES:
@@ -374,14 +364,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
     if not 0 <= rank < nodes:
         raise ConfigError("node-rank", rank, f"must satisfy 0 <= node-rank < nodes ({nodes})")
 
-    peers = _int_list("peer-ranks", data.get("peer-ranks"))
-    for p in peers:
-        if not 0 <= p < nodes:
-            raise ConfigError("peer-ranks", peers, f"every rank must be in [0, {nodes})")
-    if rank in peers:
-        raise ConfigError("peer-ranks", peers, f"must not contain this node's rank {rank}")
-    if len(set(peers)) != len(peers):
-        raise ConfigError("peer-ranks", peers, "ranks must be unique")
+    peers = _peer_ranks(data, nodes, rank)
 
     ppn = _opt_int(data, "peers-per-node")
     if ppn is None:
@@ -402,19 +385,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
             "workers-per-node", workers, f"must be >= 1 and <= {MAX_WORKERS_PER_NODE}"
         )
 
-    minutes = _opt_int(data, "backup-interval-minutes")
-    steps = _opt_int(data, "backup-interval-steps")
-    if minutes is not None and steps is not None:
-        raise ConfigError(
-            "backup-interval-steps",
-            steps,
-            "give at most one of backup-interval-minutes and backup-interval-steps",
-        )
-    if minutes is not None and minutes <= 0:
-        raise ConfigError("backup-interval-minutes", minutes, "must be > 0")
-    if steps is not None and steps <= 0:
-        raise ConfigError("backup-interval-steps", steps, "must be > 0")
-    interval = BackupInterval(minutes=minutes, steps=steps)
+    interval = _backup_interval(data)
 
     unknown = tuple(sorted(str(k) for k in data if k not in _KNOWN))
     return JobConfig(
@@ -430,6 +401,50 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
         unknown_keys=unknown,
         assumed=(*assumed, *(unknown_key_note(k) for k in unknown)),
     )
+
+
+def _framework(data: Mapping[str, Any]) -> tuple[Framework, list[str]]:
+    """The framework, and what was assumed to find it."""
+    assumed: list[str] = []
+    fw_raw = data.get("framework")
+    if fw_raw is None:
+        # MaxText's first multi-tier release (late 2024) writes no framework; it saves
+        # Orbax step directories, the only framework that ever omitted the key.
+        fw_raw = Framework.ORBAX.value
+        assumed.append(NO_FRAMEWORK_ASSUMED)
+    if not isinstance(fw_raw, str) or fw_raw not in {f.value for f in Framework}:
+        allowed = ", ".join(f.value for f in Framework)
+        raise ConfigError("framework", fw_raw, f"must be one of: {allowed}")
+    return Framework(fw_raw), assumed
+
+
+def _peer_ranks(data: Mapping[str, Any], nodes: int, rank: int) -> list[int]:
+    peers = _int_list("peer-ranks", data.get("peer-ranks"))
+    for p in peers:
+        if not 0 <= p < nodes:
+            raise ConfigError("peer-ranks", peers, f"every rank must be in [0, {nodes})")
+    if rank in peers:
+        raise ConfigError("peer-ranks", peers, f"must not contain this node's rank {rank}")
+    if len(set(peers)) != len(peers):
+        raise ConfigError("peer-ranks", peers, "ranks must be unique")
+    return peers
+
+
+def _backup_interval(data: Mapping[str, Any]) -> BackupInterval:
+    """At most one of minutes and steps, each > 0; neither: every 30 minutes."""
+    minutes = _opt_int(data, "backup-interval-minutes")
+    steps = _opt_int(data, "backup-interval-steps")
+    if minutes is not None and steps is not None:
+        raise ConfigError(
+            "backup-interval-steps",
+            steps,
+            "give at most one of backup-interval-minutes and backup-interval-steps",
+        )
+    if minutes is not None and minutes <= 0:
+        raise ConfigError("backup-interval-minutes", minutes, "must be > 0")
+    if steps is not None and steps <= 0:
+        raise ConfigError("backup-interval-steps", steps, "must be > 0")
+    return BackupInterval(minutes=minutes, steps=steps)
 
 
 def unknown_key_note(key: str) -> str:

@@ -171,15 +171,8 @@ def wait_replicated(nodes: list[Node], step: int, timeout: float = 60) -> None:
     raise DemoFailure(f"step {step} was not replicated to a peer of every rank in {timeout}s")
 
 
-def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) -> int:
-    """The cluster story; 0 when every check passed.
-
-    ``step_seconds`` below ~0.1 lets saves outrun the coordinator's backup order: the ordered
-    step can be deleted by retention first, and no backup is ever committed (a daemon race).
-    """
-    work = workdir or Path(tempfile.mkdtemp(prefix="mtc-demo-cluster-"))
-    work.mkdir(parents=True, exist_ok=True)
-    backup = work / "backup"
+def _start_cluster(work: Path, backup: Path, nodes: int) -> list[Node]:
+    """One node per rank, each with its RAM disk, TLS certificate and owner file (not started)."""
     ca = certs.new_ca()
     cluster: list[Node] = []
     for rank in range(nodes):
@@ -192,59 +185,90 @@ def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) 
             *("--owner-file", str(owner_file(work, rank))),
         )
         cluster.append(Node(rank, ckpt, Daemon(ckpt, backup, log, args, f"node {rank} daemon")))
-    failures: list[str] = []
-    jobs: list[Job] = []
-    saved: Saved = {}
-    victim = 2 % nodes
     say(f"{nodes} nodes, one daemon + one trainer rank each; work dir: {work}")
     say(f"shared backup and coordinator registry: {backup.as_uri()}")
     say(f"mutual TLS between daemons: a throwaway CA, one certificate per node in {work / 'tls'}")
     say("COMMITs and registry entries signed with the node keys; the job owned by namespace demo")
     for n in cluster:
         say(f"  node {n.rank}: CHECKPOINT_DIR (RAM disk) {n.ckpt}")
+    return cluster
+
+
+def _crash(
+    cluster: list[Node], step_seconds: float, saved: Saved, jobs: list[Job], failures: list[str]
+) -> None:
+    """Stage 1: a fresh job saves, replicates, then every trainer is killed."""
+    nodes = len(cluster)
+    say(f"stage 1: fresh {nodes}-rank job (gloo), save every 5 steps, crash after step 15")
+    jobs.append(job := Job(cluster, step_seconds, hang_after=CRASH_AFTER))
+    job.run_until("hanging", saved)
+    for rank in range(nodes):
+        check(f"rank {rank} started fresh", job.trainers[rank].first("fresh")["event"],
+              "fresh", failures)  # fmt: skip
+    wait_replicated(cluster, CRASH_AFTER)
+    say(f"  every rank saved step {CRASH_AFTER}, committed at home and on a peer")
+    job.kill()
+    say("  all trainers killed with SIGKILL")
+
+
+def _peer_restore(
+    cluster: list[Node], victim: int, step_seconds: float, saved: Saved, jobs: list[Job]
+) -> list[str]:
+    """Stage 2: one node loses its daemon and RAM disk; its ranks restore from a peer."""
+    say(f"stage 2: node {victim} dies: kill its daemon, wipe its RAM disk, restart it")
+    cluster[victim].daemon.kill()
+    wipe(cluster[victim].ckpt)
+    say(f"  {cluster[victim].ckpt} is now empty: {sorted(cluster[victim].ckpt.iterdir())}")
+    cluster[victim].daemon.start()
+    say("  restart the job: every rank restores, node 2's data comes from its peer")
+    jobs.append(job := Job(cluster, step_seconds))
+    job.run_to_end(saved)
+    sources = ["peer" if r == victim else "local" for r in range(len(cluster))]
+    return check_restores("peer restore", job, CRASH_AFTER, sources, saved)
+
+
+def _backup_restore(
+    cluster: list[Node], backup: Path, step_seconds: float, saved: Saved, jobs: list[Job]
+) -> list[str]:
+    """Stage 3: every RAM disk wiped; every rank restores the newest committed backup."""
+    wait_for_backups(backup, want=STEPS, timeout=60)
+    say("stage 3: the job finished; stop every daemon and wipe every RAM disk")
+    for n in cluster:
+        n.daemon.stop()
+    steps = BackupStore(FileObjectStore(backup)).committed_steps(JOB)
+    if not steps:
+        raise DemoFailure("no committed backup step")
+    newest = max(steps)
+    say(f"  committed backup steps: {sorted(steps)}; the newest is {newest}")
+    for n in cluster:
+        wipe(n.ckpt)
+        n.daemon.start()
+    say("  restart the job: every rank restores from the backup")
+    jobs.append(job := Job(cluster, step_seconds))
+    job.run_to_end(saved)
+    return check_restores("backup restore", job, newest, ["backup"] * len(cluster), saved)
+
+
+def run(workdir: Path | None = None, step_seconds: float = 0.2, nodes: int = 4) -> int:
+    """The cluster story; 0 when every check passed.
+
+    ``step_seconds`` below ~0.1 lets saves outrun the coordinator's backup order: the ordered
+    step can be deleted by retention first, and no backup is ever committed (a daemon race).
+    """
+    work = workdir or Path(tempfile.mkdtemp(prefix="mtc-demo-cluster-"))
+    work.mkdir(parents=True, exist_ok=True)
+    backup = work / "backup"
+    cluster = _start_cluster(work, backup, nodes)
+    failures: list[str] = []
+    jobs: list[Job] = []
+    saved: Saved = {}
     started = time.monotonic()
     try:
         for n in cluster:
             n.daemon.start()
-
-        say(f"stage 1: fresh {nodes}-rank job (gloo), save every 5 steps, crash after step 15")
-        jobs.append(job := Job(cluster, step_seconds, hang_after=CRASH_AFTER))
-        job.run_until("hanging", saved)
-        for rank in range(nodes):
-            check(f"rank {rank} started fresh", job.trainers[rank].first("fresh")["event"],
-                  "fresh", failures)  # fmt: skip
-        wait_replicated(cluster, CRASH_AFTER)
-        say(f"  every rank saved step {CRASH_AFTER}, committed at home and on a peer")
-        job.kill()
-        say("  all trainers killed with SIGKILL")
-
-        say(f"stage 2: node {victim} dies: kill its daemon, wipe its RAM disk, restart it")
-        cluster[victim].daemon.kill()
-        wipe(cluster[victim].ckpt)
-        say(f"  {cluster[victim].ckpt} is now empty: {sorted(cluster[victim].ckpt.iterdir())}")
-        cluster[victim].daemon.start()
-        say("  restart the job: every rank restores, node 2's data comes from its peer")
-        jobs.append(job := Job(cluster, step_seconds))
-        job.run_to_end(saved)
-        sources = ["peer" if r == victim else "local" for r in range(nodes)]
-        failures += check_restores("peer restore", job, CRASH_AFTER, sources, saved)
-
-        wait_for_backups(backup, want=STEPS, timeout=60)
-        say("stage 3: the job finished; stop every daemon and wipe every RAM disk")
-        for n in cluster:
-            n.daemon.stop()
-        steps = BackupStore(FileObjectStore(backup)).committed_steps(JOB)
-        if not steps:
-            raise DemoFailure("no committed backup step")
-        newest = max(steps)
-        say(f"  committed backup steps: {sorted(steps)}; the newest is {newest}")
-        for n in cluster:
-            wipe(n.ckpt)
-            n.daemon.start()
-        say("  restart the job: every rank restores from the backup")
-        jobs.append(job := Job(cluster, step_seconds))
-        job.run_to_end(saved)
-        failures += check_restores("backup restore", job, newest, ["backup"] * nodes, saved)
+        _crash(cluster, step_seconds, saved, jobs, failures)
+        failures += _peer_restore(cluster, 2 % nodes, step_seconds, saved, jobs)
+        failures += _backup_restore(cluster, backup, step_seconds, saved, jobs)
     except DemoFailure as exc:
         failures.append(str(exc))
         say(f"FAILED: {exc}")

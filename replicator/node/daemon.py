@@ -72,12 +72,10 @@ from replicator.obs.metrics import (
     ErrorKind,
     FilesystemCollector,
     Metrics,
-    MetricsError,
-    MetricsServer,
     PrometheusMetrics,
     process_metrics,
-    serve,
 )
+from replicator.obs.metrics_endpoint import MetricsError, MetricsServer, serve
 from replicator.storage.backup import BackupStore
 from replicator.storage.restore_pins import StorePins
 from replicator.storage.stores import open_object_store

@@ -1,7 +1,7 @@
 """What ``/healthz`` and ``/readyz`` answer: liveness and readiness as lists of problems.
 
 A check is a function that returns None when all is well, else one line saying what is
-wrong; the HTTP endpoint (``obs.metrics.serve``) calls them at each probe, from its own
+wrong; the HTTP endpoint (``obs.metrics_endpoint.serve``) calls them at each probe, from its own
 thread. ``Heartbeat`` is the liveness of an event loop: a task in the loop beats, and a
 probe that finds no beat for ``limit`` seconds calls the process stalled (a stalled loop
 cannot answer for itself, which is why the probe runs on another thread). No I/O here except

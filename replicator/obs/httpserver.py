@@ -8,7 +8,7 @@ are open at once. At the cap, a new connection makes room by closing the oldest 
 has not sent its whole request yet, so a probe (one small request, answered at once) still
 gets through while idle connections hold every slot; when every open connection is being
 answered, the new one is closed unanswered. The daemon and the CSI plugin both serve
-through ``obs.metrics.serve``, so both are bounded alike.
+through ``obs.metrics_endpoint.serve``, so both are bounded alike.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from replicator.tools import render
+from replicator.tools import render_config, render_manifests
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -223,7 +223,7 @@ def _job_from_jobset(jobset: Obj) -> Iterator[Obj]:
 
 def validate(obj: Obj) -> None:
     """Fail the test with the object, field path and rule when ``obj`` is not valid."""
-    if obj["apiVersion"].split("/")[0] == render.GROUP:
+    if obj["apiVersion"].split("/")[0] == render_config.GROUP:
         errors = cr_errors(obj)
         assert not errors, f"{name_of(obj)}: {errors}"
         return
@@ -363,7 +363,7 @@ def check_cert_manager_chain(objs: list[Obj], secret: str) -> None:
     mounted = secret_volumes(pod)[tls_volume(pod, secret)]
     (node,) = [c for c in certificates.values() if c["spec"]["secretName"] == mounted]
     spec = node["spec"]
-    assert spec["dnsNames"] == [render.TLS_SERVER_NAME]
+    assert spec["dnsNames"] == [render_manifests.TLS_SERVER_NAME]
     assert "isCA" not in spec
     assert {"server auth", "client auth"} <= set(spec["usages"])
     assert spec["privateKey"]["algorithm"] == "ECDSA"
@@ -385,3 +385,19 @@ def check_cert_manager_chain(objs: list[Obj], secret: str) -> None:
     assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
     # The CA's key stays in its Secret: nothing in the pod mounts it.
     assert ca["spec"]["secretName"] not in secret_volumes(pod).values()
+
+
+def cr(**spec: Any) -> Obj:
+    """A minimal valid configuration with ``spec`` fields replaced (None deletes one)."""
+    base: Obj = {
+        "apiVersion": render_config.API_VERSION,
+        "kind": render_config.KIND,
+        "metadata": {"name": "default", "namespace": "mtc-system"},
+        "spec": {"backupUrl": "gs://ckpt-bucket/mtc", "inMemoryVolumeSize": "50Gi"},
+    }
+    for key, value in spec.items():
+        if value is None:
+            base["spec"].pop(key, None)
+        else:
+            base["spec"][key] = value
+    return base

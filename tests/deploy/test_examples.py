@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from replicator.tools import render
+from replicator.tools import render_config
 from tests.deploy.k8s import DEPLOY, Obj, all_containers, container, env, secret_volumes, validate
 
 JOBSET = DEPLOY / "examples" / "jobset.yaml"
@@ -49,7 +49,7 @@ def test_jobset_gives_the_client_what_replicator_yaml_needs() -> None:
     command = " ".join(container(_pod_spec(), "trainer")["command"])
     assert "NODE_RANK=$((SLICE_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX))" in command
     # The replicator moves what the trainer writes: same uid as the default configuration.
-    assert _pod_spec()["securityContext"]["runAsUser"] == render.WORKLOAD_UID
+    assert _pod_spec()["securityContext"]["runAsUser"] == render_config.WORKLOAD_UID
 
 
 def test_jobset_places_one_training_pod_per_node() -> None:
@@ -84,7 +84,7 @@ def test_jobset_gets_no_tls_material() -> None:
     jobset = yaml.safe_load(JOBSET.read_text())
     pod = _pod_spec()
     assert secret_volumes(pod) == {}
-    assert render.DEFAULT_TLS_SECRET not in _strings(jobset)
+    assert render_config.DEFAULT_TLS_SECRET not in _strings(jobset)
     assert not [s for s in _strings(jobset) if s.startswith("MTC_TLS_")]
     for c in all_containers(pod):
         assert not [r for r in c.get("envFrom", []) if "secretRef" in r], c["name"]

@@ -14,7 +14,7 @@ import yaml
 from csi import plugin as csi_plugin
 from csi.checkpoint import CheckpointDir
 from replicator.node.options import DaemonOptions, parse_args
-from replicator.tools import certs, render
+from replicator.tools import certs, render_config, render_manifests
 from replicator.transport import tls
 from replicator.transport.server import READINESS_SERVICE
 from tests.deploy.k8s import (
@@ -96,7 +96,7 @@ def test_no_access_to_the_kubernetes_api(built: list[Obj]) -> None:
 
 def test_csi_driver_is_ephemeral_with_pod_info(built: list[Obj]) -> None:
     driver = only(built, "CSIDriver")
-    assert driver["metadata"]["name"] == render.DRIVER_NAME
+    assert driver["metadata"]["name"] == render_manifests.DRIVER_NAME
     spec = driver["spec"]
     assert spec["attachRequired"] is False
     assert spec["podInfoOnMount"] is True
@@ -117,7 +117,7 @@ def test_plugin_is_privileged_and_propagates_its_mounts(built: list[Obj]) -> Non
     (host_mount,) = [p for p in mounts if ram_dir.startswith(p + "/")]
     assert mounts[host_mount]["mountPropagation"] == "Bidirectional"
     assert plugin["startupProbe"]["exec"]["command"] == ["mountpoint", "-q", ram_dir]
-    assert e["MTC_CSI_DRIVER_NAME"] == render.DRIVER_NAME
+    assert e["MTC_CSI_DRIVER_NAME"] == render_manifests.DRIVER_NAME
     assert e["CSI_ENDPOINT"] == "unix:///csi/csi.sock"
     assert plugin["command"] == ["mtc-csi"]
 
@@ -207,7 +207,11 @@ def test_replicator_probes_and_addresses_agree(built: list[Obj]) -> None:
 def test_no_probe_targets_the_grpc_or_data_port(built: list[Obj]) -> None:
     probes = network_probe_ports(_pod(built))
     assert len(probes) == 5  # the replicator's three, the plugin's and the registrar's liveness
-    assert not {k: v for k, v in probes.items() if v in (render.GRPC_PORT, render.DATA_PORT)}
+    assert not {
+        k: v
+        for k, v in probes.items()
+        if v in (render_manifests.GRPC_PORT, render_manifests.DATA_PORT)
+    }
 
 
 # --- TLS -----------------------------------------------------------------------------------
@@ -306,12 +310,15 @@ def _expected_ingress(
     selector = only(objs, "DaemonSet")["spec"]["selector"]["matchLabels"]
     peers = "pods:" + ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
     return {
-        (peers, render.GRPC_PORT),
-        (peers, render.DATA_PORT),
-        (f"namespace:kubernetes.io/metadata.name={metrics_namespace}", render.METRICS_PORT),
-        ("*", render.HEALTH_PORT),
-        ("*", render.PLUGIN_HEALTH_PORT),
-        ("*", render.REGISTRAR_HEALTH_PORT),
+        (peers, render_manifests.GRPC_PORT),
+        (peers, render_manifests.DATA_PORT),
+        (
+            f"namespace:kubernetes.io/metadata.name={metrics_namespace}",
+            render_manifests.METRICS_PORT,
+        ),
+        ("*", render_manifests.HEALTH_PORT),
+        ("*", render_manifests.PLUGIN_HEALTH_PORT),
+        ("*", render_manifests.REGISTRAR_HEALTH_PORT),
     }
 
 
@@ -405,7 +412,7 @@ def test_sidecars_are_pinned_and_find_the_plugin(built: list[Obj]) -> None:
         assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     volumes = {v["name"]: v for v in pod["volumes"]}
     socket_dir = volumes["plugin-dir"]["hostPath"]["path"]
-    assert socket_dir == f"/var/lib/kubelet/plugins/{render.DRIVER_NAME}"
+    assert socket_dir == f"/var/lib/kubelet/plugins/{render_manifests.DRIVER_NAME}"
     assert f"--kubelet-registration-path={socket_dir}/csi.sock" in registrar["args"]
     # kubelet's probe of the plugin goes to the livenessprobe sidecar's port.
     plugin = container(pod, "csi-plugin")
@@ -438,7 +445,7 @@ def test_config_map_feeds_both_containers(built: list[Obj]) -> None:
         ]
         assert refs == [config_map["metadata"]["name"]], name
     assert config_map["data"]["MTC_RAM_SIZE"]
-    assert render.QUANTITY_RE.fullmatch(config_map["data"]["MTC_RAM_SIZE"])
+    assert render_config.QUANTITY_RE.fullmatch(config_map["data"]["MTC_RAM_SIZE"])
 
 
 @pytest.mark.parametrize(("overlay", "scheme"), [("gke", "gs://"), ("s3", "s3://")])
@@ -446,7 +453,7 @@ def test_overlays_set_a_backup(overlay: str, scheme: str) -> None:
     objs = kustomize(DEPLOY / "overlays" / overlay)
     data = only(objs, "ConfigMap")["data"]
     assert data["MTC_BACKUP"].startswith(scheme)
-    assert render.OBJECT_URL_RE.fullmatch(data["MTC_BACKUP"])
+    assert render_config.OBJECT_URL_RE.fullmatch(data["MTC_BACKUP"])
     secret = [
         r["secretRef"] for r in container(_pod(objs), "replicator")["envFrom"] if "secretRef" in r
     ]

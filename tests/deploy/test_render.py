@@ -1,5 +1,5 @@
-"""``mtc render``: field mapping, errors that name the field, agreement with the CRD's schema
-and with deploy/base (and deploy/overlays/cert-manager), and the CLI wrapper."""
+"""``mtc render``: field mapping, agreement with deploy/base (and deploy/overlays/cert-manager),
+who may mount, and the CLI wrapper (bad input and the CRD's schema: test_render_config)."""
 
 from __future__ import annotations
 
@@ -7,22 +7,20 @@ import copy
 import io
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from csi import plugin as csi_plugin
-from replicator.core.pacing import MAX_YIELD_TO_SAVES
-from replicator.tools import cli, render
+from replicator.tools import cli, render, render_config, render_manifests
 from tests.deploy.k8s import (
     DEPLOY,
     Obj,
     all_containers,
     check_cert_manager_chain,
     container,
+    cr,
     cr_errors,
-    crd,
     env,
     ingress_rules,
     kustomize,
@@ -36,22 +34,6 @@ from tests.deploy.k8s import (
 )
 
 EXAMPLE = DEPLOY / "examples" / "checkpointconfiguration.yaml"
-
-
-def cr(**spec: Any) -> Obj:
-    """A minimal valid configuration with ``spec`` fields replaced (None deletes one)."""
-    base: Obj = {
-        "apiVersion": render.API_VERSION,
-        "kind": render.KIND,
-        "metadata": {"name": "default", "namespace": "mtc-system"},
-        "spec": {"backupUrl": "gs://ckpt-bucket/mtc", "inMemoryVolumeSize": "50Gi"},
-    }
-    for key, value in spec.items():
-        if value is None:
-            base["spec"].pop(key, None)
-        else:
-            base["spec"][key] = value
-    return base
 
 
 def _pod(objs: list[Obj]) -> Obj:
@@ -78,22 +60,24 @@ def test_example_renders_valid_manifests() -> None:
 
 
 def test_defaults() -> None:
-    config = render.parse(cr())
+    config = render_config.parse(cr())
     assert config.namespace == "mtc-system"
-    objs = render.manifests(config)
+    objs = render_manifests.manifests(config)
     assert only(objs, "ConfigMap")["data"] == {
         "MTC_LOG_LEVEL": "INFO",
         "MTC_RAM_SIZE": "50Gi",
         "MTC_BACKUP": "gs://ckpt-bucket/mtc",
     }
     pod = _pod(objs)
-    assert pod["tolerations"] == [dict(t) for t in render.DEFAULT_TOLERATIONS]
+    assert pod["tolerations"] == [dict(t) for t in render_config.DEFAULT_TOLERATIONS]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
     # The default drain (20 s) and 10 s to stop: Kubernetes' default grace period.
     assert pod["terminationGracePeriodSeconds"] == 30
     replicator = container(pod, "replicator")
-    assert replicator["image"] == container(pod, "csi-plugin")["image"] == render.DEFAULT_IMAGE
-    assert replicator["securityContext"]["runAsUser"] == render.WORKLOAD_UID
+    assert (
+        replicator["image"] == container(pod, "csi-plugin")["image"] == render_config.DEFAULT_IMAGE
+    )
+    assert replicator["securityContext"]["runAsUser"] == render_config.WORKLOAD_UID
     assert replicator["securityContext"]["runAsNonRoot"] is True
     assert {"secretRef": {"name": "mtc-backup-credentials", "optional": True}} in replicator[
         "envFrom"
@@ -102,7 +86,7 @@ def test_defaults() -> None:
     # TLS is on, with the default Secret; no cert-manager objects unless asked for.
     assert (config.tls, config.tls_secret, config.cert_manager) == (
         True,
-        render.DEFAULT_TLS_SECRET,
+        render_config.DEFAULT_TLS_SECRET,
         False,
     )
     assert secret_volumes(pod) == {"tls": "mtc-replicator-tls"}
@@ -256,7 +240,7 @@ def test_every_field_maps() -> None:
 
 def test_a_gke_configuration_renders_unchanged() -> None:
     gke = {
-        "apiVersion": render.GKE_API_VERSION,
+        "apiVersion": render_config.GKE_API_VERSION,
         "kind": "CheckpointConfiguration",
         "metadata": {"name": "tpu-pool"},
         "spec": {
@@ -270,16 +254,16 @@ def test_a_gke_configuration_renders_unchanged() -> None:
             "enableExternalJaxProcessIds": True,
         },
     }
-    config = render.parse(gke)
+    config = render_config.parse(gke)
     assert config.backup_url == "gs://my-bucket"
     assert config.ignored == ("enableExternalJaxProcessIds", "gcsFuseMountOptions")
-    objs = render.manifests(config)
+    objs = render_manifests.manifests(config)
     assert only(objs, "DaemonSet")["metadata"]["name"] == "mtc-node-tpu-pool"
-    assert only(objs, "DaemonSet")["metadata"]["namespace"] == render.DEFAULT_NAMESPACE
+    assert only(objs, "DaemonSet")["metadata"]["namespace"] == render_config.DEFAULT_NAMESPACE
     for obj in objs:
         validate(obj)
     # Our CRD accepts the same document under our group.
-    assert not cr_errors(gke | {"apiVersion": render.API_VERSION})
+    assert not cr_errors(gke | {"apiVersion": render_config.API_VERSION})
 
 
 def test_names_and_selector_follow_the_configuration() -> None:
@@ -327,158 +311,7 @@ def test_render_is_pure() -> None:
     assert render.render(doc) != first
 
 
-# --- bad input -----------------------------------------------------------------------------
-
-# (mutation of a valid document, the field the error must name, whether the CRD's OpenAPI
-# schema rejects it too; False: only a CEL rule of the CRD or render's stricter checks do.)
-BAD: list[tuple[str, Obj, str, bool]] = [
-    ("no backup", cr(backupUrl=None), "spec.backupUrl", False),
-    ("two backups", cr(cloudStorageBucketName="b-k-t"), "spec.backupUrl", False),
-    ("http backup", cr(backupUrl="https://example.com/x"), "spec.backupUrl", True),
-    ("file backup", cr(backupUrl="file:///tmp/x"), "spec.backupUrl", True),
-    ("upper-case bucket", cr(backupUrl="gs://My-Bucket"), "spec.backupUrl", True),
-    (
-        "short bucket",
-        cr(backupUrl=None, cloudStorageBucketName="ab"),
-        "spec.cloudStorageBucketName",
-        True,
-    ),
-    ("bad registry", cr(registryUrl="gs://"), "spec.registryUrl", True),
-    ("no size", cr(inMemoryVolumeSize=None), "spec.inMemoryVolumeSize", True),
-    ("milli size", cr(inMemoryVolumeSize="500m"), "spec.inMemoryVolumeSize", True),
-    ("number size", cr(inMemoryVolumeSize=1073741824), "spec.inMemoryVolumeSize", True),
-    ("zero size", cr(inMemoryVolumeSize="0Gi"), "spec.inMemoryVolumeSize", False),
-    ("negative size", cr(inMemoryVolumeSize="-1Gi"), "spec.inMemoryVolumeSize", True),
-    ("selector list", cr(nodeSelector=["a"]), "spec.nodeSelector", True),
-    ("selector int", cr(nodeSelector={"pool": 3}), "spec.nodeSelector.pool", True),
-    ("selector value", cr(nodeSelector={"pool": "a b"}), "spec.nodeSelector.pool", True),
-    ("tolerations map", cr(tolerations={"key": "a"}), "spec.tolerations", True),
-    (
-        "toleration op",
-        cr(tolerations=[{"key": "a", "operator": "In"}]),
-        "spec.tolerations[0].operator",
-        True,
-    ),
-    (
-        "toleration field",
-        cr(tolerations=[{"key": "a", "typo": 1}]),
-        "spec.tolerations[0].typo",
-        True,
-    ),
-    (
-        "toleration effect",
-        cr(tolerations=[{"key": "a", "effect": "Never"}]),
-        "spec.tolerations[0].effect",
-        True,
-    ),
-    (
-        "exists with value",
-        cr(tolerations=[{"key": "a", "operator": "Exists", "value": "x"}]),
-        "spec.tolerations[0].value",
-        False,
-    ),
-    (
-        "seconds without NoExecute",
-        cr(tolerations=[{"key": "a", "tolerationSeconds": 5}]),
-        "spec.tolerations[0].tolerationSeconds",
-        False,
-    ),
-    (
-        "empty key equal",
-        cr(tolerations=[{"operator": "Equal"}]),
-        "spec.tolerations[0].operator",
-        False,
-    ),
-    ("empty image", cr(image=""), "spec.image", True),
-    ("pull policy", cr(imagePullPolicy="Sometimes"), "spec.imagePullPolicy", True),
-    ("negative uid", cr(runAsUser=-1), "spec.runAsUser", True),
-    ("string uid", cr(runAsUser="65532"), "spec.runAsUser", True),
-    ("bool gid", cr(runAsGroup=True), "spec.runAsGroup", True),
-    ("log level", cr(logLevel="TRACE"), "spec.logLevel", True),
-    ("s3 for gs", cr(s3={"region": "us-east-1"}), "spec.s3", False),
-    (
-        "s3 field",
-        cr(backupUrl="s3://ckpt-bucket", s3={"endpoint": "http://x"}),
-        "spec.s3.endpoint",
-        True,
-    ),
-    (
-        "s3 endpoint",
-        cr(backupUrl="s3://ckpt-bucket", s3={"endpointUrl": "minio:9000"}),
-        "spec.s3.endpointUrl",
-        True,
-    ),
-    ("secret name", cr(credentialsSecretName="Keys"), "spec.credentialsSecretName", True),
-    (
-        "annotation value",
-        cr(serviceAccountAnnotations={"a": 1}),
-        "spec.serviceAccountAnnotations.a",
-        True,
-    ),
-    ("tls list", cr(tls=[]), "spec.tls", True),
-    ("tls field", cr(tls={"enable": False}), "spec.tls.enable", True),
-    ("tls enabled string", cr(tls={"enabled": "false"}), "spec.tls.enabled", True),
-    ("tls cert-manager int", cr(tls={"certManager": 1}), "spec.tls.certManager", True),
-    ("tls secret name", cr(tls={"secretName": "TLS"}), "spec.tls.secretName", True),
-    ("tls empty secret", cr(tls={"secretName": ""}), "spec.tls.secretName", True),
-    (
-        "cert-manager without tls",
-        cr(tls={"enabled": False, "certManager": True}),
-        "spec.tls.certManager",
-        False,
-    ),
-    ("metrics namespace", cr(metricsNamespace="Monitoring"), "spec.metricsNamespace", True),
-    ("metrics namespace int", cr(metricsNamespace=3), "spec.metricsNamespace", True),
-    ("rate word", cr(maxTransferRate="fast"), "spec.maxTransferRate", True),
-    ("rate number", cr(maxTransferRate=400), "spec.maxTransferRate", True),
-    ("rate unit", cr(maxTransferRate="400MIB"), "spec.maxTransferRate", False),
-    ("rate zero", cr(maxTransferRate="0MiB"), "spec.maxTransferRate", False),
-    ("yield too long", cr(yieldToSavesSeconds=60), "spec.yieldToSavesSeconds", True),
-    ("yield string", cr(yieldToSavesSeconds="5"), "spec.yieldToSavesSeconds", True),
-    ("drain too long", cr(drainSeconds=601), "spec.drainSeconds", True),
-    ("drain negative", cr(drainSeconds=-1), "spec.drainSeconds", True),
-    ("drain bool", cr(drainSeconds=True), "spec.drainSeconds", True),
-    ("namespaces string", cr(allowedNamespaces="ml"), "spec.allowedNamespaces", True),
-    ("namespace name", cr(allowedNamespaces=["ml", "ML"]), "spec.allowedNamespaces[1]", True),
-    ("namespace int", cr(allowedNamespaces=[3]), "spec.allowedNamespaces[0]", True),
-    (
-        "too many namespaces",
-        cr(allowedNamespaces=[f"ns-{i}" for i in range(render.MAX_ALLOWED + 1)]),
-        "spec.allowedNamespaces",
-        True,
-    ),
-    (
-        "account without namespace",
-        cr(allowedServiceAccounts=["trainer"]),
-        "spec.allowedServiceAccounts[0]",
-        True,
-    ),
-    (
-        "account name",
-        cr(allowedServiceAccounts=["ml/Trainer"]),
-        "spec.allowedServiceAccounts[0]",
-        True,
-    ),
-    ("unknown field", cr(bucket="x"), "spec.bucket", True),
-    ("spec list", cr() | {"spec": []}, "spec", True),
-    ("no name", cr() | {"metadata": {}}, "metadata.name", False),
-    ("bad name", cr() | {"metadata": {"name": "Default"}}, "metadata.name", False),
-    ("other group", cr() | {"apiVersion": "example.com/v1"}, "apiVersion", False),
-    ("other kind", cr() | {"kind": "Checkpoint"}, "kind", False),
-    ("top-level typo", cr() | {"specs": {}}, "specs", True),
-]
-
-
-@pytest.mark.parametrize(
-    ("doc", "field", "in_schema"), [b[1:] for b in BAD], ids=[b[0] for b in BAD]
-)
-def test_bad_input_names_the_field(doc: Obj, field: str, in_schema: bool) -> None:
-    with pytest.raises(render.RenderError) as caught:
-        render.render(doc)
-    assert caught.value.field == field
-    assert str(caught.value).startswith(f"{field}: ")
-    if in_schema:
-        assert cr_errors(doc), "the CRD's schema accepts what render rejects"
+# --- who may mount -------------------------------------------------------------------------
 
 
 def test_who_may_mount_and_the_ram_disk_group_are_rendered() -> None:
@@ -512,41 +345,6 @@ def test_an_open_configuration_renders_with_a_warning(
     path.write_text(yaml.safe_dump(cr()))
     assert cli.main(["render", str(path)]) == 0
     assert "pods of every namespace may mount" in capsys.readouterr().err
-
-
-def test_the_crd_schema_uses_render_s_patterns() -> None:
-    (version,) = crd()["spec"]["versions"]
-    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    assert spec["allowedNamespaces"]["items"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
-    assert (
-        spec["allowedServiceAccounts"]["items"]["pattern"]
-        == f"^{render.SERVICE_ACCOUNT_RE.pattern}$"
-    )
-    assert spec["allowedNamespaces"]["maxItems"] == render.MAX_ALLOWED
-    assert spec["backupUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
-    assert spec["registryUrl"]["pattern"] == f"^{render.OBJECT_URL_RE.pattern}$"
-    assert spec["cloudStorageBucketName"]["pattern"] == f"^{render.BUCKET_RE.pattern}$"
-    assert spec["inMemoryVolumeSize"]["pattern"] == f"^{render.QUANTITY_RE.pattern}$"
-    assert spec["s3"]["properties"]["endpointUrl"]["pattern"] == f"^{render.HTTP_URL_RE.pattern}$"
-    tls_spec = spec["tls"]["properties"]
-    assert tls_spec["secretName"]["pattern"] == f"^{render.DNS_SUBDOMAIN_RE.pattern}$"
-    assert set(tls_spec) == {"enabled", "secretName", "certManager"}
-    assert tls_spec["enabled"]["type"] == tls_spec["certManager"]["type"] == "boolean"
-    assert spec["metricsNamespace"]["pattern"] == f"^{render.DNS_LABEL_RE.pattern}$"
-    assert spec["maxTransferRate"]["pattern"] == f"^({render.RATE_RE.pattern})$"
-    assert spec["yieldToSavesSeconds"]["maximum"] == MAX_YIELD_TO_SAVES
-    assert spec["drainSeconds"]["maximum"] == render.MAX_DRAIN_SECONDS
-    fields = set(spec)
-    assert fields == set(render.SPEC_FIELDS) | set(render.IGNORED_GKE_FIELDS)
-
-
-def test_the_crd_accepts_every_tls_setting() -> None:
-    for tls in ({}, {"enabled": False}, {"certManager": True, "secretName": "a.b-c"}):
-        assert not cr_errors(cr(tls=tls, metricsNamespace="prom")), tls
-
-
-def test_example_configuration_is_valid_for_the_crd() -> None:
-    validate(yaml.safe_load(EXAMPLE.read_text()))
 
 
 # --- render == deploy/base -----------------------------------------------------------------

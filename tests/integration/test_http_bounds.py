@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from replicator.obs.httpserver import MAX_CONNECTIONS, REQUEST_SECONDS
-from replicator.obs.metrics import serve, split_address
+from replicator.obs.metrics_endpoint import serve, split_address
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import wait_until
 

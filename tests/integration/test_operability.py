@@ -20,7 +20,8 @@ from replicator import __version__
 from replicator.node.daemon import Daemon
 from replicator.node.options import DaemonOptions
 from replicator.obs.health import Health, Heartbeat, Readiness
-from replicator.obs.metrics import PrometheusMetrics, serve
+from replicator.obs.metrics import PrometheusMetrics
+from replicator.obs.metrics_endpoint import serve
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     config_text,

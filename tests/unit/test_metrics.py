@@ -20,7 +20,6 @@ from replicator.obs.metrics import (
     Metrics,
     PrometheusMetrics,
     TransferKind,
-    split_address,
 )
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]
@@ -209,27 +208,6 @@ def test_the_default_records_nothing() -> None:
     NO_METRICS.restore_failed("j", 1.0)
     NO_METRICS.restore_phases({"join": 1.0})
     assert vars(NO_METRICS) == {}
-
-
-@pytest.mark.parametrize(
-    ("address", "expected"),
-    [
-        ("127.0.0.1:9464", ("127.0.0.1", 9464)),
-        ("0.0.0.0:0", ("0.0.0.0", 0)),
-        ("[::1]:80", ("::1", 80)),
-        ("node-a:9464", ("node-a", 9464)),
-    ],
-)
-def test_split_address(address: str, expected: tuple[str, int]) -> None:
-    assert split_address(address) == expected
-
-
-@pytest.mark.parametrize(
-    "address", ["9464", ":9464", "host:", "host:port", "host:65536", "host:²", "host:\u0661\u0662"]
-)
-def test_split_address_refuses(address: str) -> None:
-    with pytest.raises(ValueError, match="HOST:PORT"):
-        split_address(address)
 
 
 def test_csi_calls_count_by_method_and_code() -> None:

@@ -1,4 +1,5 @@
-"""Backoff and retries (``replicator.core.retry``), and each cloud backend's one error classifier.
+"""Backoff and retries (``replicator.core.retry``), and GCS's one error classifier (S3's:
+``test_s3_errors``).
 
 Pure: a fake clock and sleep, no sockets; vendor exceptions are built in memory.
 """
@@ -17,7 +18,6 @@ from replicator.storage.objectstore import (
     ObjectStoreError,
     PermissionDenied,
     PreconditionFailed,
-    ResendRequested,
     TransientError,
 )
 
@@ -228,73 +228,6 @@ def test_reset_gives_a_fresh_budget_after_progress() -> None:
         state.failed(TransientError("stuck"))
     assert "gave up after 2 attempts in 1.0s" in raised.value.__notes__[0]
     assert t.sleeps == [1.0, 1.0]  # the waits start again from the first delay
-
-
-# --- the S3 classifier -----------------------------------------------------------------------
-
-
-def client_error(code: str, status: int, operation: str = "GetObject") -> Exception:
-    from botocore.exceptions import ClientError
-
-    response = {
-        "Error": {"Code": code, "Message": f"message of {code}"},
-        "ResponseMetadata": {"HTTPStatusCode": status},
-    }
-    return ClientError(response, operation)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("code", "status", "expected"),
-    [
-        ("SlowDown", 503, TransientError),
-        ("503", 503, TransientError),  # a HEAD answer has no body, only the status
-        ("ServiceUnavailable", 503, TransientError),
-        ("InternalError", 500, TransientError),
-        ("TooManyRequests", 429, TransientError),
-        ("RequestTimeout", 400, TransientError),
-        ("BadDigest", 400, DamagedInTransit),
-        ("ConditionalRequestConflict", 409, ResendRequested),
-        ("AccessDenied", 403, PermissionDenied),
-        ("InvalidAccessKeyId", 403, PermissionDenied),
-        ("SignatureDoesNotMatch", 403, PermissionDenied),
-        ("403", 403, PermissionDenied),
-        ("NoSuchBucket", 404, BucketNotFound),
-        ("NoSuchKey", 404, ObjectNotFound),
-        ("404", 404, ObjectNotFound),
-        ("PreconditionFailed", 412, PreconditionFailed),
-        ("InvalidArgument", 400, ObjectStoreError),
-        ("NoSuchUpload", 404, ObjectStoreError),
-    ],
-)
-def test_s3_errors_are_classified(code: str, status: int, expected: type[Exception]) -> None:
-    pytest.importorskip("boto3")
-    from replicator.storage.s3 import translate
-
-    mapped = translate(client_error(code, status), "get b/k")
-    assert type(mapped) is expected
-    assert mapped is not None
-    assert mapped.transient == issubclass(expected, TransientError)
-
-
-def test_s3_transport_errors_are_transient() -> None:
-    pytest.importorskip("boto3")
-    import botocore.exceptions as bexc
-    import urllib3.exceptions
-
-    from replicator.storage.s3 import translate
-
-    for exc in [
-        bexc.EndpointConnectionError(endpoint_url="http://x"),
-        bexc.ConnectTimeoutError(endpoint_url="http://x"),
-        bexc.ReadTimeoutError(endpoint_url="http://x"),
-        bexc.ConnectionClosedError(endpoint_url="http://x"),
-        bexc.ResponseStreamingError(error="reset"),
-        urllib3.exceptions.ProtocolError("reset"),
-        ConnectionResetError(),
-    ]:
-        assert isinstance(translate(exc, "op"), TransientError), exc
-    assert isinstance(translate(bexc.NoCredentialsError(), "op"), PermissionDenied)
-    assert translate(ValueError("bug"), "op") is None
 
 
 # --- the GCS classifier ----------------------------------------------------------------------

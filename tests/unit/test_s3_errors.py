@@ -1,0 +1,83 @@
+"""``storage.s3_errors``: S3's and botocore's errors, each mapped once to ours.
+
+Pure: the vendor exceptions are built in memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from replicator.storage.objectstore import (
+    BucketNotFound,
+    DamagedInTransit,
+    ObjectNotFound,
+    ObjectStoreError,
+    PermissionDenied,
+    PreconditionFailed,
+    ResendRequested,
+    TransientError,
+)
+
+
+def client_error(code: str, status: int, operation: str = "GetObject") -> Exception:
+    from botocore.exceptions import ClientError
+
+    response = {
+        "Error": {"Code": code, "Message": f"message of {code}"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    return ClientError(response, operation)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "expected"),
+    [
+        ("SlowDown", 503, TransientError),
+        ("503", 503, TransientError),  # a HEAD answer has no body, only the status
+        ("ServiceUnavailable", 503, TransientError),
+        ("InternalError", 500, TransientError),
+        ("TooManyRequests", 429, TransientError),
+        ("RequestTimeout", 400, TransientError),
+        ("BadDigest", 400, DamagedInTransit),
+        ("ConditionalRequestConflict", 409, ResendRequested),
+        ("AccessDenied", 403, PermissionDenied),
+        ("InvalidAccessKeyId", 403, PermissionDenied),
+        ("SignatureDoesNotMatch", 403, PermissionDenied),
+        ("403", 403, PermissionDenied),
+        ("NoSuchBucket", 404, BucketNotFound),
+        ("NoSuchKey", 404, ObjectNotFound),
+        ("404", 404, ObjectNotFound),
+        ("PreconditionFailed", 412, PreconditionFailed),
+        ("InvalidArgument", 400, ObjectStoreError),
+        ("NoSuchUpload", 404, ObjectStoreError),
+    ],
+)
+def test_s3_errors_are_classified(code: str, status: int, expected: type[Exception]) -> None:
+    pytest.importorskip("boto3")
+    from replicator.storage.s3_errors import translate
+
+    mapped = translate(client_error(code, status), "get b/k")
+    assert type(mapped) is expected
+    assert mapped is not None
+    assert mapped.transient == issubclass(expected, TransientError)
+
+
+def test_s3_transport_errors_are_transient() -> None:
+    pytest.importorskip("boto3")
+    import botocore.exceptions as bexc
+    import urllib3.exceptions
+
+    from replicator.storage.s3_errors import translate
+
+    for exc in [
+        bexc.EndpointConnectionError(endpoint_url="http://x"),
+        bexc.ConnectTimeoutError(endpoint_url="http://x"),
+        bexc.ReadTimeoutError(endpoint_url="http://x"),
+        bexc.ConnectionClosedError(endpoint_url="http://x"),
+        bexc.ResponseStreamingError(error="reset"),
+        urllib3.exceptions.ProtocolError("reset"),
+        ConnectionResetError(),
+    ]:
+        assert isinstance(translate(exc, "op"), TransientError), exc
+    assert isinstance(translate(bexc.NoCredentialsError(), "op"), PermissionDenied)
+    assert translate(ValueError("bug"), "op") is None
