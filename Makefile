@@ -32,8 +32,8 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/mtc demo --nodes 4
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check replicator client csi tests scripts
-	$(VENV)/bin/ruff format --check replicator client csi tests scripts
+	$(VENV)/bin/ruff check mtc_replicator tests scripts
+	$(VENV)/bin/ruff format --check mtc_replicator tests scripts
 	$(VENV)/bin/lint-imports
 
 typecheck: $(STAMP)

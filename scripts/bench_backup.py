@@ -45,13 +45,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicator.core.manifest import ItemId, Manifest  # noqa: E402
-from replicator.local.hashing import build_manifest  # noqa: E402
-from replicator.node.daemon import tune_malloc  # noqa: E402
-from replicator.storage.backup import BackupStore  # noqa: E402
-from replicator.storage.gcs import GcsObjectStore  # noqa: E402
-from replicator.storage.objectstore import ObjectStore  # noqa: E402
-from replicator.storage.stores import open_object_store  # noqa: E402
+from mtc_replicator.core.manifest import ItemId, Manifest  # noqa: E402
+from mtc_replicator.local.hashing import build_manifest  # noqa: E402
+from mtc_replicator.node.daemon import tune_malloc  # noqa: E402
+from mtc_replicator.storage.backup import BackupStore  # noqa: E402
+from mtc_replicator.storage.gcs import GcsObjectStore  # noqa: E402
+from mtc_replicator.storage.objectstore import ObjectStore  # noqa: E402
+from mtc_replicator.storage.stores import open_object_store  # noqa: E402
 from tests import storage_servers as servers  # noqa: E402
 
 JOB = "bench"

@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicator.core.manifest import ItemId  # noqa: E402
-from replicator.storage.backup import BackupStore  # noqa: E402
-from replicator.storage.stores import open_object_store  # noqa: E402
+from mtc_replicator.core.manifest import ItemId  # noqa: E402
+from mtc_replicator.storage.backup import BackupStore  # noqa: E402
+from mtc_replicator.storage.stores import open_object_store  # noqa: E402
 from tests import storage_servers as servers  # noqa: E402
 from tests.integration.cluster import NODES, Cluster, assert_restored  # noqa: E402
 from tests.integration.helpers import make_step, payload  # noqa: E402

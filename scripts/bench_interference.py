@@ -2,15 +2,15 @@
 
 A stand-in trainer (a separate, single-threaded Python process: numpy matrix multiplies and
 large array copies per "step", ~0.3 s here) saves a ``--size-mib`` state dict every
-``--save-every`` steps through ``client/`` (``client.handshake``, then
-``client.torch_io.save_state_dict``). Its job has two ranks: rank 0 is the trainer, rank 1 a
-"mirror" process that saves a state dict of the same size right after the trainer's save
+``--save-every`` steps through ``mtc_replicator/client/`` (``mtc_replicator.client.handshake``, then
+``mtc_replicator.client.torch_io.save_state_dict``). Its job has two ranks: rank 0 is the trainer,
+rank 1 a "mirror" process that saves a state dict of the same size right after the trainer's save
 (it does no compute; it stands for the other node). Configurations, run interleaved
 ``--repeats`` times, each run with fresh directories and a fresh job:
 
 - ``a``: no daemons (the two processes save; this script deletes each ``<N>/`` once it
   appears, as a daemon would take it away);
-- ``b``: two real daemons (``python -m replicator.node.daemon``, mutual TLS, one per rank on
+- ``b``: two real daemons (``python -m mtc_replicator.node.daemon``, mutual TLS, one per rank on
   its own tmpfs directory under /dev/shm), replicating to each other and backing every saved
   step up to a ``file://`` backup on tmpfs (``backup-interval-steps: 1``), unthrottled;
 - ``c``: the same with ``--max-transfer-rate`` at each of ``--rates`` (default ``auto``:
@@ -26,7 +26,7 @@ older than the newest are deleted as the run goes, like a bucket's lifecycle rul
 the RAM this takes.
 
 The client's save cost: a separate single-threaded process alternates
-``client.torch_io.save_state_dict`` and plain ``torch.save(state, path)`` of the same
+``mtc_replicator.client.torch_io.save_state_dict`` and plain ``torch.save(state, path)`` of the same
 ``--size-mib`` state dict (4 float32 tensors) into the same tmpfs directory, ``--save-rounds``
 times each, and prints the medians and their ratio.
 
@@ -142,7 +142,7 @@ class Work:
 
 
 def handshake(a: argparse.Namespace, rank: int) -> None:
-    import client
+    from mtc_replicator import client
 
     result = client.handshake(
         a.dir,
@@ -163,7 +163,7 @@ def run_trainer(a: argparse.Namespace) -> int:
     pin(a.cpus)
     import torch
 
-    from client.torch_io import save_state_dict
+    from mtc_replicator.client.torch_io import save_state_dict
 
     torch.set_num_threads(1)
     work = Work(a.matmul, a.matmuls, a.copy_mib, a.copies)
@@ -192,7 +192,7 @@ def run_mirror(a: argparse.Namespace) -> int:
     pin(a.cpus)
     import torch
 
-    from client.torch_io import save_state_dict
+    from mtc_replicator.client.torch_io import save_state_dict
 
     torch.set_num_threads(1)
     state = make_state(a.size_mib, touch=False)
@@ -211,7 +211,7 @@ def run_save_cost(a: argparse.Namespace) -> int:
     pin(a.cpus)
     import torch
 
-    from client.torch_io import save_state_dict
+    from mtc_replicator.client.torch_io import save_state_dict
 
     torch.set_num_threads(1)
     state = make_state(a.size_mib, touch=True)
@@ -335,7 +335,7 @@ class Bench:
         self.a, self.base, self.logs = a, base, logs
         self.tls: list[list[str]] = [[], []]
         if a.tls:
-            from replicator.tools import certs
+            from mtc_replicator.tools import certs
 
             ca = certs.new_ca()
             for rank in (0, 1):
@@ -379,7 +379,7 @@ class Bench:
             for rank, ckpt in enumerate(ckpts):
                 if not config.daemons:
                     break
-                args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir"]
+                args = [sys.executable, "-m", "mtc_replicator.node.daemon", "--checkpoint-dir"]
                 args += [str(ckpt), "--listen", "127.0.0.1:0", "--backup", backup.as_uri()]
                 args += self.tls[rank]
                 if config.rate:
@@ -590,7 +590,7 @@ def table(summaries: list[dict[str, Any]], a: argparse.Namespace) -> str:
 def enforced(summary: dict[str, Any], rate: str | None, size_mib: int) -> bool:
     """Whether the daemons kept to ``rate``: replicating a step (each daemon's item to its
     peer, at the rate at most) cannot take less than size / rate."""
-    from replicator.core.pacing import parse_rate
+    from mtc_replicator.core.pacing import parse_rate
 
     fastest = summary["replicated"]["median"]
     limit = parse_rate(rate) if rate else None
@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
     print(verdict(summaries, configs, a.size_mib))
     print(
         f"client save cost, {a.size_mib} MiB state dict on tmpfs, median of {a.save_rounds}: "
-        f"client.torch_io.save_state_dict {cost_median['client']:.3f}s, "
+        f"mtc_replicator.client.torch_io.save_state_dict {cost_median['client']:.3f}s, "
         f"torch.save {cost_median['torch.save']:.3f}s: {ratio:.2f}x"
     )
     return 0

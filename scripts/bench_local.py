@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from replicator.core.manifest import ItemId
-from replicator.local.store import LocalStore
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
 
 
 def make_step(path: Path, size: int, files: int) -> None:

@@ -47,13 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from replicator.core.manifest import ItemId, Manifest
-from replicator.core.storedir import default_store_dir
-from replicator.local.store import LocalStore
-from replicator.node.daemon import tune_malloc
-from replicator.tools import certs
-from replicator.transport.peer import PeerClient
-from replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
+from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.core.storedir import default_store_dir
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.daemon import tune_malloc
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.peer_client import PeerClient
+from mtc_replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
 
 try:
     import uvloop
@@ -201,7 +201,7 @@ class Daemon:
 
 def start_daemon(ckpt: Path, extra: tuple[str, ...] = ()) -> Daemon:
     log = ckpt.parent / f"{ckpt.name}.log"
-    args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
+    args = [sys.executable, "-m", "mtc_replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
     args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from replicator.tools import certs  # noqa: E402
+from mtc_replicator.tools import certs  # noqa: E402
 from scripts.bench_peer import raw_copy, warm_pages  # noqa: E402
 from tests.daemon_process import DaemonProcess  # noqa: E402
 from tests.integration.helpers import (  # noqa: E402

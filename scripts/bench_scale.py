@@ -56,18 +56,18 @@ import google_crc32c
 import grpc
 import grpc.aio
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
-from replicator.cluster.messages import cluster_view_json
-from replicator.cluster.registry import Registry
-from replicator.core.contract import JobConfig, parse_config
-from replicator.core.layout import pushers, replication_targets
-from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
-from replicator.core.storedir import default_store_dir
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore, PreconditionFailed
-from replicator.tools import certs
-from replicator.transport.tls import TlsFiles, TlsMaterial
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
+from mtc_replicator.cluster.messages import cluster_view_json
+from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.core.contract import JobConfig, parse_config
+from mtc_replicator.core.layout import pushers, replication_targets
+from mtc_replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
+from mtc_replicator.core.storedir import default_store_dir
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore, PreconditionFailed
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.tls import TlsFiles, TlsMaterial
 
 try:
     import uvloop
@@ -486,7 +486,7 @@ class Run:
     def _node(self, rank: int, tls: TlsFiles | None) -> Node:
         ckpt = self.root / f"node{rank}"
         ckpt.mkdir()
-        args = [sys.executable, "-m", "replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
+        args = [sys.executable, "-m", "mtc_replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
         args += ["--listen", "127.0.0.1:0", "--backup", self.backup.as_uri()]
         args += ["--rescan-seconds", "0.5", "--settle-seconds", "0.5"]
         if tls is not None:

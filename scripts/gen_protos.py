@@ -1,6 +1,6 @@
 """Generate the gRPC stubs from ``proto/`` into the packages that use them, with the pinned
-grpcio-tools and mypy-protobuf: ``proto/mtc/v1`` into ``replicator/_pb/``, ``proto/csi/v1``
-into ``csi/_pb/``.
+grpcio-tools and mypy-protobuf: ``proto/mtc/v1`` into ``mtc_replicator/_pb/``, ``proto/csi/v1``
+into ``mtc_replicator/csi/_pb/``.
 
 Per ``.proto`` file, four modules: ``x_pb2.py`` (messages) and ``x_pb2_grpc.py`` (stubs,
 servicer bases, ``add_*_to_server``) from grpcio-tools, and their types, ``x_pb2.pyi`` and
@@ -54,7 +54,7 @@ class Target:
     """One set of ``.proto`` files and the Python package its stubs live in."""
 
     package: str
-    """Dotted package of the stubs, e.g. ``replicator._pb``."""
+    """Dotted package of the stubs, e.g. ``mtc_replicator._pb``."""
     sources: tuple[str, ...]
     """Paths below ``proto/``."""
 
@@ -65,9 +65,9 @@ class Target:
 
 
 REPLICATOR = Target(
-    "replicator._pb", ("mtc/v1/peer.proto", "mtc/v1/coordinator.proto", "mtc/v1/node.proto")
+    "mtc_replicator._pb", ("mtc/v1/peer.proto", "mtc/v1/coordinator.proto", "mtc/v1/node.proto")
 )
-CSI = Target("csi._pb", ("csi/v1/csi.proto",))
+CSI = Target("mtc_replicator.csi._pb", ("csi/v1/csi.proto",))
 TARGETS = (REPLICATOR, CSI)
 
 

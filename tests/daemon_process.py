@@ -62,7 +62,7 @@ class DaemonProcess:
             *self.prefix,
             sys.executable,
             "-m",
-            "replicator.node.daemon",
+            "mtc_replicator.node.daemon",
             "--checkpoint-dir",
             str(self.checkpoint_dir),
             "--listen",

@@ -1,5 +1,5 @@
 """Throwaway certificate authorities for tests: a CA, node certificates signed by it, and
-the daemon flags that use them. Built with ``replicator.tools.certs`` (``mtc certs``)."""
+the daemon flags that use them. Built with ``mtc_replicator.tools.certs`` (``mtc certs``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from replicator.tools import certs
-from replicator.transport.tls import TlsFiles, TlsMaterial
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.tls import TlsFiles, TlsMaterial
 
 
 @dataclass(frozen=True)

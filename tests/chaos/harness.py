@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replicator.storage.backup import BackupStore
-from replicator.storage.stores import open_object_store
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.stores import open_object_store
 from tests.chaos import network
 from tests.chaos.invariants import Violation, check_floor, floor, restored_step, spinning
 from tests.chaos.nodes import ChaosCluster, Meter, Servers

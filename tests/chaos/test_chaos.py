@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.tools import certs
+from mtc_replicator.tools import certs
 from tests.chaos import network
 from tests.chaos.__main__ import BACKENDS, report
 from tests.chaos.harness import MARKER_BOUND, Trial

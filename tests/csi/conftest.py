@@ -16,9 +16,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi._pb.csi.v1 import csi_pb2_grpc
-from csi.mounter import SystemMounter
-from csi.mountinfo import mounts_below
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2_grpc
+from mtc_replicator.csi.mounter import SystemMounter
+from mtc_replicator.csi.mountinfo import mounts_below
 from tests.csi.plugin_process import PluginProcess
 
 requires_root = pytest.mark.skipif(

@@ -1,4 +1,5 @@
-"""Start and stop a real ``mtc-csi`` plugin process (``python -m csi``) for the CSI tests."""
+"""Start and stop a real ``mtc-csi`` plugin process (``python -m mtc_replicator.csi``) for the CSI
+tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from csi.plugin import READY_LINE
+from mtc_replicator.csi.plugin import READY_LINE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,7 @@ class PluginProcess:
         args = [
             sys.executable,
             "-m",
-            "csi",
+            "mtc_replicator.csi",
             "--endpoint",
             f"unix://{self.socket_path}",
             "--node-id",

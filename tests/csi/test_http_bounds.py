@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from csi.plugin import READY_LINE
-from replicator.obs.httpserver import MAX_CONNECTIONS
+from mtc_replicator.csi.plugin import READY_LINE
+from mtc_replicator.obs.httpserver import MAX_CONNECTIONS
 from tests.csi.conftest import StartPlugin, requires_root
 from tests.integration.test_http_bounds import get, partial_requests, threads
 

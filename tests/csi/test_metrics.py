@@ -18,9 +18,15 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from csi._pb.csi.v1 import csi_pb2 as pb
-from csi.mounter import MemoryMounter
-from csi.plugin import EXIT_STARTUP_FAILED, READY_LINE, PluginOptions, parse_args, run
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
+from mtc_replicator.csi.mounter import MemoryMounter
+from mtc_replicator.csi.plugin import (
+    EXIT_STARTUP_FAILED,
+    READY_LINE,
+    PluginOptions,
+    parse_args,
+    run,
+)
 from tests.csi.conftest import CsiClient, StartPlugin, requires_root
 
 TIMEOUT = 10.0
@@ -94,7 +100,7 @@ def test_a_bad_metrics_address_is_refused(capsys: pytest.CaptureFixture[str]) ->
 def test_run_serves_call_metrics(
     tmp_path: Path, connect: Callable[[Path], CsiClient], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="csi.plugin")
+    caplog.set_level(logging.INFO, logger="mtc_replicator.csi.plugin")
     socket_path = tmp_path / "csi.sock"
     opts = PluginOptions(socket_path, "node-a", tmp_path / "ram", 2**20, metrics="127.0.0.1:0")
     stop = threading.Event()

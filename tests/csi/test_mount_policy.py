@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from csi.checkpoint import CheckpointDir
-from csi.errors import MountDenied
-from csi.mounter import MemoryMounter
-from csi.mountinfo import mount_at
-from csi.node import NodeVolumes
-from csi.owner import PodInfo
-from csi.plugin import DEFAULT_FS_GROUP, parse_args
-from csi.ramdisk import ensure_ram_disk
-from csi.tenancy import MountPolicy, parse_namespaces, parse_service_accounts
-from csi.validation import Publish
+from mtc_replicator.csi.checkpoint import CheckpointDir
+from mtc_replicator.csi.errors import MountDenied
+from mtc_replicator.csi.mounter import MemoryMounter
+from mtc_replicator.csi.mountinfo import mount_at
+from mtc_replicator.csi.owner import PodInfo
+from mtc_replicator.csi.plugin import DEFAULT_FS_GROUP, parse_args
+from mtc_replicator.csi.ramdisk import ensure_ram_disk
+from mtc_replicator.csi.tenancy import MountPolicy, parse_namespaces, parse_service_accounts
+from mtc_replicator.csi.validation import Publish
+from mtc_replicator.csi.volumes import NodeVolumes
 
 ENV = {
     "CSI_ENDPOINT": "unix:///csi/csi.sock",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from csi.mountinfo import (
+from mtc_replicator.csi.mountinfo import (
     MountInfoError,
     mount_at,
     mounts_below,

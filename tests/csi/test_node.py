@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from csi.errors import (
+from mtc_replicator.csi.errors import (
     InvalidRequest,
     MountError,
     OperationPending,
@@ -16,12 +16,18 @@ from csi.errors import (
     RamDiskMissing,
     TargetCleanupError,
 )
-from csi.mounter import MemoryMounter
-from csi.mountinfo import MountInfo, mount_at, tmpfs_size
-from csi.node import Decision, NodeVolumes, check_target, decide_publish, published_targets
-from csi.owner import PodInfo
-from csi.ramdisk import Action, ensure_ram_disk, plan_ram_disk
-from csi.validation import Publish, Unpublish
+from mtc_replicator.csi.mounter import MemoryMounter
+from mtc_replicator.csi.mountinfo import MountInfo, mount_at, tmpfs_size
+from mtc_replicator.csi.owner import PodInfo
+from mtc_replicator.csi.ramdisk import Action, ensure_ram_disk, plan_ram_disk
+from mtc_replicator.csi.validation import Publish, Unpublish
+from mtc_replicator.csi.volumes import (
+    Decision,
+    NodeVolumes,
+    check_target,
+    decide_publish,
+    published_targets,
+)
 
 SIZE = 64 * 2**20
 POD = PodInfo("team-a", "trainer-0", "uid-a0", "default")
@@ -333,7 +339,7 @@ def test_an_existing_ram_disk_is_reused(
     mounter: MemoryMounter, ram: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = visible(mounter, ram)
-    caplog.set_level(logging.INFO, logger="csi.ramdisk")
+    caplog.set_level(logging.INFO, logger="mtc_replicator.csi.ramdisk")
     again = ensure_ram_disk(mounter, ram, SIZE)
     assert again == before
     assert [op for op, _ in mounter.calls].count("mount_tmpfs") == 1

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from csi.checkpoint import CheckpointDir, check_subdir_name
-from csi.errors import CheckpointDirError, OwnerBusy
-from csi.mounter import MemoryMounter
-from csi.mountinfo import mount_at
-from csi.node import NodeVolumes
-from csi.owner import (
+from mtc_replicator.csi.checkpoint import CheckpointDir, check_subdir_name
+from mtc_replicator.csi.errors import CheckpointDirError, OwnerBusy
+from mtc_replicator.csi.mounter import MemoryMounter
+from mtc_replicator.csi.mountinfo import mount_at
+from mtc_replicator.csi.owner import (
     OWNER_KEYS,
     OwnerDecision,
     PodInfo,
@@ -24,8 +23,9 @@ from csi.owner import (
     owner_record,
     recorded_namespace,
 )
-from csi.ramdisk import ensure_ram_disk
-from csi.validation import Publish, Unpublish
+from mtc_replicator.csi.ramdisk import ensure_ram_disk
+from mtc_replicator.csi.validation import Publish, Unpublish
+from mtc_replicator.csi.volumes import NodeVolumes
 
 A0 = PodInfo("team-a", "trainer-0", "uid-a0", "sa-a")
 A1 = PodInfo("team-a", "trainer-1", "uid-a1", "sa-a")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from csi.quantity import SizeError, format_size, parse_size
+from mtc_replicator.csi.quantity import SizeError, format_size, parse_size
 
 
 @pytest.mark.parametrize(

@@ -14,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi._pb.csi.v1 import csi_pb2 as pb
-from csi.mounter import RAM_DISK_SOURCE, SystemMounter
-from csi.mountinfo import MountInfo, mount_at, tmpfs_size
-from csi.plugin import EXIT_STARTUP_FAILED
-from csi.validation import EPHEMERAL_KEY
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
+from mtc_replicator.csi.mounter import RAM_DISK_SOURCE, SystemMounter
+from mtc_replicator.csi.mountinfo import MountInfo, mount_at, tmpfs_size
+from mtc_replicator.csi.plugin import EXIT_STARTUP_FAILED
+from mtc_replicator.csi.validation import EPHEMERAL_KEY
 from tests.csi.conftest import CsiClient, StartPlugin, requires_root
 
 pytestmark = requires_root
@@ -61,8 +61,8 @@ def unpublish(client: CsiClient, target: Path) -> None:
 
 
 def pod_dir(sandbox: Path, name: str) -> Path:
-    """Kubelet's ``.../volumes/kubernetes.io~csi/<volume>`` directory; the plugin makes
-    ``mount`` inside it."""
+    """Kubelet's ``.../volumes/kubernetes.io~mtc_replicator/csi/<volume>`` directory; the plugin
+    makes ``mount`` inside it."""
     path = sandbox / "pods" / name / "kubernetes.io~csi" / "ckpt"
     path.mkdir(parents=True)
     return path

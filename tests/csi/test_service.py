@@ -14,16 +14,27 @@ from pathlib import Path
 import grpc
 import pytest
 
-import replicator
-from csi._pb.csi.v1 import csi_pb2 as pb
-from csi.mounter import MemoryMounter
-from csi.mountinfo import mount_at
-from csi.node import NodeVolumes
-from csi.plugin import DEFAULT_FS_GROUP, EXIT_STARTUP_FAILED, PluginOptions, parse_args, run
-from csi.ramdisk import ensure_ram_disk
-from csi.server import CsiServer, EndpointError, parse_endpoint, remove_stale_socket
-from csi.service import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
-from csi.validation import EPHEMERAL_KEY
+import mtc_replicator
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
+from mtc_replicator.csi.csi_servicer import DEFAULT_DRIVER_NAME, IdentityServicer, NodeServicer
+from mtc_replicator.csi.mounter import MemoryMounter
+from mtc_replicator.csi.mountinfo import mount_at
+from mtc_replicator.csi.plugin import (
+    DEFAULT_FS_GROUP,
+    EXIT_STARTUP_FAILED,
+    PluginOptions,
+    parse_args,
+    run,
+)
+from mtc_replicator.csi.plugin_server import (
+    CsiServer,
+    EndpointError,
+    parse_endpoint,
+    remove_stale_socket,
+)
+from mtc_replicator.csi.ramdisk import ensure_ram_disk
+from mtc_replicator.csi.validation import EPHEMERAL_KEY
+from mtc_replicator.csi.volumes import NodeVolumes
 from tests.csi.conftest import CsiClient
 
 Mode = pb.VolumeCapability.AccessMode
@@ -48,7 +59,7 @@ def served(tmp_path: Path, connect: Callable[[Path], CsiClient]) -> Iterator[Ser
     pods.mkdir()
     volumes = NodeVolumes(mounter, ram)
     server = CsiServer(tmp_path / "csi.sock")
-    server.add(IdentityServicer(DEFAULT_DRIVER_NAME, replicator.__version__, volumes).register)
+    server.add(IdentityServicer(DEFAULT_DRIVER_NAME, mtc_replicator.__version__, volumes).register)
     server.add(NodeServicer(volumes, "node-a").register)
     server.start()
     try:
@@ -95,7 +106,7 @@ def test_identity(served: Served) -> None:
     info = served.client.identity.GetPluginInfo(pb.GetPluginInfoRequest(), timeout=TIMEOUT)
     assert info.name == DEFAULT_DRIVER_NAME
     assert info.name != "multitier-checkpoint.csi.storage.gke.io"
-    assert info.vendor_version == replicator.__version__
+    assert info.vendor_version == mtc_replicator.__version__
     capabilities = served.client.identity.GetPluginCapabilities(
         pb.GetPluginCapabilitiesRequest(), timeout=TIMEOUT
     )
@@ -243,12 +254,16 @@ def test_a_call_for_a_busy_target_is_aborted(served: Served) -> None:
 
 
 def test_one_log_line_per_call(served: Served, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="csi.server")
+    caplog.set_level(logging.DEBUG, logger="mtc_replicator.csi.plugin_server")
     target = served.pods / "mount"
     served.client.node.NodePublishVolume(publish_request(target), timeout=TIMEOUT)
     status_of(lambda: served.client.node.NodePublishVolume(pb.NodePublishVolumeRequest()))
     served.client.identity.Probe(pb.ProbeRequest(), timeout=TIMEOUT)
-    lines = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "csi.server"]
+    lines = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "mtc_replicator.csi.plugin_server"
+    ]
     assert len(lines) == 3, lines
     (ok_level, ok), (bad_level, bad), (probe_level, probe) = lines
     assert ok_level == logging.INFO

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from csi._pb.csi.v1 import csi_pb2 as pb
-from csi.errors import InvalidRequest
-from csi.owner import PodInfo
-from csi.validation import (
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
+from mtc_replicator.csi.errors import InvalidRequest
+from mtc_replicator.csi.owner import PodInfo
+from mtc_replicator.csi.validation import (
     EPHEMERAL_KEY,
     NAMESPACE_KEY,
     POD_NAME_KEY,
@@ -37,7 +37,7 @@ EPHEMERAL = {
     SERVICE_ACCOUNT_KEY: "default",
 }
 POD = PodInfo("team-a", "trainer-0", "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f", "default")
-TARGET = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~csi/ckpt/mount"
+TARGET = "/var/lib/kubelet/pods/u1/volumes/kubernetes.io~mtc_replicator/csi/ckpt/mount"
 
 
 def publish(**fields: object) -> pb.NodePublishVolumeRequest:

@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from csi._pb.csi.v1 import csi_pb2 as pb
-from csi.mounter import SystemMounter
-from csi.mountinfo import MountInfo, mount_at
-from csi.validation import EPHEMERAL_KEY
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
+from mtc_replicator.csi.mounter import SystemMounter
+from mtc_replicator.csi.mountinfo import MountInfo, mount_at
+from mtc_replicator.csi.validation import EPHEMERAL_KEY
 from tests.csi.conftest import CsiClient, StartPlugin, requires_root
 
 pytestmark = requires_root

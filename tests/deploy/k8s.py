@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from replicator.tools import render_config, render_manifests
+from mtc_replicator.tools import render_config, render_manifests
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from replicator.tools import render_config
+from mtc_replicator.tools import render_config
 from tests.deploy.k8s import DEPLOY, Obj, all_containers, container, env, secret_volumes, validate
 
 JOBSET = DEPLOY / "examples" / "jobset.yaml"

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from csi import plugin as csi_plugin
-from csi.checkpoint import CheckpointDir
-from replicator.node.options import DaemonOptions, parse_args
-from replicator.tools import certs, render_config, render_manifests
-from replicator.transport import tls
-from replicator.transport.server import READINESS_SERVICE
+from mtc_replicator.csi import plugin as csi_plugin
+from mtc_replicator.csi.checkpoint import CheckpointDir
+from mtc_replicator.node.options import DaemonOptions, parse_args
+from mtc_replicator.tools import certs, render_config, render_manifests
+from mtc_replicator.transport import tls
+from mtc_replicator.transport.grpc_server import READINESS_SERVICE
 from tests.deploy.k8s import (
     DEPLOY,
     REPO,

@@ -16,8 +16,8 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicator.core.timeline import RestorePhase
-from replicator.obs.metrics import (
+from mtc_replicator.core.timeline import RestorePhase
+from mtc_replicator.obs.metrics import (
     FilesystemCollector,
     PrometheusMetrics,
     process_metrics,

@@ -60,8 +60,8 @@ CLIENT_ROUND_TRIP = r"""
 import importlib.util, json, os, sys, threading, time
 from pathlib import Path
 
-import client
-from replicator.core import contract
+from mtc_replicator import client
+from mtc_replicator.core import contract
 
 heavy = sys.argv[2].split(",")
 d = Path(sys.argv[1])
@@ -139,7 +139,7 @@ def wheel(workdir: Path) -> Path:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, src / name)
-    for package in ("replicator", "client", "csi"):
+    for package in ("mtc_replicator",):
         shutil.copytree(
             REPO / package,
             src / package,

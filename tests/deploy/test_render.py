@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from csi import plugin as csi_plugin
-from replicator.tools import cli, render, render_config, render_manifests
+from mtc_replicator.csi import plugin as csi_plugin
+from mtc_replicator.tools import cli, render, render_config, render_manifests
 from tests.deploy.k8s import (
     DEPLOY,
     Obj,

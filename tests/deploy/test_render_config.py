@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from replicator.core.pacing import MAX_YIELD_TO_SAVES
-from replicator.tools import render_config
+from mtc_replicator.core.pacing import MAX_YIELD_TO_SAVES
+from mtc_replicator.tools import render_config
 from tests.deploy.k8s import DEPLOY, Obj, cr, cr_errors, crd, validate
 
 EXAMPLE = DEPLOY / "examples" / "checkpointconfiguration.yaml"

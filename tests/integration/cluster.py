@@ -15,9 +15,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from replicator.storage.backup import BackupStore
-from replicator.storage.stores import open_object_store
-from replicator.tools import certs
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.stores import open_object_store
+from mtc_replicator.tools import certs
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     ERRORS,

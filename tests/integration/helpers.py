@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from replicator.core.storedir import default_store_dir
+from mtc_replicator.core.storedir import default_store_dir
 from tests.daemon_process import DaemonProcess
 
 T = TypeVar("T")

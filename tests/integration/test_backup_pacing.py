@@ -28,14 +28,14 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.manifest import ItemId
-from replicator.core.pacing import PaceRules, Traffic
-from replicator.local.hashing import build_manifest
-from replicator.local.pacer import Pacer
-from replicator.storage.backup import BackupStore
-from replicator.storage.gcs import GcsObjectStore
-from replicator.storage.objectstore import FileObjectStore, ObjectStore
-from replicator.storage.s3 import S3ObjectStore
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.pacing import PaceRules, Traffic
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.gcs import GcsObjectStore
+from mtc_replicator.storage.objectstore import FileObjectStore, ObjectStore
+from mtc_replicator.storage.s3 import S3ObjectStore
 from tests.integration.helpers import ram_disk
 from tests.storage_servers import HOST, Bucket
 

@@ -1,4 +1,4 @@
-"""``BackupStore`` (replicator/backup.py) on every backend: ``file://``, S3 on moto's server
+"""``BackupStore`` (mtc_replicator/backup.py) on every backend: ``file://``, S3 on moto's server
 and GCS on the emulator (behind the proxy that enforces create-only writes, which the
 emulator ignores; see ``test_objectstore_contract.py``).
 
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
-from replicator.core.manifest import CorruptItem, ItemId, Manifest
-from replicator.local.hashing import build_manifest, verify_item
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import (
+from mtc_replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
+from mtc_replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import (
     ChecksumMismatch,
     FileObjectStore,
     ObjectStore,

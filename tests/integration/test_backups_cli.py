@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from replicator.core.backup_layout import data_key, item_prefix, manifest_key
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
-from replicator.storage.restore_pins import read_restore_pin, resolve_restore_pin
-from replicator.storage.stores import open_object_store
+from mtc_replicator.core.backup_layout import data_key, item_prefix, manifest_key
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.storage.restore_pins import read_restore_pin, resolve_restore_pin
+from mtc_replicator.storage.stores import open_object_store
 from tests.storage_servers import Bucket
 
 pytestmark = pytest.mark.integration
@@ -96,7 +96,7 @@ def backup(tmp_path: Path, job: str) -> Backup:
 
 def mtc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
+        [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -350,7 +350,7 @@ def test_the_cli_works_on_bucket_urls(
 
     def mtc(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
+            [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", *args],
             check=False,
             capture_output=True,
             text=True,

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import data_key, manifest_key
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.stores import open_object_store
-from replicator.tools import certs, progress_bars
+from mtc_replicator.core.backup_layout import data_key, manifest_key
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.stores import open_object_store
+from mtc_replicator.tools import certs, progress_bars
 from tests.integration.test_backups_cli import COMMITTED, UPLOADING, Backup, mtc
 from tests.storage_servers import Bucket
 from tests.tls import node_tls
@@ -213,7 +213,7 @@ def test_download_from_s3_and_a_tampered_object(
 
     def run(dest: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "replicator.tools.cli", "backups", "download", s3_bucket.url,
+            [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", "download", s3_bucket.url,
              "--job", job, "--step", "5", "--to", str(dest)],
             capture_output=True, text=True, env=env, check=False, timeout=120,
         )  # fmt: skip
@@ -238,7 +238,7 @@ def test_a_bar_on_a_terminal_only(backup: Backup, tmp_path: Path) -> None:
     leader, follower = pty.openpty()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
+            [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", *args],
             stdout=subprocess.PIPE, stderr=follower, stdin=subprocess.DEVNULL,
             timeout=60, check=False,
         )  # fmt: skip
@@ -270,7 +270,7 @@ def test_the_bar_counts_the_bytes(backup: Backup) -> None:
     import argparse
     import io
 
-    from replicator.storage.backup_audit import plan_verify, run_verify
+    from mtc_replicator.storage.backup_audit import plan_verify, run_verify
 
     plan = plan_verify(backup.store.objects, backup.job, 200)
     stream = io.StringIO()

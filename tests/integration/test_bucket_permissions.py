@@ -25,7 +25,7 @@ import boto3
 import botocore.exceptions
 import pytest
 
-from replicator.storage.backup import LEFTOVER_SKEW
+from mtc_replicator.storage.backup import LEFTOVER_SKEW
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (
@@ -221,7 +221,7 @@ def mtc_restore(auth_s3: AuthS3, bucket: str, creds: dict[str, str], job: str, s
         [
             sys.executable,
             "-m",
-            "replicator.tools.cli",
+            "mtc_replicator.tools.cli",
             "backups",
             "restore",
             f"s3://{bucket}/{PREFIX}",

@@ -24,17 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from replicator.cluster.link import RegistryFinder
-from replicator.cluster.registry import Registry
-from replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
-from replicator.cluster.sources import ItemSources
-from replicator.core.backup_layout import data_key, manifest_key
-from replicator.core.contract import parse_config
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.local.store import LocalStore
-from replicator.storage.backup import BackupStore
-from replicator.storage.s3 import S3ObjectStore
+from mtc_replicator.cluster.link import RegistryFinder
+from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
+from mtc_replicator.cluster.sources import ItemSources
+from mtc_replicator.core.backup_layout import data_key, manifest_key
+from mtc_replicator.core.contract import parse_config
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.s3 import S3ObjectStore
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import config_text, ram_disk, wait_until, write_yaml_atomic
 from tests.storage_servers import Bucket, FaultProxy, Request, s3_env

@@ -1,4 +1,5 @@
-"""``torch.distributed.checkpoint`` through ``client/`` with several real processes (gloo)."""
+"""``torch.distributed.checkpoint`` through ``mtc_replicator/client/`` with several real processes
+(gloo)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from client import load_distributed, node_process_group, save_distributed
+from mtc_replicator.client import load_distributed, node_process_group, save_distributed
 from tests.torch_trees import assert_same, zeros_like
 
 torch = pytest.importorskip("torch")

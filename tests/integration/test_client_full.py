@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from client import CheckpointDirFull, save_file, save_state_dict
+from mtc_replicator.client import CheckpointDirFull, save_file, save_state_dict
 from tests.integration.helpers import mount_tmpfs, unmount
 
 torch = pytest.importorskip("torch")

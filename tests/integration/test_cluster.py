@@ -221,7 +221,7 @@ def test_mtc_backups_restore_pins_the_next_round_to_an_older_backup(cluster: Clu
     cluster.wait_backup(3)
     cluster.save(5)
     cluster.wait_backup(5)
-    mtc = [sys.executable, "-m", "replicator.tools.cli", "backups", "restore"]
+    mtc = [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", "restore"]
     args = [cluster.backup.as_uri(), "--job", cluster.job, "--step", "3", "--yes"]
     done = subprocess.run([*mtc, *args], check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

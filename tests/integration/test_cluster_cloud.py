@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import manifest_key
-from replicator.core.manifest import ItemId
-from replicator.storage.stores import open_object_store
+from mtc_replicator.core.backup_layout import manifest_key
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.storage.stores import open_object_store
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.storage_servers import Bucket, fault_proxy, gcs_create_only, gcs_env
 

@@ -16,16 +16,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as cpb
-from replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
-from replicator.cluster.client import CoordinatorClient, CoordinatorError
-from replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
-from replicator.core.contract import parse_config
-from replicator.core.coordination import Phase
-from replicator.core.manifest import ItemId
-from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch
-from replicator.tools import certs
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as cpb
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient, CoordinatorError
+from mtc_replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from mtc_replicator.core.contract import parse_config
+from mtc_replicator.core.coordination import Phase
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch
+from mtc_replicator.tools import certs
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import config_text, read_prerestore, read_tree, wait_until
 

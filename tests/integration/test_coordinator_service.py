@@ -20,9 +20,9 @@ import grpc
 import grpc.aio
 import pytest
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator._pb.mtc.v1 import coordinator_pb2_grpc
-from replicator.cluster.client import (
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from mtc_replicator.cluster.coordinator_client import (
     CoordinatorChanged,
     CoordinatorClient,
     CoordinatorError,
@@ -32,10 +32,11 @@ from replicator.cluster.client import (
     WrongCoordinator,
     find_coordinator,
 )
-from replicator.cluster.coordinators import Coordinators
-from replicator.cluster.hosting import CoordinatorHost
-from replicator.cluster.link import LocalCoordinator, LocalFinder
-from replicator.cluster.messages import (
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.link import LocalCoordinator, LocalFinder
+from mtc_replicator.cluster.messages import (
     SERVICE,
     FailedFetch,
     Joined,
@@ -43,19 +44,18 @@ from replicator.cluster.messages import (
     RoundState,
     cluster_view_json,
 )
-from replicator.cluster.registry import Registry, RegistryEntry, open_registry
-from replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
-from replicator.cluster.servicer import CoordinatorServicer
-from replicator.cluster.sources import ItemSources
-from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.coordination import JoinRejected, Phase
-from replicator.core.manifest import ItemId
-from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch
-from replicator.local.store import LocalStore
-from replicator.storage.objectstore import TransientError
-from replicator.transport.server import RpcServer
+from mtc_replicator.cluster.registry import Registry, RegistryEntry, open_registry
+from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
+from mtc_replicator.cluster.sources import ItemSources
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.coordination import JoinRejected, Phase
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.objectstore import TransientError
+from mtc_replicator.transport.grpc_server import RpcServer
 
 T = TypeVar("T")
 JOB = "train"
@@ -1074,7 +1074,7 @@ def test_a_restarted_coordinator_names_the_ranks_it_has_not_heard_from(
         answers.append(await report(0))
         return answers
 
-    with caplog.at_level(logging.WARNING, logger="replicator.cluster.coordinators"):
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.coordinators"):
         answers = run(scenario())
     said = [r.getMessage() for r in caplog.records if "not reported" in r.getMessage()]
     assert said == [
@@ -1129,7 +1129,7 @@ def test_a_join_never_admitted_backs_off_and_says_why(
             host.close()
             await rpc.stop(0.5)
 
-    with caplog.at_level(logging.WARNING, logger="replicator.cluster.rounds"):
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.rounds"):
         run(scenario(), timeout=30)
     joins = servicers[0].calls["Join"]
     # Waits of 0.05-0.1, 0.1-0.2, 0.2-0.4, ... capped at 3 s: at most 7 joins in 4 s.

@@ -14,7 +14,7 @@ pytest.importorskip("torch", reason="the demo trains a PyTorch model; `make test
 @pytest.mark.integration
 def test_demo_passes_every_check(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "replicator.tools.cli", "demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "mtc_replicator.tools.cli", "demo", "--workdir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,

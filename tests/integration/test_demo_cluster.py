@@ -25,7 +25,7 @@ def test_cluster_demo_restores_from_peer_then_backup(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "replicator.tools.cli",
+            "mtc_replicator.tools.cli",
             "demo",
             "--nodes",
             "4",

@@ -40,7 +40,7 @@ STEP = 12 << 20
 def mtc(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MTC_")}
     return subprocess.run(
-        [sys.executable, "-m", "replicator.tools.cli", *args],
+        [sys.executable, "-m", "mtc_replicator.tools.cli", *args],
         capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
 from tests.integration.helpers import (
     config_text,
     make_step,

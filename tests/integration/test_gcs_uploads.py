@@ -18,9 +18,9 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator.storage import gcs as gcs_mod
-from replicator.storage.gcs import GcsObjectStore
-from replicator.storage.objectstore import ChecksumMismatch, ObjectStoreError
+from mtc_replicator.storage import gcs as gcs_mod
+from mtc_replicator.storage.gcs import GcsObjectStore
+from mtc_replicator.storage.objectstore import ChecksumMismatch, ObjectStoreError
 from tests.storage_servers import (
     Bucket,
     FaultProxy,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import item_prefix
-from replicator.core.manifest import ItemId
+from mtc_replicator.core.backup_layout import item_prefix
+from mtc_replicator.core.manifest import ItemId
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.contract import CONFIG_FILE, JobConfig
-from replicator.node.daemon import Daemon
-from replicator.node.options import DaemonOptions
+from mtc_replicator.core.contract import CONFIG_FILE, JobConfig
+from mtc_replicator.node.daemon import Daemon
+from mtc_replicator.node.options import DaemonOptions
 from tests.integration.helpers import config_text, write_yaml_atomic
 
 pytestmark = pytest.mark.integration

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from replicator.obs.httpserver import MAX_CONNECTIONS, REQUEST_SECONDS
-from replicator.obs.metrics_endpoint import serve, split_address
+from mtc_replicator.obs.httpserver import MAX_CONNECTIONS, REQUEST_SECONDS
+from mtc_replicator.obs.metrics_endpoint import serve, split_address
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import wait_until
 

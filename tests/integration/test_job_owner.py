@@ -16,12 +16,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator._pb.mtc.v1 import coordinator_pb2_grpc
-from replicator.cluster.client import CHANNEL_OPTIONS
-from replicator.cluster.registry import RegistryEntry, open_registry
-from replicator.core.contract import FAILED_FILE
-from replicator.transport.tls import open_channel
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from mtc_replicator.cluster.coordinator_client import CHANNEL_OPTIONS
+from mtc_replicator.cluster.registry import RegistryEntry, open_registry
+from mtc_replicator.core.contract import FAILED_FILE
+from mtc_replicator.transport.tls import open_channel
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import FAST, NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (

@@ -52,7 +52,7 @@ def test_second_daemon_on_same_dir_fails_fast(
         [
             sys.executable,
             "-m",
-            "replicator.node.daemon",
+            "mtc_replicator.node.daemon",
             "--checkpoint-dir",
             str(ckpt),
             "--listen",

@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicator.obs.metrics import PrometheusMetrics, TransferKind
-from replicator.obs.metrics_endpoint import MetricsError, serve, split_address
+from mtc_replicator.obs.metrics import PrometheusMetrics, TransferKind
+from mtc_replicator.obs.metrics_endpoint import MetricsError, serve, split_address
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster, assert_restored
 from tests.integration.conftest import StartDaemon

@@ -32,11 +32,11 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator.local import hashing
-from replicator.local.fsutil import TMP_PREFIX
-from replicator.storage import objectstore as objectstore_mod
-from replicator.storage.gcs import SDK_MULTIPART_MAX, GcsObjectStore
-from replicator.storage.objectstore import (
+from mtc_replicator.local import hashing
+from mtc_replicator.local.fsutil import TMP_PREFIX
+from mtc_replicator.storage import objectstore as objectstore_mod
+from mtc_replicator.storage.gcs import SDK_MULTIPART_MAX, GcsObjectStore
+from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
     FileObjectStore,
@@ -45,8 +45,8 @@ from replicator.storage.objectstore import (
     PreconditionFailed,
     TransientError,
 )
-from replicator.storage.s3 import MIN_PART_SIZE, S3ObjectStore
-from replicator.storage.stores import open_object_store
+from mtc_replicator.storage.s3 import MIN_PART_SIZE, S3ObjectStore
+from mtc_replicator.storage.stores import open_object_store
 from tests.storage_servers import (
     Bucket,
     FaultProxy,

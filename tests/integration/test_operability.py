@@ -16,12 +16,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from replicator import __version__
-from replicator.node.daemon import Daemon
-from replicator.node.options import DaemonOptions
-from replicator.obs.health import Health, Heartbeat, Readiness
-from replicator.obs.metrics import PrometheusMetrics
-from replicator.obs.metrics_endpoint import serve
+from mtc_replicator import __version__
+from mtc_replicator.node.daemon import Daemon
+from mtc_replicator.node.options import DaemonOptions
+from mtc_replicator.obs.health import Health, Heartbeat, Readiness
+from mtc_replicator.obs.metrics import PrometheusMetrics
+from mtc_replicator.obs.metrics_endpoint import serve
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     config_text,

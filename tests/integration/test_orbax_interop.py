@@ -1,6 +1,6 @@
 """The real Orbax multi-tier checkpointing client against a real daemon process.
 
-Each test starts ``python -m replicator.node.daemon`` on a fresh CHECKPOINT_DIR and runs
+Each test starts ``python -m mtc_replicator.node.daemon`` on a fresh CHECKPOINT_DIR and runs
 ``tests/interop/orbax_driver.py`` (Orbax's own ``initialize_multi_tier_checkpointing``
 handshake + ``ReplicatorCheckpointManager`` on CPU JAX, one process) as a subprocess, the way a
 training pod would. See the driver's docstring for its JSON output.

@@ -29,14 +29,20 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
-from replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
-from replicator.local.hashing import build_manifest
-from replicator.local.store import MANIFEST_FILE, LocalStore
-from replicator.node.daemon import SERVER_GRACE_SECONDS
-from replicator.transport import datachannel
-from replicator.transport.peer import ItemInfo, ItemNotFound, PeerClient, PeerError, PeerUnavailable
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
+from mtc_replicator.node.daemon import SERVER_GRACE_SECONDS
+from mtc_replicator.transport import datachannel
+from mtc_replicator.transport.peer_client import (
+    ItemInfo,
+    ItemNotFound,
+    PeerClient,
+    PeerError,
+    PeerUnavailable,
+)
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,

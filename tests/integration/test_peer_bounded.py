@@ -29,14 +29,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
-from replicator.core.manifest import ItemId, Manifest
-from replicator.local.hashing import build_manifest
-from replicator.local.store import LocalStore
-from replicator.transport import datachannel
-from replicator.transport.peer import PeerClient
-from replicator.transport.transfer import room_on
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.transport import datachannel
+from mtc_replicator.transport.peer_client import PeerClient
+from mtc_replicator.transport.transfer import room_on
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,

@@ -25,8 +25,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     config_text,

@@ -26,15 +26,15 @@ from typing import Any
 import grpc
 import pytest
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
-from replicator.core.manifest import ItemId
-from replicator.core.pacing import PaceRules
-from replicator.local.hashing import build_manifest
-from replicator.local.pacer import Pacer
-from replicator.tools import certs
-from replicator.transport import datachannel
-from replicator.transport.peer import PeerClient
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.pacing import PaceRules
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.tools import certs
+from mtc_replicator.transport import datachannel
+from mtc_replicator.transport.peer_client import PeerClient
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import (

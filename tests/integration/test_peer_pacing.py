@@ -27,18 +27,18 @@ import grpc
 import grpc.aio
 import pytest
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
-from replicator.core.manifest import ItemId, Manifest
-from replicator.core.pacing import HELD_RATE, HELD_SLICE, MAX_SLICE, PaceRules, Traffic
-from replicator.local.hashing import build_manifest
-from replicator.local.pacer import Pacer
-from replicator.local.store import MANIFEST_FILE, LocalStore
-from replicator.tools import certs
-from replicator.transport.peer import PeerClient
-from replicator.transport.peerwire import SERVER_OPTIONS, item_ref
-from replicator.transport.service import PeerServicer
-from replicator.transport.tls import TlsMaterial
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.core.pacing import HELD_RATE, HELD_SLICE, MAX_SLICE, PaceRules, Traffic
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.peer_client import PeerClient
+from mtc_replicator.transport.peer_servicer import PeerServicer
+from mtc_replicator.transport.peerwire import SERVER_OPTIONS, item_ref
+from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     RECEIVER,

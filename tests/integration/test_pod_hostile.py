@@ -20,11 +20,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2_grpc
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.transport import datachannel
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.transport import datachannel
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import (
+from mtc_replicator.core.backup_layout import (
     LAYOUT_V1,
     CommitRecord,
     commit_key,
     data_key,
     manifest_key,
 )
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.objectstore import FileObjectStore
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -152,7 +152,14 @@ def test_a_restore_pin_rolls_one_node_back_to_an_older_backup(
 ) -> None:
     daemon = start_daemon(backup=backup_dir)
     yaml_text = _save_backed_up_steps(ckpt, backup_dir, job, daemon, (1, 2))
-    mtc = [sys.executable, "-m", "replicator.tools.cli", "backups", "restore", backup_dir.as_uri()]
+    mtc = [
+        sys.executable,
+        "-m",
+        "mtc_replicator.tools.cli",
+        "backups",
+        "restore",
+        backup_dir.as_uri(),
+    ]
     done = subprocess.run(
         [*mtc, "--job", job, "--step", "1", "--yes"], check=False, capture_output=True, text=True
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.timeline import RestorePhase
+from mtc_replicator.core.timeline import RestorePhase
 from tests.integration.cluster import Cluster, assert_restored
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (

@@ -1,4 +1,4 @@
-"""The daemon's gRPC server (``transport.server.RpcServer``) under a burst of calls.
+"""The daemon's gRPC server (``transport.grpc_server.RpcServer``) under a burst of calls.
 
 A 4,096-rank job's joins reach rank 0's daemon together, while its event loop is busy.
 gRPC queues calls the server has not asked for yet and, by default, drops new ones at
@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator.transport.server import RpcServer
+from mtc_replicator.transport.grpc_server import RpcServer
 
 BURST = 4000
 

@@ -25,20 +25,20 @@ import pytest
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from replicator.cluster.coordinators import Coordinators
-from replicator.cluster.hosting import CoordinatorHost
-from replicator.cluster.messages import cluster_view_json
-from replicator.cluster.registry import RegistryEntry
-from replicator.cluster.servicer import CoordinatorServicer
-from replicator.core.backup_layout import CommitRecord, commit_key
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
-from replicator.tools import certs
-from replicator.transport.server import RpcServer
-from replicator.transport.signing import record_trust
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.messages import cluster_view_json
+from mtc_replicator.cluster.registry import RegistryEntry
+from mtc_replicator.core.backup_layout import CommitRecord, commit_key
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.grpc_server import RpcServer
+from mtc_replicator.transport.signing import record_trust
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     ERRORS,
@@ -258,7 +258,7 @@ def test_mtc_backups_shows_and_checks_each_commits_signature(tmp_path: Path) -> 
 
     def mtc(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "replicator.tools.cli", "backups", *args],
+            [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", *args],
             capture_output=True,
             text=True,
             timeout=60,

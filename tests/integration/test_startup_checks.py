@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from replicator.tools import certs
-from replicator.transport.signing import check_identity
-from replicator.transport.tls import TlsMaterial
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.signing import check_identity
+from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -105,7 +105,7 @@ def _start(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
             [
                 sys.executable,
                 "-m",
-                "replicator.node.daemon",
+                "mtc_replicator.node.daemon",
                 "--checkpoint-dir",
                 str(tmp_path / "ckpt"),
                 "--listen",

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from replicator.node.status import PROBE_EVERY
-from replicator.tools import certs
-from replicator.transport.peer import PROBE_SECONDS
+from mtc_replicator.node.status import PROBE_EVERY
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.peer_client import PROBE_SECONDS
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import wait_until
 from tests.integration.test_metrics import sample, scrape_daemon
@@ -40,7 +40,7 @@ def mtc_status(
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MTC_")}
     return subprocess.run(
-        [sys.executable, "-m", "replicator.tools.cli", "status", "--address", address,
+        [sys.executable, "-m", "mtc_replicator.tools.cli", "status", "--address", address,
          *flags, *args],
         capture_output=True, text=True, timeout=60, check=False, env=env,
     )  # fmt: skip

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from replicator.storage.gcs import GcsObjectStore
-from replicator.storage.objectstore import (
+from mtc_replicator.storage.gcs import GcsObjectStore
+from mtc_replicator.storage.objectstore import (
     ObjectNotFound,
     ObjectStore,
     PermissionDenied,
     StorageTimeout,
     TransientError,
 )
-from replicator.storage.s3 import S3ObjectStore
+from mtc_replicator.storage.s3 import S3ObjectStore
 from tests.storage_servers import (
     Bucket,
     FaultProxy,
@@ -140,7 +140,7 @@ def test_each_retry_is_logged_with_its_reason(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     _, store = s3_proxied([s3_503(times=1)])
-    with caplog.at_level(logging.DEBUG, logger="replicator"):
+    with caplog.at_level(logging.DEBUG, logger="mtc_replicator"):
         store.put_bytes("k", b"x")
     retried = [r for r in caplog.records if r.levelno == logging.WARNING and "retry" in r.message]
     assert len(retried) == 1, caplog.text
@@ -173,7 +173,7 @@ def test_gcs_retries_a_transient_error_on_upload_and_download(
             gcs_503(times=1, match=lambda r: r.method == "GET" and "alt=media" in r.path),
         ]
     )
-    with caplog.at_level(logging.WARNING, logger="replicator"):
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator"):
         store.put_bytes("k", b"payload")
         assert store.get_bytes("k") == b"payload"
     assert proxy.statuses().count(503) == 2

@@ -29,21 +29,21 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replicator._pb.mtc.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator.cluster.coordinators import Coordinators
-from replicator.cluster.hosting import CoordinatorHost
-from replicator.cluster.messages import cluster_view_json
-from replicator.cluster.registry import Registry, RegistryEntry
-from replicator.cluster.servicer import CoordinatorServicer
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.manifest import ItemId, Manifest
-from replicator.local.hashing import build_manifest
-from replicator.local.store import MANIFEST_FILE, LocalStore
-from replicator.storage.objectstore import FileObjectStore
-from replicator.tools import certs
-from replicator.transport.peer import PeerClient, PeerError
-from replicator.transport.server import RpcServer
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2, coordinator_pb2_grpc, peer_pb2_grpc
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.messages import cluster_view_json
+from mtc_replicator.cluster.registry import Registry, RegistryEntry
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
+from mtc_replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.grpc_server import RpcServer
+from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,
@@ -379,7 +379,7 @@ def test_half_the_tls_flags_is_a_usage_error(tmp_path: Path) -> None:
     base = [
         sys.executable,
         "-m",
-        "replicator.node.daemon",
+        "mtc_replicator.node.daemon",
         "--checkpoint-dir",
         str(tmp_path / "ckpt"),
         "--listen",

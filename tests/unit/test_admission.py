@@ -1,11 +1,11 @@
-"""Tests for ``replicator.core.admission``: which pushed items a node takes."""
+"""Tests for ``mtc_replicator.core.admission``: which pushed items a node takes."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replicator.core.admission import (
+from mtc_replicator.core.admission import (
     MAX_STEP_LEAD,
     Served,
     Verdict,
@@ -15,9 +15,9 @@ from replicator.core.admission import (
     inode_room,
     step_limit,
 )
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.layout import replication_targets
-from replicator.core.manifest import ItemId
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.layout import replication_targets
+from mtc_replicator.core.manifest import ItemId
 
 # 8 nodes, 2 peers each: rank 3 receives from two ranks of the computed ring layout.
 CONFIG = JobConfig("job", Framework.ORBAX, node_rank=3, nodes=8, peers_per_node=2)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core import argtypes
+from mtc_replicator.core import argtypes
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""Tests for ``replicator.storage.backup.BackupStore`` on the in-memory and the file object stores.
+"""Tests for ``mtc_replicator.storage.backup.BackupStore`` on the in-memory and the file object
+stores.
 
 Uploads, create-only commits, listing and verified downloads; every way a backup object
 can differ from what its COMMIT pinned must surface as ``CorruptItem``.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import (
+from mtc_replicator.core.backup_layout import (
     LAYOUT_V1,
     CommitRecord,
     commit_key,
@@ -23,11 +24,11 @@ from replicator.core.backup_layout import (
     manifest_key,
     shard,
 )
-from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
-from replicator.core.pacing import Traffic
-from replicator.local.hashing import build_manifest, verify_item
-from replicator.storage.backup import LEFTOVER_SKEW, BackupStore
-from replicator.storage.objectstore import (
+from mtc_replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest, ManifestError
+from mtc_replicator.core.pacing import Traffic
+from mtc_replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.storage.backup import LEFTOVER_SKEW, BackupStore
+from mtc_replicator.storage.objectstore import (
     FileObjectStore,
     IncompleteUpload,
     MemoryObjectStore,
@@ -275,7 +276,7 @@ def test_garbage_commit_is_skipped_with_a_warning(
     backup: BackupStore, uploaded: Uploaded, garbage: bytes, caplog: pytest.LogCaptureFixture
 ) -> None:
     backup.objects.put_bytes(commit_key(JOB, 6), garbage)
-    with caplog.at_level(logging.WARNING, logger="replicator.storage.backup"):
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator.storage.backup"):
         steps = backup.committed_steps(JOB)
     assert steps == {100: uploaded.record}
     assert any("job/6/COMMIT" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.storage.backup_audit``: listing and verifying real backups made by
+"""Tests for ``mtc_replicator.storage.backup_audit``: listing and verifying real backups made by
 ``BackupStore`` on the in-memory object store. Its helpers make backups for the tests of
 ``restore_pins`` and ``backup_prune`` too.
 """
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
-from replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
-from replicator.core.prune import StepState
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.backup_audit import (
+from mtc_replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
+from mtc_replicator.core.manifest import FileEntry, ItemId, ItemKind, Manifest
+from mtc_replicator.core.prune import StepState
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.backup_audit import (
     ProblemKind,
     StepVerdict,
     find_newest_verified,
@@ -26,7 +26,7 @@ from replicator.storage.backup_audit import (
     scan_job,
     verify_step,
 )
-from replicator.storage.objectstore import MemoryObjectStore
+from mtc_replicator.storage.objectstore import MemoryObjectStore
 
 JOB = "job"
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from replicator.core.backup_layout import (
+from mtc_replicator.core.backup_layout import (
     LAYOUT,
     LAYOUT_V1,
     LAYOUT_V2,
@@ -20,7 +20,7 @@ from replicator.core.backup_layout import (
     manifest_key,
     shard,
 )
-from replicator.core.manifest import ItemId, ManifestError
+from mtc_replicator.core.manifest import ItemId, ManifestError
 
 DIGEST = "ab" * 32
 

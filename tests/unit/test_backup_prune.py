@@ -1,4 +1,4 @@
-"""Tests for ``replicator.storage.backup_prune``: deleting steps COMMIT first, applying a plan
+"""Tests for ``mtc_replicator.storage.backup_prune``: deleting steps COMMIT first, applying a plan
 with each step checked again, on real backups (layouts v1 and v2) in the in-memory store.
 """
 
@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.backup_layout import LAYOUT_V1, commit_key, data_key, manifest_key
-from replicator.core.manifest import ItemId
-from replicator.core.prune import Action, RetentionPolicy, plan_prune
-from replicator.storage.backup import BackupStore
-from replicator.storage.backup_audit import ProblemKind, scan_job
-from replicator.storage.backup_prune import apply_prune, delete_step, prune_facts
-from replicator.storage.objectstore import MemoryObjectStore
-from replicator.storage.restore_pins import RestorePin, write_restore_pin
+from mtc_replicator.core.backup_layout import LAYOUT_V1, commit_key, data_key, manifest_key
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.prune import Action, RetentionPolicy, plan_prune
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.backup_audit import ProblemKind, scan_job
+from mtc_replicator.storage.backup_prune import apply_prune, delete_step, prune_facts
+from mtc_replicator.storage.objectstore import MemoryObjectStore
+from mtc_replicator.storage.restore_pins import RestorePin, write_restore_pin
 from tests.unit.test_backup import upload_v1
 from tests.unit.test_backup_audit import JOB, upload_step, verify
 from tests.unit.test_restore_pins import DIGEST

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from replicator.storage.backup_audit import Problem, ProblemKind, StepListing, StepVerdict
-from replicator.tools import backup_views
+from mtc_replicator.storage.backup_audit import Problem, ProblemKind, StepListing, StepVerdict
+from mtc_replicator.tools import backup_views
 
 
 def _partial(newest_object_at: float) -> StepListing:

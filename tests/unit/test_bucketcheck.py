@@ -3,7 +3,7 @@ stores are probed in ``tests/integration/test_bucket_check.py``."""
 
 from __future__ import annotations
 
-from replicator.core.bucketcheck import (
+from mtc_replicator.core.bucketcheck import (
     MAX_RETRY_SECONDS,
     RECHECK_REFUSED_SECONDS,
     BucketCheck,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from replicator.cluster.rounds import RoundOutcome
-from replicator.core.contract import (
+from mtc_replicator.cluster.rounds import RoundOutcome
+from mtc_replicator.core.contract import (
     ERRORS_FILE,
     PRERESTORE_FILE,
     BackupInterval,
@@ -15,10 +15,10 @@ from replicator.core.contract import (
     JobConfig,
     marker_name,
 )
-from replicator.core.manifest import ItemId
-from replicator.local.hashing import build_manifest
-from replicator.local.store import LocalStore
-from replicator.node.checkpoint_dir import (
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.checkpoint_dir import (
     cleanup_workload_files,
     list_top,
     publish_markers,

@@ -7,7 +7,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from replicator.tools import cli
+from mtc_replicator.tools import cli
 
 
 def test_demo_plugs_in_through_its_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
@@ -15,7 +15,7 @@ def test_demo_plugs_in_through_its_entry_point(capsys: pytest.CaptureFixture[str
         cli.main(["demo", "--nodes", "0"])
     assert exited.value.code == 2
     assert "--nodes must be at least 1" in capsys.readouterr().err
-    assert "replicator.demo" in sys.modules  # loaded by the entry point, not imported by cli
+    assert "mtc_replicator.demo" in sys.modules  # loaded by the entry point, not imported by cli
 
 
 def test_a_plugin_that_cannot_be_imported_is_left_out(

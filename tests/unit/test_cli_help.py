@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core import argtypes
-from replicator.tools import cli
+from mtc_replicator.core import argtypes
+from mtc_replicator.tools import cli
 
 FREE = (None, str, Path, argtypes.path)
 """Types that take any value (a path is checked only against the OS's length limits)."""
@@ -115,6 +115,6 @@ def test_a_bad_value_is_a_clear_usage_error(
 
 
 def test_status_escapes_what_a_peer_says() -> None:
-    from replicator.tools.status_cli import _printable
+    from mtc_replicator.tools.status_cli import _printable
 
     assert _printable("refused\x1b[2J\x07 ok é") == "refused\\x1b[2J\\x07 ok é"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from replicator.core.contacts import Contacts
+from mtc_replicator.core.contacts import Contacts
 
 
 def test_the_last_outcome_wins_and_the_last_answer_is_kept() -> None:

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.contract``: the ``replicator.yaml`` handshake and the file names.
+"""Tests for ``mtc_replicator.core.contract``: the ``replicator.yaml`` handshake and the file names.
 
 Pure and fast: no files, no sockets. The texts below are what real clients write (see
 docs/protocol.md); a test that changes one of them must say which client
@@ -15,8 +15,8 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from replicator.core import contract
-from replicator.core.contract import (
+from mtc_replicator.core import contract
+from mtc_replicator.core.contract import (
     NO_FRAMEWORK_ASSUMED,
     BackupInterval,
     ConfigError,
@@ -33,7 +33,7 @@ from replicator.core.contract import (
     render_config,
     save_file_name,
 )
-from replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
+from mtc_replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
 
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

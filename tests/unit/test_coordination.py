@@ -6,12 +6,18 @@ import itertools
 
 import pytest
 
-from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.coordination import JobCoordinator, Join, JoinRejected, Phase, ReportRefused
-from replicator.core.manifest import ItemId
-from replicator.core.policy import LastBackup, Source
-from replicator.core.restore_plan import NodeInventory, SourceKey
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.coordination import (
+    JobCoordinator,
+    Join,
+    JoinRejected,
+    Phase,
+    ReportRefused,
+)
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import LastBackup, Source
+from mtc_replicator.core.restore_plan import NodeInventory, SourceKey
 
 JOB = "job"
 VIEW = '{"nodes": 4}'

@@ -17,10 +17,10 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.coordination import JobCoordinator, Join, Phase
-from replicator.core.manifest import ItemId
-from replicator.core.restore_plan import NodeInventory
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.coordination import JobCoordinator, Join, Phase
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.restore_plan import NodeInventory
 
 JOB = "job"
 VIEW = '{"nodes": 3}'

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.crc``: combining pieces' crcs and cutting files into ranges."""
+"""Tests for ``mtc_replicator.core.crc``: combining pieces' crcs and cutting files into ranges."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.crc import crc32c_concat, split_ranges
+from mtc_replicator.core.crc import crc32c_concat, split_ranges
 
 
 @settings(max_examples=200, deadline=None)

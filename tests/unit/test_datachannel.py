@@ -1,4 +1,4 @@
-"""Tests for ``replicator.transport.datachannel``: the ticketed listener and the byte movers.
+"""Tests for ``mtc_replicator.transport.datachannel``: the ticketed listener and the byte movers.
 
 Real sockets on loopback (and socket pairs), real files in ``tmp_path``. The whole data
 channel between daemon processes, with hostile senders, is tested in
@@ -20,11 +20,11 @@ from typing import TypeVar
 
 import pytest
 
-from replicator.core.manifest import CorruptItem, ItemId, Manifest
-from replicator.local.hashing import build_manifest, verify_item
-from replicator.tools import certs
-from replicator.transport import datachannel
-from replicator.transport.datachannel import (
+from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
+from mtc_replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.tools import certs
+from mtc_replicator.transport import datachannel
+from mtc_replicator.transport.datachannel import (
     TOKEN_BYTES,
     Abort,
     ChannelBroken,
@@ -33,8 +33,8 @@ from replicator.transport.datachannel import (
     receive_into,
     send_item,
 )
-from replicator.transport.tls import TlsMaterial, TlsStream
-from replicator.transport.transfer import ItemWriter
+from mtc_replicator.transport.tls import TlsMaterial, TlsStream
+from mtc_replicator.transport.transfer import ItemWriter
 from tests.tls import node_tls
 
 T = TypeVar("T")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.drain import plan_drain
-from replicator.core.foreign import (
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.drain import plan_drain
+from mtc_replicator.core.foreign import (
     DropRefused,
     HeldJob,
     check_drop,

@@ -1,4 +1,4 @@
-"""Opens that a pod's symlinks and FIFOs cannot redirect or block (``replicator.local.fsutil``).
+"""Opens that a pod's symlinks and FIFOs cannot redirect or block (``mtc_replicator.local.fsutil``).
 
 Every case runs against both ways of opening beneath a directory: openat2(2) (skipped
 where the kernel lacks it) and the descriptor walk the daemon falls back on, and against
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.local import fsutil
+from mtc_replicator.local import fsutil
 
 Opener = Callable[[int, str, int], int]
 

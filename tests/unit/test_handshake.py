@@ -14,7 +14,7 @@ from typing import TypedDict
 import pytest
 import yaml
 
-from client import (
+from mtc_replicator.client import (
     ConfigError,
     Framework,
     HandshakeError,
@@ -30,7 +30,7 @@ from client import (
     plan_restore,
     publish_config,
 )
-from replicator.core import contract
+from mtc_replicator.core import contract
 
 
 class Fast(TypedDict):
@@ -232,7 +232,7 @@ def test_errors_are_logged_line_by_line_and_deleted(
         restore_marker(ckpt, 5)
 
     daemon(after_delete=complain_then_restore)
-    caplog.set_level(logging.WARNING, logger="client.handshake")
+    caplog.set_level(logging.WARNING, logger="mtc_replicator.client.handshake")
 
     result = handshake(ckpt, config(), **FAST)
 
@@ -480,7 +480,7 @@ def test_importing_the_client_pulls_in_nothing_heavy() -> None:
     code = (
         "import sys\n"
         "sys.modules['torch'] = None\n"  # As if torch were not installed.
-        "import client\n"
+        "import mtc_replicator.client\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in"
         " ('grpc', 'watchdog', 'google', 'boto3', 'botocore', 'numpy')]\n"
         "assert not heavy, heavy\n"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.contract import CONFIG_FILE
-from replicator.local.fsutil import NotRegularFile
-from replicator.node.handshake_file import HandshakeFile
+from mtc_replicator.core.contract import CONFIG_FILE
+from mtc_replicator.local.fsutil import NotRegularFile
+from mtc_replicator.node.handshake_file import HandshakeFile
 
 
 def test_a_missing_file_or_a_directory_reads_as_none(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.local.hashing``'s parallel verify: whatever a one-thread, one-pass
+"""Tests for ``mtc_replicator.local.hashing``'s parallel verify: whatever a one-thread, one-pass
 verify caught is still caught when files and ranges of a file are hashed on many threads.
 
 Real files in ``tmp_path``; ``PIECE`` is made small so a file of a few hundred KiB has many
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
-from replicator.local import hashing
-from replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from mtc_replicator.local import hashing
+from mtc_replicator.local.hashing import build_manifest, verify_item
 
 ITEM = ItemId("job-1", 7, 0, 0)
 PIECE = 64 * 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from replicator.obs.health import Health, Heartbeat, Readiness, directory_check
+from mtc_replicator.obs.health import Health, Heartbeat, Readiness, directory_check
 
 
 class Clock:

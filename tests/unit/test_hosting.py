@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-from replicator.cluster.hosting import CoordinatorHost
-from replicator.cluster.messages import Identity, cluster_view_json
-from replicator.core.contract import Framework, JobConfig
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.messages import Identity, cluster_view_json
+from mtc_replicator.core.contract import Framework, JobConfig
 
 JOB = "train"
 CONFIG = JobConfig(JOB, Framework.ORBAX, 0, 4, peers_per_node=1)

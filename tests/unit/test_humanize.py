@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.humanize``: sizes and ages as ``mtc`` prints them."""
+"""Tests for ``mtc_replicator.core.humanize``: sizes and ages as ``mtc`` prints them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replicator.core.humanize import human_age, human_bytes
+from mtc_replicator.core.humanize import human_age, human_bytes
 
 HOUR = 3600.0
 DAY = 24 * HOUR

@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator.cluster import messages, registry
-from replicator.core import argtypes, contract
-from replicator.core.backup_layout import (
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator.cluster import messages, registry
+from mtc_replicator.core import argtypes, contract
+from mtc_replicator.core.backup_layout import (
     LAYOUTS,
     CommitRecord,
     commit_key,
@@ -26,18 +26,18 @@ from replicator.core.backup_layout import (
     manifest_key,
     step_prefix,
 )
-from replicator.core.jobname import (
+from mtc_replicator.core.jobname import (
     JOB_NAME_PATTERN,
     MAX_JOB_NAME_LEN,
     BadJobName,
     check_job_name,
     is_job_name,
 )
-from replicator.core.manifest import ItemId, ManifestError
-from replicator.local.store import LocalStore, item_path, view_path
-from replicator.storage import restore_pins
-from replicator.transport import peerwire
-from replicator.transport.transfer import TransferError
+from mtc_replicator.core.manifest import ItemId, ManifestError
+from mtc_replicator.local.store import LocalStore, item_path, view_path
+from mtc_replicator.storage import restore_pins
+from mtc_replicator.transport import peerwire
+from mtc_replicator.transport.transfer import TransferError
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.core.jsonobj import NotAnObject, load_object
+from mtc_replicator.core.jsonobj import NotAnObject, load_object
 
 
 def test_an_object_within_the_bound_is_returned() -> None:

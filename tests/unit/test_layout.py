@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.layout``: the peer layout and steady-state decisions (pure)."""
+"""Tests for ``mtc_replicator.core.layout``: the peer layout and steady-state decisions (pure)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.layout import (
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.layout import (
     Holders,
     backup_items,
     backup_uploaders,
@@ -25,7 +25,7 @@ from replicator.core.layout import (
     restorable_step,
     waiting_message,
 )
-from replicator.core.manifest import ItemId
+from mtc_replicator.core.manifest import ItemId
 
 
 def cfg(

@@ -1,11 +1,11 @@
-"""``replicator.obs.logs``: the text format's line layout."""
+"""``mtc_replicator.obs.logs``: the text format's line layout."""
 
 from __future__ import annotations
 
 import io
 import logging
 
-from replicator.obs.logs import JobLog, KeyValueFormatter, RepeatLimit
+from mtc_replicator.obs.logs import JobLog, KeyValueFormatter, RepeatLimit
 
 
 def test_a_text_line_with_a_traceback_has_its_fields_on_the_message_line() -> None:

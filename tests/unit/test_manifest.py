@@ -1,4 +1,5 @@
-"""Tests for ``replicator.core.manifest``: building, serialising, parsing hostile input, verifying.
+"""Tests for ``mtc_replicator.core.manifest``: building, serialising, parsing hostile input,
+verifying.
 
 Real files in ``tmp_path``; no sockets, no subprocesses.
 """
@@ -13,8 +14,8 @@ from typing import Any
 import google_crc32c
 import pytest
 
-from replicator.core import manifest as manifest_mod
-from replicator.core.manifest import (
+from mtc_replicator.core import manifest as manifest_mod
+from mtc_replicator.core.manifest import (
     CorruptItem,
     FileEntry,
     ItemId,
@@ -22,8 +23,8 @@ from replicator.core.manifest import (
     Manifest,
     ManifestError,
 )
-from replicator.local import hashing
-from replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.local import hashing
+from mtc_replicator.local.hashing import build_manifest, verify_item
 
 ITEM = ItemId("job-1", 42, 3, 1)
 

@@ -13,10 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator.cluster.coordinators import Coordinators, NotInReleasedRound
-from replicator.cluster.hosting import CoordinatorHost, NotHosted
-from replicator.cluster.messages import (
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer, status_for
+from mtc_replicator.cluster.coordinators import Coordinators, NotInReleasedRound
+from mtc_replicator.cluster.hosting import CoordinatorHost, NotHosted
+from mtc_replicator.cluster.messages import (
     MAX_ITEMS,
     MAX_JOIN_STEPS,
     BadMessage,
@@ -36,13 +37,12 @@ from replicator.cluster.messages import (
     source_keys,
     status_message,
 )
-from replicator.cluster.servicer import CoordinatorServicer, status_for
-from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.coordination import JoinRejected, Phase, RankStatus
-from replicator.core.manifest import ItemId
-from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch, SourceKey
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.coordination import JoinRejected, Phase, RankStatus
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch, SourceKey
 
 JOB = "train"
 IDENTITY = pb.CoordinatorIdentity(job=JOB, coordinator_id="c1")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from replicator._pb.mtc.v1 import coordinator_pb2 as pb
-from replicator._pb.mtc.v1 import peer_pb2
-from replicator.cluster.messages import (
+from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2
+from mtc_replicator.cluster.messages import (
     MAX_CLUSTER_VIEW_CHARS,
     BadMessage,
     FailedFetch,
@@ -23,12 +23,12 @@ from replicator.cluster.messages import (
     restore_report_call,
     status_call,
 )
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.coordination import ProgressAnswer
-from replicator.core.manifest import ItemId
-from replicator.core.ownership import BadOwner
-from replicator.core.policy import LastBackup, Source
-from replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.coordination import ProgressAnswer
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.ownership import BadOwner
+from mtc_replicator.core.policy import LastBackup, Source
+from mtc_replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
 
 JOB = "train"
 INCARNATION = "inc-1"

@@ -1,6 +1,6 @@
-"""``replicator.obs.metrics`` and ``csi.metrics``: what each call records, per-job series, ages
-computed at scrape time, and the no-op default. The HTTP endpoint is tested with sockets in
-``tests/integration/test_metrics.py``."""
+"""``mtc_replicator.obs.metrics`` and ``mtc_replicator.csi.call_metrics``: what each call records,
+per-job series, ages computed at scrape time, and the no-op default. The HTTP endpoint is tested
+with sockets in ``tests/integration/test_metrics.py``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from csi.metrics import PrometheusCallMetrics
-from replicator.core.contacts import Contacts
-from replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
-from replicator.core.timeline import RestorePhase
-from replicator.local.pacer import Pacer
-from replicator.node.options import parse_args as daemon_args
-from replicator.obs.metrics import (
+from mtc_replicator.core.contacts import Contacts
+from mtc_replicator.core.pacing import DEFAULT_YIELD_TO_SAVES, PaceRules, Traffic
+from mtc_replicator.core.timeline import RestorePhase
+from mtc_replicator.csi.call_metrics import PrometheusCallMetrics
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.node.options import parse_args as daemon_args
+from mtc_replicator.obs.metrics import (
     NO_METRICS,
     ErrorKind,
     Metrics,

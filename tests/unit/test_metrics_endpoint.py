@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.obs.metrics_endpoint import split_address
+from mtc_replicator.obs.metrics_endpoint import split_address
 
 
 @pytest.mark.parametrize(

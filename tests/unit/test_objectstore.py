@@ -18,11 +18,11 @@ from pathlib import Path
 import google_crc32c
 import pytest
 
-from replicator.core.retry import RetryPolicy, RetryState
-from replicator.local import hashing
-from replicator.local.fsutil import TMP_PREFIX
-from replicator.storage import objectstore as objectstore_mod
-from replicator.storage.objectstore import (
+from mtc_replicator.core.retry import RetryPolicy, RetryState
+from mtc_replicator.local import hashing
+from mtc_replicator.local.fsutil import TMP_PREFIX
+from mtc_replicator.storage import objectstore as objectstore_mod
+from mtc_replicator.storage.objectstore import (
     ChecksumMismatch,
     FileObjectStore,
     MemoryObjectStore,
@@ -32,13 +32,13 @@ from replicator.storage.objectstore import (
     TransientError,
     split_bucket_url,
 )
-from replicator.storage.parts import (
+from mtc_replicator.storage.parts import (
     b64_crc32c,
     crc32c_b64,
     upload_parts,
     verified_chunks,
 )
-from replicator.storage.stores import open_object_store
+from mtc_replicator.storage.stores import open_object_store
 
 SMALL_CHUNK = 1000
 
@@ -299,7 +299,7 @@ def test_open_relative_path_is_rejected(url: str) -> None:
 
 def test_open_s3_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("boto3")
-    from replicator.storage.s3 import S3ObjectStore
+    from mtc_replicator.storage.s3 import S3ObjectStore
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")  # nothing listens there
     store = open_object_store("s3://bucket/some/prefix/")
@@ -313,7 +313,7 @@ def test_open_s3_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_open_gs_url_does_no_io(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("google.cloud.storage")
-    from replicator.storage.gcs import GcsObjectStore
+    from mtc_replicator.storage.gcs import GcsObjectStore
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", "/nonexistent")  # made on first use
@@ -333,8 +333,8 @@ def test_a_missing_sdk_names_the_extra(
     url: str, module: str, extra: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, module, None)  # None makes the import fail
-    monkeypatch.delitem(sys.modules, "replicator.storage.s3", raising=False)
-    monkeypatch.delitem(sys.modules, "replicator.storage.gcs", raising=False)
+    monkeypatch.delitem(sys.modules, "mtc_replicator.storage.s3", raising=False)
+    monkeypatch.delitem(sys.modules, "mtc_replicator.storage.gcs", raising=False)
     with pytest.raises(ValueError, match=re.escape(extra)):
         open_object_store(url)
 

@@ -7,7 +7,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from replicator.local.offload import Offload
+from mtc_replicator.local.offload import Offload
 
 
 def test_run_returns_the_result_from_another_thread() -> None:

@@ -1,5 +1,5 @@
-"""Both daemons' command lines (``node.options``, ``csi.plugin``): every flag says what it
-does, and a bad value, as a flag or in its environment variable, is a usage error (exit 2, a
+"""Both daemons' command lines (``node.options``, ``mtc_replicator.csi.plugin``): every flag says
+what it does, and a bad value, as a flag or in its environment variable, is a usage error (exit 2, a
 message), never a traceback."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from csi import plugin as csi_plugin
-from replicator.core import argtypes
-from replicator.node import options
+from mtc_replicator.core import argtypes
+from mtc_replicator.csi import plugin as csi_plugin
+from mtc_replicator.node import options
 
 # The least each parser needs to get past its required options.
 DAEMON_ENV = {"MTC_CHECKPOINT_DIR": "/tmp/mtc-flags-test"}
@@ -121,7 +121,7 @@ def test_bad_values_name_the_flag_and_the_choices(
             assert "text, json" in err
 
 
-@pytest.mark.parametrize("module", ["replicator.node.daemon", "csi.plugin"])
+@pytest.mark.parametrize("module", ["mtc_replicator.node.daemon", "mtc_replicator.csi.plugin"])
 def test_the_process_exits_2_without_a_traceback(module: str) -> None:
     run = subprocess.run(
         [sys.executable, "-m", module, "--log-level", "verbose"],

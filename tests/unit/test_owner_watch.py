@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.ownership import UNOWNED, BadOwner
-from replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, read_owner
+from mtc_replicator.core.ownership import UNOWNED, BadOwner
+from mtc_replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, read_owner
 from tests.unit.test_ownership import owner_json
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from replicator.core.ownership import (
+from mtc_replicator.core.ownership import (
     UNOWNED,
     BadOwner,
     Owner,

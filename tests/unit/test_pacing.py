@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from replicator.core.manifest import Cancelled
-from replicator.core.pacing import (
+from mtc_replicator.core.manifest import Cancelled
+from mtc_replicator.core.pacing import (
     DEFAULT_MIN_TRANSFER_RATE,
     HELD_RATE,
     MAX_SLICE,
@@ -24,7 +24,7 @@ from replicator.core.pacing import (
     parse_rate,
     transfer_deadline,
 )
-from replicator.local.pacer import PacedReader, Pacer
+from mtc_replicator.local.pacer import PacedReader, Pacer
 
 MiB = 1 << 20
 

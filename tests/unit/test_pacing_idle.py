@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from replicator.core.manifest import Cancelled
-from replicator.core.pacing import PaceBook, PaceRules, Traffic
-from replicator.local.pacer import Pacer
-from replicator.transport.peer import PeerClient
+from mtc_replicator.core.manifest import Cancelled
+from mtc_replicator.core.pacing import PaceBook, PaceRules, Traffic
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.transport.peer_client import PeerClient
 
 KiB = 1 << 10
 MiB = 1 << 20

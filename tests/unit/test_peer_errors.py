@@ -8,17 +8,17 @@ import grpc
 import grpc.aio
 import pytest
 
-from replicator.core.manifest import Cancelled, CorruptItem, ManifestError
-from replicator.local.store import StoreError
-from replicator.transport.peer import (
+from mtc_replicator.core.manifest import Cancelled, CorruptItem, ManifestError
+from mtc_replicator.local.store import StoreError
+from mtc_replicator.transport.peer_client import (
     ItemBusy,
     ItemNotFound,
     PeerError,
     PeerUnavailable,
     _rpc_error,
 )
-from replicator.transport.service import Busy, NotHeld, Refused, TooLarge, status_for
-from replicator.transport.transfer import TransferError
+from mtc_replicator.transport.peer_servicer import Busy, NotHeld, Refused, TooLarge, status_for
+from mtc_replicator.transport.transfer import TransferError
 
 Code = grpc.StatusCode
 

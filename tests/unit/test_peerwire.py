@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from replicator._pb.mtc.v1 import peer_pb2 as pb
-from replicator.core.manifest import ItemId
-from replicator.transport.datachannel import TOKEN_BYTES
-from replicator.transport.peerwire import (
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.transport.datachannel import TOKEN_BYTES
+from mtc_replicator.transport.peerwire import (
     DATA_CHANNEL_KEY,
     GO_AHEAD,
     MAX_MESSAGE_BYTES,
@@ -23,7 +23,7 @@ from replicator.transport.peerwire import (
     push_offer,
     rate,
 )
-from replicator.transport.transfer import MAX_CHUNK, TransferError
+from mtc_replicator.transport.transfer import MAX_CHUNK, TransferError
 
 
 def test_an_item_goes_to_the_wire_and_back_unchanged() -> None:

@@ -1,14 +1,14 @@
-"""Tests for ``replicator.core.policy``: pure decisions, so no files, sockets or clocks."""
+"""Tests for ``mtc_replicator.core.policy``: pure decisions, so no files, sockets or clocks."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import BackupInterval, Framework, JobConfig, save_file_name
-from replicator.core.manifest import ItemId
-from replicator.core.policy import (
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig, save_file_name
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import (
     Entry,
     Handoff,
     LastBackup,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.policy import Entry, save_in_progress
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.policy import Entry, save_in_progress
 
 NOW = 1000.0
 

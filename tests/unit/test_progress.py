@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.coordination import MAX_REPORT_EVERY, report_every
-from replicator.core.layout import restorable_step
-from replicator.core.progress import ProgressBook
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.coordination import MAX_REPORT_EVERY, report_every
+from mtc_replicator.core.layout import restorable_step
+from mtc_replicator.core.progress import ProgressBook
 
 
 def job(nodes: int) -> JobConfig:

@@ -26,7 +26,7 @@ def _generator() -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("package", ["replicator._pb", "csi._pb"])
+@pytest.mark.parametrize("package", ["mtc_replicator._pb", "mtc_replicator.csi._pb"])
 def test_stubs_are_current(tmp_path: Path, package: str) -> None:
     gen = _generator()
     (target,) = [t for t in gen.TARGETS if t.package == package]
@@ -58,7 +58,7 @@ def test_the_type_stub_plugins_are_found_beside_the_interpreter(
 
 
 def test_stubs_import_without_a_top_level_proto_package() -> None:
-    from replicator._pb.mtc.v1 import peer_pb2, peer_pb2_grpc
+    from mtc_replicator._pb.mtc.v1 import peer_pb2, peer_pb2_grpc
 
     assert peer_pb2.DESCRIPTOR.package == "mtc.v1"
     assert hasattr(peer_pb2_grpc, "PeerServicer")
@@ -67,7 +67,7 @@ def test_stubs_import_without_a_top_level_proto_package() -> None:
 
 def test_csi_stubs_keep_the_spec_package_and_field_numbers() -> None:
     """Kubelet sends csi.v1 messages: the names and numbers must be the spec's (v1.12.0)."""
-    from csi._pb.csi.v1 import csi_pb2, csi_pb2_grpc
+    from mtc_replicator.csi._pb.csi.v1 import csi_pb2, csi_pb2_grpc
 
     assert csi_pb2.DESCRIPTOR.package == "csi.v1"
     assert hasattr(csi_pb2_grpc, "NodeServicer")

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.prune``: the retention policy, by example and by hypothesis
+"""Tests for ``mtc_replicator.core.prune``: the retention policy, by example and by hypothesis
 properties (what must stay is never deleted; keeping more never deletes more)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicator.core.prune import Action, PruneFacts, RetentionPolicy, plan_prune
+from mtc_replicator.core.prune import Action, PruneFacts, RetentionPolicy, plan_prune
 
 HOUR = 3600.0
 DAY = 24 * HOUR

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from replicator.core.manifest import ItemId
-from replicator.core.signed import OPEN
-from replicator.local.hashing import build_manifest
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import MemoryObjectStore
-from replicator.storage.restore_pins import pin_key
-from replicator.tools import prune_cli
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.signed import OPEN
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import MemoryObjectStore
+from mtc_replicator.storage.restore_pins import pin_key
+from mtc_replicator.tools import prune_cli
 
 NOW = 1_700_000_000.0
 DAY = 86400.0

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.foreign import DropRefused
-from replicator.core.manifest import ItemId
-from replicator.local.store import LocalStore
-from replicator.node.reclaim import ForeignItems
-from replicator.obs.metrics import Metrics
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.core.foreign import DropRefused
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.reclaim import ForeignItems
+from mtc_replicator.obs.metrics import Metrics
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
 
 
 class Recorded(Metrics):

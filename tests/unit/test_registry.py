@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.cluster.registry import (
+from mtc_replicator.cluster.registry import (
     MalformedEntry,
     OwnedByAnother,
     Registry,
@@ -20,7 +20,7 @@ from replicator.cluster.registry import (
     new_coordinator_id,
     open_registry,
 )
-from replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
+from mtc_replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
 
 BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
     "file": lambda tmp: FileObjectStore(tmp / "registry"),
@@ -170,7 +170,7 @@ class TestRegistry:
         caplog: pytest.LogCaptureFixture,
     ) -> None:
         objects.put_bytes(entry_key("job"), MALFORMED[case])
-        with caplog.at_level(logging.WARNING, logger="replicator.cluster.registry"):
+        with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.registry"):
             assert registry.lookup("job") is None
         assert "ignoring registry entry _registry/job.json of job=job" in caplog.text
         # A malformed entry is nobody's: a claim replaces it.

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from replicator.core.pacing import MAX_YIELD_TO_SAVES
-from replicator.tools import render_config
-from replicator.tools.render_config import RenderError, load, parse
+from mtc_replicator.core.pacing import MAX_YIELD_TO_SAVES
+from mtc_replicator.tools import render_config
+from mtc_replicator.tools.render_config import RenderError, load, parse
 
 
 def cr(**spec: Any) -> dict[str, Any]:

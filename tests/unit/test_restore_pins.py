@@ -1,4 +1,4 @@
-"""Tests for ``replicator.storage.restore_pins``: the restore pin as hostile input, clearing and
+"""Tests for ``mtc_replicator.storage.restore_pins``: the restore pin as hostile input, clearing and
 resolving it against real backups, and ``StorePins`` honouring a used pin once.
 """
 
@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from replicator.cluster.registry import PREFIX as REGISTRY_PREFIX
-from replicator.core.backup_layout import CommitRecord, commit_key
-from replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
-from replicator.local.usedpins import UsedPins
-from replicator.storage.backup import BackupStore
-from replicator.storage.backup_audit import list_jobs, read_commit_raw, scan_job
-from replicator.storage.objectstore import MemoryObjectStore, PermissionDenied
-from replicator.storage.restore_pins import (
+from mtc_replicator.cluster.registry import PREFIX as REGISTRY_PREFIX
+from mtc_replicator.core.backup_layout import CommitRecord, commit_key
+from mtc_replicator.core.jobname import JOB_NAME_PATTERN, is_job_name
+from mtc_replicator.local.usedpins import UsedPins
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.backup_audit import list_jobs, read_commit_raw, scan_job
+from mtc_replicator.storage.objectstore import MemoryObjectStore, PermissionDenied
+from mtc_replicator.storage.restore_pins import (
     MalformedPin,
     RestorePin,
     StalePin,

@@ -1,4 +1,4 @@
-"""Tests for ``replicator.core.restore_plan``: the restore round's plan, pure in joins."""
+"""Tests for ``mtc_replicator.core.restore_plan``: the restore round's plan, pure in joins."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.backup_layout import CommitRecord
-from replicator.core.contract import Framework, JobConfig
-from replicator.core.layout import backup_items, holders
-from replicator.core.manifest import ItemId
-from replicator.core.policy import Source, worker_slots
-from replicator.core.restore_plan import (
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.layout import backup_items, holders
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import Source, worker_slots
+from mtc_replicator.core.restore_plan import (
     FAN_OUT,
     Fetch,
     NodeInventory,

@@ -1,4 +1,4 @@
-"""Backoff and retries (``replicator.core.retry``), and GCS's one error classifier (S3's:
+"""Backoff and retries (``mtc_replicator.core.retry``), and GCS's one error classifier (S3's:
 ``test_s3_errors``).
 
 Pure: a fake clock and sleep, no sockets; vendor exceptions are built in memory.
@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from replicator.core.retry import Backoff, RetryPolicy, RetryState, call_with_retry
-from replicator.storage.objectstore import (
+from mtc_replicator.core.retry import Backoff, RetryPolicy, RetryState, call_with_retry
+from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
     ObjectNotFound,
@@ -252,7 +252,7 @@ def test_gcs_errors_are_classified(status: int, message: str, expected: type[Exc
     pytest.importorskip("google.cloud.storage")
     from google.api_core import exceptions as gapi
 
-    from replicator.storage.gcs import translate
+    from mtc_replicator.storage.gcs import translate
 
     error = gapi.from_http_status(status, message)  # type: ignore[no-untyped-call]
     mapped = translate(error, "get b/k")
@@ -265,7 +265,7 @@ def test_gcs_transport_errors_are_transient() -> None:
     import requests
     from google.cloud.storage.exceptions import DataCorruption
 
-    from replicator.storage.gcs import translate
+    from mtc_replicator.storage.gcs import translate
 
     for exc in [
         requests.ConnectionError("reset"),

@@ -9,17 +9,17 @@ from typing import Any
 import grpc
 import pytest
 
-from replicator.cluster.messages import FailedFetch
-from replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
-from replicator.cluster.sources import PEER_RETRY_SECONDS, ItemSources
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.manifest import ItemId, ItemKind, Manifest
-from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch
-from replicator.local.store import LocalStore
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
-from replicator.transport.peer import PeerUnavailable
+from mtc_replicator.cluster.messages import FailedFetch
+from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
+from mtc_replicator.cluster.sources import PEER_RETRY_SECONDS, ItemSources
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.manifest import ItemId, ItemKind, Manifest
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
+from mtc_replicator.transport.peer_client import PeerUnavailable
 
 ITEM = ItemId("job", 10, 2, 0)
 DIGEST = "ab" * 32

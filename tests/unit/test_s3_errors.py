@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.storage.objectstore import (
+from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
     ObjectNotFound,
@@ -54,7 +54,7 @@ def client_error(code: str, status: int, operation: str = "GetObject") -> Except
 )
 def test_s3_errors_are_classified(code: str, status: int, expected: type[Exception]) -> None:
     pytest.importorskip("boto3")
-    from replicator.storage.s3_errors import translate
+    from mtc_replicator.storage.s3_errors import translate
 
     mapped = translate(client_error(code, status), "get b/k")
     assert type(mapped) is expected
@@ -67,7 +67,7 @@ def test_s3_transport_errors_are_transient() -> None:
     import botocore.exceptions as bexc
     import urllib3.exceptions
 
-    from replicator.storage.s3_errors import translate
+    from mtc_replicator.storage.s3_errors import translate
 
     for exc in [
         bexc.EndpointConnectionError(endpoint_url="http://x"),

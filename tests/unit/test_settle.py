@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replicator.core.settle import Act, Reading, Reads, SettleRules, judge, observe
+from mtc_replicator.core.settle import Act, Reading, Reads, SettleRules, judge, observe
 
 RULES = SettleRules(settle_seconds=10.0, config_wait_seconds=30.0)
 TEXT = "job_name: a\n"

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from replicator.cluster.registry import (
+from mtc_replicator.cluster.registry import (
     RefusedEntry,
     Registry,
     RegistryEntry,
 )
-from replicator.core.backup_layout import CommitRecord, commit_key
-from replicator.core.signed import (
+from mtc_replicator.core.backup_layout import CommitRecord, commit_key
+from mtc_replicator.core.signed import (
     COMMIT_KIND,
     OPEN,
     REGISTRY_KIND,
@@ -27,11 +27,11 @@ from replicator.core.signed import (
     RecordTrust,
     Seal,
 )
-from replicator.node.options import parse_args
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import MemoryObjectStore
-from replicator.tools import certs
-from replicator.transport.signing import CaVerifier, record_trust
+from mtc_replicator.node.options import parse_args
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import MemoryObjectStore
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.signing import CaVerifier, record_trust
 from tests.tls import NodeTls, node_tls
 
 DIGEST = "ab" * 32

@@ -13,19 +13,19 @@ from pathlib import Path
 import grpc
 import pytest
 
-from replicator.cluster.messages import FailedFetch
-from replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
-from replicator.cluster.sources import ItemSources, SourceUnavailable
-from replicator.core.contract import BackupInterval, Framework, JobConfig
-from replicator.core.manifest import CorruptItem, ItemId, Manifest
-from replicator.core.policy import Source
-from replicator.core.restore_plan import Fetch
-from replicator.local.hashing import build_manifest
-from replicator.local.store import LocalStore
-from replicator.obs.metrics import Metrics, TransferKind
-from replicator.storage.backup import BackupStore
-from replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
-from replicator.transport.peer import ItemBusy, ItemNotFound, PeerUnavailable
+from mtc_replicator.cluster.messages import FailedFetch
+from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
+from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
+from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
+from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.obs.metrics import Metrics, TransferKind
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import MemoryObjectStore, ObjectStoreError
+from mtc_replicator.transport.peer_client import ItemBusy, ItemNotFound, PeerUnavailable
 
 ITEM = ItemId("job", 10, 1, 0)
 ADDRESSES = {0: "127.0.0.1:7000"}

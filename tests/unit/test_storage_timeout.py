@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
-from replicator.node.options import parse_args
-from replicator.storage.gcs import GcsObjectStore
-from replicator.storage.s3 import S3ObjectStore
-from replicator.storage.stores import open_object_store
-from replicator.tools import cli
+from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT, parse_storage_timeout
+from mtc_replicator.node.options import parse_args
+from mtc_replicator.storage.gcs import GcsObjectStore
+from mtc_replicator.storage.s3 import S3ObjectStore
+from mtc_replicator.storage.stores import open_object_store
+from mtc_replicator.tools import cli
 
 BAD = ["abc", "0", "-5", "nan", "inf", "1e9", ""]
 
@@ -88,7 +88,7 @@ def test_gcs_errors_never_carry_a_resumable_session_id() -> None:
     import google.api_core.exceptions as gapi
     import requests
 
-    from replicator.storage.gcs import translate
+    from mtc_replicator.storage.gcs import translate
 
     url = "http://127.0.0.1:9/upload/storage/v1/b/b/o?uploadType=resumable&upload_id=SECRET123"
     for exc in (

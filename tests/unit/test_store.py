@@ -1,4 +1,5 @@
-"""Tests for ``replicator.local.store.LocalStore``: taking, committing, crash recovery and locking.
+"""Tests for ``mtc_replicator.local.store.LocalStore``: taking, committing, crash recovery and
+locking.
 
 Real files in ``tmp_path`` (the store's whole point is renames on one filesystem); no
 sockets, no subprocesses.
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from replicator.core.contract import STORE_DIR
-from replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest
-from replicator.local.hashing import build_manifest
-from replicator.local.store import (
+from mtc_replicator.core.contract import STORE_DIR
+from mtc_replicator.core.manifest import CorruptItem, ItemId, ItemKind, Manifest
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import (
     DATA,
     MANIFEST_FILE,
     LocalStore,

@@ -1,4 +1,4 @@
-"""Where the daemon's store may live (``replicator.core.storedir``): pure rules."""
+"""Where the daemon's store may live (``mtc_replicator.core.storedir``): pure rules."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import PurePosixPath as P
 
 import pytest
 
-from replicator.core.storedir import default_store_dir, placement_problem
+from mtc_replicator.core.storedir import default_store_dir, placement_problem
 
 
 def test_the_default_is_a_sibling_named_after_checkpoint_dir() -> None:

@@ -1,10 +1,10 @@
-"""Tests for ``replicator.core.timeline``: the restore's phases against a fake clock."""
+"""Tests for ``mtc_replicator.core.timeline``: the restore's phases against a fake clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from replicator.core.timeline import RestorePhase, RestoreTimeline, Span
+from mtc_replicator.core.timeline import RestorePhase, RestoreTimeline, Span
 
 
 class Clock:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from client import (
+from mtc_replicator.client import (
     RestoreResult,
     load_distributed,
     load_state_dict,
@@ -22,7 +22,7 @@ from client import (
     share_restore,
     torch_io,
 )
-from replicator.core import contract
+from mtc_replicator.core import contract
 from tests.torch_trees import assert_same, zeros_like
 
 torch = pytest.importorskip("torch")

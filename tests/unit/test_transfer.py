@@ -1,4 +1,5 @@
-"""Tests for ``replicator.transport.transfer``: crc32c arithmetic, chunked reads, verified writes.
+"""Tests for ``mtc_replicator.transport.transfer``: crc32c arithmetic, chunked reads, verified
+writes.
 
 Real files in ``tmp_path``; no sockets. The gRPC layer on top is tested against real daemon
 processes in ``tests/integration/test_peer*.py``.
@@ -17,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicator.core.crc import crc32c_combine
-from replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
-from replicator.local.hashing import build_manifest, verify_item
-from replicator.transport.transfer import (
+from mtc_replicator.core.crc import crc32c_combine
+from mtc_replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
+from mtc_replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.transport.transfer import (
     MAX_CHUNK,
     ItemWriter,
     TransferError,

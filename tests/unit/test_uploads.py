@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from replicator.core.uploads import UploadPlan, plan_upload
+from mtc_replicator.core.uploads import UploadPlan, plan_upload
 
 MiB = 1 << 20
 

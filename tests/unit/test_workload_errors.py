@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from replicator.cluster.workload_errors import WorkloadErrors
-from replicator.core.contract import ERRORS_FILE, BackupInterval, Framework, JobConfig
-from replicator.obs.logs import JobLog
-from replicator.obs.metrics import ErrorKind, Metrics
+from mtc_replicator.cluster.workload_errors import WorkloadErrors
+from mtc_replicator.core.contract import ERRORS_FILE, BackupInterval, Framework, JobConfig
+from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.obs.metrics import ErrorKind, Metrics
 
 CONFIG = JobConfig(
     job_name="job",

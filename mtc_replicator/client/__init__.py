@@ -1,0 +1,64 @@
+"""Client library for training jobs: the handshake with the node's replicator, and saving
+and loading steps in the layout it expects (docs/protocol.md).
+
+Importing it needs only the standard library and PyYAML; the torch helpers import torch
+when they are called. It never imports gRPC, watchdog or cloud SDKs.
+"""
+
+from mtc_replicator.client.handshake import (
+    DEFAULT_TIMEOUT,
+    ConfigFields,
+    HandshakeError,
+    HandshakeTimeout,
+    RenameStyle,
+    ReplicatorFailed,
+    RestorePlan,
+    RestoreResult,
+    await_restore,
+    handshake,
+    job_config,
+    plan_restore,
+    publish_config,
+    restore_name,
+    wait_config_consumed,
+)
+from mtc_replicator.client.torch_io import (
+    CheckpointDirFull,
+    load_distributed,
+    load_state_dict,
+    node_process_group,
+    save_distributed,
+    save_file,
+    save_state_dict,
+    share_restore,
+)
+from mtc_replicator.core.contract import ConfigError, Framework, JobConfig
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "CheckpointDirFull",
+    "ConfigError",
+    "ConfigFields",
+    "Framework",
+    "HandshakeError",
+    "HandshakeTimeout",
+    "JobConfig",
+    "RenameStyle",
+    "ReplicatorFailed",
+    "RestorePlan",
+    "RestoreResult",
+    "await_restore",
+    "handshake",
+    "job_config",
+    "load_distributed",
+    "load_state_dict",
+    "node_process_group",
+    "plan_restore",
+    "publish_config",
+    "restore_name",
+    "save_distributed",
+    "save_file",
+    "save_state_dict",
+    "share_restore",
+    "wait_config_consumed",
+]

@@ -1,0 +1,307 @@
+"""An incarnation's membership in its job: every job, one node or many. I/O: the coordinator
+link and the store.
+
+A one-node job is a cluster of one whose coordinator its own daemon hosts (``cluster.link``),
+so there is one restore path and one backup path. Restore goes through the coordinator's
+round (``cluster.rounds``). In steady state each committed
+step is pushed to this rank's replication targets (``replication``), and progress reports
+to the coordinator return the cluster's restorable step (which retention must keep) and
+backup orders (one step at a time, uploaded by one replica per data-parallel class).
+A report goes after each new step and when there is news (a step replicated, an upload
+done), else at the interval the coordinator asks for (longer in larger jobs); a failed one
+is retried with jittered backoff, so a restarted coordinator hears from every rank soon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mtc_replicator.cluster.coordinator_client import CoordinatorError, NoCoordinator
+from mtc_replicator.cluster.link import CoordinatorLink
+from mtc_replicator.cluster.replication import Replication
+from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
+from mtc_replicator.cluster.sources import ItemSources, RunThread
+from mtc_replicator.core.coordination import MAX_REPORT_EVERY
+from mtc_replicator.core.layout import replication_targets
+from mtc_replicator.core.manifest import Cancelled, ManifestError
+from mtc_replicator.core.retry import Backoff
+from mtc_replicator.core.timeline import RestoreTimeline
+from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
+from mtc_replicator.storage.upload import ItemNotHeld, upload_step
+from mtc_replicator.transport.peer_client import PeerClient
+
+log = logging.getLogger(__name__)
+
+UPLOAD_RETRY_MAX = 300.0
+"""Longest wait before a failed upload is tried again: the coordinator repeats its order at
+every report (each second in a small job), and a bucket down for an hour must not write a
+line to ``replicator.errors`` every second."""
+UNCONFIRMED_KEPT = 2
+"""Own complete steps newer than the restorable one kept regardless (the newest ones):
+what the ranks are about to report as replicated. Anything else above the restorable step
+is kept only while the coordinator asks for it or a promise covers it, so a stalled peer
+costs a bounded number of steps in RAM, not every save."""
+
+
+class ReportError(Protocol):
+    """The incarnation's ``error``: log a problem, count it by kind, tell the workload."""
+
+    def __call__(self, message: str, step: int | None, kind: ErrorKind = ..., /) -> None: ...
+
+
+@dataclass
+class MemberContext:
+    rank: JobRank
+    """This rank, as its restore round sees it too."""
+    sources: ItemSources
+    """Where the restore round fetches each item from."""
+    backups: BackupStore | None
+    peers: PeerClient | None
+    """The peer plane; None only where there are no peers (a one-node job)."""
+    run_thread: RunThread
+    error: ReportError
+    metrics: Metrics = NO_METRICS
+
+
+class ClusterMember:
+    """Everything this rank does with the other ranks of its job."""
+
+    def __init__(self, ctx: MemberContext) -> None:
+        self.ctx = ctx
+        self.config = ctx.rank.config
+        self.replication = Replication(
+            self.config,
+            ctx.rank.store,
+            ctx.peers,
+            lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION),
+        )
+        self.restorable: int | None = None
+        """The cluster's restorable step, as the coordinator last said: never deleted."""
+        self.uploading: int | None = None
+        self.uploaded: int | None = None
+        self.keep_steps: frozenset[int] = frozenset()
+        """Steps the coordinator last asked every rank to keep (they may become restorable)."""
+        self._promised: frozenset[int] | None = None
+        """The steps the coordinator believes this rank keeps (the last answered report's);
+        None: no holdings reported yet, so the coordinator may name any step."""
+        self._offer: frozenset[int] | None = None
+        """What the next report promises (set by ``retained``)."""
+        self._offering: frozenset[int] | None = None
+        """The promise of the report in flight: kept until it is answered."""
+        self.running = False
+        """The round released this rank (``adopt``), or the daemon resumed it running. Not
+        before: a report would tell a restarted coordinator that a restoring incarnation
+        runs, and it would take it for the job's running rank (``JobCoordinator.adopted``)."""
+        self._client: CoordinatorLink | None = None
+        self._backup_task: asyncio.Task[None] | None = None
+        self._next_report = 0.0
+        """When the next report is due without news (``time.monotonic``)."""
+        self._failing = False
+        self._retry = Backoff(first=1.0, cap=float(MAX_REPORT_EVERY))
+        """After a failed report: retry soon (the coordinator may have restarted and needs
+        every rank's report to order backups again), jittered so a job's ranks spread out."""
+        self._upload_retry = Backoff(first=2.0, cap=UPLOAD_RETRY_MAX)
+        self._upload_retry_at = 0.0
+        """After a failed upload, the order (repeated at every report) waits this long."""
+        self._reported: tuple[int | None, int | None] = (None, None)
+        """The replicated and uploaded steps of the last answered report."""
+        self._targets = replication_targets(self.config)
+        self._log = JobLog(log, self.config.job_name, self.config.node_rank)
+
+    async def restore(self, timeline: RestoreTimeline | None = None) -> RoundOutcome:
+        """Take this rank through the restore round; ``timeline`` records its phases."""
+        participant = RoundParticipant(
+            RoundContext(
+                self.ctx.rank,
+                self.ctx.sources,
+                error=lambda m, s: self.ctx.error(m, s, ErrorKind.RESTORE),
+                timeline=timeline,
+            )
+        )
+        outcome = await participant.run()
+        self.adopt(outcome)
+        return outcome
+
+    def adopt(self, outcome: RoundOutcome) -> None:
+        self.running = True
+        self.replication.set_addresses(outcome.addresses)
+        self._client = self.ctx.rank.finder.open(self.config.job_name, outcome.coordinator)
+        if outcome.step is not None:
+            self.restorable = outcome.step
+            self.replication.newest_replicated = outcome.step
+
+    @property
+    def coordinator(self) -> str | None:
+        """The address of the coordinator this rank follows now (None: none found yet)."""
+        return self._client.address if self._client is not None else None
+
+    @property
+    def protected(self) -> set[int]:
+        """Steps retention must keep: the restorable one and the one being uploaded."""
+        return {s for s in (self.restorable, self.uploading) if s is not None}
+
+    def retained(self, complete: Sequence[int]) -> set[int]:
+        """Of this rank's complete steps (ascending), those retention must keep now.
+
+        The restorable step, the upload, what the coordinator asked for and the newest
+        ``UNCONFIRMED_KEPT`` are wanted; the next report promises exactly those. A step
+        outside them still stays while a promise made earlier (answered, or in flight)
+        covers it: the coordinator may be naming it restorable from that promise.
+        """
+        # With one node nothing waits for a peer's confirmation: the newest step is it.
+        unconfirmed = 1 if self.config.nodes == 1 else UNCONFIRMED_KEPT
+        wanted = self.protected | self.keep_steps | set(complete[-unconfirmed:])
+        self._offer = frozenset(s for s in complete if s in wanted)
+        keep = set(wanted)
+        if self._promised is None or self.restorable is None:
+            # No promise yet, or no step known complete everywhere (a rank that stalled
+            # before its first report may hold any): the coordinator may name any step.
+            floor = self.restorable
+            keep |= {s for s in complete if floor is None or s > floor}
+        else:
+            keep |= self._promised
+        if self._offering is not None:
+            keep |= self._offering
+        return keep
+
+    async def stop(self) -> None:
+        await self.replication.stop()
+        if self._backup_task is not None and not self._backup_task.done():
+            self._backup_task.cancel()
+            await asyncio.gather(self._backup_task, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+
+    async def settle_upload(self, step: int) -> bool:
+        """A drain: let an ordered upload of ``step`` end (True once it did), or cancel an
+        upload of another step, which the drain's own upload of ``step`` would share the
+        link with."""
+        task = self._backup_task
+        if task is None or task.done():
+            return self.uploaded is not None and self.uploaded >= step
+        if self.uploading != step:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            return False
+        await asyncio.wait([task])
+        return self.uploaded == step
+
+    async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
+        """After a rescan or a new step: replicate it, and report progress when forced (a
+        new step), when there is news (a step replicated or uploaded) or when the
+        coordinator's interval passed; after a failure, not before the backoff."""
+        if newest_step is not None:
+            self.replication.committed(newest_step)
+        self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
+        if not self.running:
+            return  # restoring: the round speaks for this rank until it is released
+        now = time.monotonic()
+        news = (self.replication.newest_replicated, self.uploaded) != self._reported
+        if now < self._next_report and (self._failing or not (news or force)):
+            return
+        if await self._report():
+            self._failing = False
+            self._retry.reset()
+        else:
+            self._failing = True
+            self._next_report = time.monotonic() + self._retry.next()
+
+    async def _report(self) -> bool:
+        """Report progress and act on the answer; False when no coordinator answered."""
+        if self._client is None:
+            try:
+                self._client = await self.ctx.rank.finder.find(self.config.job_name, timeout=0)
+            except NoCoordinator:
+                return False
+        offer = self._offering = self._offer
+        progress = (self.replication.newest_replicated, self.uploaded)
+        try:
+            answer = await self._client.report_progress(
+                self.config.node_rank,
+                self.ctx.rank.incarnation_id,
+                replicated_step=self.replication.newest_replicated,
+                uploaded_step=self.uploaded,
+                address=self.ctx.rank.advertise,
+                held=offer,
+                replicating_step=self.replication.pushing,
+                address_ranks=self._targets,
+            )
+        except CoordinatorError as exc:
+            # The coordinator moved or restarted: look it up again on the next report. It
+            # may have taken the new promise or not: keep both.
+            self._log.warning("progress report failed: %s", exc)
+            if self._promised is not None:
+                self._promised = None if offer is None else self._promised | offer
+            self._offering = None
+            await self._client.close()
+            self._client = None
+            return False
+        # The answer was computed with this promise: it replaces the older one, and the
+        # restorable step it names is kept from here on (``protected``).
+        self._promised, self._offering = offer, None
+        self._reported = progress
+        self._next_report = time.monotonic() + answer.report_every
+        self.keep_steps = answer.keep_steps
+        if answer.restorable_step is not None and answer.restorable_step != self.restorable:
+            self.restorable = answer.restorable_step
+            self._log.info("restorable step of the cluster: %d", self.restorable)
+        self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
+        if answer.last_backup is not None:
+            last = answer.last_backup
+            self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
+        self.replication.update_addresses(answer.addresses)
+        step = answer.backup_step
+        if (
+            step is not None
+            and self.ctx.backups is not None
+            and self.uploading is None
+            and time.monotonic() >= self._upload_retry_at
+        ):
+            self.uploading = step
+            self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
+        return True
+
+    async def _upload(self, step: int) -> None:
+        backups = self.ctx.backups
+        assert backups is not None
+        self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
+        try:
+            await upload_step(
+                backups,
+                self.ctx.rank.store,
+                self.config,
+                step,
+                run_thread=self.ctx.run_thread,
+                log=self._log,
+                metrics=self.ctx.metrics,
+            )
+            self.uploaded = step
+            self._upload_retry.reset()
+        except ItemNotHeld as exc:
+            # Retention dropped it before the order arrived (a newer step became restorable
+            # meanwhile): call the order done, so the coordinator's next order names a step
+            # we hold instead of waiting on this one forever.
+            self._log.info("backup of step %d skipped: %s is no longer held", step, exc.item)
+            self.uploaded = step
+        except PreconditionFailed:
+            self.uploaded = step  # committed already
+        except Cancelled:
+            pass
+        except (ObjectStoreError, OSError, ManifestError) as exc:
+            wait = self._upload_retry.next()
+            self._upload_retry_at = time.monotonic() + wait
+            self.ctx.error(
+                f"backup of step {step} to {backups.url} failed, will retry in {wait:.0f}s: {exc}",
+                step,
+                ErrorKind.BACKUP,
+            )
+        finally:
+            self.uploading = None

@@ -1,0 +1,261 @@
+"""Where a restore gets an item: this node's store, a peer, or the backup. I/O: the store,
+the peer plane and the object store.
+
+``ItemSources`` brings the item a restore plan names (``core.restore_plan.Fetch``) into
+the ``LocalStore``, verified against the plan's digest, from the source the plan gives; it
+times and logs every restore transfer (``TransferKind.RESTORE_*``). Each source's own
+failures leave it as one of two types of ours: ``CorruptItem`` (the bytes differ from the
+plan: never used) or ``SourceUnavailable`` (the source cannot give them now: a full disk,
+a bucket or a peer down). Anything else is a bug and propagates. The order of the sources,
+what the peer service is told and what a failure means for the round are
+``cluster.rounds``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import grpc
+
+from mtc_replicator.core.manifest import CancelCheck, CorruptItem, ItemId, ManifestError
+from mtc_replicator.core.policy import Source
+from mtc_replicator.core.restore_plan import Fetch
+from mtc_replicator.core.retry import Backoff
+from mtc_replicator.local import fsutil
+from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import ObjectStoreError
+from mtc_replicator.transport.peer_client import (
+    ItemBusy,
+    ItemNotFound,
+    PeerClient,
+    PeerError,
+    PeerUnavailable,
+)
+from mtc_replicator.transport.peerwire import rate
+
+log = logging.getLogger(__name__)
+
+RunThread = Callable[..., Awaitable[Any]]
+"""Runs a blocking function with its arguments off the event loop (the daemon's pool)."""
+
+PENDING_WAIT_SECONDS = 600.0
+"""How long a pull waits, at most, for a holder that says it is still obtaining the item
+(``Fetch.pending``): a backup download of a large item takes minutes; past this, this rank
+downloads it itself."""
+PENDING_GRACE_SECONDS = 10.0
+"""How long a pending pull keeps trying a holder that does not know the item yet: the
+holder may not have received the plan. Past this the holder is not coming."""
+PEER_RETRY_SECONDS = 20.0
+"""How long a pull keeps trying a holder that cannot be reached before this rank reports the
+copy unavailable (and the round may fall back to an older step): a daemon's restart, with
+its start-up checks, fits."""
+
+
+class SourceUnavailable(Exception):
+    """A source cannot give the item now (unreachable, full, refused, a failing disk):
+    the next source is tried; the bytes were not found corrupt."""
+
+
+@contextmanager
+def _unavailable_on_failure() -> Iterator[None]:
+    """Translate the failures of the stores, the peer plane and the disk, once.
+
+    ``CorruptItem`` and ``Cancelled`` are ours and pass; so does anything else, a bug."""
+    try:
+        yield
+    except (PeerError, ObjectStoreError, StoreError, ManifestError, OSError) as exc:
+        raise SourceUnavailable(str(exc)) from exc
+
+
+def _never() -> bool:
+    return False
+
+
+class ItemSources:
+    """Fetches an item by source into ``store``, verified; one per incarnation."""
+
+    def __init__(
+        self,
+        store: LocalStore,
+        rank: int,
+        *,
+        peers: PeerClient | None = None,
+        backups: BackupStore | None = None,
+        run_thread: RunThread = asyncio.to_thread,
+        cancelled: CancelCheck = _never,
+        metrics: Metrics = NO_METRICS,
+        pending_wait: float = PENDING_WAIT_SECONDS,
+        pending_grace: float = PENDING_GRACE_SECONDS,
+        peer_retry: float = PEER_RETRY_SECONDS,
+    ) -> None:
+        """``rank``: this node's, for the log lines; ``peers``: None where no peer can
+        hold anything (a one-node job); ``backups``: None where no backup is set;
+        ``cancelled``: the incarnation stops (a verify or a download in a thread ends
+        early)."""
+        self.store = store
+        self.rank = rank
+        self.peers = peers
+        self.backups = backups
+        self.run_thread = run_thread
+        self.cancelled = cancelled
+        self.metrics = metrics
+        self.pending_wait = pending_wait
+        self.pending_grace = pending_grace
+        self.peer_retry = peer_retry
+
+    def holds(self, f: Fetch) -> bool:
+        """This node's store holds ``f.item`` with the plan's digest (it is verified, not
+        fetched, whatever the source)."""
+        return self._holds(f.item, f.digest)
+
+    def _holds(self, item: ItemId, digest: str) -> bool:
+        held = self.store.get(item)
+        return held is not None and held.digest == digest
+
+    async def fetch(self, f: Fetch, addresses: Mapping[int, str], *, last: bool) -> None:
+        """Make ``f.item`` present here with ``f.digest``, verified; ``addresses`` of the
+        round's ranks, for a pull; ``last``: no other source of the item is left.
+
+        Raises ``CorruptItem`` (a corrupt local copy of a LOCAL fetch is deleted),
+        ``SourceUnavailable`` or ``Cancelled``."""
+        try:
+            with _unavailable_on_failure():
+                if self.holds(f):
+                    await self._verify_local(f.item)
+                elif f.source is Source.LOCAL:
+                    raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
+                elif f.source is Source.PEER:
+                    await self._pull(f, addresses, last=last)
+                else:
+                    await self._download(f.item, f.digest)
+        except CorruptItem:
+            if f.source is Source.LOCAL and self.store.get(f.item) is not None:
+                self.store.delete(f.item)
+            raise
+
+    # --- local -----------------------------------------------------------------------------
+
+    async def _verify_local(self, item: ItemId) -> None:
+        t0 = time.monotonic()
+        manifest = await self.run_thread(self.store.verify, item, self.cancelled)
+        self.metrics.transfer(
+            TransferKind.RESTORE_LOCAL, manifest.total_bytes, time.monotonic() - t0
+        )
+
+    # --- peer ------------------------------------------------------------------------------
+
+    async def _pull(self, f: Fetch, addresses: Mapping[int, str], *, last: bool) -> None:
+        peers = self.peers
+        if peers is None or f.holder is None or f.holder not in addresses:
+            raise SourceUnavailable(f"no address for rank {f.holder}")
+        if f.pending:
+            await self._pull_pending(peers, addresses[f.holder], f)
+        else:
+            await self._pull_retrying(peers, addresses[f.holder], f, retry=last)
+
+    async def _pull_once(self, peers: PeerClient, address: str, f: Fetch) -> None:
+        """One pull, timed alone: the waits between tries are not transfer time."""
+        t0 = time.monotonic()
+        manifest = await peers.pull_item(address, f.item, self.store, f.digest)
+        dt = time.monotonic() - t0
+        nbytes = manifest.total_bytes
+        JobLog(log, f.item.job, f.item.rank).info(
+            "pulled %s from %s: %d bytes in %.3fs (%.1f MB/s)",
+            f.item,
+            address,
+            nbytes,
+            dt,
+            rate(nbytes, dt),
+            step=f.item.step,
+        )
+        self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
+
+    async def _pull_retrying(
+        self, peers: PeerClient, address: str, f: Fetch, *, retry: bool
+    ) -> None:
+        """Pull ``f`` from its holder. With ``retry`` (no other source of the item is left),
+        try again for ``peer_retry`` seconds while the holder cannot be reached: it joined
+        this round, so it is likely restarting (a DaemonSet update, a crash), and the
+        channel fails fast while it reconnects. Giving up at once would make the round fall
+        back to an older step and drop the newer copies everywhere (``make chaos``, seed
+        67); with another source left, that source is tried at once instead."""
+        backoff = Backoff(0.5, 4.0)
+        deadline = time.monotonic() + (self.peer_retry if retry else 0.0)
+        while True:
+            try:
+                return await self._pull_once(peers, address, f)
+            except PeerUnavailable as exc:
+                wait = backoff.next()
+                if exc.code is not grpc.StatusCode.UNAVAILABLE or (
+                    time.monotonic() + wait > deadline
+                ):
+                    raise
+                log.info(
+                    "pull of %s from rank %s: %s; again in %.1fs (the holder may be restarting)",
+                    f.item,
+                    f.holder,
+                    exc,
+                    wait,
+                )
+                await asyncio.sleep(wait)
+
+    async def _pull_pending(self, peers: PeerClient, address: str, f: Fetch) -> None:
+        """Pull an item its holder obtains during this round, once it has it.
+
+        While the holder says the item is coming (ABORTED), try again with backoff for up
+        to ``pending_wait``; while it does not know the item (NOT_FOUND: it may not have
+        the plan yet), for up to ``pending_grace``. Any other answer, including the
+        holder's word that it gave the item up, fails at once, so this rank falls back to
+        its next source (the backup) promptly. The bytes are verified against the plan's
+        digest like any pull's.
+        """
+        started = time.monotonic()
+        backoff = Backoff(0.05, 1.0)
+        while True:
+            try:
+                return await self._pull_once(peers, address, f)
+            except (ItemBusy, ItemNotFound) as exc:
+                waited = time.monotonic() - started
+                busy = isinstance(exc, ItemBusy)
+                if waited > (self.pending_wait if busy else self.pending_grace):
+                    raise SourceUnavailable(f"{exc} (waited {waited:.1f}s for it)") from None
+                await asyncio.sleep(backoff.next())
+
+    # --- backup ----------------------------------------------------------------------------
+
+    async def _download(self, item: ItemId, digest: str) -> None:
+        # The plan's digest is the one the COMMIT pins (the coordinator listed the backups
+        # and checked the COMMIT's signature): no listing and no COMMIT read per rank.
+        if self.backups is None:
+            raise CorruptItem(f"{item}: no backup is set")
+        await self.run_thread(self._download_staged, self.backups, item, digest)
+        if not self._holds(item, digest):
+            raise CorruptItem(f"{item}: the backup copy differs from the plan")
+
+    def _download_staged(self, backups: BackupStore, item: ItemId, digest: str) -> None:
+        """In a thread: download into a staging directory, then commit it whole."""
+        staged = self.store.new_staging()
+        try:
+            t0 = time.monotonic()
+            manifest = backups.fetch_pinned(item, digest, staged, self.cancelled)
+            self.store.commit_staged(staged, manifest)
+            dt = max(time.monotonic() - t0, 1e-9)
+            JobLog(log, item.job, self.rank).info(
+                "restored %s from backup: %d bytes in %.2fs (%.1f MB/s)",
+                item,
+                manifest.total_bytes,
+                dt,
+                manifest.total_bytes / dt / 1e6,
+                step=item.step,
+            )
+            self.metrics.transfer(TransferKind.RESTORE_BACKUP, manifest.total_bytes, dt)
+        finally:
+            fsutil.remove_tree(staged)

@@ -1,0 +1,82 @@
+"""Whether a backup or registry location can be used, as readiness and jobs see it. Pure.
+
+At start, and again while it is not usable, the daemon probes each location it was given
+(``storage.probe``) and records the outcome here. Two kinds of failure differ in what they
+do to a job: a refusal (no or wrong credentials, no permission, no such bucket) does not
+heal by retrying, so a job that needs the location is refused at once with the reason
+(``replicator.failed``) instead of waiting 300 s for a round that cannot finish; an
+unreachable store (a timeout, a reset, a 5xx) may heal, so it is retried with backoff and
+jobs wait as before. Both make the daemon not ready, with the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mtc_replicator.core.retry import Backoff
+
+RECHECK_REFUSED_SECONDS = 300.0
+"""How often a refused location is probed again: retrying does not heal it, but an
+operator who fixes the credentials or the policy should not have to restart every node."""
+FIRST_RETRY_SECONDS = 1.0
+MAX_RETRY_SECONDS = 60.0
+
+
+class Verdict(enum.Enum):
+    UNCHECKED = "unchecked"
+    USABLE = "usable"
+    REFUSED = "refused"
+    """Credentials, permission or the bucket itself: fix the configuration."""
+    UNREACHABLE = "unreachable"
+    """A failure a retry may heal."""
+
+
+@dataclass
+class BucketCheck:
+    """One location's state; ``record`` takes each probe's outcome and says when to probe
+    next (seconds from now), ``readiness`` and ``refusal`` say what it means."""
+
+    url: str
+    what: str
+    """``backup`` or ``registry``: which flag named it."""
+    verdict: Verdict = Verdict.UNCHECKED
+    reason: str = ""
+    backoff: Backoff | None = None
+
+    def record(self, error: str | None, *, transient: bool) -> float | None:
+        """The outcome of one probe (``error`` None: it worked); seconds until the next
+        probe, None when none is needed."""
+        if error is None:
+            self.verdict, self.reason, self.backoff = Verdict.USABLE, "", None
+            return None
+        self.reason = error
+        if not transient:
+            self.verdict, self.backoff = Verdict.REFUSED, None
+            return RECHECK_REFUSED_SECONDS
+        self.verdict = Verdict.UNREACHABLE
+        if self.backoff is None:
+            self.backoff = Backoff(FIRST_RETRY_SECONDS, MAX_RETRY_SECONDS)
+        return self.backoff.next()
+
+    def readiness(self) -> str | None:
+        """None when usable; else the line ``/readyz`` shows."""
+        if self.verdict is Verdict.USABLE:
+            return None
+        if self.verdict is Verdict.UNCHECKED:
+            return f"{self.what} {self.url}: not checked yet"
+        if self.verdict is Verdict.REFUSED:
+            return f"{self.what} {self.url} refused: {self.reason}; {REMEDY}"
+        return f"{self.what} {self.url} unreachable, retrying: {self.reason}"
+
+    def refusal(self) -> str | None:
+        """Why a job that needs this location cannot run here, when retrying cannot help."""
+        if self.verdict is not Verdict.REFUSED:
+            return None
+        return f"the {self.what} location {self.url} cannot be used: {self.reason}"
+
+
+REMEDY = (
+    "give the daemon credentials that may list and read the bucket under its prefix "
+    "(docs/permissions.md); it checks again every 5 minutes"
+)

@@ -1,0 +1,247 @@
+"""Item manifests: what one checkpoint item holds, byte for byte, and how to check it.
+
+An item is one (job, step, rank, worker) checkpoint: a directory tree or a single file. Its
+manifest lists every file's relative path, size and crc32c, and is the item's commit point
+wherever the item lives (local store, peer, backup). Parsing treats the JSON as hostile
+input. Pure: building and verifying a manifest against files on disk is
+``mtc_replicator.local.hashing``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from mtc_replicator.core.jobname import is_job_name
+
+MAX_FILES = 1_000_000
+"""Most files and directories of any manifest this code reads (a stored item's included)."""
+DEFAULT_MAX_ITEM_FILES = 100_000
+"""Most files and directories of one item a peer may push here (``--max-item-files``).
+A rank's step holds a handful of files with Orbax's OCDBT or torch DCP (one ``.distcp`` per
+rank), a few thousand without OCDBT (a directory and chunk files per array): 100,000 is
+tens of times that, and 650,000 empty files (15 MiB of manifest) cost a receiver 13-25 s
+and as many inodes, which no byte budget counts."""
+MAX_PATH_BYTES = 4095
+"""Longest relative path, in bytes as the filesystem takes it: Linux's PATH_MAX less its NUL."""
+MAX_NAME_BYTES = 255
+"""Longest name of one path component: Linux's NAME_MAX."""
+MAX_DEPTH = 64
+"""Most components of one path. Real checkpoints nest a handful deep; the receiver opens
+every level of every file's path, so depth multiplies its work."""
+MAX_FILE_BYTES = 1 << 44  # 16 TiB: larger than any single checkpoint shard we expect
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+FORMAT_VERSION = 1
+_CRC_RE = re.compile(r"[0-9a-f]{8}")
+
+
+class ManifestError(ValueError):
+    """A manifest is malformed or unsafe (hostile input is rejected, never repaired)."""
+
+
+class CorruptItem(Exception):
+    """An item's bytes do not match its manifest."""
+
+
+class Cancelled(Exception):
+    """Long file work stopped because its owner asked it to."""
+
+
+class ItemKind(StrEnum):
+    DIR = "dir"
+    FILE = "file"
+
+
+@dataclass(frozen=True, order=True)
+class ItemId:
+    """Which checkpoint an item is: job, step, node rank and worker."""
+
+    job: str
+    step: int
+    rank: int
+    worker: int
+
+    @property
+    def key(self) -> str:
+        """The item's name below its step, in the store and in backups."""
+        return f"{self.rank}-{self.worker}"
+
+    def __str__(self) -> str:
+        return f"{self.job}/s{self.step}/n{self.rank}-w{self.worker}"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One regular file of an item. ``path`` is relative; empty for a file item."""
+
+    path: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The full description of one item; ``digest`` identifies its content."""
+
+    item: ItemId
+    kind: ItemKind
+    files: tuple[FileEntry, ...]
+    dirs: tuple[str, ...] = ()
+    """Directories of a tree item, so empty ones survive a copy."""
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def _content(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "job": self.item.job,
+            "step": self.item.step,
+            "rank": self.item.rank,
+            "worker": self.item.worker,
+            "kind": self.kind.value,
+            "dirs": list(self.dirs),
+            "files": [[f.path, f.size, f"{f.crc32c:08x}"] for f in self.files],
+        }
+
+    def to_json(self) -> bytes:
+        """Canonical JSON: the same manifest always serialises to the same bytes."""
+        return json.dumps(self._content(), separators=(",", ":"), sort_keys=True).encode()
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json()).hexdigest()
+
+    @property
+    def entries(self) -> int:
+        """Files and directories: the inodes a copy of the item takes."""
+        return len(self.files) + len(self.dirs)
+
+    @classmethod
+    def from_json(cls, raw: bytes, max_entries: int = MAX_FILES) -> Manifest:
+        """Parse and validate a manifest from an untrusted source; one of more than
+        ``max_entries`` files and directories is refused before any entry is checked."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {len(raw)} bytes exceeds {MAX_MANIFEST_BYTES}")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(f"manifest is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ManifestError("manifest must be a JSON object")
+        return _manifest_from_dict(data, max_entries)
+
+
+def _field(data: dict[str, Any], key: str, typ: type) -> Any:
+    value = data.get(key)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise ManifestError(f"manifest field {key!r} must be {typ.__name__}, got {value!r:.80}")
+    return value
+
+
+def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
+    if data.get("version") != FORMAT_VERSION:
+        raise ManifestError(f"unsupported manifest version {data.get('version')!r:.40}")
+    job = _field(data, "job", str)
+    if not is_job_name(job):
+        raise ManifestError(f"unsafe job name {job!r:.80}")
+    nums = {k: _field(data, k, int) for k in ("step", "rank", "worker")}
+    if any(v < 0 for v in nums.values()):
+        raise ManifestError(f"negative step/rank/worker in {nums}")
+    item = ItemId(job, nums["step"], nums["rank"], nums["worker"])
+    try:
+        kind = ItemKind(str(data.get("kind")))
+    except ValueError:
+        raise ManifestError(f"unknown item kind {data.get('kind')!r:.40}") from None
+    raw_files = _field(data, "files", list)
+    raw_dirs = _field(data, "dirs", list)
+    listed, limit = len(raw_files) + len(raw_dirs), min(max_entries, MAX_FILES)
+    if listed > limit:
+        raise ManifestError(
+            f"manifest lists {listed} files and directories, more than {limit} "
+            "(the most one item may have here: --max-item-files)"
+        )
+    files: list[FileEntry] = []
+    for entry in raw_files:
+        if not (isinstance(entry, list) and len(entry) == 3):
+            raise ManifestError(f"file entry must be [path, size, crc], got {entry!r:.80}")
+        path, size, crc = entry
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_BYTES:
+            raise ManifestError(f"bad size {size!r:.40} for {path!r:.80}")
+        # int(x, 16) alone would also take a sign, spaces and underscores.
+        if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
+            raise ManifestError(f"bad crc32c {crc!r:.40} for {path!r:.80}")
+        files.append(FileEntry(_checked_path(path, kind), size, int(crc, 16)))
+    dirs = tuple(_checked_path(d, ItemKind.DIR) for d in raw_dirs)
+    manifest = Manifest(item, kind, tuple(files), dirs)
+    _check_layout(manifest)
+    return manifest
+
+
+def _checked_path(path: object, kind: ItemKind) -> str:
+    """Reject anything that could escape the item's root or alias another entry."""
+    if not isinstance(path, str):
+        raise ManifestError(f"path must be a string, got {path!r:.80}")
+    if kind is ItemKind.FILE:
+        if path != "":
+            raise ManifestError(f"a file item has one entry with an empty path, got {path!r:.80}")
+        return path
+    return check_path(path)
+
+
+def check_path(path: str) -> str:
+    """``path`` if it is a safe relative path inside a tree item that any receiver can
+    create; ``ManifestError`` otherwise. ``build_manifest`` applies it too, so whatever this
+    node commits, it and its peers can read back."""
+    try:
+        # The bytes the filesystem will see: names read from disk that are not UTF-8 come
+        # back as surrogate escapes and round-trip; any other lone surrogate cannot be a name.
+        encoded = path.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raise ManifestError(f"path is not a file name: {path!r:.80}") from None
+    if not encoded or len(encoded) > MAX_PATH_BYTES:
+        raise ManifestError(f"path length must be 1..{MAX_PATH_BYTES} bytes: {path!r:.80}")
+    if "\x00" in path or "\\" in path or path.startswith("/"):
+        raise ManifestError(f"unsafe path {path!r:.80}")
+    parts = encoded.split(b"/")
+    if any(p in (b"", b".", b"..") for p in parts):
+        raise ManifestError(f"unsafe path {path!r:.80}")
+    if len(parts) > MAX_DEPTH:
+        raise ManifestError(f"path deeper than {MAX_DEPTH} levels: {path!r:.80}")
+    if any(len(p) > MAX_NAME_BYTES for p in parts):
+        raise ManifestError(f"a name in the path is over {MAX_NAME_BYTES} bytes: {path!r:.80}")
+    return path
+
+
+def _check_layout(manifest: Manifest) -> None:
+    paths = [f.path for f in manifest.files]
+    if manifest.kind is ItemKind.FILE:
+        if len(paths) != 1 or manifest.dirs:
+            raise ManifestError("a file item has exactly one file entry and no dirs")
+        return
+    if len(set(paths)) != len(paths) or len(set(manifest.dirs)) != len(manifest.dirs):
+        raise ManifestError("duplicate path in manifest")
+    dirs = set(manifest.dirs)
+    file_set = set(paths)
+    for p in paths:
+        if p in dirs:
+            raise ManifestError(f"{p!r:.80} is listed as both file and directory")
+    # Exactly the layout build_manifest produces: every parent of an entry is a listed dir.
+    # The immediate parent suffices (it is an entry too, so its own parent is checked), and
+    # keeps the check linear in the manifest's size, however deep its paths.
+    for p in (*paths, *manifest.dirs):
+        parent = p.rpartition("/")[0]
+        if parent and parent not in dirs:
+            if parent in file_set:
+                raise ManifestError(f"{parent!r:.80} is a file and a parent directory")
+            raise ManifestError(f"parent directory of {p!r:.80} is not listed")
+
+
+CancelCheck = Callable[[], bool]
+"""Polled between chunks of long work; True stops it with ``Cancelled``."""

@@ -1,0 +1,362 @@
+"""Hashing and checking an item's files on disk against its manifest. I/O module.
+
+``build_manifest`` walks and hashes an item's data (a directory tree or one file) with
+crc32c; ``verify_item`` checks data against a manifest. Reads go in ``CHUNK`` pieces
+(``VERIFY_READ`` when verifying) so memory stays at one piece per thread whatever the
+item's size.
+
+``verify_item`` is on a restore's critical path: it hashes the item's files, and large
+files in ``PIECE``-sized ranges, on a pool of one thread per core shared by every verify
+(crc32c and ``pread`` release the GIL), and combines the ranges' crcs (``core.crc``). Every
+byte is read: each range must be exactly there, and nothing may follow a file's last one.
+
+Taken data was written by a pod, which may still hold a descriptor of a directory inside
+it: every walk and open goes through descriptors with no symlink at any component, from
+``root`` (the store) down (``fsutil.open_beneath``), and a FIFO is refused, never waited on.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import google_crc32c
+
+from mtc_replicator.core.crc import crc32c_concat, split_ranges
+from mtc_replicator.core.manifest import (
+    CancelCheck,
+    Cancelled,
+    CorruptItem,
+    FileEntry,
+    ItemId,
+    ItemKind,
+    Manifest,
+    ManifestError,
+    check_path,
+)
+from mtc_replicator.local import fsutil
+
+CHUNK = 4 * 1024 * 1024
+PIECE = 32 * 1024 * 1024
+"""Bytes of one file that one thread verifies: a 1 GiB file keeps every core busy."""
+VERIFY_READ = 1024 * 1024
+"""Bytes per read while verifying: the least for which crc32c releases the GIL (measured no
+slower than 4 MiB here), so the pool's threads hold little memory between them."""
+MAX_VERIFY_THREADS = 32
+"""Memory bandwidth, not cores, bounds a verify long before this on a large node."""
+_LINKED = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)
+"""What ``fsutil.open_beneath`` says when a component is a symlink (or not a directory)."""
+
+
+def _refused(exc: OSError, what: str) -> ManifestError:
+    return ManifestError(f"{what}: a symlink where a file or directory must be ({exc.strerror})")
+
+
+def _never() -> bool:
+    return False
+
+
+def _descend(root: Path | None, data: Path) -> tuple[Path | int, str]:
+    """Where to open ``data`` from: ``root`` (default: ``data``'s parent) and the way down."""
+    base = data.parent if root is None else root
+    return base, str(data.relative_to(base))
+
+
+def _open_regular(root: Path | int, rel: str) -> int:
+    """A read descriptor of the regular file ``rel`` below ``root``, through no symlink."""
+    try:
+        return fsutil.open_file_beneath(root, rel)
+    except fsutil.NotRegularFile as exc:
+        raise ManifestError(f"{rel!r} is {exc.kind}, not a regular file") from None
+    except OSError as exc:
+        if exc.errno in _LINKED:
+            raise _refused(exc, repr(rel)) from None
+        raise
+
+
+def read_chunks(
+    path: Path, cancelled: CancelCheck = _never, *, root: Path | int | None = None, rel: str = ""
+) -> Iterator[bytes]:
+    """Yield a regular file's bytes in CHUNK-sized pieces; memory stays at one chunk.
+
+    With ``root``, the file is ``rel`` below it, reached through no symlink; without, it is
+    ``path`` (its last component not followed).
+    """
+    if root is None:
+        root, rel = path.parent, path.name
+    fd = _open_regular(root, rel)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            if cancelled():
+                raise Cancelled(str(path))
+            yield chunk
+    finally:
+        os.close(fd)
+
+
+def file_crc32c(
+    path: Path, cancelled: CancelCheck = _never, *, root: Path | int | None = None, rel: str = ""
+) -> tuple[int, int]:
+    """(size, crc32c) of one regular file (``root`` and ``rel`` as for ``read_chunks``)."""
+    crc = 0
+    size = 0
+    for chunk in read_chunks(path, cancelled, root=root, rel=rel):
+        crc = google_crc32c.extend(crc, chunk)
+        size += len(chunk)
+    return size, crc
+
+
+def walk_tree(root: Path | int) -> tuple[list[str], list[str]]:
+    """(dirs, files) below ``root`` (a path, or a directory descriptor) as sorted relative
+    POSIX paths; no symlinks allowed, none followed, and no path a manifest could not carry
+    (``check_path``). One descriptor below ``root`` is open at a time, whatever the tree's
+    width: an item of many directories must not run out of them."""
+    dirs: list[str] = []
+    files: list[str] = []
+    top = root if isinstance(root, int) else fsutil.open_dir_beneath(root, "")
+    stack = [""]
+    try:
+        while stack:
+            rel = stack.pop()
+            # Opened beneath ``top`` without following any component: a directory swapped
+            # for a symlink since its parent was scanned is refused (ELOOP), never walked.
+            fd = fsutil.open_dir_beneath(top, rel) if rel else top
+            try:
+                with os.scandir(fd) as it:
+                    names = [(e.name, e.stat(follow_symlinks=False).st_mode) for e in it]
+            finally:
+                if fd != top:
+                    os.close(fd)
+            for name, mode in names:
+                sub = check_path(f"{rel}/{name}" if rel else name)
+                if stat.S_ISDIR(mode):
+                    dirs.append(sub)
+                    stack.append(sub)
+                elif stat.S_ISREG(mode):
+                    files.append(sub)
+                else:
+                    raise ManifestError(f"{sub!r} is neither a regular file nor a directory")
+    except OSError as exc:
+        if exc.errno in _LINKED:
+            raise _refused(exc, "walking the item") from None
+        raise
+    finally:
+        if top is not root:
+            os.close(top)
+    return sorted(dirs), sorted(files)
+
+
+def _lmode(base: Path | int, rel: str) -> int:
+    """The mode of ``rel`` below ``base``, without following it or any component of it."""
+    parent, _, name = rel.rpartition("/")
+    try:
+        fd = fsutil.open_dir_beneath(base, parent)
+    except OSError as exc:
+        if exc.errno in _LINKED:
+            raise _refused(exc, rel) from None
+        raise
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+    finally:
+        os.close(fd)
+
+
+def build_manifest(
+    item: ItemId, data: Path, cancelled: CancelCheck = _never, *, root: Path | None = None
+) -> Manifest:
+    """Hash an item's data (a directory tree or one file) into its manifest.
+
+    ``root``: a directory above ``data`` (the store) from which no component may be a
+    symlink; by default ``data``'s parent.
+    """
+    base, rel = _descend(root, data)
+    mode = _lmode(base, rel)
+    if stat.S_ISREG(mode):
+        size, crc = file_crc32c(data, cancelled, root=base, rel=rel)
+        return Manifest(item, ItemKind.FILE, (FileEntry("", size, crc),))
+    if not stat.S_ISDIR(mode):
+        raise ManifestError(f"{data} is neither a regular file nor a directory")
+    top = fsutil.open_dir_beneath(base, rel)
+    try:
+        dirs, files = walk_tree(top)
+        entries = []
+        for path in files:
+            size, crc = file_crc32c(data / path, cancelled, root=top, rel=path)
+            entries.append(FileEntry(path, size, crc))
+    finally:
+        os.close(top)
+    return Manifest(item, ItemKind.DIR, tuple(entries), tuple(dirs))
+
+
+def data_file(data: Path, entry: FileEntry) -> Path:
+    return data / entry.path if entry.path else data
+
+
+def verify_item(
+    manifest: Manifest, data: Path, cancelled: CancelCheck = _never, *, root: Path | None = None
+) -> None:
+    """Raise ``CorruptItem`` unless ``data`` holds exactly the manifest's bytes (``root`` as
+    for ``build_manifest``: a symlink anywhere below it is corruption, never followed)."""
+    base, rel = _descend(root, data)
+    try:
+        mode = _lmode(base, rel)
+    except FileNotFoundError:
+        raise CorruptItem(f"{manifest.item}: data is missing") from None
+    except ManifestError as exc:
+        raise CorruptItem(f"{manifest.item}: {exc}") from None
+    if manifest.kind is ItemKind.DIR:
+        if not stat.S_ISDIR(mode):
+            raise CorruptItem(f"{manifest.item}: expected a directory")
+        try:
+            top = fsutil.open_dir_beneath(base, rel)
+        except OSError as exc:
+            if exc.errno in _LINKED:
+                raise CorruptItem(f"{manifest.item}: {_refused(exc, rel)}") from None
+            raise
+    elif not stat.S_ISREG(mode):
+        raise CorruptItem(f"{manifest.item}: expected a regular file")
+    else:
+        top = None
+    try:
+        if top is not None:
+            try:
+                dirs, files = walk_tree(top)
+            except ManifestError as exc:
+                raise CorruptItem(f"{manifest.item}: {exc}") from None
+            if files != sorted(f.path for f in manifest.files) or dirs != sorted(manifest.dirs):
+                raise CorruptItem(f"{manifest.item}: the file list differs from the manifest")
+        where = [(base, rel) if top is None else (top, e.path) for e in manifest.files]
+        try:
+            _verify_files(manifest, where, cancelled)
+        except ManifestError as exc:  # a file swapped for a symlink or a special file
+            raise CorruptItem(f"{manifest.item}: {exc}") from None
+    finally:
+        if top is not None:
+            os.close(top)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """One thread per core this process may run on (at most ``MAX_VERIFY_THREADS``) for
+    every verify of the process: concurrent verifies share the cores rather than multiply
+    the threads (and the ``VERIFY_READ`` each one holds)."""
+    global _pool  # noqa: PLW0603 - one pool per process, made on first use
+    with _pool_lock:
+        if _pool is None:
+            cores = len(os.sched_getaffinity(0)) or 1
+            _pool = ThreadPoolExecutor(
+                min(cores, MAX_VERIFY_THREADS), thread_name_prefix="mtc-verify"
+            )
+        return _pool
+
+
+class _Stopped(Exception):
+    """Another range already failed: this one's answer no longer matters."""
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Bytes ``[offset, offset + length)`` of the manifest's file number ``file``."""
+
+    file: int
+    where: tuple[Path | int, str]
+    """Where the file is: a directory (or its descriptor) and the path below it."""
+    offset: int
+    length: int
+    last: bool
+    """The file's last range: nothing may follow it."""
+
+
+def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> tuple[int, int | None]:
+    """(crc32c of the range's bytes, None), or (0, the file's size) when they are not all
+    there or, after the file's last range, more bytes follow."""
+    fd = _open_regular(*r.where)
+    try:
+        crc, pos, end = 0, r.offset, r.offset + r.length
+        while pos < end:
+            if stop.is_set():
+                raise _Stopped
+            if cancelled():
+                raise Cancelled(r.where[1])
+            chunk = os.pread(fd, min(VERIFY_READ, end - pos), pos)
+            if not chunk:
+                return 0, os.fstat(fd).st_size
+            crc = google_crc32c.extend(crc, chunk)
+            pos += len(chunk)
+        if r.last and os.pread(fd, 1, end):
+            return 0, os.fstat(fd).st_size
+        return crc, None
+    finally:
+        os.close(fd)
+
+
+def _verify_files(
+    manifest: Manifest, where: list[tuple[Path | int, str]], cancelled: CancelCheck
+) -> None:
+    """Check every file of ``manifest`` (``where``: its root and path, in manifest order)
+    on the hashing pool; raise ``CorruptItem`` for the first file, in manifest order, that
+    differs."""
+    stop = threading.Event()
+    ranges = [split_ranges(e.size, PIECE) for e in manifest.files]
+    jobs = [
+        _Range(i, where[i], off, n, k == len(rs) - 1)
+        for i, rs in enumerate(ranges)
+        for k, (off, n) in enumerate(rs)
+    ]
+    if len(jobs) == 1:  # a small item: a thread hop would cost more than it saves
+        results = [_range_crc(jobs[0], stop, cancelled)]
+    else:
+        pool = _hash_pool()
+        results = _gather([pool.submit(_range_crc, r, stop, cancelled) for r in jobs], stop)
+    by_file: dict[int, list[tuple[int, int | None]]] = {}
+    for r, result in zip(jobs, results, strict=True):
+        by_file.setdefault(r.file, []).append(result)
+    for i, entry in enumerate(manifest.files):
+        got = by_file[i]
+        wrong_size = next((size for _, size in got if size is not None), None)
+        name = entry.path or "the file"
+        if wrong_size is not None:
+            raise CorruptItem(
+                f"{manifest.item}: {name} has size {wrong_size}, manifest says size {entry.size}"
+            )
+        crc = crc32c_concat((c, n) for (c, _), (_, n) in zip(got, ranges[i], strict=True))
+        if crc != entry.crc32c:
+            raise CorruptItem(
+                f"{manifest.item}: {name} has size {entry.size} crc32c {crc:08x}, "
+                f"manifest says size {entry.size} crc32c {entry.crc32c:08x}"
+            )
+
+
+def _gather(
+    futures: list[Future[tuple[int, int | None]]], stop: threading.Event
+) -> list[tuple[int, int | None]]:
+    """Every range's answer; on a failure the others stop early and the failure (the first
+    in order, a file's problem before a stop) is raised once all have ended."""
+    results: list[tuple[int, int | None]] = []
+    failure: BaseException | None = None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+            if results[-1][1] is not None:
+                stop.set()  # a wrong size is decided: no need to read the rest
+        except _Stopped:
+            results.append((0, None))
+        except BaseException as exc:  # re-raised below, once the others ended
+            stop.set()
+            for later in futures:
+                later.cancel()
+            if failure is None:
+                failure = exc
+            results.append((0, None))
+    if failure is not None:
+        raise failure
+    return results

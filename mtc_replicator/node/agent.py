@@ -1,0 +1,593 @@
+"""One job incarnation on this node: restore, markers, then steady-state ingest, backup, GC.
+
+Every job, one node or many, restores through its coordinator's round and backs up on its
+coordinator's orders (``cluster.membership``); a one-node job's coordinator is hosted by
+this daemon and called in process. The decisions come from ``core`` (pure); this module
+performs them: blocking disk and object-store work runs in the daemon's bounded thread
+pool, and every step is published atomically so a ``kill -9`` at any point leaves
+committed data intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
+from mtc_replicator.cluster.membership import ClusterMember, MemberContext
+from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.cluster.rounds import JobRank, RoundFailed
+from mtc_replicator.cluster.sources import ItemSources
+from mtc_replicator.cluster.workload_errors import WorkloadErrors
+from mtc_replicator.core.admission import expected_pushers
+from mtc_replicator.core.contract import (
+    FAILED_FILE,
+    JobConfig,
+    parse_config,
+)
+from mtc_replicator.core.drain import DrainPlan, plan_drain
+from mtc_replicator.core.layout import backup_items
+from mtc_replicator.core.manifest import ItemId, ManifestError
+from mtc_replicator.core.ownership import UNOWNED
+from mtc_replicator.core.policy import (
+    Handoff,
+    complete_steps,
+    find_handoffs,
+    retention,
+    retention_of_copies,
+    save_in_progress,
+)
+from mtc_replicator.core.timeline import RestorePhase, RestoreTimeline
+from mtc_replicator.local import fsutil
+from mtc_replicator.local.offload import Offload
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.node.checkpoint_dir import list_top, publish_markers, unlink_links_to
+from mtc_replicator.node.reclaim import ForeignItems
+from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
+from mtc_replicator.storage.upload import ItemNotHeld, upload_step
+from mtc_replicator.transport.obtaining import Obtaining
+from mtc_replicator.transport.peer_client import PeerClient
+from mtc_replicator.transport.tls import TlsMaterial
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "incarnation.json"
+
+
+class RestoreBlocked(Exception):
+    """No step could be restored although one exists: fatal, the job must not start fresh."""
+
+
+class IncarnationPhase(StrEnum):
+    RESTORING = "restoring"
+    """The workload waits for markers: a restarted daemon must (re)do the restore."""
+    STEADY = "steady"
+    """Markers were published: a restarted daemon resumes ingesting."""
+
+
+@dataclass
+class AgentContext:
+    """What every incarnation on this daemon shares."""
+
+    checkpoint_dir: Path
+    store: LocalStore
+    backups: BackupStore | None
+    executor: Executor
+    closed_files: set[str] = field(default_factory=set)
+    """Top-level names seen closed after writing (inotify), for ``.save`` hand-offs."""
+    settle_seconds: float = 10.0
+    rescan_seconds: float = 2.0
+    env: dict[str, str] = field(default_factory=dict)
+    """The variables `$VAR` in a `replicator.yaml` may name (`--expand-vars`); no others."""
+    clock: Callable[[], float] = time.time
+    peers: PeerClient | None = None
+    """The peer data plane; needed by jobs with ``nodes > 1``."""
+    registry: Registry | None = None
+    """Where coordinators are found; needed by jobs with ``nodes > 1``."""
+    coordinators: Coordinators | None = None
+    """The coordinators this daemon hosts: a one-node job calls its own in process."""
+    tls: TlsMaterial | None = None
+    """Mutual TLS for calls to other nodes' coordinators; None: plaintext."""
+    advertise: str = ""
+    """This node's peer address, as other nodes reach it."""
+    report_after: float = 60.0
+    """Seconds a restore round may wait before ``replicator.errors`` says what for."""
+    metrics: Metrics = NO_METRICS
+    obtaining: Obtaining | None = None
+    """What the restore round is still fetching, for the peer service (fan-out pulls)."""
+    pacer: Pacer = field(default_factory=Pacer)
+    """The node's outgoing transfers: the agent tells it when the job is saving."""
+    foreign: ForeignItems | None = None
+    """Items of jobs that do not run here: they give way when this job needs the room."""
+
+
+@dataclass(frozen=True)
+class SavedIncarnation:
+    """What survives a daemon restart: the accepted config and how far the handshake got."""
+
+    config_text: str
+    incarnation_id: str
+    phase: IncarnationPhase
+
+
+def save_state(store: LocalStore, state: SavedIncarnation | None) -> None:
+    path = store.root / STATE_FILE
+    if state is None:
+        path.unlink(missing_ok=True)
+        return
+    body = {"config": state.config_text, "id": state.incarnation_id, "phase": state.phase.value}
+    fsutil.atomic_write_bytes(path, json.dumps(body).encode())
+
+
+def load_state(store: LocalStore) -> SavedIncarnation | None:
+    try:
+        body = json.loads((store.root / STATE_FILE).read_bytes())
+        return SavedIncarnation(
+            str(body["config"]), str(body["id"]), IncarnationPhase(body["phase"])
+        )
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable %s: %s", STATE_FILE, exc)
+        return None
+
+
+def new_incarnation_id() -> str:
+    """A fresh incarnation id: 16 hex digits, unique per accepted handshake."""
+    return uuid.uuid4().hex[:16]
+
+
+class Incarnation:
+    """The life of one accepted ``replicator.yaml`` on this node."""
+
+    def __init__(
+        self,
+        config: JobConfig,
+        ctx: AgentContext,
+        *,
+        config_text: str,
+        incarnation_id: str | None = None,
+        resume_steady: bool = False,
+        owner: str = UNOWNED,
+        handshake_at: float | None = None,
+    ) -> None:
+        """``handshake_at``: when (``time.monotonic``) the daemon first read the yaml this
+        incarnation was accepted from; the restore's timeline starts there."""
+        self.config = config
+        self.ctx = ctx
+        self.owner = owner
+        """Who this job belongs to (``core.ownership``), as read at the handshake; every
+        join carries it."""
+        self.id = incarnation_id or new_incarnation_id()
+        self.config_text = config_text
+        self.log = JobLog(log, config.job_name, config.node_rank)
+        self.phase = IncarnationPhase.STEADY if resume_steady else IncarnationPhase.RESTORING
+        self._wake = asyncio.Event()
+        self._stopping = threading.Event()
+        self._offload = Offload(ctx.executor)
+        """This incarnation's blocking calls, which ``stop`` waits for."""
+        self._thread = self._offload.run
+        self.error = WorkloadErrors(ctx.checkpoint_dir, config, self.log, ctx.metrics).report
+        """A non-fatal problem: logged, counted, and told to the workload."""
+        self._task: asyncio.Task[None] | None = None
+        self._started_at = time.monotonic()
+        self.member: ClusterMember | None = None
+        """This rank in its job (every job has one once the incarnation runs)."""
+        self._saving = False
+        """Whether the last scan saw the job writing a checkpoint."""
+        self._draining = False
+        """SIGTERM: the steady loop ends after its pass in progress (``drain``)."""
+        self.timeline = RestoreTimeline(
+            time.monotonic,
+            origin=handshake_at,
+            opening=None if handshake_at is None else RestorePhase.SETTLE,
+        )
+        """How long each phase of this incarnation's restore took (``core.timeline``)."""
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.ctx.metrics.serving(self.config.job_name)
+        self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
+        self._stopping.set()
+        self.ctx.pacer.saving(False)  # a save this incarnation saw holds nobody after it
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.wait([self._task], timeout=timeout)
+        if self.member is not None:
+            await self.member.stop()
+        await self._offload.wait(timeout)
+
+    async def drain(self) -> DrainPlan | None:
+        """SIGTERM: get the newest step held here to the peers that lack it and into the
+        backup when it is older (``core.drain``), before ``stop``. The caller bounds it
+        (``--drain-seconds``). None: nothing done (the job had not restored yet)."""
+        member = self.member
+        if member is None or self.phase is not IncarnationPhase.STEADY:
+            return None
+        self._draining = True
+        self._wake.set()
+        if self._task is not None and not self._task.done():
+            # The steady loop ends after the pass in progress (a step being hashed is
+            # committed, not hashed twice), so no retention runs beside the drain.
+            await asyncio.wait([self._task])
+        await self._ingest_ready(member)  # a step renamed in since that pass
+        # A save in progress no longer holds the upload: the node may be gone before it ends.
+        self.ctx.pacer.saving(False)
+        job = self.config.job_name
+        steps = complete_steps(self.config, self.ctx.store.manifests(job).keys())
+        newest = steps[-1] if steps else None
+        backups = self.ctx.backups
+        committed = False
+        if backups is not None and newest is not None:
+            try:
+                committed = await self._thread(backups.read_commit, job, newest) is not None
+            except (ObjectStoreError, ManifestError, OSError) as exc:
+                self.log.warning("drain: cannot read the backup's COMMIT: %s", exc, step=newest)
+        plan = plan_drain(
+            self.config,
+            newest=newest,
+            replicated=member.replication.newest_replicated,
+            committed=committed,
+            has_backup=backups is not None,
+        )
+        self.log.info("drain: step %s: %s", plan.step, plan.why, step=plan.step)
+        if plan.step is None:
+            return plan
+        step = plan.step
+        if plan.push:
+            t0 = time.monotonic()
+            held = await member.replication.settle(step)
+            self.log.info(
+                "drain: step %d %s the peers in %.2fs",
+                step,
+                "reached" if held else "did NOT reach every one of",
+                time.monotonic() - t0,
+                step=step,
+            )
+        if plan.upload and backups is not None:
+            await self._drain_upload(member, backups, step)
+        return plan
+
+    async def _drain_upload(self, member: ClusterMember, backups: BackupStore, step: int) -> None:
+        t0 = time.monotonic()
+        job = self.config.job_name
+        try:
+            if not await member.settle_upload(step):
+                await upload_step(
+                    backups,
+                    self.ctx.store,
+                    self.config,
+                    step,
+                    run_thread=self._thread,
+                    log=self.log,
+                    metrics=self.ctx.metrics,
+                    cancelled=self.ctx.pacer.halted.is_set,
+                )
+            keys = [i.key for i in backup_items(self.config, step)]
+            record = await self._thread(backups.try_commit, job, step, keys)
+        except PreconditionFailed:
+            record = await self._thread(backups.read_commit, job, step)
+        except (ObjectStoreError, ManifestError, ItemNotHeld, OSError) as exc:
+            self.log.warning("drain: backup of step %d failed: %s", step, exc, step=step)
+            return
+        if record is None:
+            self.log.info(
+                "drain: step %d uploaded; not committed: other uploaders' items are missing "
+                "(the last of them to drain, or the coordinator's next order, commits it)",
+                step,
+                step=step,
+            )
+            return
+        self.ctx.metrics.backed_up(job, step, record.created)
+        self.log.info(
+            "drain: backup of step %d committed in %.2fs", step, time.monotonic() - t0, step=step
+        )
+
+    async def _run(self) -> None:
+        try:
+            member = self.member = self._join()
+            member.running = self.phase is IncarnationPhase.STEADY  # resumed running
+            if self.phase is IncarnationPhase.RESTORING:
+                for assumption in self.config.assumed:
+                    self.error(assumption, kind=ErrorKind.CONFIG)
+                self.persist()
+                await self._make_room()  # the restore may fetch a step into this RAM disk
+                self.timeline.enter(RestorePhase.INGEST)
+                await self._ingest_ready(member)
+                await self._restore(member)
+                self.phase = IncarnationPhase.STEADY
+                self.persist()
+            await self._steady(member)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._stopping.is_set():
+                # Work cut short by stop() (Cancelled); the next incarnation owns the files.
+                self.log.info("incarnation stopped: %s", exc)
+                return
+            self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
+            if self.phase is IncarnationPhase.RESTORING:
+                self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
+                self._report_timeline("restore failed", None)
+            text = (
+                f"mtc-replicator: job {self.config.job_name} rank {self.config.node_rank} failed: "
+                f"{type(exc).__name__}: {exc}\nSee the replicator's log on this node; restart the "
+                "job to retry (committed checkpoints are kept)."
+            )
+            fsutil.atomic_write_bytes(self.ctx.checkpoint_dir / FAILED_FILE, text.encode())
+
+    def _join(self) -> ClusterMember:
+        ctx = self.ctx
+        finder: CoordinatorFinder
+        if self.config.nodes == 1:
+            if ctx.coordinators is None:
+                raise RestoreBlocked("this daemon hosts no coordinators")
+            finder = LocalFinder(ctx.coordinators, owner=self.owner)
+        elif ctx.peers is None or ctx.registry is None:
+            raise RestoreBlocked(
+                f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
+                "to find its coordinator"
+            )
+        else:
+            finder = RegistryFinder(ctx.registry, ctx.tls, owner=self.owner)
+        rank = JobRank(
+            self.config, self.id, ctx.store, finder, ctx.advertise, ctx.report_after, ctx.obtaining
+        )
+        sources = ItemSources(
+            ctx.store,
+            self.config.node_rank,
+            peers=ctx.peers,
+            backups=ctx.backups,
+            run_thread=self._thread,
+            cancelled=self._stopping.is_set,
+            metrics=ctx.metrics,
+        )
+        return ClusterMember(
+            MemberContext(
+                rank,
+                sources,
+                backups=ctx.backups,
+                peers=ctx.peers,
+                run_thread=self._thread,
+                error=self.error,
+                metrics=ctx.metrics,
+            )
+        )
+
+    def _since_start(self) -> float:
+        return time.monotonic() - self._started_at
+
+    async def _restore(self, member: ClusterMember) -> None:
+        started = time.monotonic()
+        try:
+            outcome = await member.restore(self.timeline)
+        except RoundFailed as exc:
+            raise RestoreBlocked(f"the restore round cannot complete: {exc}") from None
+        if outcome.step is None and outcome.unavailable:
+            # A checkpoint exists but this node could not get it (full disk, store down):
+            # an empty marker would make the job silently train from scratch.
+            raise RestoreBlocked(
+                "a committed checkpoint exists but could not be restored: "
+                + "; ".join(outcome.unavailable)
+            )
+        # Items newer than the agreed step belong to an abandoned run: kept, they would
+        # pass for the newest checkpoint and make retention delete the new saves.
+        abandoned = [
+            i
+            for i in self.ctx.store.manifests(self.config.job_name)
+            if outcome.step is None or i.step > outcome.step
+        ]
+        if outcome.step is None and abandoned:
+            # Never silent: this node held parts of a checkpoint the cluster cannot complete.
+            where = "in the backup" if self.ctx.backups is not None else "in a backup (none is set)"
+            steps = sorted({i.step for i in abandoned})
+            self.error(
+                f"no step of job {self.config.job_name} is complete on every rank or {where}: "
+                f"starting fresh, dropping this node's incomplete steps {steps}",
+                kind=ErrorKind.RESTORE,
+            )
+        self._tell_refused_commits()
+        self.timeline.enter(RestorePhase.MARKERS)
+        if abandoned:
+            self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
+            await self._thread(self._delete_items, abandoned)
+        await self._thread(
+            publish_markers, self.ctx.checkpoint_dir, self.ctx.store, self.config, self.id, outcome
+        )
+        self._report_timeline("restore timeline", outcome.step)
+        self.log.info(
+            "restore round done: step=%s source=%s in %.2fs",
+            outcome.step,
+            outcome.source,
+            time.monotonic() - started,
+            step=outcome.step,
+        )
+        self.ctx.metrics.restore_done(self.config.job_name, outcome.step, self._since_start())
+
+    def _report_timeline(self, what: str, step: int | None) -> None:
+        """End the restore's timeline: one INFO line of every phase's seconds, at DEBUG
+        each span, and the phases to ``mtc_restore_phase_seconds``."""
+        timeline = self.timeline
+        timeline.finish()
+        self.log.info("%s: %s", what, timeline.summary(), step=step)
+        for line in timeline.lines():
+            self.log.debug("restore timeline: %s", line, step=step)
+        self.ctx.metrics.restore_phases({p.value: t for p, t in timeline.totals().items()})
+
+    def _tell_refused_commits(self) -> None:
+        """Say which COMMITs the round passed over because they were not believed (unsigned
+        or forged): the job restored an older step, or none, and must know why. Known where
+        the job's backups were listed: in rank 0's daemon (the coordinator's); the other
+        ranks fetch with the plan's digests and never list."""
+        backups = self.ctx.backups
+        refused = {} if backups is None else backups.refused.get(self.config.job_name, {})
+        for step, why in sorted(refused.items()):
+            self.error(f"{why}; never restored", step, kind=ErrorKind.RESTORE)
+
+    def persist(self) -> None:
+        save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
+
+    # --- steady state ----------------------------------------------------------------------
+
+    async def _steady(self, member: ClusterMember) -> None:
+        while not self._stopping.is_set() and not self._draining:
+            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
+            # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.ctx.rescan_seconds):
+                    await self._wake.wait()
+            self._wake.clear()
+            await self._ingest_ready(member)
+            # An upload that ended no longer protects its step.
+            await self._collect_garbage(member)
+            await self._after_steps(member, force=False)
+
+    async def _ingest_ready(self, member: ClusterMember) -> None:
+        entries = await self._thread(list_top, self.ctx.checkpoint_dir)
+        closed, now = set(self.ctx.closed_files), self.ctx.clock()
+        saving = save_in_progress(self.config, entries, closed, now, self.ctx.settle_seconds)
+        if (saving is not None) != self._saving:
+            self._saving = saving is not None
+            self.log.debug("save in progress: %s", saving or "none")
+        # Replication and backups hold while the job writes (bounded): ``core.pacing``.
+        self.ctx.pacer.saving(self._saving)
+        handoffs = find_handoffs(self.config, entries, closed, now, self.ctx.settle_seconds)
+        for pending in await self._thread(self._pending_ingest):
+            handoffs.append(Handoff(pending.step, {pending: ""}))
+        for handoff in sorted(handoffs, key=lambda h: h.step):
+            await self._ingest(member, handoff)
+
+    def _pending_ingest(self) -> list[ItemId]:
+        return [i for i in self.ctx.store.pending_ingest() if i.job == self.config.job_name]
+
+    async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
+        for item, name in handoff.names.items():
+            t0 = time.monotonic()
+            try:
+                if name:
+                    await self._thread(self.ctx.store.take, self.ctx.checkpoint_dir / name, item)
+                    self.ctx.closed_files.discard(name)
+                manifest = await self._thread(
+                    self.ctx.store.commit_ingested, item, self._stopping.is_set
+                )
+            except FileNotFoundError:
+                continue  # the workload or a rescan raced us; the next scan sees the truth
+            except ManifestError as exc:
+                self.error(
+                    f"step {item.step}: cannot keep {name or item}: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
+                await self._thread(self.ctx.store.discard_ingest, item)
+                continue
+            except (StoreError, OSError) as exc:
+                self.error(
+                    f"step {item.step}: ingest failed, will retry: {exc}",
+                    item.step,
+                    ErrorKind.INGEST,
+                )
+                continue
+            dt = max(time.monotonic() - t0, 1e-9)
+            self.log.info(
+                "ingested %s: %d files, %d bytes in %.3fs (%.1f MB/s)",
+                item,
+                len(manifest.files),
+                manifest.total_bytes,
+                dt,
+                manifest.total_bytes / dt / 1e6,
+                step=item.step,
+            )
+            self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
+        await self._collect_garbage(member)
+        await self._make_room()  # for the next save, before the job starts writing it
+        # Replicate the new step at once, and report it: the promise the garbage collection
+        # just made (the steps kept) reaches the coordinator now, so the steps it no longer
+        # names can go. A report per step at ingest, another once it is replicated.
+        await self._after_steps(member, force=True)
+
+    async def _after_steps(self, member: ClusterMember, *, force: bool) -> None:
+        """Replicate and report: the coordinator's answers order backups."""
+        if self._draining:
+            # The drain pushes and uploads on its own; a report to a coordinator already
+            # gone would spend its call timeout of the drain's seconds.
+            return
+        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
+        await member.tick(steps[-1] if steps else None, force=force)
+
+    async def _collect_garbage(self, member: ClusterMember) -> None:
+        have = self.ctx.store.manifests(self.config.job_name).keys()
+        self.ctx.metrics.committed(
+            self.config.job_name, max(complete_steps(self.config, have), default=None)
+        )
+        # The restorable step, the upload, the steps that may become restorable next, and
+        # what our progress reports promised the coordinator (see ClusterMember.retained).
+        protected = member.retained(complete_steps(self.config, have))
+        doomed = retention(self.config, have, protected)
+        if self.phase is IncarnationPhase.STEADY:
+            # Not during the restore round: it plans from every copy held, whatever its rank.
+            pushing = expected_pushers(self.config)
+            doomed += retention_of_copies(self.config, have, protected, pushing)
+        if doomed:
+            await self._thread(self._delete_items, doomed)
+
+    async def _make_room(self) -> None:
+        """Drop backed-up items of jobs that do not run here when this job's next step
+        would not fit beside them (``core.foreign``)."""
+        foreign = self.ctx.foreign
+        if foreign is None or self._draining:
+            return
+        try:
+            await self._thread(foreign.reclaim, self.config.job_name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Housekeeping for other jobs never fails this one.
+            self.log.warning("cannot give back the room of other jobs' items: %s", exc)
+
+    def _delete_items(self, items: list[ItemId]) -> None:
+        unlink_links_to(self.ctx.checkpoint_dir, self.ctx.store, set(items))
+        for item in items:
+            self.ctx.store.drop_views(item)
+            self.ctx.store.delete(item)
+            self.log.info("deleted %s (retention)", item, step=item.step)
+
+
+def restore_saved(ctx: AgentContext) -> Incarnation | None:
+    """The incarnation a restarted daemon resumes, if it had one."""
+    saved = load_state(ctx.store)
+    if saved is None:
+        return None
+    try:
+        config = parse_config(saved.config_text, ctx.env)
+    except ValueError as exc:
+        log.warning("not resuming the saved incarnation: %s", exc)
+        return None
+    return Incarnation(
+        config,
+        ctx,
+        config_text=saved.config_text,
+        incarnation_id=saved.incarnation_id,
+        resume_steady=saved.phase is IncarnationPhase.STEADY,
+    )

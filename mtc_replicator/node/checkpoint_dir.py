@@ -1,0 +1,103 @@
+"""What the daemon reads and writes in the workload's CHECKPOINT_DIR. I/O: that directory.
+
+The top-level listing a rescan decides from (``core.policy``), the handshake's removal of
+what earlier incarnations published, the restore's markers, and the workload's links to
+items retention deletes. Never the workload's data: the store owns what it took.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from pathlib import Path
+
+from mtc_replicator.cluster.rounds import RoundOutcome
+from mtc_replicator.core.contract import (
+    ERRORS_FILE,
+    FAILED_FILE,
+    PRERESTORE_FILE,
+    JobConfig,
+    marker_name,
+)
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.policy import Entry, marker_item
+from mtc_replicator.local import fsutil
+from mtc_replicator.local.store import LocalStore
+
+
+def list_top(checkpoint_dir: Path) -> list[Entry]:
+    """``lstat`` every top-level name (hidden ones excluded)."""
+    entries = []
+    with os.scandir(checkpoint_dir) as it:
+        for e in it:
+            if e.name.startswith("."):
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            entries.append(
+                Entry(
+                    e.name,
+                    e.is_dir(follow_symlinks=False),
+                    e.is_file(follow_symlinks=False),
+                    st.st_mtime,
+                )
+            )
+    return entries
+
+
+def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
+    """Handshake step 3: remove stale files we published; never data, never jax-init-info."""
+    removed = []
+    with os.scandir(checkpoint_dir) as it:
+        for e in it:
+            path = Path(e.path)
+            stale = (
+                e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE)
+                or e.name.endswith(".restore")
+                or e.name.startswith(fsutil.TMP_PREFIX)
+            )
+            if not stale and e.is_symlink():
+                # `<N>` / `step=<N>` links that clients made of our markers.
+                stale = store.owns_link_target(os.readlink(path))
+            if stale and not e.is_dir(follow_symlinks=False):
+                path.unlink(missing_ok=True)
+                removed.append(e.name)
+    # No link into a view is left, so the previous incarnations' views are garbage.
+    store.drop_views()
+    return removed
+
+
+def publish_markers(
+    checkpoint_dir: Path,
+    store: LocalStore,
+    config: JobConfig,
+    incarnation_id: str,
+    outcome: RoundOutcome,
+) -> None:
+    """Handshake steps 6-7: ``replicator.prerestore`` first, then one marker per worker,
+    linked to a view (for ``incarnation_id``) of the item holding its data here: its own,
+    or a data-parallel equivalent (``outcome.stored_as``)."""
+    step, source = outcome.step, outcome.source
+    d = checkpoint_dir
+    body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
+    fsutil.atomic_write_bytes(d / PRERESTORE_FILE, body.encode())
+    for w in range(config.workers_per_node):
+        name = d / marker_name(config.job_name, step or 0, config.node_rank, w)
+        name.unlink(missing_ok=True)
+        if step is None:
+            # An empty regular file is complete the moment it exists.
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        else:
+            wanted = marker_item(config, step, w)
+            held = outcome.stored_as.get(wanted, wanted)
+            os.symlink(store.expose(held, incarnation_id), name)
+
+
+def unlink_links_to(checkpoint_dir: Path, store: LocalStore, items: Collection[ItemId]) -> None:
+    """Remove the workload's links (`<N>`, markers) to ``items``, which are being deleted:
+    they would dangle."""
+    for e in os.scandir(checkpoint_dir):
+        if e.is_symlink() and store.item_of_link(os.readlink(e.path)) in items:
+            Path(e.path).unlink(missing_ok=True)

@@ -1,0 +1,612 @@
+"""``mtc-replicator``: the per-node daemon process. Owns the process lifecycle.
+
+One asyncio loop (uvloop when available) supervises: it watches CHECKPOINT_DIR, hands each
+wake-up to the ``Supervisor`` (handshakes and incarnations), and on SIGTERM stops within
+seconds without corrupting anything. Blocking disk and storage work runs in a bounded
+thread pool, the one its shutdown waits for. This module wires the parts: the flags are
+``node.options``, the handshake rule ``core.settle``, the owner ``node.owner_watch``, rank
+0's coordinator ``node.rank0_coordinator``, the bucket probes ``node.bucket_probes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from mtc_replicator import __version__
+from mtc_replicator.local import fsutil
+
+try:
+    import uvloop
+except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
+    uvloop = None  # type: ignore[assignment]
+from mtc_replicator._pb.mtc.v1.node_pb2 import NodeStatusResponse
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.messages import SERVICE as COORDINATOR_SERVICE
+from mtc_replicator.cluster.registry import open_registry
+from mtc_replicator.core.admission import Served
+from mtc_replicator.core.contract import (
+    CONFIG_FILE,
+    ERRORS_FILE,
+    FAILED_FILE,
+    PRERESTORE_FILE,
+    parse_save_name,
+)
+from mtc_replicator.core.pacing import (
+    PaceRules,
+    format_rate,
+)
+from mtc_replicator.core.signed import RecordTrust
+from mtc_replicator.core.timeline import RestorePhase
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.store import LocalStore, StoreError, StorePlacementError
+from mtc_replicator.local.usedpins import UsedPins
+from mtc_replicator.local.watcher import DirectoryWatcher
+from mtc_replicator.node.agent import (
+    AgentContext,
+    Incarnation,
+    restore_saved,
+)
+from mtc_replicator.node.bucket_probes import BucketProbes
+from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
+from mtc_replicator.node.reclaim import Dropped, ForeignItems
+from mtc_replicator.node.status import SERVICE as NODE_SERVICE
+from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
+from mtc_replicator.node.supervisor import Supervisor
+from mtc_replicator.obs.health import Health, Heartbeat, Readiness, directory_check
+from mtc_replicator.obs.logs import configure as configure_logging
+from mtc_replicator.obs.metrics import (
+    NO_METRICS,
+    ErrorKind,
+    FilesystemCollector,
+    Metrics,
+    PrometheusMetrics,
+    process_metrics,
+)
+from mtc_replicator.obs.metrics_endpoint import MetricsError, MetricsServer, serve
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.restore_pins import StorePins
+from mtc_replicator.storage.stores import open_object_store
+from mtc_replicator.transport.datachannel import DataListener
+from mtc_replicator.transport.grpc_server import (
+    RpcServer,
+    ServerError,
+    advertised_address,
+    split_host_port,
+)
+from mtc_replicator.transport.obtaining import Obtaining
+from mtc_replicator.transport.peer_client import PeerClient
+from mtc_replicator.transport.peer_servicer import PeerServicer
+from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
+from mtc_replicator.transport.signing import check_identity, record_trust
+from mtc_replicator.transport.tls import TlsError, TlsMaterial, open_material
+
+log = logging.getLogger("mtc_replicator.node.daemon")
+
+
+READY_LINE = "daemon ready"
+SERVER_GRACE_SECONDS = 5.0
+"""How long transfers in flight may finish after SIGTERM before they are cancelled."""
+RECLAIM_EVERY = 30.0
+"""Seconds between two looks at the items of jobs that no longer run here (the TTL)."""
+
+
+_OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
+
+
+def _is_own_output(name: str) -> bool:
+    """Files only the daemon writes: its reports, its markers and their temp files."""
+    return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
+
+
+def tune_malloc() -> None:
+    """Raise glibc's mmap and trim thresholds: large buffers otherwise churn page faults."""
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(name)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+
+
+def _open_backups(opts: DaemonOptions, trust: RecordTrust, pacer: Pacer) -> BackupStore | None:
+    """The backup tier at ``--backup``, its uploads paced with replication; None without."""
+    if not opts.backup:
+        return None
+    objects = open_object_store(opts.backup, timeout=opts.storage_timeout)
+    return BackupStore(objects, trust, pacer=pacer)
+
+
+class Daemon:
+    """The ``mtc-replicator`` process on one CHECKPOINT_DIR: its parts wired, its servers, its
+    loop (each wake-up handed to the ``Supervisor``) and its shutdown."""
+
+    def __init__(self, opts: DaemonOptions) -> None:
+        self.opts = opts
+        self.tls: TlsMaterial | None = open_material(
+            opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
+        )
+        if self.tls is not None:
+            check_identity(self.tls)  # what peers will check, before anything is served
+            self.tls.vet = check_identity  # and every rotated certificate, before it is used
+        self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
+        self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
+        self.pacer = Pacer(
+            PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
+        )
+        """The node's outgoing bytes: replication and backups under the limit, restores first."""
+        backups = _open_backups(opts, self.trust, self.pacer)
+        self._observe(opts)
+        self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
+        self.ctx = AgentContext(
+            checkpoint_dir=opts.checkpoint_dir,
+            store=self.store,
+            backups=backups,
+            executor=self.executor,
+            settle_seconds=opts.settle_seconds,
+            rescan_seconds=opts.rescan_seconds,
+            env={k: os.environ[k] for k in opts.expand_vars if k in os.environ},
+            metrics=self.metrics,
+            obtaining=Obtaining(),
+            pacer=self.pacer,
+        )
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.exit_code = 0
+        self.health_address: str | None = None
+        """The plaintext health-only address, when ``--health-listen`` asks for one."""
+        self.listen_address: str | None = None
+        """The address the gRPC server is bound to (port 0 resolved), once it is."""
+        self.advertise: str | None = opts.advertise
+        """The address other nodes use to reach this one (defaults to the bound address)."""
+        self.registry = (
+            open_registry(opts.registry, self.trust, timeout=opts.storage_timeout)
+            if opts.registry
+            else None
+        )
+        self.coordinators = CoordinatorHost()
+        self.foreign = ForeignItems(
+            self.store,
+            backups,
+            ttl=opts.foreign_job_ttl,
+            metrics=self.metrics,
+            current=self._running_job,
+        )
+        """Items of jobs that no longer run here: given back when backed up."""
+        self.ctx.foreign = self.foreign
+        self._reclaimed_at = 0.0
+        self.buckets = BucketProbes(backups, self.registry)
+        self.health = Health(
+            live=[self.heartbeat.check],
+            ready=[
+                self.readiness.check,
+                directory_check(opts.checkpoint_dir, "CHECKPOINT_DIR"),
+                *(check.readiness for check, _ in self.buckets.checks),
+            ],
+        )
+        self.ctx.registry = self.registry
+        self.ctx.report_after = opts.report_after_seconds
+        self.ctx.tls = self.tls
+        self.supervisor = Supervisor(
+            opts,
+            self.ctx,
+            foreign=self.foreign,
+            buckets=self.buckets,
+            coordinators=self.coordinators,
+            registry=self.registry,
+            advertise=lambda: self.advertise,
+            stop=self._stop,
+        )
+        """The handshakes and the incarnations they start."""
+
+    def _observe(self, opts: DaemonOptions) -> None:
+        """The metrics (Prometheus when ``--metrics`` asks for it), the heartbeat and the
+        readiness the health checks read."""
+        self._prometheus = (
+            PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
+        )
+        self.metrics: Metrics = self._prometheus or NO_METRICS
+        if self._prometheus is not None:
+            process_metrics(self._prometheus.registry)
+            self._prometheus.registry.register(
+                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+            )
+        self.heartbeat = Heartbeat()
+        """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
+        self.readiness = Readiness(stage="opening the store")
+        self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
+        self._metrics_server: MetricsServer | None = None
+
+    @property
+    def incarnation(self) -> Incarnation | None:
+        """The running job's incarnation on this node, if any."""
+        return self.supervisor.incarnation
+
+    def serving(self) -> Served | None:
+        """What peers may push here: the job this node serves now, and its newest own step."""
+        if self.incarnation is None:
+            return None
+        config = self.incarnation.config
+        own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
+        return Served(config, max(own, default=None))
+
+    def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
+        if name is not None and _is_own_output(name):
+            # Our own writes (an error line, a marker) must not wake us: an error written
+            # on every wake-up would otherwise become a busy loop.
+            return
+        if name == CONFIG_FILE:
+            self.supervisor.handshake.event(finished, renamed)
+        elif name and parse_save_name(name) is not None:
+            # Only `.save` files need "closed after writing"; other names (our unique temp
+            # files among them) would make the set grow for the daemon's whole life.
+            if finished:
+                self.ctx.closed_files.add(name)
+            else:
+                self.ctx.closed_files.discard(name)  # written again after its close
+        self._wake.set()
+        if self.incarnation is not None:
+            self.incarnation.wake()
+
+    def _request_stop(self) -> None:
+        # Not ready from the signal on, not once the shutdown is over: Services stop sending
+        # to a pod that says "stopping" while it still drains.
+        self.readiness.stopping = True
+        self._stop.set()
+        self._wake.set()  # the loop may sit in a one-second wait for file events
+
+    async def run(self) -> None:
+        """Serve until SIGTERM; ``/metrics``, ``/healthz`` and ``/readyz`` from the start, so
+        that a long store recovery reads as "not ready" rather than as no answer."""
+        heart = asyncio.create_task(self._beat(), name="mtc-heartbeat")
+        buckets = asyncio.create_task(self.buckets.run(), name="mtc-bucket-probe")
+        try:
+            self._serve_metrics()
+            await self._run()
+        except MetricsError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+        finally:
+            self.readiness.stopping = True
+            heart.cancel()
+            buckets.cancel()
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+                self._metrics_server = None
+
+    async def _report_readiness(self, rpc: RpcServer) -> None:
+        """Mirror ``/readyz`` on the gRPC health service ``readiness`` (kubelet's probes use
+        the plaintext gRPC health port), and log each change with its reasons."""
+        was: list[str] | None = None
+        while True:
+            problems = self.health.readiness()
+            if problems != was:
+                await rpc.set_ready(not problems)
+                if problems:
+                    log.warning("not ready: %s", "; ".join(problems))
+                elif was is not None:
+                    log.info("ready again")
+                was = problems
+            await asyncio.sleep(1.0)
+
+    async def _beat(self) -> None:
+        while True:
+            self.heartbeat.beat()
+            await asyncio.sleep(1.0)
+
+    async def _run(self) -> None:
+        """The daemon's life in steps: the store, the servers, the watch on CHECKPOINT_DIR,
+        the loop until SIGTERM, the shutdown."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._request_stop)
+        if not await self._open_store(loop):
+            return
+        started = await self._start_servers(loop)
+        if started is None:
+            return
+        rpc, channel = started
+        peers = self.ctx.peers
+        assert peers is not None
+        probe = asyncio.create_task(
+            probe_peers(peers, lambda: peer_addresses(self.incarnation)), name="peer-probe"
+        )
+        # A yaml written while we were down has no events left to tell: trust it.
+        self.supervisor.handshake.trust_existing()
+        watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
+        watcher.start(loop)
+        resumed = restore_saved(self.ctx)
+        if resumed is not None:
+            await self.supervisor.resume(resumed)
+        for warning in unsafe_settings(
+            self.opts, tls=self.tls is not None, listen=self.listen_address
+        ):
+            log.warning("%s", warning)
+        self.readiness.stage = None
+        self._log_ready(channel)
+        await rpc.set_serving()
+        readiness = asyncio.create_task(self._report_readiness(rpc), name="mtc-readiness")
+        try:
+            await self._serve()
+        finally:
+            await self._shutdown(rpc, channel, watcher, [readiness, probe])
+
+    async def _open_store(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Open (and recover) the store; False, with the exit code set, when it cannot be."""
+        try:
+            self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            report = await loop.run_in_executor(self.executor, self.store.open)
+        except StorePlacementError as exc:
+            log.error("%s", exc)
+            self.exit_code = 2
+            return False
+        except StoreError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            return False
+        except OSError as exc:
+            # A directory this process cannot create or write (read-only, owned by another
+            # user, a name too long): a configuration error, said in one line.
+            log.error(
+                "cannot use CHECKPOINT_DIR %s or the store %s: %s: give the daemon a writable "
+                "directory on the RAM disk (--checkpoint-dir, --store-dir)",
+                self.opts.checkpoint_dir,
+                self.store.root,
+                exc,
+            )
+            self.exit_code = 2
+            return False
+        self.readiness.stage = "starting the servers"
+        log.info(
+            "store opened: %d items, %d pending ingest, %d discarded",
+            report.items,
+            len(report.pending_ingest),
+            len(report.discarded),
+        )
+        log.info(
+            "outgoing transfers: replication and backups at most %s, saves hold them up "
+            "to %gs, restores first and never throttled",
+            format_rate(self.opts.max_transfer_rate),
+            self.opts.yield_to_saves_seconds,
+        )
+        return True
+
+    async def _start_servers(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> tuple[RpcServer, DataListener | None] | None:
+        """Bind the gRPC server (peer, coordinator and node services) and the data channel,
+        then start them; None, with the store closed and the exit code set, when a port
+        cannot be had."""
+        rpc = RpcServer()
+        channel: DataListener | None = None
+        if self.opts.data_port is not None:
+            try:
+                host = split_host_port(self.opts.listen)[0]
+                channel = DataListener(host, self.opts.data_port, tls=self.tls)
+            except OSError as exc:
+                log.error("%s", exc)
+                self.exit_code = 3
+                self.store.close()
+                return None
+        rpc.add_service(PEER_SERVICE, self._peer_servicer(channel).register)
+        self.ctx.coordinators = self._coordinators(loop)
+        rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
+        rpc.add_service(NODE_SERVICE, NodeServicer(self._status, self._drop).register)
+        try:
+            credentials = self.tls.server_credentials() if self.tls is not None else None
+            self.listen_address = rpc.bind(self.opts.listen, credentials)
+            if self.opts.health_listen is not None:
+                self.health_address = rpc.bind_health(self.opts.health_listen)
+        except ServerError as exc:
+            log.error("%s", exc)
+            self.exit_code = 3
+            self.store.close()
+            if channel is not None:
+                await channel.close()
+            return None
+        self.advertise = self.opts.advertise or advertised_address(self.listen_address)
+        self.ctx.advertise = self.advertise
+        self.ctx.peers = PeerClient(
+            executor=self.executor, metrics=self.metrics, tls=self.tls, pacer=self.pacer
+        )
+        await rpc.start()
+        if channel is not None:
+            channel.start()
+        contacts = self.ctx.peers.contacts
+        self.metrics.peer_contacts(
+            lambda: contacts.snapshot(time.time()),
+            lambda: peer_addresses(self.incarnation).values(),
+        )
+        return rpc, channel
+
+    def _peer_servicer(self, channel: DataListener | None) -> PeerServicer:
+        """What peers call here: pushes admitted against the job served, pulls served."""
+        return PeerServicer(
+            self.store,
+            self.executor,
+            self.serving,
+            max_step_lead=self.opts.max_step_lead,
+            metrics=self.metrics,
+            channel=channel,
+            idle_timeout=self.opts.idle_timeout_seconds,
+            obtaining=self.ctx.obtaining,
+            pacer=self.pacer,
+            make_room=self._room_for_push,
+            min_rate=self.opts.min_transfer_rate,
+            max_item_files=self.opts.max_item_files,
+        )
+
+    def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:
+        """The coordinators this node hosts, with the backup's steps, pins and commits."""
+        backups = self.ctx.backups
+        return Coordinators(
+            self.coordinators,
+            lambda job: backups.committed_steps(job) if backups else {},
+            pins=StorePins(
+                backups.objects,
+                self.trust,
+                used=UsedPins(self.store.root),
+                on_failure=lambda *failed: loop.call_soon_threadsafe(
+                    self._pin_not_removed, *failed
+                ),
+            )
+            if backups
+            else None,
+            commit=backups.try_commit if backups else None,
+        )
+
+    def _log_ready(self, channel: DataListener | None) -> None:
+        """The line that says the daemon serves, and with what."""
+        log.info(
+            "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
+            "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
+            READY_LINE,
+            self.opts.checkpoint_dir,
+            self.store.root,
+            self.listen_address,
+            self.advertise,
+            self.opts.backup,
+            __version__,
+            "on" if self.tls is not None else "off",
+            self.health_address,
+            self._metrics_server.address if self._metrics_server else None,
+            channel.port if channel is not None else "off",
+            self.opts.owner_file or "off",
+        )
+
+    async def _serve(self) -> None:
+        """Until SIGTERM: the handshake, the owner and the reclaim, at each file event or
+        tick."""
+        while not self._stop.is_set():
+            tick = self.supervisor.next_check_in()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=tick)
+            self._wake.clear()
+            await self.supervisor.check_config()
+            await self.supervisor.check_owner()
+            await self._reclaim()
+
+    async def _shutdown(
+        self,
+        rpc: RpcServer,
+        channel: DataListener | None,
+        watcher: DirectoryWatcher,
+        tasks: list[asyncio.Task[None]],
+    ) -> None:
+        """Stop in order: the drain on SIGTERM, the servers (transfers in flight get
+        ``SERVER_GRACE_SECONDS``), the incarnation, the watch, the pool, the store."""
+        self.readiness.stopping = True  # whatever ended the loop
+        log.info("stopping")
+        for task in tasks:
+            task.cancel()
+        self.supervisor.rank0.cancel()
+        if self._stop.is_set():
+            await self.supervisor.drain()
+        self.coordinators.close()  # long polls answer at once instead of being cut off
+        await rpc.stop(SERVER_GRACE_SECONDS)
+        # Uploads and pushes still in worker threads end at their next paced slice, so
+        # the pool's shutdown below does not wait for a whole item.
+        self.pacer.halt()
+        if channel is not None:
+            await channel.close()
+        if self.incarnation is not None:
+            await self.incarnation.stop()
+        watcher.stop()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+        log.info("stopped")
+
+    def _status(self, job: str | None) -> NodeStatusResponse:
+        """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
+        return node_status(
+            self.store,
+            self.incarnation,
+            self.ctx.peers,
+            self.advertise or "",
+            job,
+            foreign=self.foreign.last,
+        )
+
+    def _running_job(self) -> str | None:
+        return self.incarnation.config.job_name if self.incarnation is not None else None
+
+    async def _drop(self, job: str, only_copy: bool) -> Dropped:
+        """``mtc drop``: a job's items, never the running job's (``DropRefused``)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(self.foreign.drop, job, self._running_job(), only_copy=only_copy),
+        )
+
+    async def _room_for_push(self, short: int) -> None:
+        """A push lacks ``short`` bytes of room: drop backed-up items of other jobs."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.make_room, self._running_job(), short
+            )
+        except Exception as exc:
+            # The push is then refused for room, as it would have been.
+            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
+
+    async def _reclaim(self) -> None:
+        """Now and then: drop the items of jobs past ``--foreign-job-ttl`` (and for room)."""
+        now = time.monotonic()
+        if now - self._reclaimed_at < RECLAIM_EVERY:
+            return
+        self._reclaimed_at = now
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.reclaim, self._running_job()
+            )
+        except Exception as exc:
+            # Housekeeping: the daemon's loop goes on whatever it meets.
+            log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401
+
+    def _serve_metrics(self) -> None:
+        """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
+        asks for it."""
+        if self._prometheus is not None and self.opts.metrics is not None:
+            self._metrics_server = serve(self._prometheus.registry, self.opts.metrics, self.health)
+
+    # --- the handshake file ----------------------------------------------------------------
+
+    def _pin_not_removed(self, job: str, step: int, message: str) -> None:
+        """A used restore pin stayed in the bucket: the metric, and the job's errors file
+        when this node runs one of its ranks (the coordinator's node runs rank 0)."""
+        self.metrics.pin_delete_failed(job)
+        running = self.incarnation
+        if running is not None and running.config.job_name == job:
+            running.error(message, step, kind=ErrorKind.RESTORE)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    opts = parse_args(argv)
+    configure_logging(opts.log_level, opts.log_format)
+    tune_malloc()
+    try:
+        daemon = Daemon(opts)
+    except (ValueError, TlsError) as exc:
+        log.error("%s", exc)
+        return 2
+    if uvloop is None:
+        asyncio.run(daemon.run())
+    else:
+        uvloop.run(daemon.run())
+    return daemon.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

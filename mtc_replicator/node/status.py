@@ -1,0 +1,189 @@
+"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, ``mtc drop``, and the
+peer probe.
+
+``Status`` is read-only and cheap: the answer is assembled from what the daemon has in memory (the
+store's index, the running incarnation, the peer client's last contacts); no disk or
+network I/O in the handler. The probe asks every peer of the running job's health service
+now and then, so a peer that died between two checkpoints shows as unreachable within
+``PROBE_EVERY`` plus the probe's own timeout, not at the next push. ``Drop`` removes a
+job's items through the daemon (``node.reclaim``), which owns the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from mtc_replicator import __version__
+from mtc_replicator._pb.mtc.v1 import node_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import node_pb2_grpc
+from mtc_replicator.core.contacts import Contact
+from mtc_replicator.core.foreign import DropRefused, HeldJob
+from mtc_replicator.core.jobname import is_job_name
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.agent import Incarnation
+from mtc_replicator.node.reclaim import Dropped
+from mtc_replicator.transport.peer_client import PeerClient
+
+log = logging.getLogger(__name__)
+
+SERVICE = "mtc.v1.Node"
+PROBE_EVERY = 5.0
+"""Seconds between two health probes of the running job's peers."""
+
+
+def peer_addresses(incarnation: Incarnation | None) -> dict[int, str]:
+    """The other ranks of the running job and where they are, as its coordinator said."""
+    if incarnation is None or incarnation.member is None:
+        return {}
+    own = incarnation.config.node_rank
+    addresses = incarnation.member.replication.addresses
+    return {r: a for r, a in sorted(addresses.items()) if r != own}
+
+
+def _contact(rank: int, address: str, contact: Contact | None) -> pb.PeerContact:
+    if contact is None:
+        return pb.PeerContact(rank=rank, address=address)
+    return pb.PeerContact(
+        rank=rank,
+        address=address,
+        contacted=True,
+        reachable=contact.reachable,
+        last_contact_at=contact.at,
+        last_answer_at=contact.last_answer_at or 0.0,
+        error=contact.error or "",
+    )
+
+
+def incarnation_tag(incarnation_id: str) -> str:
+    """What ``Status`` shows of an incarnation: the first 12 hex digits of its id's SHA-256.
+
+    The id itself is what the coordinator takes as proof that a report comes from that
+    rank's running incarnation (``core.coordination``); a caller of ``Status`` may hold any
+    node certificate, so it gets a tag that tells incarnations apart and proves nothing.
+    """
+    return hashlib.sha256(incarnation_id.encode()).hexdigest()[:12]
+
+
+def node_status(
+    store: LocalStore,
+    incarnation: Incarnation | None,
+    peers: PeerClient | None,
+    address: str,
+    job: str | None = None,
+    *,
+    foreign: Mapping[str, HeldJob] | None = None,
+) -> pb.NodeStatusResponse:
+    """Every job this node serves or holds items of (or ``job`` only); ``foreign``: the
+    jobs held that do not run here, as last surveyed (``node.reclaim``)."""
+    held: dict[str, dict[int, set[int]]] = {}
+    for item in store.manifests(job):
+        held.setdefault(item.job, {}).setdefault(item.rank, set()).add(item.step)
+    active = incarnation.config.job_name if incarnation is not None else None
+    names = set(held) | ({active} if active is not None and job in (None, active) else set())
+    jobs = []
+    for name in sorted(names):
+        by_rank = held.get(name, {})
+        status = pb.JobStatus(job=name)
+        own: int | None = None
+        if incarnation is not None and name == active:
+            own = incarnation.config.node_rank
+            status.active = True
+            status.incarnation = incarnation_tag(incarnation.id)
+            status.rank = own
+            status.nodes = incarnation.config.nodes
+            status.phase = incarnation.phase.value
+            member = incarnation.member
+            if member is not None:
+                status.coordinator = member.coordinator or ""
+                if member.replication.newest_replicated is not None:
+                    status.last_replicated = member.replication.newest_replicated
+                if member.uploaded is not None:
+                    status.last_backed_up = member.uploaded
+            for rank, peer in peer_addresses(incarnation).items():
+                seen = peers.contacts.get(peer) if peers is not None else None
+                status.peers.append(_contact(rank, peer, seen))
+        gone = (foreign or {}).get(name)
+        if name != active and gone is not None:
+            if gone.committed is not None:
+                status.committed_backup_step = gone.committed
+            status.kept_without_backup = not gone.backed_up
+        status.local_steps.extend(sorted(by_rank.get(own, ())) if own is not None else ())
+        for rank, steps in sorted(by_rank.items()):
+            if rank != own:
+                status.peer_copies.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
+        jobs.append(status)
+    return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs)
+
+
+Drop = Callable[[str, bool], Awaitable[Dropped]]
+"""``drop(job, even_if_only_copy)``: drop a job's items; raises ``DropRefused``."""
+
+
+class NodeServicer(node_pb2_grpc.NodeServicer):
+    """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``), ``drop``
+    performs ``Drop`` (None: UNIMPLEMENTED)."""
+
+    def __init__(
+        self, status: Callable[[str | None], pb.NodeStatusResponse], drop: Drop | None = None
+    ) -> None:
+        self.status = status
+        self.drop = drop
+
+    async def Status(
+        self,
+        request: pb.NodeStatusRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.NodeStatusResponse:
+        job = request.job or None
+        if job is not None and not is_job_name(job):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+        return self.status(job)
+
+    async def Drop(
+        self,
+        request: pb.DropRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.DropResponse:
+        job = request.job
+        if not is_job_name(job):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+        if self.drop is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")
+        assert self.drop is not None
+        log.warning("Drop of job %s asked by %s", job, context.peer())
+        try:
+            gone = await self.drop(job, request.even_if_only_copy)
+        except DropRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        reply = pb.DropResponse(job=job, bytes=gone.bytes)
+        for rank, steps in sorted(gone.steps.items()):
+            reply.dropped.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
+        if gone.committed is not None:
+            reply.committed_backup_step = gone.committed
+        return reply
+
+    def register(self, server: grpc.aio.Server) -> None:
+        node_pb2_grpc.add_NodeServicer_to_server(self, server)
+
+
+async def probe_peers(
+    peers: PeerClient, addresses: Callable[[], dict[int, str]], every: float = PROBE_EVERY
+) -> None:
+    """Health-probe the running job's peers every ``every`` seconds, until cancelled."""
+    while True:
+        targets = sorted(set(addresses().values()))
+        if targets:
+            results = await asyncio.gather(
+                *(peers.probe(a) for a in targets), return_exceptions=True
+            )
+            for address, result in zip(targets, results, strict=True):
+                if isinstance(result, Exception):
+                    log.debug("probe of %s failed: %s", address, result)
+        await asyncio.sleep(every)

@@ -1,0 +1,322 @@
+"""The handshakes on one CHECKPOINT_DIR and the incarnations they start: reads
+``replicator.yaml`` until it is settled (``core.settle``), accepts or refuses it, resumes the
+incarnation a restart interrupted, hosts rank 0's coordinator, ends the running job when
+its node changes hands, and drains it on SIGTERM. Does I/O through the pieces it is given;
+the daemon calls it from its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.registry import OwnedByAnother, Registry
+from mtc_replicator.core.contract import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    ConfigError,
+    IncompleteConfigError,
+    JobConfig,
+    parse_config,
+)
+from mtc_replicator.core.ownership import BadOwner
+from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
+from mtc_replicator.local import fsutil
+from mtc_replicator.node.agent import (
+    AgentContext,
+    Incarnation,
+    IncarnationPhase,
+    new_incarnation_id,
+    save_state,
+)
+from mtc_replicator.node.bucket_probes import BucketProbes
+from mtc_replicator.node.checkpoint_dir import cleanup_workload_files
+from mtc_replicator.node.handshake_file import HandshakeFile
+from mtc_replicator.node.options import DaemonOptions
+from mtc_replicator.node.owner_watch import OwnerWatch
+from mtc_replicator.node.rank0_coordinator import Rank0Coordinator, Stopping
+from mtc_replicator.node.reclaim import ForeignItems
+from mtc_replicator.obs.metrics import ErrorKind
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """One incarnation at a time on one CHECKPOINT_DIR, from the handshakes written there."""
+
+    def __init__(
+        self,
+        opts: DaemonOptions,
+        ctx: AgentContext,
+        *,
+        foreign: ForeignItems,
+        buckets: BucketProbes,
+        coordinators: CoordinatorHost,
+        registry: Registry | None,
+        advertise: Callable[[], str | None],
+        stop: asyncio.Event,
+    ) -> None:
+        self.opts = opts
+        self.ctx = ctx
+        self.store = ctx.store
+        self.executor = ctx.executor
+        self.metrics = ctx.metrics
+        self.foreign = foreign
+        self.buckets = buckets
+        self.incarnation: Incarnation | None = None
+        self.handshake = HandshakeFile(opts.checkpoint_dir)
+        self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds)
+        self._recheck_in = self.settle_rules.poll
+        self.owner = OwnerWatch(opts.owner_file, self.executor)
+        self.rank0 = Rank0Coordinator(
+            coordinators,
+            registry,
+            advertise=advertise,
+            stop=stop,
+            on_refused=self._registration_refused,
+        )
+
+    def next_check_in(self) -> float:
+        """How long the daemon's loop may wait for a file event before checking again: a
+        pending handshake is re-read soon (``core.settle``)."""
+        return self._recheck_in if self.handshake.reads is not None else 1.0
+
+    async def drain(self) -> None:
+        """SIGTERM: the running job's newest step to its peers and the backup, within
+        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
+        running = self.incarnation
+        if running is None or self.opts.drain_seconds <= 0:
+            return
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self.opts.drain_seconds):
+                plan = await running.drain()
+        except TimeoutError:
+            log.warning(
+                "drain of job %s stopped at its deadline (--drain-seconds %g): the newest step "
+                "may not have reached the peers or the backup",
+                running.config.job_name,
+                self.opts.drain_seconds,
+            )
+            self.ctx.pacer.halt()
+            return
+        except Exception as exc:
+            log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
+            return
+        if plan is not None:
+            log.info(
+                "drain of job %s done in %.2fs (step %s)",
+                running.config.job_name,
+                time.monotonic() - t0,
+                plan.step,
+            )
+
+    async def check_config(self) -> None:
+        """Read the handshake and act on it once it is settled (``core.settle``)."""
+        # Taken before the read: a close seen now covers the text we read, while one that
+        # arrives during the read may follow a write our read missed.
+        closed, renamed = self.handshake.finished, self.handshake.renamed
+        try:
+            text = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.handshake.read
+            )
+        except fsutil.NotRegularFile as exc:
+            await self._reject_not_regular(exc.kind)
+            return
+        now = time.monotonic()
+        reads = self.handshake.observe(text, now)
+        if text is None or reads is None:
+            return
+        config: JobConfig | None = None
+        error: ConfigError | None = None
+        if not text.strip():
+            reading = Reading.EMPTY
+        else:
+            try:
+                config, reading = parse_config(text, self.ctx.env), Reading.VALID
+            except IncompleteConfigError as exc:
+                error, reading = exc, Reading.INCOMPLETE
+            except ConfigError as exc:
+                error, reading = exc, Reading.INVALID
+        verdict = judge(self.settle_rules, reads, reading, now, closed=closed, renamed=renamed)
+        self._recheck_in = verdict.recheck_in or self.settle_rules.poll
+        if verdict.act is Act.CLEAR:
+            log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
+            await self.end_incarnation()
+            self.handshake.delete(text)
+        elif verdict.act is Act.REJECT:
+            assert error is not None
+            waited = f"after {verdict.waited:.0f}s of waiting for a complete file"
+            await self._reject(text, error, waited if verdict.timed_out else "")
+        elif verdict.act is Act.ACCEPT:
+            assert config is not None
+            await self._accept(config, text, reads.first_seen)
+
+    async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
+        await self._refuse(
+            text,
+            f"{exc}{' (' + when + ')' if when else ''}",
+            f"Fix {CONFIG_FILE} and write it again (atomically: {CONFIG_FILE}.tmp, then rename)",
+        )
+
+    async def _refuse(self, text: str | None, reason: str, remedy: str) -> None:
+        """Refuse the handshake ``text`` (None: one that could not be read): ``replicator.failed``
+        says why, nothing committed is touched."""
+        log.error("rejecting %s: %s", CONFIG_FILE, reason)
+        self.metrics.error(ErrorKind.CONFIG)
+        await self.end_incarnation()
+        message = f"{reason}.\n{remedy}; committed checkpoints on this node were not touched.\n"
+        fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, message.encode())
+        if text is not None:
+            self.handshake.delete(text)
+
+    async def check_owner(self) -> None:
+        """End the running job once its node changed hands, at most a second late.
+
+        The CSI plugin publishes CHECKPOINT_DIR to another namespace's pod only when no pod
+        of the last one holds it, and rewrites ``owner.json`` then; from that moment nothing
+        of the old job (a marker, a view of its items) may appear there, so the incarnation
+        stops and its markers and views go, before the new pod's handshake arrives.
+        """
+        running = self.incarnation
+        if running is None or not await self.owner.moved_from(running.owner):
+            return
+        if running is not self.incarnation:
+            return
+        log.warning(
+            "CHECKPOINT_DIR was published to another namespace's pod: stopping job %s "
+            "(incarnation %s) and removing its markers and views",
+            running.config.job_name,
+            running.id,
+        )
+        await self.end_incarnation()
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+        )
+
+    async def _reject_not_regular(self, kind: str) -> None:
+        """A ``replicator.yaml`` that is a symlink or FIFO: never read, refused, removed."""
+        await self._refuse(
+            None,
+            f"{CONFIG_FILE} is {kind}, not a regular file: the replicator reads only a regular "
+            "file",
+            f"Write it as one (atomically: {CONFIG_FILE}.tmp, then rename)",
+        )
+        self.handshake.remove_not_regular()
+
+    async def _registration_refused(self, job: str, exc: OwnedByAnother) -> None:
+        """The job name ``job`` turned out registered to another owner after a resume: the
+        job stops here as a refused handshake would."""
+        running = self.incarnation
+        if running is not None and running.config.job_name == job:
+            log.error("stopping job %s: %s", job, exc)
+            await self.end_incarnation()
+            text = f"mtc-replicator: job {job} stopped: {exc}.\nRestart the job.\n"
+            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
+
+    async def resume(self, resumed: Incarnation) -> None:
+        """Resume the incarnation a restart interrupted, under the owner the node has now
+        (the same pod's, unless the handshake was refused before)."""
+        job = resumed.config.job_name
+        try:
+            resumed.owner = await self.owner.read()
+            await self.rank0.host(
+                resumed.config,
+                resumed.owner,
+                incarnation=resumed.id,
+                resume_steady=resumed.phase is IncarnationPhase.STEADY,
+                register_later=True,
+            )
+        except Stopping as exc:
+            log.info("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            return  # its saved state stays: the next start resumes it
+        except (BadOwner, OwnedByAnother) as exc:
+            log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            save_state(self.store, None)
+            text = f"mtc-replicator: not resuming job {job}: {exc}.\nRestart the job.\n"
+            fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
+            return
+        log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
+        self.incarnation = resumed
+        resumed.start()
+
+    async def end_incarnation(self) -> None:
+        if self.incarnation is not None:
+            log.info(
+                "stopping incarnation %s of job %s",
+                self.incarnation.id,
+                self.incarnation.config.job_name,
+            )
+            await self.incarnation.stop()
+            self.foreign.ended(self.incarnation.config.job_name)
+            self.incarnation = None
+            save_state(self.store, None)
+
+    async def _accept(self, config: JobConfig, text: str, seen_at: float | None = None) -> None:
+        """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8); ``seen_at``:
+        when the yaml was first read (``time.monotonic``), where the restore's timeline
+        starts."""
+        if config.unknown_keys:
+            log.warning(
+                "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
+            )
+        refused = await self.buckets.verdict(config)
+        if refused is not None:
+            await self._refuse(
+                text,
+                refused,
+                "Fix the daemon's credentials or the bucket's policy (docs/permissions.md), "
+                "then restart the job",
+            )
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            owner = await self.owner.read()
+        except BadOwner as exc:
+            await self._refuse(
+                text,
+                f"cannot tell which namespace this node's pod belongs to: {exc}",
+                "The CSI plugin writes that file when it publishes the volume; restart the pod",
+            )
+            return
+        await self.end_incarnation()
+        removed = await loop.run_in_executor(
+            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+        )
+        incarnation_id = new_incarnation_id()
+        try:
+            # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
+            await self.rank0.host(config, owner, incarnation=incarnation_id)
+        except OwnedByAnother as exc:
+            await self._refuse(text, str(exc), "Choose another job name")
+            return
+        except Stopping as exc:
+            log.info("not accepting %s: %s", CONFIG_FILE, exc)
+            return  # the yaml stays: the next start takes it
+        self.incarnation = Incarnation(
+            config,
+            self.ctx,
+            config_text=text,
+            owner=owner,
+            incarnation_id=incarnation_id,
+            handshake_at=seen_at,
+        )
+        log.info(
+            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
+            "(removed %d stale files)",
+            CONFIG_FILE,
+            config.job_name,
+            config.node_rank,
+            config.nodes,
+            config.framework.value,
+            config.workers_per_node,
+            self.incarnation.id,
+            len(removed),
+        )
+        # Persist before the yaml goes: a crash in between must still end in markers.
+        await loop.run_in_executor(self.executor, self.incarnation.persist)
+        self.handshake.delete(text)
+        self.incarnation.start()

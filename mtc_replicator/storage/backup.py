@@ -1,0 +1,348 @@
+"""The backup tier: item upload, step commit and verified download on an ObjectStore.
+
+Layout below the backup URL (``core.backup_layout``; docs/architecture.md, "Backups")::
+
+    <job>/<step>/<hh>/<rank>-<worker>/<files...>     item data (``data`` for a file item)
+    <job>/<step>/<hh>/<rank>-<worker>.manifest.json  written after the item's files
+    <job>/<step>/COMMIT                              written last, create-only
+
+(layout v2; v1, without ``<hh>/``, is still read). Only a step with a ``COMMIT`` is
+restorable; the COMMIT pins each item's manifest digest, so an object changed after the
+commit is detected. The COMMIT is signed by the node that
+wrote it, and a COMMIT that ``trust`` refuses is never restored (``core.signed``). The daemon
+never overwrites or deletes anything under a committed step. I/O goes through the
+ObjectStore; no vendor code here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+
+import google_crc32c
+
+from mtc_replicator.core.backup_layout import (
+    LAYOUT,
+    LAYOUTS,
+    CommitRecord,
+    commit_key,
+    data_key,
+    item_key_of,
+    manifest_key,
+)
+from mtc_replicator.core.contract import ascii_digits
+from mtc_replicator.core.manifest import (
+    CancelCheck,
+    Cancelled,
+    CorruptItem,
+    FileEntry,
+    ItemId,
+    ItemKind,
+    Manifest,
+    ManifestError,
+)
+from mtc_replicator.core.pacing import Traffic
+from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
+from mtc_replicator.local.hashing import data_file
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.storage.objectstore import (
+    ChecksumMismatch,
+    LeftoverUploads,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectStoreError,
+    PreconditionFailed,
+)
+
+log = logging.getLogger(__name__)
+
+LEFTOVER_SKEW = 60.0
+"""Seconds by which the store's clock may run ahead of ours: an incomplete upload is a
+leftover only if it began this long before this process started."""
+
+
+def _never() -> bool:
+    return False
+
+
+class BackupStore:
+    """Backups of checkpoint items on one ObjectStore.
+
+    ``trust`` signs the COMMITs written and decides which ones read are believed (``OPEN``:
+    neither signs nor checks, for processes without TLS material).
+    """
+
+    def __init__(
+        self, objects: ObjectStore, trust: RecordTrust = OPEN, *, pacer: Pacer | None = None
+    ) -> None:
+        self.objects = objects
+        self.trust = trust
+        self.pacer = pacer or Pacer()
+        """The node's outgoing transfers: uploads are backups, paced by it (downloads are
+        restores and are not)."""
+        self.started = time.time()
+        """Wall-clock start: uploads begun since may be another live daemon's."""
+        self.refused: dict[str, dict[int, str]] = {}
+        """Per job, the COMMITs the newest listing refused, and why (told to the job)."""
+        self._leftovers_warned = False
+
+    @property
+    def url(self) -> str:
+        return self.objects.url
+
+    def upload_item(self, manifest: Manifest, data: Path, cancelled: CancelCheck = _never) -> None:
+        """Upload an item's files, then its manifest. Safe to repeat before the COMMIT."""
+        if self.objects.head(commit_key(manifest.item.job, manifest.item.step)) is not None:
+            raise PreconditionFailed(f"{manifest.item}: step is already committed")
+        # One transfer for the whole item: it shares the link with the job and the peer
+        # plane, behind restores and replication (``core.pacing``).
+        with self.pacer.transfer(Traffic.BACKUP) as meter:
+            for entry in manifest.files:
+                if cancelled():
+                    raise Cancelled(str(manifest.item))
+                # The manifest's crc32c: a file changed since it was taken is never uploaded.
+                self.objects.put_file(
+                    data_key(manifest.item, entry.path, LAYOUT),
+                    data_file(data, entry),
+                    crc32c=entry.crc32c,
+                    meter=meter,
+                )
+        self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
+
+    def abort_leftover_uploads(self, job: str, item_keys: Collection[str]) -> int:
+        """Abort the incomplete uploads (S3 multipart) of ``job``'s items ``item_keys``
+        (``<rank>-<worker>``, any step) that a killed daemon left; how many.
+
+        Only uploads begun before this store was made (less ``LEFTOVER_SKEW``): during a
+        reschedule the old node's daemon may still be uploading the same items, and an
+        upload begun since may be its, live. Failures are logged, never raised: a backup
+        does not depend on this (a lifecycle rule is the fallback).
+        """
+        objects = self.objects
+        if not isinstance(objects, LeftoverUploads) or not item_keys:
+            return 0
+        cutoff = self.started - LEFTOVER_SKEW
+        aborted = 0
+        try:
+            for upload in list(objects.incomplete_uploads(f"{job}/")):
+                if upload.initiated < cutoff and item_key_of(job, upload.key) in item_keys:
+                    objects.abort_upload(upload)
+                    aborted += 1
+                    log.info(
+                        "aborted an incomplete upload of %s, begun %.0fs ago by an earlier run "
+                        "job=%s",
+                        upload.key,
+                        max(time.time() - upload.initiated, 0.0),
+                        job,
+                    )
+        except ObjectStoreError as exc:
+            if not self._leftovers_warned:
+                self._leftovers_warned = True
+                log.warning(
+                    "cannot clean up incomplete uploads of job %s (docs/permissions.md; a "
+                    "bucket lifecycle rule does it too): %s",
+                    job,
+                    exc,
+                )
+        return aborted
+
+    def try_commit(
+        self, job: str, step: int, item_keys: Collection[str], now: float | None = None
+    ) -> CommitRecord | None:
+        """Write the step's COMMIT if every listed item's manifest is there.
+
+        Returns the commit (ours or one another writer made first), or None when items are
+        still missing. Create-only, so two writers can never replace each other's COMMIT.
+        """
+        existing = self.read_commit(job, step)
+        if existing is not None:
+            return existing
+        digests: dict[str, str] = {}
+        for key in sorted(item_keys):
+            rank, _, worker = key.partition("-")
+            item = ItemId(job, step, int(rank), int(worker))
+            try:
+                raw = self.objects.get_bytes(manifest_key(item, LAYOUT))
+                digests[key] = Manifest.from_json(raw).digest
+            except ObjectNotFound:
+                return None
+        record = CommitRecord(job, step, digests, time.time() if now is None else now, LAYOUT)
+        try:
+            sealed = self.trust.seal(COMMIT_KIND, record.body())
+            self.objects.put_bytes(commit_key(job, step), sealed, if_absent=True)
+        except PreconditionFailed:
+            return self.read_commit(job, step)
+        log.info("backup committed job=%s step=%d items=%d", job, step, len(digests))
+        return record
+
+    def read_commit(self, job: str, step: int) -> CommitRecord | None:
+        found = self.read_commit_raw(job, step)
+        return None if found is None else found[0]
+
+    def read_commit_raw(self, job: str, step: int) -> tuple[CommitRecord, bytes] | None:
+        """The step's COMMIT and its exact bytes (which a restore pin identifies it by)."""
+        found = self.read_commit_sealed(job, step)
+        return None if found is None else found[:2]
+
+    def read_commit_sealed(self, job: str, step: int) -> tuple[CommitRecord, bytes, Seal] | None:
+        """The step's COMMIT, its bytes, and what is known of its signature.
+
+        Raises ``RecordRefused`` (a ``ManifestError``) when ``trust`` does not believe it.
+        """
+        try:
+            raw = self.objects.get_bytes(commit_key(job, step))
+        except ObjectNotFound:
+            return None
+        record = CommitRecord.from_json(raw)
+        if record.job != job or record.step != step:
+            raise ManifestError(
+                f"COMMIT at {commit_key(job, step)} names {record.job}/{record.step}"
+            )
+        try:
+            seal = self.trust.check(COMMIT_KIND, raw, record.created)
+        except RecordRefused as exc:
+            raise RecordRefused(f"COMMIT of job {job} step {step} refused: {exc}") from None
+        return record, raw, seal
+
+    def committed_steps(self, job: str) -> dict[int, CommitRecord]:
+        """Every committed step of ``job``; unreadable COMMITs are logged and skipped.
+
+        One delimiter listing of ``<job>/`` (its step prefixes) and one read per step: the
+        cost follows the number of steps in the bucket, never their items or files.
+        """
+        found: dict[int, CommitRecord] = {}
+        refused: dict[int, str] = {}
+        base = f"{job}/"
+        for prefix in self.objects.list_prefixes(base):
+            name = prefix[len(base) : -1]
+            if not ascii_digits(name):
+                continue
+            step = int(name)
+            try:
+                record = self.read_commit(job, step)
+            except RecordRefused as exc:
+                log.warning("never restoring backup %s: %s", commit_key(job, step), exc)
+                refused[step] = str(exc)
+                continue
+            except (ManifestError, ObjectNotFound) as exc:
+                log.warning("ignoring backup %s: %s", commit_key(job, step), exc)
+                continue
+            if record is not None:  # None: a step still uploading, or half pruned
+                found[record.step] = record
+        self.refused[job] = refused
+        return found
+
+    def fetch_item(
+        self,
+        record: CommitRecord,
+        item: ItemId,
+        staged: Path,
+        cancelled: CancelCheck = _never,
+        progress: Callable[[int], None] | None = None,
+    ) -> Manifest:
+        """Download one item of ``record`` into ``staged/data``, verifying every byte;
+        ``progress`` hears the bytes written as they are.
+
+        Raises ``CorruptItem`` when anything differs from what the COMMIT pinned.
+        """
+        expected = record.items.get(item.key)
+        if expected is None or not record.has(item):
+            raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
+        return self._fetch(item, expected, (record.layout,), staged, cancelled, progress=progress)
+
+    def item_manifest(self, record: CommitRecord, item: ItemId) -> Manifest:
+        """The manifest ``record`` pins for ``item`` (``CorruptItem`` if it is not that one)."""
+        expected = record.items.get(item.key)
+        if expected is None or not record.has(item):
+            raise CorruptItem(f"{item}: not in the committed backup of step {record.step}")
+        return self._pinned_manifest(item, expected, (record.layout,))[0]
+
+    def fetch_pinned(
+        self, item: ItemId, digest: str, staged: Path, cancelled: CancelCheck = _never
+    ) -> Manifest:
+        """Download ``item`` into ``staged/data`` given the manifest digest its COMMIT pins
+        (from a restore plan: the coordinator read and checked the COMMIT), verifying every
+        byte. No listing and no COMMIT read: a manifest GET, then the item's data.
+
+        The layout is not in the plan: the manifest is looked for where this version
+        writes it, then where earlier ones did (one more GET, a miss, for a v1 backup).
+        Raises ``CorruptItem`` when anything differs from the digest.
+        """
+        return self._fetch(item, digest, LAYOUTS, staged, cancelled)
+
+    def _fetch(
+        self,
+        item: ItemId,
+        expected: str,
+        layouts: Sequence[int],
+        staged: Path,
+        cancelled: CancelCheck,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> Manifest:
+        manifest, layout = self._pinned_manifest(item, expected, layouts)
+        data = staged / "data"
+        if manifest.kind is ItemKind.DIR:
+            data.mkdir()
+            for d in manifest.dirs:
+                (data / d).mkdir(parents=True, exist_ok=True)
+        # A restore: never throttled, and this node's uploads trickle while it downloads.
+        with self.pacer.transfer(Traffic.RESTORE):
+            for entry in manifest.files:
+                self._fetch_file(
+                    item, entry, data_file(data, entry), layout, cancelled, progress=progress
+                )
+        return manifest
+
+    def _fetch_file(
+        self,
+        item: ItemId,
+        entry: FileEntry,
+        dest: Path,
+        layout: int,
+        cancelled: CancelCheck,
+        *,
+        progress: Callable[[int], None] | None = None,
+    ) -> None:
+        """One file of ``item`` into ``dest``, checked against its manifest entry."""
+        crc, size = 0, 0
+        what = f"{item}: backup object {entry.path or 'data'}"
+        try:
+            with open(dest, "xb") as out:
+                for chunk in self.objects.read_chunks(data_key(item, entry.path, layout)):
+                    if cancelled():
+                        raise Cancelled(str(item))
+                    size += len(chunk)
+                    if size > entry.size:
+                        break
+                    crc = google_crc32c.extend(crc, chunk)
+                    out.write(chunk)
+                    if progress is not None:
+                        progress(len(chunk))
+        except ObjectNotFound:
+            raise CorruptItem(f"{what} is missing") from None
+        except ChecksumMismatch as exc:
+            raise CorruptItem(f"{what}: {exc}") from None
+        if size != entry.size or crc != entry.crc32c:
+            raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
+
+    def _pinned_manifest(
+        self, item: ItemId, expected: str, layouts: Sequence[int]
+    ) -> tuple[Manifest, int]:
+        """The item's manifest, found in the first of ``layouts`` that has one, and that
+        layout; ``CorruptItem`` unless its digest is ``expected`` and it describes ``item``."""
+        for layout in layouts:
+            try:
+                raw = self.objects.get_bytes(manifest_key(item, layout))
+            except ObjectNotFound:
+                continue
+            try:
+                manifest = Manifest.from_json(raw)
+            except ManifestError as exc:
+                raise CorruptItem(f"{item}: backup manifest is invalid: {exc}") from None
+            if manifest.digest != expected or manifest.item != item:
+                raise CorruptItem(f"{item}: backup manifest was modified after its COMMIT")
+            return manifest, layout
+        raise CorruptItem(f"{item}: backup manifest is missing")

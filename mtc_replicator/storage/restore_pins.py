@@ -1,0 +1,292 @@
+"""Restore pins: an operator's "the next restore of job J uses step S", read by the daemon.
+
+``mtc backups restore`` writes a pin; the coordinator's round reads it through ``StorePins``
+and removes it once the round used it. A pin is hostile input (anyone with bucket access may
+have written it): ``RestorePin`` parses it strictly, and a pin is honoured only while the
+COMMIT it names is byte for byte the one pinned (``resolve_restore_pin``). I/O through an
+``ObjectStore`` only.
+
+The pin lives at ``_control/<job>/restore-pin.json``. ``_control`` can never be a job's
+prefix (job names start with a letter or digit, as for ``_registry``), and backup listings
+are per ``<job>/`` prefix, so the daemon never mistakes it for a step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mtc_replicator.core.backup_layout import CommitRecord
+from mtc_replicator.core.jobname import is_job_name
+from mtc_replicator.core.jsonobj import NotAnObject, load_object
+from mtc_replicator.core.manifest import ManifestError
+from mtc_replicator.core.signed import OPEN, RecordTrust
+from mtc_replicator.local.usedpins import UsedPins
+from mtc_replicator.storage.backup_audit import read_commit_raw
+from mtc_replicator.storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError
+
+log = logging.getLogger(__name__)
+
+CONTROL_PREFIX = "_control/"
+PIN_NAME = "restore-pin.json"
+PIN_FORMAT_VERSION = 1
+MAX_PIN_BYTES = 4096
+"""A pin is about 200 bytes; anything larger is not one of ours and is not read further."""
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class PinError(ValueError):
+    """A restore pin cannot be used; the message says why and what to do."""
+
+
+class MalformedPin(PinError):
+    """The pin object breaks a rule (anyone with bucket access may have written it)."""
+
+
+class StalePin(PinError):
+    """The pinned step is no longer committed as it was when the pin was made."""
+
+
+def pin_key(job: str) -> str:
+    if not is_job_name(job):
+        raise MalformedPin(f"bad job name {job!r:.80}")
+    return f"{CONTROL_PREFIX}{job}/{PIN_NAME}"
+
+
+def commit_digest(raw: bytes) -> str:
+    """What a pin identifies its COMMIT by: the sha256 of the COMMIT object's bytes."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+@dataclass(frozen=True)
+class RestorePin:
+    """Job ``job``'s next restore round must use committed backup step ``step``."""
+
+    job: str
+    step: int
+    requested_at: float
+    """Wall-clock seconds when an operator made the pin."""
+    commit_digest: str
+    """sha256 of the COMMIT's bytes: a step pruned and uploaded again is not the pinned one."""
+    requested_by: str = ""
+    """``user@host`` that made it, for the operator who finds it later."""
+
+    def __post_init__(self) -> None:
+        if not is_job_name(self.job):
+            raise MalformedPin(f"bad job name {self.job!r:.80}")
+        if type(self.step) is not int or self.step < 0:
+            raise MalformedPin(f"bad step {self.step!r:.40}")
+        at = self.requested_at
+        try:
+            good_time = type(at) in (int, float) and math.isfinite(at) and at >= 0
+        except OverflowError:  # an int beyond any float
+            good_time = False
+        if not good_time:
+            raise MalformedPin(f"bad request time {at!r:.40}")
+        if not isinstance(self.commit_digest, str) or not _DIGEST_RE.fullmatch(self.commit_digest):
+            raise MalformedPin(f"bad commit digest {self.commit_digest!r:.80}")
+        by = self.requested_by
+        if not isinstance(by, str) or len(by) > 256 or not by.isprintable():
+            raise MalformedPin(f"bad requested_by {by!r:.80}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PIN_FORMAT_VERSION,
+            "job": self.job,
+            "step": self.step,
+            "requested_at": self.requested_at,
+            "commit_digest": self.commit_digest,
+            "requested_by": self.requested_by,
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> RestorePin:
+        """Parse a pin from storage; every way it can be wrong is a ``MalformedPin``."""
+        try:
+            data = load_object(raw, MAX_PIN_BYTES)
+        except NotAnObject as exc:
+            raise MalformedPin(str(exc)) from None
+        version = data.get("version")
+        if type(version) is not int or version != PIN_FORMAT_VERSION:
+            raise MalformedPin(f"unsupported version {version!r:.40}")
+        missing = [k for k in ("job", "step", "requested_at", "commit_digest") if k not in data]
+        if missing:
+            raise MalformedPin(f"missing {', '.join(missing)}")
+        return cls(
+            job=data["job"],
+            step=data["step"],
+            requested_at=data["requested_at"],
+            commit_digest=data["commit_digest"],
+            requested_by=data.get("requested_by", ""),
+        )
+
+
+def read_restore_pin(objects: ObjectStore, job: str) -> RestorePin | None:
+    """Job ``job``'s restore pin, None if there is none; ``MalformedPin`` if it is bad.
+
+    Reads at most one chunk past ``MAX_PIN_BYTES`` whatever the object's size.
+    """
+    key = pin_key(job)
+    raw = b""
+    try:
+        for chunk in objects.read_chunks(key):
+            raw += chunk
+            if len(raw) > MAX_PIN_BYTES:
+                break
+    except ObjectNotFound:
+        return None
+    try:
+        pin = RestorePin.from_json(raw)
+    except MalformedPin as exc:
+        raise MalformedPin(f"restore pin {key}: {exc}") from None
+    if pin.job != job:
+        raise MalformedPin(f"restore pin {key} names job {pin.job!r:.80}")
+    return pin
+
+
+def write_restore_pin(objects: ObjectStore, pin: RestorePin) -> None:
+    """Publish ``pin``, replacing any older pin of its job (the newest request wins)."""
+    objects.put_bytes(pin_key(pin.job), pin.to_json())
+    log.info("restore pinned job=%s step=%d", pin.job, pin.step)
+
+
+def clear_restore_pin(objects: ObjectStore, job: str, expected: RestorePin | None = None) -> bool:
+    """Remove ``job``'s pin; True if one was removed.
+
+    With ``expected`` (the coordinator, after the pinned round is released), only that very
+    pin goes: one an operator made meanwhile stays for the next round. Read-compare-delete
+    is not atomic on object stores, so that is best effort, as for the registry.
+    """
+    key = pin_key(job)
+    if expected is not None:
+        try:
+            current = read_restore_pin(objects, job)
+        except MalformedPin:
+            return False
+        if current != expected:
+            return False
+    elif objects.head(key) is None:
+        return False
+    objects.delete(key)
+    log.info("restore pin cleared job=%s", job)
+    return True
+
+
+def resolve_restore_pin(
+    objects: ObjectStore, pin: RestorePin, trust: RecordTrust = OPEN
+) -> CommitRecord:
+    """The COMMIT a pin names, if it is still exactly the one pinned (and ``trust`` believes
+    it); else ``StalePin``."""
+    try:
+        found = read_commit_raw(objects, pin.job, pin.step, trust)
+    except ManifestError as exc:
+        raise StalePin(f"pinned step {pin.step} of job {pin.job}: {exc}") from None
+    if found is None:
+        raise StalePin(f"pinned step {pin.step} of job {pin.job} is not committed any more")
+    record, raw = found
+    if commit_digest(raw) != pin.commit_digest:
+        raise StalePin(f"pinned step {pin.step} of job {pin.job} was committed again since")
+    return record
+
+
+PinFailed = Callable[[str, int, str], object]
+"""Told ``(job, step, message)`` when a used pin could not be removed (from a thread)."""
+
+
+def pin_digest(pin: RestorePin) -> str:
+    """A pin's identity: the sha256 of its canonical form (a new pin has a new request
+    time, so the same step pinned again is another pin)."""
+    return hashlib.sha256(pin.to_json()).hexdigest()
+
+
+class StorePins:
+    """The restore pins in a backup store, as the coordinator consumes them.
+
+    A pin that is malformed or names a step no longer committed as pinned is logged and
+    ignored: the round then restores the last-known-good step, and the operator sees why.
+    With ``used`` (the node's record of used pins), a pin is honoured once: its digest is
+    recorded before it is deleted, so a pin whose delete is refused never rolls the job
+    back again; ``on_failure`` hears of that refusal.
+    """
+
+    def __init__(
+        self,
+        objects: ObjectStore,
+        trust: RecordTrust = OPEN,
+        *,
+        used: UsedPins | None = None,
+        on_failure: PinFailed | None = None,
+    ) -> None:
+        self.objects = objects
+        self.trust = trust
+        self.used = used
+        self.on_failure = on_failure
+        self._offered: dict[str, RestorePin] = {}
+        """Per job, the pin ``pinned_step`` last answered with: the one a round used."""
+
+    def pinned_step(self, job: str) -> int | None:
+        try:
+            pin = read_restore_pin(self.objects, job)
+            if pin is None:
+                return None
+            if self.used is not None and self.used.used(job, pin_digest(pin)):
+                self._retry_delete(job, pin)
+                return None
+            resolve_restore_pin(self.objects, pin, self.trust)
+        except (PinError, ObjectStoreError) as exc:
+            log.warning("ignoring the restore pin of job %s: %s", job, exc)
+            return None
+        self._offered[job] = pin
+        return pin.step
+
+    def _retry_delete(self, job: str, pin: RestorePin) -> None:
+        """A used pin is still there: never honoured again; one more try to remove it."""
+        log.info(
+            "restore pin of job %s (step %d) was used already; not honoured again",
+            job,
+            pin.step,
+        )
+        try:
+            clear_restore_pin(self.objects, job, expected=pin)
+        except ObjectStoreError as exc:
+            log.debug("cannot remove the used restore pin of job %s: %s", job, exc)
+
+    def consumed(self, job: str, step: int) -> None:
+        pin = self._offered.pop(job, None)
+        recorded = False
+        try:
+            if pin is None or pin.step != step:
+                pin = read_restore_pin(self.objects, job)
+            if pin is None or pin.step != step:
+                return
+            if self.used is not None:
+                # First: should the delete fail, the pin is still used up.
+                try:
+                    self.used.record(job, pin_digest(pin))
+                    recorded = True
+                except OSError as exc:
+                    log.error("cannot record the used restore pin of job %s: %s", job, exc)
+            clear_restore_pin(self.objects, job, expected=pin)
+        except (PinError, ObjectStoreError) as exc:
+            message = (
+                f"cannot remove the used restore pin {pin_key(job)} (step {step}): {exc}; "
+                + (
+                    "it is recorded as used on this node and not honoured again here; "
+                    if recorded
+                    else ""
+                )
+                + "delete it (mtc backups restore URL --job JOB --clear) or let the daemon "
+                "delete it (docs/permissions.md)"
+            )
+            log.warning("%s", message)
+            if self.on_failure is not None:
+                self.on_failure(job, step, message)

@@ -1,0 +1,335 @@
+"""``mtc backups list|verify|restore|prune|download``: the operator's view of a backup location.
+
+The command group and its shared options; ``list``, ``verify`` and ``restore`` here, ``prune``
+in ``prune_cli`` and ``download`` in ``download_cli``, their text and JSON in ``backup_views``.
+Every decision is in ``storage.backup_audit`` (list, verify), ``storage.restore_pins``,
+``core.prune`` and ``storage.backup_prune``. Exit codes: 0 done (and everything verified),
+1 corruption found, something asked for not found, or the operation refused or failed, 2 bad
+usage. Works on any URL ``open_object_store`` takes, through the ``ObjectStore`` interface
+only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from mtc_replicator.core import argtypes
+from mtc_replicator.core.manifest import ManifestError
+from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
+from mtc_replicator.core.signed import OPEN, RecordTrust
+from mtc_replicator.storage import backup_audit as audit
+from mtc_replicator.storage import restore_pins as pins
+from mtc_replicator.storage.objectstore import ObjectStore, ObjectStoreError
+from mtc_replicator.storage.stores import open_object_store
+from mtc_replicator.tools import download_cli, progress_bars, prune_cli
+from mtc_replicator.tools.backup_views import (
+    fail,
+    pin_json,
+    print_job,
+    print_json,
+    print_verdict,
+    step_json,
+    verdict_json,
+)
+from mtc_replicator.transport.signing import CaVerifier
+from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
+
+# --- argument wiring -----------------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``backups`` and its commands on the ``mtc`` parser."""
+    p = subparsers.add_parser(
+        "backups",
+        help="list, verify, pin a restore from, or prune a backup location",
+        description="Operate on backups: file:///abs/path, gs://bucket/prefix, s3://bucket/prefix",
+    )
+    sub = p.add_subparsers(dest="backups_command", required=True)
+
+    ls = _command(sub, "list", "jobs and steps: state, items, size, age", jobs="any")
+    ls.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    verify = _command(sub, "verify", "re-read committed steps and check every byte", jobs="all")
+    verify.add_argument(
+        "--step", type=argtypes.count, help="only this step, with --job (default: every one)"
+    )
+    verify.add_argument("--json", action="store_true", help="one JSON document on stdout")
+
+    restore = _command(sub, "restore", "make the job's next restore round use one committed step")
+    which = restore.add_mutually_exclusive_group(required=True)
+    which.add_argument("--step", type=argtypes.count, help="the committed step to restore")
+    which.add_argument("--clear", action="store_true", help="remove the job's restore pin")
+    restore.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    restore.add_argument(
+        "--no-verify", action="store_true", help="pin without re-reading the step first"
+    )
+
+    prune = _command(
+        sub, "prune", "delete old steps by a retention policy (dry run unless --apply)", jobs="all"
+    )
+    prune_cli.add_arguments(prune)
+
+    dl = _command(
+        sub, "download", "download a committed step into a directory, every byte verified"
+    )
+    download_cli.add_arguments(dl)
+
+    for c in (verify, restore, prune, dl):
+        progress_bars.add_option(c)
+
+
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_text: str,
+    *,
+    jobs: str = "one",
+) -> argparse.ArgumentParser:
+    """One command with the options all share: the URL, the job, trust and the timeout.
+    ``jobs``: "one" (--job required), "any" (--job optional), "all" (--job or --all-jobs,
+    one of them)."""
+    c = sub.add_parser(name, help=help_text, description=help_text)
+    c.add_argument("url", help="backup location (the daemon's --backup)")
+    if jobs == "all":
+        which = c.add_mutually_exclusive_group(required=True)
+        which.add_argument("--job", type=argtypes.job, help="the job's name")
+        which.add_argument("--all-jobs", action="store_true", help="every job in the location")
+    else:
+        c.add_argument(
+            "--job",
+            type=argtypes.job,
+            required=jobs == "one",
+            help="the job's name" + (" (default: every job)" if jobs == "any" else ""),
+        )
+    c.add_argument(
+        "--tls-ca",
+        default=os.environ.get("MTC_TLS_CA") or None,
+        help="the nodes' CA (PEM): check that each COMMIT is signed by a node [MTC_TLS_CA] "
+        "(default: none, signatures are not checked)",
+    )
+    c.add_argument(
+        "--tls-server-name",
+        default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
+        help="the DNS name in node certificates [MTC_TLS_SERVER_NAME] (default: %(default)s)",
+    )
+    c.add_argument(
+        "--accept-unsigned-records",
+        action="store_true",
+        help="with --tls-ca: take unsigned COMMITs (written before records were signed)",
+    )
+    c.add_argument(
+        "--storage-timeout",
+        type=argtypes.storage_timeout,
+        default=os.environ.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
+        metavar="SECONDS",
+        help="the most seconds one request to the bucket may take, its retries included "
+        "(default: %(default)s) [MTC_STORAGE_TIMEOUT]",
+    )
+    return c
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one ``mtc backups`` command; the exit code."""
+    commands: dict[str, Callable[[argparse.Namespace, ObjectStore, float], int]] = {
+        "list": _list,
+        "verify": _verify,
+        "restore": _restore,
+        "prune": prune_cli.run,
+        "download": download_cli.run,
+    }
+    try:
+        args.trust = _trust(args)
+        objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
+    except (ValueError, TlsError) as exc:
+        return fail(str(exc), 2)
+    except ObjectStoreError as exc:
+        return fail(str(exc))
+    try:
+        return commands[args.backups_command](args, objects, time.time())
+    except (ObjectStoreError, pins.PinError, ManifestError, download_cli.DownloadError) as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+    except BrokenPipeError:
+        # Output piped into `head`: stop quietly, and keep the exit-time flush from failing too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _trust(args: argparse.Namespace) -> RecordTrust:
+    """Check COMMIT signatures against ``--tls-ca``, as the daemons do; without it, not."""
+    if not args.tls_ca:
+        return OPEN
+    verifier = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
+    return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
+
+
+# --- list ----------------------------------------------------------------------------------
+
+
+def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    jobs = [args.job] if args.job else audit.list_jobs(objects)
+    out: list[dict[str, Any]] = []
+    for job in jobs:
+        listing = audit.scan_job(objects, job, args.trust)
+        try:
+            pin, pin_error = pins.read_restore_pin(objects, job), None
+        except pins.MalformedPin as exc:
+            pin, pin_error = None, str(exc)
+        out.append(
+            {
+                "job": job,
+                "steps": [step_json(s, now) for s in listing.steps],
+                "restore_pin": pin_json(pin),
+                "restore_pin_error": pin_error,
+                "stray_objects": list(listing.stray),
+            }
+        )
+    if args.job and _nothing(out[0]):
+        return fail(f"no backups of job {args.job} in {objects.url}")
+    if args.json:
+        print_json({"url": objects.url, "jobs": out})
+        return 0
+    print(objects.url)
+    if not out:
+        print("no backups")
+    for job in out:
+        print_job(job, now)
+    return 0
+
+
+def _nothing(job: dict[str, Any]) -> bool:
+    """Whether the location holds nothing at all of this job."""
+    return not (
+        job["steps"] or job["stray_objects"] or job["restore_pin"] or job["restore_pin_error"]
+    )
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+def _verify_steps(
+    args: argparse.Namespace, objects: ObjectStore, job: str, steps: Sequence[int]
+) -> list[audit.StepVerdict] | None:
+    """Verify ``steps`` under one progress bar; None if one of them has no COMMIT."""
+    plans = [audit.plan_verify(objects, job, s, args.trust) for s in steps]
+    if any(not p.committed for p in plans):
+        return None
+    bar = progress_bars.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")
+    try:
+        return [audit.run_verify(objects, p, bar) for p in plans]
+    finally:
+        bar.close()
+
+
+def _verify_job(
+    args: argparse.Namespace, objects: ObjectStore, job: str, *, required: bool
+) -> tuple[bool, dict[str, Any]]:
+    """Verify one job's committed steps (or ``--step``); whether all are good, and the JSON.
+    A job with nothing committed fails when it was asked for by name (``required``)."""
+    if args.step is not None:
+        steps = [args.step]
+    else:
+        listing = audit.scan_job(objects, job, args.trust)
+        steps = [s.step for s in listing.steps if s.commit or s.commit_error]
+    verdicts = _verify_steps(args, objects, job, steps)
+    if verdicts is None:
+        fail(f"step {args.step} of job {job} is not committed in {objects.url}")
+        return False, {"job": job, "ok": False, "steps": []}
+    ok = all(v.ok for v in verdicts) and (bool(verdicts) or not required)
+    if not verdicts:
+        message = f"job {job} has no committed backups in {objects.url}"
+        if required:
+            fail(message)
+        elif not args.json:
+            print(message)
+    elif not args.json:
+        for v in verdicts:
+            print_verdict(v)
+        bad = sum(1 for v in verdicts if not v.ok)
+        print(f"{len(verdicts)} step(s) verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
+    return ok, {"job": job, "ok": ok, "steps": [verdict_json(v) for v in verdicts]}
+
+
+def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    if not args.all_jobs:
+        ok, body = _verify_job(args, objects, args.job, required=True)
+        if args.json:
+            print_json({"url": objects.url, **body})
+        return 0 if ok else 1
+    if args.step is not None:
+        return fail("--step goes with --job, not with --all-jobs", 2)
+    jobs = audit.list_jobs(objects)
+    if not jobs:
+        return fail(f"no backups in {objects.url}")
+    bodies = [_verify_job(args, objects, job, required=False)[1] for job in jobs]
+    ok = all(b["ok"] for b in bodies)
+    if args.json:
+        print_json({"url": objects.url, "ok": ok, "jobs": bodies})
+    else:
+        bad = [b["job"] for b in bodies if not b["ok"]]
+        print(f"{len(jobs)} job(s) verified: " + (f"CORRUPT: {', '.join(bad)}" if bad else "OK"))
+    return 0 if ok else 1
+
+
+# --- restore -------------------------------------------------------------------------------
+
+
+def _whoami() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "?"
+    who = f"{user}@{socket.gethostname()}"
+    return who if who.isprintable() else "?"
+
+
+def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+    job = args.job
+    if args.clear:
+        if pins.clear_restore_pin(objects, job):
+            print(f"job {job}: restore pin removed; the next restore takes the newest step")
+        else:
+            print(f"job {job} had no restore pin")
+        return 0
+    step = args.step
+    found = audit.read_commit_raw(objects, job, step, args.trust)
+    if found is None:
+        return fail(
+            f"step {step} of job {job} is not committed; `mtc backups list` shows which are"
+        )
+    try:
+        old = pins.read_restore_pin(objects, job)
+        replaces = f" (replacing the pin of step {old.step})" if old is not None else ""
+    except pins.MalformedPin:
+        replaces = " (replacing a malformed pin)"
+    if not args.yes:
+        if not sys.stdin.isatty():
+            return fail("confirm with --yes (stdin is not a terminal)", 2)
+        answer = input(f"Pin job {job}'s next restore to backup step {step}{replaces}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing pinned")
+            return 1
+    if not args.no_verify:
+        verdicts = _verify_steps(args, objects, job, [step])
+        if verdicts is None:
+            return fail(f"step {step} of job {job} is not committed any more")
+        if not verdicts[0].ok:
+            print_verdict(verdicts[0])
+            return fail(f"step {step} of job {job} is corrupt: nothing pinned")
+    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), _whoami()[:256])
+    pins.write_restore_pin(objects, pin)
+    checked = "unverified" if args.no_verify else "verified"
+    print(
+        f"job {job}: the next restore round will use backup step {step} ({checked}){replaces}; "
+        f"pin at {pins.pin_key(job)}"
+    )
+    return 0

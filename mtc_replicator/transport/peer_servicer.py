@@ -1,0 +1,560 @@
+"""The ``mtc.v1.Peer`` service: what a daemon answers to other daemons. I/O module.
+
+Handlers run in the daemon's asyncio loop (grpc.aio). A push is hostile input: its header is
+checked completely before anything touches the disk or a data-channel token is issued:
+whether this node takes the item at all (``core.admission``: its job, its rank, its step),
+then the manifest's safety, digest and size; its chunks then go through
+``transfer.receive_item`` into a staging directory, and the item is committed with its
+manifest last. A push of an item already held with the same digest is answered at once;
+one with another digest is refused, never committed in its place.
+Our exceptions become status codes in one place, ``status_for``; every transfer is logged
+with its bytes, seconds and MB/s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Executor
+from typing import Any, NoReturn
+
+import grpc
+import grpc.aio
+
+from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
+from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
+from mtc_replicator.core.admission import (
+    MAX_STEP_LEAD,
+    Admission,
+    Served,
+    Verdict,
+    admit_copy,
+    admit_push,
+    inode_room,
+)
+from mtc_replicator.core.jobname import is_job_name
+from mtc_replicator.core.manifest import (
+    DEFAULT_MAX_ITEM_FILES,
+    Cancelled,
+    CorruptItem,
+    ItemId,
+    Manifest,
+    ManifestError,
+)
+from mtc_replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic, transfer_deadline
+from mtc_replicator.local.pacer import Meter, Pacer
+from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from mtc_replicator.transport.datachannel import (
+    ChannelBroken,
+    ChannelProtocolError,
+    DataListener,
+    Ticket,
+    receive_staged,
+    send_staged,
+)
+from mtc_replicator.transport.obtaining import Obtain, Obtaining
+from mtc_replicator.transport.peerwire import (
+    DATA_CHANNEL_KEY,
+    GO_AHEAD,
+    chunks_of,
+    fill_chunk,
+    item_id,
+    item_ref,
+    paced_chunk,
+    rate,
+)
+from mtc_replicator.transport.transfer import (
+    RESERVE_BYTES,
+    StreamIdle,
+    TooSlow,
+    TransferError,
+    check_manifest,
+    deadline,
+    idle_bounded,
+    inodes_on,
+    iter_chunks,
+    receive_item,
+    room_on,
+    within,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_SECONDS = 30.0
+"""Default idle timeout of every transfer stream (``--idle-timeout-seconds``)."""
+MAX_TRANSFERS_PER_PEER = 32
+"""Pushes and pulls one peer address may have in flight here at once; more are refused
+RESOURCE_EXHAUSTED (a peer retries). A node makes one or two at a time."""
+
+
+class Refused(Exception):
+    """The request is well formed but this node will not serve it (wrong job, other digest)."""
+
+
+class NotAllowed(Exception):
+    """The caller may not send this item here: not a rank that pushes to this node."""
+
+
+class Conflict(Exception):
+    """Another item with this id is committed here; a push never replaces it."""
+
+
+class NotHeld(Exception):
+    """This node holds no such committed item."""
+
+
+class TooLarge(Exception):
+    """The item does not fit in what this node may take."""
+
+
+class Busy(Exception):
+    """Another transfer of the same item is in flight here, or (a pull) this node's restore
+    round is obtaining the item now; try again later."""
+
+
+class PeerOverLimit(Exception):
+    """One peer has as many transfers in flight here as it may."""
+
+
+def peer_host(peer: str) -> str:
+    """The address part of a gRPC peer string (``ipv4:10.0.0.1:5000``, ``ipv6:[::1]:5000``):
+    the limits per peer count connections from one host, whatever their ports."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0].strip("[]")
+    return peer
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The one place that turns a servicer-side exception into a gRPC status."""
+    cause = exc.__cause__ if isinstance(exc, StoreError) else exc
+    if isinstance(exc, (ManifestError, TransferError, ChannelProtocolError)):
+        code = grpc.StatusCode.INVALID_ARGUMENT
+    elif isinstance(exc, NotAllowed):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(exc, Conflict):
+        code = grpc.StatusCode.ALREADY_EXISTS
+    elif isinstance(exc, CorruptItem):
+        code = grpc.StatusCode.DATA_LOSS
+    elif isinstance(exc, Refused):
+        code = grpc.StatusCode.FAILED_PRECONDITION
+    elif isinstance(exc, NotHeld):
+        code = grpc.StatusCode.NOT_FOUND
+    elif isinstance(exc, (TooLarge, PeerOverLimit)):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(exc, Busy):
+        code = grpc.StatusCode.ABORTED
+    elif isinstance(exc, (Cancelled, ChannelBroken, StreamIdle)):
+        code = grpc.StatusCode.UNAVAILABLE
+    elif isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif isinstance(cause, OSError) and cause.errno == errno.ENAMETOOLONG:
+        code = grpc.StatusCode.INVALID_ARGUMENT  # the manifest's limits should catch it first
+    else:
+        code = grpc.StatusCode.INTERNAL
+    return code, str(exc) or type(exc).__name__
+
+
+async def _abort(
+    context: grpc.aio.ServicerContext[Any, Any], method: str, exc: Exception
+) -> NoReturn:
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("%s from %s failed: %s", method, context.peer(), message, exc_info=exc)
+    elif isinstance(exc, Busy):  # "try again shortly": a waiting puller asks every second
+        log.info("%s from %s: %s", method, context.peer(), message)
+    else:
+        log.warning("%s from %s refused: %s: %s", method, context.peer(), code.name, message)
+    await context.abort(code, message)
+
+
+async def _drain(requests: AsyncIterator[pb.PushItemRequest], budget: int) -> None:
+    """Read and drop what the sender still has in flight, up to about ``budget`` bytes.
+
+    Answering while the sender's writes are in flight can make grpc.aio on its side report
+    "Internal error from Core" instead of our status; a sender that stops in time gets the
+    real one. A stream that goes on past the budget (a whole item) gets the answer anyway.
+    """
+    with contextlib.suppress(Exception):
+        async for message in requests:
+            budget -= message.ByteSize()
+            if budget < 0:
+                return
+
+
+def _refuse_unless(admission: Admission) -> None:
+    """Raise the exception ``status_for`` turns into the verdict's status code."""
+    if admission.accepted:
+        return
+    reason = admission.reason
+    if admission.verdict is Verdict.NOT_IN_JOB:
+        raise TransferError(reason)
+    if admission.verdict is Verdict.NOT_A_PUSHER:
+        raise NotAllowed(reason)
+    if admission.verdict is Verdict.CONFLICT:
+        raise Conflict(reason)
+    raise Refused(reason)  # NOT_SERVED, TOO_FAR_AHEAD: FAILED_PRECONDITION
+
+
+class PeerServicer(peer_pb2_grpc.PeerServicer):
+    """``mtc.v1.Peer`` over this node's store; handlers run in the daemon's asyncio loop."""
+
+    def __init__(
+        self,
+        store: LocalStore,
+        executor: Executor,
+        serving: Callable[[], Served | None],
+        *,
+        max_step_lead: int = MAX_STEP_LEAD,
+        max_item_bytes: int | None = None,
+        reserve_bytes: int = RESERVE_BYTES,
+        metrics: Metrics = NO_METRICS,
+        channel: DataListener | None = None,
+        idle_timeout: float = IDLE_SECONDS,
+        max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
+        obtaining: Obtaining | None = None,
+        pacer: Pacer | None = None,
+        make_room: Callable[[int], Awaitable[None]] | None = None,
+        min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
+        max_item_files: int = DEFAULT_MAX_ITEM_FILES,
+    ) -> None:
+        """``max_item_bytes`` caps one push; by default, the store's free space minus a
+        margin (``room_on``) and minus what pushes in flight will still write. With a
+        ``channel``, transfers that ask for it move their bytes there while it has a free
+        slot for the peer. ``idle_timeout`` bounds every wait on the other side: a header,
+        the next chunk, room to send one, the data connection, a stall on it. ``serving``
+        says what this node serves now (None: no job), read for every push;
+        ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
+        be. ``obtaining`` says which items this node's restore round is still fetching, so a
+        pull of one is told to try again (ABORTED) or, once the round gave it up, to go
+        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
+        outgoing transfers; a pull served is a restore (first, never throttled).
+        ``make_room(short)``: asked before a push is refused for lacking ``short`` bytes
+        (the daemon drops backed-up items of jobs that no longer run here).
+        ``min_rate``: a push or a pull served must move its bytes at this average rate
+        after a grace of ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is
+        dropped, its reservation and staging with it; None: no floor. ``max_item_files``:
+        the most files and directories one pushed item may list (refused before any is
+        checked or staged); every push must also leave inodes free (``inode_room``)."""
+        self.make_room = make_room
+        self.store = store
+        self.pacer = pacer or Pacer()
+        self.obtaining = obtaining
+        self.channel = channel
+        self.idle_timeout = idle_timeout
+        self.min_rate = min_rate
+        self.max_item_files = max_item_files
+        self.max_transfers_per_peer = max_transfers_per_peer
+        self._per_peer: dict[str, int] = {}
+        self.executor = executor
+        self.serving = serving
+        self.max_step_lead = max_step_lead
+        self.max_item_bytes = max_item_bytes
+        self.reserve_bytes = reserve_bytes
+        self.metrics = metrics
+        self._inflight: dict[ItemId, int] = {}
+        self._inflight_inodes: dict[ItemId, int] = {}
+
+    def _room(self) -> int:
+        if self.max_item_bytes is not None:
+            return self.max_item_bytes
+        incoming = sum(self._inflight.values())
+        return room_on(self.store.root, self.reserve_bytes) - incoming
+
+    @contextlib.contextmanager
+    def _admitted(self, host: str) -> Iterator[None]:
+        """Count a transfer against its peer's limit for as long as it runs."""
+        if self._per_peer.get(host, 0) >= self.max_transfers_per_peer:
+            raise PeerOverLimit(
+                f"{host} has {self.max_transfers_per_peer} transfers in flight here already"
+            )
+        self._per_peer[host] = self._per_peer.get(host, 0) + 1
+        try:
+            yield
+        finally:
+            self._per_peer[host] -= 1
+            if not self._per_peer[host]:
+                del self._per_peer[host]
+
+    def _channel_slot(self, host: str, wanted: bool, nbytes: int) -> bool:
+        """Whether this transfer takes a data-channel slot (release it after)."""
+        return self.channel is not None and wanted and nbytes > 0 and self.channel.pool.claim(host)
+
+    async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
+        """The pushed manifest, checked, and whether the same copy is held already."""
+        item = item_id(header.item)
+        # Admission first: a push this node must not take costs no manifest parsing.
+        _refuse_unless(admit_push(self.serving(), item, max_lead=self.max_step_lead))
+        # A header may carry 16 MiB of manifest: parse and check it off the event loop,
+        # which must keep answering health checks and other transfers meanwhile.
+        manifest = await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            check_manifest,
+            header.manifest,
+            header.manifest_digest,
+            item,
+            self.max_item_files,
+        )
+        held = self.store.get(item)
+        admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
+        if admission.verdict is Verdict.ALREADY_HELD:
+            return manifest, True
+        _refuse_unless(admission)
+        room = self._room()
+        if manifest.total_bytes > room and self.make_room is not None:
+            await self.make_room(manifest.total_bytes - room)
+            room = self._room()
+        if manifest.total_bytes > room:
+            raise TooLarge(
+                f"{item}: {manifest.total_bytes} bytes do not fit, this node can take {room}"
+            )
+        free, total = inodes_on(self.store.root)
+        inodes = inode_room(free, total, sum(self._inflight_inodes.values()))
+        if inodes is not None and manifest.entries > inodes:
+            raise TooLarge(
+                f"{item}: {manifest.entries} files and directories do not fit, this node "
+                f"has inodes for {max(inodes, 0)}"
+            )
+        return manifest, False
+
+    async def PushItem(
+        self,
+        request_iterator: AsyncIterator[pb.PushItemRequest],
+        context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
+    ) -> pb.PushItemResponse:
+        try:
+            with self._admitted(peer_host(context.peer())):
+                return await self._push(request_iterator, context)
+        except Exception as exc:
+            await _abort(context, "PushItem", exc)
+
+    async def _push(
+        self,
+        requests: AsyncIterator[pb.PushItemRequest],
+        context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
+    ) -> pb.PushItemResponse:
+        t0 = time.monotonic()
+        peer = context.peer()
+        idle = self.idle_timeout
+        first = await within(anext(requests, None), idle, "a push's header")
+        if first is None or first.WhichOneof("body") != "header":
+            raise TransferError("a push starts with its header")
+        manifest, held = await self._check_push(first.header)
+        item = manifest.item
+        jlog = JobLog(log, item.job, item.rank)
+        if held:
+            jlog.info("push of %s from %s: already held", item, peer, step=item.step)
+            return pb.PushItemResponse(already_had=True)
+        if item in self._inflight:
+            raise Busy(f"{item}: another transfer of this item is in flight")
+        self._inflight[item] = manifest.total_bytes
+        self._inflight_inodes[item] = manifest.entries
+        host = peer_host(peer)
+        slot = self._channel_slot(host, first.header.data_channel, manifest.total_bytes)
+        ticket = self.channel.issue() if slot and self.channel is not None else None
+        failed: Exception | None = None
+        limit = transfer_deadline(manifest.total_bytes, self.min_rate, idle, manifest.entries)
+        try:
+            async with deadline(limit, f"push of {item} from {peer}"):
+                nbytes = await self._receive(requests, context, manifest, ticket)
+        except asyncio.CancelledError:
+            jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
+            raise
+        except Exception as exc:
+            failed = exc
+            if isinstance(exc, TooSlow):
+                self.metrics.transfer_too_slow(TransferKind.REPLICATE_IN)
+        finally:
+            # Released before any draining: a stalled or hostile sender holds nothing.
+            del self._inflight[item]
+            del self._inflight_inodes[item]
+            if ticket is not None:
+                assert self.channel is not None
+                self.channel.withdraw(ticket)  # closes its connection
+            if slot:
+                assert self.channel is not None
+                self.channel.pool.release(host)
+        if failed is not None:
+            # On the data channel, no chunks are in flight to race; a stalled sender has none.
+            if ticket is None and not isinstance(failed, StreamIdle):
+                await _drain(idle_bounded(requests, idle, "drain"), manifest.total_bytes)
+            raise failed
+        dt = time.monotonic() - t0
+        jlog.info(
+            "received %s from %s %s: %d bytes in %.3fs (%.1f MB/s)",
+            item,
+            peer,
+            "in gRPC chunks" if ticket is None else "over the data channel",
+            nbytes,
+            dt,
+            rate(nbytes, dt),
+            step=item.step,
+        )
+        self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
+        return pb.PushItemResponse(bytes_received=nbytes)
+
+    async def _receive(
+        self,
+        requests: AsyncIterator[pb.PushItemRequest],
+        context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
+        manifest: Manifest,
+        ticket: Ticket | None,
+    ) -> int:
+        """A push's bytes, staged and committed: in gRPC chunks, or on the data channel."""
+        idle = self.idle_timeout
+        item = manifest.item
+        if ticket is None:
+            await context.send_initial_metadata((GO_AHEAD,))
+            chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
+            return await receive_item(self.store, manifest, chunks, self.executor)
+        assert self.channel is not None
+        offer = f"{self.channel.port} {ticket.token_hex}"
+        await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
+        sock = await self.channel.connection(ticket, idle)
+        return await receive_staged(
+            self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool
+        )
+
+    async def PullItem(  # type: ignore[override]  # writes with context.write, below
+        self,
+        request: pb.PullItemRequest,
+        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
+    ) -> None:
+        # context.write, not yield: a write can then be given up on after the idle timeout
+        # when the puller stops reading, which a suspended generator's yield cannot.
+        try:
+            with self._admitted(peer_host(context.peer())):
+                await self._pull(request, context)
+        except Exception as exc:
+            if context.cancelled():  # the puller went away: a write failed, nobody to answer
+                log.info("PullItem from %s cancelled: %s", context.peer(), exc)
+                return
+            await _abort(context, "PullItem", exc)
+
+    async def _pull(
+        self,
+        request: pb.PullItemRequest,
+        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
+    ) -> None:
+        t0 = time.monotonic()
+        item = item_id(request.item)
+        manifest = self.store.get(item)
+        if manifest is None:
+            state = None if self.obtaining is None else self.obtaining.state(item)
+            if state is Obtain.IN_PROGRESS:
+                raise Busy(f"{item}: being obtained here by the restore round; try again")
+            if state is Obtain.GAVE_UP:
+                raise Refused(f"{item}: the restore round here could not obtain it")
+            raise NotHeld(f"{item}: not held here")
+        digest = manifest.digest
+        if request.manifest_digest and request.manifest_digest != digest:
+            raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
+        header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
+        host = peer_host(context.peer())
+        slot = self._channel_slot(host, request.data_channel, manifest.total_bytes)
+        # A restore: never throttled, and while it is served this node's pushes and backup
+        # uploads trickle (the puller's job waits on these bytes with idle accelerators).
+        limit = transfer_deadline(
+            manifest.total_bytes, self.min_rate, self.idle_timeout, manifest.entries
+        )
+        try:
+            with self.pacer.transfer(Traffic.RESTORE) as meter:
+                async with deadline(limit, f"pull of {item} by {context.peer()}"):
+                    via = await self._send_pulled(context, header, manifest, meter, slot=slot)
+        except FileNotFoundError:
+            raise NotHeld(f"{item}: deleted (retention) while being sent") from None
+        except TooSlow:
+            self.metrics.transfer_too_slow(TransferKind.SERVE_PULL)
+            raise
+        finally:
+            if slot:
+                assert self.channel is not None
+                self.channel.pool.release(host)
+        dt = time.monotonic() - t0
+        JobLog(log, item.job, item.rank).info(
+            "sent %s to %s %s: %d bytes in %.3fs (%.1f MB/s)",
+            item,
+            context.peer(),
+            via,
+            manifest.total_bytes,
+            dt,
+            rate(manifest.total_bytes, dt),
+            step=item.step,
+        )
+        self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
+
+    async def _send_pulled(
+        self,
+        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
+        header: pb.PullHeader,
+        manifest: Manifest,
+        meter: Meter,
+        *,
+        slot: bool,
+    ) -> str:
+        """Send a pulled item's header and bytes (over the data channel with ``slot``, else
+        in chunks), booked with ``meter``; how they went, for the log."""
+        idle = self.idle_timeout
+        item = manifest.item
+        what = f"pull of {item}"
+        data = self.store.data_path(item)
+        if not slot:
+            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+            chunks = iter_chunks(manifest, data, paced_chunk(meter), root=self.store.root)
+            with contextlib.closing(chunks):
+                for index, offset, buf, crc in chunks:
+                    await meter.take_async(len(buf))
+                    response = pb.PullItemResponse()
+                    fill_chunk(response.chunk, index, offset, buf, crc)
+                    await within(context.write(response), idle, what)
+            return "in gRPC chunks"
+        assert self.channel is not None
+        ticket = self.channel.issue()
+        try:
+            header.data_port = self.channel.port
+            header.data_token = ticket.token
+            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+            sock = await self.channel.connection(ticket, idle)
+            await send_staged(
+                manifest,
+                data,
+                sock,
+                idle_timeout=idle,
+                pool=self.channel.pool,
+                root=self.store.root,
+                meter=meter,
+            )
+        finally:
+            self.channel.withdraw(ticket)  # closes its connection
+        return "over the data channel"
+
+    async def ListItems(
+        self,
+        request: pb.ListItemsRequest,
+        context: grpc.aio.ServicerContext[pb.ListItemsRequest, pb.ListItemsResponse],
+    ) -> pb.ListItemsResponse:
+        try:
+            job = request.job or None
+            if job is not None and not is_job_name(job):
+                raise TransferError(f"unsafe job name {job!r:.80}")
+            return pb.ListItemsResponse(
+                items=[
+                    pb.ItemInfo(
+                        item=item_ref(item),
+                        manifest_digest=m.digest,
+                        total_bytes=m.total_bytes,
+                    )
+                    for item, m in sorted(self.store.manifests(job).items())
+                ]
+            )
+        except Exception as exc:
+            await _abort(context, "ListItems", exc)
+
+    def register(self, server: grpc.aio.Server) -> None:
+        peer_pb2_grpc.add_PeerServicer_to_server(self, server)

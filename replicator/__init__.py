@@ -1,7 +1,0 @@
-"""mtc-replicator: a node-local, multi-tier checkpoint replicator for ML training jobs.
-
-Importing the package imports nothing heavy: ``client/`` uses ``replicator.core.contract``
-without pulling in gRPC, watchdog or cloud SDKs.
-"""
-
-__version__ = "0.1.0"
