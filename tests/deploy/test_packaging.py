@@ -257,3 +257,38 @@ def test_daemon_scripts_without_the_extra_say_what_to_install(
     assert "pip install 'mtc-replicator[daemon]'" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
+    """One namespace: nothing named ``client``, ``csi`` or ``replicator`` at the top."""
+    with zipfile.ZipFile(wheel) as zf:
+        tops = {name.split("/")[0] for name in zf.namelist()}
+    assert {top for top in tops if not top.endswith(".dist-info")} == {"mtc_replicator"}
+
+
+def test_a_training_repos_own_client_and_csi_shadow_nothing(
+    client_venv: Path, tmp_path: Path
+) -> None:
+    """A training repository's own ``client.py``, ``csi/`` or ``replicator.py`` in the working
+    directory (first on ``sys.path`` for ``python -c`` and scripts run there) is never
+    imported in place of ours (each would fail the import if it were)."""
+    shadow = "raise ImportError('the training repo shadowed the package')\n"
+    for name in ("client.py", "replicator.py", "core.py", "handshake.py"):
+        (tmp_path / name).write_text(shadow)
+    (tmp_path / "csi").mkdir()
+    (tmp_path / "csi" / "__init__.py").write_text(shadow)
+    code = (
+        "from mtc_replicator.client import job_config\n"
+        "print(job_config(job_name='pkg', framework='orbax', node_rank=0, nodes=1).job_name)\n"
+    )
+    proc = subprocess.run(
+        [str(client_venv), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "pkg"
