@@ -646,6 +646,40 @@ def test_the_first_upload_retry_comes_within_seconds(world: World) -> None:
     assert m.uploaded == 10
 
 
+def test_a_successful_upload_resets_the_retry_wait(world: World) -> None:
+    world.commit(10)
+    world.commit(20)
+    world.bucket.down = True
+    m = world.member()
+    released(m, 10)
+    world.finder.answer_with(answer(10, backup=10, every=1))
+
+    async def order() -> None:
+        await m.tick(10, force=True)
+        task = m._backup_task
+        if task is not None:
+            await asyncio.wait([task])
+
+    async def body() -> None:
+        for _ in range(6):  # the wait grows well past its first 2 s
+            world.clock.now += UPLOAD_RETRY_MAX
+            await order()
+        world.bucket.down = False
+        world.clock.now += UPLOAD_RETRY_MAX
+        await order()
+        assert m.uploaded == 10
+        world.bucket.down = True
+        world.finder.answer_with(answer(10, backup=20, every=1))
+        await order()
+        assert m.uploaded == 10
+        world.bucket.down = False
+        world.clock.now += 2.0  # back to the first wait
+        await order()
+        assert m.uploaded == 20
+
+    asyncio.run(body())
+
+
 def test_an_order_for_a_step_retention_dropped_counts_as_done(world: World) -> None:
     m = world.member()
     released(m, 10)
