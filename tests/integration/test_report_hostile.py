@@ -39,9 +39,11 @@ def _kept(cluster: Cluster, rank: int) -> set[tuple[int, str]]:
     return held
 
 
-async def _report_own_sources_failed(cluster: Cluster) -> RoundState:
-    """Join as rank 3 holding nothing, report every source the plan gave rank 3 failed,
-    then ready for whatever plan stands, so that the round is released."""
+async def _report_own_sources_failed(
+    cluster: Cluster, newest: int, down_to: int | None
+) -> RoundState:
+    """Join as rank 3 holding nothing, report every source the plan gave rank 3 failed
+    until the plan is ``down_to``, then ready for it, so that the round is released."""
     tls = cluster.tls[3]
     assert tls is not None
     view = cluster_view_json(parse_config(config_text(cluster.job, nodes=NODES, **cluster.keys)))
@@ -55,8 +57,8 @@ async def _report_own_sources_failed(cluster: Cluster) -> RoundState:
             return state
 
         plan = await planned((await client.join(3, FORGED, view, NOWHERE, {})).round)
-        assert plan.step == 5, plan
-        while plan.step is not None:
+        assert plan.step == newest, plan
+        while plan.step != down_to:
             failures = [
                 FailedFetch(f, corrupt=False, detail="unreachable")
                 for fetches in plan.assignments.values()
@@ -89,7 +91,7 @@ def test_one_ranks_report_of_its_own_sources_failed_deletes_no_survivors_copies(
     cluster.daemon(3).kill()
     cluster.clear(3)
     cluster.handshake([0, 1, 2])
-    final = asyncio.run(_report_own_sources_failed(cluster))
+    final = asyncio.run(_report_own_sources_failed(cluster, 5, None))
     assert final.step is None  # its word for its own restore left step 5 no source for it
     for r in range(3):
         wait_until(
@@ -108,3 +110,32 @@ def test_one_ranks_report_of_its_own_sources_failed_deletes_no_survivors_copies(
     cluster.wait_markers(5)
     assert_restored(cluster, 5, files)
     assert cluster.source(3) == "peer"
+
+
+@pytest.mark.parametrize("cluster_backup", [False])
+def test_one_ranks_report_that_costs_the_newest_step_deletes_none_of_it(cluster: Cluster) -> None:
+    cluster.fresh_start()
+    cluster.save(5)
+    files = cluster.save(10)
+    before = {r: _kept(cluster, r) for r in range(3)}
+    assert all((10, f"{r}-0") in before[r] for r in range(3))
+    cluster.daemon(3).kill()
+    cluster.clear(3)
+    cluster.handshake([0, 1, 2])
+    # Rank 3's word takes the job back to step 5 (its sources of step 5 are left alone).
+    final = asyncio.run(_report_own_sources_failed(cluster, 10, 5))
+    assert final.step == 5
+    for r in range(3):
+        wait_until(
+            lambda r=r: cluster.markers(r) == [f"{cluster.job}-s5-n{r}-w0.restore"],
+            f"rank {r}'s marker of step 5",
+            daemon=cluster.daemon(r),
+        )
+    # Step 10 is gone from no store: set aside, not restorable, not deleted by retention.
+    for r in range(3):
+        assert _kept(cluster, r) == before[r], r
+    assert "passed over only because ranks [3]" in cluster.daemon(0).log()
+    cluster.start(3)
+    cluster.handshake([3, 0, 2, 1])
+    cluster.wait_markers(10)
+    assert_restored(cluster, 10, files)
