@@ -28,11 +28,13 @@ NOWHERE = "127.0.0.1:9"
 FORGED = "forged3"
 
 
-def _kept(cluster: Cluster, rank: int) -> set[tuple[int, str]]:
+def _kept(
+    cluster: Cluster, rank: int, areas: tuple[str, ...] = ("items", "aside")
+) -> set[tuple[int, str]]:
     """(step, '<rank>-<worker>') of every committed item in the rank's store, in the index
     or set aside: what the node still holds, whatever the restore round made of it."""
     held = set()
-    for area in ("items", "aside"):
+    for area in areas:
         root = store_root(cluster.dirs[rank]) / area / cluster.job
         for path in root.glob("*/*/MANIFEST.json") if root.is_dir() else ():
             held.add((int(path.parent.parent.name), path.parent.name))
@@ -139,3 +141,31 @@ def test_one_ranks_report_that_costs_the_newest_step_deletes_none_of_it(cluster:
     cluster.handshake([3, 0, 2, 1])
     cluster.wait_markers(10)
     assert_restored(cluster, 10, files)
+
+
+def test_steps_set_aside_go_once_a_newer_step_is_restorable(cluster: Cluster) -> None:
+    """The honest path: two nodes lost, so step 7 cannot be completed and the job goes back
+    to step 5 (in the backup); the survivors keep step 7 aside, then let it go once the job
+    saved a newer step that every rank holds, and never hold it in the meantime as theirs."""
+    cluster.keys["backup_interval_steps"] = 5
+    cluster.fresh_start()
+    cluster.save(5)
+    cluster.wait_backup(5)
+    cluster.save(7)  # not due for a backup
+    lost = (1, cluster.holder(1, 7))
+    survivors = [r for r in range(NODES) if r not in lost]
+    for r in lost:
+        cluster.wipe(r)
+    cluster.handshake([0, 1, 2, 3])
+    cluster.wait_markers(5)
+    for r in survivors:
+        assert (7, f"{r}-0") in _kept(cluster, r, ("aside",)), r
+        assert (7, f"{r}-0") not in cluster.held(r), r
+    cluster.save(12)
+    for r in survivors:
+        wait_until(
+            lambda r=r: _kept(cluster, r, ("aside",)) == set(),
+            f"rank {r} releasing step 7 once step 12 is restorable",
+            daemon=cluster.daemon(r),
+        )
+        assert (12, f"{r}-0") in cluster.held(r)
