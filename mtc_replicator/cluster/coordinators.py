@@ -334,6 +334,20 @@ class Coordinators:
             JobLog(log, job, rank).warning("restore report refused: %s", exc)
             raise
         self._consume_pin(job, coordinator)
+        passed = coordinator.passed_over
+        if not ready and passed is not None:
+            # A member's word counts for its own restore only, but a rank with no source
+            # left takes the whole job to an older step: the operator must see who did.
+            chosen = coordinator.plan
+            JobLog(log, job, rank).warning(
+                "plan %d restores %s: step %d was passed over only because ranks %s reported "
+                "its copies failed for their own restore; every rank keeps its copies of it "
+                "aside",
+                coordinator.plan_version,
+                "nothing (a fresh start)" if chosen is None else f"step {chosen.step}",
+                passed.step,
+                list(passed.reporters),
+            )
         _changed(hosted, rank, before, t0, JobLog(log, job, rank))
         JobLog(log, job, rank).log(
             logging.DEBUG if ready else logging.INFO,

@@ -87,6 +87,8 @@ class ClusterMember:
         """The cluster's restorable step, as the coordinator last said: never deleted."""
         self.uploading: int | None = None
         self.uploaded: int | None = None
+        self.backed_up: int | None = None
+        """The job's newest committed backup step, as the coordinator last said."""
         self.keep_steps: frozenset[int] = frozenset()
         """Steps the coordinator last asked every rank to keep (they may become restorable)."""
         self._promised: frozenset[int] | None = None
@@ -256,6 +258,7 @@ class ClusterMember:
         self.ctx.metrics.cluster_restorable(self.config.job_name, self.restorable)
         if answer.last_backup is not None:
             last = answer.last_backup
+            self.backed_up = last.step
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         self.replication.update_addresses(answer.addresses)
         step = answer.backup_step

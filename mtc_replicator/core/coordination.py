@@ -34,7 +34,15 @@ from mtc_replicator.core.layout import backup_uploaders, missing_ranks, waiting_
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import LastBackup, backup_due
 from mtc_replicator.core.progress import ProgressBook
-from mtc_replicator.core.restore_plan import Fetch, NodeInventory, RoundPlan, SourceKey, plan_round
+from mtc_replicator.core.restore_plan import (
+    Fetch,
+    NodeInventory,
+    PassedOver,
+    RoundPlan,
+    SourceKey,
+    passed_over_by_reports,
+    plan_round,
+)
 
 REPORTS_PER_SECOND = 128
 """The steady-state report rate a coordinator asks its job for, all ranks together: each
@@ -141,6 +149,8 @@ class JobCoordinator:
         self.plan_version = 0
         self.ready: set[int] = set()
         self.exclude: set[SourceKey] = set()
+        self.passed_over: PassedOver | None = None
+        """A newer step the current plan passed over only because of members' reports."""
         self.backups: Mapping[int, CommitRecord] = {}
         self.progress = ProgressBook(config.nodes)
         """Each rank's replicated step, promise, push in flight and upload."""
@@ -264,6 +274,7 @@ class JobCoordinator:
         self.plan = None
         self.ready = set()
         self.exclude = set()
+        self.passed_over = None
 
     def _plan(self) -> None:
         inventories = {r: m.inventory for r, m in self.members.items()}
@@ -277,6 +288,17 @@ class JobCoordinator:
         if plan is None:
             plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
         self.plan = plan
+        self.passed_over = (
+            passed_over_by_reports(
+                self.config,
+                inventories,
+                self.backups,
+                self.exclude,
+                None if plan is None else plan.step,
+            )
+            if self.exclude
+            else None
+        )
         self.plan_version += 1
         self.phase = Phase.FETCH
         self.ready = set()

@@ -268,6 +268,42 @@ def restorable_steps(
     ]
 
 
+@dataclass(frozen=True)
+class PassedOver:
+    """A step the plan passed over only because members reported its copies failed for
+    their own restore: it is complete, and every other rank could restore it."""
+
+    step: int
+    reporters: tuple[int, ...]
+    """The ranks whose reports ruled its copies out (for their own restore)."""
+
+
+def passed_over_by_reports(
+    config: JobConfig,
+    inventories: Mapping[int, NodeInventory],
+    backups: Mapping[int, CommitRecord],
+    exclude: Collection[SourceKey],
+    chosen: int | None,
+) -> PassedOver | None:
+    """The newest step newer than ``chosen`` (None: a fresh start) that the copies ruled
+    out for everyone leave restorable: the members' own reports alone passed it over.
+
+    Such a report is a member's word for its own restore, and it may be a lie (a node
+    certificate is enough to send one): the round goes on without the step, but the
+    operator is told which ranks' reports cost it, and no rank deletes its copies of it
+    (``core.aside``).
+    """
+    shared = frozenset(k for k in exclude if k.restorer is None)
+    if len(shared) == len(exclude):
+        return None
+    for step in restorable_steps(config, inventories, backups, exclude=shared):
+        if chosen is not None and step <= chosen:
+            return None
+        reporters = {k.restorer for k in exclude if k.restorer is not None and k.item.step == step}
+        return PassedOver(step, tuple(sorted(r for r in reporters if r is not None)))
+    return None
+
+
 def plan_round(
     config: JobConfig,
     inventories: Mapping[int, NodeInventory],

@@ -3,6 +3,7 @@
 Layout (all on the RAM disk, so taking a step from the workload is one rename)::
 
     STORE/items/<job>/<step>/<rank>-<worker>/{MANIFEST.json, data}   committed items
+    STORE/aside/<job>/<step>/<rank>-<worker>/{MANIFEST.json, data}   committed, set aside
     STORE/ingest/<job>/<step>/<rank>-<worker>/data                    taken, not yet hashed
     STORE/staging/<id>/...                                            incoming copies
     STORE/trash/<id>                                                  being deleted
@@ -17,9 +18,11 @@ the store's: an older daemon's store there is discarded at start.
 An item exists only once its directory with ``MANIFEST.json`` sits under ``items/``; it
 gets there by one rename of a directory whose manifest was written last. Data under
 ``ingest/`` came from the workload's own atomic rename, so it is complete and is hashed
-again after a crash; ``staging/`` and ``trash/`` are wiped at start. Taken data may still
-be changed by a pod that kept a descriptor into it, so it is read only through
-descriptors that refuse a symlink at every component (``fsutil.open_beneath``).
+again after a crash; ``staging/`` and ``trash/`` are wiped at start. Items a restore round
+passed over move to ``aside/`` (one rename each way, ``core.aside``): out of the index, so
+nothing exposes, serves, pushes or counts them, and back for the next incarnation's join.
+Taken data may still be changed by a pod that kept a descriptor into it, so it is read only
+through descriptors that refuse a symlink at every component (``fsutil.open_beneath``).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class LocalStore:
         self.checkpoint_dir = checkpoint_dir
         self.root = store_dir or Path(default_store_dir(PurePosixPath(checkpoint_dir)))
         self.items_root = self.root / "items"
+        self.aside_root = self.root / "aside"
         self.ingest_root = self.root / "ingest"
         self.staging_root = self.root / "staging"
         self.trash = self.root / "trash"
@@ -109,6 +113,7 @@ class LocalStore:
         """In CHECKPOINT_DIR, where pods can change anything: reached only by descriptors."""
         self._lock = threading.Lock()
         self._manifests: dict[ItemId, Manifest] = {}
+        self._aside: dict[ItemId, Manifest] = {}
         self._lock_fd: int | None = None
 
     # --- start-up --------------------------------------------------------------------------
@@ -116,7 +121,13 @@ class LocalStore:
     def open(self) -> OpenReport:
         """Lock the store, create the layout, wipe in-flight leftovers, index committed items."""
         self._check_placement()
-        for d in (self.items_root, self.ingest_root, self.staging_root, self.trash):
+        for d in (
+            self.items_root,
+            self.aside_root,
+            self.ingest_root,
+            self.staging_root,
+            self.trash,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -131,8 +142,23 @@ class LocalStore:
             for child in leftover.iterdir():
                 fsutil.remove_tree(child)
         discarded = self._discard_pod_store()
+        manifests = self._index(self.items_root, discarded)
+        aside = self._index(self.aside_root, discarded)
+        for item, item_dir in self._walk(self.ingest_root):
+            if item is None or not (item_dir / DATA).exists():
+                discarded.append(str(item_dir))
+                fsutil.discard_tree(item_dir, self.trash)
+        with self._lock:
+            self._manifests = manifests
+            self._aside = aside
+        for root in (self.items_root, self.aside_root, self.ingest_root):
+            self._prune_empty(root)
+        return OpenReport(len(manifests), tuple(self.pending_ingest()), tuple(discarded))
+
+    def _index(self, root: Path, discarded: list[str]) -> dict[ItemId, Manifest]:
+        """The items under ``root`` with a readable manifest naming them; others discarded."""
         manifests: dict[ItemId, Manifest] = {}
-        for item, item_dir in self._walk(self.items_root):
+        for item, item_dir in self._walk(root):
             if item is None:
                 discarded.append(str(item_dir))
                 fsutil.discard_tree(item_dir, self.trash)
@@ -147,15 +173,7 @@ class LocalStore:
                 fsutil.discard_tree(item_dir, self.trash)
                 continue
             manifests[item] = manifest
-        for item, item_dir in self._walk(self.ingest_root):
-            if item is None or not (item_dir / DATA).exists():
-                discarded.append(str(item_dir))
-                fsutil.discard_tree(item_dir, self.trash)
-        with self._lock:
-            self._manifests = manifests
-        self._prune_empty(self.items_root)
-        self._prune_empty(self.ingest_root)
-        return OpenReport(len(manifests), tuple(self.pending_ingest()), tuple(discarded))
+        return manifests
 
     def _check_placement(self) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
@@ -382,6 +400,62 @@ class LocalStore:
         with self._lock:
             return self._manifests.get(item)
 
+    # --- set aside: committed items a restore round passed over (core.aside) ----------------
+
+    def aside(self, job: str | None = None) -> dict[ItemId, Manifest]:
+        """The items set aside (not in ``manifests``), of ``job`` or of every job."""
+        with self._lock:
+            return {i: m for i, m in self._aside.items() if job is None or i.job == job}
+
+    def set_aside(self, item: ItemId) -> None:
+        """Take a committed item out of the index, its files kept (one rename)."""
+        with self._lock:
+            manifest = self._manifests.pop(item, None)
+        if manifest is None:
+            return
+        dest = self.aside_root / item_path(item)
+        try:
+            if dest.exists():
+                fsutil.discard_tree(dest, self.trash)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(self.item_dir(item), dest)
+        except OSError as exc:
+            with self._lock:
+                self._manifests[item] = manifest
+            raise StoreError(f"cannot set {item} aside: {exc}") from exc
+        with self._lock:
+            self._aside[item] = manifest
+        self._remove_empty_parents(self.item_dir(item))
+
+    def bring_back(self, job: str | None = None) -> list[ItemId]:
+        """Put the aside items (of ``job``, or all) back among the committed ones, for a new
+        incarnation's join; one committed again meanwhile keeps the newer copy."""
+        back: list[ItemId] = []
+        for item, manifest in sorted(self.aside(job).items()):
+            src = self.aside_root / item_path(item)
+            if self.get(item) is not None:
+                self.delete_aside(item)
+                continue
+            try:
+                self.item_dir(item).parent.mkdir(parents=True, exist_ok=True)
+                os.rename(src, self.item_dir(item))
+            except OSError as exc:
+                raise StoreError(f"cannot bring {item} back: {exc}") from exc
+            with self._lock:
+                self._aside.pop(item, None)
+                self._manifests[item] = manifest
+            self._remove_empty_parents(src)
+            back.append(item)
+        return back
+
+    def delete_aside(self, item: ItemId) -> None:
+        """Remove an item set aside: it vanishes in one rename, then is deleted."""
+        with self._lock:
+            self._aside.pop(item, None)
+        path = self.aside_root / item_path(item)
+        fsutil.discard_tree(path, self.trash)
+        self._remove_empty_parents(path)
+
     # --- writing ---------------------------------------------------------------------------
 
     def take(self, src: Path, item: ItemId) -> None:
@@ -453,8 +527,11 @@ class LocalStore:
         with self._lock:
             self._manifests.pop(item, None)
         fsutil.discard_tree(self.item_dir(item), self.trash)
-        step_dir = self.item_dir(item).parent
-        for d in (step_dir, step_dir.parent):
+        self._remove_empty_parents(self.item_dir(item))
+
+    def _remove_empty_parents(self, item_dir: Path) -> None:
+        """An item's step and job directories, once it left them empty."""
+        for d in (item_dir.parent, item_dir.parent.parent):
             try:
                 d.rmdir()
             except OSError:

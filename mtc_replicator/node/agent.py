@@ -31,6 +31,7 @@ from mtc_replicator.cluster.rounds import JobRank, RoundFailed
 from mtc_replicator.cluster.sources import ItemSources
 from mtc_replicator.cluster.workload_errors import WorkloadErrors
 from mtc_replicator.core.admission import expected_pushers
+from mtc_replicator.core.aside import passed_over, released, why_kept
 from mtc_replicator.core.contract import (
     FAILED_FILE,
     JobConfig,
@@ -313,6 +314,7 @@ class Incarnation:
                 for assumption in self.config.assumed:
                     self.error(assumption, kind=ErrorKind.CONFIG)
                 self.persist()
+                await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk
                 self.timeline.enter(RestorePhase.INGEST)
                 await self._ingest_ready(member)
@@ -392,27 +394,24 @@ class Incarnation:
                 "a committed checkpoint exists but could not be restored: "
                 + "; ".join(outcome.unavailable)
             )
-        # Items newer than the agreed step belong to an abandoned run: kept, they would
-        # pass for the newest checkpoint and make retention delete the new saves.
-        abandoned = [
-            i
-            for i in self.ctx.store.manifests(self.config.job_name)
-            if outcome.step is None or i.step > outcome.step
-        ]
+        # Items newer than the agreed step: left in the index they would pass for the newest
+        # checkpoint and make retention delete the new saves; deleted, one member's report
+        # of failing its own sources would destroy the others' data. Set aside (core.aside).
+        abandoned = passed_over(self.ctx.store.manifests(self.config.job_name), outcome.step)
         if outcome.step is None and abandoned:
             # Never silent: this node held parts of a checkpoint the cluster cannot complete.
             where = "in the backup" if self.ctx.backups is not None else "in a backup (none is set)"
-            steps = sorted({i.step for i in abandoned})
             self.error(
-                f"no step of job {self.config.job_name} is complete on every rank or {where}: "
-                f"starting fresh, dropping this node's incomplete steps {steps}",
+                f"no step of job {self.config.job_name} is complete on every rank or {where} "
+                f"(or a rank reported it cannot fetch its part): starting fresh; "
+                + why_kept(abandoned, outcome.step),
                 kind=ErrorKind.RESTORE,
             )
         self._tell_refused_commits()
         self.timeline.enter(RestorePhase.MARKERS)
         if abandoned:
-            self.log.info("dropping %d items newer than step %s", len(abandoned), outcome.step)
-            await self._thread(self._delete_items, abandoned)
+            self.log.info("%s", why_kept(abandoned, outcome.step), step=outcome.step)
+            await self._thread(self._set_aside, abandoned)
         await self._thread(
             publish_markers, self.ctx.checkpoint_dir, self.ctx.store, self.config, self.id, outcome
         )
@@ -545,6 +544,12 @@ class Incarnation:
         # what our progress reports promised the coordinator (see ClusterMember.retained).
         protected = member.retained(complete_steps(self.config, have))
         doomed = retention(self.config, have, protected)
+        aside = self.ctx.store.aside(self.config.job_name)
+        free = released(
+            aside, restorable=member.restorable, backed_up=member.backed_up, committed=have
+        )
+        if free:
+            await self._thread(self._release_aside, free)
         if self.phase is IncarnationPhase.STEADY:
             # Not during the restore round: it plans from every copy held, whatever its rank.
             pushing = expected_pushers(self.config)
@@ -565,6 +570,24 @@ class Incarnation:
         except Exception as exc:
             # Housekeeping for other jobs never fails this one.
             self.log.warning("cannot give back the room of other jobs' items: %s", exc)
+
+    async def _bring_back(self) -> None:
+        """The items a round set aside (of any job) rejoin the committed ones: this job's
+        are in its inventory again, another job's are this node's foreign items."""
+        back = await self._thread(self.ctx.store.bring_back)
+        if back:
+            self.log.info("%d items set aside by an earlier round are held again", len(back))
+
+    def _set_aside(self, items: list[ItemId]) -> None:
+        unlink_links_to(self.ctx.checkpoint_dir, self.ctx.store, set(items))
+        for item in items:
+            self.ctx.store.drop_views(item)
+            self.ctx.store.set_aside(item)
+
+    def _release_aside(self, items: list[ItemId]) -> None:
+        for item in items:
+            self.ctx.store.delete_aside(item)
+            self.log.info("deleted %s (set aside; a step as new is safe)", item, step=item.step)
 
     def _delete_items(self, items: list[ItemId]) -> None:
         unlink_links_to(self.ctx.checkpoint_dir, self.ctx.store, set(items))

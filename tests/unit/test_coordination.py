@@ -548,3 +548,22 @@ def test_a_step_restored_after_a_job_restart_is_ordered_backed_up_at_once() -> N
     answer = c.report_progress(0, "b0", replicated_step=30, uploaded_step=None, now=3.0)
     assert answer is not None
     assert answer.backup_step == 30
+
+
+def test_a_members_own_failures_may_cost_the_step_but_the_operator_sees_who() -> None:
+    c = JobCoordinator(config(), VIEW)
+    _everyone_holds(c, "a", 10)
+    assert c.plan is not None
+    assert c.passed_over is None
+    # Rank 2 reports every source the plan gave it: its own copy, then the peer copy.
+    for _ in range(2):
+        (fetches,) = c.plan.for_rank(2).values()
+        c.report_restore(2, "a2", c.round, c.plan_version, ready=False, failed=[fetches[0].key])
+        assert c.plan is not None or c.passed_over is not None
+        if c.plan is None:
+            break
+    # Its word counts for its own restore: step 10 has no source for rank 2 any more, so
+    # the job starts fresh; but the step was complete, and the coordinator says who did it.
+    assert c.plan is None
+    assert c.passed_over is not None
+    assert (c.passed_over.step, c.passed_over.reporters) == (10, (2,))

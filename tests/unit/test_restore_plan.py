@@ -23,9 +23,11 @@ from mtc_replicator.core.restore_plan import (
     FAN_OUT,
     Fetch,
     NodeInventory,
+    PassedOver,
     RoundPlan,
     SourceKey,
     balance,
+    passed_over_by_reports,
     plan_round,
     restorable_steps,
 )
@@ -807,3 +809,29 @@ def test_one_node_step_dir_job_with_several_workers_needs_one_item() -> None:
     assert plan is not None
     assert plan.step == 3
     assert {t: [f.source for f in s] for t, s in plan.sources.items()} == {one(3): [Source.LOCAL]}
+
+
+# --- steps passed over only by members' reports (issue 25, item 5) ------------------------------
+
+
+def test_a_step_passed_over_only_by_a_members_reports_is_named_with_its_reporters() -> None:
+    c = cfg()
+    joins = healthy(c, (5, 10))
+    target = ItemId(JOB, 10, 1, 0)
+    plan = plan_round(c, joins, {})
+    assert plan is not None
+    # Rank 1 says every source of its step-10 item failed it: its word, for its restore.
+    mine = [SourceKey(f.holder, f.item, restorer=1) for f in plan.sources[target]]
+    older = plan_round(c, joins, {}, exclude=mine)
+    assert older is not None
+    assert older.step == 5
+    assert passed_over_by_reports(c, joins, {}, mine, older.step) == PassedOver(10, (1,))
+    # Copies ruled out for everyone (a corrupt copy, verified so) are not a report's doing.
+    shared = [SourceKey(k.holder, k.item) for k in mine]
+    assert plan_round(c, joins, {}, exclude=shared) == older
+    assert passed_over_by_reports(c, joins, {}, shared, older.step) is None
+    assert passed_over_by_reports(c, joins, {}, (), plan.step) is None
+    # On a fresh start, the newest such step is named.
+    step5 = [SourceKey(f.holder, f.item, restorer=1) for f in older.sources[ItemId(JOB, 5, 1, 0)]]
+    assert plan_round(c, joins, {}, exclude=[*mine, *step5]) is None
+    assert passed_over_by_reports(c, joins, {}, [*mine, *step5], None) == PassedOver(10, (1,))

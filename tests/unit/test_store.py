@@ -313,3 +313,55 @@ def test_a_symlink_swapped_into_a_committed_item_is_corruption(store: LocalStore
         store.verify(ITEM)
     with pytest.raises(StoreError):
         store.expose(ITEM, "inc1")
+
+
+# --- items a restore round passed over (core.aside) ---------------------------------------------
+
+
+def test_an_item_set_aside_leaves_the_index_keeps_its_bytes_and_comes_back(
+    store: LocalStore,
+) -> None:
+    ingest(store, ITEM, b"kept")
+    manifest = store.commit_ingested(ITEM)
+    store.set_aside(ITEM)
+    assert store.manifests() == {}
+    assert store.get(ITEM) is None  # neither served, exposed, pushed nor counted
+    with pytest.raises(StoreError):
+        store.expose(ITEM, "inc")
+    assert store.aside() == {ITEM: manifest}
+    # A daemon restart keeps it aside.
+    store, _ = reopen(store)
+    try:
+        assert store.manifests() == {}
+        assert store.aside("job") == {ITEM: manifest}
+        assert store.bring_back() == [ITEM]
+        assert store.aside() == {}
+        assert store.verify(ITEM) == manifest
+    finally:
+        store.close()
+
+
+def test_a_copy_committed_again_wins_over_the_aside_one(store: LocalStore) -> None:
+    ingest(store, ITEM, b"old")
+    store.commit_ingested(ITEM)
+    store.set_aside(ITEM)
+    ingest(store, ITEM, b"new")
+    newer = store.commit_ingested(ITEM)
+    assert store.bring_back() == []
+    assert store.aside() == {}
+    assert store.verify(ITEM) == newer
+
+
+def test_an_aside_item_is_deleted_only_when_asked(store: LocalStore) -> None:
+    ingest(store, ITEM)
+    store.commit_ingested(ITEM)
+    store.set_aside(ITEM)
+    store.delete_aside(ITEM)
+    assert store.aside() == {}
+    assert not (store.aside_root / "job").exists()
+    store, _ = reopen(store)
+    try:
+        assert store.aside() == {}
+        assert store.manifests() == {}
+    finally:
+        store.close()
