@@ -44,6 +44,7 @@ from mtc_replicator.core.contract import (
     PRERESTORE_FILE,
     parse_save_name,
 )
+from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import (
     PaceRules,
     format_rate,
@@ -316,6 +317,12 @@ class Daemon:
             loop.add_signal_handler(sig, self._request_stop)
         if not await self._open_store(loop):
             return
+        try:
+            # Before the Peer server lists a thing: a node handed over while we were down
+            # serves nothing of its previous owner's (``core.handoff``).
+            await self.supervisor.owner_now()
+        except BadOwner as exc:
+            log.warning("cannot tell whose this node's store is yet: %s", exc)
         started = await self._start_servers(loop)
         if started is None:
             return

@@ -1,5 +1,5 @@
-"""``node.owner_watch``: the owner file read on the pool given, at most once a second while a
-job runs, a missing or malformed file counted as a change of hands."""
+"""``node.owner_watch``: the owner file read on the pool given, the periodic read due at most
+once a second."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_read_owner_names_the_file_when_it_cannot_be_used(tmp_path: Path) -> Non
     assert read_owner(path) == "team-a"
 
 
-def test_the_watch_reads_on_its_pool_at_most_once_a_second(tmp_path: Path) -> None:
+def test_the_watch_reads_on_its_pool_and_is_due_at_most_once_a_second(tmp_path: Path) -> None:
     path = tmp_path / "owner.json"
     _write(path, "team-a")
     now = [100.0]
@@ -42,20 +42,19 @@ def test_the_watch_reads_on_its_pool_at_most_once_a_second(tmp_path: Path) -> No
             threads.append("pool")
             return super().submit(fn, *args, **kwargs)
 
-    async def scenario(watch: OwnerWatch) -> list[bool]:
-        seen = [await watch.moved_from("team-a")]
-        _write(path, "team-b")
-        now[0] += CHECK_EVERY / 2
-        seen.append(await watch.moved_from("team-a"))  # too soon: not read
-        now[0] += CHECK_EVERY / 2
-        seen.append(await watch.moved_from("team-a"))
-        path.unlink()
-        now[0] += CHECK_EVERY
-        seen.append(await watch.moved_from("team-b"))  # gone: changed hands
-        assert await OwnerWatch(None, pool).moved_from("team-a") is False
-        return seen
-
     with Pool(max_workers=1) as pool:
         watch = OwnerWatch(path, pool, clock=lambda: now[0])
-        assert asyncio.run(scenario(watch)) == [False, False, True, True]
+        due = [watch.due()]
+        now[0] += CHECK_EVERY / 2
+        due.append(watch.due())  # too soon
+        now[0] += CHECK_EVERY / 2
+        due.append(watch.due())
+        assert due == [True, False, True]
+        assert OwnerWatch(None, pool).due() is False
+        assert asyncio.run(watch.read()) == "team-a"
+        _write(path, "team-b")
+        assert asyncio.run(watch.read()) == "team-b"
+        path.unlink()
+        with pytest.raises(BadOwner):
+            asyncio.run(watch.read())
     assert threads == ["pool"] * 3
