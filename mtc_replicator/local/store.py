@@ -4,8 +4,9 @@ Layout (all on the RAM disk, so taking a step from the workload is one rename)::
 
     STORE/items/<job>/<step>/<rank>-<worker>/{MANIFEST.json, data}   committed items
     STORE/ingest/<job>/<step>/<rank>-<worker>/data                    taken, not yet hashed
-    STORE/staging/<id>/...                                            incoming copies
+    STORE/staging/<generation>-<id>/...                               incoming copies
     STORE/trash/<id>                                                  being deleted
+    STORE/store-owner                     whose items these are (``local.store_owner``)
     CHECKPOINT_DIR/.mtc/views/<incarnation>/<job>/<step>/<rank>-<worker>/data
                                             hard-link copies that markers point at
 
