@@ -62,6 +62,7 @@ from mtc_replicator.node.agent import (
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
+from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
@@ -455,6 +456,7 @@ class Daemon:
             make_room=self._room_for_push,
             min_rate=self.opts.min_transfer_rate,
             max_item_files=self.opts.max_item_files,
+            handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
         )
 
     def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:

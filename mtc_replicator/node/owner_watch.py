@@ -12,7 +12,9 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
+from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
+from mtc_replicator.local.store_owner import read_store_owner
 
 CHECK_EVERY = 1.0
 """Seconds between two periodic reads: a job ends, and the store is emptied, at most this
@@ -34,6 +36,19 @@ def read_owner(path: Path | None) -> str:
         return parse_owner(raw).namespace
     except BadOwner as exc:
         raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
+
+
+def handed_over(path: Path | None, store_root: Path) -> bool:
+    """Whether the node changed hands and its store is not emptied yet (``core.handoff``):
+    the Peer server answers nothing of its items meanwhile. False without an owner file, or
+    with one that cannot be read (the handshake is refused then)."""
+    if path is None:
+        return False
+    try:
+        owner = read_owner(path)
+    except BadOwner:
+        return False
+    return decide_handoff(read_store_owner(store_root), owner) is StoreHandoff.PURGE
 
 
 class OwnerWatch:

@@ -167,9 +167,10 @@ def test_a_node_handed_over_while_its_daemon_was_down(node: Node, job: str) -> N
         assert_nothing_of_a(node, job, daemon, files)
 
 
-def listed_and_pulled(address: str, other: NodeTls, job: str) -> tuple[int, str]:
+def listed_and_pulled(address: str, other: NodeTls, job: str) -> tuple[str, str]:
     """What another node's certificate gets from this node's Peer server for A's job: how
-    many items it lists, and what a pull of A's step says (``pulled``: the header came)."""
+    many items ListItems gives (or its status), and what a pull of A's step says
+    (``pulled``: the item's header came)."""
     files = other.files
     creds = grpc.ssl_channel_credentials(
         files.ca.read_bytes(), files.key.read_bytes(), files.cert.read_bytes()
@@ -177,32 +178,38 @@ def listed_and_pulled(address: str, other: NodeTls, job: str) -> tuple[int, str]
     options = [("grpc.ssl_target_name_override", certs.DEFAULT_SERVER_NAME)]
     with grpc.secure_channel(address, creds, options=options) as channel:
         stub = peer_pb2_grpc.PeerStub(channel)
-        listed = stub.ListItems(pb.ListItemsRequest(job=job), timeout=10).items
+        try:
+            listed = f"{len(stub.ListItems(pb.ListItemsRequest(job=job), timeout=10).items)} items"
+        except grpc.RpcError as exc:
+            listed = exc.code().name  # type: ignore[attr-defined]
         ref = pb.ItemRef(job=job, step=STEP, rank=0, worker=0)
         try:
             next(iter(stub.PullItem(pb.PullItemRequest(item=ref), timeout=10)))
         except grpc.RpcError as exc:
-            return len(listed), str(exc.code())  # type: ignore[attr-defined]
-        return len(listed), "pulled"
+            return listed, exc.code().name  # type: ignore[attr-defined]
+        return listed, "pulled"
 
 
 def test_the_peer_server_lists_and_serves_nothing_of_the_previous_owners(
     node: Node, job: str
 ) -> None:
-    """No handshake of B's at all: within the owner watch's second, the node's Peer server
-    lists nothing of A's job and serves no pull of it, to any certificate holder."""
+    """No handshake of B's at all: from the moment ``owner.json`` names B, the node's Peer
+    server lists nothing of A's job and serves no pull of it, to any certificate holder;
+    once the daemon saw the handoff, A's items are gone and nothing is left to refuse."""
     with node.daemon() as daemon:
         a_saves(node, daemon, job)
-        assert listed_and_pulled(daemon.address, node.other, job) == (1, "pulled")
-        hand_over(node)
-        wait_until(
-            lambda: listed_and_pulled(daemon.address, node.other, job)[0] == 0,
-            "A's items gone from the Peer server's list",
+        wait_until(  # the index learns of an item just after its manifest lands
+            lambda: listed_and_pulled(daemon.address, node.other, job) == ("1 items", "pulled"),
+            "A's item listed and served before the handoff",
             daemon=daemon,
-            timeout=10,
         )
-        assert listed_and_pulled(daemon.address, node.other, job) == (
-            0,
-            str(grpc.StatusCode.NOT_FOUND),
+        hand_over(node)
+        listed, pulled = listed_and_pulled(daemon.address, node.other, job)
+        assert pulled != "pulled", "A's item was served after the handoff"
+        assert listed != "1 items", "A's item was listed after the handoff"
+        wait_until(
+            lambda: listed_and_pulled(daemon.address, node.other, job) == ("0 items", "NOT_FOUND"),
+            "the handoff done: nothing left to list or pull",
+            daemon=daemon,
         )
         assert a_items(node, job) == []

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.core.ownership import UNOWNED, BadOwner
-from mtc_replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, read_owner
+from mtc_replicator.local.store_owner import write_store_owner
+from mtc_replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, handed_over, read_owner
 from tests.unit.test_ownership import owner_json
 
 
@@ -58,3 +59,18 @@ def test_the_watch_reads_on_its_pool_and_is_due_at_most_once_a_second(tmp_path: 
         with pytest.raises(BadOwner):
             asyncio.run(watch.read())
     assert threads == ["pool"] * 3
+
+
+def test_handed_over_while_owner_json_and_the_stores_record_differ(tmp_path: Path) -> None:
+    path, store = tmp_path / "owner.json", tmp_path / "store"
+    store.mkdir()
+    assert handed_over(None, store) is False  # no owner file: nobody's node
+    assert handed_over(path, store) is False  # unreadable: the handshake is refused instead
+    _write(path, "team-a")
+    assert handed_over(path, store) is False  # no record yet: adopted
+    write_store_owner(store, "team-a")
+    assert handed_over(path, store) is False
+    _write(path, "team-b")
+    assert handed_over(path, store) is True  # until the purge records team-b
+    write_store_owner(store, "team-b")
+    assert handed_over(path, store) is False
