@@ -5,8 +5,9 @@ Layout (all on the RAM disk, so taking a step from the workload is one rename)::
     STORE/items/<job>/<step>/<rank>-<worker>/{MANIFEST.json, data}   committed items
     STORE/aside/<job>/<step>/<rank>-<worker>/{MANIFEST.json, data}   committed, set aside
     STORE/ingest/<job>/<step>/<rank>-<worker>/data                    taken, not yet hashed
-    STORE/staging/<id>/...                                            incoming copies
+    STORE/staging/<generation>-<id>/...                               incoming copies
     STORE/trash/<id>                                                  being deleted
+    STORE/store-owner                     whose items these are (``local.store_owner``)
     CHECKPOINT_DIR/.mtc/views/<incarnation>/<job>/<step>/<rank>-<worker>/data
                                             hard-link copies that markers point at
 
@@ -115,6 +116,8 @@ class LocalStore:
         self._manifests: dict[ItemId, Manifest] = {}
         self._aside: dict[ItemId, Manifest] = {}
         self._lock_fd: int | None = None
+        self._generation = 0
+        """Bumped by ``purge``: a copy staged or taken before it is never committed after."""
 
     # --- start-up --------------------------------------------------------------------------
 
@@ -473,11 +476,12 @@ class LocalStore:
 
     def commit_ingested(self, item: ItemId, cancelled: CancelCheck | None = None) -> Manifest:
         """Hash taken data, write its manifest last, and publish it as a committed item."""
+        generation = self._generation
         src = self.ingest_root / item_path(item)
         manifest = build_manifest(
             item, src / DATA, *([cancelled] if cancelled else []), root=self.root
         )
-        self._publish(src, manifest)
+        self._publish(src, manifest, generation)
         return manifest
 
     def discard_ingest(self, item: ItemId) -> None:
@@ -486,15 +490,19 @@ class LocalStore:
 
     def new_staging(self) -> Path:
         """A fresh directory for an incoming item; put its data at ``<dir>/data``."""
-        path = self.staging_root / uuid.uuid4().hex
+        path = self.staging_root / f"{self._generation}-{uuid.uuid4().hex}"
         path.mkdir(parents=True)
         return path
 
     def commit_staged(self, staged: Path, manifest: Manifest) -> None:
-        """Publish a verified incoming copy (its data at ``staged/data``)."""
-        self._publish(staged, manifest)
+        """Publish a verified incoming copy (its data at ``staged/data``); refused when the
+        store was purged since ``new_staging`` made ``staged``."""
+        generation, _, _ = staged.name.partition("-")
+        self._publish(staged, manifest, int(generation) if generation.isdigit() else -1)
 
-    def _publish(self, src: Path, manifest: Manifest) -> None:
+    def _publish(self, src: Path, manifest: Manifest, generation: int) -> None:
+        if generation != self._generation:
+            raise StoreError(f"cannot commit {manifest.item}: the store was purged meanwhile")
         try:
             fsutil.atomic_write_bytes(src / MANIFEST_FILE, manifest.to_json())
             final = self.item_dir(manifest.item)
@@ -510,7 +518,12 @@ class LocalStore:
         except OSError as exc:
             raise StoreError(f"cannot commit {manifest.item}: {exc}") from exc
         with self._lock:
-            self._manifests[manifest.item] = manifest
+            purged = generation != self._generation
+            if not purged:
+                self._manifests[manifest.item] = manifest
+        if purged:  # a purge ran between the check and the rename: this copy goes too
+            fsutil.discard_tree(final, self.trash)
+            raise StoreError(f"cannot commit {manifest.item}: the store was purged meanwhile")
 
     def verify(self, item: ItemId, cancelled: CancelCheck | None = None) -> Manifest:
         """Re-read every byte of a committed item; raise ``CorruptItem`` on any mismatch."""
@@ -521,6 +534,23 @@ class LocalStore:
             manifest, self.data_path(item), *([cancelled] if cancelled else []), root=self.root
         )
         return manifest
+
+    def purge(self) -> dict[ItemId, Manifest]:
+        """Remove every item, committed, set aside or on its way in (a node handoff): the
+        indexes empty first, then ``items/``, ``aside/`` and ``ingest/`` vanish in one rename
+        each, and no copy being staged or hashed now is committed after. Returns what was
+        committed (set-aside items included: they would come back at the next join)."""
+        with self._lock:
+            gone, self._manifests = self._manifests, {}
+            gone.update(self._aside)
+            self._aside = {}
+            self._generation += 1
+        for root in (self.items_root, self.aside_root, self.ingest_root):
+            fsutil.discard_tree(root, self.trash)
+            root.mkdir(exist_ok=True)
+        for child in list(self.staging_root.iterdir()):
+            fsutil.discard_tree(child, self.trash)
+        return gone
 
     def delete(self, item: ItemId) -> None:
         """Remove a committed item: it vanishes in one rename, then is deleted."""

@@ -44,6 +44,7 @@ from mtc_replicator.core.contract import (
     PRERESTORE_FILE,
     parse_save_name,
 )
+from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import (
     PaceRules,
     format_rate,
@@ -61,6 +62,7 @@ from mtc_replicator.node.agent import (
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
+from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
@@ -316,6 +318,12 @@ class Daemon:
             loop.add_signal_handler(sig, self._request_stop)
         if not await self._open_store(loop):
             return
+        try:
+            # Before the Peer server lists a thing: a node handed over while we were down
+            # serves nothing of its previous owner's (``core.handoff``).
+            await self.supervisor.owner_now()
+        except BadOwner as exc:
+            log.warning("cannot tell whose this node's store is yet: %s", exc)
         started = await self._start_servers(loop)
         if started is None:
             return
@@ -448,6 +456,7 @@ class Daemon:
             make_room=self._room_for_push,
             min_rate=self.opts.min_transfer_rate,
             max_item_files=self.opts.max_item_files,
+            handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
         )
 
     def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:

@@ -1,6 +1,7 @@
 """Whose pod this node's CHECKPOINT_DIR belongs to: the CSI plugin's ``owner.json``, read on
-the daemon's thread pool (the one its shutdown waits for) at every handshake, at a resume,
-and once a second while a job runs. Does file I/O; the file's format is ``core.ownership``.
+the daemon's thread pool (the one its shutdown waits for) at every read of a handshake, at a
+resume, at start and once a second (``node.supervisor`` acts on a change: ``core.handoff``).
+Does file I/O; the file's format is ``core.ownership``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
 
+from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
+from mtc_replicator.local.store_owner import read_store_owner
 
 CHECK_EVERY = 1.0
-"""Seconds between two reads while a job runs: a job ends at most this late after its node
-changed hands."""
+"""Seconds between two periodic reads: a job ends, and the store is emptied, at most this
+late after its node changed hands (a handshake is never judged before: it reads the file
+itself)."""
 
 
 def read_owner(path: Path | None) -> str:
@@ -34,8 +38,21 @@ def read_owner(path: Path | None) -> str:
         raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
 
 
+def handed_over(path: Path | None, store_root: Path) -> bool:
+    """Whether the node changed hands and its store is not emptied yet (``core.handoff``):
+    the Peer server answers nothing of its items meanwhile. False without an owner file, or
+    with one that cannot be read (the handshake is refused then)."""
+    if path is None:
+        return False
+    try:
+        owner = read_owner(path)
+    except BadOwner:
+        return False
+    return decide_handoff(read_store_owner(store_root), owner) is StoreHandoff.PURGE
+
+
 class OwnerWatch:
-    """Reads of the owner file, and whether the node changed hands since a job began."""
+    """Reads of the owner file, now or when the periodic read is due."""
 
     def __init__(
         self,
@@ -54,14 +71,11 @@ class OwnerWatch:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, read_owner, self.path)
 
-    async def moved_from(self, owner: str) -> bool:
-        """Whether the node belongs to another than ``owner`` now; read at most once every
-        ``CHECK_EVERY`` seconds (False in between) and never without an owner file."""
+    def due(self) -> bool:
+        """Whether the periodic read is due: at most once every ``CHECK_EVERY`` seconds, and
+        never without an owner file."""
         now = self._clock()
         if self.path is None or now - self._checked < CHECK_EVERY:
             return False
         self._checked = now
-        try:
-            return await self.read() != owner
-        except BadOwner:
-            return True  # written by rename, so never half there: treat it as changed
+        return True

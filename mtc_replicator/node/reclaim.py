@@ -226,6 +226,24 @@ class ForeignItems:
         )
         return gone
 
+    def purge(self) -> dict[str, int]:
+        """A node handoff (``core.handoff``): every item here goes, whatever its job, and
+        so does what was known of them; bytes removed by job."""
+        with self._dropping:
+            gone = self.store.purge()
+            with self._lock:
+                self._committed.clear()
+                self._ended.clear()
+                self._warned.clear()
+            self.last = {}
+        by_job: dict[str, int] = {}
+        for item, manifest in gone.items():
+            by_job[item.job] = by_job.get(item.job, 0) + manifest.total_bytes
+        for job, nbytes in sorted(by_job.items()):
+            self.metrics.foreign_dropped(job, nbytes)
+        self.metrics.held_without_backup({})
+        return by_job
+
     def _drop(self, held: HeldJob) -> Dropped:
         steps: dict[int, list[int]] = {}
         nbytes = 0

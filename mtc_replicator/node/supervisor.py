@@ -1,13 +1,14 @@
 """The handshakes on one CHECKPOINT_DIR and the incarnations they start: reads
 ``replicator.yaml`` until it is settled (``core.settle``), accepts or refuses it, resumes the
-incarnation a restart interrupted, hosts rank 0's coordinator, ends the running job when
-its node changes hands, and drains it on SIGTERM. Does I/O through the pieces it is given;
-the daemon calls it from its loop.
+incarnation a restart interrupted, hosts rank 0's coordinator, ends the running job and
+empties the store when its node changes hands (``core.handoff``), and drains it on SIGTERM.
+Does I/O through the pieces it is given; the daemon calls it from its loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,13 +23,16 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
+from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.store_owner import read_store_owner, write_store_owner
 from mtc_replicator.node.agent import (
     AgentContext,
     Incarnation,
     IncarnationPhase,
+    load_state,
     new_incarnation_id,
     save_state,
 )
@@ -42,6 +46,8 @@ from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.obs.metrics import ErrorKind
 
 log = logging.getLogger(__name__)
+
+HANDED = "the node changed hands while the daemon was down, and its store was emptied"
 
 
 class Supervisor:
@@ -130,6 +136,11 @@ class Supervisor:
         reads = self.handshake.observe(text, now)
         if text is None or reads is None:
             return
+        # Read after the handshake: the CSI plugin rewrote owner.json before the pod that
+        # wrote it started, so a handoff is seen, and done, before it is judged. A bad owner
+        # file: an accepted handshake is refused for it in _accept.
+        with contextlib.suppress(BadOwner):
+            await self.owner_now()
         config: JobConfig | None = None
         error: ConfigError | None = None
         if not text.strip():
@@ -174,24 +185,60 @@ class Supervisor:
             self.handshake.delete(text)
 
     async def check_owner(self) -> None:
-        """End the running job once its node changed hands, at most a second late.
+        """Once a second, whether or not a job runs: a node that changed hands ends its job
+        and empties its store (``owner_now``); an owner file gone bad ends the job.
 
         The CSI plugin publishes CHECKPOINT_DIR to another namespace's pod only when no pod
         of the last one holds it, and rewrites ``owner.json`` then; from that moment nothing
-        of the old job (a marker, a view of its items) may appear there, so the incarnation
-        stops and its markers and views go, before the new pod's handshake arrives.
+        of the old owner's (a marker, a view, an item in the store) may be reached there.
         """
-        running = self.incarnation
-        if running is None or not await self.owner.moved_from(running.owner):
+        if not self.owner.due():
             return
-        if running is not self.incarnation:
+        owner: str | None = None
+        try:
+            owner = await self.owner_now()
+        except BadOwner as exc:
+            why = str(exc)
+        running = self.incarnation
+        if running is None or running.owner == owner:
             return
         log.warning(
-            "CHECKPOINT_DIR was published to another namespace's pod: stopping job %s "
-            "(incarnation %s) and removing its markers and views",
+            "stopping job %s (incarnation %s) and removing its markers and views: %s",
             running.config.job_name,
             running.id,
+            "CHECKPOINT_DIR was published to another namespace's pod" if owner else why,
         )
+        await self._end_and_clean()
+
+    async def owner_now(self) -> str:
+        """The namespace whose pod holds the node now, once the store holds nothing of any
+        other's: at a handoff the running job ends, its markers and views go, then every
+        item in the store, before the new owner is recorded (``core.handoff``). Raises
+        ``BadOwner`` without touching anything when the owner file cannot be read."""
+        owner = await self.owner.read()
+        if self.owner.path is None:
+            return owner
+        loop = asyncio.get_running_loop()
+        recorded = await loop.run_in_executor(self.executor, read_store_owner, self.store.root)
+        decision = decide_handoff(recorded, owner)
+        if decision is StoreHandoff.KEEP:
+            return owner
+        if decision is StoreHandoff.PURGE:
+            log.warning(
+                "this node changed hands (CHECKPOINT_DIR was published to another namespace's "
+                "pod): ending the job here and removing every item of the previous owner's "
+                "from this node's store; its copies on other nodes and in the backup stay"
+            )
+            await self._end_and_clean()
+            gone = await loop.run_in_executor(self.executor, self.foreign.purge)
+            await loop.run_in_executor(self.executor, save_state, self.store, None)
+            for job, nbytes in gone.items():
+                log.warning("node handoff: removed job %s from this node: %d bytes", job, nbytes)
+        # Last: a crash before this line finds the old record, and purges again.
+        await loop.run_in_executor(self.executor, write_store_owner, self.store.root, owner)
+        return owner
+
+    async def _end_and_clean(self) -> None:
         await self.end_incarnation()
         await asyncio.get_running_loop().run_in_executor(
             self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
@@ -222,7 +269,10 @@ class Supervisor:
         (the same pod's, unless the handshake was refused before)."""
         job = resumed.config.job_name
         try:
-            resumed.owner = await self.owner.read()
+            resumed.owner = await self.owner_now()
+            if load_state(self.store) is None:
+                log.warning("not resuming incarnation %s of job %s: %s", resumed.id, job, HANDED)
+                return
             await self.rank0.host(
                 resumed.config,
                 resumed.owner,
@@ -274,7 +324,7 @@ class Supervisor:
             return
         loop = asyncio.get_running_loop()
         try:
-            owner = await self.owner.read()
+            owner = await self.owner_now()
         except BadOwner as exc:
             await self._refuse(
                 text,

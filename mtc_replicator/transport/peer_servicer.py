@@ -223,6 +223,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         make_room: Callable[[int], Awaitable[None]] | None = None,
         min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
         max_item_files: int = DEFAULT_MAX_ITEM_FILES,
+        handed_over: Callable[[], bool] = lambda: False,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -241,7 +242,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         after a grace of ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is
         dropped, its reservation and staging with it; None: no floor. ``max_item_files``:
         the most files and directories one pushed item may list (refused before any is
-        checked or staged); every push must also leave inodes free (``inode_room``)."""
+        checked or staged); every push must also leave inodes free (``inode_room``).
+        ``handed_over``: whether the node changed hands and its store is not emptied yet
+        (``core.handoff``; blocking, run on ``executor``): no pull is served nor item listed
+        meanwhile."""
+        self.handed_over = handed_over
         self.make_room = make_room
         self.store = store
         self.pacer = pacer or Pacer()
@@ -444,6 +449,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> None:
         t0 = time.monotonic()
         item = item_id(request.item)
+        await self._not_handed_over()
         manifest = self.store.get(item)
         if manifest is None:
             state = None if self.obtaining is None else self.obtaining.state(item)
@@ -543,6 +549,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             job = request.job or None
             if job is not None and not is_job_name(job):
                 raise TransferError(f"unsafe job name {job!r:.80}")
+            await self._not_handed_over()
             return pb.ListItemsResponse(
                 items=[
                     pb.ItemInfo(
@@ -555,6 +562,12 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             )
         except Exception as exc:
             await _abort(context, "ListItems", exc)
+
+    async def _not_handed_over(self) -> None:
+        """Refuse while the node's previous owner's items are still here (a handoff)."""
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self.executor, self.handed_over):
+            raise Refused("this node changed hands: its items are being removed")
 
     def register(self, server: grpc.aio.Server) -> None:
         peer_pb2_grpc.add_PeerServicer_to_server(self, server)
