@@ -270,7 +270,13 @@ class ClusterMember:
         ):
             self.uploading = step
             self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
+            # A task cancelled before its first step never runs ``_upload``'s ``finally``.
+            self._backup_task.add_done_callback(lambda _: self._upload_ended(step))
         return True
+
+    def _upload_ended(self, step: int) -> None:
+        if self.uploading == step:
+            self.uploading = None
 
     async def _upload(self, step: int) -> None:
         backups = self.ctx.backups

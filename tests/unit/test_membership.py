@@ -735,6 +735,26 @@ def test_settle_upload_cancels_an_upload_of_another_step(world: World) -> None:
     assert world.errors == []
 
 
+def test_an_upload_cancelled_before_it_began_frees_the_next_order(world: World) -> None:
+    """Cancelled before its first step (a drain's settle for another step right after the
+    order), the upload's own ``finally`` never runs: the order must still end, or no backup
+    is ever ordered on this rank again."""
+    world.commit(10)
+    m = world.member()
+    released(m, 10)
+    world.finder.answer_with(answer(10, backup=10))
+
+    async def body() -> None:
+        world.gate = asyncio.Event()
+        await m.tick(10, force=True)
+        assert m.uploading == 10  # ordered, not begun: no await since
+        assert not await m.settle_upload(20)
+        assert m.uploading is None
+
+    asyncio.run(body())
+    assert world.threads == 0  # it never began
+
+
 def test_settle_upload_without_an_upload_says_whether_the_step_is_up(world: World) -> None:
     m = world.member()
     assert not asyncio.run(m.settle_upload(10))
