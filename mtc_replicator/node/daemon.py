@@ -87,6 +87,7 @@ from mtc_replicator.transport.grpc_server import (
     split_host_port,
 )
 from mtc_replicator.transport.obtaining import Obtaining
+from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peer_servicer import PeerServicer
 from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
@@ -459,10 +460,12 @@ class Daemon:
             pins=StorePins(
                 backups.objects,
                 self.trust,
+                pin_trust=pin_trust(self.tls, accept_unsigned=self.opts.accept_unsigned_records),
                 used=UsedPins(self.store.root),
                 on_failure=lambda *failed: loop.call_soon_threadsafe(
                     self._pin_not_removed, *failed
                 ),
+                on_refused=lambda *refused: loop.call_soon_threadsafe(self._pin_refused, *refused),
             )
             if backups
             else None,
@@ -590,6 +593,14 @@ class Daemon:
         running = self.incarnation
         if running is not None and running.config.job_name == job:
             running.error(message, step, kind=ErrorKind.RESTORE)
+
+    def _pin_refused(self, job: str, message: str) -> None:
+        """A restore pin not signed by an operator: the metric, and the job's errors file
+        (the coordinator's node runs rank 0)."""
+        self.metrics.pin_refused(job)
+        running = self.incarnation
+        if running is not None and running.config.job_name == job:
+            running.error(message, kind=ErrorKind.RESTORE)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

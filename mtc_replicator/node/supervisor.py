@@ -291,7 +291,7 @@ class Supervisor:
             # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
             await self.rank0.host(config, owner, incarnation=incarnation_id)
         except OwnedByAnother as exc:
-            await self._refuse(text, str(exc), "Choose another job name")
+            await self._refuse(text, str(exc), exc.remedy)
             return
         except Stopping as exc:
             log.info("not accepting %s: %s", CONFIG_FILE, exc)

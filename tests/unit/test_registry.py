@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.cluster.registry import (
+    BlockedName,
     MalformedEntry,
     OwnedByAnother,
     Registry,
     RegistryEntry,
     check_address,
     entry_key,
+    inspect,
     new_coordinator_id,
     open_registry,
+    release,
 )
 from mtc_replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
 
@@ -173,7 +176,16 @@ class TestRegistry:
         with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.registry"):
             assert registry.lookup("job") is None
         assert "ignoring registry entry _registry/job.json of job=job" in caplog.text
-        # A malformed entry is nobody's: a claim replaces it.
+        # A malformed entry may be the owner's own, overwritten: nobody claims over it...
+        with pytest.raises(BlockedName, match="no rank 0 registers over it") as refused:
+            registry.claim(entry(owner="team-a"))
+        assert "mtc registry release" in refused.value.remedy
+        assert objects.get_bytes(entry_key("job")) == MALFORMED[case]
+        # ...until an operator releases the name, having seen what is there.
+        state = inspect(registry, "job")
+        assert state.blocked
+        assert state.problem
+        assert release(registry, state)
         registry.claim(entry(owner="team-a"))
         assert registry.lookup("job") == entry(owner="team-a")
 
