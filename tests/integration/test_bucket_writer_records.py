@@ -25,7 +25,6 @@ from mtc_replicator.core.contract import FAILED_FILE
 from mtc_replicator.storage.backup_audit import read_commit_raw
 from mtc_replicator.storage.restore_pins import RestorePin, commit_digest, pin_key
 from mtc_replicator.storage.stores import open_object_store
-from mtc_replicator.tools import certs
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import FAST, NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (
@@ -38,7 +37,7 @@ from tests.integration.helpers import (
 from tests.integration.test_job_owner import THIEF, VICTIM, write_owner
 from tests.integration.test_metrics import sample, scrape_until
 from tests.storage_servers import Bucket
-from tests.tls import node_tls
+from tests.tls import node_tls, operator_flags
 
 pytestmark = pytest.mark.integration
 
@@ -108,12 +107,6 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
 
     # An operator's pin, signed with an operator certificate of the CA, is honoured.
     assert cluster.ca is not None
-    certs.write_pair(
-        tmp_path / "alice",
-        certs.issue_operator(cluster.ca, "alice"),
-        certs.OPERATOR_CERT,
-        certs.OPERATOR_KEY,
-    )
     tls = cluster.tls[0]
     assert tls is not None
     done = mtc(
@@ -127,10 +120,7 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
         "--yes",
         "--tls-ca",
         str(tls.files.ca),
-        "--operator-cert",
-        str(tmp_path / "alice" / certs.OPERATOR_CERT),
-        "--operator-key",
-        str(tmp_path / "alice" / certs.OPERATOR_KEY),
+        *operator_flags(tmp_path / "alice", cluster.ca),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "signed by operator alice" in done.stdout
