@@ -61,6 +61,7 @@ from mtc_replicator.node.agent import (
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
+from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
@@ -221,6 +222,8 @@ class Daemon:
             PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
         )
         self.metrics: Metrics = self._prometheus or NO_METRICS
+        self.pin_refusals = PinRefusals(self.metrics)
+        """Restore pins refused while they stand, told to the job's incarnations."""
         if self._prometheus is not None:
             process_metrics(self._prometheus.registry)
             self._prometheus.registry.register(
@@ -500,6 +503,7 @@ class Daemon:
                 await asyncio.wait_for(self._wake.wait(), timeout=tick)
             self._wake.clear()
             await self.supervisor.check_config()
+            self.pin_refusals.tell(self.incarnation)
             await self.supervisor.check_owner()
             await self._reclaim()
 
@@ -594,13 +598,11 @@ class Daemon:
         if running is not None and running.config.job_name == job:
             running.error(message, step, kind=ErrorKind.RESTORE)
 
-    def _pin_refused(self, job: str, message: str) -> None:
-        """A restore pin not signed by an operator: the metric, and the job's errors file
-        (the coordinator's node runs rank 0)."""
-        self.metrics.pin_refused(job)
-        running = self.incarnation
-        if running is not None and running.config.job_name == job:
-            running.error(message, kind=ErrorKind.RESTORE)
+    def _pin_refused(self, job: str, message: str | None) -> None:
+        """A restore pin not signed by an operator (None: none stands now): the metric, and
+        the job's errors file (the coordinator's node runs rank 0)."""
+        self.pin_refusals.refused(job, message)
+        self.pin_refusals.tell(self.incarnation)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

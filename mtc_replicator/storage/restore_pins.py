@@ -27,7 +27,7 @@ from mtc_replicator.core.backup_layout import CommitRecord
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.jsonobj import NotAnObject, load_object
 from mtc_replicator.core.manifest import ManifestError
-from mtc_replicator.core.signed import OPEN, PIN_KIND, RecordRefused, RecordTrust
+from mtc_replicator.core.signed import OPEN, PIN_KIND, RecordRefused, RecordTrust, Seal
 from mtc_replicator.local.usedpins import UsedPins
 from mtc_replicator.storage.backup_audit import read_commit_raw
 from mtc_replicator.storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError
@@ -142,7 +142,15 @@ def read_restore_pin(
     objects: ObjectStore, job: str, trust: RecordTrust | None = None
 ) -> RestorePin | None:
     """Job ``job``'s restore pin, None if there is none; ``MalformedPin`` if it is bad; with
-    ``trust``, ``RefusedPin`` unless its signature is believed (an operator's).
+    ``trust``, ``RefusedPin`` unless its signature is believed (an operator's)."""
+    found = read_sealed_pin(objects, job, trust)
+    return None if found is None else found[0]
+
+
+def read_sealed_pin(
+    objects: ObjectStore, job: str, trust: RecordTrust | None = None
+) -> tuple[RestorePin, Seal | None] | None:
+    """``read_restore_pin``, with what ``trust`` knows of its signature (None: not asked).
 
     Reads at most one chunk past ``MAX_PIN_BYTES`` whatever the object's size.
     """
@@ -161,12 +169,12 @@ def read_restore_pin(
         raise MalformedPin(f"restore pin {key}: {exc}") from None
     if pin.job != job:
         raise MalformedPin(f"restore pin {key} names job {pin.job!r:.80}")
-    if trust is not None:
-        try:
-            trust.check(PIN_KIND, raw, pin.requested_at)
-        except RecordRefused as exc:
-            raise RefusedPin(f"refused the restore pin {key} (step {pin.step}): {exc}") from None
-    return pin
+    if trust is None:
+        return pin, None
+    try:
+        return pin, trust.check(PIN_KIND, raw, pin.requested_at)
+    except RecordRefused as exc:
+        raise RefusedPin(f"refused the restore pin {key} (step {pin.step}): {exc}") from None
 
 
 def write_restore_pin(objects: ObjectStore, pin: RestorePin, trust: RecordTrust = OPEN) -> None:
@@ -217,9 +225,9 @@ def resolve_restore_pin(
 
 PinFailed = Callable[[str, int, str], object]
 """Told ``(job, step, message)`` when a used pin could not be removed (from a thread)."""
-PinRefused = Callable[[str, str], object]
-"""Told ``(job, message)`` when a pin is not an operator's and is not honoured (from a
-thread), once per refusal."""
+PinRefused = Callable[[str, str | None], object]
+"""Told ``(job, message)`` when a pin is not an operator's and is not honoured, and
+``(job, None)`` once no refused pin stands any more (from a thread); at each change only."""
 
 
 def pin_digest(pin: RestorePin) -> str:
@@ -234,10 +242,10 @@ class StorePins:
     A pin that is malformed or names a step no longer committed as pinned is logged and
     ignored: the round then restores the last-known-good step, and the operator sees why.
     A pin ``pin_trust`` refuses (not signed by an operator) is ignored the same way and
-    ``on_refused`` hears of it, once while it stays. With ``used`` (the node's record of used
-    pins), a pin is honoured once: its digest is recorded before it is deleted, so a pin
-    whose delete is refused never rolls the job back again; ``on_failure`` hears of that
-    refusal.
+    ``on_refused`` hears of it, once while it stays (and when it is gone). With ``used``
+    (the node's record of used pins), a pin is honoured once: its digest is recorded
+    before it is deleted, so a pin whose delete is refused never rolls the job back again;
+    ``on_failure`` hears of that refusal.
     """
 
     def __init__(
@@ -266,7 +274,8 @@ class StorePins:
     def pinned_step(self, job: str) -> int | None:
         try:
             pin = read_restore_pin(self.objects, job, self.pin_trust)
-            self._refused.pop(job, None)
+            if self._refused.pop(job, None) is not None and self.on_refused is not None:
+                self.on_refused(job, None)
             if pin is None:
                 return None
             if self.used is not None and self.used.used(job, pin_digest(pin)):

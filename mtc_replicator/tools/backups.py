@@ -40,7 +40,7 @@ from mtc_replicator.tools.backup_views import (
     step_json,
     verdict_json,
 )
-from mtc_replicator.transport.operator_signing import OperatorSigner
+from mtc_replicator.transport.operator_signing import OperatorSigner, OperatorVerifier
 from mtc_replicator.transport.signing import CaVerifier
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
@@ -186,6 +186,14 @@ def _trust(args: argparse.Namespace) -> RecordTrust:
     return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
 
 
+def _pin_trust(args: argparse.Namespace) -> RecordTrust:
+    """Check a pin's signature against ``--tls-ca`` as the daemons do: an operator's."""
+    if not args.tls_ca:
+        return OPEN
+    verifier = OperatorVerifier.from_file(Path(args.tls_ca))
+    return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
+
+
 def _operator(args: argparse.Namespace) -> OperatorSigner | None:
     """``restore``'s operator identity, checked against ``--tls-ca`` when given."""
     cert, key = getattr(args, "operator_cert", None), getattr(args, "operator_key", None)
@@ -205,10 +213,17 @@ def _operator(args: argparse.Namespace) -> OperatorSigner | None:
 def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     jobs = [args.job] if args.job else audit.list_jobs(objects)
     out: list[dict[str, Any]] = []
+    pin_trust = _pin_trust(args)
     for job in jobs:
         listing = audit.scan_job(objects, job, args.trust)
+        seal: str | None = None
         try:
             pin, pin_error = pins.read_restore_pin(objects, job), None
+            if pin is not None:
+                found = pins.read_sealed_pin(objects, job, pin_trust)
+                seal = found[1].value if found is not None and found[1] is not None else None
+        except pins.RefusedPin as exc:
+            pin_error, seal = str(exc), "refused"
         except pins.MalformedPin as exc:
             pin, pin_error = None, str(exc)
         out.append(
@@ -217,6 +232,7 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
                 "steps": [step_json(s, now) for s in listing.steps],
                 "restore_pin": pin_json(pin),
                 "restore_pin_error": pin_error,
+                "restore_pin_signature": seal,
                 "stray_objects": list(listing.stray),
             }
         )

@@ -11,6 +11,7 @@ release``, and then the job's own rank 0 registers and the job restores.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,13 @@ def mtc(*args: str) -> subprocess.CompletedProcess[str]:
         check=False,
         env=dict(os.environ),
     )
+
+
+def pin_signature(cluster: Cluster, *flags: str) -> str:
+    """What ``mtc backups list`` says of the job's restore pin's signature."""
+    done = mtc("backups", "list", cluster.backup_url, "--job", cluster.job, "--json", *flags)
+    assert done.returncode == 0, done.stderr
+    return str(json.loads(done.stdout)["jobs"][0]["restore_pin_signature"])
 
 
 @pytest.fixture
@@ -104,11 +112,13 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
         lambda s: sample(s, "mtc_pins_refused_total", job=cluster.job) == 1.0,
     )
     assert objects.get_bytes(pin_key(cluster.job)) == forged.to_json(), "left for the operator"
+    tls = cluster.tls[0]
+    assert tls is not None
+    ca = ("--tls-ca", str(tls.files.ca))
+    assert pin_signature(cluster, *ca) == "refused"
 
     # An operator's pin, signed with an operator certificate of the CA, is honoured.
     assert cluster.ca is not None
-    tls = cluster.tls[0]
-    assert tls is not None
     done = mtc(
         "backups",
         "restore",
@@ -118,12 +128,12 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
         "--step",
         "10",
         "--yes",
-        "--tls-ca",
-        str(tls.files.ca),
+        *ca,
         *operator_flags(tmp_path / "alice", cluster.ca),
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "signed by operator alice" in done.stdout
+    assert pin_signature(cluster, *ca) == "verified"
     cluster.handshake([0, 3, 2, 1])
     cluster.wait_markers(10)
     assert_restored(cluster, 10, old)

@@ -67,7 +67,7 @@ def test_an_operator_signed_pin_is_honoured(tmp_path: Path, ca: certs.Pair) -> N
     objects = MemoryObjectStore()
     pinned(tmp_path, objects, operator(tmp_path, ca))
     assert b'"signature"' in objects.get_bytes(pin_key(JOB))
-    refused: list[tuple[str, str]] = []
+    refused: list[tuple[str, str | None]] = []
     pins = StorePins(objects, pin_trust=daemon_trust(ca), on_refused=lambda *r: refused.append(r))
     assert pins.pinned_step(JOB) == 1
     assert refused == []
@@ -85,15 +85,20 @@ def test_a_pin_not_an_operators_is_refused_once_and_said(
     elif signed_by == "another CA's operator":
         signer = operator(tmp_path, certs.new_ca("stranger"))
     pinned(tmp_path, objects, signer)
-    refused: list[tuple[str, str]] = []
+    refused: list[tuple[str, str | None]] = []
     pins = StorePins(objects, pin_trust=daemon_trust(ca), on_refused=lambda *r: refused.append(r))
     assert pins.pinned_step(JOB) is None
     assert pins.pinned_step(JOB) is None  # every round lists it: said once
-    ((job, message),) = refused
+    job, message = refused[0]
+    assert len(refused) == 1
+    assert message is not None
     assert job == JOB
     assert "refused the restore pin" in message
     assert "nothing is rolled back" in message
     assert read_restore_pin(objects, JOB) is not None, "left for the operator to see"
+    objects.delete(pin_key(JOB))  # the operator removed it: no refusal stands
+    assert pins.pinned_step(JOB) is None
+    assert refused[1:] == [(JOB, None)]
 
 
 def test_the_migration_flag_takes_an_unsigned_pin(tmp_path: Path, ca: certs.Pair) -> None:
