@@ -24,6 +24,7 @@ from mtc_replicator.cluster.registry import (
     release,
 )
 from mtc_replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
+from mtc_replicator.tools import cli
 
 BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
     "file": lambda tmp: FileObjectStore(tmp / "registry"),
@@ -266,3 +267,25 @@ def test_open_registry_shares_a_directory(tmp_path: Path) -> None:
     assert open_registry(url).url == url
     with pytest.raises(ValueError, match="unsupported"):
         open_registry("ftp://host/x")
+
+
+def test_mtc_registry_releases_only_what_blocks_a_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = tmp_path.as_uri()
+    objects = FileObjectStore(tmp_path)
+    objects.put_bytes(entry_key("job"), b"junk")
+    assert cli.main(["registry", "show", url, "--job", "job"]) == 0
+    assert "blocked" in capsys.readouterr().out
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 0
+    assert "released" in capsys.readouterr().out
+    assert open_registry(url).lookup("job") is None
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 0
+    assert "its name is free" in capsys.readouterr().out
+    # A valid entry: a running job may hold the name; released only with --force.
+    open_registry(url).claim(RegistryEntry("job", "10.0.0.1:7070", "c0ffee", 12.0, "team-a"))
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert open_registry(url).lookup("job") is not None
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes", "--force"]) == 0
+    assert open_registry(url).lookup("job") is None
