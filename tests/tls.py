@@ -123,3 +123,13 @@ def hand_made_node(
         builder = builder.add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())
     return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def operator_flags(root: Path, ca: certs.Pair, name: str = "alice") -> tuple[str, ...]:
+    """An operator certificate from ``ca`` in ``root`` (``mtc certs operator``), as
+    ``mtc backups restore``'s flags: what signs a restore pin daemons with TLS honour."""
+    yesterday = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
+    pair = certs.issue_operator(ca, name, not_before=yesterday)
+    certs.write_pair(root, pair, certs.OPERATOR_CERT, certs.OPERATOR_KEY)
+    cert, key = root / certs.OPERATOR_CERT, root / certs.OPERATOR_KEY
+    return ("--operator-cert", str(cert), "--operator-key", str(key))

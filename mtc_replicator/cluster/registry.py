@@ -18,7 +18,12 @@ backend publishes a whole object at once (temp + rename for files).
 
 Entries are signed by the registering node (``core.signed``, the whole entry, so every
 field, the owner included, is covered): with TLS on, an unsigned or forged entry is refused
-(``RefusedEntry``), never dialled, and is nobody's when a rank 0 claims the job.
+(``RefusedEntry``) and never dialled. An entry that is malformed or refused names no owner
+anyone can check, so it is nobody's to *take*: a rank 0 refuses to claim over it
+(``BlockedName``), whoever it is, until an operator looks at it and releases the name
+(``mtc registry release``, which calls ``inspect`` and ``release``). Only bucket writers
+can plant such an entry, and they could delete the job's backups anyway; what they can no
+longer do is hand the name, and with it the job's ranks, to another namespace.
 """
 
 from __future__ import annotations
@@ -60,6 +65,19 @@ class RefusedEntry(MalformedEntry):
 
 class OwnedByAnother(Exception):
     """The job's registry entry belongs to another owner: this rank 0 may not take it."""
+
+    remedy = "Choose another job name"
+    """What the job's owner does about it (``replicator.failed`` says it)."""
+
+
+class BlockedName(OwnedByAnother):
+    """The job's registry entry is malformed or not signed by a node: it names nobody who
+    can be checked, so no rank 0 takes the name until an operator releases it."""
+
+    remedy = (
+        "An operator checks the entry and releases the name (mtc registry release URL "
+        "--job JOB, docs/cli.md), then restarts the job"
+    )
 
 
 def check_job(job: str) -> str:
@@ -186,8 +204,9 @@ class Registry:
         The first registration of a job is a create-only write, so of two first claims one
         wins and the other compares owners with it. An existing entry is replaced only when
         ``core.ownership.may_claim`` allows it; raises ``OwnedByAnother`` otherwise, leaving
-        the entry as it was. A malformed entry is nobody's and is replaced (only bucket
-        writers can plant one), and so is one ``trust`` refuses. Replacing after the read is
+        the entry as it was. A malformed entry, or one ``trust`` refuses, raises
+        ``BlockedName``: it may be the real owner's entry overwritten by a bucket writer, so
+        nobody takes the name over it until an operator releases it. Replacing after the read is
         not atomic: an entry deleted and re-created by another owner in between would be
         overwritten, but daemons never delete entries, so only a bucket writer can open
         that gap.
@@ -205,11 +224,14 @@ class Registry:
             except ObjectNotFound:
                 continue  # gone since the create failed: try creating it again
             try:
-                current = self._parse(key, entry.job, raw)
-            except RefusedEntry as exc:
-                log.warning("%s", exc)
-                current = None  # a forgery names no owner worth keeping
-            if not may_claim(None if current is None else current.owner, entry.owner):
+                current = self._parse_strict(key, entry.job, raw)
+            except MalformedEntry as exc:
+                raise BlockedName(
+                    f"job {entry.job}'s registry entry {key} in {self.url} is unusable ({exc}); "
+                    "it may be the job's own entry overwritten by someone with write access "
+                    "to the bucket, so no rank 0 registers over it"
+                ) from None
+            if not may_claim(current.owner, entry.owner):
                 raise OwnedByAnother(
                     f"job {entry.job} is registered to another owner; a job name belongs to "
                     "the namespace that first ran it"
@@ -249,20 +271,69 @@ class Registry:
         """The entry in ``raw``; None if malformed (logged); ``RefusedEntry`` if ``trust``
         refuses it."""
         try:
-            entry = RegistryEntry.from_json(raw)
+            return self._parse_strict(key, job, raw)
+        except RefusedEntry:
+            raise
         except MalformedEntry as exc:
             log.warning("ignoring registry entry %s of job=%s: %s", key, job, exc)
             return None
+
+    def _parse_strict(self, key: str, job: str, raw: bytes) -> RegistryEntry:
+        """The entry in ``raw``; ``MalformedEntry`` if malformed, ``RefusedEntry`` if
+        ``trust`` refuses it."""
+        entry = RegistryEntry.from_json(raw)
         if entry.job != job:
-            log.warning(
-                "ignoring registry entry %s of job=%s: it names job %s", key, job, entry.job
-            )
-            return None
+            raise MalformedEntry(f"it names job {entry.job}")
         try:
             self.trust.check(REGISTRY_KIND, raw, entry.registered_at)
         except RecordRefused as exc:
             raise RefusedEntry(f"refused the registry entry {key} of job {job}: {exc}") from None
         return entry
+
+
+@dataclass(frozen=True)
+class EntryState:
+    """What is registered for a job, as an operator is shown it before releasing it."""
+
+    key: str
+    raw: bytes | None
+    """The stored bytes; None when there is no entry."""
+    entry: RegistryEntry | None
+    """The entry, when it is well formed and believed."""
+    problem: str | None
+    """Why it is not believed (malformed, or its signature refused)."""
+
+    @property
+    def blocked(self) -> bool:
+        """No rank 0 registers over it: only an operator's release frees the name."""
+        return self.raw is not None and self.entry is None
+
+
+def inspect(registry: Registry, job: str) -> EntryState:
+    """Read and judge job ``job``'s entry as a rank 0's claim would."""
+    key = entry_key(job)
+    try:
+        raw = registry.objects.get_bytes(key)
+    except ObjectNotFound:
+        return EntryState(key, None, None, None)
+    try:
+        return EntryState(key, raw, registry._parse_strict(key, job, raw), None)
+    except MalformedEntry as exc:
+        return EntryState(key, raw, None, str(exc))
+
+
+def release(registry: Registry, state: EntryState) -> bool:
+    """Delete the entry ``state`` was read from if it is still those very bytes; False if it
+    changed meanwhile (read-compare-delete is best effort on object stores)."""
+    try:
+        now = registry.objects.get_bytes(state.key)
+    except ObjectNotFound:
+        return state.raw is None
+    if now != state.raw:
+        return False
+    registry.objects.delete(state.key)
+    log.warning("released the job name: deleted registry entry %s", state.key)
+    return True
 
 
 def open_registry(

@@ -193,3 +193,16 @@ def dns_name(value: str) -> str:
             f"got {value!r:.80}"
         )
     return value
+
+
+_OPERATOR_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
+
+
+def operator_name(value: str) -> str:
+    """An operator's name in a certificate: letters, digits, '.', '_', '@', '-', 1-64."""
+    if not _OPERATOR_NAME_RE.fullmatch(value):
+        raise argparse.ArgumentTypeError(
+            f"must be 1-64 letters, digits, '.', '_', '@' or '-', starting with a letter or "
+            f"digit, got {value!r:.80}"
+        )
+    return value

@@ -1,4 +1,5 @@
-"""Signed records in the bucket (COMMITs, registry entries): their bytes and who is believed. Pure.
+"""Signed records in the bucket (COMMITs, registry entries, restore pins): their bytes and who
+is believed. Pure.
 
 Whoever can write the bucket could otherwise choose what a job restores (a ``COMMIT``) or
 where its ranks go (a registry entry). So a node signs each record it writes with its TLS
@@ -39,6 +40,8 @@ _TAG = b"mtc-signed-record/1\n"
 
 COMMIT_KIND = "commit"
 REGISTRY_KIND = "registry-entry"
+PIN_KIND = "restore-pin"
+"""Signed by an operator, not a node (``transport.operator_signing``)."""
 
 
 class RecordRefused(ManifestError):

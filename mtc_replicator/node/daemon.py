@@ -63,6 +63,7 @@ from mtc_replicator.node.agent import (
 from mtc_replicator.node.bucket_probes import BucketProbes
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
 from mtc_replicator.node.owner_watch import handed_over
+from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
@@ -89,6 +90,7 @@ from mtc_replicator.transport.grpc_server import (
     split_host_port,
 )
 from mtc_replicator.transport.obtaining import Obtaining
+from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peer_servicer import PeerServicer
 from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
@@ -222,6 +224,8 @@ class Daemon:
             PrometheusMetrics(phases=[p.value for p in RestorePhase]) if opts.metrics else None
         )
         self.metrics: Metrics = self._prometheus or NO_METRICS
+        self.pin_refusals = PinRefusals(self.metrics)
+        """Restore pins refused while they stand, told to the job's incarnations."""
         if self._prometheus is not None:
             process_metrics(self._prometheus.registry)
             self._prometheus.registry.register(
@@ -468,10 +472,12 @@ class Daemon:
             pins=StorePins(
                 backups.objects,
                 self.trust,
+                pin_trust=pin_trust(self.tls, accept_unsigned=self.opts.accept_unsigned_records),
                 used=UsedPins(self.store.root),
                 on_failure=lambda *failed: loop.call_soon_threadsafe(
                     self._pin_not_removed, *failed
                 ),
+                on_refused=lambda *refused: loop.call_soon_threadsafe(self._pin_refused, *refused),
             )
             if backups
             else None,
@@ -506,6 +512,7 @@ class Daemon:
                 await asyncio.wait_for(self._wake.wait(), timeout=tick)
             self._wake.clear()
             await self.supervisor.check_config()
+            self.pin_refusals.tell(self.incarnation)
             await self.supervisor.check_owner()
             await self._reclaim()
 
@@ -599,6 +606,12 @@ class Daemon:
         running = self.incarnation
         if running is not None and running.config.job_name == job:
             running.error(message, step, kind=ErrorKind.RESTORE)
+
+    def _pin_refused(self, job: str, message: str | None) -> None:
+        """A restore pin not signed by an operator (None: none stands now): the metric, and
+        the job's errors file (the coordinator's node runs rank 0)."""
+        self.pin_refusals.refused(job, message)
+        self.pin_refusals.tell(self.incarnation)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

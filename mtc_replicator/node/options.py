@@ -79,8 +79,9 @@ class DaemonOptions:
     tls_server_name: str = DEFAULT_SERVER_NAME
     """The DNS name every node certificate carries; clients check it."""
     accept_unsigned_records: bool = False
-    """Believe unsigned COMMITs and registry entries (written before records were signed);
-    records whose signature fails are refused all the same. Only matters with TLS on."""
+    """Believe unsigned COMMITs, registry entries and restore pins (written before records
+    and pins were signed); those whose signature fails are refused all the same. Only
+    matters with TLS on."""
     health_listen: str | None = None
     """Where to serve the gRPC health service alone, in plaintext (kubelet probes under
     TLS); None: only on the main port."""
@@ -277,9 +278,9 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         "--accept-unsigned-records",
         action="store_true",
         default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
-        help="migration: also believe COMMITs and registry entries that carry no signature "
-        "(written by versions before signed records); a bad signature is refused all the "
-        "same [MTC_ACCEPT_UNSIGNED_RECORDS]",
+        help="migration: also believe COMMITs, registry entries and restore pins that carry "
+        "no signature (written by versions before signed records); a bad signature is "
+        "refused all the same [MTC_ACCEPT_UNSIGNED_RECORDS]",
     )
     p.add_argument(
         "--health-listen",
@@ -481,8 +482,8 @@ def unsafe_settings(opts: DaemonOptions, *, tls: bool, listen: str | None) -> li
         )
     elif opts.accept_unsigned_records:
         found.append(
-            "--accept-unsigned-records is on: unsigned COMMITs and registry entries are "
-            "believed, so whoever can write the bucket can choose what a job restores "
-            "and where its ranks join; turn it off once every record is signed"
+            "--accept-unsigned-records is on: unsigned COMMITs, registry entries and restore "
+            "pins are believed, so whoever can write the bucket can choose what a job "
+            "restores and where its ranks join; turn it off once every record is signed"
         )
     return found

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from mtc_replicator.cluster.hosting import CoordinatorHost
-from mtc_replicator.cluster.registry import OwnedByAnother, Registry
+from mtc_replicator.cluster.registry import BlockedName, OwnedByAnother, Registry
 from mtc_replicator.core.contract import (
     CONFIG_FILE,
     FAILED_FILE,
@@ -261,7 +261,7 @@ class Supervisor:
         if running is not None and running.config.job_name == job:
             log.error("stopping job %s: %s", job, exc)
             await self.end_incarnation()
-            text = f"mtc-replicator: job {job} stopped: {exc}.\nRestart the job.\n"
+            text = f"mtc-replicator: job {job} stopped: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
 
     async def resume(self, resumed: Incarnation) -> None:
@@ -286,7 +286,7 @@ class Supervisor:
         except (BadOwner, OwnedByAnother) as exc:
             log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
             save_state(self.store, None)
-            text = f"mtc-replicator: not resuming job {job}: {exc}.\nRestart the job.\n"
+            text = f"mtc-replicator: not resuming job {job}: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
             return
         log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
@@ -341,7 +341,7 @@ class Supervisor:
             # Before the incarnation exists: a refused rank 0 must leave nothing to resume.
             await self.rank0.host(config, owner, incarnation=incarnation_id)
         except OwnedByAnother as exc:
-            await self._refuse(text, str(exc), "Choose another job name")
+            await self._refuse(text, str(exc), exc.remedy)
             return
         except Stopping as exc:
             log.info("not accepting %s: %s", CONFIG_FILE, exc)
@@ -370,3 +370,8 @@ class Supervisor:
         await loop.run_in_executor(self.executor, self.incarnation.persist)
         self.handshake.delete(text)
         self.incarnation.start()
+
+
+def _restart(exc: Exception) -> str:
+    """What the job's owner does after a refusal found at a resume."""
+    return exc.remedy if isinstance(exc, BlockedName) else "Restart the job"

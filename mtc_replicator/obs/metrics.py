@@ -135,6 +135,9 @@ class Metrics:
     def pin_delete_failed(self, job: str) -> None:
         """A used restore pin of ``job`` could not be deleted from the bucket."""
 
+    def pin_refused(self, job: str) -> None:
+        """A restore pin of ``job`` was not an operator's and was not honoured."""
+
     def serving(self, job: str) -> None:
         """The daemon serves ``job`` now: the series of any other job go."""
 
@@ -190,6 +193,7 @@ class PrometheusMetrics(Metrics):
     ``phases``: every restore phase's name, exported from the start (``obs`` may not
     import ``core``, which the CSI plugin must not carry: the daemon names them)."""
 
+    # Long: one declaration per metric, all in one place: what the endpoint serves.
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
@@ -225,6 +229,12 @@ class PrometheusMetrics(Metrics):
         self._pin_delete_failures = Counter(
             "mtc_pin_delete_failures",
             "Used restore pins this node's coordinator could not delete from the bucket.",
+            ["job"],
+            registry=r,
+        )
+        self._pins_refused = Counter(
+            "mtc_pins_refused",
+            "Restore pins this node's coordinator refused: not signed by an operator.",
             ["job"],
             registry=r,
         )
@@ -284,6 +294,9 @@ class PrometheusMetrics(Metrics):
     def pin_delete_failed(self, job: str) -> None:
         self._pin_delete_failures.labels(job).inc()
 
+    def pin_refused(self, job: str) -> None:
+        self._pins_refused.labels(job).inc()
+
     def held_without_backup(self, bytes_by_job: Mapping[str, int]) -> None:
         with self._lock:
             self._held_unbacked.clear()
@@ -306,6 +319,8 @@ class PrometheusMetrics(Metrics):
                 self._rounds.remove(self._job, outcome.value)
             with contextlib.suppress(KeyError):
                 self._pin_delete_failures.remove(self._job)
+            with contextlib.suppress(KeyError):
+                self._pins_refused.remove(self._job)
         self._job = job
         self._steps = {k: v for k, v in self._steps.items() if k[0] == job}
         self._restorable = {k: v for k, v in self._restorable.items() if k[0] == job}

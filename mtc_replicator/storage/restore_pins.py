@@ -2,9 +2,10 @@
 
 ``mtc backups restore`` writes a pin; the coordinator's round reads it through ``StorePins``
 and removes it once the round used it. A pin is hostile input (anyone with bucket access may
-have written it): ``RestorePin`` parses it strictly, and a pin is honoured only while the
-COMMIT it names is byte for byte the one pinned (``resolve_restore_pin``). I/O through an
-``ObjectStore`` only.
+have written it): ``RestorePin`` parses it strictly, a pin is believed only when an operator
+signed it (``core.signed``, kind ``restore-pin``; ``transport.operator_signing`` says who is
+an operator), and it is honoured only while the COMMIT it names is byte for byte the one
+pinned (``resolve_restore_pin``). I/O through an ``ObjectStore`` only.
 
 The pin lives at ``_control/<job>/restore-pin.json``. ``_control`` can never be a job's
 prefix (job names start with a letter or digit, as for ``_registry``), and backup listings
@@ -26,7 +27,7 @@ from mtc_replicator.core.backup_layout import CommitRecord
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.jsonobj import NotAnObject, load_object
 from mtc_replicator.core.manifest import ManifestError
-from mtc_replicator.core.signed import OPEN, RecordTrust
+from mtc_replicator.core.signed import OPEN, PIN_KIND, RecordRefused, RecordTrust, Seal
 from mtc_replicator.local.usedpins import UsedPins
 from mtc_replicator.storage.backup_audit import read_commit_raw
 from mtc_replicator.storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 CONTROL_PREFIX = "_control/"
 PIN_NAME = "restore-pin.json"
 PIN_FORMAT_VERSION = 1
-MAX_PIN_BYTES = 4096
-"""A pin is about 200 bytes; anything larger is not one of ours and is not read further."""
+MAX_PIN_BYTES = 24 * 1024
+"""A pin is about 200 bytes, 1-3 KiB signed; anything larger is not one of ours and is not
+read further."""
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -47,6 +49,11 @@ class PinError(ValueError):
 
 class MalformedPin(PinError):
     """The pin object breaks a rule (anyone with bucket access may have written it)."""
+
+
+class RefusedPin(PinError):
+    """The pin is well formed but not signed by an operator (anyone with write access to the
+    bucket may have written it)."""
 
 
 class StalePin(PinError):
@@ -106,6 +113,7 @@ class RestorePin:
         }
 
     def to_json(self) -> bytes:
+        """The pin's canonical form, unsigned: what ``pin_digest`` identifies it by."""
         return json.dumps(self.to_dict(), sort_keys=True).encode()
 
     @classmethod
@@ -130,8 +138,19 @@ class RestorePin:
         )
 
 
-def read_restore_pin(objects: ObjectStore, job: str) -> RestorePin | None:
-    """Job ``job``'s restore pin, None if there is none; ``MalformedPin`` if it is bad.
+def read_restore_pin(
+    objects: ObjectStore, job: str, trust: RecordTrust | None = None
+) -> RestorePin | None:
+    """Job ``job``'s restore pin, None if there is none; ``MalformedPin`` if it is bad; with
+    ``trust``, ``RefusedPin`` unless its signature is believed (an operator's)."""
+    found = read_sealed_pin(objects, job, trust)
+    return None if found is None else found[0]
+
+
+def read_sealed_pin(
+    objects: ObjectStore, job: str, trust: RecordTrust | None = None
+) -> tuple[RestorePin, Seal | None] | None:
+    """``read_restore_pin``, with what ``trust`` knows of its signature (None: not asked).
 
     Reads at most one chunk past ``MAX_PIN_BYTES`` whatever the object's size.
     """
@@ -150,12 +169,18 @@ def read_restore_pin(objects: ObjectStore, job: str) -> RestorePin | None:
         raise MalformedPin(f"restore pin {key}: {exc}") from None
     if pin.job != job:
         raise MalformedPin(f"restore pin {key} names job {pin.job!r:.80}")
-    return pin
+    if trust is None:
+        return pin, None
+    try:
+        return pin, trust.check(PIN_KIND, raw, pin.requested_at)
+    except RecordRefused as exc:
+        raise RefusedPin(f"refused the restore pin {key} (step {pin.step}): {exc}") from None
 
 
-def write_restore_pin(objects: ObjectStore, pin: RestorePin) -> None:
-    """Publish ``pin``, replacing any older pin of its job (the newest request wins)."""
-    objects.put_bytes(pin_key(pin.job), pin.to_json())
+def write_restore_pin(objects: ObjectStore, pin: RestorePin, trust: RecordTrust = OPEN) -> None:
+    """Publish ``pin``, signed when ``trust`` can sign, replacing any older pin of its job
+    (the newest request wins)."""
+    objects.put_bytes(pin_key(pin.job), trust.seal(PIN_KIND, pin.to_dict()))
     log.info("restore pinned job=%s step=%d", pin.job, pin.step)
 
 
@@ -200,6 +225,9 @@ def resolve_restore_pin(
 
 PinFailed = Callable[[str, int, str], object]
 """Told ``(job, step, message)`` when a used pin could not be removed (from a thread)."""
+PinRefused = Callable[[str, str | None], object]
+"""Told ``(job, message)`` when a pin is not an operator's and is not honoured, and
+``(job, None)`` once no refused pin stands any more (from a thread); at each change only."""
 
 
 def pin_digest(pin: RestorePin) -> str:
@@ -213,9 +241,11 @@ class StorePins:
 
     A pin that is malformed or names a step no longer committed as pinned is logged and
     ignored: the round then restores the last-known-good step, and the operator sees why.
-    With ``used`` (the node's record of used pins), a pin is honoured once: its digest is
-    recorded before it is deleted, so a pin whose delete is refused never rolls the job
-    back again; ``on_failure`` hears of that refusal.
+    A pin ``pin_trust`` refuses (not signed by an operator) is ignored the same way and
+    ``on_refused`` hears of it, once while it stays (and when it is gone). With ``used``
+    (the node's record of used pins), a pin is honoured once: its digest is recorded
+    before it is deleted, so a pin whose delete is refused never rolls the job back again;
+    ``on_failure`` hears of that refusal.
     """
 
     def __init__(
@@ -223,30 +253,57 @@ class StorePins:
         objects: ObjectStore,
         trust: RecordTrust = OPEN,
         *,
+        pin_trust: RecordTrust = OPEN,
         used: UsedPins | None = None,
         on_failure: PinFailed | None = None,
+        on_refused: PinRefused | None = None,
     ) -> None:
         self.objects = objects
         self.trust = trust
+        """Which COMMITs are believed (a pin names one)."""
+        self.pin_trust = pin_trust
+        """Which pins are believed: an operator's signature."""
         self.used = used
         self.on_failure = on_failure
+        self.on_refused = on_refused
         self._offered: dict[str, RestorePin] = {}
         """Per job, the pin ``pinned_step`` last answered with: the one a round used."""
+        self._refused: dict[str, str] = {}
+        """Per job, the refusal last reported (a pin is read at every round's listing)."""
 
     def pinned_step(self, job: str) -> int | None:
         try:
-            pin = read_restore_pin(self.objects, job)
+            pin = read_restore_pin(self.objects, job, self.pin_trust)
+            if self._refused.pop(job, None) is not None and self.on_refused is not None:
+                self.on_refused(job, None)
             if pin is None:
                 return None
             if self.used is not None and self.used.used(job, pin_digest(pin)):
                 self._retry_delete(job, pin)
                 return None
             resolve_restore_pin(self.objects, pin, self.trust)
+        except RefusedPin as exc:
+            self._refuse(job, str(exc))
+            return None
         except (PinError, ObjectStoreError) as exc:
             log.warning("ignoring the restore pin of job %s: %s", job, exc)
             return None
         self._offered[job] = pin
         return pin.step
+
+    def _refuse(self, job: str, reason: str) -> None:
+        message = (
+            f"{reason}; not honoured: the job restores its newest good step, and nothing is "
+            "rolled back or dropped. If an operator meant it, pin again signed "
+            "(`mtc backups restore --operator-cert --operator-key`, docs/cli.md)"
+        )
+        if self._refused.get(job) == message:
+            log.debug("still ignoring the restore pin of job %s: %s", job, reason)
+            return
+        self._refused[job] = message
+        log.error("job %s: %s", job, message)
+        if self.on_refused is not None:
+            self.on_refused(job, message)
 
     def _retry_delete(self, job: str, pin: RestorePin) -> None:
         """A used pin is still there: never honoured again; one more try to remove it."""

@@ -78,7 +78,9 @@ def print_job(job: dict[str, Any], now: float) -> None:
     if pin is not None:
         age = human_age(now - pin["requested_at"])
         who = f" by {pin['requested_by']}" if pin["requested_by"] else ""
-        print(f"  next restore pinned to step {pin['step']} (requested {age} ago{who})")
+        signed = job.get("restore_pin_signature")
+        seal = f", signature {signed}" if signed else ""
+        print(f"  next restore pinned to step {pin['step']} (requested {age} ago{who}{seal})")
     if job["restore_pin_error"]:
         print(f"  restore pin unusable: {job['restore_pin_error']}")
     if job["stray_objects"]:

@@ -12,6 +12,7 @@ only.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import getpass
 import os
 import socket
@@ -39,6 +40,7 @@ from mtc_replicator.tools.backup_views import (
     step_json,
     verdict_json,
 )
+from mtc_replicator.transport.operator_signing import OperatorSigner, OperatorVerifier
 from mtc_replicator.transport.signing import CaVerifier
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
 
@@ -70,6 +72,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     restore.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     restore.add_argument(
         "--no-verify", action="store_true", help="pin without re-reading the step first"
+    )
+    restore.add_argument(
+        "--operator-cert",
+        default=os.environ.get("MTC_OPERATOR_CERT") or None,
+        help="sign the pin with this operator certificate (from 'mtc certs operator'); "
+        "daemons with TLS refuse unsigned pins [MTC_OPERATOR_CERT] (default: none, unsigned)",
+    )
+    restore.add_argument(
+        "--operator-key",
+        default=os.environ.get("MTC_OPERATOR_KEY") or None,
+        help="the operator certificate's private key [MTC_OPERATOR_KEY] (default: none)",
     )
 
     prune = _command(
@@ -147,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         args.trust = _trust(args)
+        args.signer = _operator(args)
         objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
         return fail(str(exc), 2)
@@ -172,16 +186,44 @@ def _trust(args: argparse.Namespace) -> RecordTrust:
     return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
 
 
+def _pin_trust(args: argparse.Namespace) -> RecordTrust:
+    """Check a pin's signature against ``--tls-ca`` as the daemons do: an operator's."""
+    if not args.tls_ca:
+        return OPEN
+    verifier = OperatorVerifier.from_file(Path(args.tls_ca))
+    return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
+
+
+def _operator(args: argparse.Namespace) -> OperatorSigner | None:
+    """``restore``'s operator identity, checked against ``--tls-ca`` when given."""
+    cert, key = getattr(args, "operator_cert", None), getattr(args, "operator_key", None)
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise ValueError("--operator-cert and --operator-key go together")
+    signer = OperatorSigner(Path(cert), Path(key))
+    if args.tls_ca:
+        signer.check(Path(args.tls_ca), dt.datetime.now(dt.UTC))
+    return signer
+
+
 # --- list ----------------------------------------------------------------------------------
 
 
 def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     jobs = [args.job] if args.job else audit.list_jobs(objects)
     out: list[dict[str, Any]] = []
+    pin_trust = _pin_trust(args)
     for job in jobs:
         listing = audit.scan_job(objects, job, args.trust)
+        seal: str | None = None
         try:
             pin, pin_error = pins.read_restore_pin(objects, job), None
+            if pin is not None:
+                found = pins.read_sealed_pin(objects, job, pin_trust)
+                seal = found[1].value if found is not None and found[1] is not None else None
+        except pins.RefusedPin as exc:
+            pin_error, seal = str(exc), "refused"
         except pins.MalformedPin as exc:
             pin, pin_error = None, str(exc)
         out.append(
@@ -190,6 +232,7 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
                 "steps": [step_json(s, now) for s in listing.steps],
                 "restore_pin": pin_json(pin),
                 "restore_pin_error": pin_error,
+                "restore_pin_signature": seal,
                 "stray_objects": list(listing.stray),
             }
         )
@@ -325,11 +368,21 @@ def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         if not verdicts[0].ok:
             print_verdict(verdicts[0])
             return fail(f"step {step} of job {job} is corrupt: nothing pinned")
-    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), _whoami()[:256])
-    pins.write_restore_pin(objects, pin)
+    signer: OperatorSigner | None = args.signer
+    by = _whoami() if signer is None else f"{signer.name()} ({_whoami()})"
+    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), by[:256])
+    pins.write_restore_pin(objects, pin, RecordTrust(signer=signer))
     checked = "unverified" if args.no_verify else "verified"
+    signed = "unsigned" if signer is None else f"signed by operator {signer.name()}"
     print(
-        f"job {job}: the next restore round will use backup step {step} ({checked}){replaces}; "
-        f"pin at {pins.pin_key(job)}"
+        f"job {job}: the next restore round will use backup step {step} ({checked}, "
+        f"{signed}){replaces}; pin at {pins.pin_key(job)}"
     )
+    if signer is None:
+        print(
+            "mtc backups: the pin is unsigned: daemons with TLS refuse it unless they run "
+            "--accept-unsigned-records; sign pins with --operator-cert and --operator-key "
+            "(an operator certificate from 'mtc certs operator')",
+            file=sys.stderr,
+        )
     return 0

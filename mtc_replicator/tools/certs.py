@@ -3,10 +3,13 @@
 ``mtc certs init DIR`` makes a CA in DIR (once: an existing one is kept) and issues the
 node certificate every daemon presents (``tls.crt``, ``tls.key``, ``ca.crt``: the names of
 a ``kubernetes.io/tls`` Secret and of cert-manager's). ``mtc certs secret DIR`` prints that
-Secret for ``kubectl apply -f -``. Keys are ECDSA P-256 (cheap handshakes); node
-certificates carry one DNS name (``mtc-replicator`` unless told otherwise), which clients
-check instead of the address they dial (``transport.tls``), and serve as server and client
-certificates both. Private keys are written mode 0600.
+Secret for ``kubectl apply -f -``. ``mtc certs operator DIR --name NAME`` issues an operator
+certificate from DIR's CA (``operator.crt``, ``operator.key``): what signs restore pins
+(``transport.operator_signing``), never a node's and never mounted in the cluster. Keys are
+ECDSA P-256 (cheap handshakes); node certificates carry one DNS name (``mtc-replicator``
+unless told otherwise), which clients check instead of the address they dial
+(``transport.tls``), and serve as server and client certificates both. Private keys are
+written mode 0600.
 
 The CA key stays with whoever runs this; only the node certificate, its key and the CA
 certificate go into the cluster. Pure functions (``new_ca``, ``issue``) make certificates
@@ -30,10 +33,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc_replicator.core import argtypes
 from mtc_replicator.local import fsutil
+from mtc_replicator.transport.operator_signing import OPERATOR_PURPOSE
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
 
 CA_CERT, CA_KEY = "ca.crt", "ca.key"
 NODE_CERT, NODE_KEY = "tls.crt", "tls.key"
+OPERATOR_CERT, OPERATOR_KEY = "operator.crt", "operator.key"
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,42 @@ def issue(
     return Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
 
+def issue_operator(
+    ca: Pair, name: str, *, days: int = 90, not_before: dt.datetime | None = None
+) -> Pair:
+    """An operator certificate signed by ``ca``, named ``name``: good for signing restore
+    pins only (its one extended key usage), not for TLS nor for records."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert)
+    ca_key = serialization.load_pem_private_key(ca.key, password=None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise TypeError("the CA key must be an ECDSA key made by mtc certs")
+    key = _key()
+    start = not_before or (_now() - dt.timedelta(minutes=5))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.UniformResourceIdentifier(f"urn:mtc-replicator:operator:{name}")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([OPERATOR_PURPOSE]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
 def write_pair(directory: Path, pair: Pair, cert_name: str, key_name: str) -> None:
     """Write a certificate and its key atomically; the key readable by its owner only."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -212,6 +253,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=365,
         help="node certificate lifetime (default: %(default)s)",
     )
+    about = "issue an operator certificate from DIR's CA: it signs restore pins"
+    op = verbs.add_parser("operator", help=about, description=about)
+    op.add_argument("dir", type=argtypes.path, help="a directory made by 'mtc certs init'")
+    op.add_argument(
+        "--name", type=argtypes.operator_name, required=True, help="who the operator is"
+    )
+    op.add_argument(
+        "--out",
+        type=argtypes.path,
+        help=f"where {OPERATOR_CERT} and {OPERATOR_KEY} go (default: DIR)",
+    )
+    op.add_argument(
+        "--days",
+        type=argtypes.positive,
+        default=90,
+        help="operator certificate lifetime (default: %(default)s)",
+    )
     about = "print the kubernetes.io/tls Secret of DIR's node certificate"
     secret_p = verbs.add_parser("secret", help=about, description=about)
     secret_p.add_argument("dir", type=argtypes.path, help="a directory made by 'mtc certs init'")
@@ -231,6 +289,8 @@ def run(args: argparse.Namespace) -> int:
             f"{args.dir} ({NODE_CERT}, {NODE_KEY}, {CA_CERT}; keep {CA_KEY} off the cluster)"
         )
         return 0
+    if args.certs_command == "operator":
+        return _operator(args)
     missing = [f for f in (NODE_CERT, NODE_KEY, CA_CERT) if not (args.dir / f).is_file()]
     if missing:
         print(
@@ -239,4 +299,20 @@ def run(args: argparse.Namespace) -> int:
         )
         return 1
     sys.stdout.write(secret_manifest(args.dir, args.name, args.namespace))
+    return 0
+
+
+def _operator(args: argparse.Namespace) -> int:
+    cert, key = args.dir / CA_CERT, args.dir / CA_KEY
+    if not (cert.is_file() and key.is_file()):
+        print(f"mtc certs: {args.dir} has no {CA_CERT} and {CA_KEY}: the CA", file=sys.stderr)
+        return 1
+    out = args.out or args.dir
+    pair = issue_operator(Pair(cert.read_bytes(), key.read_bytes()), args.name, days=args.days)
+    write_pair(out, pair, OPERATOR_CERT, OPERATOR_KEY)
+    print(
+        f"made operator certificate {args.name!r} in {out} ({OPERATOR_CERT}, {OPERATOR_KEY}): "
+        "it signs restore pins (mtc backups restore --operator-cert --operator-key); keep it "
+        "off the cluster"
+    )
     return 0

@@ -35,19 +35,22 @@ class NodeSigner:
 
     def sign(self, payload: bytes) -> Signature:
         chain, key_pem = self.tls.identity()
-        key = serialization.load_pem_private_key(key_pem, password=None)
-        if isinstance(key, ec.EllipticCurvePrivateKey):
-            value = key.sign(payload, ec.ECDSA(hashes.SHA256()))
-        elif isinstance(key, rsa.RSAPrivateKey):
-            value = key.sign(payload, padding.PKCS1v15(), hashes.SHA256())
-        elif isinstance(key, ed25519.Ed25519PrivateKey):
-            value = key.sign(payload)
-        else:
-            raise TlsError(f"cannot sign records with a {type(key).__name__} TLS key")
-        return Signature(chain, value)
+        return Signature(chain, sign_with(key_pem, payload))
 
 
-def _check_signature(cert: x509.Certificate, value: bytes, payload: bytes) -> None:
+def sign_with(key_pem: bytes, payload: bytes) -> bytes:
+    """The signature of ``payload`` by the PEM private key ``key_pem``."""
+    key = serialization.load_pem_private_key(key_pem, password=None)
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return key.sign(payload, ec.ECDSA(hashes.SHA256()))
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(payload, padding.PKCS1v15(), hashes.SHA256())
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(payload)
+    raise TlsError(f"cannot sign records with a {type(key).__name__} key")
+
+
+def check_signature(cert: x509.Certificate, value: bytes, payload: bytes) -> None:
     key = cert.public_key()
     # The algorithm follows the certificate's key: the record does not get to choose it.
     if isinstance(key, ec.EllipticCurvePublicKey):
@@ -60,7 +63,7 @@ def _check_signature(cert: x509.Certificate, value: bytes, payload: bytes) -> No
         raise RecordRefused(f"the signer's {type(key).__name__} key is not one nodes sign with")
 
 
-def _when(at: float) -> dt.datetime:
+def record_time(at: float) -> dt.datetime:
     try:
         return dt.datetime.fromtimestamp(at, dt.UTC)
     except (OverflowError, OSError, ValueError):
@@ -114,7 +117,7 @@ class CaVerifier:
         except ValueError:
             raise RecordRefused("the signer's certificate is not a PEM certificate") from None
         leaf, intermediates = chain[0], chain[1:]
-        when = _when(at)
+        when = record_time(at)
         try:
             _verify_node_chain(self.ca_pem(), self.server_name, leaf, intermediates, when)
         except (VerificationError, ValueError, UnsupportedAlgorithm) as exc:
@@ -124,7 +127,7 @@ class CaVerifier:
                 f"{when:%Y-%m-%dT%H:%M:%SZ}: {_reason(exc)}"
             ) from None
         try:
-            _check_signature(leaf, signature.value, payload)
+            check_signature(leaf, signature.value, payload)
         except InvalidSignature:
             raise RecordRefused(
                 "the signature does not match the record: it was altered after signing"

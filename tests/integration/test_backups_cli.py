@@ -250,7 +250,7 @@ def test_restore_pins_a_verified_committed_step(backup: Backup) -> None:
     assert json.loads(pin_path.read_bytes())["step"] == 200
     out = mtc("restore", backup.url, "--job", backup.job, "--step", "300", "--yes", "--no-verify")
     assert out.returncode == 0
-    assert "(unverified) (replacing the pin of step 200)" in out.stdout
+    assert "(unverified, unsigned) (replacing the pin of step 200)" in out.stdout
     assert json.loads(pin_path.read_bytes())["step"] == 300
 
     out = mtc("restore", backup.url, "--job", backup.job, "--clear")

@@ -22,6 +22,7 @@ from tests.integration.helpers import (
     read_tree,
     wait_until,
 )
+from tests.tls import operator_flags
 
 pytestmark = pytest.mark.integration
 
@@ -223,6 +224,8 @@ def test_mtc_backups_restore_pins_the_next_round_to_an_older_backup(cluster: Clu
     cluster.wait_backup(5)
     mtc = [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", "restore"]
     args = [cluster.backup.as_uri(), "--job", cluster.job, "--step", "3", "--yes"]
+    if cluster.ca is not None:  # daemons with TLS honour only an operator's signed pin
+        args += operator_flags(cluster.root / "operator", cluster.ca)
     done = subprocess.run([*mtc, *args], check=False, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     cluster.handshake([1, 2, 3, 0])

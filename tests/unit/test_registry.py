@@ -11,16 +11,20 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.cluster.registry import (
+    BlockedName,
     MalformedEntry,
     OwnedByAnother,
     Registry,
     RegistryEntry,
     check_address,
     entry_key,
+    inspect,
     new_coordinator_id,
     open_registry,
+    release,
 )
 from mtc_replicator.storage.objectstore import FileObjectStore, MemoryObjectStore, ObjectStore
+from mtc_replicator.tools import cli
 
 BACKENDS: dict[str, Callable[[Path], ObjectStore]] = {
     "file": lambda tmp: FileObjectStore(tmp / "registry"),
@@ -173,7 +177,16 @@ class TestRegistry:
         with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.registry"):
             assert registry.lookup("job") is None
         assert "ignoring registry entry _registry/job.json of job=job" in caplog.text
-        # A malformed entry is nobody's: a claim replaces it.
+        # A malformed entry may be the owner's own, overwritten: nobody claims over it...
+        with pytest.raises(BlockedName, match="no rank 0 registers over it") as refused:
+            registry.claim(entry(owner="team-a"))
+        assert "mtc registry release" in refused.value.remedy
+        assert objects.get_bytes(entry_key("job")) == MALFORMED[case]
+        # ...until an operator releases the name, having seen what is there.
+        state = inspect(registry, "job")
+        assert state.blocked
+        assert state.problem
+        assert release(registry, state)
         registry.claim(entry(owner="team-a"))
         assert registry.lookup("job") == entry(owner="team-a")
 
@@ -254,3 +267,25 @@ def test_open_registry_shares_a_directory(tmp_path: Path) -> None:
     assert open_registry(url).url == url
     with pytest.raises(ValueError, match="unsupported"):
         open_registry("ftp://host/x")
+
+
+def test_mtc_registry_releases_only_what_blocks_a_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = tmp_path.as_uri()
+    objects = FileObjectStore(tmp_path)
+    objects.put_bytes(entry_key("job"), b"junk")
+    assert cli.main(["registry", "show", url, "--job", "job"]) == 0
+    assert "blocked" in capsys.readouterr().out
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 0
+    assert "released" in capsys.readouterr().out
+    assert open_registry(url).lookup("job") is None
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 0
+    assert "its name is free" in capsys.readouterr().out
+    # A valid entry: a running job may hold the name; released only with --force.
+    open_registry(url).claim(RegistryEntry("job", "10.0.0.1:7070", "c0ffee", 12.0, "team-a"))
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes"]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert open_registry(url).lookup("job") is not None
+    assert cli.main(["registry", "release", url, "--job", "job", "--yes", "--force"]) == 0
+    assert open_registry(url).lookup("job") is None

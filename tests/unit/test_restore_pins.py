@@ -147,7 +147,7 @@ def test_a_giant_pin_is_not_read_to_the_end() -> None:
 
     objects = Counting()
     objects.put_bytes(pin_key(JOB), b"{" * (20 * 1024 * 1024))
-    with pytest.raises(MalformedPin, match="more than 4096 bytes"):
+    with pytest.raises(MalformedPin, match="more than 24576 bytes"):
         read_restore_pin(objects, JOB)
     assert objects.chunks == 1
 

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.cluster.registry import (
+    BlockedName,
     RefusedEntry,
     Registry,
     RegistryEntry,
+    inspect,
+    release,
 )
 from mtc_replicator.core.backup_layout import CommitRecord, commit_key
 from mtc_replicator.core.signed import (
@@ -249,10 +252,17 @@ def test_registry_refuses_an_unsigned_or_forged_entry(node: NodeTls, tmp_path: P
     objects.put_bytes("_registry/job.json", forged.to_json(trust_of(stranger)))
     with pytest.raises(RefusedEntry, match="not a node certificate"):
         registry.lookup("job")
-    # A forgery owns nothing: a signed claim of any owner replaces it.
+    # A forgery names no owner anyone can check: nobody claims over it, until released.
     squatter = RegistryEntry("job", "10.6.6.6:7070", "b" * 32, NOW, "team-b")
     objects.put_bytes("_registry/job.json", squatter.to_json(trust_of(stranger)))
     claimed = RegistryEntry("job", "10.0.0.1:7070", "c" * 32, NOW, "team-a")
+    with pytest.raises(BlockedName, match="no rank 0 registers over it"):
+        registry.claim(claimed)
+    state = inspect(registry, "job")
+    assert state.blocked
+    assert state.problem is not None
+    assert "not a node certificate" in state.problem
+    assert release(registry, state)
     registry.claim(claimed)
     assert registry.lookup("job") == claimed
     # A migrating reader takes an unsigned entry.
