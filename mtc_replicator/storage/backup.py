@@ -45,6 +45,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
+from mtc_replicator.local.digests import FileCheck
 from mtc_replicator.local.hashing import data_file
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.storage.objectstore import (
@@ -306,8 +307,10 @@ class BackupStore:
         *,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """One file of ``item`` into ``dest``, checked against its manifest entry."""
+        """One file of ``item`` into ``dest``, checked against its manifest entry: size,
+        crc32c and BLAKE3 digest, hashed as the bytes arrive."""
         crc, size = 0, 0
+        content = FileCheck(entry)
         what = f"{item}: backup object {entry.path or 'data'}"
         try:
             with open(dest, "xb") as out:
@@ -318,6 +321,7 @@ class BackupStore:
                     if size > entry.size:
                         break
                     crc = google_crc32c.extend(crc, chunk)
+                    content.update(chunk)
                     out.write(chunk)
                     if progress is not None:
                         progress(len(chunk))
@@ -327,6 +331,7 @@ class BackupStore:
             raise CorruptItem(f"{what}: {exc}") from None
         if size != entry.size or crc != entry.crc32c:
             raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
+        content.check(what)
 
     def _pinned_manifest(
         self, item: ItemId, expected: str, layouts: Sequence[int]

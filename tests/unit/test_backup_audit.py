@@ -164,7 +164,7 @@ def test_verify_reports_every_problem_of_a_step(
     objects.delete(data_key(manifests["0-0"].item, "b"))
     objects.put_bytes(data_key(manifests["1-0"].item, ""), b"short")
     # Rank 2's manifest swapped for one that describes other bytes: its digest differs.
-    swapped = Manifest(manifests["2-0"].item, ItemKind.FILE, (FileEntry("", 5, 0),))
+    swapped = Manifest(manifests["2-0"].item, ItemKind.FILE, (FileEntry("", 5, 0, "0" * 64),))
     objects.put_bytes(manifest_key(manifests["2-0"].item), swapped.to_json())
     objects.put_bytes(f"{JOB}/100/0-0/extra", b"x")
     verdict = verify(objects, 100)

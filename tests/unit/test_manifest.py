@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import blake3
 import google_crc32c
 import pytest
 
@@ -76,7 +77,10 @@ def test_build_manifest_on_a_tree_lists_every_file_and_dir(tmp_path: Path) -> No
     by_path = {f.path: f for f in m.files}
     content = bytes(range(256)) * 40
     assert by_path["state/d/abc"] == FileEntry(
-        "state/d/abc", len(content), google_crc32c.value(content)
+        "state/d/abc",
+        len(content),
+        google_crc32c.value(content),
+        blake3.blake3(content).hexdigest(),
     )
     assert by_path["process_metadata/0.json"].size == 0
     assert by_path["process_metadata/0.json"].crc32c == 0
@@ -89,7 +93,10 @@ def test_build_manifest_on_a_single_file(tmp_path: Path) -> None:
     m = build_manifest(ITEM, f)
     assert m.kind is ItemKind.FILE
     assert m.dirs == ()
-    assert m.files == (FileEntry("", 11, google_crc32c.value(b"hello world")),)
+    hello = b"hello world"
+    assert m.files == (
+        FileEntry("", 11, google_crc32c.value(hello), blake3.blake3(hello).hexdigest()),
+    )
 
 
 def test_build_manifest_crosses_chunk_boundaries(
