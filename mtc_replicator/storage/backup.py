@@ -310,7 +310,7 @@ class BackupStore:
         """One file of ``item`` into ``dest``, checked against its manifest entry: size,
         crc32c and BLAKE3 digest, hashed as the bytes arrive."""
         crc, size = 0, 0
-        content = FileCheck(entry)
+        content = FileCheck(entry, threads=True)
         what = f"{item}: backup object {entry.path or 'data'}"
         try:
             with open(dest, "xb") as out:

@@ -38,7 +38,7 @@ from mtc_replicator.core.manifest import (
     Manifest,
 )
 from mtc_replicator.local import fsutil
-from mtc_replicator.local.digests import FileCheck
+from mtc_replicator.local.digests import FileCheck, HashLane
 from mtc_replicator.local.store import DATA, LocalStore, StoreError
 
 T = TypeVar("T")
@@ -225,8 +225,11 @@ class ItemWriter:
     leaves only files inside ``staged``, for the caller to remove.
     """
 
-    def __init__(self, manifest: Manifest, staged: Path) -> None:
+    def __init__(self, manifest: Manifest, staged: Path, *, hash_aside: bool = False) -> None:
+        """``hash_aside``: digests on a thread of their own (``HashLane``), for a caller
+        that receives in small pieces on one thread (the data channel)."""
         self.manifest = manifest
+        self._lane = HashLane() if hash_aside else None
         self.bytes_written = 0
         self._files = manifest.files
         self._index = 0
@@ -320,8 +323,11 @@ class ItemWriter:
         if self._fd is None:
             self._fd = self._create(entry)
         if self._content is None:
-            self._content = FileCheck(entry)
-        self._content.update(data)
+            self._content = FileCheck(entry, threads=True)
+        if self._lane is None:
+            self._content.update(data)
+        else:
+            self._lane.update(self._content, data)
         self._crc = crc32c_combine(self._crc, crc32c, size)
         self._offset += size
         self.bytes_written += size
@@ -363,6 +369,8 @@ class ItemWriter:
                 f"{self._crc:08x}, the manifest says {entry.size} bytes, {entry.crc32c:08x}"
             )
         content, self._content = self._content or FileCheck(entry), None
+        if self._lane is not None:
+            self._lane.drain()
         content.check(self._where(self._index))
         self._index += 1
         self._offset = 0
@@ -376,6 +384,8 @@ class ItemWriter:
 
     def close(self) -> None:
         self.release()
+        if self._lane is not None:
+            self._lane.close()
         fds = (self._fd, self._data, self._root)
         self._fd = self._data = self._root = None
         for fd in fds:

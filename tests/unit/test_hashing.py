@@ -26,6 +26,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.local import hashing
 from mtc_replicator.local.hashing import build_manifest, verify_item
+from tests.forge import same_crc32c
 
 ITEM = ItemId("job-1", 7, 0, 0)
 PIECE = 64 * 1024
@@ -187,3 +188,15 @@ def test_a_file_swapped_for_a_non_regular_one_mid_verify_is_corruption(
     monkeypatch.setattr(hashing, "_open_regular", swapped)
     with pytest.raises(CorruptItem, match="not a regular file"):
         verify_item(m, root)
+
+
+def test_a_same_crc32c_forgery_is_caught_by_the_digest_and_only_by_it(tmp_path: Path) -> None:
+    """Bytes of the same size and crc32c in the local store: a format-2 manifest refuses
+    them; a format-1 one (crc32c only, written before digests) cannot tell."""
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(3 * PIECE + 17))
+    m = build_manifest(ITEM, f)
+    f.write_bytes(same_crc32c(f.read_bytes()))
+    with pytest.raises(CorruptItem, match="content digest"):
+        verify_item(m, f)
+    verify_item(legacy(m), f)
