@@ -139,7 +139,10 @@ class Manifest:
         }
 
     def to_json(self) -> bytes:
-        """Canonical JSON: the same manifest always serialises to the same bytes."""
+        """Canonical JSON: the same manifest always serialises to the same bytes. These
+        bytes, every file's BLAKE3 digest in them, are what ``digest`` names and what the
+        producing node is to sign once nodes have identities of their own (SECURITY.md,
+        "Content digests")."""
         return json.dumps(self._content(), separators=(",", ":"), sort_keys=True).encode()
 
     @property
