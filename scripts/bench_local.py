@@ -100,7 +100,7 @@ def receive_socket(m: Manifest, data: Path, ram: Path) -> None:
 def receive_chunks(m: Manifest, data: Path, ram: Path) -> None:
     """gRPC's receive of checked 1 MiB chunks (``ItemWriter.write``), socket left out."""
     staged = fresh(ram)
-    writer = ItemWriter(m, staged)
+    writer = ItemWriter(m, staged, hash_aside=True)  # as transfer.receive_item does
     try:
         for index, offset, chunk, crc in iter_chunks(m, data):
             writer.write(index, offset, chunk, crc)

@@ -10,9 +10,9 @@ crc32c stays, for bit rot and for the object stores' own checks; it cannot stand
 an attacker, who can make any bytes of the same size match it.
 
 BLAKE3 rather than SHA-256: measured 3-4x faster on one core here, and more with threads
-(docs/performance.md, "Content digests"). A receiver that reads a socket in small pieces
-hashes them on a ``HashLane`` beside it, so receiving and hashing overlap. I/O-free;
-``HashLane`` owns one thread.
+(docs/performance.md, "Content digests"). Transfers and downloads hash on a ``HashLane``
+beside the thread that receives, so receiving and hashing overlap. No I/O; ``HashLane``
+owns one thread.
 """
 
 from __future__ import annotations

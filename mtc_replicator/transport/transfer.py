@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -482,7 +483,10 @@ async def receive_item(
     writer: ItemWriter | None = None
     try:
         try:
-            writer = await serial.run(ItemWriter, manifest, staged)
+            # Digests on a lane of their own: the loop only checks chunks and hands them on.
+            writer = await serial.run(
+                functools.partial(ItemWriter, hash_aside=True), manifest, staged
+            )
             pending: asyncio.Future[None] | None = None
             async for file_index, offset, data, crc32c in chunks:
                 fd = writer.accept(file_index, offset, data, crc32c)
