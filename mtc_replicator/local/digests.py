@@ -52,6 +52,11 @@ class FileCheck:
         self.entry = entry
         self._hash = hasher(threads=threads) if entry.blake3 is not None else None
 
+    @property
+    def needed(self) -> bool:
+        """The entry has a digest to check (format 2)."""
+        return self._hash is not None
+
     def update(self, data: bytes | memoryview) -> None:
         if self._hash is not None:
             self._hash.update(data)
@@ -76,6 +81,8 @@ class HashLane:
         self._depth = depth
 
     def update(self, check: FileCheck, data: bytes) -> None:
+        if not check.needed:  # a format-1 entry: nothing to hash, no thread hop
+            return
         self._pending.append(self._pool.submit(check.update, data))
         while len(self._pending) > self._depth:
             self._pending.popleft().result()
