@@ -4,23 +4,38 @@ Ingest (take + hash into the store), local-restore verification, backup upload a
 restore from a ``file://`` backup of one item, against ``cp -r`` of the same bytes between
 the same filesystems. Prints a table; numbers are only comparable within one run.
 
-    .venv/bin/python scripts/bench_local.py --size-mib 1024
+Then the cost of content digests (BLAKE3, ``local.digests``), with and without them in the
+same run: ingest's manifest, the local verify, a backup download, and a peer's receive
+(``transfer.ItemWriter`` fed over a socket the way the data channel feeds it, and from
+``iter_chunks`` the way gRPC chunks arrive). "Without" is the same code on the same item's
+format-1 manifest (crc32c only), which is what every path did before digests.
+``--no-digests`` measures only that baseline.
+
+    MALLOC_ARENA_MAX=2 .venv/bin/python scripts/bench_local.py --size-mib 1024 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
+import socket
+import statistics
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.manifest import LEGACY_VERSION, ItemId, Manifest
+from mtc_replicator.local import hashing
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.transport import datachannel
+from mtc_replicator.transport.transfer import ItemWriter, iter_chunks
 
 
 def make_step(path: Path, size: int, files: int) -> None:
@@ -41,11 +56,134 @@ def timed(fn: object) -> float:
     return time.perf_counter() - t0
 
 
+def legacy(m: Manifest) -> Manifest:
+    """``m`` as written before digests: format 1, crc32c only."""
+    files = tuple(dataclasses.replace(f, blake3=None) for f in m.files)
+    return dataclasses.replace(m, files=files, version=LEGACY_VERSION)
+
+
+def crc_only_manifest(item: ItemId, data: Path) -> None:
+    """Ingest's hashing before digests: every file's size and crc32c, in one read."""
+    _, files = hashing.walk_tree(data)
+    for rel in files:
+        hashing.file_crc32c(data / rel, root=data, rel=rel)
+
+
+def fresh(ram: Path) -> Path:
+    return Path(tempfile.mkdtemp(dir=ram))
+
+
+def receive_socket(m: Manifest, data: Path, ram: Path) -> None:
+    """The data channel's receive: ``sendfile`` in one thread, ``receive_into`` here."""
+    staged = fresh(ram)
+    a, b = socket.socketpair()
+
+    def send() -> None:
+        with a:
+            for entry in m.files:
+                with open(data / entry.path, "rb") as f:
+                    a.sendfile(f)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    writer = ItemWriter(m, staged, hash_aside=True)  # as datachannel.receive_staged does
+    try:
+        datachannel.receive_into(writer, b, idle_timeout=30)
+        writer.finish()
+    finally:
+        writer.close()
+        b.close()
+        sender.join()
+        shutil.rmtree(staged)
+
+
+def receive_chunks(m: Manifest, data: Path, ram: Path) -> None:
+    """gRPC's receive of checked 1 MiB chunks (``ItemWriter.write``), socket left out."""
+    staged = fresh(ram)
+    writer = ItemWriter(m, staged, hash_aside=True)  # as transfer.receive_item does
+    try:
+        for index, offset, chunk, crc in iter_chunks(m, data):
+            writer.write(index, offset, chunk, crc)
+        writer.finish()
+    finally:
+        writer.close()
+        shutil.rmtree(staged)
+
+
+def fetch(backups: BackupStore, m: Manifest, ram: Path) -> None:
+    staged = fresh(ram)
+    try:
+        backups.fetch_pinned(m.item, m.digest, staged)
+    finally:
+        shutil.rmtree(staged)
+
+
+def median_of(rounds: int, fn: Callable[[], object]) -> float:
+    return statistics.median(timed(fn) for _ in range(rounds))
+
+
+def digest_costs(size_mib: int, files: int, rounds: int, only_baseline: bool) -> None:
+    """With and without digests, rounds interleaved; medians and their ratio."""
+    ram = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    disk = Path(tempfile.mkdtemp())
+    try:
+        data = ram / "item"
+        make_step(data, size_mib << 20, files)
+        item = ItemId("bench", 1, 0, 0)
+        with_digests = hashing.build_manifest(item, data)
+        variants = {"crc32c only": legacy(with_digests)}
+        if not only_baseline:
+            variants["with digests"] = with_digests
+        cases: dict[str, Callable[[Manifest], object]] = {
+            "ingest: walk + hash every file": lambda m: (
+                hashing.build_manifest(item, data)
+                if m.version != LEGACY_VERSION
+                else crc_only_manifest(item, data)
+            ),
+            "restore from local: verify": lambda m: hashing.verify_item(m, data),
+            "restore from peer: data channel": lambda m: receive_socket(m, data, ram),
+            "restore from peer: gRPC chunks": lambda m: receive_chunks(m, data, ram),
+        }
+        times: dict[tuple[str, str], list[float]] = {}
+        for _ in range(rounds):
+            for case, fn in cases.items():
+                for name, m in variants.items():
+                    t = timed(lambda fn=fn, m=m: fn(m))
+                    times.setdefault((case, name), []).append(t)
+        for name, m in variants.items():
+            objects = FileObjectStore(disk / name.replace(" ", "-"))
+            BackupStore(objects).upload_item(m, data)
+            for _ in range(rounds):
+                t = timed(lambda o=objects, m=m: fetch(BackupStore(o), m, ram))
+                times.setdefault(("restore from file:// backup", name), []).append(t)
+        gib = (size_mib << 20) / (1 << 30)
+        print(f"\ncontent digests: {size_mib} MiB in {files} files, median of {rounds} rounds")
+        print(f"{'operation':36} {'crc32c only':>12} {'with digests':>13} {'ratio':>7}")
+        for case in [*cases, "restore from file:// backup"]:
+            base = statistics.median(times[(case, "crc32c only")])
+            line = f"{case:36} {base:8.3f} s  "
+            if not only_baseline:
+                got = statistics.median(times[(case, "with digests")])
+                line += f"{got:9.3f} s  {got / base:6.2f}x   ({gib / got:.2f} GiB/s)"
+            print(line)
+    finally:
+        shutil.rmtree(ram, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--size-mib", type=int, default=1024)
     p.add_argument("--files", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the digest comparison")
+    p.add_argument(
+        "--no-digests", action="store_true", help="measure the crc32c-only baseline alone"
+    )
+    p.add_argument("--digests-only", action="store_true", help="skip the cp -r table")
     a = p.parse_args()
+    if a.digests_only:
+        digest_costs(a.size_mib, a.files, a.rounds, a.no_digests)
+        return
     size = a.size_mib << 20
     ram = Path(tempfile.mkdtemp(dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp())
@@ -92,6 +230,7 @@ def main() -> None:
     finally:
         shutil.rmtree(ram, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+    digest_costs(a.size_mib, a.files, a.rounds, a.no_digests)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import google_crc32c
 import grpc
 import grpc.aio
@@ -170,7 +171,7 @@ def fake_address(rank: int) -> str:
 
 def fake_manifest(step: int, rank: int) -> Manifest:
     data = _PAYLOAD + f"{rank} {step}\n".encode()
-    entry = FileEntry("", len(data), google_crc32c.value(data))
+    entry = FileEntry("", len(data), google_crc32c.value(data), blake3.blake3(data).hexdigest())
     return Manifest(ItemId(JOB, step, rank, 0), ItemKind.FILE, (entry,))
 
 

@@ -136,10 +136,25 @@ class ItemSources:
                     await self._pull(f, addresses, last=last)
                 else:
                     await self._download(f.item, f.digest)
+            self._note_unverifiable(f)
         except CorruptItem:
             if f.source is Source.LOCAL and self.store.get(f.item) is not None:
                 self.store.delete(f.item)
             raise
+
+    def _note_unverifiable(self, f: Fetch) -> None:
+        """Say so when a restored copy was written before digests: its crc32cs matched,
+        and they are all a format-1 manifest has (docs/architecture.md, "Content
+        digests"). Such a copy is used, not refused: an upgrade must not lose the steps
+        taken before it, and the next step taken is written with digests."""
+        held = self.store.get(f.item)
+        if held is not None and held.unverifiable:
+            JobLog(log, f.item.job, self.rank).warning(
+                "%s from %s is unverifiable: written before digests, checked by crc32c only",
+                f.item,
+                f.source.value,
+                step=f.item.step,
+            )
 
     # --- local -----------------------------------------------------------------------------
 

@@ -1,10 +1,13 @@
 """Item manifests: what one checkpoint item holds, byte for byte, and how to check it.
 
 An item is one (job, step, rank, worker) checkpoint: a directory tree or a single file. Its
-manifest lists every file's relative path, size and crc32c, and is the item's commit point
-wherever the item lives (local store, peer, backup). Parsing treats the JSON as hostile
-input. Pure: building and verifying a manifest against files on disk is
-``mtc_replicator.local.hashing``.
+manifest lists every file's relative path, size, crc32c and BLAKE3 digest, and is the
+item's commit point wherever the item lives (local store, peer, backup). The crc32c is the
+fast check against bit rot, and anyone can forge it; the BLAKE3 digest is what a restore
+trusts (``local.digests``). A manifest of format 1, written before digests, has crc32cs
+only: it is still read, and its item is restored as *unverifiable* (``unverifiable``).
+Parsing treats the JSON as hostile input. Pure: building and verifying a manifest against
+files on disk is ``mtc_replicator.local.hashing``.
 """
 
 from __future__ import annotations
@@ -36,8 +39,11 @@ MAX_DEPTH = 64
 every level of every file's path, so depth multiplies its work."""
 MAX_FILE_BYTES = 1 << 44  # 16 TiB: larger than any single checkpoint shard we expect
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Format 2 adds each file's BLAKE3 digest; format 1 (crc32c only) is still read."""
+LEGACY_VERSION = 1
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
+_DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class ManifestError(ValueError):
@@ -82,6 +88,9 @@ class FileEntry:
     path: str
     size: int
     crc32c: int
+    blake3: str | None = None
+    """The file's BLAKE3 digest (64 lowercase hex digits); None only in a format-1
+    manifest, written before digests."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,25 @@ class Manifest:
     files: tuple[FileEntry, ...]
     dirs: tuple[str, ...] = ()
     """Directories of a tree item, so empty ones survive a copy."""
+    version: int = FORMAT_VERSION
+    """``LEGACY_VERSION`` for a manifest written before digests (no file has one)."""
+
+    def __post_init__(self) -> None:
+        if self.version not in (LEGACY_VERSION, FORMAT_VERSION):
+            raise ManifestError(f"unsupported manifest version {self.version!r:.40}")
+        legacy = self.version == LEGACY_VERSION
+        for f in self.files:
+            if (f.blake3 is None) != legacy:
+                raise ManifestError(
+                    f"{f.path or 'the file'}: a format-{self.version} manifest "
+                    + ("has no digests" if legacy else "needs every file's digest")
+                )
+
+    @property
+    def unverifiable(self) -> bool:
+        """Written before digests: its bytes are checked by crc32c only, which anyone who
+        can write them can forge (docs/architecture.md, "Content digests")."""
+        return self.version == LEGACY_VERSION
 
     @property
     def total_bytes(self) -> int:
@@ -100,18 +128,21 @@ class Manifest:
 
     def _content(self) -> dict[str, Any]:
         return {
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "job": self.item.job,
             "step": self.item.step,
             "rank": self.item.rank,
             "worker": self.item.worker,
             "kind": self.kind.value,
             "dirs": list(self.dirs),
-            "files": [[f.path, f.size, f"{f.crc32c:08x}"] for f in self.files],
+            "files": [_file_json(f) for f in self.files],
         }
 
     def to_json(self) -> bytes:
-        """Canonical JSON: the same manifest always serialises to the same bytes."""
+        """Canonical JSON: the same manifest always serialises to the same bytes. These
+        bytes, every file's BLAKE3 digest in them, are what ``digest`` names and what the
+        producing node is to sign once nodes have identities of their own (SECURITY.md,
+        "Content digests")."""
         return json.dumps(self._content(), separators=(",", ":"), sort_keys=True).encode()
 
     @property
@@ -138,6 +169,11 @@ class Manifest:
         return _manifest_from_dict(data, max_entries)
 
 
+def _file_json(f: FileEntry) -> list[Any]:
+    entry: list[Any] = [f.path, f.size, f"{f.crc32c:08x}"]
+    return entry if f.blake3 is None else [*entry, f.blake3]
+
+
 def _field(data: dict[str, Any], key: str, typ: type) -> Any:
     value = data.get(key)
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
@@ -146,8 +182,10 @@ def _field(data: dict[str, Any], key: str, typ: type) -> Any:
 
 
 def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
-    if data.get("version") != FORMAT_VERSION:
-        raise ManifestError(f"unsupported manifest version {data.get('version')!r:.40}")
+    version = data.get("version")
+    if version not in (LEGACY_VERSION, FORMAT_VERSION) or isinstance(version, bool):
+        raise ManifestError(f"unsupported manifest version {version!r:.40}")
+    width = 3 if version == LEGACY_VERSION else 4
     job = _field(data, "job", str)
     if not is_job_name(job):
         raise ManifestError(f"unsafe job name {job!r:.80}")
@@ -169,17 +207,21 @@ def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
         )
     files: list[FileEntry] = []
     for entry in raw_files:
-        if not (isinstance(entry, list) and len(entry) == 3):
-            raise ManifestError(f"file entry must be [path, size, crc], got {entry!r:.80}")
-        path, size, crc = entry
+        if not (isinstance(entry, list) and len(entry) == width):
+            shape = "[path, size, crc]" if width == 3 else "[path, size, crc, blake3]"
+            raise ManifestError(f"file entry must be {shape}, got {entry!r:.80}")
+        path, size, crc = entry[:3]
+        digest = entry[3] if width == 4 else None
+        if digest is not None and not (isinstance(digest, str) and _DIGEST_RE.fullmatch(digest)):
+            raise ManifestError(f"bad blake3 digest {digest!r:.80} for {path!r:.80}")
         if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_FILE_BYTES:
             raise ManifestError(f"bad size {size!r:.40} for {path!r:.80}")
         # int(x, 16) alone would also take a sign, spaces and underscores.
         if not isinstance(crc, str) or not _CRC_RE.fullmatch(crc):
             raise ManifestError(f"bad crc32c {crc!r:.40} for {path!r:.80}")
-        files.append(FileEntry(_checked_path(path, kind), size, int(crc, 16)))
+        files.append(FileEntry(_checked_path(path, kind), size, int(crc, 16), digest))
     dirs = tuple(_checked_path(d, ItemKind.DIR) for d in raw_dirs)
-    manifest = Manifest(item, kind, tuple(files), dirs)
+    manifest = Manifest(item, kind, tuple(files), dirs, version)
     _check_layout(manifest)
     return manifest
 

@@ -1,14 +1,17 @@
 """Hashing and checking an item's files on disk against its manifest. I/O module.
 
 ``build_manifest`` walks and hashes an item's data (a directory tree or one file) with
-crc32c; ``verify_item`` checks data against a manifest. Reads go in ``CHUNK`` pieces
+crc32c and BLAKE3 in one read (``local.digests``); ``verify_item`` checks data against a
+manifest. Reads go in ``CHUNK`` pieces
 (``VERIFY_READ`` when verifying) so memory stays at one piece per thread whatever the
 item's size.
 
-``verify_item`` is on a restore's critical path: it hashes the item's files, and large
-files in ``PIECE``-sized ranges, on a pool of one thread per core shared by every verify
-(crc32c and ``pread`` release the GIL), and combines the ranges' crcs (``core.crc``). Every
-byte is read: each range must be exactly there, and nothing may follow a file's last one.
+``verify_item`` is on a restore's critical path: it hashes the item's files on a pool of one
+thread per core shared by every verify (BLAKE3, crc32c and ``pread`` release the GIL). A
+file with a digest is read once, in order, its BLAKE3 spread over the cores by the hasher
+itself; a file of a format-1 manifest (crc32c only) is read in ``PIECE``-sized ranges whose
+crcs combine (``core.crc``). Every byte is read: each range must be exactly there, and
+nothing may follow a file's last one.
 
 Taken data was written by a pod, which may still hold a descriptor of a directory inside
 it: every walk and open goes through descriptors with no symlink at any component, from
@@ -40,7 +43,7 @@ from mtc_replicator.core.manifest import (
     ManifestError,
     check_path,
 )
-from mtc_replicator.local import fsutil
+from mtc_replicator.local import digests, fsutil
 
 CHUNK = 4 * 1024 * 1024
 PIECE = 32 * 1024 * 1024
@@ -112,6 +115,21 @@ def file_crc32c(
     return size, crc
 
 
+def file_digests(
+    path: Path, cancelled: CancelCheck = _never, *, root: Path | int | None = None, rel: str = ""
+) -> tuple[int, int, str]:
+    """(size, crc32c, BLAKE3 hex digest) of one regular file, in one read of its bytes
+    (``root`` and ``rel`` as for ``read_chunks``)."""
+    crc = 0
+    size = 0
+    content = digests.hasher(threads=True)
+    for chunk in read_chunks(path, cancelled, root=root, rel=rel):
+        crc = google_crc32c.extend(crc, chunk)
+        content.update(chunk)
+        size += len(chunk)
+    return size, crc, content.hexdigest()
+
+
 def walk_tree(root: Path | int) -> tuple[list[str], list[str]]:
     """(dirs, files) below ``root`` (a path, or a directory descriptor) as sorted relative
     POSIX paths; no symlinks allowed, none followed, and no path a manifest could not carry
@@ -178,8 +196,8 @@ def build_manifest(
     base, rel = _descend(root, data)
     mode = _lmode(base, rel)
     if stat.S_ISREG(mode):
-        size, crc = file_crc32c(data, cancelled, root=base, rel=rel)
-        return Manifest(item, ItemKind.FILE, (FileEntry("", size, crc),))
+        size, crc, content = file_digests(data, cancelled, root=base, rel=rel)
+        return Manifest(item, ItemKind.FILE, (FileEntry("", size, crc, content),))
     if not stat.S_ISDIR(mode):
         raise ManifestError(f"{data} is neither a regular file nor a directory")
     top = fsutil.open_dir_beneath(base, rel)
@@ -187,8 +205,8 @@ def build_manifest(
         dirs, files = walk_tree(top)
         entries = []
         for path in files:
-            size, crc = file_crc32c(data / path, cancelled, root=top, rel=path)
-            entries.append(FileEntry(path, size, crc))
+            size, crc, content = file_digests(data / path, cancelled, root=top, rel=path)
+            entries.append(FileEntry(path, size, crc, content))
     finally:
         os.close(top)
     return Manifest(item, ItemKind.DIR, tuple(entries), tuple(dirs))
@@ -274,27 +292,38 @@ class _Range:
     length: int
     last: bool
     """The file's last range: nothing may follow it."""
+    digest: bool = False
+    """The whole file, read in order for its BLAKE3 digest (its crc32c is not needed)."""
 
 
-def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> tuple[int, int | None]:
-    """(crc32c of the range's bytes, None), or (0, the file's size) when they are not all
-    there or, after the file's last range, more bytes follow."""
+_Result = tuple[int | str, int | None]
+"""(the range's crc32c, or its file's BLAKE3 hex digest; None), or (0, the file's size)
+when its bytes are not all there or, after the file's last range, more bytes follow."""
+
+
+def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Result:
+    """Hash one range (``_Result``)."""
     fd = _open_regular(*r.where)
     try:
         crc, pos, end = 0, r.offset, r.offset + r.length
+        # Whole-file reads in CHUNKs: the hasher's threads split each one across the cores.
+        content, step = (digests.hasher(threads=True), CHUNK) if r.digest else (None, VERIFY_READ)
         while pos < end:
             if stop.is_set():
                 raise _Stopped
             if cancelled():
                 raise Cancelled(r.where[1])
-            chunk = os.pread(fd, min(VERIFY_READ, end - pos), pos)
+            chunk = os.pread(fd, min(step, end - pos), pos)
             if not chunk:
                 return 0, os.fstat(fd).st_size
-            crc = google_crc32c.extend(crc, chunk)
+            if content is None:
+                crc = google_crc32c.extend(crc, chunk)
+            else:
+                content.update(chunk)
             pos += len(chunk)
         if r.last and os.pread(fd, 1, end):
             return 0, os.fstat(fd).st_size
-        return crc, None
+        return (crc if content is None else content.hexdigest()), None
     finally:
         os.close(fd)
 
@@ -306,9 +335,12 @@ def _verify_files(
     on the hashing pool; raise ``CorruptItem`` for the first file, in manifest order, that
     differs."""
     stop = threading.Event()
-    ranges = [split_ranges(e.size, PIECE) for e in manifest.files]
+    ranges = [
+        [(0, e.size)] if e.blake3 is not None else split_ranges(e.size, PIECE)
+        for e in manifest.files
+    ]
     jobs = [
-        _Range(i, where[i], off, n, k == len(rs) - 1)
+        _Range(i, where[i], off, n, k == len(rs) - 1, manifest.files[i].blake3 is not None)
         for i, rs in enumerate(ranges)
         for k, (off, n) in enumerate(rs)
     ]
@@ -317,7 +349,7 @@ def _verify_files(
     else:
         pool = _hash_pool()
         results = _gather([pool.submit(_range_crc, r, stop, cancelled) for r in jobs], stop)
-    by_file: dict[int, list[tuple[int, int | None]]] = {}
+    by_file: dict[int, list[_Result]] = {}
     for r, result in zip(jobs, results, strict=True):
         by_file.setdefault(r.file, []).append(result)
     for i, entry in enumerate(manifest.files):
@@ -328,7 +360,11 @@ def _verify_files(
             raise CorruptItem(
                 f"{manifest.item}: {name} has size {wrong_size}, manifest says size {entry.size}"
             )
-        crc = crc32c_concat((c, n) for (c, _), (_, n) in zip(got, ranges[i], strict=True))
+        if entry.blake3 is not None:
+            if got[0][0] != entry.blake3:
+                raise digests.mismatch(f"{manifest.item}: {name}", entry, str(got[0][0]))
+            continue
+        crc = crc32c_concat((int(c), n) for (c, _), (_, n) in zip(got, ranges[i], strict=True))
         if crc != entry.crc32c:
             raise CorruptItem(
                 f"{manifest.item}: {name} has size {entry.size} crc32c {crc:08x}, "
@@ -336,12 +372,10 @@ def _verify_files(
             )
 
 
-def _gather(
-    futures: list[Future[tuple[int, int | None]]], stop: threading.Event
-) -> list[tuple[int, int | None]]:
+def _gather(futures: list[Future[_Result]], stop: threading.Event) -> list[_Result]:
     """Every range's answer; on a failure the others stop early and the failure (the first
     in order, a file's problem before a stop) is raised once all have ended."""
-    results: list[tuple[int, int | None]] = []
+    results: list[_Result] = []
     failure: BaseException | None = None
     for fut in futures:
         try:

@@ -45,6 +45,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
+from mtc_replicator.local.digests import FileCheck, HashLane
 from mtc_replicator.local.hashing import data_file
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.storage.objectstore import (
@@ -289,11 +290,22 @@ class BackupStore:
             for d in manifest.dirs:
                 (data / d).mkdir(parents=True, exist_ok=True)
         # A restore: never throttled, and this node's uploads trickle while it downloads.
-        with self.pacer.transfer(Traffic.RESTORE):
-            for entry in manifest.files:
-                self._fetch_file(
-                    item, entry, data_file(data, entry), layout, cancelled, progress=progress
-                )
+        # Digests on a lane beside the download, which goes on receiving meanwhile.
+        lane = HashLane()
+        try:
+            with self.pacer.transfer(Traffic.RESTORE):
+                for entry in manifest.files:
+                    self._fetch_file(
+                        item,
+                        entry,
+                        data_file(data, entry),
+                        layout,
+                        cancelled,
+                        lane=lane,
+                        progress=progress,
+                    )
+        finally:
+            lane.close()
         return manifest
 
     def _fetch_file(
@@ -304,10 +316,13 @@ class BackupStore:
         layout: int,
         cancelled: CancelCheck,
         *,
+        lane: HashLane,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """One file of ``item`` into ``dest``, checked against its manifest entry."""
+        """One file of ``item`` into ``dest``, checked against its manifest entry: size,
+        crc32c and BLAKE3 digest, hashed (on ``lane``) as the bytes arrive."""
         crc, size = 0, 0
+        content = FileCheck(entry)
         what = f"{item}: backup object {entry.path or 'data'}"
         try:
             with open(dest, "xb") as out:
@@ -318,6 +333,7 @@ class BackupStore:
                     if size > entry.size:
                         break
                     crc = google_crc32c.extend(crc, chunk)
+                    lane.update(content, chunk)
                     out.write(chunk)
                     if progress is not None:
                         progress(len(chunk))
@@ -327,6 +343,8 @@ class BackupStore:
             raise CorruptItem(f"{what}: {exc}") from None
         if size != entry.size or crc != entry.crc32c:
             raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
+        lane.drain()
+        content.check(what)
 
     def _pinned_manifest(
         self, item: ItemId, expected: str, layouts: Sequence[int]

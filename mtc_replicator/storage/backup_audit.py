@@ -30,6 +30,7 @@ from mtc_replicator.core.contract import STEP_DIR_RE
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.manifest import (
     MAX_MANIFEST_BYTES,
+    CorruptItem,
     FileEntry,
     ItemId,
     Manifest,
@@ -37,6 +38,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.core.prune import DEFAULT_MIN_AGE_SECONDS, StepState
 from mtc_replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
+from mtc_replicator.local.digests import FileCheck
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectInfo, ObjectNotFound, ObjectStore
 
@@ -305,6 +307,7 @@ def _check_object(
     if listed.size != entry.size:
         return 0, ProblemKind.SIZE_MISMATCH, f"{listed.size} bytes, manifest says {entry.size}"
     crc, size = 0, 0
+    content = FileCheck(entry)
     try:
         for chunk in objects.read_chunks(key):
             size += len(chunk)
@@ -313,6 +316,7 @@ def _check_object(
                 progress(entry.size - (size - len(chunk)))
                 return size, ProblemKind.SIZE_MISMATCH, f"over {entry.size} bytes read"
             crc = google_crc32c.extend(crc, chunk)
+            content.update(chunk)
             progress(len(chunk))
     except ObjectNotFound:
         return size, ProblemKind.MISSING_OBJECT, "object is missing"
@@ -321,6 +325,10 @@ def _check_object(
     if crc != entry.crc32c:
         detail = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
         return size, ProblemKind.CHECKSUM_MISMATCH, detail
+    try:
+        content.check(key)
+    except CorruptItem as exc:  # same size and crc32c: altered on purpose
+        return size, ProblemKind.CHECKSUM_MISMATCH, str(exc)
     return size, None, ""
 
 

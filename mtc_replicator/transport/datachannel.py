@@ -584,7 +584,7 @@ async def receive_staged(
     abort.sock = sock
 
     def work() -> int:
-        writer = ItemWriter(manifest, staged)
+        writer = ItemWriter(manifest, staged, hash_aside=True)
         try:
             nbytes = receive_into(writer, sock, idle_timeout=idle_timeout, cancelled=abort)
             writer.finish()

@@ -5,8 +5,9 @@ Incoming bytes are hostile: ``check_manifest`` proves a transfer header's manife
 one its digest names; ``ItemWriter`` checks every chunk's order, range and checksum before a
 byte is written, creates files only with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to
 directory descriptors it opened itself (so no symlink, planted or not, is ever followed),
-and checks each file's size and whole-file crc32c as its last chunk arrives, without reading
-anything back. ``receive_item`` runs the writer in an asyncio loop with bounded memory.
+and checks each file's size, whole-file crc32c and BLAKE3 digest (``local.digests``, fed as
+the chunks arrive, in order) as its last chunk arrives, without reading anything back.
+``receive_item`` runs the writer in an asyncio loop with bounded memory.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
@@ -37,6 +39,7 @@ from mtc_replicator.core.manifest import (
     Manifest,
 )
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.digests import FileCheck, HashLane
 from mtc_replicator.local.store import DATA, LocalStore, StoreError
 
 T = TypeVar("T")
@@ -223,14 +226,19 @@ class ItemWriter:
     leaves only files inside ``staged``, for the caller to remove.
     """
 
-    def __init__(self, manifest: Manifest, staged: Path) -> None:
+    def __init__(self, manifest: Manifest, staged: Path, *, hash_aside: bool = False) -> None:
+        """``hash_aside``: digests on a thread of their own (``HashLane``), for a caller
+        that receives in small pieces on one thread (the data channel)."""
         self.manifest = manifest
+        self._lane = HashLane() if hash_aside else None
         self.bytes_written = 0
         self._files = manifest.files
         self._index = 0
         """The file the next chunk belongs to, unless it names a later one."""
         self._offset = 0
         self._crc = 0
+        self._content: FileCheck | None = None
+        """The digest of the file being received, fed with every byte of it in order."""
         self._fd: int | None = None
         self._done: list[int] = []
         self._root: int | None = os.open(staged, _DIR_FLAGS)
@@ -295,10 +303,12 @@ class ItemWriter:
             raise CorruptItem(
                 f"{self._where(file_index)}: chunk at offset {offset} fails its crc32c"
             )
-        return self._place(file_index, offset, len(data), crc32c)
+        return self._place(file_index, offset, data, crc32c)
 
-    def _place(self, file_index: int, offset: int, size: int, crc32c: int) -> int:
-        """Check a verified slice's place in the stream and extend its file's crc."""
+    def _place(self, file_index: int, offset: int, data: bytes, crc32c: int) -> int:
+        """Check a verified slice's place in the stream and extend its file's crc and
+        digest."""
+        size = len(data)
         while self._index < file_index:
             self._finish_file()
         entry = self._files[file_index]
@@ -313,6 +323,12 @@ class ItemWriter:
             )
         if self._fd is None:
             self._fd = self._create(entry)
+        if self._content is None:
+            self._content = FileCheck(entry, threads=True)
+        if self._lane is None:
+            self._content.update(data)
+        else:
+            self._lane.update(self._content, data)
         self._crc = crc32c_combine(self._crc, crc32c, size)
         self._offset += size
         self.bytes_written += size
@@ -330,7 +346,7 @@ class ItemWriter:
             raise TransferError(f"{self.manifest.item}: slice of {len(data)} bytes")
         if file_index >= len(self._files) or file_index < self._index:
             raise TransferError(f"{self.manifest.item}: slice for file {file_index} out of order")
-        fd = self._place(file_index, offset, len(data), google_crc32c.value(data))
+        fd = self._place(file_index, offset, data, google_crc32c.value(data))
         write_all(fd, data)
         self.release()
 
@@ -353,6 +369,10 @@ class ItemWriter:
                 f"{self._where(self._index)}: received {self._offset} bytes with crc32c "
                 f"{self._crc:08x}, the manifest says {entry.size} bytes, {entry.crc32c:08x}"
             )
+        content, self._content = self._content or FileCheck(entry), None
+        if self._lane is not None:
+            self._lane.drain()
+        content.check(self._where(self._index))
         self._index += 1
         self._offset = 0
         self._crc = 0
@@ -365,6 +385,8 @@ class ItemWriter:
 
     def close(self) -> None:
         self.release()
+        if self._lane is not None:
+            self._lane.close()
         fds = (self._fd, self._data, self._root)
         self._fd = self._data = self._root = None
         for fd in fds:
@@ -461,7 +483,10 @@ async def receive_item(
     writer: ItemWriter | None = None
     try:
         try:
-            writer = await serial.run(ItemWriter, manifest, staged)
+            # Digests on a lane of their own: the loop only checks chunks and hands them on.
+            writer = await serial.run(
+                functools.partial(ItemWriter, hash_aside=True), manifest, staged
+            )
             pending: asyncio.Future[None] | None = None
             async for file_index, offset, data, crc32c in chunks:
                 fd = writer.accept(file_index, offset, data, crc32c)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import blake3
 import google_crc32c
 import grpc
 import pytest
@@ -366,7 +367,14 @@ def test_sigterm_ends_a_stalled_push_within_the_grace_period(tmp_path: Path) -> 
     manifest = Manifest(
         ItemId(job, 1, 0, 0),
         ItemKind.FILE,
-        (FileEntry("", 2 * len(payload), google_crc32c.value(payload + payload)),),
+        (
+            FileEntry(
+                "",
+                2 * len(payload),
+                google_crc32c.value(payload + payload),
+                blake3.blake3(payload + payload).hexdigest(),
+            ),
+        ),
     )
     raw = manifest.to_json()
     gate = threading.Event()

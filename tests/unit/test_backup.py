@@ -7,6 +7,7 @@ can differ from what its COMMIT pinned must surface as ``CorruptItem``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from mtc_replicator.storage.objectstore import (
     PermissionDenied,
     PreconditionFailed,
 )
+from tests.forge import same_crc32c
 
 JOB = "job"
 DIR_ITEM = ItemId(JOB, 100, 0, 0)
@@ -597,3 +599,35 @@ def test_leftover_uploads_that_cannot_be_listed_cost_a_warning_not_the_backup(
         assert backup.abort_leftover_uploads("j", {"1-0"}) == 0
     assert [r.getMessage() for r in caplog.records].count(caplog.records[0].getMessage()) == 1
     assert "AccessDenied" in caplog.records[0].getMessage()
+
+
+def test_fetch_refuses_an_object_of_the_same_size_and_crc32c(
+    backup: BackupStore, uploaded: Uploaded
+) -> None:
+    """A bucket writer forges the object's crc32c (the COMMIT and manifest stay genuine):
+    the manifest's BLAKE3 digest, hashed as the bytes come down, refuses it."""
+    key = data_key(DIR_ITEM, "state/d/chunk")
+    backup.objects.put_bytes(key, same_crc32c(backup.objects.get_bytes(key)))
+    with pytest.raises(CorruptItem, match=r"state/d/chunk: content digest"):
+        backup.fetch_item(uploaded.record, DIR_ITEM, uploaded.fresh_staging())
+    digest = uploaded.record.items[DIR_ITEM.key]
+    with pytest.raises(CorruptItem, match="content digest"):
+        backup.fetch_pinned(DIR_ITEM, digest, uploaded.fresh_staging())
+
+
+def test_a_backup_written_before_digests_is_fetched_on_its_crc32c(
+    backup: BackupStore, tmp_path: Path
+) -> None:
+    data = make_file_item(tmp_path / "old")
+    built = build_manifest(FILE_ITEM, data)
+    old = Manifest(
+        FILE_ITEM, built.kind, (dataclasses.replace(built.files[0], blake3=None),), version=1
+    )
+    backup.upload_item(old, data)
+    record = backup.try_commit(JOB, 100, ["1-0"], now=1.0)
+    assert record is not None
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    fetched = backup.fetch_item(record, FILE_ITEM, staged)
+    assert fetched.unverifiable
+    assert (staged / "data").read_bytes() == data.read_bytes()

@@ -27,6 +27,7 @@ from mtc_replicator.storage.backup_audit import (
     verify_step,
 )
 from mtc_replicator.storage.objectstore import MemoryObjectStore
+from tests.forge import same_crc32c
 
 JOB = "job"
 
@@ -164,7 +165,7 @@ def test_verify_reports_every_problem_of_a_step(
     objects.delete(data_key(manifests["0-0"].item, "b"))
     objects.put_bytes(data_key(manifests["1-0"].item, ""), b"short")
     # Rank 2's manifest swapped for one that describes other bytes: its digest differs.
-    swapped = Manifest(manifests["2-0"].item, ItemKind.FILE, (FileEntry("", 5, 0),))
+    swapped = Manifest(manifests["2-0"].item, ItemKind.FILE, (FileEntry("", 5, 0, "0" * 64),))
     objects.put_bytes(manifest_key(manifests["2-0"].item), swapped.to_json())
     objects.put_bytes(f"{JOB}/100/0-0/extra", b"x")
     verdict = verify(objects, 100)
@@ -241,3 +242,15 @@ def test_a_hostile_commit_is_listed_as_invalid_not_a_crash(objects: MemoryObject
     assert step.state(now=0) is StepState.INVALID
     assert step.commit_error is not None
     assert step.commit_error.startswith("COMMIT has a bad timestamp")
+
+
+def test_verify_reports_an_object_of_the_same_size_and_crc32c(
+    objects: MemoryObjectStore, backup: BackupStore, tmp_path: Path
+) -> None:
+    """``mtc backups verify`` sees what a restore would refuse: a crc32c forged on purpose."""
+    manifests = upload_step(backup, tmp_path, 100, ranks=2)
+    key = data_key(manifests["1-0"].item, "")
+    objects.put_bytes(key, same_crc32c(objects.get_bytes(key)))
+    verdict = verify(objects, 100)
+    assert kinds(verdict) == [ProblemKind.CHECKSUM_MISMATCH]
+    assert "content digest" in verdict.problems[0].detail

@@ -2,20 +2,31 @@
 verify caught is still caught when files and ranges of a file are hashed on many threads.
 
 Real files in ``tmp_path``; ``PIECE`` is made small so a file of a few hundred KiB has many
-ranges (the same code paths as 32 MiB ranges of a 1 GiB file).
+ranges (the same code paths as 32 MiB ranges of a 1 GiB file). Each test runs on a manifest
+with BLAKE3 digests (a file is one whole-file read) and on its format-1 form, written before
+digests (crc32c ranges), since stores and backups still hold those.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from pathlib import Path
 
 import pytest
 
-from mtc_replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from mtc_replicator.core.manifest import (
+    LEGACY_VERSION,
+    Cancelled,
+    CorruptItem,
+    ItemId,
+    Manifest,
+    ManifestError,
+)
 from mtc_replicator.local import hashing
 from mtc_replicator.local.hashing import build_manifest, verify_item
+from tests.forge import same_crc32c
 
 ITEM = ItemId("job-1", 7, 0, 0)
 PIECE = 64 * 1024
@@ -26,8 +37,24 @@ def small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "PIECE", PIECE)
 
 
+def legacy(m: Manifest) -> Manifest:
+    """``m`` as a format-1 manifest, written before digests, says it."""
+    files = tuple(dataclasses.replace(f, blake3=None) for f in m.files)
+    return dataclasses.replace(m, files=files, version=LEGACY_VERSION)
+
+
+def bad(name: str) -> str:
+    """What a verify says of a file whose bytes differ: its digest, or its crc32c."""
+    return rf"{name}( has size .* crc32c|: content digest)"
+
+
+@pytest.fixture(params=[False, True], ids=["digests", "legacy"])
+def old(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
+
+
 @pytest.fixture
-def item(tmp_path: Path) -> tuple[Manifest, Path]:
+def item(tmp_path: Path, old: bool) -> tuple[Manifest, Path]:
     """A large file of 4.5 ranges, small files, an empty file, one a single range long."""
     root = tmp_path / "step"
     (root / "d").mkdir(parents=True)
@@ -35,7 +62,8 @@ def item(tmp_path: Path) -> tuple[Manifest, Path]:
     (root / "exact").write_bytes(os.urandom(PIECE))
     (root / "d" / "small").write_bytes(b"s" * 1000)
     (root / "empty").write_bytes(b"")
-    return build_manifest(ITEM, root), root
+    m = build_manifest(ITEM, root)
+    return (legacy(m) if old else m), root
 
 
 def flip(path: Path, offset: int) -> None:
@@ -60,18 +88,19 @@ def test_a_flipped_byte_in_any_range_is_caught(item: tuple[Manifest, Path], offs
     """The middle of the second range, and each range's edges, the last range's too."""
     m, root = item
     flip(root / "big", offset)
-    with pytest.raises(CorruptItem, match=r"big has size .* crc32c"):
+    with pytest.raises(CorruptItem, match=bad("big")):
         verify_item(m, root)
 
 
-def test_two_equal_ranges_swapped_are_caught(tmp_path: Path) -> None:
+def test_two_equal_ranges_swapped_are_caught(tmp_path: Path, old: bool) -> None:
     """Ranges must combine in order: a file whose halves trade places differs."""
     a, b = os.urandom(PIECE), os.urandom(PIECE)
     f = tmp_path / "f"
     f.write_bytes(a + b)
     m = build_manifest(ITEM, f)
+    m = legacy(m) if old else m
     f.write_bytes(b + a)
-    with pytest.raises(CorruptItem, match="crc32c"):
+    with pytest.raises(CorruptItem, match=bad("the file")):
         verify_item(m, f)
 
 
@@ -109,7 +138,7 @@ def test_the_first_bad_file_in_manifest_order_is_named(item: tuple[Manifest, Pat
     m, root = item
     flip(root / "big", 3 * PIECE)
     flip(root / "exact", 1)
-    with pytest.raises(CorruptItem, match="big has size"):
+    with pytest.raises(CorruptItem, match=bad("big")):
         verify_item(m, root)
 
 
@@ -135,7 +164,7 @@ def test_a_verify_uses_several_threads_and_leaves_the_data_alone(
     seen: set[int] = set()
     real = hashing._range_crc  # observed, not replaced
 
-    def watched(*args: object) -> tuple[int, int | None]:
+    def watched(*args: object) -> hashing._Result:
         seen.add(threading.get_ident())
         return real(*args)  # type: ignore[arg-type]
 
@@ -159,3 +188,15 @@ def test_a_file_swapped_for_a_non_regular_one_mid_verify_is_corruption(
     monkeypatch.setattr(hashing, "_open_regular", swapped)
     with pytest.raises(CorruptItem, match="not a regular file"):
         verify_item(m, root)
+
+
+def test_a_same_crc32c_forgery_is_caught_by_the_digest_and_only_by_it(tmp_path: Path) -> None:
+    """Bytes of the same size and crc32c in the local store: a format-2 manifest refuses
+    them; a format-1 one (crc32c only, written before digests) cannot tell."""
+    f = tmp_path / "f"
+    f.write_bytes(os.urandom(3 * PIECE + 17))
+    m = build_manifest(ITEM, f)
+    f.write_bytes(same_crc32c(f.read_bytes()))
+    with pytest.raises(CorruptItem, match="content digest"):
+        verify_item(m, f)
+    verify_item(legacy(m), f)

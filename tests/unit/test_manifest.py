@@ -6,11 +6,13 @@ Real files in ``tmp_path``; no sockets, no subprocesses.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 from typing import Any
 
+import blake3
 import google_crc32c
 import pytest
 
@@ -76,7 +78,10 @@ def test_build_manifest_on_a_tree_lists_every_file_and_dir(tmp_path: Path) -> No
     by_path = {f.path: f for f in m.files}
     content = bytes(range(256)) * 40
     assert by_path["state/d/abc"] == FileEntry(
-        "state/d/abc", len(content), google_crc32c.value(content)
+        "state/d/abc",
+        len(content),
+        google_crc32c.value(content),
+        blake3.blake3(content).hexdigest(),
     )
     assert by_path["process_metadata/0.json"].size == 0
     assert by_path["process_metadata/0.json"].crc32c == 0
@@ -89,7 +94,10 @@ def test_build_manifest_on_a_single_file(tmp_path: Path) -> None:
     m = build_manifest(ITEM, f)
     assert m.kind is ItemKind.FILE
     assert m.dirs == ()
-    assert m.files == (FileEntry("", 11, google_crc32c.value(b"hello world")),)
+    hello = b"hello world"
+    assert m.files == (
+        FileEntry("", 11, google_crc32c.value(hello), blake3.blake3(hello).hexdigest()),
+    )
 
 
 def test_build_manifest_crosses_chunk_boundaries(
@@ -184,6 +192,12 @@ def with_entry(entry: object) -> dict[str, Any]:
     return d
 
 
+def v2_entry(digest: object) -> dict[str, Any]:
+    d = with_entry(["a/b/c", 1, "00000001", digest])
+    d["version"] = 2
+    return d
+
+
 HOSTILE: dict[str, dict[str, Any]] = {
     "absolute path": with_file_path("/etc/passwd"),
     "dot-dot": with_file_path("../escape"),
@@ -237,7 +251,15 @@ HOSTILE: dict[str, dict[str, Any]] = {
     },
     "file's parent dir not listed": {**good_dict(), "dirs": ["a", "empty"]},
     "dir's parent dir not listed": {**good_dict(), "dirs": ["a", "a/b", "x/y"]},
-    "unsupported version": with_field("version", 2),
+    "unsupported version": with_field("version", 3),
+    "bool version": with_field("version", True),
+    "format 2 entry without a digest": {**good_dict(), "version": 2},
+    "format 1 entry with a digest": with_entry(["a/b/c", 1, "00000001", "a" * 64]),
+    "digest not hex": v2_entry("z" * 64),
+    "digest upper case": v2_entry("A" * 64),
+    "digest too short": v2_entry("a" * 63),
+    "digest as int": v2_entry(12345),
+    "digest null": v2_entry(None),
     "missing version": {k: v for k, v in good_dict().items() if k != "version"},
     "version as string": with_field("version", "1"),
     "job with slash": with_field("job", "a/b"),
@@ -456,3 +478,40 @@ def test_a_manifest_over_the_callers_entry_limit_is_refused_before_its_entries()
     body["files"].append(["../escape", 1, "zzzz"])  # would be refused for its path or crc
     with pytest.raises(ManifestError, match=r"lists 6 files and directories, more than 5"):
         Manifest.from_json(raw(body), max_entries=5)
+
+
+# --- content digests and format-1 manifests ---------------------------------------------------
+
+
+def test_a_built_manifest_carries_each_files_blake3_and_its_digest_covers_them(
+    tmp_path: Path,
+) -> None:
+    f = tmp_path / "f"
+    f.write_bytes(b"checkpoint bytes")
+    m = build_manifest(ITEM, f)
+    assert m.version == manifest_mod.FORMAT_VERSION == 2
+    assert not m.unverifiable
+    assert m.files[0].blake3 == blake3.blake3(b"checkpoint bytes").hexdigest()
+    assert json.loads(m.to_json())["files"] == [
+        ["", 16, f"{m.files[0].crc32c:08x}", m.files[0].blake3]
+    ]
+    other = dataclasses.replace(m.files[0], blake3="0" * 64)
+    assert dataclasses.replace(m, files=(other,)).digest != m.digest
+
+
+def test_a_format_1_manifest_is_read_and_says_it_is_unverifiable() -> None:
+    """Stores and buckets written before digests hold these: they still parse, keep their
+    exact bytes (so the digest a COMMIT pinned still matches), and are marked."""
+    text = json.dumps(good_dict(), separators=(",", ":"), sort_keys=True).encode()
+    m = Manifest.from_json(text)
+    assert m.version == manifest_mod.LEGACY_VERSION
+    assert m.unverifiable
+    assert all(f.blake3 is None for f in m.files)
+    assert m.to_json() == text
+
+
+def test_a_manifest_mixing_the_formats_cannot_be_made() -> None:
+    with pytest.raises(ManifestError, match="needs every file's digest"):
+        Manifest(ITEM, ItemKind.FILE, (FileEntry("", 1, 1),))
+    with pytest.raises(ManifestError, match="has no digests"):
+        Manifest(ITEM, ItemKind.FILE, (FileEntry("", 1, 1, "a" * 64),), version=1)

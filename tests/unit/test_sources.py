@@ -5,7 +5,9 @@ neither (a bug) reaches the round's caller."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +19,7 @@ from mtc_replicator.cluster.messages import FailedFetch
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
-from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
+from mtc_replicator.core.manifest import LEGACY_VERSION, CorruptItem, ItemId, Manifest
 from mtc_replicator.core.policy import Source
 from mtc_replicator.core.restore_plan import Fetch
 from mtc_replicator.local.hashing import build_manifest
@@ -308,3 +310,33 @@ def test_a_key_error_is_a_bug_not_an_unavailable_source(world: World) -> None:
             participant._obtain_one(ITEM, [peer(world), backup(world)], ADDRESSES, failures)
         )
     assert (failures, said) == ([], [])
+
+
+# --- content digests --------------------------------------------------------------------------
+
+
+def test_a_copy_written_before_digests_is_restored_and_said_unverifiable(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A format-1 manifest (crc32c only) in the store after an upgrade: used, not refused,
+    and the log says the restore could not check it against a digest."""
+    old = dataclasses.replace(
+        world.manifest,
+        files=tuple(dataclasses.replace(f, blake3=None) for f in world.manifest.files),
+        version=LEGACY_VERSION,
+    )
+    commit_into(world.store, world.source, old)
+    fetch = Fetch(Source.LOCAL, ITEM, 1, old.digest)
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.sources"):
+        world.fetch(world.sources(), fetch)
+    assert world.store.get(ITEM) == old
+    assert "unverifiable: written before digests" in caplog.text
+
+
+def test_a_copy_with_digests_is_not_said_unverifiable(
+    world: World, caplog: pytest.LogCaptureFixture
+) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.sources"):
+        world.fetch(world.sources(), local(world))
+    assert "unverifiable" not in caplog.text

@@ -7,12 +7,14 @@ processes in ``tests/integration/test_peer*.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import resource
 from pathlib import Path
 
+import blake3
 import google_crc32c
 import pytest
 from hypothesis import given, settings
@@ -29,6 +31,7 @@ from mtc_replicator.transport.transfer import (
     iter_chunks,
     room_on,
 )
+from tests.forge import same_crc32c
 
 ITEM = ItemId("job", 3, 1, 0)
 
@@ -176,7 +179,7 @@ def test_whole_file_crc_is_checked_when_the_file_is_complete(tmp_path: Path) -> 
     src = tmp_path / "f"
     src.write_bytes(b"payload")
     good = build_manifest(ITEM, src)
-    lying = Manifest(ITEM, good.kind, (good.files[0].__class__("", 7, 0xDEADBEEF),))
+    lying = Manifest(ITEM, good.kind, (dataclasses.replace(good.files[0], crc32c=0xDEADBEEF),))
     writer = ItemWriter(lying, staging(tmp_path))
     writer.write(0, 0, b"payload", google_crc32c.value(b"payload"))
     with pytest.raises(CorruptItem, match="deadbeef"):
@@ -246,7 +249,8 @@ def test_room_keeps_a_margin_of_at_most_a_sixteenth(tmp_path: Path) -> None:
 def test_many_empty_files_hold_one_descriptor_at_a_time(tmp_path: Path) -> None:
     """3,000 empty files under a limit of 128 descriptors: each is created and closed at
     once (they were once held until the item was finished: EMFILE)."""
-    files = tuple(FileEntry(f"f{i:05d}", 0, 0) for i in range(3000))
+    empty = blake3.blake3().hexdigest()
+    files = tuple(FileEntry(f"f{i:05d}", 0, 0, empty) for i in range(3000))
     manifest = Manifest(ItemId("job", 1, 0, 0), ItemKind.DIR, files)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))
@@ -255,3 +259,50 @@ def test_many_empty_files_hold_one_descriptor_at_a_time(tmp_path: Path) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(os.listdir(tmp_path / "data")) == 3000
+
+
+# --- content digests ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["checked chunks", "raw slices"])
+def test_bytes_of_the_same_size_and_crc32c_are_refused_by_their_digest(
+    tmp_path: Path, how: str
+) -> None:
+    """A peer (a pull, a push, the data channel) sends other bytes whose every chunk crc and
+    whole-file crc32c match: only the manifest's BLAKE3 digest tells them apart."""
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(3000))
+    manifest = build_manifest(ITEM, src)
+    forged = same_crc32c(src.read_bytes())
+    writer = ItemWriter(manifest, staging(tmp_path))
+    if how == "checked chunks":
+        writer.write(0, 0, forged, google_crc32c.value(forged))
+    else:
+        writer.write_raw(0, 0, forged)
+    with pytest.raises(CorruptItem, match=r"content digest \(blake3\)"):
+        writer.finish()
+    writer.close()
+
+
+def test_the_digest_is_fed_every_chunk_in_order(tmp_path: Path) -> None:
+    src = tmp_path / "f"
+    data = os.urandom(10_000)
+    src.write_bytes(data)
+    manifest = build_manifest(ITEM, src)
+    writer = ItemWriter(manifest, staging(tmp_path))
+    for off in range(0, len(data), 999):
+        part = data[off : off + 999]
+        writer.write(0, off, part, google_crc32c.value(part))
+    writer.finish()
+    assert (tmp_path / "staged" / "data").read_bytes() == data
+
+
+def test_a_format_1_manifest_is_received_on_its_crc32c(tmp_path: Path) -> None:
+    """From a daemon of the version before digests (a rolling upgrade): accepted as before."""
+    src = tmp_path / "f"
+    src.write_bytes(b"older node")
+    built = build_manifest(ITEM, src)
+    old = Manifest(ITEM, built.kind, (dataclasses.replace(built.files[0], blake3=None),), version=1)
+    writer = ItemWriter(old, staging(tmp_path))
+    writer.write(0, 0, b"older node", google_crc32c.value(b"older node"))
+    writer.finish()
