@@ -44,6 +44,7 @@ from mtc_replicator.core.contract import (
     PRERESTORE_FILE,
     parse_save_name,
 )
+from mtc_replicator.core.identity import LEGACY, IdentityRule
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import (
     PaceRules,
@@ -88,6 +89,7 @@ from mtc_replicator.transport.grpc_server import (
     advertised_address,
     split_host_port,
 )
+from mtc_replicator.transport.identity import NodeIdentityInterceptor, keeps_node, own_node
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peer_servicer import PeerServicer
@@ -133,18 +135,27 @@ def _open_backups(opts: DaemonOptions, trust: RecordTrust, pacer: Pacer) -> Back
     return BackupStore(objects, trust, pacer=pacer)
 
 
+def _open_tls(opts: DaemonOptions) -> tuple[TlsMaterial | None, str | None]:
+    """The TLS material, checked as peers will check it, and the node its certificate
+    names (``core.identity``); neither without TLS. ``TlsError`` when peers would refuse it."""
+    shared = opts.tls_server_name if opts.tls_shared_certificate else None
+    rule = IdentityRule(opts.tls_node_name_pattern, shared)
+    tls = open_material(opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name, rule)
+    if tls is None:
+        return None, None
+    check_identity(tls)  # what peers will check, before anything is served
+    node = own_node(tls)
+    tls.vet = keeps_node(node)  # every rotated certificate too, and it must name this node
+    return tls, node
+
+
 class Daemon:
     """The ``mtc-replicator`` process on one CHECKPOINT_DIR: its parts wired, its servers, its
     loop (each wake-up handed to the ``Supervisor``) and its shutdown."""
 
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
-        self.tls: TlsMaterial | None = open_material(
-            opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
-        )
-        if self.tls is not None:
-            check_identity(self.tls)  # what peers will check, before anything is served
-            self.tls.vet = check_identity  # and every rotated certificate, before it is used
+        self.tls, self.node_name = _open_tls(opts)
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(
@@ -399,7 +410,7 @@ class Daemon:
         """Bind the gRPC server (peer, coordinator and node services) and the data channel,
         then start them; None, with the store closed and the exit code set, when a port
         cannot be had."""
-        rpc = RpcServer()
+        rpc = RpcServer(NodeIdentityInterceptor(self.tls.rule) if self.tls is not None else None)
         channel: DataListener | None = None
         if self.opts.data_port is not None:
             try:
@@ -482,7 +493,7 @@ class Daemon:
         """The line that says the daemon serves, and with what."""
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
-            "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
+            "tls=%s node=%s health=%s metrics=%s data-port=%s owner-file=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.store.root,
@@ -491,6 +502,7 @@ class Daemon:
             self.opts.backup,
             __version__,
             "on" if self.tls is not None else "off",
+            "(shared certificate)" if self.node_name == LEGACY else self.node_name,
             self.health_address,
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",
