@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mtc_replicator import __version__
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.holders_file import HoldersFile
 
 try:
     import uvloop
@@ -476,6 +477,7 @@ class Daemon:
         return Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
+            holders=HoldersFile(self.store.root),
             pins=StorePins(
                 backups.objects,
                 self.trust,
