@@ -9,8 +9,10 @@ coordinator lives on rank 0's node. A restarted rank 0 daemon reads the released
 holders back from its store (``local.holders_file``) and adopts only reports from them.
 
 ``None`` is a caller of no known node (TLS off, or an in-process call): nothing to check.
-A shared certificate (``core.identity.LEGACY``) is one node for all, so it binds nothing
-apart.
+A shared certificate (``core.identity.LEGACY``, under ``--tls-shared-certificate``) could be
+any node, so it neither is refused nor holds a rank against a certificate that names a node:
+while a cluster moves to per-node certificates, a rank's daemon restarted with its own
+certificate keeps its rank (the named node then holds it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from mtc_replicator.core.identity import LEGACY
 
 MAX_RANKS = 1 << 20
 
@@ -33,10 +37,10 @@ class RankHolders:
 
     def check(self, rank: int, node: str | None) -> str:
         """Why ``node`` may not act as ``rank`` ("" if it may); a refusal is counted."""
-        if node is None:
+        if node is None or node == LEGACY:
             return ""
         held = self.nodes.get(rank)
-        if held is None or held == node:
+        if held is None or held in (node, LEGACY):
             return ""
         self.refused += 1
         return (
@@ -45,9 +49,9 @@ class RankHolders:
         )
 
     def bind(self, rank: int, node: str | None) -> None:
-        """``rank`` is ``node``'s from now on, unless it is bound already."""
-        if node is not None:
-            self.nodes.setdefault(rank, node)
+        """``rank`` is ``node``'s from now on, unless it is bound already (to a named node)."""
+        if node is not None and self.nodes.get(rank) in (None, LEGACY):
+            self.nodes[rank] = node
 
     def rank0_joins(self, incarnation: str) -> None:
         """Rank 0's incarnation joins: a new one (the job restarted) frees every other rank

@@ -12,6 +12,7 @@ from mtc_replicator.core.coordination import (
     ProgressAnswer,
     ReportRefused,
 )
+from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.rank_holders import RankHolders, holders_from_json, holders_json
 from mtc_replicator.core.restore_plan import NodeInventory
 from tests.unit.test_coordination import VIEW, config, own
@@ -46,6 +47,16 @@ def test_a_rank_is_its_first_nodes() -> None:
     assert "held by node 'n1', not 'n2'" in h.check(1, "n2")
     assert h.refused == 1
     assert h.check(1, None) == ""  # no known node: nothing to check
+
+
+def test_a_shared_certificate_neither_is_refused_nor_holds_a_rank_against_a_named_node() -> None:
+    h = RankHolders()
+    h.bind(1, LEGACY)  # a daemon with the shared certificate joined as rank 1
+    assert h.check(1, "n1") == ""  # restarted with its own certificate: still rank 1
+    h.bind(1, "n1")
+    assert h.nodes[1] == "n1"
+    assert h.check(1, LEGACY) == ""  # under --tls-shared-certificate: anyone, as before
+    assert "held by node 'n1'" in h.check(1, "n2")
 
 
 def test_only_a_new_rank0_incarnation_frees_the_ranks() -> None:
