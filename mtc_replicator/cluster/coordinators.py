@@ -125,9 +125,12 @@ class Coordinators:
         pins: RestorePins | None = None,
         commit: CommitBackup | None = None,
         holders: HolderRecords | None = None,
+        on_rank_refused: Callable[[], None] = lambda: None,
     ) -> None:
         self.host = host
         self.holders = holders
+        self.on_rank_refused = on_rank_refused
+        """Counts a call refused for another node's rank (``Metrics.identity_refused``)."""
         self.backups_for = backups_for
         self.commit = commit
         self.pins = pins
@@ -205,9 +208,12 @@ class Coordinators:
         coordinator = hosted.coordinator
         before = _round_key(coordinator)
         t0 = time.perf_counter()
+        refused = coordinator.holders.refused
         round_ = coordinator.join(
             Join(rank, incarnation, cluster_view, inventory, node), backups, pinned
         )
+        if coordinator.holders.refused != refused:
+            self.on_rank_refused()
         jlog = JobLog(log, job, rank)
         if coordinator.phase is Phase.FETCH:
             # Planned: the listing served this round's joins. The next round (a job restart
@@ -351,6 +357,8 @@ class Coordinators:
             )
         except ReportRefused as exc:
             JobLog(log, job, rank).warning("restore report refused: %s", exc)
+            if "is held by node" in str(exc):
+                self.on_rank_refused()
             raise
         if before[1] is not Phase.RELEASED and coordinator.phase is Phase.RELEASED:
             self._save_holders(job, coordinator)
@@ -438,8 +446,8 @@ class Coordinators:
             if saved:
                 coordinator.holders.restore(saved)
         held = coordinator.holders.nodes.get(rank)
-        if node is not None and held not in (None, node):
-            coordinator.holders.refused += 1
+        if coordinator.holders.check(rank, node):
+            self.on_rank_refused()
             JobLog(log, job, rank).warning(
                 "progress report refused: rank %d is held by node %r, not %r (%d calls "
                 "refused for coming from another node)",

@@ -411,7 +411,10 @@ class Daemon:
         """Bind the gRPC server (peer, coordinator and node services) and the data channel,
         then start them; None, with the store closed and the exit code set, when a port
         cannot be had."""
-        rpc = RpcServer(NodeIdentityInterceptor(self.tls.rule) if self.tls is not None else None)
+        refused = functools.partial(self.metrics.identity_refused, "rpc")
+        rpc = RpcServer(
+            NodeIdentityInterceptor(self.tls.rule, refused) if self.tls is not None else None
+        )
         channel: DataListener | None = None
         if self.opts.data_port is not None:
             try:
@@ -478,6 +481,7 @@ class Daemon:
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
             holders=HoldersFile(self.store.root),
+            on_rank_refused=functools.partial(self.metrics.identity_refused, "rank"),
             pins=StorePins(
                 backups.objects,
                 self.trust,

@@ -97,8 +97,10 @@ Behavior = Callable[..., Any]
 class NodeIdentityInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, before the handler, every call whose certificate names no node."""
 
-    def __init__(self, rule: IdentityRule) -> None:
+    def __init__(self, rule: IdentityRule, on_refused: Callable[[], None] = lambda: None) -> None:
         self.rule = rule
+        self.on_refused = on_refused
+        """Counts a refusal (``Metrics.identity_refused``)."""
 
     async def intercept_service(
         self,
@@ -111,15 +113,19 @@ class NodeIdentityInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or method.startswith(EXEMPT_PREFIX):
             return handler
-        return _guarded(handler, method, self.rule)
+        return _guarded(handler, method, self.rule, self.on_refused)
 
 
 async def _admit(
-    context: grpc.aio.ServicerContext[Any, Any], method: str, rule: IdentityRule
+    context: grpc.aio.ServicerContext[Any, Any],
+    method: str,
+    rule: IdentityRule,
+    on_refused: Callable[[], None],
 ) -> None:
     try:
         node = _context_node(context, rule)
     except NotANode as exc:
+        on_refused()
         log.warning(
             "refused %s from %s: its certificate is not a node's: %s", method, context.peer(), exc
         )
@@ -130,13 +136,16 @@ async def _admit(
 
 
 def _guarded(
-    handler: grpc.RpcMethodHandler[Any, Any], method: str, rule: IdentityRule
+    handler: grpc.RpcMethodHandler[Any, Any],
+    method: str,
+    rule: IdentityRule,
+    on_refused: Callable[[], None],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with the identity check in front of its behavior."""
 
     def unary(behavior: Behavior) -> Behavior:
         async def run(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await _admit(context, method, rule)
+            await _admit(context, method, rule, on_refused)
             return await behavior(request, context)
 
         return run
@@ -148,7 +157,7 @@ def _guarded(
         async def run(
             request: Any, context: grpc.aio.ServicerContext[Any, Any]
         ) -> AsyncIterator[Any]:
-            await _admit(context, method, rule)
+            await _admit(context, method, rule, on_refused)
             async for response in behavior(request, context):
                 yield response
 
