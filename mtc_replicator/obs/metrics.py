@@ -189,14 +189,21 @@ NO_METRICS = Metrics()
 """The default everywhere: records nothing."""
 
 
+IDENTITY_REFUSALS = ("rpc", "rank")
+"""Where a caller is refused for its certificate (``Metrics.identity_refused``)."""
+
+
 def _identity_refusals(registry: CollectorRegistry) -> Counter:
-    return Counter(
+    counter = Counter(
         "mtc_identity_refusals",
         "Calls refused for the caller's certificate: names no node (rpc), or another node "
         "holds the rank it acts as (rank).",
         ["where"],
         registry=registry,
     )
+    for where in IDENTITY_REFUSALS:
+        counter.labels(where)  # exported at 0 from the start, as every bounded label
+    return counter
 
 
 class PrometheusMetrics(Metrics):
