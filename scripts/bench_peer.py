@@ -255,7 +255,7 @@ def make_item(ckpt: Path, size: int, files: int) -> Manifest:
 def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
     """A node certificate from the run's throwaway CA."""
     directory = root / "tls" / name
-    certs.write_node_files(directory, ca, certs.issue(ca))
+    certs.write_node_files(directory, ca, certs.issue(ca, node=name))
     return certs.node_files(directory)
 
 
