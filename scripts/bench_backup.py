@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtc_replicator.core.manifest import ItemId, Manifest  # noqa: E402
 from mtc_replicator.local.hashing import build_manifest  # noqa: E402
-from mtc_replicator.node.daemon import tune_malloc  # noqa: E402
+from mtc_replicator.node.startup import tune_malloc  # noqa: E402
 from mtc_replicator.storage.backup import BackupStore  # noqa: E402
 from mtc_replicator.storage.gcs import GcsObjectStore  # noqa: E402
 from mtc_replicator.storage.objectstore import ObjectStore  # noqa: E402

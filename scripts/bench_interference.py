@@ -340,7 +340,7 @@ class Bench:
             ca = certs.new_ca()
             for rank in (0, 1):
                 directory = logs / "tls" / f"node{rank}"
-                certs.write_node_files(directory, ca, certs.issue(ca))
+                certs.write_node_files(directory, ca, certs.issue(ca, node=f"node{rank}"))
                 files = certs.node_files(directory)
                 self.tls[rank] = [
                     *("--tls-cert", str(files.cert), "--tls-key", str(files.key)),

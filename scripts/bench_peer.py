@@ -50,7 +50,7 @@ from typing import Any
 from mtc_replicator.core.manifest import ItemId, Manifest
 from mtc_replicator.core.storedir import default_store_dir
 from mtc_replicator.local.store import LocalStore
-from mtc_replicator.node.daemon import tune_malloc
+from mtc_replicator.node.startup import tune_malloc
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
@@ -255,7 +255,7 @@ def make_item(ckpt: Path, size: int, files: int) -> Manifest:
 def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
     """A node certificate from the run's throwaway CA."""
     directory = root / "tls" / name
-    certs.write_node_files(directory, ca, certs.issue(ca))
+    certs.write_node_files(directory, ca, certs.issue(ca, node=name))
     return certs.node_files(directory)
 
 

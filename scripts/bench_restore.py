@@ -98,7 +98,7 @@ class Job:
         for d in self.dirs:
             d.mkdir(parents=True)
         ca = certs.new_ca()
-        self.tls = [node_tls(root / "tls" / f"node{r}", ca) for r in range(nodes)]
+        self.tls = [node_tls(root / "tls" / f"node{r}", ca, node=f"node{r}") for r in range(nodes)]
         self.use_tls = tls
         self.backup = backup
         if backup is None:

@@ -450,7 +450,7 @@ class Steady:
 
 def make_tls(root: Path, ca: certs.Pair, name: str) -> TlsFiles:
     directory = root / "tls" / name
-    certs.write_node_files(directory, ca, certs.issue(ca))
+    certs.write_node_files(directory, ca, certs.issue(ca, node=name))
     return certs.node_files(directory)
 
 

@@ -12,8 +12,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from mtc_replicator.core.identity import node_uri
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial
+
+TEST_NODE = "test-node"
+"""The node a test certificate names unless told otherwise."""
 
 
 @dataclass(frozen=True)
@@ -38,16 +42,18 @@ def node_tls(
     ca: certs.Pair,
     *,
     server_name: str = certs.DEFAULT_SERVER_NAME,
+    node: str | None = TEST_NODE,
     expired: bool = False,
     trust: certs.Pair | None = None,
 ) -> NodeTls:
-    """A node certificate from ``ca`` in ``root`` (``expired``: its validity ended a day
-    ago; else valid since yesterday, so records dated when the tests were collected, minutes
+    """A certificate from ``ca`` naming ``node`` in ``root`` (None: a shared certificate of
+    no node, for ``--tls-shared-certificate``; ``expired``: its validity ended a day ago;
+    else valid since yesterday, so records dated when the tests were collected, minutes
     before, fall inside it), trusting ``trust`` (default: the same CA)."""
     now = dt.datetime.now(dt.UTC)
     start = now - dt.timedelta(days=3 if expired else 1)
-    node = certs.issue(ca, server_name, days=2 if expired else 30, not_before=start)
-    certs.write_node_files(root, trust or ca, node)
+    pair = certs.issue(ca, server_name, node=node, days=2 if expired else 30, not_before=start)
+    certs.write_node_files(root, trust or ca, pair)
     return NodeTls(root)
 
 
@@ -93,9 +99,11 @@ def hand_made_node(
     ),
     valid_from: dt.timedelta = dt.timedelta(days=-1),
     valid_for: dt.timedelta = dt.timedelta(days=30),
+    node: str | None = TEST_NODE,
 ) -> certs.Pair:
     """A node certificate with what a hand-written openssl config may leave out: no DNS
-    names (no subjectAltName), other extended key usages, another validity window."""
+    names (no subjectAltName), other extended key usages, another validity window, no node
+    name (``node`` None; with ``dns_names``, the node's URI goes beside them)."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert)
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
@@ -116,9 +124,10 @@ def hand_made_node(
         )
     )
     if dns_names:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(n) for n in dns_names]), critical=False
-        )
+        names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+        if node is not None:
+            names.append(x509.UniformResourceIdentifier(node_uri(node)))
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     if usages:
         builder = builder.add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
     cert = builder.sign(ca_key, hashes.SHA256())

@@ -3,7 +3,9 @@ I/O module.
 
 Every request is hostile input: it is checked completely (``cluster.messages``) before the
 state machine sees it, and our exceptions become one status code in ``status_for``. The
-only module of ``cluster`` that knows gRPC's servicer side (a contract in pyproject.toml).
+caller's node (``transport.identity.caller``, from its certificate) goes with every join
+and report, for the rank it names (``core.rank_holders``). The only module of ``cluster``
+that knows gRPC's servicer side (a contract in pyproject.toml).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from mtc_replicator.core.coordination import JoinRejected, ReportRefused
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.obs.logs import JobLog
+from mtc_replicator.transport.identity import caller
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             limit = functools.partial(self.coordinators.join_limit, job, request.rank)
             call = join_call(request, job, limit)
             identity, round_ = await self.coordinators.join(
-                job, call.incarnation, call.cluster_view, call.inventory, call.owner
+                job, call.incarnation, call.cluster_view, call.inventory, call.owner, node=caller()
             )
             response = pb.JoinResponse(coordinator=identity_message(identity), round=round_)
             if request.wait_seconds:
@@ -144,6 +147,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 request.plan_version,
                 ready=request.ready,
                 failed=call.failed,
+                node=caller(),
             )
             jlog = JobLog(log, job, rank)
             for failure, key in zip(request.failures, call.failed, strict=True):
@@ -180,7 +184,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             job = self._served(check_job(request.job))
             incarnation, progress = progress_call(request)
             identity, answer = await self.coordinators.report_progress(
-                job, request.rank, incarnation, progress
+                job, request.rank, incarnation, progress, caller()
             )
         except Exception as exc:
             await _abort(context, "ReportProgress", request, exc)

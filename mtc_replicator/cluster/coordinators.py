@@ -90,6 +90,15 @@ class RestorePins(Protocol):
         ...
 
 
+class HolderRecords(Protocol):
+    """The released round's rank holders per job, kept across daemon restarts
+    (``local.holders_file.HoldersFile``)."""
+
+    def save(self, job: str, nodes: Mapping[int, str]) -> None: ...
+
+    def load(self, job: str, ranks: int) -> dict[int, str] | None: ...
+
+
 Listing = tuple[Mapping[int, CommitRecord], int | None]
 """A job's committed backups and its pinned step."""
 
@@ -115,8 +124,13 @@ class Coordinators:
         backups_ttl: float = BACKUPS_TTL,
         pins: RestorePins | None = None,
         commit: CommitBackup | None = None,
+        holders: HolderRecords | None = None,
+        on_rank_refused: Callable[[], None] = lambda: None,
     ) -> None:
         self.host = host
+        self.holders = holders
+        self.on_rank_refused = on_rank_refused
+        """Counts a call refused for another node's rank (``Metrics.identity_refused``)."""
         self.backups_for = backups_for
         self.commit = commit
         self.pins = pins
@@ -182,8 +196,11 @@ class Coordinators:
         cluster_view: str,
         inventory: NodeInventory,
         owner: str = UNOWNED,
+        *,
+        node: str | None = None,
     ) -> tuple[Identity, int]:
-        """Admit a join of ``owner``'s; returns who answered and the round it counts for."""
+        """Admit a join of ``owner``'s from ``node`` (the caller's certificate; None: not
+        known); returns who answered and the round it counts for."""
         rank = inventory.rank
         self._admit(job, rank, owner)  # before listing any backups
         backups, pinned = await self._committed_backups(job)
@@ -191,7 +208,12 @@ class Coordinators:
         coordinator = hosted.coordinator
         before = _round_key(coordinator)
         t0 = time.perf_counter()
-        round_ = coordinator.join(Join(rank, incarnation, cluster_view, inventory), backups, pinned)
+        refused = coordinator.holders.refused
+        round_ = coordinator.join(
+            Join(rank, incarnation, cluster_view, inventory, node), backups, pinned
+        )
+        if coordinator.holders.refused != refused:
+            self.on_rank_refused()
         jlog = JobLog(log, job, rank)
         if coordinator.phase is Phase.FETCH:
             # Planned: the listing served this round's joins. The next round (a job restart
@@ -213,12 +235,13 @@ class Coordinators:
             )
         else:
             jlog.warning(
-                "join: incarnation %s at %s is not admitted to round %d (%s): an agent of "
-                "the released run, or not the rank 0 this daemon runs",
+                "join: incarnation %s at %s is not admitted to round %d (%s): %s",
                 incarnation,
                 inventory.address,
                 round_,
                 coordinator.phase.value,
+                coordinator.refused_why
+                or "an agent of the released run, or not the rank 0 this daemon runs",
             )
         return hosted.identity, round_
 
@@ -320,19 +343,25 @@ class Coordinators:
         *,
         ready: bool,
         failed: Sequence[SourceKey] = (),
+        node: str | None = None,
     ) -> Identity:
-        """A rank's outcome for a plan (stale ones are ignored by the state machine)."""
+        """A rank's outcome for a plan (stale ones are ignored by the state machine), from
+        ``node`` (the caller's certificate; None: not known)."""
         hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
         before = _round_key(coordinator)
         t0 = time.perf_counter()
         try:
             coordinator.report_restore(
-                rank, incarnation, round_, plan_version, ready=ready, failed=failed
+                rank, incarnation, round_, plan_version, ready=ready, failed=failed, node=node
             )
         except ReportRefused as exc:
             JobLog(log, job, rank).warning("restore report refused: %s", exc)
+            if "is held by node" in str(exc):
+                self.on_rank_refused()
             raise
+        if before[1] is not Phase.RELEASED and coordinator.phase is Phase.RELEASED:
+            self._save_holders(job, coordinator)
         self._consume_pin(job, coordinator)
         passed = coordinator.passed_over
         if not ready and passed is not None:
@@ -361,6 +390,21 @@ class Coordinators:
         )
         return hosted.identity
 
+    def _save_holders(self, job: str, coordinator: JobCoordinator) -> None:
+        """Keep the released round's holders for a restart of this daemon."""
+        if self.holders is None or not coordinator.holders.nodes:
+            return
+        try:
+            self.holders.save(job, coordinator.holders.nodes)
+        except OSError as exc:
+            log.warning(
+                "cannot record the rank holders of job %s: a restart of this daemon adopts "
+                "the first report of each rank: %s",
+                job,
+                exc,
+                extra={"job": job},
+            )
+
     def _consume_pin(self, job: str, coordinator: JobCoordinator) -> None:
         pinned = coordinator.pin_consumed
         if pinned is None or self.pins is None:
@@ -387,11 +431,34 @@ class Coordinators:
             log.warning("cannot remove a used restore pin: %s", exc)
 
     async def report_progress(
-        self, job: str, rank: int, incarnation: str, progress: Progress
+        self, job: str, rank: int, incarnation: str, progress: Progress, node: str | None = None
     ) -> tuple[Identity, ProgressAnswer]:
-        """Fold in a rank's steady-state progress; the answer may order a backup."""
+        """Fold in a rank's steady-state progress from ``node`` (the caller's certificate;
+        None: not known); the answer may order a backup."""
         hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
+        if coordinator.adopting and not hosted.holders_loaded:
+            # Restarted in steady state: adopt only the nodes the released round bound.
+            hosted.holders_loaded = True
+            saved = (
+                None if self.holders is None else self.holders.load(job, coordinator.config.nodes)
+            )
+            if saved:
+                coordinator.holders.restore(saved)
+        held = coordinator.holders.nodes.get(rank)
+        if coordinator.holders.check(rank, node):
+            self.on_rank_refused()
+            JobLog(log, job, rank).warning(
+                "progress report refused: rank %d is held by node %r, not %r (%d calls "
+                "refused for coming from another node)",
+                rank,
+                held,
+                node,
+                coordinator.holders.refused,
+            )
+            raise NotInReleasedRound(
+                f"rank {rank} of job {job} is held by another node; join again"
+            )
         if coordinator.adopting and not hosted.backups_noted:
             # Restarted in steady state: the backup interval counts from the newest
             # committed backup, as after a round's joins, not from nothing.
@@ -410,6 +477,7 @@ class Coordinators:
             held=progress.held,
             replicating=progress.replicating_step,
             address_ranks=progress.address_ranks,
+            node=node,
         )
         if answer is None:
             raise NotInReleasedRound(

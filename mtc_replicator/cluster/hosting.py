@@ -40,6 +40,8 @@ class HostedJob:
     each of N joins woke every waiting rank, N^2 wake-ups per round."""
     backups_noted: bool = False
     """Whether a coordinator restarted in steady state has read the newest backup's time."""
+    holders_loaded: bool = False
+    """Restarted in steady state: the released round's rank holders were read back."""
     said_unadopted: float | None = None
     """Restarted in steady state: when the ranks yet to report were last logged (or the
     first report came)."""

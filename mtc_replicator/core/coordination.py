@@ -34,6 +34,7 @@ from mtc_replicator.core.layout import backup_uploaders, missing_ranks, waiting_
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import LastBackup, backup_due
 from mtc_replicator.core.progress import ProgressBook
+from mtc_replicator.core.rank_holders import RankHolders
 from mtc_replicator.core.restore_plan import (
     Fetch,
     NodeInventory,
@@ -90,6 +91,8 @@ class Join:
     cluster_view: str
     """The cluster-wide keys of its ``replicator.yaml`` as canonical JSON."""
     inventory: NodeInventory
+    node: str | None = None
+    """The node its certificate names (``core.rank_holders``); None: not known."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,10 @@ class JobCoordinator:
         """Each rank's peer address: from the joins, then from progress reports."""
         self.adopting = False
         """A coordinator restarted in steady state: it admits each rank's first report."""
+        self.holders = RankHolders(rank0=rank0_incarnation)
+        """Which node holds each rank (``core.rank_holders``)."""
+        self.refused_why = ""
+        """Why the last join was not admitted, for the host's log."""
         self.pinned: int | None = None
         """An operator's restore pin (``mtc backups restore``): the step the round must use."""
         self._waiting_key: tuple[int, int] | None = None
@@ -219,12 +226,19 @@ class JobCoordinator:
                 "of the job must be started with the same settings"
             )
         current = self.members.get(join.rank)
+        self.refused_why = self.holders.check(join.rank, join.node)
+        if self.refused_why:
+            return self.round
         if current is not None and current.incarnation_id == join.incarnation_id:
             if self.phase is Phase.WAITING:
                 self.members[join.rank] = join  # a re-join may carry a fresher inventory
             return self.round
-        if self.refusal(join.rank, join.incarnation_id):
+        self.refused_why = self.refusal(join.rank, join.incarnation_id)
+        if self.refused_why:
             return self.round
+        if join.rank == 0:
+            self.holders.rank0_joins(join.incarnation_id)
+        self.holders.bind(join.rank, join.node)
         if self.released_incarnations.get(join.rank) == join.incarnation_id:
             # Adopted from a report it sent while restoring (an agent that reported a step
             # it ingested before its round): joining proves it is not running. Forget it.
@@ -240,6 +254,8 @@ class JobCoordinator:
             self._new_round(keep_members=self.phase is Phase.FETCH)
             if opening:
                 self.members.update(self.pending)
+                for rank, pending in self.pending.items():
+                    self.holders.bind(rank, pending.node)
         self.pending = {}
         self.members[join.rank] = join
         self.backups = backups
@@ -370,12 +386,17 @@ class JobCoordinator:
         *,
         ready: bool,
         failed: Collection[SourceKey] = (),
+        node: str | None = None,
     ) -> None:
         """A rank's outcome for a plan; stale reports (old round or plan) are ignored.
 
         Raises ``ReportRefused``, changing nothing, when a report of the current plan names
-        a source that plan did not give the rank, or is not ready without naming any.
+        a source that plan did not give the rank, or is not ready without naming any, or
+        comes from another node than the rank's (``node``, ``core.rank_holders``).
         """
+        why = self.holders.check(rank, node)
+        if why:
+            raise ReportRefused(f"restore report refused: {why}")
         member = self.members.get(rank)
         if (
             member is None
@@ -436,6 +457,7 @@ class JobCoordinator:
         held: frozenset[int] | None = None,
         replicating: int | None = None,
         address_ranks: Collection[int] | None = None,
+        node: str | None = None,
     ) -> ProgressAnswer | None:
         """Fold in a rank's progress; None when the rank is not of the released round.
 
@@ -445,11 +467,14 @@ class JobCoordinator:
         """
         if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
+        if self.holders.check(rank, node):
+            return None  # another node's rank, adopted or released: the host logs it
         if self.adopting and rank not in self.released_incarnations:
             if not self._adoptable(rank, incarnation_id):
                 return None
             self.released_incarnations[rank] = incarnation_id
             self.adopted.add(rank)
+            self.holders.bind(rank, node)
         if self.released_incarnations.get(rank) != incarnation_id:
             return None
         if address:

@@ -94,7 +94,7 @@ def throwaway_tls(work: Path, ca: certs.Pair, name: str) -> tuple[str, ...]:
     """A node certificate from the demo's own CA in ``work/tls/NAME``, as daemon flags: the
     demo runs with mutual TLS on, as a cluster should (``mtc certs`` does this for real)."""
     directory = work / "tls" / name
-    certs.write_node_files(directory, ca, certs.issue(ca))
+    certs.write_node_files(directory, ca, certs.issue(ca, node=name))
     return certs.daemon_flags(certs.node_files(directory))
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -25,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mtc_replicator import __version__
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.holders_file import HoldersFile
 
 try:
     import uvloop
@@ -44,12 +43,12 @@ from mtc_replicator.core.contract import (
     PRERESTORE_FILE,
     parse_save_name,
 )
+from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import (
     PaceRules,
     format_rate,
 )
-from mtc_replicator.core.signed import RecordTrust
 from mtc_replicator.core.timeline import RestorePhase
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError, StorePlacementError
@@ -65,6 +64,7 @@ from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settin
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
+from mtc_replicator.node.startup import open_backups, open_tls, tune_malloc
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from mtc_replicator.node.supervisor import Supervisor
@@ -79,9 +79,7 @@ from mtc_replicator.obs.metrics import (
     process_metrics,
 )
 from mtc_replicator.obs.metrics_endpoint import MetricsError, MetricsServer, serve
-from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.restore_pins import StorePins
-from mtc_replicator.storage.stores import open_object_store
 from mtc_replicator.transport.datachannel import DataListener
 from mtc_replicator.transport.grpc_server import (
     RpcServer,
@@ -89,13 +87,14 @@ from mtc_replicator.transport.grpc_server import (
     advertised_address,
     split_host_port,
 )
+from mtc_replicator.transport.identity import NodeIdentityInterceptor
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peer_servicer import PeerServicer
 from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
-from mtc_replicator.transport.signing import check_identity, record_trust
-from mtc_replicator.transport.tls import TlsError, TlsMaterial, open_material
+from mtc_replicator.transport.signing import record_trust
+from mtc_replicator.transport.tls import TlsError
 
 log = logging.getLogger("mtc_replicator.node.daemon")
 
@@ -115,45 +114,20 @@ def _is_own_output(name: str) -> bool:
     return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
 
 
-def tune_malloc() -> None:
-    """Raise glibc's mmap and trim thresholds: large buffers otherwise churn page faults."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
-        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
-
-
-def _open_backups(opts: DaemonOptions, trust: RecordTrust, pacer: Pacer) -> BackupStore | None:
-    """The backup tier at ``--backup``, its uploads paced with replication; None without."""
-    if not opts.backup:
-        return None
-    objects = open_object_store(opts.backup, timeout=opts.storage_timeout)
-    return BackupStore(objects, trust, pacer=pacer)
-
-
 class Daemon:
     """The ``mtc-replicator`` process on one CHECKPOINT_DIR: its parts wired, its servers, its
     loop (each wake-up handed to the ``Supervisor``) and its shutdown."""
 
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
-        self.tls: TlsMaterial | None = open_material(
-            opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name
-        )
-        if self.tls is not None:
-            check_identity(self.tls)  # what peers will check, before anything is served
-            self.tls.vet = check_identity  # and every rotated certificate, before it is used
+        self.tls, self.node_name = open_tls(opts)
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(
             PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
         )
         """The node's outgoing bytes: replication and backups under the limit, restores first."""
-        backups = _open_backups(opts, self.trust, self.pacer)
+        backups = open_backups(opts, self.trust, self.pacer)
         self._observe(opts)
         self.executor = ThreadPoolExecutor(max_workers=opts.threads, thread_name_prefix="mtc-io")
         self.ctx = AgentContext(
@@ -403,7 +377,10 @@ class Daemon:
         """Bind the gRPC server (peer, coordinator and node services) and the data channel,
         then start them; None, with the store closed and the exit code set, when a port
         cannot be had."""
-        rpc = RpcServer()
+        refused = functools.partial(self.metrics.identity_refused, "rpc")
+        rpc = RpcServer(
+            NodeIdentityInterceptor(self.tls.rule, refused) if self.tls is not None else None
+        )
         channel: DataListener | None = None
         if self.opts.data_port is not None:
             try:
@@ -469,6 +446,8 @@ class Daemon:
         return Coordinators(
             self.coordinators,
             lambda job: backups.committed_steps(job) if backups else {},
+            holders=HoldersFile(self.store.root),
+            on_rank_refused=functools.partial(self.metrics.identity_refused, "rank"),
             pins=StorePins(
                 backups.objects,
                 self.trust,
@@ -488,7 +467,7 @@ class Daemon:
         """The line that says the daemon serves, and with what."""
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
-            "tls=%s health=%s metrics=%s data-port=%s owner-file=%s",
+            "tls=%s node=%s health=%s metrics=%s data-port=%s owner-file=%s",
             READY_LINE,
             self.opts.checkpoint_dir,
             self.store.root,
@@ -497,6 +476,7 @@ class Daemon:
             self.opts.backup,
             __version__,
             "on" if self.tls is not None else "off",
+            "(shared certificate)" if self.node_name == LEGACY else self.node_name,
             self.health_address,
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",

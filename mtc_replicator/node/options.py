@@ -20,6 +20,7 @@ from mtc_replicator.core.admission import MAX_STEP_LEAD
 from mtc_replicator.core.contract import ascii_digits
 from mtc_replicator.core.drain import DEFAULT_DRAIN_SECONDS
 from mtc_replicator.core.foreign import DEFAULT_TTL
+from mtc_replicator.core.identity import DEFAULT_NODE_NAME_PATTERN
 from mtc_replicator.core.manifest import DEFAULT_MAX_ITEM_FILES
 from mtc_replicator.core.pacing import (
     DEFAULT_MIN_TRANSFER_RATE,
@@ -78,6 +79,11 @@ class DaemonOptions:
     tls_ca: str | None = None
     tls_server_name: str = DEFAULT_SERVER_NAME
     """The DNS name every node certificate carries; clients check it."""
+    tls_node_name_pattern: str = DEFAULT_NODE_NAME_PATTERN
+    """What the node name in a caller's certificate must match (``core.identity``)."""
+    tls_shared_certificate: bool = False
+    """Migration: every node presents one shared certificate that names no node; callers
+    with the shared DNS name count as nodes (of no known name)."""
     accept_unsigned_records: bool = False
     """Believe unsigned COMMITs, registry entries and restore pins (written before records
     and pins were signed); those whose signature fails are refused all the same. Only
@@ -275,6 +281,21 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         "(default: %(default)s) [MTC_TLS_SERVER_NAME]",
     )
     p.add_argument(
+        "--tls-node-name-pattern",
+        default=env.get("MTC_TLS_NODE_NAME_PATTERN", DEFAULT_NODE_NAME_PATTERN),
+        help="a regular expression the node name in every caller's certificate "
+        "(spiffe://mtc-replicator/node/NAME) must match; others are refused "
+        "(default: a Kubernetes node name) [MTC_TLS_NODE_NAME_PATTERN]",
+    )
+    p.add_argument(
+        "--tls-shared-certificate",
+        action="store_true",
+        default=_flag(env.get("MTC_TLS_SHARED_CERTIFICATE", "")),
+        help="migration: every node presents one shared certificate naming no node (made by "
+        "'mtc certs init'); without this flag the daemon's certificate must name its node "
+        "('mtc certs node'), see docs/deploy.md [MTC_TLS_SHARED_CERTIFICATE]",
+    )
+    p.add_argument(
         "--accept-unsigned-records",
         action="store_true",
         default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
@@ -406,6 +427,10 @@ def parse_args(
         p.error("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
     if a.checkpoint_dir is None:
         p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
+    try:
+        re.compile(a.tls_node_name_pattern)
+    except re.error as exc:
+        p.error(f"--tls-node-name-pattern {a.tls_node_name_pattern!r} is not a regex: {exc}")
     if not 0 <= a.yield_to_saves_seconds <= MAX_YIELD_TO_SAVES:
         p.error(
             f"--yield-to-saves-seconds must be in [0, {MAX_YIELD_TO_SAVES:g}]: peers and "
@@ -440,6 +465,8 @@ def parse_args(
         tls_key=_text(a.tls_key),
         tls_ca=_text(a.tls_ca),
         tls_server_name=a.tls_server_name,
+        tls_node_name_pattern=a.tls_node_name_pattern,
+        tls_shared_certificate=a.tls_shared_certificate,
         accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,

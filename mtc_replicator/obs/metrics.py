@@ -138,6 +138,10 @@ class Metrics:
     def pin_refused(self, job: str) -> None:
         """A restore pin of ``job`` was not an operator's and was not honoured."""
 
+    def identity_refused(self, where: str) -> None:
+        """A caller was refused for who its certificate says it is: ``rpc`` (it names no
+        node) or ``rank`` (another node holds the rank it acts as)."""
+
     def serving(self, job: str) -> None:
         """The daemon serves ``job`` now: the series of any other job go."""
 
@@ -188,6 +192,23 @@ NO_METRICS = Metrics()
 """The default everywhere: records nothing."""
 
 
+IDENTITY_REFUSALS = ("rpc", "rank")
+"""Where a caller is refused for its certificate (``Metrics.identity_refused``)."""
+
+
+def _identity_refusals(registry: CollectorRegistry) -> Counter:
+    counter = Counter(
+        "mtc_identity_refusals",
+        "Calls refused for the caller's certificate: names no node (rpc), or another node "
+        "holds the rank it acts as (rank).",
+        ["where"],
+        registry=registry,
+    )
+    for where in IDENTITY_REFUSALS:
+        counter.labels(where)  # exported at 0 from the start, as every bounded label
+    return counter
+
+
 class PrometheusMetrics(Metrics):
     """Records into ``registry`` (a new one by default); ``clock`` is wall time, for ages;
     ``phases``: every restore phase's name, exported from the start (``obs`` may not
@@ -200,13 +221,12 @@ class PrometheusMetrics(Metrics):
         clock: Callable[[], float] = time.time,
         phases: Iterable[str] = (),
     ) -> None:
-        self.registry = CollectorRegistry() if registry is None else registry
+        r = self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
         self._lock = threading.Lock()
         self._job: str | None = None
         self._steps: NewestSteps = {}
         self._restorable: Restorable = {}
-        r = self.registry
         self._bytes = Counter(
             "mtc_transfer_bytes", "Bytes moved, by transfer kind.", ["kind"], registry=r
         )
@@ -226,6 +246,7 @@ class PrometheusMetrics(Metrics):
             ["kind"],
             registry=r,
         )
+        self._identity_refusals = _identity_refusals(r)
         self._pin_delete_failures = Counter(
             "mtc_pin_delete_failures",
             "Used restore pins this node's coordinator could not delete from the bucket.",
@@ -296,6 +317,9 @@ class PrometheusMetrics(Metrics):
 
     def pin_refused(self, job: str) -> None:
         self._pins_refused.labels(job).inc()
+
+    def identity_refused(self, where: str) -> None:
+        self._identity_refusals.labels(where).inc()
 
     def held_without_backup(self, bytes_by_job: Mapping[str, int]) -> None:
         with self._lock:

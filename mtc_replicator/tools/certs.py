@@ -1,15 +1,18 @@
 """``mtc certs``: a CA and node certificates for mutual TLS, for clusters without cert-manager.
 
-``mtc certs init DIR`` makes a CA in DIR (once: an existing one is kept) and issues the
-node certificate every daemon presents (``tls.crt``, ``tls.key``, ``ca.crt``: the names of
-a ``kubernetes.io/tls`` Secret and of cert-manager's). ``mtc certs secret DIR`` prints that
-Secret for ``kubectl apply -f -``. ``mtc certs operator DIR --name NAME`` issues an operator
-certificate from DIR's CA (``operator.crt``, ``operator.key``): what signs restore pins
+``mtc certs init DIR`` makes a CA in DIR (once: an existing one is kept) and issues one
+certificate shared by every node (``tls.crt``, ``tls.key``, ``ca.crt``: the names of a
+``kubernetes.io/tls`` Secret and of cert-manager's), for daemons run with
+``--tls-shared-certificate``. ``mtc certs node NAME DIR`` issues a certificate that also
+names its node (``core.identity``) into ``DIR/nodes/NAME``: what daemons need by default.
+``mtc certs secret DIR`` prints the Secret of DIR's certificate for ``kubectl apply -f -``.
+``mtc certs operator DIR --name NAME`` issues an operator certificate from DIR's CA
+(``operator.crt``, ``operator.key``): what signs restore pins
 (``transport.operator_signing``), never a node's and never mounted in the cluster. Keys are
-ECDSA P-256 (cheap handshakes); node certificates carry one DNS name (``mtc-replicator``
-unless told otherwise), which clients check instead of the address they dial
-(``transport.tls``), and serve as server and client certificates both. Private keys are
-written mode 0600.
+ECDSA P-256 (cheap handshakes); node certificates carry the shared DNS name
+(``mtc-replicator`` unless told otherwise), which clients check instead of the address they
+dial (``transport.tls``), and serve as server and client certificates both. Private keys
+are written mode 0600.
 
 The CA key stays with whoever runs this; only the node certificate, its key and the CA
 certificate go into the cluster. Pure functions (``new_ca``, ``issue``) make certificates
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime as dt
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc_replicator.core import argtypes
+from mtc_replicator.core.identity import DEFAULT_NODE_NAME_PATTERN, node_uri
 from mtc_replicator.local import fsutil
 from mtc_replicator.transport.operator_signing import OPERATOR_PURPOSE
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
@@ -109,10 +114,13 @@ def issue(
     ca: Pair,
     server_name: str = DEFAULT_SERVER_NAME,
     *,
+    node: str | None = None,
     days: int = 365,
     not_before: dt.datetime | None = None,
 ) -> Pair:
-    """A node certificate signed by ``ca``, for server and client use under ``server_name``.
+    """A node certificate signed by ``ca``, for server and client use under ``server_name``,
+    naming ``node`` in a URI subjectAltName (``core.identity``; None: a shared certificate
+    of no node, for ``--tls-shared-certificate``).
 
     ``not_before`` moves the validity window (tests make expired certificates with it).
     """
@@ -131,7 +139,7 @@ def issue(
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(server_name)]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(_names(server_name, node)), critical=False)
         .add_extension(
             x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
@@ -183,6 +191,13 @@ def issue_operator(
     return Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
 
+def _names(server_name: str, node: str | None) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.DNSName(server_name)]
+    if node is not None:
+        names.append(x509.UniformResourceIdentifier(node_uri(node)))
+    return names
+
+
 def write_pair(directory: Path, pair: Pair, cert_name: str, key_name: str) -> None:
     """Write a certificate and its key atomically; the key readable by its owner only."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -206,17 +221,42 @@ def daemon_flags(files: TlsFiles) -> tuple[str, ...]:
     return ("--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca))
 
 
-def init(directory: Path, server_name: str, days: int) -> tuple[Pair, bool]:
-    """The CA in ``directory`` (made if absent) and a fresh node certificate beside it."""
+def _ca(directory: Path) -> tuple[Pair, bool]:
+    """The CA in ``directory``, made if absent; whether it was made."""
     cert, key = directory / CA_CERT, directory / CA_KEY
-    made = not cert.exists()
-    if made:
+    if not cert.exists():
         ca = new_ca()
         write_pair(directory, ca, CA_CERT, CA_KEY)
-    else:
-        ca = Pair(cert.read_bytes(), key.read_bytes())
-    write_pair(directory, issue(ca, server_name, days=days), NODE_CERT, NODE_KEY)
+        return ca, True
+    return Pair(cert.read_bytes(), key.read_bytes()), False
+
+
+def init(
+    directory: Path, server_name: str, days: int, node: str | None = None
+) -> tuple[Pair, bool]:
+    """The CA in ``directory`` (made if absent) and a fresh node certificate beside it
+    (shared by every node when ``node`` is None)."""
+    ca, made = _ca(directory)
+    write_pair(directory, issue(ca, server_name, node=node, days=days), NODE_CERT, NODE_KEY)
     return ca, made
+
+
+def issue_node(directory: Path, node: str, server_name: str, days: int) -> tuple[Path, bool]:
+    """A certificate naming ``node`` in ``directory/nodes/<node>/`` (``tls.crt``, ``tls.key``,
+    ``ca.crt``: what that node's daemon mounts), from the CA in ``directory`` (made if
+    absent); that folder, and whether the CA was made."""
+    ca, made = _ca(directory)
+    out = directory / "nodes" / node
+    write_node_files(out, ca, issue(ca, server_name, node=node, days=days))
+    return out, made
+
+
+def _node_name(value: str) -> str:
+    if re.fullmatch(DEFAULT_NODE_NAME_PATTERN, value) is None:
+        raise argparse.ArgumentTypeError(
+            f"not a node name (lower-case letters, digits, '-' and '.'): {value!r}"
+        )
+    return value
 
 
 def secret_manifest(directory: Path, name: str, namespace: str) -> str:
@@ -270,6 +310,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=90,
         help="operator certificate lifetime (default: %(default)s)",
     )
+    about = "issue a certificate naming node NAME, from the CA in DIR (made if absent)"
+    node_p = verbs.add_parser("node", help=about, description=about)
+    node_p.add_argument("name", type=_node_name, help="the node's name (Kubernetes: spec.nodeName)")
+    node_p.add_argument(
+        "dir", type=argtypes.path, help="the CA's directory; the node's files go to DIR/nodes/NAME"
+    )
+    node_p.add_argument(
+        "--server-name",
+        default=DEFAULT_SERVER_NAME,
+        help="the shared DNS name in every node certificate (default: %(default)s)",
+    )
+    node_p.add_argument(
+        "--days",
+        type=argtypes.positive,
+        default=365,
+        help="node certificate lifetime (default: %(default)s)",
+    )
     about = "print the kubernetes.io/tls Secret of DIR's node certificate"
     secret_p = verbs.add_parser("secret", help=about, description=about)
     secret_p.add_argument("dir", type=argtypes.path, help="a directory made by 'mtc certs init'")
@@ -282,6 +339,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.certs_command == "node":
+        out, made = issue_node(args.dir, args.name, args.server_name, args.days)
+        print(
+            f"{'made a CA and' if made else 'kept the CA and made'} a certificate for node "
+            f"{args.name} in {out} ({NODE_CERT}, {NODE_KEY}, {CA_CERT}; keep "
+            f"{args.dir / CA_KEY} off the cluster)"
+        )
+        return 0
     if args.certs_command == "init":
         _, made = init(args.dir, args.server_name, args.days)
         print(

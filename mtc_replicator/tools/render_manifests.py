@@ -191,6 +191,8 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_TLS_CERT", "value": f"{TLS_DIR}/tls.crt"},
             {"name": "MTC_TLS_KEY", "value": f"{TLS_DIR}/tls.key"},
             {"name": "MTC_TLS_CA", "value": f"{TLS_DIR}/ca.crt"},
+            # One shared Secret, naming no node (docs/deploy.md, "Per-node certificates").
+            {"name": "MTC_TLS_SHARED_CERTIFICATE", "value": "true"},
         ]
         # The only container that mounts the Secret: not the plugin, not the sidecars, and
         # never a training pod (the CSI volume is the RAM disk's checkpoint/ only).

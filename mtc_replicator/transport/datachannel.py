@@ -49,11 +49,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from mtc_replicator.core.identity import NotANode
 from mtc_replicator.core.manifest import Cancelled, Manifest
 from mtc_replicator.core.retry import Backoff
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.transport.identity import peer_node
 from mtc_replicator.transport.tls import TlsMaterial, TlsStream
 from mtc_replicator.transport.transfer import MAX_CHUNK, ItemWriter, item_files, short_file
 
@@ -335,6 +337,10 @@ def _tls_accept(conn: socket.socket, tls: TlsMaterial) -> tuple[TlsStream, bytes
     conn.settimeout(HANDSHAKE_SECONDS)
     stream = TlsStream(conn, tls.server_context(), server_side=True)
     stream.handshake()
+    try:
+        peer_node(stream.peer_certificate(), tls.rule)  # before a byte of the token is read
+    except NotANode as exc:
+        raise ChannelBroken(f"its certificate is not a node's: {exc}") from None
     token = bytearray(TOKEN_BYTES)
     view, got = memoryview(token), 0
     while got < TOKEN_BYTES:

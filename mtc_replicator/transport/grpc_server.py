@@ -36,8 +36,11 @@ def split_host_port(address: str) -> tuple[str, int]:
 class RpcServer:
     """A grpc.aio server in the running loop; services register before ``start``."""
 
-    def __init__(self) -> None:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+    def __init__(self, interceptor: grpc.aio.ServerInterceptor | None = None) -> None:
+        """``interceptor`` sees every call first (``transport.identity``: who the caller is)."""
+        self._server = grpc.aio.server(
+            options=SERVER_OPTIONS, interceptors=[interceptor] if interceptor else None
+        )
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._services: list[str] = []

@@ -16,8 +16,9 @@ when they change: cert-manager and the kubelet rotate a mounted Secret in place 
 
 Every node's certificate carries one DNS name, ``server_name`` (``--tls-server-name``,
 default ``mtc-replicator``): nodes are reached at pod or host IPs that no certificate can
-list, so clients check that name instead of the address. What the CA signs is the trust
-boundary (SECURITY.md).
+list, so clients check that name instead of the address. Each also names its node in a URI
+subjectAltName (``core.identity``); servers refuse callers whose certificate names none
+(``transport.identity``, with ``rule``). What the CA signs is the trust boundary (SECURITY.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Any, cast
 
 import grpc
 import grpc.aio
+
+from mtc_replicator.core.identity import IdentityRule
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +109,12 @@ class TlsMaterial:
         files: TlsFiles,
         server_name: str = DEFAULT_SERVER_NAME,
         vet: Callable[[TlsMaterial], None] | None = None,
+        rule: IdentityRule | None = None,
     ) -> None:
         self.files = files
         self.server_name = server_name
+        self.rule = rule or IdentityRule()
+        """Which callers are nodes (``transport.identity``): this node's servers refuse others."""
         self.vet = vet
         """Raises ``TlsError`` for material peers would refuse (``signing.check_identity``);
         a rotated set it refuses is kept out like a half-rotated one."""
@@ -152,7 +158,7 @@ class TlsMaterial:
             try:
                 pem = self._load()
                 if self.vet is not None:
-                    self.vet(TlsMaterial(self.files, self.server_name))
+                    self.vet(TlsMaterial(self.files, self.server_name, rule=self.rule))
             except TlsError as exc:
                 log.warning("new TLS files not usable yet, keeping the loaded ones: %s", exc)
                 if self.vet is not None:
@@ -262,14 +268,18 @@ def refused_certificate(details: str) -> bool:
 
 
 def open_material(
-    cert: str | None, key: str | None, ca: str | None, server_name: str = DEFAULT_SERVER_NAME
+    cert: str | None,
+    key: str | None,
+    ca: str | None,
+    server_name: str = DEFAULT_SERVER_NAME,
+    rule: IdentityRule | None = None,
 ) -> TlsMaterial | None:
     """The material the flags name: all three files, or none (plaintext, with a warning)."""
     if not (cert or key or ca):
         return None
     if not (cert and key and ca):
         raise TlsError("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
-    return TlsMaterial(TlsFiles(Path(cert), Path(key), Path(ca)), server_name)
+    return TlsMaterial(TlsFiles(Path(cert), Path(key), Path(ca)), server_name, rule=rule)
 
 
 class TlsStream:
@@ -342,6 +352,10 @@ class TlsStream:
                 self._fill()
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 return 0  # the manifest's byte counts tell an end from a cut
+
+    def peer_certificate(self) -> bytes | None:
+        """The other side's leaf certificate (DER), once the handshake is done."""
+        return self._tls.getpeercert(binary_form=True)
 
     def version(self) -> str | None:
         """The protocol agreed on (``TLSv1.3``), once the handshake is done."""

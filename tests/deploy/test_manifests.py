@@ -295,6 +295,8 @@ def test_the_daemon_reads_the_environment_as_meant(built: list[Obj]) -> None:
         e["MTC_TLS_CA"],
     )
     assert options.tls_server_name == tls.DEFAULT_SERVER_NAME == certs.DEFAULT_SERVER_NAME
+    # The one Secret every node mounts names no node: the daemon must be told, or it stops.
+    assert options.tls_shared_certificate is True
     ports = {p["name"]: p["containerPort"] for p in replicator["ports"]}
     assert options.health_listen == f"0.0.0.0:{ports['health']}"
     assert options.listen == f"0.0.0.0:{ports['grpc']}"

@@ -71,7 +71,9 @@ class Cluster:
         self.ca = certs.new_ca() if tls else None
         """Every node's certificate is its own, signed by this throwaway CA (TLS on)."""
         self.tls = [
-            node_tls(root / "tls" / f"node{r}", self.ca) if self.ca is not None else None
+            node_tls(root / "tls" / f"node{r}", self.ca, node=f"node{r}")
+            if self.ca is not None
+            else None
             for r in range(NODES)
         ]
 

@@ -39,9 +39,9 @@ def _view(cluster: Cluster) -> str:
     return cluster_view_json(parse_config(config_text(cluster.job, nodes=NODES, **cluster.keys)))
 
 
-def _intruder(cluster: Cluster) -> CoordinatorClient:
-    """A client of rank 0's coordinator with node 3's certificate (the CA's: any node)."""
-    tls = cluster.tls[3]
+def _intruder(cluster: Cluster, node: int = 3) -> CoordinatorClient:
+    """A client of rank 0's coordinator with node ``node``'s certificate (the CA's)."""
+    tls = cluster.tls[node]
     assert tls is not None
     return CoordinatorClient(cluster.job, cluster.daemon(0).address, tls=tls.material())
 
@@ -53,7 +53,9 @@ def test_a_stray_join_in_steady_state_stops_no_backup(cluster: Cluster) -> None:
     cluster.wait_backup(5)
 
     async def stray_join() -> RoundState:
-        async with _intruder(cluster) as client:
+        # From rank 2's own node: from another, the join is not even queued
+        # (tests/integration/test_rank_holders.py).
+        async with _intruder(cluster, node=2) as client:
             round_ = (await client.join(2, "stray2", _view(cluster), NOWHERE, {})).round
             return await client.round_status(2, "stray2", round_)
 

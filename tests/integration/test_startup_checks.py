@@ -33,7 +33,7 @@ from tests.integration.helpers import (
     wait_markers,
     write_yaml_atomic,
 )
-from tests.tls import hand_made_node, openssl_style_ca
+from tests.tls import TEST_NODE, hand_made_node, openssl_style_ca
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ def test_a_certificate_peers_refuse_stops_the_daemon_at_start(tmp_path: Path, na
 
 
 def test_a_certificate_peers_accept_starts(tmp_path: Path) -> None:
-    tls = _write(tmp_path / "tls", lambda: (ca := certs.new_ca(), certs.issue(ca)))
+    tls = _write(tmp_path / "tls", lambda: (ca := certs.new_ca(), certs.issue(ca, node=TEST_NODE)))
     with DaemonProcess(tmp_path / "ckpt", extra_args=tls) as daemon:
         assert "tls=on" in daemon.log()
 
@@ -146,7 +146,7 @@ def test_a_rotated_certificate_peers_would_refuse_is_kept_out(
     """A Secret rotated in place to a certificate without the DNS name: the daemon keeps
     the one it has (peers accept it) and says why, until the files change again."""
     ca = certs.new_ca()
-    good = certs.issue(ca)
+    good = certs.issue(ca, node=TEST_NODE)
     root = tmp_path / "tls"
     certs.write_node_files(root, ca, good)
     material = TlsMaterial(certs.node_files(root), vet=check_identity)
@@ -157,7 +157,7 @@ def test_a_rotated_certificate_peers_would_refuse_is_kept_out(
     caplog.clear()
     assert material.refresh() is False
     assert caplog.text == "", "refused once per change, not at every call"
-    rotated = certs.issue(ca)
+    rotated = certs.issue(ca, node=TEST_NODE)
     certs.write_node_files(root, ca, rotated)
     assert material.refresh() is True
     assert material.identity()[0] == rotated.cert

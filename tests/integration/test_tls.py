@@ -62,7 +62,7 @@ from tests.integration.helpers import (
 )
 from tests.integration.test_coordinator_service import run
 from tests.integration.test_peer import publish_step
-from tests.tls import NodeTls, node_tls
+from tests.tls import TEST_NODE, NodeTls, node_tls
 
 pytestmark = pytest.mark.integration
 T = TypeVar("T")
@@ -348,7 +348,7 @@ def test_rotation_during_a_1_gib_push_keeps_the_push_and_takes_the_new_certifica
             push = asyncio.create_task(client.push_item(secure.b.address, manifest, big))
             # Rotate once the bytes are flowing: a renewed leaf from the same CA.
             await asyncio.sleep(0.3)
-            renewed = certs.issue(secure.ca)
+            renewed = certs.issue(secure.ca, node=TEST_NODE)
             certs.write_pair(secure.b_tls.root, renewed, certs.NODE_CERT, certs.NODE_KEY)
             assert await push is False  # done, not "already held"
 

@@ -97,6 +97,15 @@ def test_errors_count_by_kind(metrics: PrometheusMetrics) -> None:
     assert value(r, "mtc_errors_total", kind="ingest") == 0
 
 
+def test_identity_refusals_count_by_where(metrics: PrometheusMetrics) -> None:
+    r = metrics.registry
+    assert value(r, "mtc_identity_refusals_total", where="rank") == 0
+    metrics.identity_refused("rpc")
+    metrics.identity_refused("rpc")
+    assert value(r, "mtc_identity_refusals_total", where="rpc") == 2
+    assert value(r, "mtc_identity_refusals_total", where="rank") == 0
+
+
 def test_restore_rounds_by_outcome_and_their_durations(metrics: PrometheusMetrics) -> None:
     metrics.restore_done("j", 10, 1.5)
     metrics.restore_done("j", None, 0.3)

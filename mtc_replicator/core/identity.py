@@ -1,0 +1,81 @@
+"""Node identities: which node a certificate names, and whether a caller is a node. Pure.
+
+Every node certificate carries the shared DNS name (``--tls-server-name``), which clients
+check instead of the address they dial, and, since per-node certificates, one URI
+subjectAltName ``spiffe://mtc-replicator/node/<node>`` naming the node itself. A URI and not
+a second DNS name: a DNS name would also pass hostname checks wherever the CA is trusted
+(a node certificate would become a server certificate for ``<node>.<suffix>``), while a URI
+SAN is an identity only, the SPIFFE form that cert-manager's csi-driver and SPIRE issue, and
+it needs no suffix to be agreed on.
+
+A certificate the CA signed but that names no node (a client-only certificate, one for
+another service of the same CA) or names one outside ``--tls-node-name-pattern`` is not a
+node: ``caller_node`` refuses it. ``LEGACY`` is the identity of a shared certificate (every
+node one certificate, no node name), accepted only under ``--tls-shared-certificate``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+NODE_URI_PREFIX = "spiffe://mtc-replicator/node/"
+"""A node certificate's URI subjectAltName is this followed by the node's name."""
+
+DEFAULT_NODE_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+"""A Kubernetes node name (a DNS-1123 subdomain): what ``--tls-node-name-pattern`` defaults to."""
+
+LEGACY = ""
+"""The caller identity of a shared certificate: a node, but not which one."""
+
+
+class NotANode(Exception):
+    """A certificate the CA signed that names no node; the message says why."""
+
+
+@dataclass(frozen=True)
+class IdentityRule:
+    """Which certificates are nodes (``--tls-node-name-pattern``, ``--tls-shared-certificate``)."""
+
+    pattern: str = DEFAULT_NODE_NAME_PATTERN
+    """A regular expression the whole node name must match."""
+    shared_name: str | None = None
+    """Set (to ``--tls-server-name``) under ``--tls-shared-certificate``: a certificate with
+    that DNS name and no node URI is a node too, known as ``LEGACY``."""
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
+def node_uri(node: str) -> str:
+    """The URI subjectAltName naming ``node``."""
+    return NODE_URI_PREFIX + node
+
+
+def named_nodes(uris: Iterable[str]) -> list[str]:
+    """The node names among a certificate's URI subjectAltNames."""
+    return [u[len(NODE_URI_PREFIX) :] for u in uris if u.startswith(NODE_URI_PREFIX)]
+
+
+def certificate_node(uris: Iterable[str], dns_names: Iterable[str], rule: IdentityRule) -> str:
+    """The node a certificate names (``LEGACY`` for a shared one under the legacy rule);
+    ``NotANode`` with the reason otherwise. One node name exactly: a certificate naming two
+    could act as either."""
+    names = named_nodes(uris)
+    if len(names) > 1:
+        raise NotANode(f"it names {len(names)} nodes ({', '.join(sorted(names))[:200]})")
+    if names:
+        name = names[0]
+        if not rule.matches(name):
+            raise NotANode(
+                f"its node name {name[:100]!r} does not match --tls-node-name-pattern "
+                f"{rule.pattern[:100]!r}"
+            )
+        return name
+    if rule.shared_name is not None and rule.shared_name in set(dns_names):
+        return LEGACY
+    return_hint = (
+        "" if rule.shared_name is None else f" nor the shared DNS name {rule.shared_name!r}"
+    )
+    raise NotANode(f"it has no URI subjectAltName {NODE_URI_PREFIX}<node>{return_hint}")

@@ -1,0 +1,50 @@
+"""The released round's rank holders of each job rank 0 coordinates, kept in the store. I/O.
+
+A coordinator restarted with its daemon takes the running ranks back from their progress
+reports (``core.coordination.JobCoordinator.resume_steady``); without a record, the first
+report naming a rank would be believed, whoever sent it. The record is one JSON file per
+job in the store (``rank-holders/<job>.json``, beside CHECKPOINT_DIR, out of the pods'
+reach; the RAM disk survives a daemon restart), written when a round is released.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from mtc_replicator.core.rank_holders import holders_from_json, holders_json
+from mtc_replicator.local import fsutil
+
+log = logging.getLogger(__name__)
+
+DIR_NAME = "rank-holders"
+MAX_FILE_BYTES = 4 << 20
+
+
+class HoldersFile:
+    """``store_root/rank-holders/<job>.json``."""
+
+    def __init__(self, store_root: Path) -> None:
+        self.root = store_root / DIR_NAME
+
+    def _path(self, job: str) -> Path:
+        # Job names are checked before a coordinator is hosted: no separators.
+        return self.root / f"{job}.json"
+
+    def save(self, job: str, nodes: Mapping[int, str]) -> None:
+        """Record the released round's holders (raises ``OSError``)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fsutil.atomic_write_bytes(self._path(job), json.dumps(holders_json(nodes)).encode())
+
+    def load(self, job: str, ranks: int) -> dict[int, str] | None:
+        """The recorded holders; None when there is no usable record (said in the log)."""
+        try:
+            raw = fsutil.read_regular(self._path(job), MAX_FILE_BYTES)
+            return holders_from_json(json.loads(raw), ranks)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring unreadable %s: %s", self._path(job), exc)
+            return None

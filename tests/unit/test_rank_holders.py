@@ -1,0 +1,127 @@
+"""Ranks bound to the node that joined as them (``core.rank_holders``), and the coordinator's
+use of it (``core.coordination``): pure, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from mtc_replicator.core.coordination import (
+    JobCoordinator,
+    Join,
+    Phase,
+    ProgressAnswer,
+    ReportRefused,
+)
+from mtc_replicator.core.identity import LEGACY
+from mtc_replicator.core.rank_holders import RankHolders, holders_from_json, holders_json
+from mtc_replicator.core.restore_plan import NodeInventory
+from tests.unit.test_coordination import VIEW, config, own
+
+
+def join(rank: int, inc: str, node: str | None) -> Join:
+    inventory = NodeInventory(rank, f"127.0.0.1:{7000 + rank}", own(rank, 5))
+    return Join(rank, inc, VIEW, inventory, node)
+
+
+def released(nodes: int = 3) -> JobCoordinator:
+    c = JobCoordinator(config(nodes), VIEW, "a0")
+    for r in range(nodes):
+        c.join(join(r, f"a{r}", f"node{r}"), {})
+    for r in range(nodes):
+        s = c.status(r, f"a{r}")
+        c.report_restore(r, f"a{r}", s.round, s.plan_version, ready=True, node=f"node{r}")
+    assert c.phase is Phase.RELEASED
+    return c
+
+
+def _report(c: JobCoordinator, rank: int, inc: str, node: str) -> ProgressAnswer | None:
+    return c.report_progress(rank, inc, replicated_step=5, uploaded_step=None, now=0.0, node=node)
+
+
+def test_a_rank_is_its_first_nodes() -> None:
+    h = RankHolders()
+    assert h.check(1, "n1") == ""
+    h.bind(1, "n1")
+    h.bind(1, "n2")  # bound already: no change
+    assert h.check(1, "n1") == ""
+    assert "held by node 'n1', not 'n2'" in h.check(1, "n2")
+    assert h.refused == 1
+    assert h.check(1, None) == ""  # no known node: nothing to check
+
+
+def test_a_shared_certificate_neither_is_refused_nor_holds_a_rank_against_a_named_node() -> None:
+    h = RankHolders()
+    h.bind(1, LEGACY)  # a daemon with the shared certificate joined as rank 1
+    assert h.check(1, "n1") == ""  # restarted with its own certificate: still rank 1
+    h.bind(1, "n1")
+    assert h.nodes[1] == "n1"
+    assert h.check(1, LEGACY) == ""  # under --tls-shared-certificate: anyone, as before
+    assert "held by node 'n1'" in h.check(1, "n2")
+
+
+def test_only_a_new_rank0_incarnation_frees_the_ranks() -> None:
+    h = RankHolders(rank0="i1")
+    h.bind(0, "n0")
+    h.bind(1, "n1")
+    h.rank0_joins("i1")
+    assert h.nodes == {0: "n0", 1: "n1"}
+    h.rank0_joins("i2")
+    assert h.nodes == {0: "n0"}
+
+
+def test_the_saved_holders_round_trip_and_bad_ones_are_refused() -> None:
+    assert holders_from_json(holders_json({0: "n0", 2: "n2"}), 3) == {0: "n0", 2: "n2"}
+    for bad in ({}, {"holders": []}, {"holders": {"x": "n"}}, {"holders": {"3": "n"}}, []):
+        with pytest.raises(ValueError, match=r"holders|bad entry|out of range"):
+            holders_from_json(bad, 3)
+
+
+def test_a_join_from_another_node_is_not_admitted_within_a_round() -> None:
+    c = JobCoordinator(config(3), VIEW, "a0")
+    c.join(join(1, "a1", "node1"), {})
+    c.join(join(1, "x1", "node9"), {})
+    assert not c.admitted(1, "x1")
+    assert c.admitted(1, "a1")
+    assert "held by node 'node1'" in c.refused_why
+
+
+def test_an_impostor_is_not_queued_for_the_next_round() -> None:
+    c = released()
+    c.join(join(2, "x2", "node9"), {})  # node 2 is down; node 9 claims its rank
+    assert not c.admitted(2, "x2")
+    c.join(join(2, "b2", "node2"), {})  # rank 2's own new incarnation waits for rank 0
+    assert c.admitted(2, "b2")
+
+
+def test_a_new_round_rank0_opens_lets_a_rank_change_nodes() -> None:
+    c = released()
+    c.rank0_incarnation = "b0"
+    c.join(join(0, "b0", "node0"), {})
+    assert c.phase is Phase.WAITING
+    c.join(join(2, "b2", "node7"), {})  # rank 2 rescheduled on node 7
+    assert c.admitted(2, "b2")
+    assert c.holders.nodes[2] == "node7"
+
+
+def test_reports_from_another_node_are_refused() -> None:
+    c = JobCoordinator(config(2), VIEW, "a0")
+    for r in range(2):
+        c.join(join(r, f"a{r}", f"node{r}"), {})
+    s = c.status(1, "a1")
+    with pytest.raises(ReportRefused, match="held by node 'node1'"):
+        c.report_restore(1, "a1", s.round, s.plan_version, ready=True, node="node9")
+    for r in range(2):
+        s = c.status(r, f"a{r}")
+        c.report_restore(r, f"a{r}", s.round, s.plan_version, ready=True, node=f"node{r}")
+    assert _report(c, 1, "a1", "node9") is None
+    assert _report(c, 1, "a1", "node1") is not None
+
+
+def test_a_restarted_coordinator_adopts_only_the_saved_holders() -> None:
+    c = JobCoordinator(config(2), VIEW, "a0")
+    c.resume_steady()
+    c.holders.restore({0: "node0", 1: "node1"})
+    assert _report(c, 1, "evil", "node9") is None
+    assert 1 not in c.released_incarnations
+    assert _report(c, 1, "a1", "node1") is not None
+    assert c.released_incarnations[1] == "a1"
