@@ -61,7 +61,7 @@ def pull(stub: peer_pb2_grpc.PeerStub, job: str, step: int) -> dict[str, bytes]:
     ref = pb.ItemRef(job=job, step=step, rank=0, worker=0)
     responses = iter(stub.PullItem(pb.PullItemRequest(item=ref), timeout=10))
     files = json.loads(next(responses).header.manifest)["files"]
-    out = {path: bytearray(size) for path, size, _ in files}
+    out = {path: bytearray(size) for path, size, *_ in files}
     for r in responses:
         path = files[r.chunk.file_index][0]
         out[path][r.chunk.offset : r.chunk.offset + len(r.chunk.data)] = r.chunk.data
