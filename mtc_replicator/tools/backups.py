@@ -24,7 +24,6 @@ from typing import Any
 
 from mtc_replicator.core import argtypes
 from mtc_replicator.core.manifest import ManifestError
-from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from mtc_replicator.core.signed import OPEN, RecordTrust
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import restore_pins as pins
@@ -40,9 +39,10 @@ from mtc_replicator.tools.backup_views import (
     step_json,
     verdict_json,
 )
+from mtc_replicator.tools.bucket_options import add_bucket_options
 from mtc_replicator.transport.operator_signing import OperatorSigner, OperatorVerifier
 from mtc_replicator.transport.signing import CaVerifier
-from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
+from mtc_replicator.transport.tls import TlsError
 
 # --- argument wiring -----------------------------------------------------------------------
 
@@ -122,29 +122,10 @@ def _command(
             required=jobs == "one",
             help="the job's name" + (" (default: every job)" if jobs == "any" else ""),
         )
-    c.add_argument(
-        "--tls-ca",
-        default=os.environ.get("MTC_TLS_CA") or None,
-        help="the nodes' CA (PEM): check that each COMMIT is signed by a node [MTC_TLS_CA] "
-        "(default: none, signatures are not checked)",
-    )
-    c.add_argument(
-        "--tls-server-name",
-        default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
-        help="the DNS name in node certificates [MTC_TLS_SERVER_NAME] (default: %(default)s)",
-    )
-    c.add_argument(
-        "--accept-unsigned-records",
-        action="store_true",
-        help="with --tls-ca: take unsigned COMMITs (written before records were signed)",
-    )
-    c.add_argument(
-        "--storage-timeout",
-        type=argtypes.storage_timeout,
-        default=os.environ.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
-        metavar="SECONDS",
-        help="the most seconds one request to the bucket may take, its retries included "
-        "(default: %(default)s) [MTC_STORAGE_TIMEOUT]",
+    add_bucket_options(
+        c,
+        checks="check that each COMMIT is signed by a node",
+        unsigned="take unsigned COMMITs (written before records were signed)",
     )
     return c
 

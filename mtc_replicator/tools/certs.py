@@ -124,35 +124,10 @@ def issue(
 
     ``not_before`` moves the validity window (tests make expired certificates with it).
     """
-    ca_cert = x509.load_pem_x509_certificate(ca.cert)
-    ca_key = serialization.load_pem_private_key(ca.key, password=None)
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise TypeError("the CA key must be an ECDSA key made by mtc certs")
-    key = _key()
-    start = not_before or (_now() - dt.timedelta(minutes=5))
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)]))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.SubjectAlternativeName(_names(server_name, node)), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _leaf(
+        ca, server_name, _names(server_name, node), usages, days=days, not_before=not_before
     )
-    return Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
 
 
 def issue_operator(
@@ -160,6 +135,22 @@ def issue_operator(
 ) -> Pair:
     """An operator certificate signed by ``ca``, named ``name``: good for signing restore
     pins only (its one extended key usage), not for TLS nor for records."""
+    names: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier(f"urn:mtc-replicator:operator:{name}")
+    ]
+    return _leaf(ca, name, names, [OPERATOR_PURPOSE], days=days, not_before=not_before)
+
+
+def _leaf(
+    ca: Pair,
+    common_name: str,
+    names: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+    *,
+    days: int,
+    not_before: dt.datetime | None,
+) -> Pair:
+    """A certificate ``ca`` signs: not a CA, named ``names``, good for ``usages`` only."""
     ca_cert = x509.load_pem_x509_certificate(ca.cert)
     ca_key = serialization.load_pem_private_key(ca.key, password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
@@ -168,20 +159,15 @@ def issue_operator(
     start = not_before or (_now() - dt.timedelta(minutes=5))
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start)
         .not_valid_after(start + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.UniformResourceIdentifier(f"urn:mtc-replicator:operator:{name}")]
-            ),
-            critical=False,
-        )
-        .add_extension(x509.ExtendedKeyUsage([OPERATOR_PURPOSE]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,

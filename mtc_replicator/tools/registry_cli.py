@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,12 @@ from mtc_replicator.cluster.registry import (
     release,
 )
 from mtc_replicator.core import argtypes
-from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from mtc_replicator.core.signed import OPEN, RecordTrust
 from mtc_replicator.storage.objectstore import ObjectStoreError
 from mtc_replicator.tools.backup_views import fail, print_json
+from mtc_replicator.tools.bucket_options import add_bucket_options
 from mtc_replicator.transport.signing import CaVerifier
-from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError
+from mtc_replicator.transport.tls import TlsError
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,29 +59,10 @@ def _command(
     c = sub.add_parser(name, help=about, description=about)
     c.add_argument("url", help="the registry location (the daemons' --registry, or --backup)")
     c.add_argument("--job", type=argtypes.job, required=True, help="the job's name")
-    c.add_argument(
-        "--tls-ca",
-        default=os.environ.get("MTC_TLS_CA") or None,
-        help="the nodes' CA (PEM): check the entry's signature as daemons do [MTC_TLS_CA] "
-        "(default: none, signatures are not checked)",
-    )
-    c.add_argument(
-        "--tls-server-name",
-        default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
-        help="the DNS name in node certificates [MTC_TLS_SERVER_NAME] (default: %(default)s)",
-    )
-    c.add_argument(
-        "--accept-unsigned-records",
-        action="store_true",
-        help="with --tls-ca: believe an unsigned entry, as daemons with this flag do",
-    )
-    c.add_argument(
-        "--storage-timeout",
-        type=argtypes.storage_timeout,
-        default=os.environ.get("MTC_STORAGE_TIMEOUT", str(DEFAULT_STORAGE_TIMEOUT)),
-        metavar="SECONDS",
-        help="the most seconds one request to the bucket may take, its retries included "
-        "(default: %(default)s) [MTC_STORAGE_TIMEOUT]",
+    add_bucket_options(
+        c,
+        checks="check the entry's signature as daemons do",
+        unsigned="believe an unsigned entry, as daemons with this flag do",
     )
     return c
 
