@@ -4,6 +4,7 @@ the daemon flags that use them. Built with ``mtc_replicator.tools.certs`` (``mtc
 from __future__ import annotations
 
 import datetime as dt
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +14,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc_replicator.core.identity import node_uri
+from mtc_replicator.core.manifest import Manifest
+from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.tools import certs
+from mtc_replicator.transport.attesting import manifest_trust
+from mtc_replicator.transport.identity import own_node
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial
 
 TEST_NODE = "test-node"
@@ -35,6 +40,11 @@ class NodeTls:
 
     def material(self) -> TlsMaterial:
         return TlsMaterial(self.files)
+
+    def attest(self, manifest: Manifest, owner: str = UNOWNED) -> Manifest:
+        """``manifest`` as this node attests what it produced (``core.attestation``)."""
+        tls = self.material()
+        return manifest_trust(tls, own_node(tls)).attest(manifest, owner, time.time())
 
 
 def node_tls(

@@ -22,7 +22,15 @@ from typing import Any
 
 import grpc
 
-from mtc_replicator.core.manifest import CancelCheck, CorruptItem, ItemId, ManifestError
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, Attested, ManifestTrust, Unattested
+from mtc_replicator.core.manifest import (
+    CancelCheck,
+    CorruptItem,
+    ItemId,
+    Manifest,
+    ManifestError,
+)
+from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import Source
 from mtc_replicator.core.restore_plan import Fetch
 from mtc_replicator.core.retry import Backoff
@@ -95,12 +103,16 @@ class ItemSources:
         pending_wait: float = PENDING_WAIT_SECONDS,
         pending_grace: float = PENDING_GRACE_SECONDS,
         peer_retry: float = PEER_RETRY_SECONDS,
+        trust: ManifestTrust = OPEN_MANIFESTS,
+        owner: str = UNOWNED,
     ) -> None:
         """``rank``: this node's, for the log lines; ``peers``: None where no peer can
         hold anything (a one-node job); ``backups``: None where no backup is set;
         ``cancelled``: the incarnation stops (a verify or a download in a thread ends
-        early)."""
+        early); ``trust`` and ``owner``: which items this job takes (``core.attestation``)."""
         self.store = store
+        self.trust = trust
+        self.owner = owner
         self.rank = rank
         self.peers = peers
         self.backups = backups
@@ -125,22 +137,49 @@ class ItemSources:
         round's ranks, for a pull; ``last``: no other source of the item is left.
 
         Raises ``CorruptItem`` (a corrupt local copy of a LOCAL fetch is deleted),
-        ``SourceUnavailable`` or ``Cancelled``."""
+        ``Unattested`` (a copy this job does not take: one just fetched is deleted, one
+        held before is kept), ``SourceUnavailable`` or ``Cancelled``."""
+        held = self.holds(f)
         try:
             with _unavailable_on_failure():
-                if self.holds(f):
+                if held:
+                    self._check_attested(f)  # before a byte is read
                     await self._verify_local(f.item)
                 elif f.source is Source.LOCAL:
                     raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
                 elif f.source is Source.PEER:
                     await self._pull(f, addresses, last=last)
                 else:
-                    await self._download(f.item, f.digest)
+                    await self._download(f)
             self._note_unverifiable(f)
+        except Unattested:
+            if not held and self.store.get(f.item) is not None:
+                self.store.delete(f.item)
+            raise
         except CorruptItem:
             if f.source is Source.LOCAL and self.store.get(f.item) is not None:
                 self.store.delete(f.item)
             raise
+
+    def _check_attested(self, f: Fetch) -> None:
+        """``_vet`` the copy of ``f.item`` this node holds."""
+        held = self.store.get(f.item)
+        if held is not None:
+            self._vet(held, f)
+
+    def _vet(self, manifest: Manifest, f: Fetch) -> None:
+        """``Unattested`` unless this job takes ``manifest``'s item: signed by its producer,
+        for this job's owner, by a node that held its rank (``core.attestation``). Pulls and
+        downloads ask before the first byte of data moves."""
+        seal = self.trust.check(manifest, self.owner, getattr(f, "producers", None))
+        if seal is Attested.UNSIGNED:
+            JobLog(log, f.item.job, self.rank).warning(
+                "%s from %s is not attested: written before signed manifests, taken because "
+                "of --accept-unsigned-records",
+                f.item,
+                f.source.value,
+                step=f.item.step,
+            )
 
     def _note_unverifiable(self, f: Fetch) -> None:
         """Say so when a restored copy was written before digests: its crc32cs matched,
@@ -179,7 +218,9 @@ class ItemSources:
     async def _pull_once(self, peers: PeerClient, address: str, f: Fetch) -> None:
         """One pull, timed alone: the waits between tries are not transfer time."""
         t0 = time.monotonic()
-        manifest = await peers.pull_item(address, f.item, self.store, f.digest)
+        manifest = await peers.pull_item(
+            address, f.item, self.store, f.digest, vet=lambda m: self._vet(m, f)
+        )
         dt = time.monotonic() - t0
         nbytes = manifest.total_bytes
         JobLog(log, f.item.job, f.item.rank).info(
@@ -246,21 +287,25 @@ class ItemSources:
 
     # --- backup ----------------------------------------------------------------------------
 
-    async def _download(self, item: ItemId, digest: str) -> None:
+    async def _download(self, f: Fetch) -> None:
         # The plan's digest is the one the COMMIT pins (the coordinator listed the backups
         # and checked the COMMIT's signature): no listing and no COMMIT read per rank.
+        item, digest = f.item, f.digest
         if self.backups is None:
             raise CorruptItem(f"{item}: no backup is set")
-        await self.run_thread(self._download_staged, self.backups, item, digest)
+        await self.run_thread(self._download_staged, self.backups, f)
         if not self._holds(item, digest):
             raise CorruptItem(f"{item}: the backup copy differs from the plan")
 
-    def _download_staged(self, backups: BackupStore, item: ItemId, digest: str) -> None:
+    def _download_staged(self, backups: BackupStore, f: Fetch) -> None:
         """In a thread: download into a staging directory, then commit it whole."""
+        item = f.item
         staged = self.store.new_staging()
         try:
             t0 = time.monotonic()
-            manifest = backups.fetch_pinned(item, digest, staged, self.cancelled)
+            manifest = backups.fetch_pinned(
+                item, f.digest, staged, self.cancelled, vet=lambda m: self._vet(m, f)
+            )
             self.store.commit_staged(staged, manifest)
             dt = max(time.monotonic() - t0, 1e-9)
             JobLog(log, item.job, self.rank).info(

@@ -17,6 +17,7 @@ from enum import StrEnum
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.layout import pushers
 from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import worker_slots
 
 MAX_STEP_LEAD = 1_000_000
@@ -83,6 +84,8 @@ class Served:
     newest_step: int | None
     """This rank's newest committed step of its own, None before its first. Never a pushed
     copy's step: pushes could then raise the bound step by step without limit."""
+    owner: str = UNOWNED
+    """The job's owner (``core.ownership``): a pushed item must be attested for it."""
 
 
 def expected_pushers(config: JobConfig) -> frozenset[int]:

@@ -12,11 +12,14 @@ files on disk is ``mtc_replicator.local.hashing``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -42,6 +45,11 @@ MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 FORMAT_VERSION = 2
 """Format 2 adds each file's BLAKE3 digest; format 1 (crc32c only) is still read."""
 LEGACY_VERSION = 1
+MAX_ATTESTED_NAME = 253
+"""Longest owner or producer name an attestation may carry (a DNS subdomain's bound)."""
+MAX_ATTESTATION_CERTS = 16 * 1024
+"""Bytes of PEM chain an attestation may carry: one or two certificates of about 1 KiB."""
+MAX_ATTESTATION_SIGNATURE = 1024
 _CRC_RE = re.compile(r"[0-9a-f]{8}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -94,6 +102,26 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class Attestation:
+    """Who produced an item and for whom, as the producing node signed it at ingest.
+
+    It sits beside the manifest's content and outside its digest, so a manifest's digest
+    is what it always was and COMMITs and plans pin the same bytes; what is signed names
+    that digest (``core.attestation`` decides what is believed)."""
+
+    owner: str
+    """The job's owner at the handshake (``core.ownership``); "" unowned."""
+    producer: str
+    """The node that produced the item, as its certificate names it; "" not known (no TLS,
+    or a shared certificate)."""
+    created: float
+    """When it was signed (unix seconds): the signer's certificate must hold then."""
+    certificates: bytes = b""
+    """The signer's PEM chain, its own certificate first; empty: unsigned (no TLS)."""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The full description of one item; ``digest`` identifies its content."""
 
@@ -104,6 +132,9 @@ class Manifest:
     """Directories of a tree item, so empty ones survive a copy."""
     version: int = FORMAT_VERSION
     """``LEGACY_VERSION`` for a manifest written before digests (no file has one)."""
+    attestation: Attestation | None = field(default=None, compare=False)
+    """The producing node's signed word on the item (``core.attestation``); None in a
+    manifest written before attestations. Not part of ``digest``."""
 
     def __post_init__(self) -> None:
         if self.version not in (LEGACY_VERSION, FORMAT_VERSION):
@@ -139,15 +170,18 @@ class Manifest:
         }
 
     def to_json(self) -> bytes:
-        """Canonical JSON: the same manifest always serialises to the same bytes. These
-        bytes, every file's BLAKE3 digest in them, are what ``digest`` names and what the
-        producing node is to sign once nodes have identities of their own (SECURITY.md,
-        "Content digests")."""
-        return json.dumps(self._content(), separators=(",", ":"), sort_keys=True).encode()
+        """Canonical JSON: the same manifest always serialises to the same bytes: its
+        content, then its attestation, if any, under ``attestation``."""
+        data = self._content()
+        if self.attestation is not None:
+            data["attestation"] = _attestation_json(self.attestation)
+        return _canonical(data)
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.to_json()).hexdigest()
+        """The SHA-256 of the canonical content, every file's BLAKE3 digest in it; the
+        attestation is left out, so it is what versions before attestations computed."""
+        return hashlib.sha256(_canonical(self._content())).hexdigest()
 
     @property
     def entries(self) -> int:
@@ -167,6 +201,53 @@ class Manifest:
         if not isinstance(data, dict):
             raise ManifestError("manifest must be a JSON object")
         return _manifest_from_dict(data, max_entries)
+
+
+def _canonical(data: dict[str, Any]) -> bytes:
+    return json.dumps(data, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _attestation_json(a: Attestation) -> dict[str, Any]:
+    data: dict[str, Any] = {"owner": a.owner, "producer": a.producer, "created": a.created}
+    if a.signature:
+        data["certificates"] = a.certificates.decode("ascii")
+        data["signature"] = base64.b64encode(a.signature).decode("ascii")
+    return data
+
+
+def _attestation_from(raw: object) -> Attestation:
+    """Parse an attestation from hostile JSON; whether it is believed is not decided here."""
+    if (
+        not isinstance(raw, dict)
+        or not {"owner", "producer", "created"} <= set(raw)
+        or not set(raw) <= {"owner", "producer", "created", "certificates", "signature"}
+    ):
+        raise ManifestError("the manifest's attestation is malformed")
+    owner, producer, created = raw["owner"], raw["producer"], raw["created"]
+    for name in (owner, producer):
+        if not isinstance(name, str) or len(name) > MAX_ATTESTED_NAME or not name.isascii():
+            raise ManifestError(f"the manifest's attestation names {name!r:.80}")
+    if (
+        not isinstance(created, int | float)
+        or isinstance(created, bool)
+        or not math.isfinite(created)
+    ):
+        raise ManifestError(f"the manifest's attestation has a bad time {created!r:.40}")
+    certs, value = raw.get("certificates", ""), raw.get("signature", "")
+    if (
+        not isinstance(certs, str)
+        or not isinstance(value, str)
+        or bool(certs) != bool(value)
+        or len(certs) > MAX_ATTESTATION_CERTS
+        or len(value) > 2 * MAX_ATTESTATION_SIGNATURE
+        or not certs.isascii()
+    ):
+        raise ManifestError("the manifest's attestation signature is malformed")
+    try:
+        signature = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ManifestError("the manifest's attestation signature is malformed") from None
+    return Attestation(owner, producer, float(created), certs.encode("ascii"), signature)
 
 
 def _file_json(f: FileEntry) -> list[Any]:
@@ -221,7 +302,8 @@ def _manifest_from_dict(data: dict[str, Any], max_entries: int) -> Manifest:
             raise ManifestError(f"bad crc32c {crc!r:.40} for {path!r:.80}")
         files.append(FileEntry(_checked_path(path, kind), size, int(crc, 16), digest))
     dirs = tuple(_checked_path(d, ItemKind.DIR) for d in raw_dirs)
-    manifest = Manifest(item, kind, tuple(files), dirs, version)
+    attestation = None if "attestation" not in data else _attestation_from(data["attestation"])
+    manifest = Manifest(item, kind, tuple(files), dirs, version, attestation)
     _check_layout(manifest)
     return manifest
 

@@ -36,6 +36,7 @@ import os
 import stat
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -474,13 +475,21 @@ class LocalStore:
             dest.rmdir()
             raise
 
-    def commit_ingested(self, item: ItemId, cancelled: CancelCheck | None = None) -> Manifest:
-        """Hash taken data, write its manifest last, and publish it as a committed item."""
+    def commit_ingested(
+        self,
+        item: ItemId,
+        cancelled: CancelCheck | None = None,
+        attest: Callable[[Manifest], Manifest] | None = None,
+    ) -> Manifest:
+        """Hash taken data, write its manifest last, and publish it as a committed item;
+        ``attest`` adds the producing node's attestation (``core.attestation``)."""
         generation = self._generation
         src = self.ingest_root / item_path(item)
         manifest = build_manifest(
             item, src / DATA, *([cancelled] if cancelled else []), root=self.root
         )
+        if attest is not None:
+            manifest = attest(manifest)
         self._publish(src, manifest, generation)
         return manifest
 

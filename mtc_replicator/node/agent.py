@@ -32,6 +32,7 @@ from mtc_replicator.cluster.sources import ItemSources
 from mtc_replicator.cluster.workload_errors import WorkloadErrors
 from mtc_replicator.core.admission import expected_pushers
 from mtc_replicator.core.aside import passed_over, released, why_kept
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
 from mtc_replicator.core.contract import (
     FAILED_FILE,
     JobConfig,
@@ -39,7 +40,7 @@ from mtc_replicator.core.contract import (
 )
 from mtc_replicator.core.drain import DrainPlan, plan_drain
 from mtc_replicator.core.layout import backup_items
-from mtc_replicator.core.manifest import ItemId, ManifestError
+from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import (
     Handoff,
@@ -115,6 +116,8 @@ class AgentContext:
     """The node's outgoing transfers: the agent tells it when the job is saving."""
     foreign: ForeignItems | None = None
     """Items of jobs that do not run here: they give way when this job needs the room."""
+    manifests: ManifestTrust = OPEN_MANIFESTS
+    """How this node attests the items it ingests and which items it restores."""
 
 
 @dataclass(frozen=True)
@@ -365,6 +368,8 @@ class Incarnation:
             run_thread=self._thread,
             cancelled=self._stopping.is_set,
             metrics=ctx.metrics,
+            trust=ctx.manifests,
+            owner=self.owner,
         )
         return ClusterMember(
             MemberContext(
@@ -481,6 +486,10 @@ class Incarnation:
     def _pending_ingest(self) -> list[ItemId]:
         return [i for i in self.ctx.store.pending_ingest() if i.job == self.config.job_name]
 
+    def _attest(self, manifest: Manifest) -> Manifest:
+        """This node's signed word that it produced ``manifest``'s item for this job's owner."""
+        return self.ctx.manifests.attest(manifest, self.owner, self.ctx.clock())
+
     async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
         for item, name in handoff.names.items():
             t0 = time.monotonic()
@@ -489,7 +498,7 @@ class Incarnation:
                     await self._thread(self.ctx.store.take, self.ctx.checkpoint_dir / name, item)
                     self.ctx.closed_files.discard(name)
                 manifest = await self._thread(
-                    self.ctx.store.commit_ingested, item, self._stopping.is_set
+                    self.ctx.store.commit_ingested, item, self._stopping.is_set, self._attest
                 )
             except FileNotFoundError:
                 continue  # the workload or a rescan raced us; the next scan sees the truth

@@ -80,6 +80,7 @@ from mtc_replicator.obs.metrics import (
 )
 from mtc_replicator.obs.metrics_endpoint import MetricsError, MetricsServer, serve
 from mtc_replicator.storage.restore_pins import StorePins
+from mtc_replicator.transport.attesting import manifest_trust
 from mtc_replicator.transport.datachannel import DataListener
 from mtc_replicator.transport.grpc_server import (
     RpcServer,
@@ -141,6 +142,9 @@ class Daemon:
             metrics=self.metrics,
             obtaining=Obtaining(),
             pacer=self.pacer,
+            manifests=manifest_trust(
+                self.tls, self.node_name, accept_unsigned=opts.accept_unsigned_records
+            ),
         )
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
@@ -222,7 +226,7 @@ class Daemon:
             return None
         config = self.incarnation.config
         own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
-        return Served(config, max(own, default=None))
+        return Served(config, max(own, default=None), self.incarnation.owner)
 
     def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
         if name is not None and _is_own_output(name):
@@ -438,6 +442,7 @@ class Daemon:
             min_rate=self.opts.min_transfer_rate,
             max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
+            trust=self.ctx.manifests,
         )
 
     def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:

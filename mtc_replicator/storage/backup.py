@@ -261,7 +261,12 @@ class BackupStore:
         return self._pinned_manifest(item, expected, (record.layout,))[0]
 
     def fetch_pinned(
-        self, item: ItemId, digest: str, staged: Path, cancelled: CancelCheck = _never
+        self,
+        item: ItemId,
+        digest: str,
+        staged: Path,
+        cancelled: CancelCheck = _never,
+        vet: Callable[[Manifest], object] | None = None,
     ) -> Manifest:
         """Download ``item`` into ``staged/data`` given the manifest digest its COMMIT pins
         (from a restore plan: the coordinator read and checked the COMMIT), verifying every
@@ -269,9 +274,10 @@ class BackupStore:
 
         The layout is not in the plan: the manifest is looked for where this version
         writes it, then where earlier ones did (one more GET, a miss, for a v1 backup).
-        Raises ``CorruptItem`` when anything differs from the digest.
+        Raises ``CorruptItem`` when anything differs from the digest. ``vet`` judges the
+        manifest before any data is read (it raises to refuse the item).
         """
-        return self._fetch(item, digest, LAYOUTS, staged, cancelled)
+        return self._fetch(item, digest, LAYOUTS, staged, cancelled, vet=vet)
 
     def _fetch(
         self,
@@ -282,8 +288,11 @@ class BackupStore:
         cancelled: CancelCheck,
         *,
         progress: Callable[[int], None] | None = None,
+        vet: Callable[[Manifest], object] | None = None,
     ) -> Manifest:
         manifest, layout = self._pinned_manifest(item, expected, layouts)
+        if vet is not None:
+            vet(manifest)
         data = staged / "data"
         if manifest.kind is ItemKind.DIR:
             data.mkdir()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -397,7 +396,7 @@ class PeerClient:
         header = pb.PushHeader(
             item=item_ref(manifest.item),
             manifest=raw,
-            manifest_digest=hashlib.sha256(raw).hexdigest(),
+            manifest_digest=manifest.digest,
             data_channel=channel,
         )
         t0 = time.monotonic()
@@ -510,10 +509,12 @@ class PeerClient:
         expected_digest: str | None = None,
         *,
         total_bytes: int | None = None,
+        vet: Callable[[Manifest], object] | None = None,
     ) -> Manifest:
         """Fetch ``item`` into ``store``, verified chunk by chunk and file by file, committed
         with its manifest last; its manifest. ``total_bytes`` (from a listing) tightens the
-        deadline.
+        deadline. ``vet`` judges the manifest before any byte of data comes (it raises to
+        refuse the item: the caller's own error, unchanged).
 
         Raises ``CorruptItem`` on any checksum or size mismatch (nothing is committed),
         ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
@@ -525,12 +526,12 @@ class PeerClient:
         args = (address, item, store, expected_digest)
         try:
             with self._channel_slot(address) as channel:
-                return await self._pull(*args, total_bytes=total_bytes, channel=channel)
+                return await self._pull(*args, total_bytes=total_bytes, channel=channel, vet=vet)
         except ChannelUnreachable as exc:
             self._channel_unreachable(address, exc)
         except ChannelFailed as exc:
             log.warning("%s: fetching it again in gRPC chunks", exc)
-        return await self._pull(*args, total_bytes=total_bytes, channel=False)
+        return await self._pull(*args, total_bytes=total_bytes, channel=False, vet=vet)
 
     async def _pull(
         self,
@@ -541,6 +542,7 @@ class PeerClient:
         *,
         total_bytes: int | None,
         channel: bool,
+        vet: Callable[[Manifest], object] | None = None,
     ) -> Manifest:
         request = pb.PullItemRequest(
             item=item_ref(item),
@@ -567,6 +569,8 @@ class PeerClient:
                 raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
             if expected_digest and first.header.manifest_digest != expected_digest:
                 raise PeerError(address, f"pull of {item} at {address}: another digest came")
+            if vet is not None:
+                vet(manifest)
             room = room_on(store.root)
             if manifest.total_bytes > room:
                 raise StoreError(f"{item}: {manifest.total_bytes} bytes do not fit ({room} free)")

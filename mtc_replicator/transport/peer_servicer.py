@@ -36,6 +36,7 @@ from mtc_replicator.core.admission import (
     admit_push,
     inode_room,
 )
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust, Unattested
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.manifest import (
     DEFAULT_MAX_ITEM_FILES,
@@ -136,7 +137,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     cause = exc.__cause__ if isinstance(exc, StoreError) else exc
     if isinstance(exc, (ManifestError, TransferError, ChannelProtocolError)):
         code = grpc.StatusCode.INVALID_ARGUMENT
-    elif isinstance(exc, NotAllowed):
+    elif isinstance(exc, (NotAllowed, Unattested)):
         code = grpc.StatusCode.PERMISSION_DENIED
     elif isinstance(exc, Conflict):
         code = grpc.StatusCode.ALREADY_EXISTS
@@ -224,6 +225,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
         max_item_files: int = DEFAULT_MAX_ITEM_FILES,
         handed_over: Callable[[], bool] = lambda: False,
+        trust: ManifestTrust = OPEN_MANIFESTS,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -245,7 +247,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         checked or staged); every push must also leave inodes free (``inode_room``).
         ``handed_over``: whether the node changed hands and its store is not emptied yet
         (``core.handoff``; blocking, run on ``executor``): no pull is served nor item listed
-        meanwhile."""
+        meanwhile. ``trust``: which pushed items are attested for the job served
+        (``core.attestation``), checked before a byte is staged."""
+        self.trust = trust
         self.handed_over = handed_over
         self.make_room = make_room
         self.store = store
@@ -294,8 +298,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
         """The pushed manifest, checked, and whether the same copy is held already."""
         item = item_id(header.item)
+        served = self.serving()
         # Admission first: a push this node must not take costs no manifest parsing.
-        _refuse_unless(admit_push(self.serving(), item, max_lead=self.max_step_lead))
+        _refuse_unless(admit_push(served, item, max_lead=self.max_step_lead))
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,
         # which must keep answering health checks and other transfers meanwhile.
         manifest = await asyncio.get_running_loop().run_in_executor(
@@ -306,6 +311,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             item,
             self.max_item_files,
         )
+        if served is not None:
+            self.trust.check(manifest, served.owner)
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
         if admission.verdict is Verdict.ALREADY_HELD:

@@ -84,10 +84,13 @@ def ram_disk(path: Path, size: str = "256m") -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running_daemon(ckpt: Path, *, extra: tuple[str, ...] = ()) -> Iterator[DaemonProcess]:
-    """A real daemon on ``ckpt`` with the fast timers; stopped (or killed) on exit, and its
-    log printed so a failing test shows what the daemon did."""
-    daemon = DaemonProcess(ckpt, extra_args=(*FAST_ARGS, *extra))
+def running_daemon(
+    ckpt: Path, *, extra: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> Iterator[DaemonProcess]:
+    """A real daemon on ``ckpt`` with the fast timers (and ``env`` added to its
+    environment); stopped (or killed) on exit, and its log printed so a failing test shows
+    what the daemon did."""
+    daemon = DaemonProcess(ckpt, extra_args=(*FAST_ARGS, *extra), env=env or {})
     try:
         yield daemon.start()
     finally:

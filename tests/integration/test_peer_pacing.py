@@ -157,6 +157,7 @@ def test_a_push_takes_what_the_rate_limit_allows(
     pacer = Pacer(PaceRules(rate=RATE))
     if path == "TLS data channel":
         daemon, ckpt = nodes.secure, nodes.tls_ckpt
+        manifest = nodes.me.attest(manifest)  # the TLS daemon takes attested pushes only
         elapsed = timed_push(daemon.address, manifest, nodes.data, pacer, tls=nodes.me.material())
     else:
         daemon, ckpt = nodes.plain, nodes.plain_ckpt

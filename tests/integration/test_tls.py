@@ -337,7 +337,7 @@ def test_rotation_during_a_1_gib_push_keeps_the_push_and_takes_the_new_certifica
     with open(big / "state" / "shard.bin", "wb") as f:
         for _ in range(1024):
             f.write(block)
-    manifest = build_manifest(ItemId(JOB, 77, 0, 0), big)
+    manifest = secure.node.attest(build_manifest(ItemId(JOB, 77, 0, 0), big))
     data_port = secure.b.log().rsplit("data-port=", 1)[1].split()[0]
     grpc_host, grpc_port = secure.b.address.rsplit(":", 1)
     old_serial = _presented_serial(f"{grpc_host}:{data_port}", secure.node)

@@ -1,0 +1,183 @@
+"""Attested manifests against real daemons: every item is signed at ingest by the node that
+produced it, for the job's owner (``core.attestation``), and nothing unattested, attested
+by another node than it names, or attested for another owner is taken.
+
+- A pod of namespace B, on another node, names namespace A's one-node job in its
+  ``replicator.yaml``: before attestations its daemon restored A's newest step byte for
+  byte from the shared bucket (one-node jobs have no registry to check the owner).
+- A node certificate holder pushes items to a rank's holder: unsigned, signed by itself
+  but naming another node as the producer, or for another owner. Each is refused with
+  PERMISSION_DENIED before a byte is staged; a push attested as the rules want is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from mtc_replicator.core.attestation import statement
+from mtc_replicator.core.manifest import Attestation, ItemId, Manifest
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.store import MANIFEST_FILE
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.peer_client import PeerClient, PeerError
+from mtc_replicator.transport.signing import NodeSigner
+from tests.daemon_process import DaemonProcess
+from tests.integration.helpers import (
+    CONFIG,
+    ERRORS,
+    FAST_ARGS,
+    RECEIVER,
+    config_text,
+    item_dir,
+    make_step,
+    payload,
+    read_text,
+    receiver_args,
+    running_daemon,
+    store_root,
+    wait_ingested,
+    wait_markers,
+    wait_until,
+    write_yaml_atomic,
+)
+from tests.integration.test_job_owner import THIEF, VICTIM, write_owner
+from tests.integration.test_tls import accept_job
+from tests.tls import NodeTls, node_tls
+
+pytestmark = pytest.mark.integration
+
+
+def _bytes_anywhere(root: Path, wanted: set[bytes]) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.read_bytes() in wanted]
+
+
+def test_another_namespace_naming_a_one_node_job_restores_nothing_of_it(tmp_path: Path) -> None:
+    ca = certs.new_ca()
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    job = "victim-train"
+    yaml_text = config_text(job, backup_interval_steps=1)
+
+    def node(name: str, namespace: str) -> DaemonProcess:
+        ckpt = tmp_path / name / "checkpoint"
+        ckpt.mkdir(parents=True)
+        owner = tmp_path / name / "owner.json"
+        write_owner(owner, namespace)
+        tls = node_tls(tmp_path / name / "tls", ca, node=name)
+        return DaemonProcess(
+            ckpt,
+            backup=bucket.as_uri(),
+            extra_args=(*FAST_ARGS, *tls.args()),
+            env={"MTC_OWNER_FILE": str(owner)},
+        ).start()
+
+    victim = node("node-a", VICTIM)
+    try:
+        write_yaml_atomic(victim.checkpoint_dir, yaml_text)
+        wait_markers(victim.checkpoint_dir, job, 0, victim)
+        for step in (1, 2):
+            make_step(victim.checkpoint_dir, step, payload(step, seed=job))
+            wait_ingested(victim.checkpoint_dir, job, step, victim)
+        wait_until((bucket / job / "2" / "COMMIT").exists, "COMMIT of step 2", daemon=victim)
+    finally:
+        assert victim.stop() == 0
+    secret = {b for s in (1, 2) for b in payload(s, seed=job).values() if b}
+
+    thief = node("node-b", THIEF)
+    try:
+        write_yaml_atomic(thief.checkpoint_dir, yaml_text)
+        wait_until(
+            lambda: not (thief.checkpoint_dir / CONFIG).exists(), "the yaml taken", daemon=thief
+        )
+        # Before attestations: step 2's markers, with A's bytes behind them.
+        wait_markers(thief.checkpoint_dir, job, 0, thief)
+        errors = read_text(thief.checkpoint_dir / ERRORS)
+        assert f"belongs to owner '{VICTIM}'" in errors, errors
+        leaked = _bytes_anywhere(thief.checkpoint_dir, secret) + _bytes_anywhere(
+            store_root(thief.checkpoint_dir), secret
+        )
+        assert leaked == [], f"A's bytes on B's node: {leaked}"
+    finally:
+        thief.stop()
+
+
+@pytest.fixture(scope="module")
+def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, NodeTls]]:
+    """A daemon (owner VICTIM) that takes pushes of rank 0's items, and a node certificate
+    of its CA (``mallory``) to push with."""
+    root = tmp_path_factory.mktemp("attested")
+    ca = certs.new_ca()
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    owner = root / "owner.json"
+    write_owner(owner, VICTIM)
+    tls = node_tls(root / "tls", ca, node="node-1")
+    with running_daemon(
+        ckpt, extra=(*tls.args(), *receiver_args(ckpt)), env={"MTC_OWNER_FILE": str(owner)}
+    ) as daemon:
+        accept_job(ckpt, daemon, "shared-job", **RECEIVER)
+        yield daemon, node_tls(root / "mallory", ca, node="mallory")
+
+
+def _attested_as(manifest: Manifest, signer: NodeTls, owner: str, producer: str) -> Manifest:
+    """``manifest`` attested for ``owner``, naming ``producer``, signed by ``signer``."""
+    now = time.time()
+    sig = NodeSigner(signer.material()).sign(statement(manifest, owner, producer, now))
+    att = Attestation(owner, producer, now, sig.certificates, sig.value)
+    return replace(manifest, attestation=att)
+
+
+CASES = ["unsigned", "names another producer", "another owner", "altered after signing"]
+
+
+@pytest.mark.parametrize(
+    ("case", "refusal"),
+    [
+        ("unsigned", "not signed by its producer"),
+        ("names another producer", "says node 'node-0' produced it, but node 'mallory' signed"),
+        ("another owner", f"belongs to owner '{THIEF}'"),
+        ("altered after signing", "altered after signing"),
+    ],
+)
+def test_a_push_not_attested_for_this_job_is_refused_before_a_byte_is_staged(
+    receiver: tuple[DaemonProcess, NodeTls], tmp_path: Path, case: str, refusal: str
+) -> None:
+    daemon, mallory = receiver
+    step = 10 + CASES.index(case)
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "state.bin").write_bytes(b"forged" * 1000)
+    manifest = build_manifest(ItemId("shared-job", step, 0, 0), data)
+    if case == "names another producer":
+        manifest = _attested_as(manifest, mallory, VICTIM, "node-0")
+    elif case == "another owner":
+        manifest = mallory.attest(manifest, THIEF)
+    elif case == "altered after signing":
+        att = mallory.attest(manifest, VICTIM).attestation
+        assert att is not None
+        manifest = replace(manifest, attestation=replace(att, created=att.created + 1))
+
+    async def push(m: Manifest) -> None:
+        async with PeerClient(timeout=10.0, tls=mallory.material()) as client:
+            await client.push_item(daemon.address, m, data)
+
+    with pytest.raises(PeerError) as refused:
+        asyncio.run(push(manifest))
+    assert "PERMISSION_DENIED" in str(refused.value), refused.value
+    assert refusal in str(refused.value), refused.value
+    assert not item_dir(daemon.checkpoint_dir, "shared-job", step, rank=0).exists()
+
+    # The same bytes, attested by mallory as itself for the job's owner: taken (the rule is
+    # about who says what, not about the bytes).
+    good = mallory.attest(build_manifest(ItemId("shared-job", step + 100, 0, 0), data), VICTIM)
+    asyncio.run(push(good))
+    held = item_dir(daemon.checkpoint_dir, "shared-job", step + 100, rank=0)
+    wait_until(held.exists, "the attested push committed", daemon=daemon)
+    stored = Manifest.from_json((held / MANIFEST_FILE).read_bytes())
+    assert stored.attestation == good.attestation
