@@ -112,6 +112,9 @@ class CommitRecord:
     items: dict[str, str]
     created: float
     layout: int = LAYOUT
+    owner: str | None = None
+    """The owner every item's attestation names (``core.attestation``); None in a COMMIT
+    of items without one (written before attestations, or unowned)."""
 
     def body(self) -> dict[str, object]:
         """The record's fields, as stored (and signed: ``core.signed``). A v1 record has no
@@ -124,6 +127,8 @@ class CommitRecord:
         }
         if self.layout != LAYOUT_V1:
             body["layout"] = self.layout
+        if self.owner is not None:
+            body["owner"] = self.owner
         return body
 
     def to_json(self) -> bytes:
@@ -160,7 +165,10 @@ class CommitRecord:
         if not isinstance(layout, int) or isinstance(layout, bool) or layout not in LAYOUTS:
             # A newer version's layout: refusing beats looking for objects in the wrong place.
             raise ManifestError(f"COMMIT has an unknown layout {layout!r:.20}")
-        return cls(job, step, dict(items), when, layout)
+        owner = data.get("owner")
+        if owner is not None and not (isinstance(owner, str) and len(owner) <= 253):
+            raise ManifestError(f"COMMIT has a bad owner {owner!r:.80}")
+        return cls(job, step, dict(items), when, layout, owner)
 
     def manifest_key(self, item: ItemId) -> str:
         return manifest_key(item, self.layout)

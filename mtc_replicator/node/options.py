@@ -299,9 +299,10 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         "--accept-unsigned-records",
         action="store_true",
         default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
-        help="migration: also believe COMMITs, registry entries and restore pins that carry "
-        "no signature (written by versions before signed records); a bad signature is "
-        "refused all the same [MTC_ACCEPT_UNSIGNED_RECORDS]",
+        help="migration: also believe COMMITs, registry entries, restore pins and item "
+        "manifests that carry no signature (written by versions before signed records and "
+        "attested manifests); a bad signature is refused all the same "
+        "[MTC_ACCEPT_UNSIGNED_RECORDS]",
     )
     p.add_argument(
         "--health-listen",
@@ -509,8 +510,9 @@ def unsafe_settings(opts: DaemonOptions, *, tls: bool, listen: str | None) -> li
         )
     elif opts.accept_unsigned_records:
         found.append(
-            "--accept-unsigned-records is on: unsigned COMMITs, registry entries and restore "
-            "pins are believed, so whoever can write the bucket can choose what a job "
-            "restores and where its ranks join; turn it off once every record is signed"
+            "--accept-unsigned-records is on: unsigned COMMITs, registry entries, restore "
+            "pins and item manifests are believed, so whoever can write the bucket, or holds "
+            "a node certificate, can choose what a job restores and where its ranks join; "
+            "turn it off once every record and item is signed"
         )
     return found

@@ -161,15 +161,21 @@ class BackupStore:
         if existing is not None:
             return existing
         digests: dict[str, str] = {}
+        owners: set[str | None] = set()
         for key in sorted(item_keys):
             rank, _, worker = key.partition("-")
             item = ItemId(job, step, int(rank), int(worker))
             try:
-                raw = self.objects.get_bytes(manifest_key(item, LAYOUT))
-                digests[key] = Manifest.from_json(raw).digest
+                manifest = Manifest.from_json(self.objects.get_bytes(manifest_key(item, LAYOUT)))
             except ObjectNotFound:
                 return None
-        record = CommitRecord(job, step, digests, time.time() if now is None else now, LAYOUT)
+            digests[key] = manifest.digest
+            owners.add(None if manifest.attestation is None else manifest.attestation.owner)
+        # The owner the items name, signed into the COMMIT; items of two owners in one step
+        # are no one's step (each restore refuses the other owner's items anyway).
+        owner = owners.pop() if len(owners) == 1 else None
+        when = time.time() if now is None else now
+        record = CommitRecord(job, step, digests, when, LAYOUT, owner or None)
         try:
             sealed = self.trust.seal(COMMIT_KIND, record.body())
             self.objects.put_bytes(commit_key(job, step), sealed, if_absent=True)

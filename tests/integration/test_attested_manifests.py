@@ -13,6 +13,7 @@ by another node than it names, or attested for another owner is taken.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -87,6 +88,8 @@ def test_another_namespace_naming_a_one_node_job_restores_nothing_of_it(tmp_path
         wait_until((bucket / job / "2" / "COMMIT").exists, "COMMIT of step 2", daemon=victim)
     finally:
         assert victim.stop() == 0
+    # The COMMIT names the owner its items' attestations name, inside its signed body.
+    assert json.loads((bucket / job / "2" / "COMMIT").read_bytes())["owner"] == VICTIM
     secret = {b for s in (1, 2) for b in payload(s, seed=job).values() if b}
 
     thief = node("node-b", THIEF)

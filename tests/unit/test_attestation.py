@@ -180,3 +180,14 @@ def test_real_node_certificates_attest_and_check(tmp_path: Path) -> None:
     forged = manifest_trust(stranger, "node-1").attest(MANIFEST, "team-a", time.time())
     with pytest.raises(Unattested, match="not a node certificate"):
         manifest_trust(two, "node-2").check(forged, "team-a")
+
+
+def test_a_commit_names_its_owner_in_its_body_and_refuses_a_bad_one() -> None:
+    from mtc_replicator.core.backup_layout import CommitRecord
+
+    record = CommitRecord("job", 3, {"0-0": "ab" * 32}, 1.0, owner="team-a")
+    back = CommitRecord.from_json(json.dumps(record.body()).encode())
+    assert back.owner == "team-a"
+    assert "owner" not in CommitRecord("job", 3, {}, 1.0).body()  # as versions before wrote
+    with pytest.raises(ManifestError, match="bad owner"):
+        CommitRecord.from_json(json.dumps({**record.body(), "owner": 7}).encode())

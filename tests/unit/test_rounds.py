@@ -32,7 +32,9 @@ class RestartingPeer:
     def __init__(self, down: int, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         self.down, self.code, self.calls = down, code, 0
 
-    async def pull_item(self, address: str, item: ItemId, store: Any, digest: str) -> Manifest:
+    async def pull_item(
+        self, address: str, item: ItemId, store: Any, digest: str, *, vet: Any = None
+    ) -> Manifest:
         self.calls += 1
         if self.calls <= self.down:
             raise PeerUnavailable(address, f"pull of {item}: connection refused", self.code)

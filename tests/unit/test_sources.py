@@ -18,6 +18,7 @@ import pytest
 from mtc_replicator.cluster.messages import FailedFetch
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
+from mtc_replicator.core.attestation import ManifestTrust, Unattested
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
 from mtc_replicator.core.manifest import LEGACY_VERSION, CorruptItem, ItemId, Manifest
 from mtc_replicator.core.policy import Source
@@ -66,13 +67,21 @@ class FakePeers:
         self.calls = 0
 
     async def pull_item(
-        self, address: str, item: ItemId, store: LocalStore, expected_digest: str | None = None
+        self,
+        address: str,
+        item: ItemId,
+        store: LocalStore,
+        expected_digest: str | None = None,
+        *,
+        vet: Callable[[Manifest], object] | None = None,
     ) -> Manifest:
         answer = self.answers[min(self.calls, len(self.answers) - 1)]
         self.calls += 1
         if answer is not None:
             raise answer
         assert expected_digest == self.manifest.digest
+        if vet is not None:
+            vet(self.manifest)  # as the real client does, before a byte of data
         commit_into(store, self.source, self.manifest)
         return self.manifest
 
@@ -340,3 +349,46 @@ def test_a_copy_with_digests_is_not_said_unverifiable(
     with caplog.at_level(logging.WARNING, logger="mtc_replicator.cluster.sources"):
         world.fetch(world.sources(), local(world))
     assert "unverifiable" not in caplog.text
+
+
+# --- attestations: whose bytes (core.attestation) ---------------------------------------------
+
+
+class _AnyNode:
+    """A verifier that believes every signature (the real one is tested elsewhere): here
+    what matters is what ``ItemSources`` does with a refusal."""
+
+    def verify_node(self, payload: bytes, signature: object, at: float) -> str:
+        return "node-0"
+
+
+STRICT = ManifestTrust(verifier=_AnyNode())
+"""Takes only signed items: every item of ``World`` is unsigned."""
+
+
+@pytest.mark.parametrize("source", ["peer", "backup"])
+def test_an_unattested_copy_is_refused_before_its_data_moves(world: World, source: str) -> None:
+    peers = FakePeers(world.source, world.manifest)
+    world.upload()
+    sources = world.sources(peers=peers, trust=STRICT, owner="team-a")
+    with pytest.raises(Unattested, match="not signed by its producer"):
+        world.fetch(sources, peer(world) if source == "peer" else backup(world))
+    assert world.store.get(ITEM) is None  # nothing was committed, nothing is left
+    assert world.metrics.transfers == []
+
+
+def test_an_unattested_held_copy_is_refused_but_kept(world: World) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    with pytest.raises(Unattested):
+        world.fetch(world.sources(trust=STRICT), local(world))
+    assert world.holds_it()  # a copy held before is never deleted for it
+    assert world.metrics.transfers == []  # refused before a byte was read
+
+
+def test_another_owners_copy_is_refused_even_unsigned(world: World) -> None:
+    theirs = ManifestTrust().attest(world.manifest, "team-b", 1.0)
+    peers = FakePeers(world.source, theirs)
+    sources = world.sources(peers=peers, owner="team-a")
+    with pytest.raises(Unattested, match="belongs to owner 'team-b'"):
+        world.fetch(sources, peer(world))
+    assert world.store.get(ITEM) is None

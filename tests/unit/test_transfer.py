@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.crc import crc32c_combine
 from mtc_replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
 from mtc_replicator.local.hashing import build_manifest, verify_item
@@ -233,7 +234,10 @@ def test_check_manifest_accepts_exactly_the_canonical_bytes_its_digest_names(
         check_manifest(raw, digest.upper(), ITEM)
     pretty = json.dumps(json.loads(raw), indent=1).encode()
     with pytest.raises(TransferError, match="canonical"):
-        check_manifest(pretty, hashlib.sha256(pretty).hexdigest(), ITEM)
+        check_manifest(pretty, digest, ITEM)
+    # An attestation beside the content: the digest still names the content alone.
+    attested = ManifestTrust().attest(manifest, "team-a", 1.0)
+    assert check_manifest(attested.to_json(), digest, ITEM).attestation == attested.attestation
     with pytest.raises(TransferError, match="the header names"):
         check_manifest(raw, digest, ItemId("job", 4, 1, 0))
 
