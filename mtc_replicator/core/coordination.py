@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from mtc_replicator.core.backup_layout import CommitRecord
@@ -304,6 +304,8 @@ class JobCoordinator:
         if plan is None:
             plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
         self.plan = plan
+        fresh = not self.backups and not any(i.items for i in inventories.values())
+        self.holders.planned(fresh=fresh)
         self.passed_over = (
             passed_over_by_reports(
                 self.config,
@@ -348,8 +350,18 @@ class JobCoordinator:
             self.phase,
             plan_version=self.plan_version,
             step=None if plan is None else plan.step,
-            assignments={} if plan is None else dict(plan.for_rank(rank)),
+            assignments={} if plan is None else self._attributed(plan.for_rank(rank)),
         )
+
+    def _attributed(
+        self, assignments: Mapping[ItemId, tuple[Fetch, ...]]
+    ) -> dict[ItemId, tuple[Fetch, ...]]:
+        """``assignments`` with each source's producers: the nodes its item's rank has had."""
+        producers = self.holders.producers
+        return {
+            target: tuple(replace(f, producers=producers(f.item.rank)) for f in fetches)
+            for target, fetches in assignments.items()
+        }
 
     def _waiting(self) -> tuple[tuple[int, ...], str]:
         """The first ``MISSING_SHOWN`` missing ranks and the waiting message.

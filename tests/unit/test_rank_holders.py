@@ -3,6 +3,9 @@ use of it (``core.coordination``): pure, no sockets."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from mtc_replicator.core.coordination import (
@@ -13,8 +16,15 @@ from mtc_replicator.core.coordination import (
     ReportRefused,
 )
 from mtc_replicator.core.identity import LEGACY
-from mtc_replicator.core.rank_holders import RankHolders, holders_from_json, holders_json
+from mtc_replicator.core.rank_holders import (
+    MAX_HISTORY,
+    RankHolders,
+    SavedHolders,
+    holders_from_json,
+    holders_json,
+)
 from mtc_replicator.core.restore_plan import NodeInventory
+from mtc_replicator.local.holders_file import HoldersFile
 from tests.unit.test_coordination import VIEW, config, own
 
 
@@ -70,10 +80,101 @@ def test_only_a_new_rank0_incarnation_frees_the_ranks() -> None:
 
 
 def test_the_saved_holders_round_trip_and_bad_ones_are_refused() -> None:
-    assert holders_from_json(holders_json({0: "n0", 2: "n2"}), 3) == {0: "n0", 2: "n2"}
-    for bad in ({}, {"holders": []}, {"holders": {"x": "n"}}, {"holders": {"3": "n"}}, []):
-        with pytest.raises(ValueError, match=r"holders|bad entry|out of range"):
+    saved = SavedHolders({0: "n0", 2: "n2"}, {0: ("n0",), 2: ("n5", LEGACY, "n2")}, True)
+    assert holders_from_json(json.loads(json.dumps(holders_json(saved))), 3) == saved
+    long = "n" * 254
+    for bad in (
+        {},
+        {"holders": []},
+        {"holders": {"x": "n"}},
+        {"holders": {"3": "n"}},
+        {"holders": {"0": 7}},
+        {"holders": {"0": long}},
+        {"holders": {}, "history": []},
+        {"holders": {}, "history": {"0": "n0"}},
+        {"holders": {}, "history": {"0": [f"n{i}" for i in range(MAX_HISTORY + 1)]}},
+        {"holders": {}, "history": {"0": [long]}},
+        {"holders": {}, "history": {"5": ["n0"]}},
+        {"holders": {}, "complete": "yes"},
+        [],
+    ):
+        with pytest.raises(ValueError, match=r"holders|bad entry|out of range|bad history|bad '"):
             holders_from_json(bad, 3)
+
+
+def test_an_older_record_without_history_reads_as_incomplete() -> None:
+    saved = holders_from_json({"holders": {"0": "n0", "1": "n1"}}, 3)
+    assert saved == SavedHolders({0: "n0", 1: "n1"}, {}, complete=False)
+    h = RankHolders()
+    h.restore(saved)
+    assert h.history == {0: ["n0"], 1: ["n1"]}  # they held the ranks: part of the history
+    assert h.producers(1) is None
+
+
+def test_the_history_keeps_every_node_bound_in_order_and_survives_a_job_restart() -> None:
+    h = RankHolders(rank0="i1")
+    h.bind(0, "n0")
+    h.bind(1, LEGACY)  # a shared certificate held it: it can have produced rank 1's items
+    h.bind(1, "n1")
+    h.rank0_joins("i2")
+    assert h.nodes == {0: "n0"}
+    h.bind(1, "n7")
+    h.rank0_joins("i3")
+    h.bind(1, "n1")  # back on node 1: once in the history, as the newest
+    assert h.history == {0: ["n0"], 1: [LEGACY, "n7", "n1"]}
+
+
+def test_the_history_is_bounded_to_the_newest_nodes() -> None:
+    h = RankHolders(rank0="i0")
+    for i in range(MAX_HISTORY + 3):
+        h.rank0_joins(f"i{i + 1}")
+        h.bind(1, f"n{i}")
+    assert h.history[1] == [f"n{i}" for i in range(3, MAX_HISTORY + 3)]
+
+
+def test_producers_are_known_only_after_a_plan_found_no_item_anywhere() -> None:
+    h = RankHolders()
+    h.bind(0, "n0")
+    assert h.producers(0) is None  # items may exist whose producers it never saw
+    h.planned(fresh=False)
+    assert h.producers(0) is None
+    h.planned(fresh=True)
+    assert h.producers(0) == ("n0",)
+    assert h.producers(1) == ()  # no node ever held rank 1: no copy of it counts
+    assert h.saved().complete
+
+
+def test_a_rank_bound_without_a_node_leaves_the_producers_unknown() -> None:
+    h = RankHolders()
+    h.bind(0, None)  # TLS off, or an in-process call: nobody can say who produces
+    h.planned(fresh=True)
+    assert h.producers(0) is None
+    assert not h.saved().complete
+
+
+def test_restore_merges_the_history_and_takes_bindings_only_when_adopting() -> None:
+    saved = SavedHolders({1: "n1"}, {1: ("n5", "n1")}, complete=True)
+    h = RankHolders()
+    h.bind(1, "n8")
+    h.restore(saved, bindings=False)
+    assert h.nodes == {1: "n8"}
+    assert h.history[1] == ["n5", "n1", "n8"]  # the record's are older
+    assert h.producers(1) == ("n5", "n1", "n8")
+    adopting = RankHolders()
+    adopting.restore(saved)
+    assert adopting.nodes == {1: "n1"}
+
+
+def test_the_holders_file_keeps_history_and_completeness(tmp_path: Path) -> None:
+    records = HoldersFile(tmp_path)
+    assert records.load("job", 3) is None
+    saved = SavedHolders({0: "n0"}, {0: ("n0",), 1: ("n1", "n4")}, complete=True)
+    records.save("job", saved)
+    assert records.load("job", 3) == saved
+    (tmp_path / "rank-holders" / "job.json").write_text('{"holders": {"0": "n0"}}')
+    assert records.load("job", 3) == SavedHolders({0: "n0"}, {}, complete=False)
+    (tmp_path / "rank-holders" / "job.json").write_text('{"holders": {"0": "n0"}, "history": 1}')
+    assert records.load("job", 3) is None  # unreadable: said in the log, nothing known
 
 
 def test_a_join_from_another_node_is_not_admitted_within_a_round() -> None:
@@ -120,7 +221,7 @@ def test_reports_from_another_node_are_refused() -> None:
 def test_a_restarted_coordinator_adopts_only_the_saved_holders() -> None:
     c = JobCoordinator(config(2), VIEW, "a0")
     c.resume_steady()
-    c.holders.restore({0: "node0", 1: "node1"})
+    c.holders.restore(SavedHolders({0: "node0", 1: "node1"}))
     assert _report(c, 1, "evil", "node9") is None
     assert 1 not in c.released_incarnations
     assert _report(c, 1, "a1", "node1") is not None
