@@ -356,10 +356,13 @@ class JobCoordinator:
     def _attributed(
         self, assignments: Mapping[ItemId, tuple[Fetch, ...]]
     ) -> dict[ItemId, tuple[Fetch, ...]]:
-        """``assignments`` with each source's producers: the nodes its item's rank has had."""
+        """``assignments`` with each source's producers: the nodes that held its item's rank
+        when the item's step can have been produced."""
         producers = self.holders.producers
         return {
-            target: tuple(replace(f, producers=producers(f.item.rank)) for f in fetches)
+            target: tuple(
+                replace(f, producers=producers(f.item.rank, f.item.step)) for f in fetches
+            )
             for target, fetches in assignments.items()
         }
 
@@ -454,6 +457,7 @@ class JobCoordinator:
             # The restored step is complete everywhere: it is the restorable step.
             self.restorable = None if self.plan is None else self.plan.step
             self.progress.reset(self.restorable)
+            self.holders.released(self.restorable)
 
     # --- steady state --------------------------------------------------------------------------
 
@@ -486,7 +490,7 @@ class JobCoordinator:
                 return None
             self.released_incarnations[rank] = incarnation_id
             self.adopted.add(rank)
-            self.holders.bind(rank, node)
+            self.holders.bind(rank, node, running=True)
         if self.released_incarnations.get(rank) != incarnation_id:
             return None
         if address:

@@ -15,13 +15,17 @@ while a cluster moves to per-node certificates, a rank's daemon restarted with i
 certificate keeps its rank (the named node then holds it).
 
 Each rank's HISTORY is every node bound to it so far (the newest ``MAX_HISTORY``, ``LEGACY``
-included), kept when rank 0's new incarnation frees the bindings: an item of the rank was
-produced by one of them, so a restoring rank counts a copy only if its manifest's attestation
-names one (``Fetch.producers``). The history is COMPLETE when this coordinator saw a plan
-find no item anywhere (no inventory item, no committed backup: a fresh job) and every binding
-since named its node, or it was restored from a record that was complete. Otherwise (a
-coordinator on a new host after rank 0's node and store were lost, a record of a version
-without history, TLS off) the producers of older items are not known: ``producers`` is None.
+included), kept when rank 0's new incarnation frees the bindings, each with the step from
+which it can have produced the rank's items: the step its first released round restored (0
+after a fresh start; 0 for a node a restarted coordinator adopts, which has been running
+since a round it never saw). A node bound in a round not yet released has produced nothing.
+A restoring rank counts a copy of an item of step s only if its manifest's attestation names
+one of the nodes whose tenure began at or before s (``producers``, ``Fetch.producers``). The
+history is COMPLETE when this coordinator saw a plan find no item anywhere (no inventory
+item, no committed backup: a fresh job) and every binding named its node, or it was restored
+from a record that was complete. Otherwise (a coordinator on a new host after rank 0's node
+and store were lost, a record of a version without history, TLS off) the producers of older
+items are not known: ``producers`` is None.
 """
 
 from __future__ import annotations
@@ -40,14 +44,19 @@ MAX_NODE_CHARS = 253
 """A node name is a DNS-1123 subdomain (``core.identity``)."""
 
 
+Tenures = Mapping[str, int | None]
+"""A rank's nodes, oldest binding first, each with the first step it can have produced
+(None: bound in a round not released yet, so nothing)."""
+
+
 @dataclass(frozen=True)
 class SavedHolders:
     """What a released round leaves for a restart of the coordinator's daemon."""
 
     nodes: Mapping[int, str]
     """Each bound rank's node."""
-    history: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
-    """Each rank's nodes ever bound, oldest first."""
+    history: Mapping[int, Tenures] = field(default_factory=dict)
+    """Each rank's nodes ever bound (``RankHolders.history``)."""
     complete: bool = False
     """The history names every node that can have produced an item of the job."""
 
@@ -60,8 +69,9 @@ class RankHolders:
     refused: int = 0
     rank0: str | None = None
     """The incarnation of rank 0 the bindings were made under."""
-    history: dict[int, list[str]] = field(default_factory=dict)
-    """Each rank's nodes ever bound, oldest first, distinct, the newest ``MAX_HISTORY``."""
+    history: dict[int, dict[str, int | None]] = field(default_factory=dict)
+    """Each rank's nodes ever bound, oldest binding first, the newest ``MAX_HISTORY``, each
+    with the first step it can have produced (None: not released yet)."""
     complete: bool = False
     """A plan found no item anywhere, or a complete record was restored (see ``known``)."""
     unnamed: bool = False
@@ -88,8 +98,9 @@ class RankHolders:
             "nodes only in a round rank 0 opens"
         )
 
-    def bind(self, rank: int, node: str | None) -> None:
-        """``rank`` is ``node``'s from now on, unless it is bound already (to a named node)."""
+    def bind(self, rank: int, node: str | None, *, running: bool = False) -> None:
+        """``rank`` is ``node``'s from now on, unless it is bound already (to a named node).
+        ``running``: adopted in steady state, it may have produced any step of the rank."""
         if node is None:
             if not self.unnamed:
                 self.unnamed = True
@@ -97,16 +108,15 @@ class RankHolders:
             return
         if self.nodes.get(rank) in (None, LEGACY):
             self.nodes[rank] = node
-            self._remember(rank, node)
+            self._remember(rank, node, 0 if running else None)
 
-    def _remember(self, rank: int, node: str) -> None:
-        names = self.history.setdefault(rank, [])
-        if names and names[-1] == node:
-            return
-        if node in names:
-            names.remove(node)
-        names.append(node)
-        del names[:-MAX_HISTORY]
+    def _remember(self, rank: int, node: str, since: int | None) -> None:
+        tenures = self.history.setdefault(rank, {})
+        if node in tenures:
+            since = _earliest(tenures.pop(node), since)  # an earlier tenure counts still
+        tenures[node] = since
+        while len(tenures) > MAX_HISTORY:
+            del tenures[next(iter(tenures))]
         self.changes += 1
 
     def rank0_joins(self, incarnation: str) -> None:
@@ -124,15 +134,25 @@ class RankHolders:
             self.complete = True
             self.changes += 1
 
-    def producers(self, rank: int) -> tuple[str, ...] | None:
-        """The nodes that can have produced an item of ``rank``; None: not known."""
+    def released(self, step: int | None) -> None:
+        """The round restoring ``step`` (None: a fresh start) was released: its holders
+        produce from that step on (a re-save of the restored step included)."""
+        for rank, node in self.nodes.items():
+            tenures = self.history.get(rank)
+            if tenures is not None and node in tenures and tenures[node] is None:
+                tenures[node] = 0 if step is None else step
+                self.changes += 1
+
+    def producers(self, rank: int, step: int) -> tuple[str, ...] | None:
+        """The nodes that can have produced ``rank``'s items of ``step``; None: not known."""
         if not self.known:
             return None
-        return tuple(self.history.get(rank, ()))
+        tenures = self.history.get(rank, {})
+        return tuple(n for n, since in tenures.items() if since is not None and since <= step)
 
     def saved(self) -> SavedHolders:
         """The record to keep for a restart of this daemon."""
-        history = {r: tuple(n) for r, n in self.history.items()}
+        history = {r: dict(t) for r, t in self.history.items()}
         return SavedHolders(dict(self.nodes), history, self.known)
 
     def restore(self, saved: SavedHolders, *, bindings: bool = True) -> None:
@@ -142,22 +162,33 @@ class RankHolders:
             for rank, node in saved.nodes.items():
                 self.nodes.setdefault(rank, node)
         for rank in saved.history.keys() | saved.nodes.keys():
-            older = list(saved.history.get(rank, ()))
+            older = dict(saved.history.get(rank, {}))
             held = saved.nodes.get(rank)
             if held is not None and held not in older:
-                older.append(held)  # a record of a version without history
-            newer = self.history.get(rank, [])
-            merged = [n for n in older if n not in newer] + newer
-            self.history[rank] = merged[-MAX_HISTORY:]
+                older[held] = 0  # a record of a version without history: it ran, since when?
+            newer = self.history.get(rank, {})
+            merged = {n: s for n, s in older.items() if n not in newer}
+            for node, since in newer.items():
+                merged[node] = _earliest(older.get(node), since)
+            self.history[rank] = dict(list(merged.items())[-MAX_HISTORY:])
         if saved.complete and not self.complete:
             self.complete = True
         self.changes += 1
 
 
+def _earliest(a: int | None, b: int | None) -> int | None:
+    """The earlier of two tenures' first steps (None: a tenure not begun)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return min(a, b)
+
+
 def holders_json(saved: SavedHolders) -> dict[str, Any]:
     return {
         "holders": {str(r): n for r, n in sorted(saved.nodes.items())},
-        "history": {str(r): list(n) for r, n in sorted(saved.history.items())},
+        "history": {
+            str(r): [[n, s] for n, s in t.items()] for r, t in sorted(saved.history.items())
+        },
         "complete": saved.complete,
     }
 
@@ -177,6 +208,16 @@ def _node(value: Any) -> str:
     return value
 
 
+def _tenure(value: Any) -> tuple[str, int | None]:
+    """One ``[node, first step]`` of a saved history."""
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ValueError(f"bad history entry {value!r:.40}")
+    node, since = value
+    if not (since is None or (type(since) is int and since >= 0)):
+        raise ValueError(f"bad history entry {value!r:.40}: not a step")
+    return _node(node), since
+
+
 def holders_from_json(body: Any, ranks: int) -> SavedHolders:
     """The record in a saved body; ``ValueError`` unless every entry is a rank of the job
     and a node name. A record without ``history`` (an older version's) is incomplete."""
@@ -190,9 +231,9 @@ def holders_from_json(body: Any, ranks: int) -> SavedHolders:
     complete = body.get("complete", False)
     if not (isinstance(history_body, dict) and isinstance(complete, bool)):
         raise ValueError("bad 'history' or 'complete'")  # noqa: TRY004 (a bad file)
-    history: dict[int, tuple[str, ...]] = {}
-    for key, names in history_body.items():
-        if not isinstance(names, list) or len(names) > MAX_HISTORY:
+    history: dict[int, dict[str, int | None]] = {}
+    for key, entries in history_body.items():
+        if not isinstance(entries, list) or len(entries) > MAX_HISTORY:
             raise ValueError(f"bad history of rank {key!r:.40}")
-        history[_rank(key, ranks)] = tuple(_node(n) for n in names)
+        history[_rank(key, ranks)] = dict(_tenure(e) for e in entries)
     return SavedHolders(nodes, history, complete)

@@ -17,6 +17,7 @@ from mtc_replicator.cluster.messages import (
     MAX_PRODUCERS,
     BadMessage,
     FailedFetch,
+    Progress,
     failure_message,
     item_ref,
     item_source,
@@ -28,6 +29,7 @@ from mtc_replicator.core.coordination import JobCoordinator, Join, Phase, RankSt
 from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import Source
+from mtc_replicator.core.rank_holders import SavedHolders
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory
 from mtc_replicator.local.holders_file import HoldersFile
 from tests.unit.test_coordination import VIEW, config, own
@@ -134,15 +136,29 @@ def _restart(c: JobCoordinator, inc: str, nodes: list[str | None], steps: tuple[
     assert c.phase is Phase.FETCH
 
 
-def test_a_fresh_job_names_the_producers_on_every_source_across_a_restart() -> None:
+def _ready(c: JobCoordinator, inc: str, nodes: list[str | None]) -> None:
+    for r, node in enumerate(nodes):
+        s = c.status(r, f"{inc}{r}")
+        c.report_restore(r, f"{inc}{r}", s.round, s.plan_version, ready=True, node=node)
+    assert c.phase is Phase.RELEASED
+
+
+def test_a_fresh_job_names_the_producers_on_every_source_across_restarts() -> None:
     c = JobCoordinator(config(3), VIEW, "a0")
     _round(c, "a", ["node0", "node1", "node2"])  # a fresh start: nothing anywhere
-    # The job restarts; rank 2 comes back on node 7.
-    _restart(c, "b", ["node0", "node1", "node7"], (5,))
+    # The job restarts from step 5; rank 2 comes back on node 7.
+    moved: list[str | None] = ["node0", "node1", "node7"]
+    _restart(c, "b", moved, (5,))
     assert _producers(c, 0, "b0") == {("node0",)}
-    assert _producers(c, 2, "b2") == {("node2", "node7")}  # the old holder stays in it
-    # Rank 1 wants its own item: from its store, or a peer's copy; each named by rank 1's.
     assert _producers(c, 1, "b1") == {("node1",)}
+    # Node 7 has produced nothing of rank 2 yet: only node 2 can have made step 5.
+    assert _producers(c, 2, "b2") == {("node2",)}
+    _ready(c, "b", moved)
+    # Node 7 saves step 10 as rank 2; the job restarts again: both nodes count for it.
+    _restart(c, "c", moved, (5, 10))
+    assert c.status(2, "c2").step == 10
+    assert _producers(c, 2, "c2") == {("node2", "node7")}
+    assert _producers(c, 0, "c0") == {("node0",)}
 
 
 def test_a_coordinator_whose_first_round_saw_items_does_not_know_the_producers() -> None:
@@ -201,7 +217,14 @@ def test_a_restarted_daemon_keeps_the_history_and_its_completeness(tmp_path: Pat
     assert second_host is not None
     second_host.coordinator.rank0_incarnation = "b0"
     asyncio.run(_round_through(second, "b", ["node0", "node5"], (5,)))
-    assert _producers(second_host.coordinator, 1, "b1") == {("node1", "node5")}
+    assert _producers(second_host.coordinator, 1, "b1") == {("node1",)}
+    for r, node in enumerate(["node0", "node5"]):
+        s = second_host.coordinator.status(r, f"b{r}")
+        second.report_restore("job", r, f"b{r}", s.round, s.plan_version, ready=True, node=node)
+    saved = HoldersFile(tmp_path).load("job", 2)
+    assert saved is not None
+    assert saved.history[1] == {"node1": 0, "node5": 5}  # node 5 produces from step 5
+    assert saved.complete
     # Without the record, a coordinator that first sees items knows nothing of them.
     third = _coordinators(tmp_path / "elsewhere")
     third_host = third.host.get("job")
@@ -209,3 +232,20 @@ def test_a_restarted_daemon_keeps_the_history_and_its_completeness(tmp_path: Pat
     third_host.coordinator.rank0_incarnation = "c0"
     asyncio.run(_round_through(third, "c", ["node0", "node5"], (5,)))
     assert _producers(third_host.coordinator, 1, "c1") == {None}
+
+
+def test_a_rank_a_restarted_coordinator_adopts_is_recorded_at_once(tmp_path: Path) -> None:
+    """Restarted in steady state with a record that lacks rank 1 (an older version's, or a
+    shared certificate's binding): the node it adopts produces rank 1's next steps, so the
+    record names it before another restart could forget it."""
+    records = HoldersFile(tmp_path)
+    records.save("job", SavedHolders({0: "node0", 1: LEGACY}, {0: {"node0": 0}, 1: {LEGACY: 0}}))
+    host = CoordinatorHost()
+    host.host(config(2), VIEW, rank0_incarnation="a0", resume_steady=True)
+    coordinators = Coordinators(host, lambda job: {}, holders=records)
+    asyncio.run(coordinators.report_progress("job", 1, "a1", Progress(5), node="node1"))
+    saved = records.load("job", 2)
+    assert saved is not None
+    assert saved.nodes == {0: "node0", 1: "node1"}
+    assert saved.history[1] == {LEGACY: 0, "node1": 0}  # running: it may have made any step
+    assert not saved.complete

@@ -287,7 +287,8 @@ class ItemSource(_message.Message):
     producers_known: _builtins.bool
     """The coordinator saw every binding of the rank since the job had no item anywhere, so
     `producers` names every node that can have produced `item`. False (a coordinator
-    restarted after its record was lost, or one older than this field): not known.
+    restarted after its record was lost, one older than this field, no node identities):
+    not known.
     """
     @_builtins.property
     def item(self) -> _peer_pb2.ItemRef:
@@ -295,9 +296,10 @@ class ItemSource(_message.Message):
 
     @_builtins.property
     def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The nodes that have held `item`'s rank (node names from their certificates, "" for a
-        shared certificate; oldest first, at most 16): the copy counts only if its manifest's
-        attestation names one of them as its producer. Meaningful only with `producers_known`.
+        """The nodes that have held `item`'s rank, those that held it when `item`'s step can have
+        been produced (node names from their certificates, "" for a shared certificate; oldest
+        first, at most 16): the copy counts only if its manifest's attestation names one of them
+        as its producer. Meaningful only with `producers_known`.
         """
 
     def __init__(
