@@ -493,6 +493,11 @@ class JobCoordinator:
             self.holders.bind(rank, node, running=True)
         if self.released_incarnations.get(rank) != incarnation_id:
             return None
+        if node is not None:
+            # A rank held under a shared certificate whose running agent now reports with one
+            # naming its node (its daemon moved to per-node certificates): that node holds
+            # the rank, and its steps are produced under that name from now on.
+            self.holders.bind(rank, node, running=True)
         if address:
             self.addresses[rank] = address
         book = self.progress

@@ -260,3 +260,19 @@ def test_a_restarted_coordinator_adopts_only_the_saved_holders() -> None:
     assert 1 not in c.released_incarnations
     assert _report(c, 1, "a1", "node1") is not None
     assert c.released_incarnations[1] == "a1"
+
+
+def test_a_running_rank_of_a_shared_certificate_passes_to_its_nodes_name() -> None:
+    """A move to per-node certificates while the job runs: rank 1's daemon restarts with
+    its own certificate and resumes; its steps are produced as node 1 from then on."""
+    c = JobCoordinator(config(2), VIEW, "a0")
+    for r, node in enumerate(["node0", LEGACY]):
+        c.join(join(r, f"a{r}", node), {})
+    c.holders.planned(fresh=True)  # as if the job had started with nothing
+    for r, node in enumerate(["node0", LEGACY]):
+        s = c.status(r, f"a{r}")
+        c.report_restore(r, f"a{r}", s.round, s.plan_version, ready=True, node=node)
+    assert _report(c, 1, "a1", "node1") is not None
+    assert c.holders.nodes[1] == "node1"
+    assert c.holders.producers(1, 9) == (LEGACY, "node1")
+    assert _report(c, 1, "a1", "node9") is None  # held by a named node now
