@@ -17,15 +17,16 @@ certificate keeps its rank (the named node then holds it).
 Each rank's HISTORY is every node bound to it so far (the newest ``MAX_HISTORY``, ``LEGACY``
 included), kept when rank 0's new incarnation frees the bindings, each with the step from
 which it can have produced the rank's items: the step its first released round restored (0
-after a fresh start; 0 for a node a restarted coordinator adopts, which has been running
-since a round it never saw). A node bound in a round not yet released has produced nothing.
-A restoring rank counts a copy of an item of step s only if its manifest's attestation names
-one of the nodes whose tenure began at or before s (``producers``, ``Fetch.producers``). The
-history is COMPLETE when this coordinator saw a plan find no item anywhere (no inventory
-item, no committed backup: a fresh job) and every binding named its node, or it was restored
-from a record that was complete. Otherwise (a coordinator on a new host after rank 0's node
-and store were lost, a record of a version without history, TLS off) the producers of older
-items are not known: ``producers`` is None.
+after a fresh start; 0 for a node bound to a rank that is running: one a restarted
+coordinator adopts, which has run since a round it never saw, or the node's own name taking
+over a rank held under the shared certificate). A node bound in a round not yet released has
+produced nothing. A restoring rank counts a copy of an item of step s only if its manifest's
+attestation names one of the nodes whose tenure began at or before s (``producers``,
+``Fetch.producers``). The history is COMPLETE when this coordinator saw a plan find no item
+anywhere (no inventory item, no committed backup: a fresh job) and every binding named its
+node, or it was restored from a record that was complete. Otherwise (a coordinator on a new
+host after rank 0's node and store were lost, a record of a version without history, TLS
+off) the producers of older items are not known: ``producers`` is None.
 """
 
 from __future__ import annotations
