@@ -41,6 +41,7 @@ from mtc_replicator.core.coordination import (
 )
 from mtc_replicator.core.layout import backup_items
 from mtc_replicator.core.ownership import UNOWNED, may_join
+from mtc_replicator.core.rank_holders import SavedHolders
 from mtc_replicator.core.restore_plan import NodeInventory, SourceKey
 from mtc_replicator.obs.logs import JobLog
 
@@ -91,12 +92,12 @@ class RestorePins(Protocol):
 
 
 class HolderRecords(Protocol):
-    """The released round's rank holders per job, kept across daemon restarts
-    (``local.holders_file.HoldersFile``)."""
+    """The released round's rank holders per job and each rank's history of nodes, kept
+    across daemon restarts (``local.holders_file.HoldersFile``)."""
 
-    def save(self, job: str, nodes: Mapping[int, str]) -> None: ...
+    def save(self, job: str, saved: SavedHolders) -> None: ...
 
-    def load(self, job: str, ranks: int) -> dict[int, str] | None: ...
+    def load(self, job: str, ranks: int) -> SavedHolders | None: ...
 
 
 Listing = tuple[Mapping[int, CommitRecord], int | None]
@@ -206,6 +207,7 @@ class Coordinators:
         backups, pinned = await self._committed_backups(job)
         hosted = self._admit(job, rank, owner)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
+        self._load_holders(hosted)
         before = _round_key(coordinator)
         t0 = time.perf_counter()
         refused = coordinator.holders.refused
@@ -390,12 +392,29 @@ class Coordinators:
         )
         return hosted.identity
 
+    def _load_holders(self, hosted: HostedJob) -> None:
+        """Before a new coordinator's first join or report: take back the history of the
+        job's rank holders the last one left on this node, and, restarted in steady state,
+        the released round's holders (it adopts only their reports)."""
+        if hosted.holders_loaded:
+            return
+        hosted.holders_loaded = True
+        coordinator = hosted.coordinator
+        saved = (
+            None
+            if self.holders is None
+            else self.holders.load(hosted.job, coordinator.config.nodes)
+        )
+        if saved is not None:
+            coordinator.holders.restore(saved, bindings=coordinator.adopting)
+
     def _save_holders(self, job: str, coordinator: JobCoordinator) -> None:
-        """Keep the released round's holders for a restart of this daemon."""
-        if self.holders is None or not coordinator.holders.nodes:
+        """Keep the holders and their history for a restart of this daemon."""
+        holders = coordinator.holders
+        if self.holders is None or not (holders.nodes or holders.history):
             return
         try:
-            self.holders.save(job, coordinator.holders.nodes)
+            self.holders.save(job, holders.saved())
         except OSError as exc:
             log.warning(
                 "cannot record the rank holders of job %s: a restart of this daemon adopts "
@@ -437,14 +456,8 @@ class Coordinators:
         None: not known); the answer may order a backup."""
         hosted = self.hosted(job, rank)
         coordinator = hosted.coordinator
-        if coordinator.adopting and not hosted.holders_loaded:
-            # Restarted in steady state: adopt only the nodes the released round bound.
-            hosted.holders_loaded = True
-            saved = (
-                None if self.holders is None else self.holders.load(job, coordinator.config.nodes)
-            )
-            if saved:
-                coordinator.holders.restore(saved)
+        self._load_holders(hosted)
+        changes = coordinator.holders.changes
         held = coordinator.holders.nodes.get(rank)
         if coordinator.holders.check(rank, node):
             self.on_rank_refused()
@@ -484,6 +497,8 @@ class Coordinators:
                 f"rank {rank} (incarnation {incarnation}) of job {job} is not a member of the "
                 "released round; join again"
             )
+        if coordinator.holders.changes != changes:
+            self._save_holders(job, coordinator)  # adopted a rank: a node the history lacked
         step = coordinator.take_commit()
         if step is not None:
             self._start(self._commit(job, coordinator, step), f"commit-{job}-{step}")

@@ -41,7 +41,7 @@ class HostedJob:
     backups_noted: bool = False
     """Whether a coordinator restarted in steady state has read the newest backup's time."""
     holders_loaded: bool = False
-    """Restarted in steady state: the released round's rank holders were read back."""
+    """The record of the job's rank holders was read back (``Coordinators._load_holders``)."""
     said_unadopted: float | None = None
     """Restarted in steady state: when the ranks yet to report were last logged (or the
     first report came)."""

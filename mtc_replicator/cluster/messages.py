@@ -15,7 +15,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence, Sized
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from mtc_replicator._pb.mtc.v1 import peer_pb2
@@ -27,6 +27,7 @@ from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import check_owner
 from mtc_replicator.core.policy import Source
+from mtc_replicator.core.rank_holders import MAX_NODE_CHARS
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
 
 SERVICE = "mtc.v1.Coordinator"
@@ -41,6 +42,8 @@ MAX_CLUSTER_VIEW_CHARS = 4096
 MAX_DETAIL_CHARS = 1024
 """A failure's detail is for logs: longer ones are cut, not refused."""
 MAX_WAIT_SECONDS = 30
+MAX_PRODUCERS = 16
+"""Nodes a source's rank has had, on the wire: the coordinator keeps 8 (``MAX_HISTORY``)."""
 INCARNATION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -84,6 +87,21 @@ def check_address(address: str, what: str = "address") -> str:
         return _registry_check_address(address)
     except MalformedEntry as exc:
         raise BadMessage(f"{what}: {exc}") from None
+
+
+def check_producers(source: pb.ItemSource, what: str) -> tuple[str, ...] | None:
+    """The nodes a source's item may come from (None: not known, as from a coordinator
+    older than the field): at most ``MAX_PRODUCERS`` node names."""
+    if not source.producers_known:
+        if source.producers:
+            raise BadMessage(f"{what}: producers are given but not known")
+        return None
+    if len(source.producers) > MAX_PRODUCERS:
+        raise BadMessage(f"{what}: {len(source.producers)} producers, more than {MAX_PRODUCERS}")
+    for name in source.producers:
+        if len(name) > MAX_NODE_CHARS or not name.isascii() or not name.isprintable():
+            raise BadMessage(f"{what}: producer {name[:40]!r} is not a node name")
+    return tuple(source.producers)
 
 
 def check_count(values: Sized, what: str, limit: int = MAX_ITEMS) -> None:
@@ -173,6 +191,9 @@ def item_source(fetch: Fetch, address: str = "") -> pb.ItemSource:
         manifest_digest=fetch.digest,
         equivalent=fetch.equivalent,
     )
+    if fetch.producers is not None:
+        source.producers_known = True
+        source.producers.extend(fetch.producers)
     if fetch.source is Source.PEER:
         assert fetch.holder is not None
         source.holder_rank = fetch.holder
@@ -202,12 +223,19 @@ def fetch_of(source: pb.ItemSource, target: ItemId, what: str) -> tuple[Fetch, s
         equivalent = "an equivalent" if source.equivalent else "the item itself"
         raise BadMessage(f"{what}: {item} is not {equivalent} of {target}")
     digest = check_digest(source.manifest_digest, what)
+    producers = check_producers(source, what)
     if kind is Source.PEER:
         if source.holder_rank == target.rank:
             raise BadMessage(f"{what}: rank {target.rank} is sent to itself as a peer")
         address = check_address(source.address, what)
         fetch = Fetch(
-            kind, item, source.holder_rank, digest, source.equivalent, source.after_restore
+            kind,
+            item,
+            source.holder_rank,
+            digest,
+            source.equivalent,
+            source.after_restore,
+            producers,
         )
         return fetch, address
     if source.after_restore:
@@ -215,7 +243,7 @@ def fetch_of(source: pb.ItemSource, target: ItemId, what: str) -> tuple[Fetch, s
         raise BadMessage(f"{what}: a {kind.value} source cannot be obtained after the restore")
     # LOCAL is held by the restoring rank itself (its own item or an equivalent's copy).
     holder = target.rank if kind is Source.LOCAL else None
-    return Fetch(kind, item, holder, digest, source.equivalent), None
+    return Fetch(kind, item, holder, digest, source.equivalent, producers=producers), None
 
 
 def assignment_messages(
@@ -278,7 +306,8 @@ class FailedFetch:
 
 def failure_message(failure: FailedFetch, address: str = "") -> pb.FailedSource:
     """``failure`` for ReportRestore; ``address`` is the PEER holder's, for the logs."""
-    source = item_source(failure.fetch, address)
+    # The coordinator keys a failure by holder and item: the producers would be ballast.
+    source = item_source(replace(failure.fetch, producers=None), address)
     return pb.FailedSource(
         source=source, corrupt=failure.corrupt, detail=failure.detail[:MAX_DETAIL_CHARS]
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from mtc_replicator.core.backup_layout import CommitRecord
@@ -304,6 +304,8 @@ class JobCoordinator:
         if plan is None:
             plan = plan_round(self.config, inventories, self.backups, exclude=self.exclude)
         self.plan = plan
+        fresh = not self.backups and not any(i.items for i in inventories.values())
+        self.holders.planned(fresh=fresh)
         self.passed_over = (
             passed_over_by_reports(
                 self.config,
@@ -348,8 +350,21 @@ class JobCoordinator:
             self.phase,
             plan_version=self.plan_version,
             step=None if plan is None else plan.step,
-            assignments={} if plan is None else dict(plan.for_rank(rank)),
+            assignments={} if plan is None else self._attributed(plan.for_rank(rank)),
         )
+
+    def _attributed(
+        self, assignments: Mapping[ItemId, tuple[Fetch, ...]]
+    ) -> dict[ItemId, tuple[Fetch, ...]]:
+        """``assignments`` with each source's producers: the nodes that held its item's rank
+        when the item's step can have been produced."""
+        producers = self.holders.producers
+        return {
+            target: tuple(
+                replace(f, producers=producers(f.item.rank, f.item.step)) for f in fetches
+            )
+            for target, fetches in assignments.items()
+        }
 
     def _waiting(self) -> tuple[tuple[int, ...], str]:
         """The first ``MISSING_SHOWN`` missing ranks and the waiting message.
@@ -442,6 +457,7 @@ class JobCoordinator:
             # The restored step is complete everywhere: it is the restorable step.
             self.restorable = None if self.plan is None else self.plan.step
             self.progress.reset(self.restorable)
+            self.holders.released(self.restorable)
 
     # --- steady state --------------------------------------------------------------------------
 
@@ -474,9 +490,14 @@ class JobCoordinator:
                 return None
             self.released_incarnations[rank] = incarnation_id
             self.adopted.add(rank)
-            self.holders.bind(rank, node)
+            self.holders.bind(rank, node, running=True)
         if self.released_incarnations.get(rank) != incarnation_id:
             return None
+        if node is not None:
+            # A rank held under a shared certificate whose running agent now reports with one
+            # naming its node (its daemon moved to per-node certificates): that node holds
+            # the rank, and its steps are produced under that name from now on.
+            self.holders.bind(rank, node, running=True)
         if address:
             self.addresses[rank] = address
         book = self.progress

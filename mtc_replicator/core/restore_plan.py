@@ -62,6 +62,11 @@ class Fetch:
     pending: bool = False
     """PEER only: the holder obtains the item during this round (it downloads it from the
     backup, or relays it from another holder), so a pull waits for it, within bounds."""
+    producers: tuple[str, ...] | None = None
+    """The nodes that held ``item``'s rank when its step can have been produced
+    (``core.rank_holders``): the copy counts only if its manifest's attestation names one
+    of them. None: not known. The coordinator sets it on the assignments it hands out, not
+    the plan."""
 
     @property
     def key(self) -> SourceKey:

@@ -4,17 +4,19 @@ A coordinator restarted with its daemon takes the running ranks back from their 
 reports (``core.coordination.JobCoordinator.resume_steady``); without a record, the first
 report naming a rank would be believed, whoever sent it. The record is one JSON file per
 job in the store (``rank-holders/<job>.json``, beside CHECKPOINT_DIR, out of the pods'
-reach; the RAM disk survives a daemon restart), written when a round is released.
+reach; the RAM disk survives a daemon restart), written when a round is released and when a
+restarted coordinator binds a rank. It also keeps each rank's history of nodes (the
+producers a restore accepts, ``core.rank_holders``), which any later coordinator of the job on
+this node reads back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 
-from mtc_replicator.core.rank_holders import holders_from_json, holders_json
+from mtc_replicator.core.rank_holders import SavedHolders, holders_from_json, holders_json
 from mtc_replicator.local import fsutil
 
 log = logging.getLogger(__name__)
@@ -33,13 +35,13 @@ class HoldersFile:
         # Job names are checked before a coordinator is hosted: no separators.
         return self.root / f"{job}.json"
 
-    def save(self, job: str, nodes: Mapping[int, str]) -> None:
-        """Record the released round's holders (raises ``OSError``)."""
+    def save(self, job: str, saved: SavedHolders) -> None:
+        """Record the holders and their history (raises ``OSError``)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fsutil.atomic_write_bytes(self._path(job), json.dumps(holders_json(nodes)).encode())
+        fsutil.atomic_write_bytes(self._path(job), json.dumps(holders_json(saved)).encode())
 
-    def load(self, job: str, ranks: int) -> dict[int, str] | None:
-        """The recorded holders; None when there is no usable record (said in the log)."""
+    def load(self, job: str, ranks: int) -> SavedHolders | None:
+        """The record; None when there is no usable one (said in the log)."""
         try:
             raw = fsutil.read_regular(self._path(job), MAX_FILE_BYTES)
             return holders_from_json(json.loads(raw), ranks)

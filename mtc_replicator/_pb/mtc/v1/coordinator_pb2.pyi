@@ -269,6 +269,8 @@ class ItemSource(_message.Message):
     HOLDER_RANK_FIELD_NUMBER: _builtins.int
     EQUIVALENT_FIELD_NUMBER: _builtins.int
     AFTER_RESTORE_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    PRODUCERS_KNOWN_FIELD_NUMBER: _builtins.int
     kind: Global___ItemSource.Kind.ValueType
     manifest_digest: _builtins.str
     """The digest the copy must have; verify against it."""
@@ -282,9 +284,23 @@ class ItemSource(_message.Message):
     """PEER only: the holder obtains `item` during this round (it downloads it from the
     backup, or relays it), so a pull waits for it within bounds instead of failing at once.
     """
+    producers_known: _builtins.bool
+    """The coordinator saw every binding of the rank since the job had no item anywhere, so
+    `producers` names every node that can have produced `item`. False (a coordinator
+    restarted after its record was lost, one older than this field, no node identities):
+    not known.
+    """
     @_builtins.property
     def item(self) -> _peer_pb2.ItemRef:
         """The item to obtain: the target itself, or a data-parallel equivalent of it."""
+
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The nodes that have held `item`'s rank, those that held it when `item`'s step can have
+        been produced (node names from their certificates, "" for a shared certificate; oldest
+        first, at most 16): the copy counts only if its manifest's attestation names one of them
+        as its producer. Meaningful only with `producers_known`.
+        """
 
     def __init__(
         self,
@@ -296,10 +312,12 @@ class ItemSource(_message.Message):
         holder_rank: _builtins.int = ...,
         equivalent: _builtins.bool = ...,
         after_restore: _builtins.bool = ...,
+        producers: _abc.Iterable[_builtins.str] | None = ...,
+        producers_known: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "after_restore", b"after_restore", "equivalent", b"equivalent", "holder_rank", b"holder_rank", "item", b"item", "kind", b"kind", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "after_restore", b"after_restore", "equivalent", b"equivalent", "holder_rank", b"holder_rank", "item", b"item", "kind", b"kind", "manifest_digest", b"manifest_digest", "producers", b"producers", "producers_known", b"producers_known"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
