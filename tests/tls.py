@@ -136,7 +136,7 @@ def hand_made_node(
 
 def operator_flags(root: Path, ca: certs.Pair, name: str = "alice") -> tuple[str, ...]:
     """An operator certificate from ``ca`` in ``root`` (``mtc certs operator``), as
-    ``mtc backups restore``'s flags: what signs a restore pin daemons with TLS honour."""
+    ``mtc backups pin``'s flags: what signs a restore pin daemons with TLS honour."""
     yesterday = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
     pair = certs.issue_operator(ca, name, not_before=yesterday)
     certs.write_pair(root, pair, certs.OPERATOR_CERT, certs.OPERATOR_KEY)
