@@ -42,12 +42,16 @@ OTHER_POD = "mtc-node-default-b9q4z"
 
 
 def _overlay_pattern() -> str:
-    """``MTC_TLS_NODE_NAME_PATTERN`` as the component sets it for the replicator."""
-    patch = yaml.safe_load(PATCH.read_text())
-    (replicator,) = patch["spec"]["template"]["spec"]["containers"]
-    values = [e["value"] for e in replicator["env"] if e["name"] == "MTC_TLS_NODE_NAME_PATTERN"]
+    """``MTC_TLS_NODE_NAME_PATTERN`` as the component's JSON patch sets it for the replicator
+    (where it replaces ``MTC_TLS_SHARED_CERTIFICATE``)."""
+    ops = yaml.safe_load(PATCH.read_text())
+    values = [
+        op["value"]["value"]
+        for op in ops
+        if op["op"] == "replace" and op["value"].get("name") == "MTC_TLS_NODE_NAME_PATTERN"
+    ]
     assert len(values) == 1
-    assert not [e for e in replicator["env"] if e.get("value") and "SHARED" in e["name"]]
+    assert not [op for op in ops if "SHARED" in str(op.get("value")) and op["op"] != "test"]
     return str(values[0])
 
 
