@@ -6,7 +6,9 @@ passes (its ``--tls-node-name-pattern``, no ``--tls-shared-certificate``).
 The daemon starts on such a certificate and names itself by the pod; another pod's
 certificate of the same shape is served; a certificate of the same CA naming a Kubernetes
 node (``mtc certs node``), or the old shared certificate, is refused on every call, and a
-daemon given the shared certificate under these flags does not start.
+daemon given the shared certificate under these flags does not start. And what a pod's
+name costs, in a four-node cluster: a rank whose pod is replaced under a running job gets
+its rank back only when the job restarts, and loses nothing meanwhile.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
 from mtc_replicator.core.identity import node_uri
 from mtc_replicator.tools import certs
 from tests.daemon_process import DaemonProcess
-from tests.integration.helpers import ram_disk, running_daemon
+from tests.integration.cluster import Cluster, assert_restored
+from tests.integration.helpers import ram_disk, running_daemon, wait_until
 from tests.integration.test_startup_checks import _one_line_exit_2, _start
-from tests.tls import cert_manager_ca, csi_driver_certificate
+from tests.tls import cert_manager_ca, csi_driver_certificate, node_tls
 
 pytestmark = pytest.mark.integration
 
@@ -122,3 +125,38 @@ def test_the_shared_certificate_does_not_start_a_daemon_under_the_overlays_flags
     line = _one_line_exit_2(_start(tmp_path, *_flags(tmp_path / "tls", ca, certs.issue(ca))))
     assert "names no node" in line
     assert "--tls-shared-certificate" in line  # the remedy for a cluster still migrating
+
+
+# --- what a pod's name costs: a replaced pod is a new identity (docs/deploy.md) ------------
+
+
+def test_a_replaced_pod_holds_its_rank_again_only_after_the_job_restarts(cluster: Cluster) -> None:
+    """Rank 1's pod is replaced while the job runs (a DaemonSet rollout): its daemon comes
+    back on the same RAM disk under a new pod name, as csi-driver names it. Its reports are
+    refused, nothing newer is committed and nothing is lost; the job's restart frees the
+    rank, it restores its newest step and commits again."""
+    cluster.keys["backup_interval_steps"] = 5
+    cluster.fresh_start()
+    cluster.save(5)
+    cluster.wait_backup(5)
+
+    assert cluster.ca is not None
+    cluster.daemon(1).stop()
+    cluster.tls[1] = node_tls(cluster.root / "tls" / "replaced", cluster.ca, node=OTHER_POD)
+    cluster.start(1)
+    files = cluster.write_step(10)
+    cluster.wait_saved(10, copies=False)  # each rank's own step 10 is on its RAM disk
+    refused = f"rank 1 is held by node 'node1', not '{OTHER_POD}'"
+    wait_until(
+        lambda: refused in cluster.daemon(0).log(),
+        "rank 0's coordinator refuses the replaced pod's reports as rank 1",
+        daemon=cluster.daemon(0),
+    )
+    assert 10 not in cluster.committed_backups()
+    assert 5 in cluster.committed_backups()
+
+    cluster.handshake([1, 2, 3, 0])  # the job restarts: rank 0's new incarnation
+    cluster.wait_markers(10)
+    assert_restored(cluster, 10, files)
+    cluster.save(15)
+    cluster.wait_backup(15)
