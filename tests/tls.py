@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc_replicator.core.identity import node_uri
@@ -146,9 +146,105 @@ def hand_made_node(
 
 def operator_flags(root: Path, ca: certs.Pair, name: str = "alice") -> tuple[str, ...]:
     """An operator certificate from ``ca`` in ``root`` (``mtc certs operator``), as
-    ``mtc backups restore``'s flags: what signs a restore pin daemons with TLS honour."""
+    ``mtc backups pin``'s flags: what signs a restore pin daemons with TLS honour."""
     yesterday = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
     pair = certs.issue_operator(ca, name, not_before=yesterday)
     certs.write_pair(root, pair, certs.OPERATOR_CERT, certs.OPERATOR_KEY)
     cert, key = root / certs.OPERATOR_CERT, root / certs.OPERATOR_KEY
     return ("--operator-cert", str(cert), "--operator-key", str(key))
+
+
+def cert_manager_ca() -> certs.Pair:
+    """The CA as deploy/components/cert-manager makes it: a ``selfSigned`` Issuer's
+    Certificate ``mtc-ca`` (ECDSA P-256, isCA, cert-manager's CA usages: digital signature,
+    key encipherment, cert sign; a subject key identifier)."""
+    key = _key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mtc-replicator CA")])
+    now = dt.datetime.now(dt.UTC) - dt.timedelta(days=1)
+    usage = x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=True,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=True,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + dt.timedelta(hours=87600))
+        .add_extension(usage, critical=True)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), _pem_key(key))
+
+
+def csi_driver_certificate(
+    ca: certs.Pair,
+    uri: str,
+    *,
+    dns_names: tuple[str, ...] = (certs.DEFAULT_SERVER_NAME,),
+    rsa_key: bool = False,
+) -> certs.Pair:
+    """A certificate as cert-manager's CA Issuer signs what csi-driver requests for the
+    volume of deploy/components/cert-manager-per-node: no subject (no common-name
+    attribute), so a critical subjectAltName with ``dns_names`` and the URI ``uri``
+    (``${POD_NAME}`` expanded); keyUsage digital signature (and key encipherment for an RSA
+    key, csi-driver's usages for one), extended usages server and client auth; CA:false;
+    the CA's key identifier; 90 days; the key PKCS#8. ``rsa_key``: RSA 2048, not ECDSA."""
+    ca_cert = x509.load_pem_x509_certificate(ca.cert)
+    ca_key = serialization.load_pem_private_key(ca.key, password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048) if rsa_key else _key()
+    )
+    usage = x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=rsa_key,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=False,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
+    names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
+    names.append(x509.UniformResourceIdentifier(uri))
+    start = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + dt.timedelta(hours=2160))
+        .add_extension(usage, critical=True)
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(names), critical=True)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return certs.Pair(cert.public_bytes(serialization.Encoding.PEM), pem_key)

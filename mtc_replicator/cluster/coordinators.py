@@ -80,7 +80,7 @@ blocking I/O, run in a thread): the record, or None while an item's manifest is 
 
 
 class RestorePins(Protocol):
-    """Operators' restore pins (``mtc backups restore``); blocking I/O, run in threads."""
+    """Operators' restore pins (``mtc backups pin``); blocking I/O, run in threads."""
 
     def pinned_step(self, job: str) -> int | None:
         """The committed step the job's next round must use, if a valid pin names one."""

@@ -171,7 +171,7 @@ class ItemSources:
         """``Unattested`` unless this job takes ``manifest``'s item: signed by its producer,
         for this job's owner, by a node that held its rank (``core.attestation``). Pulls and
         downloads ask before the first byte of data moves."""
-        seal = self.trust.check(manifest, self.owner, getattr(f, "producers", None))
+        seal = self.trust.check(manifest, self.owner, f.producers)
         if seal is Attested.UNSIGNED:
             JobLog(log, f.item.job, self.rank).warning(
                 "%s from %s is not attested: written before signed manifests, taken because "

@@ -176,7 +176,7 @@ class JobCoordinator:
         self.refused_why = ""
         """Why the last join was not admitted, for the host's log."""
         self.pinned: int | None = None
-        """An operator's restore pin (``mtc backups restore``): the step the round must use."""
+        """An operator's restore pin (``mtc backups pin``): the step the round must use."""
         self._waiting_key: tuple[int, int] | None = None
         self._waiting_view: tuple[tuple[int, ...], str] = ((), "")
         self.pin_consumed: int | None = None

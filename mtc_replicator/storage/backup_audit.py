@@ -4,7 +4,7 @@ Everything reads through an ``ObjectStore``, so every backend (``file://``, ``gs
 ``s3://``) lists and verifies the same way; nothing here writes. ``scan_job`` lists a job's
 steps with their COMMITs (for ``mtc backups list`` and prune); ``plan_verify`` and
 ``run_verify`` stream every data object of a committed step against its manifest (for
-``mtc backups verify``, prune's ``--verify`` and ``mtc backups restore``'s check).
+``mtc backups verify``, prune's ``--verify`` and ``mtc backups pin``'s check).
 
 Keys outside job prefixes (``_registry``, ``_control`` for restore pins) are never listed as
 jobs: job names start with a letter or digit.

@@ -1,6 +1,6 @@
 """Restore pins: an operator's "the next restore of job J uses step S", read by the daemon.
 
-``mtc backups restore`` writes a pin; the coordinator's round reads it through ``StorePins``
+``mtc backups pin`` writes a pin; the coordinator's round reads it through ``StorePins``
 and removes it once the round used it. A pin is hostile input (anyone with bucket access may
 have written it): ``RestorePin`` parses it strictly, a pin is believed only when an operator
 signed it (``core.signed``, kind ``restore-pin``; ``transport.operator_signing`` says who is
@@ -295,7 +295,7 @@ class StorePins:
         message = (
             f"{reason}; not honoured: the job restores its newest good step, and nothing is "
             "rolled back or dropped. If an operator meant it, pin again signed "
-            "(`mtc backups restore --operator-cert --operator-key`, docs/cli.md)"
+            "(`mtc backups pin --operator-cert --operator-key`, docs/cli.md)"
         )
         if self._refused.get(job) == message:
             log.debug("still ignoring the restore pin of job %s: %s", job, reason)
@@ -341,7 +341,7 @@ class StorePins:
                     if recorded
                     else ""
                 )
-                + "delete it (mtc backups restore URL --job JOB --clear) or let the daemon "
+                + "delete it (mtc backups pin URL --job JOB --clear) or let the daemon "
                 "delete it (docs/permissions.md)"
             )
             log.warning("%s", message)

@@ -1,6 +1,7 @@
-"""``mtc backups list|verify|restore|prune|download``: the operator's view of a backup location.
+"""``mtc backups list|verify|pin|prune|download``: the operator's view of a backup location.
 
-The command group and its shared options; ``list``, ``verify`` and ``restore`` here, ``prune``
+The command group and its shared options; ``list``, ``verify`` and ``pin`` (also known by its
+first name, ``restore``) here, ``prune``
 in ``prune_cli`` and ``download`` in ``download_cli``, their text and JSON in ``backup_views``.
 Every decision is in ``storage.backup_audit`` (list, verify), ``storage.restore_pins``,
 ``core.prune`` and ``storage.backup_prune``. Exit codes: 0 done (and everything verified),
@@ -65,7 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     verify.add_argument("--json", action="store_true", help="one JSON document on stdout")
 
-    restore = _command(sub, "restore", "make the job's next restore round use one committed step")
+    restore = _command(
+        sub,
+        "pin",
+        "sign and write a restore pin: the job's next restore round uses one committed step "
+        "('restore' is the same command by its first name, same flags)",
+        aliases=("restore",),
+    )
     which = restore.add_mutually_exclusive_group(required=True)
     which.add_argument("--step", type=argtypes.count, help="the committed step to restore")
     which.add_argument("--clear", action="store_true", help="remove the job's restore pin")
@@ -105,11 +112,12 @@ def _command(
     help_text: str,
     *,
     jobs: str = "one",
+    aliases: Sequence[str] = (),
 ) -> argparse.ArgumentParser:
     """One command with the options all share: the URL, the job, trust and the timeout.
     ``jobs``: "one" (--job required), "any" (--job optional), "all" (--job or --all-jobs,
-    one of them)."""
-    c = sub.add_parser(name, help=help_text, description=help_text)
+    one of them). ``aliases``: other names of the same command."""
+    c = sub.add_parser(name, help=help_text, description=help_text, aliases=list(aliases))
     c.add_argument("url", help="backup location (the daemon's --backup)")
     if jobs == "all":
         which = c.add_mutually_exclusive_group(required=True)
@@ -135,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     commands: dict[str, Callable[[argparse.Namespace, ObjectStore, float], int]] = {
         "list": _list,
         "verify": _verify,
-        "restore": _restore,
+        "pin": _pin,
+        "restore": _pin,  # the command's first name, kept working
         "prune": prune_cli.run,
         "download": download_cli.run,
     }
@@ -176,7 +185,7 @@ def _pin_trust(args: argparse.Namespace) -> RecordTrust:
 
 
 def _operator(args: argparse.Namespace) -> OperatorSigner | None:
-    """``restore``'s operator identity, checked against ``--tls-ca`` when given."""
+    """``pin``'s operator identity, checked against ``--tls-ca`` when given."""
     cert, key = getattr(args, "operator_cert", None), getattr(args, "operator_key", None)
     if cert is None and key is None:
         return None
@@ -304,7 +313,7 @@ def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     return 0 if ok else 1
 
 
-# --- restore -------------------------------------------------------------------------------
+# --- pin (restore) -------------------------------------------------------------------------
 
 
 def _whoami() -> str:
@@ -316,7 +325,7 @@ def _whoami() -> str:
     return who if who.isprintable() else "?"
 
 
-def _restore(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
+def _pin(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     job = args.job
     if args.clear:
         if pins.clear_restore_pin(objects, job):

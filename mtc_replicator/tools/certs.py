@@ -363,7 +363,7 @@ def _operator(args: argparse.Namespace) -> int:
     write_pair(out, pair, OPERATOR_CERT, OPERATOR_KEY)
     print(
         f"made operator certificate {args.name!r} in {out} ({OPERATOR_CERT}, {OPERATOR_KEY}): "
-        "it signs restore pins (mtc backups restore --operator-cert --operator-key); keep it "
+        "it signs restore pins (mtc backups pin --operator-cert --operator-key); keep it "
         "off the cluster"
     )
     return 0

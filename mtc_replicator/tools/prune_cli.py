@@ -121,7 +121,7 @@ def _prune_job(
     try:
         pin = pins.read_restore_pin(objects, job)
     except pins.MalformedPin as exc:
-        msg = f"job {job}: {exc}; fix it or remove it (mtc backups restore --clear) before pruning"
+        msg = f"job {job}: {exc}; fix it or remove it (mtc backups pin --clear) before pruning"
         return fail(msg), None
     if required and not listing.steps and not listing.stray and pin is None:
         return fail(f"no backups of job {job} in {objects.url}"), None

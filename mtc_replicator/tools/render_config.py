@@ -91,7 +91,7 @@ _LABEL_KEY = re.compile(
     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 )
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
-_TLS_FIELDS = frozenset({"enabled", "secretName", "certManager"})
+_TLS_FIELDS = frozenset({"enabled", "secretName", "certManager", "perNodeCertificates"})
 _TOLERATION_FIELDS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
 _EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 DEFAULT_TOLERATIONS: tuple[Manifest, ...] = (
@@ -139,6 +139,10 @@ class NodeConfig:
     """The ``kubernetes.io/tls`` Secret (``tls.crt``, ``tls.key``, ``ca.crt``) it mounts."""
     cert_manager: bool = False
     """Also render the cert-manager Issuers and Certificates that make ``tls_secret``."""
+    per_node_certificates: bool = False
+    """With ``cert_manager``: a certificate per replicator pod from cert-manager's
+    csi-driver, naming the pod, instead of the shared ``tls_secret``
+    (``deploy/overlays/cert-manager-per-node``)."""
     metrics_namespace: str = DEFAULT_METRICS_NAMESPACE
     """The one namespace the NetworkPolicy lets scrape the metrics port."""
     max_transfer_rate: str | None = None
@@ -339,8 +343,8 @@ def _s3(
     return s3_endpoint, s3_region
 
 
-def _tls(spec: Mapping[str, Any]) -> tuple[bool, bool, str]:
-    """``spec.tls``: enabled, cert-manager, and the Secret's name."""
+def _tls(spec: Mapping[str, Any]) -> tuple[bool, bool, bool, str]:
+    """``spec.tls``: enabled, cert-manager, per-node certificates, and the Secret's name."""
     tls = _mapping(spec.get("tls", {}), "spec.tls")
     for key in tls:
         if key not in _TLS_FIELDS:
@@ -349,13 +353,17 @@ def _tls(spec: Mapping[str, Any]) -> tuple[bool, bool, str]:
     cert_manager = _bool(tls.get("certManager", False), "spec.tls.certManager")
     if cert_manager and not tls_enabled:
         raise RenderError("spec.tls.certManager", "needs spec.tls.enabled")
+    per_node = _bool(tls.get("perNodeCertificates", False), "spec.tls.perNodeCertificates")
+    if per_node and not cert_manager:
+        # csi-driver's certificates come from the CA Issuer the cert-manager objects make.
+        raise RenderError("spec.tls.perNodeCertificates", "needs spec.tls.certManager")
     tls_secret = _string(
         tls.get("secretName", DEFAULT_TLS_SECRET),
         "spec.tls.secretName",
         DNS_SUBDOMAIN_RE,
         "a Secret name",
     )
-    return tls_enabled, cert_manager, tls_secret
+    return tls_enabled, cert_manager, per_node, tls_secret
 
 
 def _optional(spec: Mapping[str, Any], key: str, pattern: re.Pattern[str], what: str) -> str | None:
@@ -407,7 +415,7 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
     annotations = _string_map(
         spec.get("serviceAccountAnnotations", {}), "spec.serviceAccountAnnotations", _LABEL_KEY
     )
-    tls_enabled, cert_manager, tls_secret = _tls(spec)
+    tls_enabled, cert_manager, per_node, tls_secret = _tls(spec)
     metrics_namespace = _string(
         spec.get("metricsNamespace", DEFAULT_METRICS_NAMESPACE),
         "spec.metricsNamespace",
@@ -453,6 +461,7 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         tls=tls_enabled,
         tls_secret=tls_secret,
         cert_manager=cert_manager,
+        per_node_certificates=per_node,
         metrics_namespace=metrics_namespace,
         max_transfer_rate=rate,
         yield_to_saves_seconds=yield_seconds,

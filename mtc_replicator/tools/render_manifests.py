@@ -16,6 +16,7 @@ import json
 import math
 
 from mtc_replicator.core.drain import DEFAULT_DRAIN_SECONDS
+from mtc_replicator.core.identity import node_uri
 from mtc_replicator.tools.render_config import Manifest, NodeConfig
 from mtc_replicator.transport.grpc_server import READINESS_SERVICE
 
@@ -53,6 +54,12 @@ TLS_SERVER_NAME = "mtc-replicator"
 TLS_SECRET_MODE = 0o440
 """Root and the pod's fsGroup (the replicator's gid) may read the key; nobody else."""
 CERT_MANAGER_API = "cert-manager.io/v1"
+CSI_DRIVER = "csi.cert-manager.io"
+"""cert-manager's csi-driver: with per-node certificates, each pod's key and certificate."""
+NODE_POD_PATTERN = "mtc-node-[a-z0-9]([-a-z0-9]{0,46}[a-z0-9])?-[a-z0-9]{5}"
+"""``--tls-node-name-pattern`` with per-node certificates: the DaemonSet's pod names
+(``mtc-node-<name>-<5 characters>``), which csi-driver puts in each pod's certificate; it
+cannot name the node (docs/deploy.md, "Per-node certificates")."""
 SELF_SIGNED_ISSUER = "mtc-selfsigned"
 CA_NAME = "mtc-ca"
 """The CA's Certificate, its Secret and the Issuer that signs with it."""
@@ -191,8 +198,11 @@ def _replicator(c: NodeConfig, config_map: str) -> Manifest:
             {"name": "MTC_TLS_CERT", "value": f"{TLS_DIR}/tls.crt"},
             {"name": "MTC_TLS_KEY", "value": f"{TLS_DIR}/tls.key"},
             {"name": "MTC_TLS_CA", "value": f"{TLS_DIR}/ca.crt"},
+            # Each pod's certificate names it: only this DaemonSet's pod names are nodes.
+            {"name": "MTC_TLS_NODE_NAME_PATTERN", "value": NODE_POD_PATTERN}
+            if c.per_node_certificates
             # One shared Secret, naming no node (docs/deploy.md, "Per-node certificates").
-            {"name": "MTC_TLS_SHARED_CERTIFICATE", "value": "true"},
+            else {"name": "MTC_TLS_SHARED_CERTIFICATE", "value": "true"},
         ]
         # The only container that mounts the Secret: not the plugin, not the sidecars, and
         # never a training pod (the CSI volume is the RAM disk's checkpoint/ only).
@@ -319,7 +329,9 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
         # readable without being world-readable. Not optional: no Secret, no start.
         pod_security["fsGroup"] = c.run_as_group
         volumes.append(
-            {
+            {"name": "tls", "csi": _csi_driver_volume(c)}
+            if c.per_node_certificates
+            else {
                 "name": "tls",
                 "secret": {"secretName": c.tls_secret, "defaultMode": TLS_SECRET_MODE},
             }
@@ -401,6 +413,31 @@ def network_policy(c: NodeConfig) -> Manifest:
     }
 
 
+def _csi_driver_volume(c: NodeConfig) -> Manifest:
+    """csi-driver's inline volume: a key made on the node and a certificate from the CA
+    Issuer naming the pod (``spiffe://mtc-replicator/node/${POD_NAME}``) beside the shared
+    DNS name, renewed in place; files 0640 in the replicator's group."""
+    attr = "csi.cert-manager.io/"
+    return {
+        "driver": CSI_DRIVER,
+        "readOnly": True,
+        "volumeAttributes": {
+            attr + "issuer-name": CA_NAME,
+            attr + "issuer-kind": "Issuer",
+            attr + "issuer-group": "cert-manager.io",
+            attr + "dns-names": TLS_SERVER_NAME,
+            attr + "uri-sans": node_uri("${POD_NAME}"),
+            attr + "key-usages": "digital signature,server auth,client auth",
+            attr + "key-algorithm": "ECDSA",
+            attr + "key-size": "256",
+            attr + "key-encoding": "PKCS8",
+            attr + "duration": "2160h",
+            attr + "renew-before": "720h",
+            attr + "fs-group": str(c.run_as_group),
+        },
+    }
+
+
 def _cert_manager_meta(name: str, c: NodeConfig) -> Manifest:
     # Shared by every configuration of the namespace (one CA, so all node pools trust each
     # other): no instance label.
@@ -414,8 +451,9 @@ def _issuer_ref(name: str) -> Manifest:
 def cert_manager_objects(c: NodeConfig) -> list[Manifest]:
     """A self-signed CA and the node certificate in ``tls_secret``, as
     ``deploy/components/cert-manager`` holds them; cert-manager renews the Secret in place
-    and the daemon re-reads it without a restart."""
-    return [
+    and the daemon re-reads it without a restart. With per-node certificates, the CA only:
+    csi-driver asks its Issuer for each pod's certificate."""
+    objects = [
         {
             "apiVersion": CERT_MANAGER_API,
             "kind": "Issuer",
@@ -463,6 +501,7 @@ def cert_manager_objects(c: NodeConfig) -> list[Manifest]:
             },
         },
     ]
+    return objects[:3] if c.per_node_certificates else objects
 
 
 def manifests(c: NodeConfig) -> list[Manifest]:

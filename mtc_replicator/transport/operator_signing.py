@@ -40,7 +40,7 @@ from mtc_replicator.transport.tls import MAX_PEM_BYTES, TlsError, TlsMaterial
 OPERATOR_PURPOSE = ObjectIdentifier("2.25.34504478103338770273403458314827940550")
 """The extended key usage of an operator certificate (a UUID OID, ours alone)."""
 OPERATOR_REMEDY = (
-    "sign pins with `mtc backups restore --operator-cert FILE --operator-key FILE`, an "
+    "sign pins with `mtc backups pin --operator-cert FILE --operator-key FILE`, an "
     "operator certificate from `mtc certs operator DIR` (docs/cli.md)"
 )
 

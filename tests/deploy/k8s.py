@@ -23,6 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from mtc_replicator.node.options import DaemonOptions, parse_args
 from mtc_replicator.tools import render_config, render_manifests
 
 REPO = Path(__file__).resolve().parents[2]
@@ -337,6 +338,16 @@ def ingress_rules(policy: Obj) -> set[tuple[str, int]]:
             assert isinstance(port["port"], int), port
             out |= {(peer, port["port"]) for peer in peers}
     return out
+
+
+def daemon_options(replicator: Obj) -> DaemonOptions:
+    """What ``mtc-replicator`` makes of the container's environment (kubelet's $(VAR)
+    expansion and the downward API replaced by stand-ins)."""
+    values: dict[str, str] = {}
+    for item in replicator["env"]:
+        value = item.get("value", "10.0.0.7")
+        values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], value)
+    return parse_args([], values)
 
 
 def tls_volume(pod_spec: Obj, secret: str) -> str:

@@ -13,7 +13,6 @@ import yaml
 
 from mtc_replicator.csi import plugin as csi_plugin
 from mtc_replicator.csi.checkpoint import CheckpointDir
-from mtc_replicator.node.options import DaemonOptions, parse_args
 from mtc_replicator.tools import certs, render_config, render_manifests
 from mtc_replicator.transport import tls
 from mtc_replicator.transport.grpc_server import READINESS_SERVICE
@@ -25,6 +24,7 @@ from tests.deploy.k8s import (
     cert_manager_errors,
     check_cert_manager_chain,
     container,
+    daemon_options,
     env,
     ingress_rules,
     kustomize,
@@ -32,7 +32,6 @@ from tests.deploy.k8s import (
     network_probe_ports,
     only,
     secret_volumes,
-    tls_volume,
     validate,
 )
 from tests.deploy.k8s import pod_of as _pod
@@ -66,10 +65,15 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
     assert [_id(p) for p in KUSTOMIZATIONS] == [
         "base",
         "overlays/cert-manager",
+        "overlays/cert-manager-per-node",
         "overlays/gke",
         "overlays/s3",
     ]
-    assert [_id(p) for p in COMPONENTS] == ["components/cert-manager", "components/monitoring"]
+    assert [_id(p) for p in COMPONENTS] == [
+        "components/cert-manager",
+        "components/cert-manager-per-node",
+        "components/monitoring",
+    ]
 
 
 @pytest.fixture(params=KUSTOMIZATIONS, ids=_id)
@@ -217,30 +221,56 @@ def test_no_probe_targets_the_grpc_or_data_port(built: list[Obj]) -> None:
 # --- TLS -----------------------------------------------------------------------------------
 
 
-def _tls_volume(pod: Obj) -> str:
-    return tls_volume(pod, TLS_SECRET)
+CSI_DRIVER = "csi.cert-manager.io"
+"""cert-manager's csi-driver: a certificate per pod (deploy/components/cert-manager-per-node)."""
+
+
+def _tls_volume(pod: Obj) -> Obj:
+    """The volume the replicator reads its TLS files from: the shared Secret, or
+    csi-driver's volume in the per-node overlay (the same name and mount either way)."""
+    replicator = container(pod, "replicator")
+    tls_dir = os.path.dirname(env(replicator)["MTC_TLS_CERT"])
+    (mount,) = [m for m in replicator["volumeMounts"] if m["mountPath"] == tls_dir]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+def _per_node(pod: Obj) -> bool:
+    volume = _tls_volume(pod)
+    if "csi" in volume:
+        assert volume["csi"]["driver"] == CSI_DRIVER
+        return True
+    assert volume["secret"]["secretName"] == TLS_SECRET
+    return False
 
 
 def test_tls_is_on_and_points_into_the_secret(built: list[Obj]) -> None:
     pod = _pod(built)
     replicator = container(pod, "replicator")
     e = env(replicator)
-    (mount,) = [m for m in replicator["volumeMounts"] if m["name"] == _tls_volume(pod)]
+    volume = _tls_volume(pod)
+    (mount,) = [m for m in replicator["volumeMounts"] if m["name"] == volume["name"]]
     assert mount["readOnly"] is True
     assert "subPath" not in mount  # a subPath mount never sees a rotated Secret
-    # The keys of a kubernetes.io/tls Secret, as cert-manager and `mtc certs secret` write them.
+    # The keys of a kubernetes.io/tls Secret, as cert-manager, csi-driver and `mtc certs
+    # secret` write them.
     assert e["MTC_TLS_CERT"] == f"{mount['mountPath']}/{certs.NODE_CERT}"
     assert e["MTC_TLS_KEY"] == f"{mount['mountPath']}/{certs.NODE_KEY}"
     assert e["MTC_TLS_CA"] == f"{mount['mountPath']}/{certs.CA_CERT}"
     # Every node certificate carries the daemon's default server name; nothing overrides it.
     assert "MTC_TLS_SERVER_NAME" not in e
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["secret"].get("optional", False) is False  # no Secret: wait, never plaintext
+    if _per_node(pod):
+        # csi-driver's own names for the files are these three (no attribute renames them).
+        attributes = volume["csi"]["volumeAttributes"]
+        assert not {k for k in attributes if k.endswith("-file")}
+        assert volume["csi"]["readOnly"] is True  # csi-driver serves read-only volumes only
+    else:
+        assert volume["secret"].get("optional", False) is False  # no Secret: wait, never plaintext
 
 
 def test_the_tls_secret_reaches_the_replicator_only(built: list[Obj]) -> None:
     pod = _pod(built)
-    tls_volume = _tls_volume(pod)
+    tls_volume = _tls_volume(pod)["name"]
     mounted_by = sorted(
         c["name"]
         for c in all_containers(pod)
@@ -257,37 +287,35 @@ def test_the_tls_secret_reaches_the_replicator_only(built: list[Obj]) -> None:
             if "secretKeyRef" in e.get("valueFrom", {})
         ]
         assert TLS_SECRET not in refs, c["name"]
-    # The Secrets the pod holds: the TLS one, and the replicator's optional backup keys.
-    assert set(secret_volumes(pod).values()) == {TLS_SECRET}
+    # The Secrets the pod holds: the TLS one, and the replicator's optional backup keys; with
+    # per-node certificates, none (the key is made on the node, in csi-driver's volume).
+    expected = set() if _per_node(pod) else {TLS_SECRET}
+    assert set(secret_volumes(pod).values()) == expected
 
 
 def test_the_tls_key_is_readable_by_the_replicator_and_not_by_others(built: list[Obj]) -> None:
     pod = _pod(built)
-    (volume,) = [v for v in pod["volumes"] if v["name"] == _tls_volume(pod)]
+    volume = _tls_volume(pod)
+    sc = container(pod, "replicator")["securityContext"]
+    assert sc["runAsUser"] != 0
+    if _per_node(pod):
+        # csi-driver writes the files 0640 with this group: the replicator's, nobody else.
+        group = volume["csi"]["volumeAttributes"]["csi.cert-manager.io/fs-group"]
+        assert int(group) == sc["runAsGroup"] == pod["securityContext"]["fsGroup"]
+        return
     mode = volume["secret"]["defaultMode"]
     assert mode & 0o007 == 0, oct(mode)  # nothing for other uids
     assert mode & 0o222 == 0, oct(mode)  # and read-only
-    sc = container(pod, "replicator")["securityContext"]
     # Secret files are root's: a non-root replicator reads through the pod's fsGroup, which
     # kubelet gives the files, with the group bits of the mode.
-    assert sc["runAsUser"] != 0
     assert pod["securityContext"]["fsGroup"] == sc["runAsGroup"]
     assert mode & 0o040, oct(mode)
 
 
-def _daemon_options(replicator: Obj) -> DaemonOptions:
-    """What ``mtc-replicator`` makes of the container's environment (kubelet's $(VAR)
-    expansion and the downward API replaced by stand-ins)."""
-    values: dict[str, str] = {}
-    for item in replicator["env"]:
-        value = item.get("value", "10.0.0.7")
-        values[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], value)
-    return parse_args([], values)
-
-
 def test_the_daemon_reads_the_environment_as_meant(built: list[Obj]) -> None:
-    replicator = container(_pod(built), "replicator")
-    options = _daemon_options(replicator)
+    pod = _pod(built)
+    replicator = container(pod, "replicator")
+    options = daemon_options(replicator)
     e = env(replicator)
     assert (options.tls_cert, options.tls_key, options.tls_ca) == (
         e["MTC_TLS_CERT"],
@@ -296,7 +324,8 @@ def test_the_daemon_reads_the_environment_as_meant(built: list[Obj]) -> None:
     )
     assert options.tls_server_name == tls.DEFAULT_SERVER_NAME == certs.DEFAULT_SERVER_NAME
     # The one Secret every node mounts names no node: the daemon must be told, or it stops.
-    assert options.tls_shared_certificate is True
+    # A certificate per node names it: the daemon refuses any that names none.
+    assert options.tls_shared_certificate is not _per_node(pod)
     ports = {p["name"]: p["containerPort"] for p in replicator["ports"]}
     assert options.health_listen == f"0.0.0.0:{ports['health']}"
     assert options.listen == f"0.0.0.0:{ports['grpc']}"

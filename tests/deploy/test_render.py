@@ -158,6 +158,23 @@ def test_cert_manager_objects_make_the_mounted_secret() -> None:
     )
 
 
+def test_per_node_certificates_come_from_csi_driver_in_the_replicator_s_group() -> None:
+    objs = render.render(
+        cr(tls={"certManager": True, "perNodeCertificates": True}, runAsUser=0, runAsGroup=0)
+    )
+    pod = _pod(objs)
+    assert secret_volumes(pod) == {}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    attributes = volume["csi"]["volumeAttributes"]
+    assert attributes["csi.cert-manager.io/uri-sans"] == "spiffe://mtc-replicator/node/${POD_NAME}"
+    assert attributes["csi.cert-manager.io/fs-group"] == "0"  # follows runAsGroup
+    e = env(container(pod, "replicator"))
+    assert "MTC_TLS_SHARED_CERTIFICATE" not in e
+    assert e["MTC_TLS_NODE_NAME_PATTERN"] == render_manifests.NODE_POD_PATTERN
+    certificates = [o["metadata"]["name"] for o in objs if o["kind"] == "Certificate"]
+    assert certificates == ["mtc-ca"]  # the CA only: no shared certificate
+
+
 def test_network_policy_follows_the_configuration() -> None:
     objs = render.render(
         cr(metricsNamespace="prometheus") | {"metadata": {"name": "h100", "namespace": "ml"}}
@@ -358,7 +375,12 @@ def _without_config_map_hash(objs: list[Obj]) -> dict[str, Obj]:
 
 
 @pytest.mark.parametrize(
-    ("kustomization", "tls"), [("base", {}), ("overlays/cert-manager", {"certManager": True})]
+    ("kustomization", "tls"),
+    [
+        ("base", {}),
+        ("overlays/cert-manager", {"certManager": True}),
+        ("overlays/cert-manager-per-node", {"certManager": True, "perNodeCertificates": True}),
+    ],
 )
 def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None:
     base = _without_config_map_hash(

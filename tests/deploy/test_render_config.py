@@ -113,6 +113,18 @@ BAD: list[tuple[str, Obj, str, bool]] = [
         "spec.tls.certManager",
         False,
     ),
+    (
+        "tls per-node string",
+        cr(tls={"perNodeCertificates": "yes"}),
+        "spec.tls.perNodeCertificates",
+        True,
+    ),
+    (
+        "per-node certificates without cert-manager",
+        cr(tls={"perNodeCertificates": True}),
+        "spec.tls.perNodeCertificates",
+        False,
+    ),
     ("metrics namespace", cr(metricsNamespace="Monitoring"), "spec.metricsNamespace", True),
     ("metrics namespace int", cr(metricsNamespace=3), "spec.metricsNamespace", True),
     ("rate word", cr(maxTransferRate="fast"), "spec.maxTransferRate", True),
@@ -188,8 +200,9 @@ def test_the_crd_schema_uses_render_s_patterns() -> None:
     )
     tls_spec = spec["tls"]["properties"]
     assert tls_spec["secretName"]["pattern"] == f"^{render_config.DNS_SUBDOMAIN_RE.pattern}$"
-    assert set(tls_spec) == {"enabled", "secretName", "certManager"}
-    assert tls_spec["enabled"]["type"] == tls_spec["certManager"]["type"] == "boolean"
+    assert set(tls_spec) == {"enabled", "secretName", "certManager", "perNodeCertificates"}
+    booleans = ("enabled", "certManager", "perNodeCertificates")
+    assert {tls_spec[f]["type"] for f in booleans} == {"boolean"}
     assert spec["metricsNamespace"]["pattern"] == f"^{render_config.DNS_LABEL_RE.pattern}$"
     assert spec["maxTransferRate"]["pattern"] == f"^({render_config.RATE_RE.pattern})$"
     assert spec["yieldToSavesSeconds"]["maximum"] == MAX_YIELD_TO_SAVES
@@ -199,7 +212,12 @@ def test_the_crd_schema_uses_render_s_patterns() -> None:
 
 
 def test_the_crd_accepts_every_tls_setting() -> None:
-    for tls in ({}, {"enabled": False}, {"certManager": True, "secretName": "a.b-c"}):
+    for tls in (
+        {},
+        {"enabled": False},
+        {"certManager": True, "secretName": "a.b-c"},
+        {"certManager": True, "perNodeCertificates": True},
+    ):
         assert not cr_errors(cr(tls=tls, metricsNamespace="prom")), tls
 
 

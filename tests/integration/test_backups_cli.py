@@ -268,7 +268,7 @@ def test_a_malformed_pin_is_reported_not_fatal(backup: Backup) -> None:
     assert "restore pin unusable: restore pin" in out.stdout
     out = mtc("prune", backup.url, "--job", backup.job, "--keep-last", "1", "--apply")
     assert out.returncode == 1
-    assert "restore --clear" in out.stderr
+    assert "mtc backups pin --clear" in out.stderr
     assert set(backup.store.committed_steps(backup.job)) == set(COMMITTED)
 
 

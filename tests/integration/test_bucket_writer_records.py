@@ -105,7 +105,7 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
         daemon=cluster.daemon(0),
     )
     assert "not signed" in errors, errors
-    assert "mtc backups restore --operator-cert" in errors, errors
+    assert "mtc backups pin --operator-cert" in errors, errors
     scrape_until(
         cluster.daemon(0),
         "mtc_pins_refused_total",
