@@ -29,6 +29,7 @@ from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from mtc_replicator.transport.signing import NodeSigner
 from tests.daemon_process import DaemonProcess
+from tests.integration.cluster import NODES, Cluster, assert_restored
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
@@ -184,3 +185,38 @@ def test_a_push_not_attested_for_this_job_is_refused_before_a_byte_is_staged(
     wait_until(held.exists, "the attested push committed", daemon=daemon)
     stored = Manifest.from_json((held / MANIFEST_FILE).read_bytes())
     assert stored.attestation == good.attestation
+
+
+def test_forged_steps_pushed_to_every_ranks_holder_are_never_restored(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The red team's push: one node certificate of the CA ("mallory", not a member of the
+    job) pushes a forged step 20 of every rank to the node holding that rank's copies,
+    attested as itself. The job restarts: before attestations every rank restored the
+    forged step from its peer; now the coordinator names each rank's producers (the nodes
+    that held it, ``core.rank_holders``), mallory is none of them, and the job restores
+    its real step 10."""
+    job = cluster.job
+    cluster.fresh_start()
+    files = cluster.save(10)
+    assert cluster.ca is not None
+    mallory = node_tls(tmp_path / "mallory", cluster.ca, node="mallory")
+    forged_data = tmp_path / "forged"
+    forged_data.mkdir()
+    (forged_data / "weights.bin").write_bytes(b"chosen by mallory" * 100)
+
+    async def push_all() -> None:
+        async with PeerClient(timeout=10.0, tls=mallory.material()) as client:
+            for rank in range(NODES):
+                holder = cluster.holder(rank, 10)
+                manifest = mallory.attest(build_manifest(ItemId(job, 20, rank, 0), forged_data))
+                await client.push_item(cluster.daemon(holder).address, manifest, forged_data)
+
+    asyncio.run(push_all())  # taken: attested, by a node of the CA, for the (unowned) job
+    assert all((20, f"{r}-0") in cluster.held(cluster.holder(r, 10)) for r in range(NODES))
+
+    cluster.handshake(list(range(NODES)))
+    cluster.wait_markers(10)  # before attestations: every rank's step-20 marker, forged
+    assert_restored(cluster, 10, files)
+    refusals = "".join(cluster.errors(r) for r in range(NODES))
+    assert "produced by node 'mallory', which never held rank" in refusals, refusals
