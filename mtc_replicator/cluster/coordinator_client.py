@@ -41,6 +41,7 @@ from mtc_replicator.cluster.messages import (
     failure_message,
     held_items,
     long_poll_wait,
+    node_map,
     round_state,
 )
 from mtc_replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
@@ -381,6 +382,7 @@ class CoordinatorClient(IdentityChecked):
             ),
             backup_step=response.backup_step if response.HasField("backup_step") else None,
             addresses=addresses,
+            nodes=node_map(response.nodes),
             keep_steps=frozenset(response.keep_steps[:MAX_HELD_STEPS]),
             # Bounded: a coordinator cannot silence a rank's reports for long.
             report_every=max(

@@ -26,6 +26,7 @@ from mtc_replicator.cluster.link import CoordinatorLink
 from mtc_replicator.cluster.replication import Replication
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources, RunThread
+from mtc_replicator.core.admission import expected_pushers
 from mtc_replicator.core.coordination import MAX_REPORT_EVERY
 from mtc_replicator.core.layout import replication_targets
 from mtc_replicator.core.manifest import Cancelled, ManifestError
@@ -37,6 +38,11 @@ from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
 from mtc_replicator.storage.upload import ItemNotHeld, upload_step
 from mtc_replicator.transport.peer_client import PeerClient
+
+MAX_PUSHERS_ASKED = 64
+"""Most pushing ranks whose nodes a report asks for (a handful in any layout but explicit
+``peer-ranks``, where every rank may push here: their pushes are then admitted by the
+layout alone, and their items still checked at restore)."""
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,15 @@ class ClusterMember:
         self._reported: tuple[int | None, int | None] = (None, None)
         """The replicated and uploaded steps of the last answered report."""
         self._targets = replication_targets(self.config)
+        pushers = expected_pushers(self.config)
+        self._asked = tuple(
+            sorted({*self._targets, *(pushers if len(pushers) <= MAX_PUSHERS_ASKED else ())})
+        )
+        """The ranks whose addresses and nodes each report asks for: the targets this
+        rank pushes to, and (unless there are very many: explicit ``peer-ranks``) the
+        ranks that push here, whose holders the peer service admits pushes from."""
+        self.rank_nodes: dict[int, str] = {}
+        """The node each of those ranks is bound to, as the coordinator last said."""
         self._log = JobLog(log, self.config.job_name, self.config.node_rank)
 
     async def restore(self, timeline: RestoreTimeline | None = None) -> RoundOutcome:
@@ -234,7 +249,7 @@ class ClusterMember:
                 address=self.ctx.rank.advertise,
                 held=offer,
                 replicating_step=self.replication.pushing,
-                address_ranks=self._targets,
+                address_ranks=self._asked,
             )
         except CoordinatorError as exc:
             # The coordinator moved or restarted: look it up again on the next report. It
@@ -261,6 +276,7 @@ class ClusterMember:
             self.backed_up = last.step
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         self.replication.update_addresses(answer.addresses)
+        self.rank_nodes.update(answer.nodes)
         step = answer.backup_step
         if (
             step is not None

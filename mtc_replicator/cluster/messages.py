@@ -123,6 +123,15 @@ MAX_ADDRESS_RANKS = 1024
 """Most ranks a caller may ask the addresses of (its replication targets: a handful)."""
 
 
+def node_map(message: Mapping[int, str]) -> dict[int, str]:
+    """The ranks' node names from the wire (at most one per rank asked for), each checked."""
+    check_count(message, "nodes", MAX_ADDRESS_RANKS)
+    for rank, name in message.items():
+        if len(name) > MAX_NODE_CHARS or not (name.isascii() and name.isprintable()):
+            raise BadMessage(f"nodes[{rank}] is not a node name: {name[:80]!r}")
+    return dict(message)
+
+
 def check_address_ranks(ranks: Sequence[int], given: bool) -> frozenset[int] | None:
     """The ranks whose addresses a request asks for; None: every rank's (older callers)."""
     if not given:
@@ -554,6 +563,7 @@ def progress_message(identity: Identity, answer: ProgressAnswer) -> pb.ReportPro
     if answer.backup_step is not None:
         response.backup_step = answer.backup_step
     response.addresses.update(answer.addresses)
+    response.nodes.update(answer.nodes)
     response.keep_steps.extend(sorted(answer.keep_steps))
     response.report_every_seconds = answer.report_every
     if answer.last_backup is not None:

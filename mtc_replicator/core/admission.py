@@ -11,10 +11,12 @@ place of a committed item. Pure: no I/O; ``transport.peer_servicer`` performs th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from mtc_replicator.core.contract import JobConfig
+from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.layout import pushers
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import UNOWNED
@@ -86,6 +88,9 @@ class Served:
     copy's step: pushes could then raise the bound step by step without limit."""
     owner: str = UNOWNED
     """The job's owner (``core.ownership``): a pushed item must be attested for it."""
+    holders: Mapping[int, str] = field(default_factory=dict)
+    """The node each pushing rank is bound to, as the coordinator last said
+    (``core.rank_holders``); a rank not in it is admitted by the layout alone."""
 
 
 def expected_pushers(config: JobConfig) -> frozenset[int]:
@@ -107,8 +112,15 @@ def step_limit(newest_step: int | None, max_lead: int = MAX_STEP_LEAD) -> int:
     return (newest_step or 0) + max_lead
 
 
-def admit_push(served: Served | None, item: ItemId, *, max_lead: int = MAX_STEP_LEAD) -> Admission:
-    """May this node take a push of ``item``, before its manifest is read?"""
+def admit_push(
+    served: Served | None,
+    item: ItemId,
+    *,
+    max_lead: int = MAX_STEP_LEAD,
+    pusher: str | None = None,
+) -> Admission:
+    """May this node take a push of ``item`` from ``pusher`` (the node its certificate
+    names; None: not known, without TLS), before its manifest is read?"""
     if served is None or served.config.job_name != item.job:
         return Admission(
             Verdict.NOT_SERVED, f"this node does not take items of job {item.job!r} now"
@@ -134,6 +146,13 @@ def admit_push(served: Served | None, item: ItemId, *, max_lead: int = MAX_STEP_
             Verdict.NOT_A_PUSHER,
             f"{item}: rank {item.rank} does not replicate to rank {config.node_rank} in the "
             "job's layout",
+        )
+    held_by = served.holders.get(item.rank)
+    if pusher not in (None, LEGACY) and held_by not in (None, LEGACY, pusher):
+        return Admission(
+            Verdict.NOT_A_PUSHER,
+            f"{item}: rank {item.rank} is held by node {held_by[:100]!r}, not "
+            f"{str(pusher)[:100]!r}: a node pushes only the items of the rank it holds",
         )
     limit = step_limit(served.newest_step, max_lead)
     if item.step > limit:

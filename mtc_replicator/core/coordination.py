@@ -123,6 +123,9 @@ class ProgressAnswer:
     report_every: int = MIN_REPORT_EVERY
     """Seconds until the rank's next routine report (``report_every``)."""
     last_backup: LastBackup | None = None
+    nodes: Mapping[int, str] = field(default_factory=dict)
+    """The node each rank of ``addresses`` is bound to, where known (``core.rank_holders``):
+    the only node a receiver takes that rank's pushes from."""
     """The newest committed backup known to the coordinator."""
 
 
@@ -524,13 +527,16 @@ class JobCoordinator:
         if order is not None and book.has_uploaded(rank, order):
             order = None  # this rank is done with it; the others are still uploading
         keep = frozenset(s for s in book.wanted() if restorable is None or s > restorable)
+        addresses = pick_addresses(self.addresses, address_ranks)
+        bound = self.holders.nodes
         return ProgressAnswer(
             restorable,
             order,
-            pick_addresses(self.addresses, address_ranks),
+            addresses,
             keep,
             report_every(self.config.nodes),
             self.last_backup,
+            {r: bound[r] for r in addresses if r in bound},
         )
 
     def _adoptable(self, rank: int, incarnation_id: str) -> bool:

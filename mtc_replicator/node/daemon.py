@@ -226,7 +226,9 @@ class Daemon:
             return None
         config = self.incarnation.config
         own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
-        return Served(config, max(own, default=None), self.incarnation.owner)
+        member = self.incarnation.member
+        holders = {} if member is None else member.rank_nodes
+        return Served(config, max(own, default=None), self.incarnation.owner, holders)
 
     def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
         if name is not None and _is_own_output(name):

@@ -59,6 +59,7 @@ from mtc_replicator.transport.datachannel import (
     receive_staged,
     send_staged,
 )
+from mtc_replicator.transport.identity import caller
 from mtc_replicator.transport.obtaining import Obtain, Obtaining
 from mtc_replicator.transport.peerwire import (
     DATA_CHANNEL_KEY,
@@ -300,7 +301,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         item = item_id(header.item)
         served = self.serving()
         # Admission first: a push this node must not take costs no manifest parsing.
-        _refuse_unless(admit_push(served, item, max_lead=self.max_step_lead))
+        _refuse_unless(admit_push(served, item, max_lead=self.max_step_lead, pusher=caller()))
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,
         # which must keep answering health checks and other transfers meanwhile.
         manifest = await asyncio.get_running_loop().run_in_executor(

@@ -24,7 +24,7 @@ import pytest
 from mtc_replicator.core.attestation import statement
 from mtc_replicator.core.manifest import Attestation, ItemId, Manifest
 from mtc_replicator.local.hashing import build_manifest
-from mtc_replicator.local.store import MANIFEST_FILE
+from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from mtc_replicator.transport.signing import NodeSigner
@@ -187,36 +187,82 @@ def test_a_push_not_attested_for_this_job_is_refused_before_a_byte_is_staged(
     assert stored.attestation == good.attestation
 
 
-def test_forged_steps_pushed_to_every_ranks_holder_are_never_restored(
+def test_a_node_certificate_pushes_no_rank_it_does_not_hold(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    """The red team's push: one node certificate of the CA ("mallory", not a member of the
-    job) pushes a forged step 20 of every rank to the node holding that rank's copies,
-    attested as itself. The job restarts: before attestations every rank restored the
-    forged step from its peer; now the coordinator names each rank's producers (the nodes
-    that held it, ``core.rank_holders``), mallory is none of them, and the job restores
-    its real step 10."""
+    """The red team's push: one node certificate of the CA ("mallory", no member of the
+    job) pushed a forged step of every rank to the node holding that rank's copies, and
+    after a job restart the whole job restored it. Now a receiver takes a rank's pushes
+    only from the node the coordinator bound the rank to (``core.admission``), once its
+    progress reports have told it which (the first few seconds of steady state)."""
+    job = cluster.job
+    cluster.fresh_start()
+    cluster.save(10)
+    assert cluster.ca is not None
+    mallory = node_tls(tmp_path / "mallory", cluster.ca, node="mallory")
+    forged = tmp_path / "forged"
+    forged.mkdir()
+    (forged / "weights.bin").write_bytes(b"chosen by mallory" * 100)
+    holder = cluster.holder(0, 10)
+    tried: list[str] = []
+
+    async def push(step: int) -> str:
+        manifest = mallory.attest(build_manifest(ItemId(job, step, 0, 0), forged))
+        async with PeerClient(timeout=10.0, tls=mallory.material()) as client:
+            try:
+                await client.push_item(cluster.daemon(holder).address, manifest, forged)
+            except PeerError as exc:
+                return str(exc)
+        return "taken"
+
+    def refused() -> bool:
+        tried.append(asyncio.run(push(20 + len(tried))))
+        return tried[-1] != "taken"
+
+    wait_until(refused, "mallory's push refused", daemon=cluster.daemon(holder), interval=0.5)
+    assert "PERMISSION_DENIED" in tried[-1], tried
+    assert "rank 0 is held by node 'node0', not 'mallory'" in tried[-1], tried
+
+
+def _plant(ckpt: Path, job: str, step: int, signer: NodeTls) -> None:
+    """Commit a forged item of every rank of ``step`` in the store beside ``ckpt``, each
+    attested by ``signer`` as itself, as its daemon would have after taking pushes."""
+    store = LocalStore(ckpt)
+    store.open()
+    try:
+        for rank in range(NODES):
+            staged = store.new_staging()
+            data = staged / "data"
+            data.mkdir()
+            (data / "weights.bin").write_bytes(b"chosen by mallory" * (100 + rank))
+            manifest = signer.attest(build_manifest(ItemId(job, step, rank, 0), data))
+            store.commit_staged(staged, manifest)
+    finally:
+        store.close()
+
+
+def test_a_certificate_holder_in_a_free_rank_cannot_make_the_job_restore_its_steps(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The red team's join: with node 2 down, a certificate holder ("mallory") joined as
+    rank 2 claiming a step 25 of every rank; the plan chose 25 and every rank restored
+    its bytes, while the real newest step was 10. Now the coordinator names each item's
+    possible producers (the nodes that held its rank by its step, ``core.rank_holders``)
+    and mallory is none of them: every rank restores step 10, rank 2 on mallory's node
+    from its peer."""
     job = cluster.job
     cluster.fresh_start()
     files = cluster.save(10)
     assert cluster.ca is not None
+    cluster.daemon(2).kill()
+    cluster.clear(2)  # node 2 is gone with its RAM disk; mallory's node takes the rank
     mallory = node_tls(tmp_path / "mallory", cluster.ca, node="mallory")
-    forged_data = tmp_path / "forged"
-    forged_data.mkdir()
-    (forged_data / "weights.bin").write_bytes(b"chosen by mallory" * 100)
-
-    async def push_all() -> None:
-        async with PeerClient(timeout=10.0, tls=mallory.material()) as client:
-            for rank in range(NODES):
-                holder = cluster.holder(rank, 10)
-                manifest = mallory.attest(build_manifest(ItemId(job, 20, rank, 0), forged_data))
-                await client.push_item(cluster.daemon(holder).address, manifest, forged_data)
-
-    asyncio.run(push_all())  # taken: attested, by a node of the CA, for the (unowned) job
-    assert all((20, f"{r}-0") in cluster.held(cluster.holder(r, 10)) for r in range(NODES))
+    cluster.tls[2] = mallory
+    _plant(cluster.dirs[2], job, 25, mallory)
+    cluster.start(2)
 
     cluster.handshake(list(range(NODES)))
-    cluster.wait_markers(10)  # before attestations: every rank's step-20 marker, forged
+    cluster.wait_markers(10)  # before: every rank's step-25 marker, mallory's bytes
     assert_restored(cluster, 10, files)
     refusals = "".join(cluster.errors(r) for r in range(NODES))
     assert "produced by node 'mallory', which never held rank" in refusals, refusals

@@ -16,6 +16,7 @@ from mtc_replicator.core.admission import (
     step_limit,
 )
 from mtc_replicator.core.contract import Framework, JobConfig
+from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.layout import replication_targets
 from mtc_replicator.core.manifest import ItemId
 
@@ -136,3 +137,21 @@ def test_inode_room_leaves_a_margin_and_counts_pushes_in_flight() -> None:
     assert inode_room(free=10**7, total=10**8, incoming=0) == 10**7 - 4096
     # No fixed number of inodes (btrfs reports 0): no inode bound.
     assert inode_room(free=0, total=0, incoming=0) is None
+
+
+def test_a_rank_bound_to_a_node_is_pushed_only_by_that_node() -> None:
+    pushing = next(
+        r for r in range(CONFIG.nodes) if verdict(ItemId("job", 5, r, 0)) is Verdict.ACCEPT
+    )
+    item = ItemId("job", 5, pushing, 0)
+    bound = Served(CONFIG, 100, holders={pushing: "node-a"})
+    assert admit_push(bound, item, pusher="node-a").accepted
+    refused = admit_push(bound, item, pusher="mallory")
+    assert refused.verdict is Verdict.NOT_A_PUSHER
+    assert f"rank {pushing} is held by node 'node-a', not 'mallory'" in refused.reason
+    # Not known (no report answered yet, TLS off, a shared certificate on either side):
+    # the layout alone admits it, and the restore checks who produced it.
+    assert admit_push(SERVED, item, pusher="mallory").accepted
+    assert admit_push(bound, item, pusher=None).accepted
+    assert admit_push(bound, item, pusher=LEGACY).accepted
+    assert admit_push(Served(CONFIG, 100, holders={pushing: LEGACY}), item, pusher="x").accepted

@@ -454,3 +454,12 @@ def test_a_report_of_more_failures_than_a_join_may_list_is_refused_first() -> No
         refused.value.details
     )
     assert listed == []
+
+
+def test_node_names_from_a_progress_answer_are_checked() -> None:
+    from mtc_replicator.cluster.messages import BadMessage, node_map
+
+    assert node_map({1: "node-1", 2: ""}) == {1: "node-1", 2: ""}
+    for bad in ({1: "x" * 300}, {1: "node\n1"}, {1: "nöde"}):
+        with pytest.raises(BadMessage, match="not a node name"):
+            node_map(bad)

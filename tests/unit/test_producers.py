@@ -249,3 +249,22 @@ def test_a_rank_a_restarted_coordinator_adopts_is_recorded_at_once(tmp_path: Pat
     assert saved.nodes == {0: "node0", 1: "node1"}
     assert saved.history[1] == {LEGACY: 0, "node1": 0}  # running: it may have made any step
     assert not saved.complete
+
+
+def test_a_progress_answer_names_the_node_of_each_rank_asked_for() -> None:
+    """What a receiver admits pushes by (``core.admission``): the node bound to each rank
+    whose address the report asked for, and no other rank's."""
+    c = JobCoordinator(config(3), VIEW, "a0")
+    _round(c, "a", ["node0", "node1", "node2"])
+    answer = c.report_progress(
+        1,
+        "a1",
+        replicated_step=None,
+        uploaded_step=None,
+        now=0.0,
+        address_ranks=[0, 2],
+        node="node1",
+    )
+    assert answer is not None
+    assert dict(answer.nodes) == {0: "node0", 2: "node2"}
+    assert set(answer.nodes) <= set(answer.addresses)

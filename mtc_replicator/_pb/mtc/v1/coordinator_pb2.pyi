@@ -666,6 +666,26 @@ class ReportProgressResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class NodesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     COORDINATOR_FIELD_NUMBER: _builtins.int
     RESTORABLE_STEP_FIELD_NUMBER: _builtins.int
     BACKUP_STEP_FIELD_NUMBER: _builtins.int
@@ -674,6 +694,7 @@ class ReportProgressResponse(_message.Message):
     REPORT_EVERY_SECONDS_FIELD_NUMBER: _builtins.int
     COMMITTED_BACKUP_STEP_FIELD_NUMBER: _builtins.int
     COMMITTED_BACKUP_AT_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     restorable_step: _builtins.int
     """The newest step complete on every rank (the cluster's restorable step), if any."""
     backup_step: _builtins.int
@@ -703,6 +724,13 @@ class ReportProgressResponse(_message.Message):
         replicated or is pushing them): every rank keeps its own items of these.
         """
 
+    @_builtins.property
+    def nodes(self) -> _containers.ScalarMap[_builtins.int, _builtins.str]:
+        """The node each rank of `addresses` is bound to (its certificate's node name; "" for a
+        shared certificate), where the coordinator knows it. A receiver takes pushes of a
+        rank's items only from that node (docs/architecture.md, "Attested manifests").
+        """
+
     def __init__(
         self,
         *,
@@ -714,10 +742,11 @@ class ReportProgressResponse(_message.Message):
         report_every_seconds: _builtins.int = ...,
         committed_backup_step: _builtins.int | None = ...,
         committed_backup_at: _builtins.float = ...,
+        nodes: _abc.Mapping[_builtins.int, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_committed_backup_step", b"_committed_backup_step", "_restorable_step", b"_restorable_step", "backup_step", b"backup_step", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "restorable_step", b"restorable_step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_committed_backup_step", b"_committed_backup_step", "_restorable_step", b"_restorable_step", "addresses", b"addresses", "backup_step", b"backup_step", "committed_backup_at", b"committed_backup_at", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "keep_steps", b"keep_steps", "report_every_seconds", b"report_every_seconds", "restorable_step", b"restorable_step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step", "_committed_backup_step", b"_committed_backup_step", "_restorable_step", b"_restorable_step", "addresses", b"addresses", "backup_step", b"backup_step", "committed_backup_at", b"committed_backup_at", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "keep_steps", b"keep_steps", "nodes", b"nodes", "report_every_seconds", b"report_every_seconds", "restorable_step", b"restorable_step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__backup_step: _TypeAlias = _typing.Literal["backup_step"]  # noqa: Y015
     _WhichOneofArgType__backup_step: _TypeAlias = _typing.Literal["_backup_step", b"_backup_step"]  # noqa: Y015
