@@ -191,14 +191,14 @@ def check_manifest(raw: bytes, digest: str, item: ItemId, max_entries: int = MAX
     if not _DIGEST_RE.fullmatch(digest):
         raise TransferError(f"manifest digest must be 64 lowercase hex digits: {digest!r:.80}")
     manifest = Manifest.from_json(raw, max_entries)
-    # The digest names the content; the attestation beside it is checked on its own
-    # (``core.attestation``), and canonical form below leaves no third part.
-    if manifest.digest != digest:
-        actual = manifest.digest
-        raise CorruptItem(f"{item}: manifest has sha256 {actual}, the header says {digest}")
     if manifest.to_json() != raw:
         # Stored manifests are canonical; another form would commit under another digest.
         raise TransferError(f"{item}: manifest is not in canonical form")
+    # The digest names the content; the attestation beside it is checked on its own
+    # (``core.attestation``), and canonical form leaves no third part.
+    if manifest.digest != digest:
+        actual = manifest.digest
+        raise CorruptItem(f"{item}: manifest has sha256 {actual}, the header says {digest}")
     if manifest.item != item:
         raise TransferError(f"manifest describes {manifest.item}, the header names {item}")
     return manifest

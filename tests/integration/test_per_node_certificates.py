@@ -132,12 +132,14 @@ def test_the_shared_certificate_does_not_start_a_daemon_under_the_overlays_flags
 
 def test_a_replaced_pod_holds_its_rank_again_only_after_the_job_restarts(cluster: Cluster) -> None:
     """Rank 1's pod is replaced while the job runs (a DaemonSet rollout): its daemon comes
-    back on the same RAM disk under a new pod name, as csi-driver names it. Its reports are
-    refused, nothing newer is committed and nothing is lost; the job's restart frees the
-    rank, it restores its newest step and commits again."""
+    back on the same RAM disk under a new pod name, as csi-driver names it. Its reports and
+    pushes are refused and nothing newer is committed; the job's restart frees the rank,
+    and the job restores the newest step rank 1's bound node produced (its step 10 was
+    produced by a node that did not hold the rank: never restored, SECURITY.md "Attested
+    manifests"), then commits again."""
     cluster.keys["backup_interval_steps"] = 5
     cluster.fresh_start()
-    cluster.save(5)
+    before = cluster.save(5)
     cluster.wait_backup(5)
 
     assert cluster.ca is not None
@@ -156,7 +158,9 @@ def test_a_replaced_pod_holds_its_rank_again_only_after_the_job_restarts(cluster
     assert 5 in cluster.committed_backups()
 
     cluster.handshake([1, 2, 3, 0])  # the job restarts: rank 0's new incarnation
-    cluster.wait_markers(10)
-    assert_restored(cluster, 10, files)
+    cluster.wait_markers(5)
+    assert_restored(cluster, 5, before)
+    assert f"produced by node '{OTHER_POD}', which never held rank 1" in cluster.errors(1)
+    assert files[1] != before[1]
     cluster.save(15)
     cluster.wait_backup(15)
