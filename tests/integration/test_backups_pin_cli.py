@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from mtc_replicator.storage.restore_pins import StorePins, pin_key
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.signing import record_trust
+from tests.integration.test_backups_cli import mtc
 from tests.tls import node_tls, operator_flags
 
 pytestmark = pytest.mark.integration
@@ -66,17 +65,6 @@ class SignedBackup:
 @pytest.fixture
 def backup(tmp_path: Path, job: str) -> SignedBackup:
     return SignedBackup(tmp_path, job)
-
-
-def mtc(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
 
 
 def test_pin_signs_a_pin_the_daemons_honour(backup: SignedBackup, tmp_path: Path) -> None:
