@@ -1,7 +1,8 @@
 """Downloading one committed backup step into a directory, every byte verified. I/O module.
 
 The checks are the daemon's restore's: the COMMIT is read through ``trust`` (a refused
-signature refuses the download), each item's manifest must have the digest the COMMIT pins,
+signature refuses the download), each item's manifest must have the digest the COMMIT pins
+and an attestation its producer signed for the COMMIT's owner (``attested``),
 and every file's size and crc32c must match its manifest (``BackupStore.fetch_item``).
 Items are staged in a hidden directory inside the target and renamed to their final names
 only once every one of them verified, so a failure leaves nothing at those names.
@@ -20,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
 from mtc_replicator.core.backup_layout import CommitRecord
 from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.local import fsutil
 from mtc_replicator.storage.backup import BackupStore
 
@@ -52,11 +55,19 @@ def _item_of(record: CommitRecord, key: str) -> ItemId:
     return ItemId(record.job, record.step, int(rank), int(worker))
 
 
-def plan_download(store: BackupStore, job: str, step: int, rank: int | None = None) -> DownloadPlan:
+def plan_download(
+    store: BackupStore,
+    job: str,
+    step: int,
+    rank: int | None = None,
+    attested: ManifestTrust = OPEN_MANIFESTS,
+) -> DownloadPlan:
     """The step's COMMIT (checked by the store's trust) and the manifest of every item asked
-    for. Raises ``DownloadError`` when the step is not committed or has no such rank,
+    for, each attested as ``attested`` wants for the COMMIT's owner. Raises
+    ``DownloadError`` when the step is not committed or has no such rank,
     ``RecordRefused``/``ManifestError`` for a COMMIT that cannot be believed, ``CorruptItem``
-    for a manifest that is not the one committed."""
+    for a manifest that is not the one committed (``Unattested``: not one its producer
+    signed for that owner)."""
     record = store.read_commit(job, step)
     if record is None:
         raise DownloadError(f"step {step} of job {job} is not committed in {store.url}")
@@ -70,7 +81,10 @@ def plan_download(store: BackupStore, job: str, step: int, rank: int | None = No
                 f"step {step} of job {job} has no rank {rank} (its ranks: "
                 f"{', '.join(map(str, ranks)) or 'none'})"
             )
-    return DownloadPlan(record, tuple((i, store.item_manifest(record, i)) for i in items))
+    manifests = tuple((i, store.item_manifest(record, i)) for i in items)
+    for _, manifest in manifests:
+        attested.check(manifest, record.owner or UNOWNED)
+    return DownloadPlan(record, manifests)
 
 
 def _all(record: CommitRecord) -> list[ItemId]:

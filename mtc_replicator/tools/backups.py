@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mtc_replicator.core import argtypes
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
+from mtc_replicator.core.identity import IdentityRule
 from mtc_replicator.core.manifest import ManifestError
 from mtc_replicator.core.signed import OPEN, RecordTrust
 from mtc_replicator.storage import backup_audit as audit
@@ -41,6 +43,7 @@ from mtc_replicator.tools.backup_views import (
     verdict_json,
 )
 from mtc_replicator.tools.bucket_options import add_bucket_options
+from mtc_replicator.transport.attesting import ProducerVerifier
 from mtc_replicator.transport.operator_signing import OperatorSigner, OperatorVerifier
 from mtc_replicator.transport.signing import CaVerifier
 from mtc_replicator.transport.tls import TlsError
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         args.trust = _trust(args)
+        args.attested = _attested(args)
         args.signer = _operator(args)
         objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
@@ -174,6 +178,17 @@ def _trust(args: argparse.Namespace) -> RecordTrust:
         return OPEN
     verifier = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
     return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
+
+
+def _attested(args: argparse.Namespace) -> ManifestTrust:
+    """Check items' attestations against ``--tls-ca``, as the daemons do: signed by a node
+    of the CA that names the producer (``core.attestation``); without it, not."""
+    if not args.tls_ca:
+        return OPEN_MANIFESTS
+    records = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
+    # Any node's name, or the shared certificate of a cluster still on one.
+    verifier = ProducerVerifier(records, IdentityRule(shared_name=args.tls_server_name))
+    return ManifestTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
 
 
 def _pin_trust(args: argparse.Namespace) -> RecordTrust:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     store = BackupStore(objects, args.trust)
     dl.check_target(args.to, force=args.force)
     try:
-        plan = dl.plan_download(store, args.job, args.step, args.rank)
+        plan = dl.plan_download(store, args.job, args.step, args.rank, args.attested)
     except CorruptItem as exc:
         raise DownloadError(f"{exc}: nothing was written to {args.to}") from None
     bar = progress_bars.bar(args, plan.total_bytes, f"download {args.job} step {args.step}")

@@ -17,8 +17,10 @@ from mtc_replicator.core.backup_layout import data_key, manifest_key
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
 from mtc_replicator.storage.stores import open_object_store
 from mtc_replicator.tools import certs, progress_bars
+from mtc_replicator.transport.signing import record_trust
 from tests.integration.test_backups_cli import COMMITTED, UPLOADING, Backup, mtc
 from tests.storage_servers import Bucket
 from tests.tls import node_tls
@@ -282,3 +284,30 @@ def test_the_bar_counts_the_bytes(backup: Backup) -> None:
     bar.close()
     quiet = progress_bars.bar(argparse.Namespace(progress=None), 10, "v", io.StringIO())
     assert isinstance(quiet, progress_bars.NoBar)
+
+
+def test_download_checks_each_items_attestation(tmp_path: Path, job: str) -> None:
+    """With ``--tls-ca`` a download believes an item only as a restore does: attested by
+    the node that produced it, for the owner its signed COMMIT names."""
+    ca = certs.new_ca()
+    node = node_tls(tmp_path / "node", ca, node="node-0")
+    trust = record_trust(node.material())
+    store = BackupStore(FileObjectStore(tmp_path / "backup"), trust)
+    for step, attest in ((10, False), (20, True)):
+        src = tmp_path / "src" / str(step)
+        (src / "state").mkdir(parents=True)
+        (src / "state" / "weights").write_bytes(os.urandom(4096))
+        manifest = build_manifest(ItemId(job, step, 0, 0), src)
+        store.upload_item(node.attest(manifest, "team-a") if attest else manifest, src)
+        record = store.try_commit(job, step, [manifest.item.key])
+        assert record is not None
+        assert record.owner == ("team-a" if attest else None)
+    url, ca_flag = (tmp_path / "backup").as_uri(), ("--tls-ca", str(node.files.ca))
+
+    def download(step: int, *extra: str) -> subprocess.CompletedProcess[str]:
+        to = tmp_path / f"out-{step}-{len(extra)}"
+        return mtc("download", url, "--job", job, "--step", str(step), "--to", str(to), *extra)
+
+    assert download(20, *ca_flag).returncode == 0
+    _fails(download(10, *ca_flag), "not signed by its producer")
+    assert download(10, *ca_flag, "--accept-unsigned-records").returncode == 0
