@@ -52,6 +52,7 @@ from mtc_replicator.core.storedir import default_store_dir
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.startup import tune_malloc
 from mtc_replicator.tools import certs
+from mtc_replicator.transport.attesting import manifest_trust
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
 
@@ -216,10 +217,20 @@ def start_daemon(ckpt: Path, extra: tuple[str, ...] = ()) -> Daemon:
     raise RuntimeError(f"daemon on {ckpt} did not start:\n{log.read_text()}")
 
 
+def receiver_flags(ckpt: Path) -> tuple[str, ...]:
+    """B takes pushes as rank 1 of a two-node job, whose rank 0 never comes: it waits in
+    its restore round, on a registry of its own, for the whole run (only the data plane is
+    measured)."""
+    registry = ckpt.parent / f"{ckpt.name}-registry"
+    registry.mkdir(exist_ok=True)
+    return ("--registry", registry.as_uri(), "--report-after-seconds", "3600")
+
+
 def take_job(ckpt: Path) -> None:
-    """Hand the daemon a ``replicator.yaml`` so it accepts pushes of the bench job (a one-node
-    job: no coordinator needed, only the data plane is measured)."""
-    text = f"job-name: {JOB}\nframework: orbax\nnode-rank: 0\nnodes: 1\n"
+    """Hand the daemon a ``replicator.yaml`` so it accepts pushes of the bench job's rank 0:
+    rank 1 of two nodes, to which rank 0 replicates (a node takes no push of its own rank,
+    and a one-node job none at all)."""
+    text = f"job-name: {JOB}\nframework: orbax\nnode-rank: 1\nnodes: 2\npeers-per-node: 1\n"
     tmp = ckpt / "replicator.yaml.tmp"
     tmp.write_text(text)
     os.rename(tmp, ckpt / "replicator.yaml")
@@ -301,6 +312,7 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
     rounds: int,
 ) -> list[Round]:
     size = manifest.total_bytes + manifest.total_bytes // 8
+    attested = manifest_trust(TlsMaterial(tls), "client").attest(manifest, "", time.time())
     data = Path(default_store_dir(PurePosixPath(root / "a"))) / "items" / JOB / "1" / "0-0" / "data"
     local = LocalStore(root / "c")
     local.open()
@@ -315,12 +327,16 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
 
         async def push(c: PeerClient) -> tuple[float, float, float]:
             """Seconds, B's CPU seconds and B's peak RSS of one push into a fresh B."""
-            b = start_daemon(root / "b", b_tls_args if c is secure else ())
+            b = start_daemon(
+                root / "b", (*receiver_flags(root / "b"), *(b_tls_args if c is secure else ()))
+            )
             try:
                 await c.list_items(b.address)
                 warm_pages(root, size)
                 cpu0, t0 = b.cpu_seconds(), time.perf_counter()
-                assert not await c.push_item(b.address, manifest, data)
+                # A daemon with TLS takes an item its producer attested (core.attestation).
+                item = attested if c is secure else manifest
+                assert not await c.push_item(b.address, item, data)
                 seconds, cpu = time.perf_counter() - t0, b.cpu_seconds() - cpu0
                 peak = b.memory_mib("VmHWM")
             finally:
@@ -481,7 +497,7 @@ def main() -> None:
         daemons.append(
             start_daemon(root / "a-tls", certs.daemon_flags(make_tls(root, ca, "a-tls")))
         )
-        b = start_daemon(root / "b")
+        b = start_daemon(root / "b", receiver_flags(root / "b"))
         take_job(root / "b")  # kept in B's store: every restart resumes the job
         b.stop()
         run = uvloop.run if uvloop is not None else asyncio.run
