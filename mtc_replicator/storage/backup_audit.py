@@ -18,6 +18,7 @@ from enum import StrEnum
 
 import google_crc32c
 
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust, Unattested
 from mtc_replicator.core.backup_layout import (
     COMMIT,
     CommitRecord,
@@ -36,6 +37,7 @@ from mtc_replicator.core.manifest import (
     Manifest,
     ManifestError,
 )
+from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.prune import DEFAULT_MIN_AGE_SECONDS, StepState
 from mtc_replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
 from mtc_replicator.local.digests import FileCheck
@@ -177,6 +179,8 @@ class ProblemKind(StrEnum):
     MISSING_MANIFEST = "missing_manifest"
     INVALID_MANIFEST = "invalid_manifest"
     MANIFEST_DIGEST_MISMATCH = "manifest_digest_mismatch"
+    UNATTESTED_MANIFEST = "unattested_manifest"
+    """Not signed by the node that produced it, for the owner the COMMIT names."""
     MISSING_OBJECT = "missing_object"
     SIZE_MISMATCH = "size_mismatch"
     CHECKSUM_MISMATCH = "checksum_mismatch"
@@ -227,8 +231,15 @@ class StepVerdict:
         return not self.problems
 
 
-def plan_verify(objects: ObjectStore, job: str, step: int, trust: RecordTrust = OPEN) -> VerifyPlan:
-    """Read the step's COMMIT and every manifest it pins; list the data objects to check."""
+def plan_verify(
+    objects: ObjectStore,
+    job: str,
+    step: int,
+    trust: RecordTrust = OPEN,
+    attested: ManifestTrust = OPEN_MANIFESTS,
+) -> VerifyPlan:
+    """Read the step's COMMIT and every manifest it pins, each attested as ``attested``
+    wants for the COMMIT's owner; list the data objects to check."""
     listed = {i.key: i for i in objects.list(step_prefix(job, step))}
     problems: list[Problem] = []
     checks: list[tuple[str, str, FileEntry]] = []
@@ -280,6 +291,10 @@ def plan_verify(objects: ObjectStore, job: str, step: int, trust: RecordTrust = 
                 )
             elif manifest.item != item:
                 detail = f"manifest describes {manifest.item}"
+            else:
+                attested.check(manifest, record.owner or UNOWNED)
+        except Unattested as exc:
+            kind, detail = ProblemKind.UNATTESTED_MANIFEST, str(exc)
         except ObjectNotFound:
             kind, detail = ProblemKind.MISSING_MANIFEST, "the COMMIT names it; it is missing"
         except ManifestError as exc:

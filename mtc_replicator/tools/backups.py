@@ -268,7 +268,7 @@ def _verify_steps(
     args: argparse.Namespace, objects: ObjectStore, job: str, steps: Sequence[int]
 ) -> list[audit.StepVerdict] | None:
     """Verify ``steps`` under one progress bar; None if one of them has no COMMIT."""
-    plans = [audit.plan_verify(objects, job, s, args.trust) for s in steps]
+    plans = [audit.plan_verify(objects, job, s, args.trust, args.attested) for s in steps]
     if any(not p.committed for p in plans):
         return None
     bar = progress_bars.bar(args, sum(p.total_bytes for p in plans), f"verify {job}")

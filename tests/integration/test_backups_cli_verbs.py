@@ -286,7 +286,7 @@ def test_the_bar_counts_the_bytes(backup: Backup) -> None:
     assert isinstance(quiet, progress_bars.NoBar)
 
 
-def test_download_checks_each_items_attestation(tmp_path: Path, job: str) -> None:
+def test_download_and_verify_check_each_items_attestation(tmp_path: Path, job: str) -> None:
     """With ``--tls-ca`` a download believes an item only as a restore does: attested by
     the node that produced it, for the owner its signed COMMIT names."""
     ca = certs.new_ca()
@@ -311,3 +311,8 @@ def test_download_checks_each_items_attestation(tmp_path: Path, job: str) -> Non
     assert download(20, *ca_flag).returncode == 0
     _fails(download(10, *ca_flag), "not signed by its producer")
     assert download(10, *ca_flag, "--accept-unsigned-records").returncode == 0
+    # verify says the same of each step
+    assert mtc("verify", url, "--job", job, "--step", "20", *ca_flag).returncode == 0
+    unattested = mtc("verify", url, "--job", job, "--step", "10", *ca_flag)
+    assert unattested.returncode == 1
+    assert "not signed by its producer" in unattested.stdout + unattested.stderr
