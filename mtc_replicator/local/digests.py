@@ -11,8 +11,9 @@ an attacker, who can make any bytes of the same size match it.
 
 BLAKE3 rather than SHA-256: measured 3-4x faster on one core here, and more with threads
 (docs/performance.md, "Content digests"). Transfers and downloads hash on a ``HashLane``
-beside the thread that receives, so receiving and hashing overlap. No I/O; ``HashLane``
-owns one thread.
+beside the thread that receives, so receiving and hashing overlap. Where a file has a
+digest, the restore paths check it and not the file's crc32c (``crc_checked``): one hash
+per byte, not two. No I/O; ``HashLane`` owns one thread.
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ def hasher(*, threads: bool = False) -> blake3.blake3:
     """A fresh BLAKE3 state. ``threads``: split large updates across the cores (worth it
     for reads of MiBs from the local disk; a transfer's 1 MiB chunks hash on one)."""
     return blake3.blake3(max_threads=_AUTO) if threads else blake3.blake3()
+
+
+def crc_checked(entry: FileEntry) -> bool:
+    """Whether a restore path checks this file's whole-file crc32c: only for a format-1
+    entry, which has nothing else. A format-2 entry's BLAKE3 already refuses every byte
+    its crc32c would (bit rot included), so a path that checks the digest computes no
+    whole-file crc32c, and a format-2 entry whose crc32c is wrong but whose digest is
+    right restores, on every path alike: its bytes are exactly the ones the producing node
+    hashed. (That crc32c is still what a backup upload hands the object store, which
+    refuses it there, loudly, before anything is committed; and a gRPC chunk's own crc32c
+    is still checked as it arrives, before it is written.)"""
+    return entry.blake3 is None
 
 
 def mismatch(where: str, entry: FileEntry, got: str) -> CorruptItem:
