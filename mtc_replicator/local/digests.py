@@ -19,6 +19,7 @@ per byte, not two. No I/O; ``HashLane`` owns one thread.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import blake3
@@ -90,13 +91,21 @@ class HashLane:
 
     def __init__(self, depth: int = 16) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-digest")
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[Future[object]] = deque()
         self._depth = depth
 
     def update(self, check: FileCheck, data: bytes) -> None:
         if not check.needed:  # a format-1 entry: nothing to hash, no thread hop
             return
-        self._pending.append(self._pool.submit(check.update, data))
+        self.feed(check.update, data)
+
+    def feed(
+        self, update: Callable[[bytes | memoryview], object], data: bytes | memoryview
+    ) -> None:
+        """``update(data)`` on the lane's thread. Once this returns at most ``depth``
+        pieces wait, so a caller that reads into ``depth + 1`` buffers in turn never
+        overwrites one still being hashed."""
+        self._pending.append(self._pool.submit(update, data))
         while len(self._pending) > self._depth:
             self._pending.popleft().result()
 
