@@ -17,11 +17,13 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import google_crc32c
 import pytest
 
 from mtc_replicator.core.backup_layout import manifest_key
 from mtc_replicator.core.manifest import LEGACY_VERSION, CorruptItem, ItemId, Manifest
+from mtc_replicator.local import hashing
 from mtc_replicator.local.hashing import build_manifest, verify_item
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
@@ -158,3 +160,33 @@ def test_a_format_1_item_still_has_its_crc32c_checked(
     victim.write_bytes(bytes(raw))
     with pytest.raises(CorruptItem):
         path(m, data, tmp_path)
+
+
+@pytest.mark.parametrize("files", [1, 2, 9], ids=["one", "fewer-than-cores", "more"])
+def test_ingest_and_verify_read_every_piece_in_order(
+    tmp_path: Path, files: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files of several reads, hashed with the hasher's threads (one read hashed on a lane
+    while the next fills the other buffer) or without: ingest's digest is BLAKE3 of the
+    whole file, and a byte flipped in any read, the last one's last byte included, is
+    refused."""
+    monkeypatch.setattr(hashing, "_pool_threads", lambda: 4)
+    root = tmp_path / "step"
+    root.mkdir()
+    size = 2 * hashing.CHUNK + hashing.VERIFY_READ + 5
+    for i in range(files):
+        (root / f"f{i}").write_bytes(os.urandom(size))
+    m = build_manifest(ITEM, root)
+    for entry in m.files:
+        assert entry.blake3 == blake3.blake3((root / entry.path).read_bytes()).hexdigest()
+    verify_item(m, root)
+    victim = root / m.files[-1].path
+    for at in (hashing.VERIFY_READ + 1, hashing.CHUNK + 3, 2 * hashing.CHUNK + 1, size - 1):
+        raw = bytearray(victim.read_bytes())
+        raw[at] ^= 0x04
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(CorruptItem, match="content digest"):
+            verify_item(m, root)
+        raw[at] ^= 0x04
+        victim.write_bytes(bytes(raw))
+    verify_item(m, root)
