@@ -5,13 +5,14 @@ restore from a ``file://`` backup of one item, against ``cp -r`` of the same byt
 the same filesystems. Prints a table; numbers are only comparable within one run.
 
 Then the cost of content digests (BLAKE3, ``local.digests``), with and without them in the
-same run: ingest's manifest, the local verify, a backup download, and a peer's receive
-(``transfer.ItemWriter`` fed over a socket the way the data channel feeds it, and from
-``iter_chunks`` the way gRPC chunks arrive). "Without" is the same code on the same item's
-format-1 manifest (crc32c only), which is what every path did before digests.
-``--no-digests`` measures only that baseline.
+same run, rounds interleaved, wall and CPU time: ingest's manifest, the local verify, a
+backup download, and a peer's receive (``transfer.ItemWriter`` fed over a socket the way
+the data channel feeds it, and from ``iter_chunks`` the way gRPC chunks arrive). "Without"
+is the same code on the same item's format-1 manifest (crc32c only), which is what every
+path did before digests. ``--no-digests`` measures only that baseline.
 
     MALLOC_ARENA_MAX=2 .venv/bin/python scripts/bench_local.py --size-mib 1024 --rounds 5
+    MALLOC_ARENA_MAX=2 .venv/bin/python scripts/bench_local.py --digests-only --rounds 9
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def timed(fn: object) -> float:
     t0 = time.perf_counter()
     fn()  # type: ignore[operator]
     return time.perf_counter() - t0
+
+
+def timed_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of every thread of this process) of one call. CPU time is
+    what hashing costs whatever else the machine runs; wall time is what a restore waits."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def legacy(m: Manifest) -> Manifest:
@@ -123,9 +132,12 @@ def median_of(rounds: int, fn: Callable[[], object]) -> float:
 
 
 def digest_costs(size_mib: int, files: int, rounds: int, only_baseline: bool) -> None:
-    """With and without digests, rounds interleaved; medians and their ratio."""
+    """With and without digests, rounds interleaved: per operation the median and the
+    least wall time (the least is the run least disturbed by the rest of the machine) and
+    the median CPU time, and their ratios."""
     ram = Path(tempfile.mkdtemp(dir="/dev/shm"))
     disk = Path(tempfile.mkdtemp())
+    load = os.getloadavg()[0]
     try:
         data = ram / "item"
         make_step(data, size_mib << 20, files)
@@ -134,37 +146,53 @@ def digest_costs(size_mib: int, files: int, rounds: int, only_baseline: bool) ->
         variants = {"crc32c only": legacy(with_digests)}
         if not only_baseline:
             variants["with digests"] = with_digests
-        cases: dict[str, Callable[[Manifest], object]] = {
-            "ingest: walk + hash every file": lambda m: (
+        buckets = {}
+        for name, m in variants.items():
+            buckets[name] = FileObjectStore(disk / name.replace(" ", "-"))
+            BackupStore(buckets[name]).upload_item(m, data)
+        cases: dict[str, Callable[[str, Manifest], object]] = {
+            "ingest: walk + hash every file": lambda _, m: (
                 hashing.build_manifest(item, data)
                 if m.version != LEGACY_VERSION
                 else crc_only_manifest(item, data)
             ),
-            "restore from local: verify": lambda m: hashing.verify_item(m, data),
-            "restore from peer: data channel": lambda m: receive_socket(m, data, ram),
-            "restore from peer: gRPC chunks": lambda m: receive_chunks(m, data, ram),
+            "restore from local: verify": lambda _, m: hashing.verify_item(m, data),
+            "restore from peer: data channel": lambda _, m: receive_socket(m, data, ram),
+            "restore from peer: gRPC chunks": lambda _, m: receive_chunks(m, data, ram),
+            "restore from file:// backup": lambda name, m: fetch(
+                BackupStore(buckets[name]), m, ram
+            ),
         }
-        times: dict[tuple[str, str], list[float]] = {}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for _ in range(rounds):
             for case, fn in cases.items():
                 for name, m in variants.items():
-                    t = timed(lambda fn=fn, m=m: fn(m))
+                    t = timed_cpu(lambda fn=fn, name=name, m=m: fn(name, m))
                     times.setdefault((case, name), []).append(t)
-        for name, m in variants.items():
-            objects = FileObjectStore(disk / name.replace(" ", "-"))
-            BackupStore(objects).upload_item(m, data)
-            for _ in range(rounds):
-                t = timed(lambda o=objects, m=m: fetch(BackupStore(o), m, ram))
-                times.setdefault(("restore from file:// backup", name), []).append(t)
+        load = max(load, os.getloadavg()[0])
         gib = (size_mib << 20) / (1 << 30)
-        print(f"\ncontent digests: {size_mib} MiB in {files} files, median of {rounds} rounds")
-        print(f"{'operation':36} {'crc32c only':>12} {'with digests':>13} {'ratio':>7}")
-        for case in [*cases, "restore from file:// backup"]:
-            base = statistics.median(times[(case, "crc32c only")])
-            line = f"{case:36} {base:8.3f} s  "
+        print(
+            f"\ncontent digests: {size_mib} MiB in {files} files, {rounds} rounds, "
+            f"{os.cpu_count()} cores, load average up to {load:.1f}"
+        )
+        print("wall: median (least) seconds; cpu: median CPU seconds of all threads")
+        head = f"{'operation':34} {'crc32c only':>20}"
+        if not only_baseline:
+            head += f" {'with digests':>20} {'wall':>6} {'least':>6} {'cpu':>6}"
+        print(head)
+        for case in cases:
+            line = f"{case:34}"
+            stats = {}
+            for name in variants:
+                walls = [w for w, _ in times[(case, name)]]
+                cpus = [c for _, c in times[(case, name)]]
+                stats[name] = (statistics.median(walls), min(walls), statistics.median(cpus))
+                w, least, c = stats[name]
+                line += f" {w:6.3f} ({least:5.3f}) {c:5.3f}"
             if not only_baseline:
-                got = statistics.median(times[(case, "with digests")])
-                line += f"{got:9.3f} s  {got / base:6.2f}x   ({gib / got:.2f} GiB/s)"
+                (bw, bl, bc), (dw, dl, dc) = stats["crc32c only"], stats["with digests"]
+                line += f"  {dw / bw:5.2f}x {dl / bl:5.2f}x {dc / bc:5.2f}x"
+                line += f"  ({gib / dw:.2f} GiB/s)"
             print(line)
     finally:
         shutil.rmtree(ram, ignore_errors=True)

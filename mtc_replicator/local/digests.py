@@ -11,13 +11,15 @@ an attacker, who can make any bytes of the same size match it.
 
 BLAKE3 rather than SHA-256: measured 3-4x faster on one core here, and more with threads
 (docs/performance.md, "Content digests"). Transfers and downloads hash on a ``HashLane``
-beside the thread that receives, so receiving and hashing overlap. No I/O; ``HashLane``
-owns one thread.
+beside the thread that receives, so receiving and hashing overlap. Where a file has a
+digest, the restore paths check it and not the file's crc32c (``crc_checked``): one hash
+per byte, not two. No I/O; ``HashLane`` owns one thread.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import blake3
@@ -31,6 +33,18 @@ def hasher(*, threads: bool = False) -> blake3.blake3:
     """A fresh BLAKE3 state. ``threads``: split large updates across the cores (worth it
     for reads of MiBs from the local disk; a transfer's 1 MiB chunks hash on one)."""
     return blake3.blake3(max_threads=_AUTO) if threads else blake3.blake3()
+
+
+def crc_checked(entry: FileEntry) -> bool:
+    """Whether a restore path checks this file's whole-file crc32c: only for a format-1
+    entry, which has nothing else. A format-2 entry's BLAKE3 already refuses every byte
+    its crc32c would (bit rot included), so a path that checks the digest computes no
+    whole-file crc32c, and a format-2 entry whose crc32c is wrong but whose digest is
+    right restores, on every path alike: its bytes are exactly the ones the producing node
+    hashed. (That crc32c is still what a backup upload hands the object store, which
+    refuses it there, loudly, before anything is committed; and a gRPC chunk's own crc32c
+    is still checked as it arrives, before it is written.)"""
+    return entry.blake3 is None
 
 
 def mismatch(where: str, entry: FileEntry, got: str) -> CorruptItem:
@@ -77,13 +91,21 @@ class HashLane:
 
     def __init__(self, depth: int = 16) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mtc-digest")
-        self._pending: deque[Future[None]] = deque()
+        self._pending: deque[Future[object]] = deque()
         self._depth = depth
 
     def update(self, check: FileCheck, data: bytes) -> None:
         if not check.needed:  # a format-1 entry: nothing to hash, no thread hop
             return
-        self._pending.append(self._pool.submit(check.update, data))
+        self.feed(check.update, data)
+
+    def feed(
+        self, update: Callable[[bytes | memoryview], object], data: bytes | memoryview
+    ) -> None:
+        """``update(data)`` on the lane's thread. Once this returns at most ``depth``
+        pieces wait, so a caller that reads into ``depth + 1`` buffers in turn never
+        overwrites one still being hashed."""
+        self._pending.append(self._pool.submit(update, data))
         while len(self._pending) > self._depth:
             self._pending.popleft().result()
 

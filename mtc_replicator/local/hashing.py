@@ -2,16 +2,17 @@
 
 ``build_manifest`` walks and hashes an item's data (a directory tree or one file) with
 crc32c and BLAKE3 in one read (``local.digests``); ``verify_item`` checks data against a
-manifest. Reads go in ``CHUNK`` pieces
-(``VERIFY_READ`` when verifying) so memory stays at one piece per thread whatever the
-item's size.
+manifest. Reads go in ``CHUNK`` or ``VERIFY_READ`` pieces so memory stays at one piece per
+thread whatever the item's size.
 
-``verify_item`` is on a restore's critical path: it hashes the item's files on a pool of one
-thread per core shared by every verify (BLAKE3, crc32c and ``pread`` release the GIL). A
-file with a digest is read once, in order, its BLAKE3 spread over the cores by the hasher
-itself; a file of a format-1 manifest (crc32c only) is read in ``PIECE``-sized ranges whose
-crcs combine (``core.crc``). Every byte is read: each range must be exactly there, and
-nothing may follow a file's last one.
+Both hash on a pool of one thread per core shared by every ingest and verify of the process
+(BLAKE3, crc32c and ``pread`` release the GIL), a file per task; a file's hasher spreads
+over the cores itself only when the item has fewer files than the pool has threads.
+``verify_item`` is on a restore's critical path. A file with a digest is read once, in
+order, and only its BLAKE3 is computed (``digests.crc_checked``: the digest refuses all the
+crc32c would); a file of a format-1 manifest (crc32c only) is read in ``PIECE``-sized
+ranges whose crcs combine (``core.crc``). Every byte is read: each range must be exactly
+there, and nothing may follow a file's last one.
 
 Taken data was written by a pod, which may still hold a descriptor of a directory inside
 it: every walk and open goes through descriptors with no symlink at any component, from
@@ -84,9 +85,14 @@ def _open_regular(root: Path | int, rel: str) -> int:
 
 
 def read_chunks(
-    path: Path, cancelled: CancelCheck = _never, *, root: Path | int | None = None, rel: str = ""
+    path: Path,
+    cancelled: CancelCheck = _never,
+    *,
+    root: Path | int | None = None,
+    rel: str = "",
+    size: int = CHUNK,
 ) -> Iterator[bytes]:
-    """Yield a regular file's bytes in CHUNK-sized pieces; memory stays at one chunk.
+    """Yield a regular file's bytes in ``size`` pieces; memory stays at one piece.
 
     With ``root``, the file is ``rel`` below it, reached through no symlink; without, it is
     ``path`` (its last component not followed).
@@ -95,7 +101,7 @@ def read_chunks(
         root, rel = path.parent, path.name
     fd = _open_regular(root, rel)
     try:
-        while chunk := os.read(fd, CHUNK):
+        while chunk := os.read(fd, size):
             if cancelled():
                 raise Cancelled(str(path))
             yield chunk
@@ -116,17 +122,36 @@ def file_crc32c(
 
 
 def file_digests(
-    path: Path, cancelled: CancelCheck = _never, *, root: Path | int | None = None, rel: str = ""
+    path: Path,
+    cancelled: CancelCheck = _never,
+    *,
+    root: Path | int | None = None,
+    rel: str = "",
+    threads: bool = True,
 ) -> tuple[int, int, str]:
     """(size, crc32c, BLAKE3 hex digest) of one regular file, in one read of its bytes
-    (``root`` and ``rel`` as for ``read_chunks``)."""
+    (``root`` and ``rel`` as for ``read_chunks``). ``threads``: the hasher spreads each
+    ``CHUNK`` over the cores; without, reads are ``VERIFY_READ``s, which stay in the core's
+    cache from the read to both hashes."""
     crc = 0
     size = 0
-    content = digests.hasher(threads=True)
-    for chunk in read_chunks(path, cancelled, root=root, rel=rel):
-        crc = google_crc32c.extend(crc, chunk)
-        content.update(chunk)
-        size += len(chunk)
+    content = digests.hasher(threads=threads)
+    step = CHUNK if threads else VERIFY_READ
+    # With threads the digest runs on a lane while this thread reads and crcs the next chunk.
+    lane = digests.HashLane(depth=1) if threads else None
+    try:
+        for chunk in read_chunks(path, cancelled, root=root, rel=rel, size=step):
+            crc = google_crc32c.extend(crc, chunk)
+            if lane is None:
+                content.update(chunk)
+            else:
+                lane.feed(content.update, chunk)
+            size += len(chunk)
+        if lane is not None:
+            lane.drain()
+    finally:
+        if lane is not None:
+            lane.close()
     return size, crc, content.hexdigest()
 
 
@@ -203,13 +228,48 @@ def build_manifest(
     top = fsutil.open_dir_beneath(base, rel)
     try:
         dirs, files = walk_tree(top)
-        entries = []
-        for path in files:
-            size, crc, content = file_digests(data / path, cancelled, root=top, rel=path)
-            entries.append(FileEntry(path, size, crc, content))
+        entries = _hash_files(top, data, files, cancelled)
     finally:
         os.close(top)
     return Manifest(item, ItemKind.DIR, tuple(entries), tuple(dirs))
+
+
+def _hash_files(top: int, data: Path, files: list[str], cancelled: CancelCheck) -> list[FileEntry]:
+    """Every file's entry, in ``files``' order, hashed on the verify pool in runs of
+    consecutive files (one run per file when there are few; a thread hop per tiny file would
+    cost more than its hashing). Each file gets the hasher's own threads only where the pool's
+    would leave cores idle: 1 GiB in 8 files hashed in 0.17 s that way on 2 cores, against
+    0.33 s a file at a time with threaded hashers."""
+    workers = _pool_threads()
+    threads = len(files) < workers
+
+    def run(paths: list[str]) -> list[FileEntry]:
+        out = []
+        for path in paths:
+            size, crc, content = file_digests(
+                data / path, cancelled, root=top, rel=path, threads=threads
+            )
+            out.append(FileEntry(path, size, crc, content))
+        return out
+
+    if len(files) <= 1:
+        return run(files)
+    per_run = -(-len(files) // (workers * 4))
+    runs = [files[i : i + per_run] for i in range(0, len(files), per_run)]
+    futures = [_hash_pool().submit(run, paths) for paths in runs]
+    entries: list[FileEntry] = []
+    failure: BaseException | None = None
+    for fut in futures:
+        try:
+            entries.extend(fut.result())
+        except BaseException as exc:  # re-raised below, once the others ended
+            if failure is None:
+                failure = exc
+                for later in futures:
+                    later.cancel()
+    if failure is not None:
+        raise failure
+    return entries
 
 
 def data_file(data: Path, entry: FileEntry) -> Path:
@@ -265,16 +325,17 @@ _pool_lock = threading.Lock()
 
 def _hash_pool() -> ThreadPoolExecutor:
     """One thread per core this process may run on (at most ``MAX_VERIFY_THREADS``) for
-    every verify of the process: concurrent verifies share the cores rather than multiply
-    the threads (and the ``VERIFY_READ`` each one holds)."""
+    every ingest and verify of the process: concurrent ones share the cores rather than
+    multiply the threads (and the piece each one holds)."""
     global _pool  # noqa: PLW0603 - one pool per process, made on first use
     with _pool_lock:
         if _pool is None:
-            cores = len(os.sched_getaffinity(0)) or 1
-            _pool = ThreadPoolExecutor(
-                min(cores, MAX_VERIFY_THREADS), thread_name_prefix="mtc-verify"
-            )
+            _pool = ThreadPoolExecutor(_pool_threads(), thread_name_prefix="mtc-verify")
         return _pool
+
+
+def _pool_threads() -> int:
+    return min(len(os.sched_getaffinity(0)) or 1, MAX_VERIFY_THREADS)
 
 
 class _Stopped(Exception):
@@ -294,6 +355,9 @@ class _Range:
     """The file's last range: nothing may follow it."""
     digest: bool = False
     """The whole file, read in order for its BLAKE3 digest (its crc32c is not needed)."""
+    threads: bool = False
+    """The digest's hasher spreads over the cores: the item has fewer files to hash than
+    the pool has threads, so the cores would otherwise idle."""
 
 
 _Result = tuple[int | str, int | None]
@@ -305,27 +369,61 @@ def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Res
     """Hash one range (``_Result``)."""
     fd = _open_regular(*r.where)
     try:
+        if r.digest:
+            return _file_digest(fd, r, stop, cancelled)
         crc, pos, end = 0, r.offset, r.offset + r.length
-        # Whole-file reads in CHUNKs: the hasher's threads split each one across the cores.
-        content, step = (digests.hasher(threads=True), CHUNK) if r.digest else (None, VERIFY_READ)
         while pos < end:
             if stop.is_set():
                 raise _Stopped
             if cancelled():
                 raise Cancelled(r.where[1])
-            chunk = os.pread(fd, min(step, end - pos), pos)
+            chunk = os.pread(fd, min(VERIFY_READ, end - pos), pos)
             if not chunk:
                 return 0, os.fstat(fd).st_size
-            if content is None:
-                crc = google_crc32c.extend(crc, chunk)
-            else:
-                content.update(chunk)
+            crc = google_crc32c.extend(crc, chunk)
             pos += len(chunk)
         if r.last and os.pread(fd, 1, end):
             return 0, os.fstat(fd).st_size
-        return (crc if content is None else content.hexdigest()), None
+        return crc, None
     finally:
         os.close(fd)
+
+
+def _file_digest(fd: int, r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Result:
+    """A whole file's BLAKE3 (``_Result``), read in order into buffers used again for every
+    read: a fresh ``bytes`` per read measured 10-35% slower (allocation and cache misses).
+    A hasher without threads gets ``VERIFY_READ``s that stay in the core's cache between
+    the read and the hash. One with threads gets ``CHUNK``s, hashed on a lane while the
+    next is read into the other buffer: 0.175 s against 0.23 s for a 1 GiB file here."""
+    content = digests.hasher(threads=r.threads)
+    size = min(CHUNK if r.threads else VERIFY_READ, r.length) or 1
+    bufs = [memoryview(bytearray(size)) for _ in range(2 if r.threads else 1)]
+    lane = digests.HashLane(depth=1) if r.threads else None
+    pos, end = 0, r.length
+    try:
+        while pos < end:
+            if stop.is_set():
+                raise _Stopped
+            if cancelled():
+                raise Cancelled(r.where[1])
+            buf = bufs[0]
+            bufs.reverse()  # the other one next time: the lane may still be hashing this
+            got = os.preadv(fd, [buf[: end - pos]], pos)
+            if not got:
+                return 0, os.fstat(fd).st_size
+            if lane is None:
+                content.update(buf[:got])
+            else:
+                lane.feed(content.update, buf[:got])
+            pos += got
+        if lane is not None:
+            lane.drain()
+    finally:
+        if lane is not None:
+            lane.close()
+    if os.pread(fd, 1, end):
+        return 0, os.fstat(fd).st_size
+    return content.hexdigest(), None
 
 
 def _verify_files(
@@ -339,9 +437,12 @@ def _verify_files(
         [(0, e.size)] if e.blake3 is not None else split_ranges(e.size, PIECE)
         for e in manifest.files
     ]
+    # The hasher's own threads only where the pool's would leave cores idle: with both, on
+    # 2 cores, 1 GiB in 8 files measured 0.21 s against 0.15 s with the pool's alone.
+    threads = len(manifest.files) < _pool_threads()
     jobs = [
-        _Range(i, where[i], off, n, k == len(rs) - 1, manifest.files[i].blake3 is not None)
-        for i, rs in enumerate(ranges)
+        _Range(i, where[i], off, n, k == len(rs) - 1, e.blake3 is not None, threads)
+        for i, (e, rs) in enumerate(zip(manifest.files, ranges, strict=True))
         for k, (off, n) in enumerate(rs)
     ]
     if len(jobs) == 1:  # a small item: a thread hop would cost more than it saves

@@ -45,7 +45,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
-from mtc_replicator.local.digests import FileCheck, HashLane
+from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
 from mtc_replicator.local.hashing import data_file
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.storage.objectstore import (
@@ -334,10 +334,13 @@ class BackupStore:
         lane: HashLane,
         progress: Callable[[int], None] | None = None,
     ) -> None:
-        """One file of ``item`` into ``dest``, checked against its manifest entry: size,
-        crc32c and BLAKE3 digest, hashed (on ``lane``) as the bytes arrive."""
+        """One file of ``item`` into ``dest``, checked against its manifest entry: size and
+        BLAKE3 digest, hashed (on ``lane``) as the bytes arrive; the whole-file crc32c only
+        for a format-1 entry, which has no digest (``digests.crc_checked``). A cloud
+        store's own checksum of what it returns is checked by its ``read_chunks`` either way."""
         crc, size = 0, 0
         content = FileCheck(entry)
+        with_crc = crc_checked(entry)
         what = f"{item}: backup object {entry.path or 'data'}"
         try:
             with open(dest, "xb") as out:
@@ -347,7 +350,8 @@ class BackupStore:
                     size += len(chunk)
                     if size > entry.size:
                         break
-                    crc = google_crc32c.extend(crc, chunk)
+                    if with_crc:
+                        crc = google_crc32c.extend(crc, chunk)
                     lane.update(content, chunk)
                     out.write(chunk)
                     if progress is not None:
@@ -356,10 +360,10 @@ class BackupStore:
             raise CorruptItem(f"{what} is missing") from None
         except ChecksumMismatch as exc:
             raise CorruptItem(f"{what}: {exc}") from None
-        if size != entry.size or crc != entry.crc32c:
+        if size != entry.size or (with_crc and crc != entry.crc32c):
             raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
         lane.drain()
-        content.check(what)
+        content.check(f"{what} does not match its manifest")
 
     def _pinned_manifest(
         self, item: ItemId, expected: str, layouts: Sequence[int]

@@ -40,7 +40,7 @@ from mtc_replicator.core.manifest import (
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.prune import DEFAULT_MIN_AGE_SECONDS, StepState
 from mtc_replicator.core.signed import OPEN, RecordRefused, RecordTrust, Seal
-from mtc_replicator.local.digests import FileCheck
+from mtc_replicator.local.digests import FileCheck, crc_checked
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectInfo, ObjectNotFound, ObjectStore
 
@@ -323,6 +323,7 @@ def _check_object(
         return 0, ProblemKind.SIZE_MISMATCH, f"{listed.size} bytes, manifest says {entry.size}"
     crc, size = 0, 0
     content = FileCheck(entry)
+    with_crc = crc_checked(entry)  # as a restore decides: the digest alone, where there is one
     try:
         for chunk in objects.read_chunks(key):
             size += len(chunk)
@@ -330,19 +331,20 @@ def _check_object(
                 # Changed since listed; reading a hostile giant to the end helps no one.
                 progress(entry.size - (size - len(chunk)))
                 return size, ProblemKind.SIZE_MISMATCH, f"over {entry.size} bytes read"
-            crc = google_crc32c.extend(crc, chunk)
+            if with_crc:
+                crc = google_crc32c.extend(crc, chunk)
             content.update(chunk)
             progress(len(chunk))
     except ObjectNotFound:
         return size, ProblemKind.MISSING_OBJECT, "object is missing"
     if size != entry.size:
         return size, ProblemKind.SIZE_MISMATCH, f"{size} bytes read, manifest says {entry.size}"
-    if crc != entry.crc32c:
+    if with_crc and crc != entry.crc32c:
         detail = f"crc32c {crc:08x}, manifest says {entry.crc32c:08x}"
         return size, ProblemKind.CHECKSUM_MISMATCH, detail
     try:
         content.check(key)
-    except CorruptItem as exc:  # same size and crc32c: altered on purpose
+    except CorruptItem as exc:
         return size, ProblemKind.CHECKSUM_MISMATCH, str(exc)
     return size, None, ""
 
@@ -350,7 +352,8 @@ def _check_object(
 def run_verify(
     objects: ObjectStore, plan: VerifyPlan, progress: Progress = _no_progress
 ) -> StepVerdict:
-    """Stream every data object of ``plan`` and compare size and crc32c; nothing is written.
+    """Stream every data object of ``plan`` and compare size and digest (crc32c where a file
+    has none, as a restore does); nothing is written.
 
     Every problem is collected (not just the first), so one run tells an operator all that
     is wrong with a step. ``progress`` hears exactly ``plan.total_bytes`` in all.

@@ -5,8 +5,9 @@ Incoming bytes are hostile: ``check_manifest`` proves a transfer header's manife
 one its digest names; ``ItemWriter`` checks every chunk's order, range and checksum before a
 byte is written, creates files only with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to
 directory descriptors it opened itself (so no symlink, planted or not, is ever followed),
-and checks each file's size, whole-file crc32c and BLAKE3 digest (``local.digests``, fed as
-the chunks arrive, in order) as its last chunk arrives, without reading anything back.
+and checks each file's size and BLAKE3 digest (``local.digests``, fed as the chunks arrive,
+in order; the whole-file crc32c instead for a format-1 entry, which has no digest) as its
+last chunk arrives, without reading anything back.
 ``receive_item`` runs the writer in an asyncio loop with bounded memory.
 """
 
@@ -38,7 +39,7 @@ from mtc_replicator.core.manifest import (
     Manifest,
 )
 from mtc_replicator.local import fsutil
-from mtc_replicator.local.digests import FileCheck, HashLane
+from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
 from mtc_replicator.local.store import DATA, LocalStore, StoreError
 
 T = TypeVar("T")
@@ -240,6 +241,8 @@ class ItemWriter:
         self._crc = 0
         self._content: FileCheck | None = None
         """The digest of the file being received, fed with every byte of it in order."""
+        self._crc_checked = True
+        """The file being received has no digest: its whole-file crc32c is what is checked."""
         self._fd: int | None = None
         self._done: list[int] = []
         self._root: int | None = os.open(staged, _DIR_FLAGS)
@@ -325,12 +328,17 @@ class ItemWriter:
         if self._fd is None:
             self._fd = self._create(entry)
         if self._content is None:
-            self._content = FileCheck(entry, threads=True)
+            # The lane's thread already overlaps the hash with the receive; the hasher's own
+            # threads on 1 MiB pieces there cost 0.3-0.4 s more CPU per GiB (they spin),
+            # for no faster a receive (docs/performance.md, "Content digests").
+            self._content = FileCheck(entry, threads=self._lane is None)
+            self._crc_checked = crc_checked(entry)
         if self._lane is None:
             self._content.update(data)
         else:
             self._lane.update(self._content, data)
-        self._crc = crc32c_combine(self._crc, crc32c, size)
+        if self._crc_checked:
+            self._crc = crc32c_combine(self._crc, crc32c, size)
         self._offset += size
         self.bytes_written += size
         return self._fd
@@ -342,12 +350,15 @@ class ItemWriter:
 
     def write_raw(self, file_index: int, offset: int, data: bytes) -> None:
         """Write a slice that came without a checksum of its own (the data channel's): its
-        file's size and whole-file crc32c, checked when the file completes, still cover it."""
+        file's size and digest (whole-file crc32c for a format-1 entry), checked when the
+        file completes, still cover it."""
         if not 0 < len(data) <= MAX_CHUNK:
             raise TransferError(f"{self.manifest.item}: slice of {len(data)} bytes")
         if file_index >= len(self._files) or file_index < self._index:
             raise TransferError(f"{self.manifest.item}: slice for file {file_index} out of order")
-        fd = self._place(file_index, offset, data, google_crc32c.value(data))
+        # A file with a digest needs no crc32c of its own: one hash per byte, not two.
+        crc = google_crc32c.value(data) if crc_checked(self._files[file_index]) else 0
+        fd = self._place(file_index, offset, data, crc)
         write_all(fd, data)
         self.release()
 
@@ -365,7 +376,13 @@ class ItemWriter:
         else:
             self._done.append(self._fd)
             self._fd = None
-        if self._offset != entry.size or self._crc != entry.crc32c:
+        if not crc_checked(entry):
+            if self._offset != entry.size:
+                raise CorruptItem(
+                    f"{self._where(self._index)}: received {self._offset} bytes, "
+                    f"the manifest says {entry.size}"
+                )
+        elif self._offset != entry.size or self._crc != entry.crc32c:
             raise CorruptItem(
                 f"{self._where(self._index)}: received {self._offset} bytes with crc32c "
                 f"{self._crc:08x}, the manifest says {entry.size} bytes, {entry.crc32c:08x}"

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -251,6 +252,29 @@ def test_verify_reports_an_object_of_the_same_size_and_crc32c(
     manifests = upload_step(backup, tmp_path, 100, ranks=2)
     key = data_key(manifests["1-0"].item, "")
     objects.put_bytes(key, same_crc32c(objects.get_bytes(key)))
+    verdict = verify(objects, 100)
+    assert kinds(verdict) == [ProblemKind.CHECKSUM_MISMATCH]
+    assert "content digest" in verdict.problems[0].detail
+
+
+def test_verify_decides_a_format_2_file_by_its_digest_as_a_restore_does(
+    objects: MemoryObjectStore, backup: BackupStore, tmp_path: Path
+) -> None:
+    """A manifest whose crc32c is wrong but whose digest is right: a restore takes it
+    (``tests/unit/test_digest_decides.py``), so verify reports nothing; a flipped byte of
+    another object is still its digest's mismatch."""
+    manifests = upload_step(backup, tmp_path, 100, ranks=3, commit_at=None)
+    lying = manifests["1-0"]
+    lying = dataclasses.replace(
+        lying, files=(dataclasses.replace(lying.files[0], crc32c=lying.files[0].crc32c ^ 1),)
+    )
+    objects.put_bytes(manifest_key(lying.item), lying.to_json())
+    assert backup.try_commit(JOB, 100, list(manifests), now=1000.0) is not None
+    assert kinds(verify(objects, 100)) == []
+    key = data_key(manifests["2-0"].item, "")
+    raw = bytearray(objects.get_bytes(key))
+    raw[7] ^= 0x10
+    objects.put_bytes(key, bytes(raw))
     verdict = verify(objects, 100)
     assert kinds(verdict) == [ProblemKind.CHECKSUM_MISMATCH]
     assert "content digest" in verdict.problems[0].detail

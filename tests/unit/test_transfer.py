@@ -22,7 +22,14 @@ from hypothesis import strategies as st
 
 from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.crc import crc32c_combine
-from mtc_replicator.core.manifest import CorruptItem, FileEntry, ItemId, ItemKind, Manifest
+from mtc_replicator.core.manifest import (
+    LEGACY_VERSION,
+    CorruptItem,
+    FileEntry,
+    ItemId,
+    ItemKind,
+    Manifest,
+)
 from mtc_replicator.local.hashing import build_manifest, verify_item
 from mtc_replicator.transport.transfer import (
     MAX_CHUNK,
@@ -176,11 +183,15 @@ def test_an_earlier_file_after_a_later_one_is_rejected(
         feed(writer, chunks[::-1])
 
 
-def test_whole_file_crc_is_checked_when_the_file_is_complete(tmp_path: Path) -> None:
+def test_a_format_1_files_whole_crc_is_checked_when_the_file_is_complete(
+    tmp_path: Path,
+) -> None:
+    # A format-2 file's digest decides instead (tests/unit/test_digest_decides.py).
     src = tmp_path / "f"
     src.write_bytes(b"payload")
     good = build_manifest(ITEM, src)
-    lying = Manifest(ITEM, good.kind, (dataclasses.replace(good.files[0], crc32c=0xDEADBEEF),))
+    entry = dataclasses.replace(good.files[0], crc32c=0xDEADBEEF, blake3=None)
+    lying = Manifest(ITEM, good.kind, (entry,), version=LEGACY_VERSION)
     writer = ItemWriter(lying, staging(tmp_path))
     writer.write(0, 0, b"payload", google_crc32c.value(b"payload"))
     with pytest.raises(CorruptItem, match="deadbeef"):
