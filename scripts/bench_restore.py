@@ -91,8 +91,11 @@ class Job:
         backup: Path | None = None,
         log_level: str = "info",
         tls: bool = True,
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.root, self.nodes, self.log_level = root, nodes, log_level
+        self.extra = extra
+        """More daemon flags."""
         self.name = f"bench-{uuid.uuid4().hex[:6]}"
         self.dirs = [root / f"node{r}" for r in range(nodes)]
         for d in self.dirs:
@@ -116,6 +119,7 @@ class Job:
                 *(self.tls[rank].args() if self.use_tls else ()),
                 "--log-level",
                 self.log_level,
+                *self.extra,
             ),
             log_path=self.root / f"node{rank}.log",
         )
