@@ -137,8 +137,8 @@ class ItemSources:
         round's ranks, for a pull; ``last``: no other source of the item is left.
 
         Raises ``CorruptItem`` (a corrupt local copy of a LOCAL fetch is deleted),
-        ``Unattested`` (a copy this job does not take: one just fetched is deleted, one
-        held before is kept), ``SourceUnavailable`` or ``Cancelled``."""
+        ``Unattested`` (a copy this job does not take: refused before its data moves,
+        and one held before is kept), ``SourceUnavailable`` or ``Cancelled``."""
         held = self.holds(f)
         try:
             with _unavailable_on_failure():
@@ -153,9 +153,7 @@ class ItemSources:
                     await self._download(f)
             self._note_unverifiable(f)
         except Unattested:
-            if not held and self.store.get(f.item) is not None:
-                self.store.delete(f.item)
-            raise
+            raise  # nothing of it was committed, and what was held before stays
         except CorruptItem:
             if f.source is Source.LOCAL and self.store.get(f.item) is not None:
                 self.store.delete(f.item)

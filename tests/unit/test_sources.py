@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -392,3 +393,19 @@ def test_another_owners_copy_is_refused_even_unsigned(world: World) -> None:
     with pytest.raises(Unattested, match="belongs to owner 'team-b'"):
         world.fetch(sources, peer(world))
     assert world.store.get(ITEM) is None
+
+
+def test_a_refused_copy_never_costs_the_other_copy_held(world: World) -> None:
+    """The store holds the item with another digest than the plan's; the planned peer copy
+    is refused: the held one stays (the refusal comes before anything is committed)."""
+    commit_into(world.store, world.source, world.manifest)
+    legacy = replace(
+        world.manifest,
+        files=tuple(replace(f, blake3=None) for f in world.manifest.files),
+        version=LEGACY_VERSION,
+    )
+    peers = FakePeers(world.source, legacy)
+    fetch = Fetch(Source.PEER, ITEM, 0, legacy.digest)
+    with pytest.raises(Unattested):
+        world.fetch(world.sources(peers=peers, trust=STRICT), fetch)
+    assert world.holds_it()
