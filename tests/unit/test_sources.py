@@ -10,7 +10,6 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -399,9 +398,9 @@ def test_a_refused_copy_never_costs_the_other_copy_held(world: World) -> None:
     """The store holds the item with another digest than the plan's; the planned peer copy
     is refused: the held one stays (the refusal comes before anything is committed)."""
     commit_into(world.store, world.source, world.manifest)
-    legacy = replace(
+    legacy = dataclasses.replace(
         world.manifest,
-        files=tuple(replace(f, blake3=None) for f in world.manifest.files),
+        files=tuple(dataclasses.replace(f, blake3=None) for f in world.manifest.files),
         version=LEGACY_VERSION,
     )
     peers = FakePeers(world.source, legacy)
