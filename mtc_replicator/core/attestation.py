@@ -117,7 +117,7 @@ class ManifestTrust:
         if att is None or not att.signature:
             if self.verifier is not None and not self.accept_unsigned:
                 raise Unattested(
-                    f"{item}: its manifest is not signed by its producer: " + (UNSIGNED_REMEDY)
+                    f"{item}: its manifest is not signed by its producer: {UNSIGNED_REMEDY}"
                 )
             if att is not None:
                 self._check_owner(manifest, att, owner)
@@ -141,7 +141,7 @@ class ManifestTrust:
             held = ", ".join(sorted(p or "(shared certificate)" for p in producers)[:8])
             raise Unattested(
                 f"{item}: produced by node {att.producer[:100]!r}, which never held rank "
-                f"{item.rank} (held by: {held[:300] or 'none known'})"
+                f"{item.rank} by step {item.step} (held by: {held[:300] or 'none known'})"
             )
         return Attested.VERIFIED
 
