@@ -30,11 +30,13 @@ STEPS = (10, 20)
 
 
 class SignedBackup:
-    """A backup of ``job`` with steps 10 and 20 committed, each COMMIT signed by a node."""
+    """A backup of ``job`` with steps 10 and 20 committed, each COMMIT signed by a node and
+    each item attested by it."""
 
     def __init__(self, root: Path, job: str) -> None:
         self.ca = certs.new_ca()
-        self.tls = node_tls(root / "node-tls", self.ca).material()
+        node = node_tls(root / "node-tls", self.ca)
+        self.tls = node.material()
         self.root = root / "backup"
         self.url = self.root.as_uri()
         self.job = job
@@ -47,7 +49,8 @@ class SignedBackup:
                 src = root / "src" / f"{step}-{rank}"
                 (src / "state").mkdir(parents=True)
                 (src / "state" / "weights").write_bytes(os.urandom(16 * 1024))
-                manifest = build_manifest(ItemId(job, step, rank, 0), src)
+                # As a daemon writes it: attested by the node that produced it.
+                manifest = node.attest(build_manifest(ItemId(job, step, rank, 0), src))
                 store.upload_item(manifest, src)
                 keys.append(manifest.item.key)
             assert store.try_commit(job, step, keys) is not None
