@@ -251,7 +251,7 @@ def test_mtc_backups_shows_and_checks_each_commits_signature(tmp_path: Path) -> 
     job = "signedjob"
     signed = BackupStore(FileObjectStore(bucket), record_trust(node.material()))
     data = make_step(tmp_path, 2, payload(2, seed=job))
-    manifest = build_manifest(ItemId(job, 2, 0, 0), data)
+    manifest = node.attest(build_manifest(ItemId(job, 2, 0, 0), data))  # as a daemon does
     signed.upload_item(manifest, data)
     assert signed.try_commit(job, 2, ["0-0"]) is not None
     forge_step(tmp_path / "attacker", bucket, job, "unsigned")
