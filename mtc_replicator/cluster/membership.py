@@ -275,7 +275,11 @@ class ClusterMember:
             last = answer.last_backup
             self.backed_up = last.step
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
-        self.replication.update_addresses(answer.addresses)
+        # The pushers' addresses came only for their nodes: peers are the targets.
+        targets = set(self._targets)
+        self.replication.update_addresses(
+            {r: a for r, a in answer.addresses.items() if r in targets}
+        )
         self.rank_nodes.update(answer.nodes)
         step = answer.backup_step
         if (

@@ -312,15 +312,22 @@ def test_before_any_retention_pass_a_report_promises_nothing_in_particular(world
 
 
 def test_the_answer_is_taken_in(world: World) -> None:
-    m = world.member()
+    m = world.member(FOUR)
     released(m, 10)
+    (target,) = m._targets
+    pusher = next(r for r in range(4) if r not in (target, m.config.node_rank))
     world.finder.answer_with(
-        answer(20, keep=frozenset({30}), addresses={0: "a:1"}, last=LastBackup(20, 123.0))
+        answer(
+            20,
+            keep=frozenset({30}),
+            addresses={target: "a:1", pusher: "b:2"},
+            last=LastBackup(20, 123.0),
+        )
     )
     asyncio.run(m.tick(None, force=True))
     assert m.restorable == 20
     assert m.keep_steps == frozenset({30})
-    assert m.replication.addresses == {0: "a:1"}
+    assert m.replication.addresses == {target: "a:1"}  # a pusher's address is no peer's
     assert world.metrics.restorable_steps == [20]
     assert world.metrics.backups == [(20, 123.0)]
 
