@@ -276,9 +276,8 @@ class ClusterMember:
             self.backed_up = last.step
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         # The pushers' addresses came only for their nodes: peers are the targets.
-        targets = set(self._targets)
         self.replication.update_addresses(
-            {r: a for r, a in answer.addresses.items() if r in targets}
+            {r: a for r, a in answer.addresses.items() if r in self._targets}
         )
         self.rank_nodes.update(answer.nodes)
         step = answer.backup_step

@@ -152,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
         "download": download_cli.run,
     }
     try:
-        args.trust = _trust(args)
-        args.attested = _attested(args)
+        args.trust, args.attested = _trusts(args)
         args.signer = _operator(args)
         objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
@@ -172,23 +171,20 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _trust(args: argparse.Namespace) -> RecordTrust:
-    """Check COMMIT signatures against ``--tls-ca``, as the daemons do; without it, not."""
+def _trusts(args: argparse.Namespace) -> tuple[RecordTrust, ManifestTrust]:
+    """Check COMMIT signatures and items' attestations against ``--tls-ca``, as the daemons
+    do (an attestation signed by a node of the CA that names the producer,
+    ``core.attestation``); without it, neither. The CA file is read once."""
     if not args.tls_ca:
-        return OPEN
-    verifier = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
-    return RecordTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
-
-
-def _attested(args: argparse.Namespace) -> ManifestTrust:
-    """Check items' attestations against ``--tls-ca``, as the daemons do: signed by a node
-    of the CA that names the producer (``core.attestation``); without it, not."""
-    if not args.tls_ca:
-        return OPEN_MANIFESTS
+        return OPEN, OPEN_MANIFESTS
     records = CaVerifier.from_file(Path(args.tls_ca), args.tls_server_name)
     # Any node's name, or the shared certificate of a cluster still on one.
-    verifier = ProducerVerifier(records, IdentityRule(shared_name=args.tls_server_name))
-    return ManifestTrust(verifier=verifier, accept_unsigned=args.accept_unsigned_records)
+    producers = ProducerVerifier(records, IdentityRule(shared_name=args.tls_server_name))
+    unsigned = args.accept_unsigned_records
+    return (
+        RecordTrust(verifier=records, accept_unsigned=unsigned),
+        ManifestTrust(verifier=producers, accept_unsigned=unsigned),
+    )
 
 
 def _pin_trust(args: argparse.Namespace) -> RecordTrust:

@@ -197,8 +197,8 @@ def check_manifest(raw: bytes, digest: str, item: ItemId, max_entries: int = MAX
         raise TransferError(f"{item}: manifest is not in canonical form")
     # The digest names the content; the attestation beside it is checked on its own
     # (``core.attestation``), and canonical form leaves no third part.
-    if manifest.digest != digest:
-        actual = manifest.digest
+    actual = manifest.digest  # hashes the canonical content: once
+    if actual != digest:
         raise CorruptItem(f"{item}: manifest has sha256 {actual}, the header says {digest}")
     if manifest.item != item:
         raise TransferError(f"manifest describes {manifest.item}, the header names {item}")
