@@ -3,16 +3,17 @@
 A file's BLAKE3 digest is computed once, at ingest on the node that produced the step, in
 the same read as its crc32c (``local.hashing``), and travels in the manifest
 (``core.manifest.FileEntry.blake3``), which COMMITs and restore plans pin by its own digest.
-Every restore path checks every byte against it before the item is committed: a peer's
-stream and a push as they arrive (``transport.transfer.ItemWriter``), a backup download as
-it arrives (``storage.backup``), the local store by reading it (``local.hashing``). The
-crc32c stays, for bit rot and for the object stores' own checks; it cannot stand against
-an attacker, who can make any bytes of the same size match it.
+Every byte that comes to a node from outside it is checked against it before the item is
+committed: a peer's stream and a push as they arrive (``transport.transfer.ItemWriter``), a
+backup download as it arrives (``storage.backup``). The crc32c stays, for bit rot, for the
+object stores' own checks and for the local tier's fast path (``local.hashing``: bytes that
+only this daemon and the job's own pods can have written since they were hashed); it cannot
+stand against an attacker, who can make any bytes of the same size match it.
 
 BLAKE3 rather than SHA-256: measured 3-4x faster on one core here, and more with threads
 (docs/performance.md, "Content digests"). Transfers and downloads hash on a ``HashLane``
 beside the thread that receives, so receiving and hashing overlap. Where a file has a
-digest, the restore paths check it and not the file's crc32c (``crc_checked``): one hash
+digest, the paths that receive bytes check it and not the crc32c (``crc_checked``): one hash
 per byte, not two. No I/O; ``HashLane`` owns one thread.
 """
 
@@ -40,8 +41,9 @@ def crc_checked(entry: FileEntry) -> bool:
     entry, which has nothing else. A format-2 entry's BLAKE3 already refuses every byte
     its crc32c would (bit rot included), so a path that checks the digest computes no
     whole-file crc32c, and a format-2 entry whose crc32c is wrong but whose digest is
-    right restores, on every path alike: its bytes are exactly the ones the producing node
-    hashed. (That crc32c is still what a backup upload hands the object store, which
+    right restores on every path that receives it: its bytes are exactly the ones the
+    producing node hashed. (The local verify checks crc32c alone, so it refuses that copy:
+    ``local.hashing``.) (That crc32c is still what a backup upload hands the object store, which
     refuses it there, loudly, before anything is committed; and a gRPC chunk's own crc32c
     is still checked as it arrives, before it is written.)"""
     return entry.blake3 is None

@@ -6,13 +6,18 @@ manifest. Reads go in ``CHUNK`` or ``VERIFY_READ`` pieces so memory stays at one
 thread whatever the item's size.
 
 Both hash on a pool of one thread per core shared by every ingest and verify of the process
-(BLAKE3, crc32c and ``pread`` release the GIL), a file per task; a file's hasher spreads
-over the cores itself only when the item has fewer files than the pool has threads.
-``verify_item`` is on a restore's critical path. A file with a digest is read once, in
-order, and only its BLAKE3 is computed (``digests.crc_checked``: the digest refuses all the
-crc32c would); a file of a format-1 manifest (crc32c only) is read in ``PIECE``-sized
-ranges whose crcs combine (``core.crc``). Every byte is read: each range must be exactly
-there, and nothing may follow a file's last one.
+(BLAKE3, crc32c and ``pread`` release the GIL), a file (or a verify's range) per task; at
+ingest a file's BLAKE3 hasher spreads over the cores itself only when the item has fewer
+files than the pool has threads.
+``verify_item`` is the local tier's check, on a restore's critical path: every file, with a
+digest or without, is read in ``PIECE``-sized ranges whose crc32cs combine (``core.crc``),
+and every byte is read: each range must be exactly there, and nothing may follow a file's
+last one. Its BLAKE3 digest is not computed again here: the bytes were hashed (or checked
+against it, as they arrived) by this daemon, and since then only the job's own pods (through
+the data they handed over and the views they read) and the daemon can have written them, so
+what is left to catch is accident, which crc32c catches at a quarter of BLAKE3's cost. Bytes
+from anywhere else (a peer, a push, the bucket) are checked against the digest as they
+arrive (``local.digests``; SECURITY.md, "Content digests").
 
 Taken data was written by a pod, which may still hold a descriptor of a directory inside
 it: every walk and open goes through descriptors with no symlink at any component, from
@@ -279,8 +284,9 @@ def data_file(data: Path, entry: FileEntry) -> Path:
 def verify_item(
     manifest: Manifest, data: Path, cancelled: CancelCheck = _never, *, root: Path | None = None
 ) -> None:
-    """Raise ``CorruptItem`` unless ``data`` holds exactly the manifest's bytes (``root`` as
-    for ``build_manifest``: a symlink anywhere below it is corruption, never followed)."""
+    """Raise ``CorruptItem`` unless ``data`` holds exactly the manifest's bytes, by size and
+    crc32c (the module's docstring says why not BLAKE3); ``root`` as for
+    ``build_manifest``: a symlink anywhere below it is corruption, never followed."""
     base, rel = _descend(root, data)
     try:
         mode = _lmode(base, rel)
@@ -353,24 +359,17 @@ class _Range:
     length: int
     last: bool
     """The file's last range: nothing may follow it."""
-    digest: bool = False
-    """The whole file, read in order for its BLAKE3 digest (its crc32c is not needed)."""
-    threads: bool = False
-    """The digest's hasher spreads over the cores: the item has fewer files to hash than
-    the pool has threads, so the cores would otherwise idle."""
 
 
-_Result = tuple[int | str, int | None]
-"""(the range's crc32c, or its file's BLAKE3 hex digest; None), or (0, the file's size)
-when its bytes are not all there or, after the file's last range, more bytes follow."""
+_Result = tuple[int, int | None]
+"""(the range's crc32c, None), or (0, the file's size) when its bytes are not all there
+or, after the file's last range, more bytes follow."""
 
 
 def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Result:
     """Hash one range (``_Result``)."""
     fd = _open_regular(*r.where)
     try:
-        if r.digest:
-            return _file_digest(fd, r, stop, cancelled)
         crc, pos, end = 0, r.offset, r.offset + r.length
         while pos < end:
             if stop.is_set():
@@ -389,43 +388,6 @@ def _range_crc(r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Res
         os.close(fd)
 
 
-def _file_digest(fd: int, r: _Range, stop: threading.Event, cancelled: CancelCheck) -> _Result:
-    """A whole file's BLAKE3 (``_Result``), read in order into buffers used again for every
-    read: a fresh ``bytes`` per read measured 10-35% slower (allocation and cache misses).
-    A hasher without threads gets ``VERIFY_READ``s that stay in the core's cache between
-    the read and the hash. One with threads gets ``CHUNK``s, hashed on a lane while the
-    next is read into the other buffer: 0.175 s against 0.23 s for a 1 GiB file here."""
-    content = digests.hasher(threads=r.threads)
-    size = min(CHUNK if r.threads else VERIFY_READ, r.length) or 1
-    bufs = [memoryview(bytearray(size)) for _ in range(2 if r.threads else 1)]
-    lane = digests.HashLane(depth=1) if r.threads else None
-    pos, end = 0, r.length
-    try:
-        while pos < end:
-            if stop.is_set():
-                raise _Stopped
-            if cancelled():
-                raise Cancelled(r.where[1])
-            buf = bufs[0]
-            bufs.reverse()  # the other one next time: the lane may still be hashing this
-            got = os.preadv(fd, [buf[: end - pos]], pos)
-            if not got:
-                return 0, os.fstat(fd).st_size
-            if lane is None:
-                content.update(buf[:got])
-            else:
-                lane.feed(content.update, buf[:got])
-            pos += got
-        if lane is not None:
-            lane.drain()
-    finally:
-        if lane is not None:
-            lane.close()
-    if os.pread(fd, 1, end):
-        return 0, os.fstat(fd).st_size
-    return content.hexdigest(), None
-
-
 def _verify_files(
     manifest: Manifest, where: list[tuple[Path | int, str]], cancelled: CancelCheck
 ) -> None:
@@ -433,16 +395,10 @@ def _verify_files(
     on the hashing pool; raise ``CorruptItem`` for the first file, in manifest order, that
     differs."""
     stop = threading.Event()
-    ranges = [
-        [(0, e.size)] if e.blake3 is not None else split_ranges(e.size, PIECE)
-        for e in manifest.files
-    ]
-    # The hasher's own threads only where the pool's would leave cores idle: with both, on
-    # 2 cores, 1 GiB in 8 files measured 0.21 s against 0.15 s with the pool's alone.
-    threads = len(manifest.files) < _pool_threads()
+    ranges = [split_ranges(e.size, PIECE) for e in manifest.files]
     jobs = [
-        _Range(i, where[i], off, n, k == len(rs) - 1, e.blake3 is not None, threads)
-        for i, (e, rs) in enumerate(zip(manifest.files, ranges, strict=True))
+        _Range(i, where[i], off, n, k == len(rs) - 1)
+        for i, rs in enumerate(ranges)
         for k, (off, n) in enumerate(rs)
     ]
     if len(jobs) == 1:  # a small item: a thread hop would cost more than it saves
@@ -461,11 +417,7 @@ def _verify_files(
             raise CorruptItem(
                 f"{manifest.item}: {name} has size {wrong_size}, manifest says size {entry.size}"
             )
-        if entry.blake3 is not None:
-            if got[0][0] != entry.blake3:
-                raise digests.mismatch(f"{manifest.item}: {name}", entry, str(got[0][0]))
-            continue
-        crc = crc32c_concat((int(c), n) for (c, _), (_, n) in zip(got, ranges[i], strict=True))
+        crc = crc32c_concat((c, n) for (c, _), (_, n) in zip(got, ranges[i], strict=True))
         if crc != entry.crc32c:
             raise CorruptItem(
                 f"{manifest.item}: {name} has size {entry.size} crc32c {crc:08x}, "

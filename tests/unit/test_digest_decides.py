@@ -1,13 +1,15 @@
-"""Where a file has a BLAKE3 digest (format 2), the digest alone decides on every restore
-path, and no path computes the file's crc32c (``local.digests.crc_checked``).
+"""Where a file has a BLAKE3 digest (format 2), the digest alone decides on every path that
+receives bytes, and none computes the file's crc32c (``local.digests.crc_checked``); the
+local verify, whose bytes only this daemon and the job's own pods can have written since
+they were hashed, checks crc32c alone (``local.hashing``).
 
-The four restore paths, each with its real code on real files: the local verify
-(``hashing.verify_item``), a peer's gRPC chunks (``ItemWriter.write``), the data channel's
-raw slices (``ItemWriter.write_raw``) and a backup download (``BackupStore.fetch_pinned``
-from a ``file://`` bucket). A format-2 manifest whose crc32c is wrong but whose digest is
-right restores on all four alike (the bytes are exactly those the producing node hashed);
-a flipped byte, or other bytes of the same size and crc32c, is ``CorruptItem`` on all four.
-A format-1 manifest (no digest) still has its crc32c checked.
+The three receiving paths, each with its real code on real files: a peer's gRPC chunks
+(``ItemWriter.write``), the data channel's raw slices (``ItemWriter.write_raw``) and a
+backup download (``BackupStore.fetch_pinned`` from a ``file://`` bucket). A format-2
+manifest whose crc32c is wrong but whose digest is right is received on all three alike
+(the bytes are exactly those the producing node hashed); a flipped byte, or other bytes of
+the same size and crc32c, is ``CorruptItem`` on all three. A format-1 manifest (no digest)
+still has its crc32c checked, on those and on the local verify.
 """
 
 from __future__ import annotations
@@ -98,7 +100,6 @@ def backup(m: Manifest, data: Path, tmp: Path) -> None:
 
 
 PATHS: dict[str, Callable[[Manifest, Path, Path], None]] = {
-    "local": local,
     "grpc-chunks": grpc_chunks,
     "data-channel": data_channel,
     "backup": backup,
@@ -114,8 +115,8 @@ def path(request: pytest.FixtureRequest) -> Callable[[Manifest, Path, Path], Non
 def test_a_format_2_item_with_a_wrong_crc32c_and_the_right_digest_restores(
     path: Callable[[Manifest, Path, Path], None], tmp_path: Path, files: int
 ) -> None:
-    """The digest decides: the bytes are the ones the producing node hashed. (Before, the
-    peer and backup paths refused such an item and the local verify took it.)"""
+    """The digest decides: the bytes are the ones the producing node hashed. (Before
+    digests, these paths refused such an item.)"""
     data = make_item(tmp_path / "step", files)
     path(crc_lies(build_manifest(ITEM, data)), data, tmp_path)
 
@@ -149,9 +150,9 @@ def test_same_size_same_crc32c_bytes_are_refused_by_the_digest(
         path(m, data, tmp_path)
 
 
-def test_a_format_1_item_still_has_its_crc32c_checked(
-    path: Callable[[Manifest, Path, Path], None], tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("receive", [*sorted(PATHS), "local"])
+def test_a_format_1_item_still_has_its_crc32c_checked(receive: str, tmp_path: Path) -> None:
+    path = {**PATHS, "local": local}[receive]
     data = make_item(tmp_path / "step", 2)
     m = legacy(build_manifest(ITEM, data))
     victim = data / m.files[1].path
@@ -162,14 +163,54 @@ def test_a_format_1_item_still_has_its_crc32c_checked(
         path(m, data, tmp_path)
 
 
+# --- the local verify: crc32c ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("files", [1, 5], ids=["one-file", "many-files"])
+def test_the_local_verify_checks_every_file_by_crc32c(tmp_path: Path, files: int) -> None:
+    """A format-2 item in the store is read in ranges whose crc32cs combine, digest or not:
+    a crc32c the bytes do not have is refused (the digest alone would have passed it), and
+    so is a byte flipped in a file's first, middle or last range."""
+    data = make_item(tmp_path / "step", files)
+    m = build_manifest(ITEM, data)
+    verify_item(m, data)
+    with pytest.raises(CorruptItem, match="crc32c"):
+        verify_item(crc_lies(m), data)
+    victim = data / m.files[-1].path
+    raw = bytearray(victim.read_bytes())
+    for at in (0, len(raw) // 2, len(raw) - 1):
+        raw[at] ^= 0x01
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(CorruptItem, match="crc32c"):
+            verify_item(m, data)
+        raw[at] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    verify_item(m, data)
+
+
+def test_the_local_verify_computes_no_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local tier's check costs crc32c's pass, not BLAKE3's: no hasher is made (the
+    digest was computed, or checked on arrival, when the bytes came under this daemon)."""
+    data = make_item(tmp_path / "step", 3)
+    m = build_manifest(ITEM, data)
+
+    def no_hasher(**_: object) -> None:
+        raise AssertionError("the local verify computed a BLAKE3 digest")
+
+    monkeypatch.setattr(hashing.digests, "hasher", no_hasher)
+    verify_item(m, data)
+
+
 @pytest.mark.parametrize("files", [1, 2, 9], ids=["one", "fewer-than-cores", "more"])
 def test_ingest_and_verify_read_every_piece_in_order(
     tmp_path: Path, files: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Files of several reads, hashed with the hasher's threads (one read hashed on a lane
     while the next fills the other buffer) or without: ingest's digest is BLAKE3 of the
-    whole file, and a byte flipped in any read, the last one's last byte included, is
-    refused."""
+    whole file, its crc32c the file's (the local verify checks it), and a byte flipped in
+    any read, the last one's last byte included, is refused."""
     monkeypatch.setattr(hashing, "_pool_threads", lambda: 4)
     root = tmp_path / "step"
     root.mkdir()
@@ -185,7 +226,7 @@ def test_ingest_and_verify_read_every_piece_in_order(
         raw = bytearray(victim.read_bytes())
         raw[at] ^= 0x04
         victim.write_bytes(bytes(raw))
-        with pytest.raises(CorruptItem, match="content digest"):
+        with pytest.raises(CorruptItem, match="crc32c"):
             verify_item(m, root)
         raw[at] ^= 0x04
         victim.write_bytes(bytes(raw))

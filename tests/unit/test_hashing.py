@@ -26,6 +26,7 @@ from mtc_replicator.core.manifest import (
 )
 from mtc_replicator.local import hashing
 from mtc_replicator.local.hashing import build_manifest, verify_item
+from mtc_replicator.transport.transfer import ItemWriter, iter_chunks
 from tests.forge import same_crc32c
 
 ITEM = ItemId("job-1", 7, 0, 0)
@@ -190,13 +191,29 @@ def test_a_file_swapped_for_a_non_regular_one_mid_verify_is_corruption(
         verify_item(m, root)
 
 
-def test_a_same_crc32c_forgery_is_caught_by_the_digest_and_only_by_it(tmp_path: Path) -> None:
-    """Bytes of the same size and crc32c in the local store: a format-2 manifest refuses
-    them; a format-1 one (crc32c only, written before digests) cannot tell."""
+def test_the_local_verify_leaves_a_same_crc32c_forgery_to_the_receiving_paths(
+    tmp_path: Path,
+) -> None:
+    """Bytes of the same size and crc32c: the local verify, crc32c's check, cannot tell
+    (only the job's own pods and the daemon write the store, SECURITY.md "Content
+    digests"); a peer's copy of them, checked by digest as it arrives, is refused."""
     f = tmp_path / "f"
     f.write_bytes(os.urandom(3 * PIECE + 17))
     m = build_manifest(ITEM, f)
     f.write_bytes(same_crc32c(f.read_bytes()))
-    with pytest.raises(CorruptItem, match="content digest"):
-        verify_item(m, f)
+    verify_item(m, f)
     verify_item(legacy(m), f)
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    writer = ItemWriter(m, staged)
+
+    def receive() -> None:
+        for index, offset, chunk, crc in iter_chunks(m, f):
+            writer.write(index, offset, chunk, crc)
+        writer.finish()
+
+    try:
+        with pytest.raises(CorruptItem, match="content digest"):
+            receive()
+    finally:
+        writer.close()
