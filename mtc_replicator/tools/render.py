@@ -1,4 +1,5 @@
-"""``mtc render``: a ``CheckpointConfiguration`` file turned into the node stack's manifests.
+"""``mtc render``: a ``CheckpointConfiguration`` file turned into the node stack's manifests
+(or, with ``--ray-worker-group``, into what a KubeRay worker group needs: ``render_workload``).
 
 The thin I/O wrapper: ``render_config`` reads and checks the configuration, and
 ``render_manifests`` builds the objects (both pure); this module reads the file, writes YAML
@@ -15,8 +16,9 @@ from typing import Any
 
 import yaml
 
-from mtc_replicator.tools.render_config import Manifest, RenderError, load, parse
+from mtc_replicator.tools.render_config import Manifest, NodeConfig, RenderError, load, parse
 from mtc_replicator.tools.render_manifests import manifests
+from mtc_replicator.tools.render_workload import ray_worker_group_text
 
 
 def render(cr: Mapping[str, Any]) -> list[Manifest]:
@@ -61,6 +63,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="- (default): multi-document YAML on stdout; DIR: one file per object and a "
         "kustomization.yaml",
     )
+    p.add_argument(
+        "--ray-worker-group",
+        metavar="JOB",
+        help="instead of the node stack, print what a KubeRay worker group of job JOB (a "
+        "RayJob's or RayCluster's name) needs to mount the node's checkpoints: its label, "
+        "securityContext, affinity, nodeSelector, tolerations, volume, env and volumeMount",
+    )
+
+
+def _print_ray_worker_group(args: argparse.Namespace, config: NodeConfig) -> int:
+    if args.output != "-":
+        print("mtc render: --ray-worker-group prints to stdout; drop -o", file=sys.stderr)
+        return 2
+    try:
+        text = ray_worker_group_text(config, args.ray_worker_group)
+    except RenderError as exc:
+        print(f"mtc render: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             "pods of every namespace may mount the node's checkpoints",
             file=sys.stderr,
         )
+    if args.ray_worker_group is not None:
+        return _print_ray_worker_group(args, config)
     objects = manifests(config)
     if args.output == "-":
         sys.stdout.write(to_yaml(objects))

@@ -64,7 +64,7 @@ def crd() -> Obj:
     return doc
 
 
-def _strict(schema: Obj) -> Obj:
+def strict(schema: Obj) -> Obj:
     """Reject unknown fields like the API server's strict field validation does (a CRD's
     structural schema may not say ``additionalProperties: false`` itself)."""
     out = copy.deepcopy(schema)
@@ -72,7 +72,7 @@ def _strict(schema: Obj) -> Obj:
     def walk(node: Obj) -> None:
         if "properties" in node and "additionalProperties" not in node:
             node["additionalProperties"] = False
-        for child in node.get("properties", {}).values():
+        for child in [*node.get("properties", {}).values(), *node.get("$defs", {}).values()]:
             walk(child)
         for key in ("items", "additionalProperties"):
             if isinstance(node.get(key), dict):
@@ -85,7 +85,7 @@ def _strict(schema: Obj) -> Obj:
 @functools.cache
 def _cr_validator() -> jsonschema.Draft7Validator:
     (version,) = crd()["spec"]["versions"]
-    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+    return jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
 
 
 def cr_errors(obj: Obj) -> list[str]:
