@@ -121,8 +121,10 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
             shutil.rmtree(default_store_dir(PurePosixPath(d)), ignore_errors=True)
 
 
-def _fit(state: RayNodes, steps: int, **config: object) -> list[dict[str, Any]]:
-    """One ``TorchTrainer.fit()`` to ``steps``; the events of every attempt, in order."""
+def _fit(
+    state: RayNodes, steps: int, *, name: str = JOB, max_failures: int = 1, **config: object
+) -> list[dict[str, Any]]:
+    """One ``TorchTrainer.fit()`` to ``steps``; the events of every attempt."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -139,13 +141,14 @@ def _fit(state: RayNodes, steps: int, **config: object) -> list[dict[str, Any]]:
         },
         scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
         run_config=RunConfig(
-            name=JOB,
+            name=name,
             storage_path=str(state.root / "ray-storage"),
-            failure_config=FailureConfig(max_failures=1),
+            failure_config=FailureConfig(max_failures=max_failures),
         ),
     )
     trainer.fit()
-    state.steps_done = steps
+    if name == JOB:
+        state.steps_done = steps
     return _read_events(events)
 
 
@@ -237,3 +240,29 @@ def test_wiped_ram_disks_resume_from_the_backup(nodes: RayNodes) -> None:
     assert {e["step"] for e in restored} == {newest}
     assert {e["source"] for e in restored} == {"backup"}
     _check_end(events, steps)
+
+
+def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
+    """A second run (or a concurrent Tune trial) on nodes that job ``ray-mtc`` saved on
+    moments ago: refused on every worker, and ``ray-mtc``'s data is untouched."""
+    if nodes.steps_done == 0:
+        _fit(nodes, 3)
+    with pytest.raises(Exception, match="SharedNodes") as err:
+        _fit(nodes, 3, name="ray-other", max_failures=0)
+    assert f"serves job '{JOB}'" in str(err.value)
+    assert "max_concurrent_trials" in str(err.value)
+    assert not (nodes.dirs[0] / "replicator.yaml").exists()
+
+
+def test_dcp_sharded_state_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
+    """mode="dcp": torch.distributed.checkpoint over each node's workers (FSDP-style state
+    dicts keyed by parameter name), a worker killed, restored in place from the RAM disks."""
+    events = _fit(
+        nodes, 6, name="ray-mtc-dcp", mode="dcp", kill_rank_at=[0, 4], claim_lease_seconds=0
+    )
+    assert any(e["event"] == "killed" for e in events), events
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1], events
+    assert {e["step"] for e in restored} == {4}
+    assert {e["source"] for e in restored} == {"local"}
+    _check_end(events, 6)

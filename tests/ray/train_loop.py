@@ -18,7 +18,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from mtc_replicator.client.ray_train import RayCheckpointer
+from mtc_replicator.client.ray_train import RayCheckpointer, Restored
 from mtc_replicator.core.storedir import default_store_dir
 
 WORLD = 2
@@ -106,21 +106,25 @@ def train_func(config: dict[str, Any]) -> None:
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
 
-    ckpt = RayCheckpointer(backup_interval_steps=3, timeout=90)
+    ckpt = RayCheckpointer(
+        mode=config.get("mode", "files"),
+        backup_interval_steps=3,
+        claim_lease_seconds=config.get("claim_lease_seconds", 120.0),
+        timeout=90,
+    )
     model, opt = build()
-    restored = ckpt.restore()
+    restored = _restore(ckpt, model, opt)
     start = 1
     if restored is None:
+        model, opt = build()  # DCP's optimizer state dict initialized Adam's state: rebuild.
         emit(event="fresh")
     else:
-        model.load_state_dict(restored.state["model"])
-        opt.load_state_dict(restored.state["optimizer"])
         start = restored.step + 1
         emit(event="restored", step=restored.step, source=restored.source, digest=digest(model))
     flag = Path(config["events"]) / "acted"
     for step in range(start, config["steps"] + 1):
         train_step(model, opt, step, rank, world)
-        ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})
+        ckpt.save(step, _state(ckpt, model, opt))
         if step == config.get("hold_at") and not flag.exists():
             wait_replicated(config, ckpt.job, step)
             emit(event="holding", step=step)
@@ -135,3 +139,34 @@ def train_func(config: dict[str, Any]) -> None:
         if step % 3 == 0:
             ckpt.report({"step": step})
     emit(event="done", step=config["steps"], digest=digest(model))
+
+
+def _state(ckpt: RayCheckpointer, model: Any, opt: Any) -> dict[str, Any]:
+    if ckpt.mode == "files":
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _restore(ckpt: RayCheckpointer, model: Any, opt: Any) -> Restored | None:
+    """Files: load the worker's state dict. DCP: load in place into the FSDP-style state
+    dicts (keyed by parameter names), then set them on the model and the optimizer."""
+    if ckpt.mode == "files":
+        restored = ckpt.restore()
+        if restored is not None:
+            model.load_state_dict(restored.state["model"])
+            opt.load_state_dict(restored.state["optimizer"])
+        return restored
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    restored = ckpt.restore(_state(ckpt, model, opt))
+    if restored is not None:
+        set_state_dict(
+            model,
+            opt,
+            model_state_dict=restored.state["model"],
+            optim_state_dict=restored.state["optimizer"],
+        )
+    return restored
