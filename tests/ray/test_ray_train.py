@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -166,6 +167,39 @@ def _check_end(events: list[dict[str, Any]], steps: int) -> None:
     assert {e["digest"] for e in done} == {want}, f"final weights {done} != uninterrupted {want}"
 
 
+def _fit_until_held(
+    state: RayNodes, steps: int, **config: object
+) -> tuple[threading.Thread, list[object], Path]:
+    """``_fit`` in a thread, returned once both workers hold at ``hold_at`` (the flag that
+    makes them hold is set, so the next attempt runs through)."""
+    result: list[object] = []
+
+    def fit() -> None:
+        try:
+            result.append(_fit(state, steps, **config))
+        except BaseException as exc:
+            result.append(exc)
+
+    events_dir = state.root / f"events-{state.fits + 1}"
+    runner = threading.Thread(target=fit, name="fit")
+    runner.start()
+    deadline = time.monotonic() + 120
+    while sum(e["event"] == "holding" for e in _read_events(events_dir)) < 2:
+        assert runner.is_alive(), result
+        assert time.monotonic() < deadline, "the workers never reached the held step"
+        time.sleep(0.2)
+    (events_dir / "acted").touch()
+    return runner, result, events_dir
+
+
+def _joined(runner: threading.Thread, result: list[object]) -> list[dict[str, Any]]:
+    runner.join(timeout=180)
+    assert not runner.is_alive(), "fit() did not finish"
+    events = result[0]
+    assert isinstance(events, list), events
+    return events
+
+
 def test_a_killed_worker_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
     events = _fit(nodes, 6, kill_rank_at=[1, 4])
     assert any(e["event"] == "killed" for e in events), events
@@ -182,22 +216,7 @@ def test_a_lost_node_resumes_from_its_peer(nodes: RayNodes) -> None:
     start = nodes.steps_done
     hold = start + 3
     victim = 1
-    result: list[object] = []
-
-    def fit() -> None:
-        try:
-            result.append(_fit(nodes, hold + 3, hold_at=hold))
-        except BaseException as exc:
-            result.append(exc)
-
-    runner = threading.Thread(target=fit, name="fit")
-    runner.start()
-    events_dir = nodes.root / f"events-{nodes.fits}"
-    deadline = time.monotonic() + 120
-    while sum(e["event"] == "holding" for e in _read_events(events_dir)) < 2:
-        assert runner.is_alive(), result
-        assert time.monotonic() < deadline, "the workers never reached the held step"
-        time.sleep(0.2)
+    runner, result, events_dir = _fit_until_held(nodes, hold + 3, hold_at=hold)
     (events_dir / "acted").touch()
     # The node dies: its daemon, its RAM disk and store, its Ray node; a new node replaces it.
     nodes.daemons[victim].kill()
@@ -206,10 +225,7 @@ def test_a_lost_node_resumes_from_its_peer(nodes: RayNodes) -> None:
     nodes.daemons[victim].start()
     nodes.ray_nodes[victim] = nodes.add_ray_node(victim, f"127.0.0.{nodes.next_ip}")
     nodes.next_ip += 1
-    runner.join(timeout=180)
-    assert not runner.is_alive(), "fit() did not finish"
-    events = result[0]
-    assert isinstance(events, list), events
+    events = _joined(runner, result)
     restored = [e for e in events if e["event"] == "restored" and e["step"] == hold]
     assert sorted(e["rank"] for e in restored) == [0, 1], events
     sources = {e["dir"]: e["source"] for e in restored}
@@ -265,4 +281,26 @@ def test_dcp_sharded_state_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
     assert sorted(e["rank"] for e in restored) == [0, 1], events
     assert {e["step"] for e in restored} == {4}
     assert {e["source"] for e in restored} == {"local"}
+    _check_end(events, 6)
+
+
+def test_a_newer_ray_checkpoint_wins_over_the_replicator(nodes: RayNodes) -> None:
+    """Every RAM disk lost (daemons killed: no drain) and no backup yet: the replicator
+    offers nothing, Ray's own checkpoint of step 3 (``ray_every=1``) is what is restored."""
+    runner, result, events_dir = _fit_until_held(
+        nodes, 6, name="ray-mtc-ray", hold_at=4, ray_every=1, backup_every=100,
+        claim_lease_seconds=0,
+    )  # fmt: skip
+    for d in nodes.daemons:
+        d.kill()
+    for i in range(len(nodes.dirs)):
+        nodes.wipe(i)
+    for d in nodes.daemons:
+        d.start()
+    held = [e for e in _read_events(events_dir) if e["event"] == "holding"]
+    os.kill(held[0]["pid"], signal.SIGKILL)
+    events = _joined(runner, result)
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1], events
+    assert {(e["step"], e["source"]) for e in restored} == {(3, "ray")}
     _check_end(events, 6)

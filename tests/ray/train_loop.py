@@ -5,7 +5,9 @@ Every batch is derived from (step, world rank) and the gradients are averaged ov
 workers, so a run resumed from any checkpoint must end with bit-identical weights to an
 uninterrupted one. Each worker appends JSON events to ``<events>/<pid>.jsonl``; the test
 reads them. ``kill_rank_at`` and ``hold_at`` act once per scenario (a flag file), after the
-step was replicated to every node, so that the restart finds it on a peer too.
+step was replicated to every node, so that the restart finds it on a peer too;
+``ray_every`` makes every K-th save also a Ray checkpoint (at the next report, every 3
+steps); ``backup_every`` is the job's ``backup-interval-steps``.
 """
 
 from __future__ import annotations
@@ -102,13 +104,14 @@ def train_func(config: dict[str, Any]) -> None:
     events = Path(config["events"]) / f"{os.getpid()}.jsonl"
 
     def emit(**event: object) -> None:
-        event.update(rank=rank, node_rank=ctx.get_node_rank(), dir=os.environ["MTC_CHECKPOINT_DIR"])
+        event.update(rank=rank, pid=os.getpid(), dir=os.environ["MTC_CHECKPOINT_DIR"])
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
 
     ckpt = RayCheckpointer(
         mode=config.get("mode", "files"),
-        backup_interval_steps=3,
+        backup_interval_steps=config.get("backup_every", 3),
+        ray_checkpoint_every=config.get("ray_every", 0),
         claim_lease_seconds=config.get("claim_lease_seconds", 120.0),
         timeout=90,
     )
@@ -128,7 +131,7 @@ def train_func(config: dict[str, Any]) -> None:
         if step == config.get("hold_at") and not flag.exists():
             wait_replicated(config, ckpt.job, step)
             emit(event="holding", step=step)
-            while True:  # The test removes this worker's Ray node.
+            while True:  # The test kills this worker (or removes its Ray node).
                 time.sleep(1)
         if [rank, step] == config.get("kill_rank_at") and not flag.exists():
             wait_replicated(config, ckpt.job, step)
