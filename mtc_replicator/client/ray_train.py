@@ -150,15 +150,14 @@ class RayCheckpointer:
             raise ValueError("mode='dcp' restores in place: pass the state dict to load into")
         session = self._session = _Session.start(self)
         step = session.agree_on_step()
-        ray_step, ray_dir = _ray_checkpoint(session)
+        ray_step, ray_checkpoint = _ray_checkpoint(session)
         source = raytrain.pick_source(step, ray_step)
         if source is None:
             log.info("job %s rank %s: fresh start", session.job, session.place.world_rank)
             return None
         if source == "ray":
             assert ray_step is not None
-            assert ray_dir is not None
-            loaded = session.load_ray(ray_dir, state)
+            loaded = session.load_ray(ray_checkpoint, state)
             return Restored(ray_step, loaded, "ray")
         assert step is not None
         loaded = session.load_replicator(state)
@@ -215,20 +214,19 @@ class RayCheckpointer:
         return self._session
 
 
-def _ray_checkpoint(session: _Session) -> tuple[int | None, Path | None]:
-    """The step of Ray's newest registered checkpoint, if this checkpointer wrote it."""
+def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
+    """The step of Ray's newest registered checkpoint and the checkpoint, if this
+    checkpointer wrote it; only its small ``mtc-ray.json`` is read here, also remotely."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None, None
-    directory = Path(checkpoint.path) if _is_local(checkpoint) else None
-    if directory is None:
-        # A remote storage_path: downloaded once here (Ray deletes it when done).
-        directory = Path(checkpoint.to_directory())
     try:
-        meta = json.loads((directory / RAY_META_FILE).read_text("utf-8"))
-    except (OSError, ValueError):
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        step, world_size = int(meta["step"]), int(meta["world-size"])
+    except (OSError, ValueError, KeyError, TypeError):
         log.warning(
             "job %s rank %s: Ray's checkpoint %s was not written by RayCheckpointer.report; "
             "ignoring it",
@@ -237,17 +235,8 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Path | None]:
             checkpoint.path,
         )
         return None, None
-    raytrain.check_fixed_workers(False, session.layout.world_size, int(meta["world-size"]))
-    return int(meta["step"]), directory
-
-
-def _is_local(checkpoint: Any) -> bool:
-    try:
-        import pyarrow.fs
-
-        return isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem)
-    except ImportError:
-        return False
+    raytrain.check_fixed_workers(False, session.layout.world_size, world_size)
+    return step, checkpoint
 
 
 @dataclass
@@ -378,12 +367,15 @@ class _Session:
         torch_io.load_distributed(self.result.path, state, process_group=self.node_group)
         return state
 
-    def load_ray(self, directory: Path, state: dict[str, Any] | None) -> dict[str, Any]:
-        if self.owner.mode == "files":
-            return torch_io.load_state_dict(directory / _rank_file(self.place.world_rank))
-        assert state is not None
-        torch_io.load_distributed(directory, state)
-        return state
+    def load_ray(self, checkpoint: Any, state: dict[str, Any] | None) -> dict[str, Any]:
+        """Load from Ray's checkpoint (downloaded first when its storage is remote)."""
+        with checkpoint.as_directory() as local:
+            directory = Path(local)
+            if self.owner.mode == "files":
+                return torch_io.load_state_dict(directory / _rank_file(self.place.world_rank))
+            assert state is not None
+            torch_io.load_distributed(directory, state)
+            return state
 
     def write_ray_checkpoint(self, directory: Path, step: int, state: Mapping[str, Any]) -> None:
         """This worker's part of a Ray checkpoint; Ray merges every worker's files into one
@@ -467,8 +459,10 @@ def _all_or_none(group: Any, action: Callable[[], object]) -> list[Any]:
     try:
         mine: tuple[str, object] = ("ok", action())
     except RayTrainRefused as exc:
+        log.error("refused: %s: %s", type(exc).__name__, exc)
         mine = ("refused", f"{type(exc).__name__}: {exc}")
     except Exception as exc:
+        log.error("failed: %s: %s", type(exc).__name__, exc)
         mine = ("error", f"{type(exc).__name__}: {exc}")
     gathered = _gather(group, mine)
     for rank, (kind, value) in enumerate(gathered):

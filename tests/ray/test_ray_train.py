@@ -270,26 +270,15 @@ def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     assert not (nodes.dirs[0] / "replicator.yaml").exists()
 
 
-def test_dcp_sharded_state_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
+def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayNodes) -> None:
     """mode="dcp": torch.distributed.checkpoint over each node's workers (FSDP-style state
-    dicts keyed by parameter name), a worker killed, restored in place from the RAM disks."""
-    events = _fit(
-        nodes, 6, name="ray-mtc-dcp", mode="dcp", kill_rank_at=[0, 4], claim_lease_seconds=0
-    )
-    assert any(e["event"] == "killed" for e in events), events
-    restored = [e for e in events if e["event"] == "restored"]
-    assert sorted(e["rank"] for e in restored) == [0, 1], events
-    assert {e["step"] for e in restored} == {4}
-    assert {e["source"] for e in restored} == {"local"}
-    _check_end(events, 6)
-
-
-def test_a_newer_ray_checkpoint_wins_over_the_replicator(nodes: RayNodes) -> None:
-    """Every RAM disk lost (daemons killed: no drain) and no backup yet: the replicator
-    offers nothing, Ray's own checkpoint of step 3 (``ray_every=1``) is what is restored."""
+    dicts keyed by parameter name), restored in place. A worker killed at step 4: the
+    replicator's step 4 wins over Ray's own DCP checkpoint of step 3. Then every RAM disk
+    lost at step 7 (daemons killed: no drain; no backup yet) and a worker killed: the
+    replicator offers nothing, and Ray's checkpoint of step 6 is restored."""
     runner, result, events_dir = _fit_until_held(
-        nodes, 6, name="ray-mtc-ray", hold_at=4, ray_every=1, backup_every=100,
-        claim_lease_seconds=0,
+        nodes, 8, name="ray-mtc-dcp", max_failures=2, mode="dcp", kill_rank_at=[0, 4],
+        hold_at=7, ray_every=1, backup_every=100, claim_lease_seconds=0,
     )  # fmt: skip
     for d in nodes.daemons:
         d.kill()
@@ -300,7 +289,15 @@ def test_a_newer_ray_checkpoint_wins_over_the_replicator(nodes: RayNodes) -> Non
     held = [e for e in _read_events(events_dir) if e["event"] == "holding"]
     os.kill(held[0]["pid"], signal.SIGKILL)
     events = _joined(runner, result)
-    restored = [e for e in events if e["event"] == "restored"]
-    assert sorted(e["rank"] for e in restored) == [0, 1], events
-    assert {(e["step"], e["source"]) for e in restored} == {(3, "ray")}
-    _check_end(events, 6)
+    restored = sorted(
+        (e["step"], e["source"], e["rank"]) for e in events if e["event"] == "restored"
+    )
+    assert restored == [(4, "local", 0), (4, "local", 1), (6, "ray", 0), (6, "ray", 1)], events
+    run_dir = nodes.root / "ray-storage" / "ray-mtc-dcp"
+    ray_checkpoints = sorted(c for c in run_dir.glob("checkpoint_*") if c.is_dir())
+    assert [json.loads((c / "mtc-ray.json").read_text())["step"] for c in ray_checkpoints][:2] == [
+        3,
+        6,
+    ]
+    assert (ray_checkpoints[0] / ".metadata").is_file()
+    _check_end(events, 8)

@@ -4,7 +4,7 @@ workers (this package is on their ``PYTHONPATH``), so it holds no pytest and no 
 Every batch is derived from (step, world rank) and the gradients are averaged over the
 workers, so a run resumed from any checkpoint must end with bit-identical weights to an
 uninterrupted one. Each worker appends JSON events to ``<events>/<pid>.jsonl``; the test
-reads them. ``kill_rank_at`` and ``hold_at`` act once per scenario (a flag file), after the
+reads them. ``kill_rank_at`` and ``hold_at`` act once per fit (a flag file each), after the
 step was replicated to every node, so that the restart finds it on a peer too;
 ``ray_every`` makes every K-th save also a Ray checkpoint (at the next report, every 3
 steps); ``backup_every`` is the job's ``backup-interval-steps``.
@@ -124,7 +124,7 @@ def train_func(config: dict[str, Any]) -> None:
     else:
         start = restored.step + 1
         emit(event="restored", step=restored.step, source=restored.source, digest=digest(model))
-    flag = Path(config["events"]) / "acted"
+    flag, killed = Path(config["events"]) / "acted", Path(config["events"]) / "killed"
     for step in range(start, config["steps"] + 1):
         train_step(model, opt, step, rank, world)
         ckpt.save(step, _state(ckpt, model, opt))
@@ -133,9 +133,9 @@ def train_func(config: dict[str, Any]) -> None:
             emit(event="holding", step=step)
             while True:  # The test kills this worker (or removes its Ray node).
                 time.sleep(1)
-        if [rank, step] == config.get("kill_rank_at") and not flag.exists():
+        if [rank, step] == config.get("kill_rank_at") and not killed.exists():
             wait_replicated(config, ckpt.job, step)
-            flag.touch()
+            killed.touch()
             emit(event="killed", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(config.get("step_seconds", 0.15))
