@@ -41,8 +41,9 @@ RAY_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_DEDUP_LOGS": "0",
 }
-HEAD_IP = "127.0.0.10"
-"""Not 127.0.0.1: Ray rewrites a bootstrap address on 127.0.0.1 to the host's own IP."""
+HEAD_IP = "127.0.0.2"
+"""Node 0 is Ray's head. Not 127.0.0.1: Ray rewrites a bootstrap address on 127.0.0.1 to
+the host's own IP."""
 
 
 @dataclass
@@ -60,13 +61,16 @@ class RayNodes:
     fits: int = 0
     events: list[dict[str, Any]] = field(default_factory=list)
 
+    def node_args(self, index: int, ip: str) -> dict[str, Any]:
+        return {
+            "num_cpus": 1,
+            "node_ip_address": ip,
+            "include_dashboard": False,
+            "env_vars": {"MTC_CHECKPOINT_DIR": str(self.dirs[index]), **RAY_ENV},
+        }
+
     def add_ray_node(self, index: int, ip: str) -> Any:
-        return self.cluster.add_node(
-            num_cpus=1,
-            node_ip_address=ip,
-            include_dashboard=False,
-            env_vars={"MTC_CHECKPOINT_DIR": str(self.dirs[index]), **RAY_ENV},
-        )
+        return self.cluster.add_node(**self.node_args(index, ip))
 
     def wipe(self, index: int) -> None:
         shutil.rmtree(self.dirs[index])
@@ -101,19 +105,23 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
     backup.mkdir()
     ca = certs.new_ca()
     daemons = [_daemon(root, d, backup, ca, i).start() for i, d in enumerate(dirs)]
-    os.environ.update(RAY_ENV)
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": HEAD_IP, "include_dashboard": False},
-    )
+    saved_env = {k: os.environ.get(k) for k in RAY_ENV}
+    os.environ.update(RAY_ENV)  # The driver's own Ray processes (the controller's node).
+    cluster = Cluster()
     state = RayNodes(root, cluster, dirs, daemons, [], backup)
     try:
-        state.ray_nodes = [state.add_ray_node(i, f"127.0.0.{2 + i}") for i in range(2)]
+        head = cluster.add_node(**state.node_args(0, HEAD_IP))
+        state.ray_nodes = [head, state.add_ray_node(1, "127.0.0.3")]
         ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
         yield state
     finally:
         ray.shutdown()
         cluster.shutdown()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         for d in state.daemons:
             if d.proc is not None and d.proc.poll() is None:
                 d.stop()
