@@ -41,9 +41,9 @@ RAY_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_DEDUP_LOGS": "0",
 }
-HEAD_IP = "127.0.0.2"
-"""Node 0 is Ray's head. Not 127.0.0.1: Ray rewrites a bootstrap address on 127.0.0.1 to
-the host's own IP."""
+HEAD_IP = "127.0.0.10"
+"""Ray's head, without CPUs: every worker node can be lost. Not 127.0.0.1: Ray rewrites a
+bootstrap address on 127.0.0.1 to the host's own IP."""
 
 
 @dataclass
@@ -105,18 +105,22 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
     backup.mkdir()
     ca = certs.new_ca()
     daemons = [_daemon(root, d, backup, ca, i).start() for i, d in enumerate(dirs)]
-    saved_env = {k: os.environ.get(k) for k in RAY_ENV}
+    # ray.init sets PYTHONBREAKPOINT and a SIGTERM handler in this process: put them back
+    # for the tests that run after these.
+    saved_env = {k: os.environ.get(k) for k in (*RAY_ENV, "PYTHONBREAKPOINT")}
+    saved_sigterm = signal.getsignal(signal.SIGTERM)
     os.environ.update(RAY_ENV)  # The driver's own Ray processes (the controller's node).
     cluster = Cluster()
     state = RayNodes(root, cluster, dirs, daemons, [], backup)
     try:
-        head = cluster.add_node(**state.node_args(0, HEAD_IP))
-        state.ray_nodes = [head, state.add_ray_node(1, "127.0.0.3")]
+        cluster.add_node(num_cpus=0, node_ip_address=HEAD_IP, include_dashboard=False)
+        state.ray_nodes = [state.add_ray_node(i, f"127.0.0.{2 + i}") for i in range(2)]
         ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
         yield state
     finally:
         ray.shutdown()
         cluster.shutdown()
+        signal.signal(signal.SIGTERM, saved_sigterm)
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -221,12 +225,16 @@ def test_a_killed_worker_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
 
 
 def test_a_lost_node_resumes_from_its_peer(nodes: RayNodes) -> None:
-    start = nodes.steps_done
-    hold = start + 3
-    victim = 1
+    hold = nodes.steps_done + 3
     runner, result, events_dir = _fit_until_held(nodes, hold + 3, hold_at=hold)
-    (events_dir / "acted").touch()
-    # The node dies: its daemon, its RAM disk and store, its Ray node; a new node replaces it.
+    # The node that runs rank 1 dies, not rank 0's: when Ray moves rank 0 back to a node that
+    # held it in an earlier round, that node's coordinator trusts its saved rank holders and
+    # refuses the other node's items of rank 0 as "never held rank 0" (a daemon issue, see
+    # docs/ray.md#pitfalls), so the restore would fall back to the backup.
+    held = [e for e in _read_events(events_dir) if e["event"] == "holding"]
+    victim = nodes.dirs.index(Path(next(e["dir"] for e in held if e["rank"] == 1)))
+    survivor = 1 - victim
+    # Its daemon, RAM disk and store, and Ray node are lost; a new Ray node replaces it.
     nodes.daemons[victim].kill()
     nodes.wipe(victim)
     nodes.cluster.remove_node(nodes.ray_nodes[victim], allow_graceful=False)
@@ -237,7 +245,7 @@ def test_a_lost_node_resumes_from_its_peer(nodes: RayNodes) -> None:
     restored = [e for e in events if e["event"] == "restored" and e["step"] == hold]
     assert sorted(e["rank"] for e in restored) == [0, 1], events
     sources = {e["dir"]: e["source"] for e in restored}
-    assert sources == {str(nodes.dirs[0]): "local", str(nodes.dirs[victim]): "peer"}, restored
+    assert sources == {str(nodes.dirs[survivor]): "local", str(nodes.dirs[victim]): "peer"}
     assert len({e["digest"] for e in restored}) == 1
     _check_end(events, hold + 3)
 
@@ -282,8 +290,9 @@ def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayN
     """mode="dcp": torch.distributed.checkpoint over each node's workers (FSDP-style state
     dicts keyed by parameter name), restored in place. A worker killed at step 4: the
     replicator's step 4 wins over Ray's own DCP checkpoint of step 3. Then every RAM disk
-    lost at step 7 (daemons killed: no drain; no backup yet) and a worker killed: the
-    replicator offers nothing, and Ray's checkpoint of step 6 is restored."""
+    lost at step 7 (daemons killed: no drain; the backup holds only the first step) and a
+    worker killed: Ray's checkpoint of step 6 is newer than anything the replicator
+    offers, and is restored."""
     runner, result, events_dir = _fit_until_held(
         nodes, 8, name="ray-mtc-dcp", max_failures=2, mode="dcp", kill_rank_at=[0, 4],
         hold_at=7, ray_every=1, backup_every=100, claim_lease_seconds=0,
