@@ -135,7 +135,13 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
 
 
 def _fit(
-    state: RayNodes, steps: int, *, name: str = JOB, max_failures: int = 1, **config: object
+    state: RayNodes,
+    steps: int,
+    *,
+    name: str = JOB,
+    max_failures: int = 1,
+    num_workers: int | tuple[int, int] = 2,
+    **config: object,
 ) -> list[dict[str, Any]]:
     """One ``TorchTrainer.fit()`` to ``steps``; the events of every attempt."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -152,7 +158,7 @@ def _fit(
             "dirs": [str(d) for d in state.dirs],
             **config,
         },
-        scaling_config=ScalingConfig(num_workers=2, placement_strategy="STRICT_SPREAD"),
+        scaling_config=ScalingConfig(num_workers=num_workers, placement_strategy="STRICT_SPREAD"),
         run_config=RunConfig(
             name=name,
             storage_path=str(state.root / "ray-storage"),
@@ -284,6 +290,14 @@ def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     assert f"serves job '{JOB}'" in str(err.value)
     assert "max_concurrent_trials" in str(err.value)
     assert not (nodes.dirs[0] / "replicator.yaml").exists()
+
+
+def test_an_elastic_worker_count_is_refused(nodes: RayNodes) -> None:
+    """Ray tells an elastic ScalingConfig only through an internal module: this checks that
+    the checkpointer still reads it in the Ray under test."""
+    with pytest.raises(Exception, match="ElasticWorkers") as err:
+        _fit(nodes, 3, name="ray-elastic", max_failures=0, num_workers=(1, 2))
+    assert "Use a fixed ScalingConfig(num_workers=N)" in str(err.value)
 
 
 def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayNodes) -> None:
