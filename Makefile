@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[daemon,dev,torch,interop,s3,gcs]'
+	$(PY) -m pip install -q -e '.[daemon,dev,torch,interop,s3,gcs,ray]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml

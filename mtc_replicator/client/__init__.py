@@ -2,7 +2,8 @@
 and loading steps in the layout it expects (docs/protocol.md).
 
 Importing it needs only the standard library and PyYAML; the torch helpers import torch
-when they are called. It never imports gRPC, watchdog or cloud SDKs.
+when they are called, and the Ray checkpointer (``RayCheckpointer``, docs/ray.md) imports Ray
+and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 """
 
 from mtc_replicator.client.handshake import (
@@ -22,6 +23,7 @@ from mtc_replicator.client.handshake import (
     restore_name,
     wait_config_consumed,
 )
+from mtc_replicator.client.ray_train import RayCheckpointer, RayTrainRefused, Restored
 from mtc_replicator.client.torch_io import (
     CheckpointDirFull,
     load_distributed,
@@ -43,10 +45,13 @@ __all__ = [
     "HandshakeError",
     "HandshakeTimeout",
     "JobConfig",
+    "RayCheckpointer",
+    "RayTrainRefused",
     "RenameStyle",
     "ReplicatorFailed",
     "RestorePlan",
     "RestoreResult",
+    "Restored",
     "await_restore",
     "handshake",
     "job_config",

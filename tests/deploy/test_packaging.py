@@ -172,7 +172,7 @@ def _metadata(wheel: Path) -> list[Requirement]:
 def _extra(req: Requirement) -> str | None:
     if req.marker is None:
         return None
-    for extra in ("daemon", "gcs", "s3", "torch", "demo", "interop", "dev"):
+    for extra in ("daemon", "gcs", "s3", "torch", "demo", "interop", "ray", "dev"):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
             return extra
     return None
@@ -183,7 +183,7 @@ def test_wheel_requires_only_pyyaml_and_no_user_facing_extra_pins(wheel: Path) -
     base = [r for r in requirements if _extra(r) is None]
     assert [canonicalize_name(r.name) for r in base] == ["pyyaml"]
     extras = {_extra(r) for r in requirements} - {None}
-    assert {"daemon", "torch", "demo", "s3", "gcs"} <= extras
+    assert {"daemon", "torch", "demo", "s3", "gcs", "ray"} <= extras
     for req in requirements:
         extra = _extra(req)
         if extra == "dev":  # the dev tools, never installed by a user: exact where needed
@@ -193,6 +193,8 @@ def test_wheel_requires_only_pyyaml_and_no_user_facing_extra_pins(wheel: Path) -
     torch = next(r for r in requirements if canonicalize_name(r.name) == "torch")
     assert torch.specifier.contains("2.13.0")
     assert torch.specifier.contains("2.7.0")
+    ray = next(r for r in requirements if canonicalize_name(r.name) == "ray")
+    assert ray.specifier.contains("2.60.0"), ray  # what tests/ray runs against
 
 
 def test_pip_resolves_the_wheel_to_itself_and_pyyaml(workdir: Path, wheel: Path) -> None:

@@ -1,0 +1,505 @@
+"""Ray Train's checkpointer on the replicator: every few steps to the node's RAM disk, now and
+then a full checkpoint to Ray's ``storage_path``.
+
+Owns: finding the job's layout from Ray's context, the handshake (once per node, by local
+rank 0), agreeing on the restored step across workers, and choosing between the replicator's
+step and Ray's own checkpoint (``ray.train.get_checkpoint()``). The pure decisions live in
+``mtc_replicator.core.raytrain``; saving and loading go through ``torch_io`` and
+``handshake``. Does file I/O in CHECKPOINT_DIR and torch.distributed collectives; Ray and
+torch are imported inside the functions, so ``import mtc_replicator.client`` never imports
+them. docs/ray.md tells the user's side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from mtc_replicator.client import torch_io
+from mtc_replicator.client.handshake import (
+    DEFAULT_TIMEOUT,
+    ConfigFields,
+    HandshakeError,
+    RestoreResult,
+    await_restore,
+    job_config,
+    publish_config,
+    wait_config_consumed,
+)
+from mtc_replicator.core import raytrain
+from mtc_replicator.core.contract import Framework
+from mtc_replicator.core.raytrain import (
+    DatedRunName,
+    ElasticWorkers,
+    RanksDisagree,
+    RayLayout,
+    RayTrainRefused,
+    SharedNodes,
+    UnevenPlacement,
+    WorkerPlace,
+)
+
+__all__ = [
+    "CLAIM_FILE",
+    "DatedRunName",
+    "ElasticWorkers",
+    "RanksDisagree",
+    "RayCheckpointer",
+    "RayLayout",
+    "RayTrainRefused",
+    "Restored",
+    "SharedNodes",
+    "UnevenPlacement",
+]
+
+log = logging.getLogger(__name__)
+
+CLAIM_FILE = "ray-train.claim"
+"""In CHECKPOINT_DIR: which job uses this node's replicator (a name the daemon ignores)."""
+RAY_META_FILE = "mtc-ray.json"
+"""In a Ray checkpoint written by ``report``: its step, world size and mode."""
+Mode = Literal["files", "dcp"]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What ``RayCheckpointer.restore`` loaded."""
+
+    step: int
+    """The last step the state holds; train from ``step + 1``."""
+    state: dict[str, Any]
+    """This worker's state (``files``), or the state dict passed in, filled in (``dcp``)."""
+    source: str
+    """``local``, ``peer`` or ``backup`` (the replicator's tiers), or ``ray``."""
+
+
+class RayCheckpointer:
+    """Checkpoints a Ray Train ``train_func`` through the node's replicator.
+
+    Create one at the top of ``train_func`` and call ``restore()`` once, on every worker,
+    before training; then ``save(step, state)`` and ``report(metrics)`` on every worker.
+    ``mode="files"``: each worker saves its own state dict (one ``.save`` file each);
+    ``mode="dcp"``: torch.distributed.checkpoint over each node's ranks (FSDP-style sharded
+    state, one ``<N>/`` per node). ``checkpoint_dir``: the node's CHECKPOINT_DIR (default
+    ``$MTC_CHECKPOINT_DIR``), or a function returning it (run on the worker).
+    ``ray_checkpoint_every=K``: every K-th save also goes to Ray's ``storage_path`` at the next
+    ``report``. ``job_name``: default the stable ``RunConfig(name=...)``.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | os.PathLike[str] | Callable[[], str | os.PathLike[str]] | None = None,
+        *,
+        mode: Mode = "files",
+        job_name: str | None = None,
+        backup_interval_steps: int | None = None,
+        backup_interval_minutes: int | None = None,
+        peers_per_node: int | None = None,
+        data_parallelism: int | None = None,
+        ray_checkpoint_every: int = 0,
+        claim_lease_seconds: float = 120.0,
+        timeout: float = DEFAULT_TIMEOUT,
+        poll_interval: float = 0.2,
+    ) -> None:
+        if mode not in ("files", "dcp"):
+            raise ValueError(f"mode must be 'files' or 'dcp', not {mode!r}")
+        if ray_checkpoint_every < 0:
+            raise ValueError(f"ray_checkpoint_every must be >= 0, got {ray_checkpoint_every}")
+        self.mode: Mode = mode
+        self._dir_arg = checkpoint_dir
+        self._job_arg = job_name
+        self._intervals = (backup_interval_steps, backup_interval_minutes)
+        self._peers = peers_per_node
+        self._dp = data_parallelism
+        self.ray_checkpoint_every = ray_checkpoint_every
+        self.claim_lease_seconds = claim_lease_seconds
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self._session: _Session | None = None
+        self._last: tuple[int, Mapping[str, Any]] | None = None
+        self._saves_since_ray = 0
+
+    @property
+    def layout(self) -> RayLayout:
+        return self._started().layout
+
+    @property
+    def job(self) -> str:
+        return self._started().job
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self._started().directory
+
+    def restore(self, state: dict[str, Any] | None = None) -> Restored | None:
+        """Hand this job to the node's replicator and load what it offers; collective.
+
+        Returns None on a fresh start. Raises a ``RayTrainRefused`` (the same on every
+        worker) for a setup that cannot work. ``state`` is required in ``dcp`` mode: the
+        state dict to load into, in place (DCP loads into existing tensors).
+        """
+        if self.mode == "dcp" and state is None:
+            raise ValueError("mode='dcp' restores in place: pass the state dict to load into")
+        session = self._session = _Session.start(self)
+        step = session.agree_on_step()
+        ray_step, ray_checkpoint = _ray_checkpoint(session)
+        source = raytrain.pick_source(step, ray_step)
+        if source is None:
+            log.info("job %s rank %s: fresh start", session.job, session.place.world_rank)
+            return None
+        if source == "ray":
+            assert ray_step is not None
+            loaded = session.load_ray(ray_checkpoint, state)
+            return Restored(ray_step, loaded, "ray")
+        assert step is not None
+        loaded = session.load_replicator(state)
+        return Restored(step, loaded, session.result.source or "unknown")
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        """Publish this worker's ``state`` as step ``step`` to the RAM disk; collective in
+        ``dcp`` mode. Returns once the step is on the RAM disk; the daemon replicates it."""
+        session = self._started()
+        if self.mode == "files":
+            torch_io.save_file(
+                session.directory,
+                step,
+                state,
+                job=session.job,
+                rank=session.node_rank,
+                worker=session.place.local_rank,
+            )
+        else:
+            torch_io.save_distributed(
+                session.directory, step, dict(state), process_group=session.node_group
+            )
+        if session.place.local_rank == 0:
+            session.write_claim()
+        self._last = (step, state)
+        self._saves_since_ray += 1
+
+    def report(self, metrics: Mapping[str, Any], *, ray_checkpoint: bool | None = None) -> None:
+        """``ray.train.report(metrics)``; with a Ray checkpoint of the last save when
+        ``ray_checkpoint`` is True, or (None) when ``ray_checkpoint_every`` saves were made
+        since the last one. Call it right after ``save``, on every worker (a collective):
+        the Ray checkpoint holds the tensors of the last save as they are now."""
+        import ray.train
+
+        due = (
+            ray_checkpoint
+            if ray_checkpoint is not None
+            else self.ray_checkpoint_every > 0
+            and self._saves_since_ray >= self.ray_checkpoint_every
+        )
+        if not due or self._last is None:
+            ray.train.report(dict(metrics))
+            return
+        session = self._started()
+        step, state = self._last
+        with tempfile.TemporaryDirectory(prefix="mtc-ray-") as tmp:
+            session.write_ray_checkpoint(Path(tmp), step, state)
+            ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(tmp))
+        self._saves_since_ray = 0
+
+    def _started(self) -> _Session:
+        if self._session is None:
+            raise RuntimeError("call restore() first, on every worker, before save or report")
+        return self._session
+
+
+def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
+    """The step of Ray's newest registered checkpoint and the checkpoint, if this
+    checkpointer wrote it; only its small ``mtc-ray.json`` is read here, also remotely."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return None, None
+    try:
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        step, world_size = int(meta["step"]), int(meta["world-size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        log.warning(
+            "job %s rank %s: Ray's checkpoint %s was not written by RayCheckpointer.report; "
+            "ignoring it",
+            session.job,
+            session.place.world_rank,
+            checkpoint.path,
+        )
+        return None, None
+    raytrain.check_fixed_workers(False, session.layout.world_size, world_size)
+    return step, checkpoint
+
+
+@dataclass
+class _Session:
+    """One incarnation of the job on this worker: its place, layout, and the handshake."""
+
+    owner: RayCheckpointer
+    directory: Path
+    place: WorkerPlace
+    layout: RayLayout
+    job: str
+    group: Any
+    """The process group of our own small collectives (gloo), or None without torch.distributed."""
+    node_group: Any
+    """This node's ranks (``dcp`` mode), or None."""
+    result: RestoreResult = field(default_factory=lambda: RestoreResult(None, None))
+    node_results: tuple[RestoreResult, ...] = ()
+
+    @property
+    def node_rank(self) -> int:
+        return self.place.node_rank
+
+    @classmethod
+    def start(cls, owner: RayCheckpointer) -> _Session:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        place = WorkerPlace(
+            world_rank=ctx.get_world_rank(),
+            local_rank=ctx.get_local_rank(),
+            local_world_size=ctx.get_local_world_size(),
+            node_rank=ctx.get_node_rank(),
+        )
+        group = _collective_group()
+        places = [_place(p) for p in _gather(group, _encode_place(place))]
+        layout = raytrain.layout_of(places, ctx.get_world_size())
+        raytrain.check_fixed_workers(_elastic(), layout.world_size, None)
+        job = owner._job_arg or raytrain.job_name_of(ctx.get_experiment_name())
+        node_group = _node_group(layout, place) if owner.mode == "dcp" else None
+        session = cls(owner, _resolve_dir(owner._dir_arg), place, layout, job, group, node_group)
+        session.handshake()
+        return session
+
+    def handshake(self) -> None:
+        """Local rank 0 publishes the node's config; then every worker (``files``) or the
+        node's local rank 0 (``dcp``) waits for its marker. Failures reach every worker."""
+        leader = self.place.local_rank == 0
+        config = self._config()
+        _all_or_none(self.group, lambda: self._publish(config) if leader else None)
+        waits = leader or self.owner.mode == "files"
+        worker = self.place.local_rank if self.owner.mode == "files" else 0
+
+        def wait() -> RestoreResult | None:
+            if not waits:
+                return None
+            wait_config_consumed(
+                self.directory, timeout=self.owner.timeout, poll_interval=self.owner.poll_interval
+            )
+            return await_restore(
+                self.directory,
+                config,
+                worker=worker,
+                timeout=self.owner.timeout,
+                poll_interval=self.owner.poll_interval,
+                rename="step",
+            )
+
+        results = _all_or_none(self.group, wait)
+        leader_rank = self.layout.node_members[self.node_rank][0]
+        own = results[self.place.world_rank] if waits else results[leader_rank]
+        assert isinstance(own, RestoreResult)
+        self.result = own
+        self.node_results = tuple(
+            r for r in (results[m[0]] for m in self.layout.node_members) if r is not None
+        )
+
+    def _config(self) -> Any:
+        steps, minutes = self.owner._intervals
+        fields: ConfigFields = {
+            "job_name": self.job,
+            "framework": Framework.PYTORCH
+            if self.owner.mode == "files"
+            else Framework.PYTORCH_DISTRIBUTED,
+            "node_rank": self.node_rank,
+            "nodes": self.layout.nodes,
+            "workers_per_node": self.layout.workers_per_node if self.owner.mode == "files" else 1,
+            "peers_per_node": self.owner._peers
+            if self.owner._peers is not None
+            else min(1, self.layout.nodes - 1),
+        }
+        if steps is not None:
+            fields["backup_interval_steps"] = steps
+        if minutes is not None:
+            fields["backup_interval_minutes"] = minutes
+        if self.owner._dp is not None:
+            fields["data_parallelism"] = self.owner._dp
+        return job_config(**fields)
+
+    def _publish(self, config: Any) -> None:
+        claim = _read_claim(self.directory)
+        where = str(self.directory / CLAIM_FILE)
+        raytrain.check_claim(claim, self.job, time.time(), self.owner.claim_lease_seconds, where)
+        if claim is not None and claim.job == self.job:
+            raytrain.check_fixed_workers(False, self.layout.world_size, claim.world_size)
+        self.write_claim()
+        publish_config(
+            self.directory,
+            config,
+            timeout=self.owner.timeout,
+            poll_interval=self.owner.poll_interval,
+        )
+
+    def write_claim(self) -> None:
+        claim = raytrain.Claim(self.job, self.layout.world_size, time.time())
+        path = self.directory / CLAIM_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(claim.to_json()), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def agree_on_step(self) -> int | None:
+        return raytrain.agree_step({node: r.step for node, r in enumerate(self.node_results)})
+
+    def load_replicator(self, state: dict[str, Any] | None) -> dict[str, Any]:
+        assert self.result.path is not None
+        if self.owner.mode == "files":
+            return torch_io.load_state_dict(self.result.path)
+        assert state is not None
+        torch_io.load_distributed(self.result.path, state, process_group=self.node_group)
+        return state
+
+    def load_ray(self, checkpoint: Any, state: dict[str, Any] | None) -> dict[str, Any]:
+        """Load from Ray's checkpoint (downloaded first when its storage is remote)."""
+        with checkpoint.as_directory() as local:
+            directory = Path(local)
+            if self.owner.mode == "files":
+                return torch_io.load_state_dict(directory / _rank_file(self.place.world_rank))
+            assert state is not None
+            torch_io.load_distributed(directory, state)
+            return state
+
+    def write_ray_checkpoint(self, directory: Path, step: int, state: Mapping[str, Any]) -> None:
+        """This worker's part of a Ray checkpoint; Ray merges every worker's files into one
+        directory of its storage. Collective in ``dcp`` mode (over all workers)."""
+        if self.owner.mode == "files":
+            import torch
+
+            torch.save(dict(state), directory / _rank_file(self.place.world_rank))
+        else:
+            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+            dcp_save(dict(state), checkpoint_id=directory)
+        if self.place.world_rank == 0:
+            meta = {"step": step, "world-size": self.layout.world_size, "mode": self.owner.mode}
+            (directory / RAY_META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+
+
+def _rank_file(world_rank: int) -> str:
+    return f"rank-{world_rank}.pt"
+
+
+def _resolve_dir(arg: str | os.PathLike[str] | Callable[[], Any] | None) -> Path:
+    if arg is None:
+        value = os.environ.get("MTC_CHECKPOINT_DIR")
+        if not value:
+            raise RayTrainRefused(
+                "no checkpoint directory: set MTC_CHECKPOINT_DIR on the Ray worker (the "
+                "replicator's volume) or pass RayCheckpointer(checkpoint_dir=...)"
+            )
+        return Path(value)
+    return Path(arg() if callable(arg) else arg)
+
+
+def _read_claim(directory: Path) -> raytrain.Claim | None:
+    try:
+        return raytrain.Claim.from_json(json.loads((directory / CLAIM_FILE).read_text("utf-8")))
+    except (OSError, ValueError):
+        return None
+
+
+def _elastic() -> bool:
+    """Whether the run's ScalingConfig is elastic; Ray tells it only through an internal
+    module, so a Ray without it reads as fixed (the saved world size still guards)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        scaling = get_train_context().train_run_context.scaling_config
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+    return bool(getattr(scaling, "elasticity_enabled", False))
+
+
+# --- Collectives ---------------------------------------------------------------------------
+
+
+def _collective_group() -> Any:
+    """A gloo group over all workers for our small object collectives (the default group
+    may be NCCL); None when torch.distributed is not initialized (a single worker)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
+def _gather(group: Any, value: object) -> list[Any]:
+    if group is None:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _all_or_none(group: Any, action: Callable[[], object]) -> list[Any]:
+    """Run ``action`` on every worker and gather the results; if it failed anywhere, raise
+    on every worker (a refusal's own class where it is one), so that none waits forever."""
+    try:
+        mine: tuple[str, object] = ("ok", action())
+    except RayTrainRefused as exc:
+        log.error("refused: %s: %s", type(exc).__name__, exc)
+        mine = ("refused", f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        log.error("failed: %s: %s", type(exc).__name__, exc)
+        mine = ("error", f"{type(exc).__name__}: {exc}")
+    gathered = _gather(group, mine)
+    for rank, (kind, value) in enumerate(gathered):
+        if kind == "ok":
+            continue
+        name, _, text = str(value).partition(": ")
+        refusal = getattr(raytrain, name, None)
+        if kind == "refused" and isinstance(refusal, type) and issubclass(refusal, Exception):
+            raise refusal(f"worker {rank}: {text}")
+        raise HandshakeError(f"worker {rank}: {value}")
+    return [value for _, value in gathered]
+
+
+def _node_group(layout: RayLayout, place: WorkerPlace) -> Any:
+    """This node's ranks as a process group; every worker creates every node's group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    mine = None
+    for members in layout.node_members:
+        group = dist.new_group(ranks=list(members))
+        if place.world_rank in members:
+            mine = group
+    return mine
+
+
+_PLACE = re.compile(r"(\d+),(\d+),(\d+),(\d+)")
+
+
+def _encode_place(place: WorkerPlace) -> str:
+    return f"{place.world_rank},{place.local_rank},{place.local_world_size},{place.node_rank}"
+
+
+def _place(text: str) -> WorkerPlace:
+    match = _PLACE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a worker place: {text!r}")
+    w, lr, lws, nr = (int(g) for g in match.groups())
+    return WorkerPlace(w, lr, lws, nr)
