@@ -25,8 +25,10 @@ attestation names one of the nodes whose tenure began at or before s (``producer
 ``Fetch.producers``). The history is COMPLETE when this coordinator saw a plan find no item
 anywhere (no inventory item, no committed backup: a fresh job) and every binding named its
 node, or it was restored from a record that was complete. Otherwise (a coordinator on a new
-host after rank 0's node and store were lost, a record of a version without history, TLS
-off) the producers of older items are not known: ``producers`` is None.
+host after rank 0's node and store were lost or rank 0 moved to another node, a record of a
+version without history, TLS off) the producers of older items are not known:
+``producers`` is None. A node's record follows the job only while the node runs its rank 0
+(``local.holders_file.HoldersFile.keep_only``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ job in the store (``rank-holders/<job>.json``, beside CHECKPOINT_DIR, out of the
 reach; the RAM disk survives a daemon restart), written when a round is released and when a
 restarted coordinator binds a rank. It also keeps each rank's history of nodes (the
 producers a restore accepts, ``core.rank_holders``), which any later coordinator of the job on
-this node reads back.
+this node reads back, as long as this node kept running rank 0: once a handshake makes it
+another rank (Ray Train renumbers nodes at every restart), another node coordinates and
+records the job, so the record here stops following it and is removed (``keep_only``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,25 @@ class HoldersFile:
         """Record the holders and their history (raises ``OSError``)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fsutil.atomic_write_bytes(self._path(job), json.dumps(holders_json(saved)).encode())
+
+    def keep_only(self, job: str | None) -> None:
+        """Remove every job's record but ``job``'s: this node no longer coordinates them.
+        Come back to rank 0 later, it must not take its old record for the whole history
+        (it would refuse the items the nodes that held ranks meanwhile made)."""
+        try:
+            names = [p.name for p in self.root.iterdir()]
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name != f"{job}.json":
+                try:
+                    (self.root / name).unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("cannot remove %s: %s", self.root / name, exc)
+                else:
+                    log.info("forgot the rank holders recorded in %s", name)
 
     def load(self, job: str, ranks: int) -> SavedHolders | None:
         """The record; None when there is no usable one (said in the log)."""

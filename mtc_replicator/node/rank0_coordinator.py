@@ -37,8 +37,12 @@ class Rank0Coordinator:
         advertise: Callable[[], str | None],
         stop: asyncio.Event,
         on_refused: Callable[[str, OwnedByAnother], Awaitable[None]],
+        forget_holders: Callable[[str | None], None] = lambda keep: None,
     ) -> None:
         self.coordinators = coordinators
+        self._forget_holders = forget_holders
+        """Remove the rank holders recorded here of every job but the one given
+        (``local.holders_file.HoldersFile.keep_only``)."""
         self.registry = registry
         self._advertise = advertise
         """The address other nodes reach this one at, once the daemon's server is bound."""
@@ -86,6 +90,10 @@ class Rank0Coordinator:
             hosted = self.coordinators.get(job)
             if job != keep and hosted is not None:
                 self.coordinators.drop(job)
+        if config is not None:
+            # A handshake says which rank this node runs now: any other job's coordinator,
+            # or this job's when the rank is not 0, runs elsewhere from now on.
+            self._forget_holders(keep)
         if config is None or keep is None:
             return
         view = cluster_view_json(config)

@@ -27,6 +27,7 @@ from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.holders_file import HoldersFile
 from mtc_replicator.local.store_owner import read_store_owner, write_store_owner
 from mtc_replicator.node.agent import (
     AgentContext,
@@ -83,6 +84,7 @@ class Supervisor:
             advertise=advertise,
             stop=stop,
             on_refused=self._registration_refused,
+            forget_holders=HoldersFile(self.store.root).keep_only,
         )
 
     def next_check_in(self) -> float:

@@ -233,10 +233,8 @@ def test_a_killed_worker_resumes_from_the_ram_disks(nodes: RayNodes) -> None:
 def test_a_lost_node_resumes_from_its_peer(nodes: RayNodes) -> None:
     hold = nodes.steps_done + 3
     runner, result, events_dir = _fit_until_held(nodes, hold + 3, hold_at=hold)
-    # The node that runs rank 1 dies, not rank 0's: when Ray moves rank 0 back to a node that
-    # held it in an earlier round, that node's coordinator trusts its saved rank holders and
-    # refuses the other node's items of rank 0 as "never held rank 0" (a daemon issue, see
-    # docs/ray.md#pitfalls), so the restore would fall back to the backup.
+    # The node that runs rank 1 dies, not rank 0's, so that the coordinator stays where it
+    # is; rank 0 moving between nodes is tests/integration/test_rank0_moves.py's.
     held = [e for e in _read_events(events_dir) if e["event"] == "holding"]
     victim = nodes.dirs.index(Path(next(e["dir"] for e in held if e["rank"] == 1)))
     survivor = 1 - victim

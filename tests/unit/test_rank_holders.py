@@ -211,6 +211,21 @@ def test_the_holders_file_keeps_history_and_completeness(tmp_path: Path) -> None
     assert records.load("job", 3) is None  # unreadable: said in the log, nothing known
 
 
+def test_the_holders_file_forgets_every_job_but_the_one_whose_rank0_runs_here(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 moved to another node: what this node recorded no longer follows the job."""
+    records = HoldersFile(tmp_path)
+    records.keep_only(None)  # nothing recorded yet: nothing to do
+    saved = SavedHolders({0: "n0"}, {0: {"n0": 0}}, complete=True)
+    for job in ("a", "b", "c"):
+        records.save(job, saved)
+    records.keep_only("b")
+    assert [records.load(job, 1) for job in ("a", "b", "c")] == [None, saved, None]
+    records.keep_only(None)
+    assert records.load("b", 1) is None
+
+
 def test_a_join_from_another_node_is_not_admitted_within_a_round() -> None:
     c = JobCoordinator(config(3), VIEW, "a0")
     c.join(join(1, "a1", "node1"), {})
