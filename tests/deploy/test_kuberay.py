@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -108,7 +110,24 @@ def test_the_two_examples_describe_the_same_cluster() -> None:
     rayjob, raycluster = _load(RAYJOB), _load(RAYCLUSTER)
     assert rayjob["spec"]["rayClusterSpec"] == raycluster["spec"]
     assert rayjob["metadata"]["name"] == raycluster["metadata"]["name"]
-    assert "examples/ray_train.py" in rayjob["spec"]["entrypoint"]
+    entry = rayjob["spec"]["entrypoint"].split()
+    assert entry[1] == "/home/ray/mtc/examples/ray_train_job.py"
+    assert entry[entry.index("--workers") + 1] == str(_workers(rayjob)["replicas"])
+    assert entry[entry.index("--name") + 1] == rayjob["metadata"]["name"]
+
+
+def test_the_entrypoint_script_runs() -> None:
+    """The script a RayJob starts exists and parses its options (no Ray cluster here)."""
+    script = DEPLOY.parent / "examples" / "ray_train_job.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        check=False,
+        capture_output=True,
+        timeout=60,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--workers" in done.stdout
 
 
 def _misspell_workers(obj: Obj) -> None:
