@@ -5,6 +5,7 @@ Importing it needs only the standard library and PyYAML; the torch helpers impor
 when they are called. It never imports gRPC, watchdog or cloud SDKs.
 """
 
+from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
 from mtc_replicator.client.handshake import (
     DEFAULT_TIMEOUT,
     ConfigFields,
@@ -36,6 +37,8 @@ from mtc_replicator.core.contract import ConfigError, Framework, JobConfig
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AsyncSaveError",
+    "AsyncSaver",
     "CheckpointDirFull",
     "ConfigError",
     "ConfigFields",
@@ -43,10 +46,12 @@ __all__ = [
     "HandshakeError",
     "HandshakeTimeout",
     "JobConfig",
+    "PendingSave",
     "RenameStyle",
     "ReplicatorFailed",
     "RestorePlan",
     "RestoreResult",
+    "WhenBusy",
     "await_restore",
     "handshake",
     "job_config",
