@@ -186,15 +186,18 @@ class AsyncSaver:
         ``step=<N>-unfinished/`` in the background, and the node group's rank 0 then renames
         it to ``<N>``. Collective, as the synchronous one; ``process_group`` must have a CPU
         backend (gloo) and be used for nothing else while a save is in flight, because the
-        background thread runs DCP's collectives and the rename's agreement on it."""
+        background thread runs DCP's collectives and the rename's agreement on it. In a
+        process group a busy saver always waits (``when_busy`` is not applied): a skip
+        would have to be decided alike on every rank."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict_saver import async_save
 
         started = time.monotonic()
-        if not self._settle(step):
+        distributed = dist.is_available() and dist.is_initialized()
+        # Skipping would have to be decided by every rank alike; waiting is.
+        if not self._settle(step, may_skip=not distributed):
             return None
         final, tmp = torch_io._step_paths(self.directory, step)
-        distributed = dist.is_available() and dist.is_initialized()
         group = process_group if distributed else None
         leader = not distributed or dist.get_rank(process_group) == 0
 
@@ -327,14 +330,14 @@ class AsyncSaver:
 
     # --- the parts ----------------------------------------------------------------------------
 
-    def _settle(self, step: int) -> bool:
+    def _settle(self, step: int, *, may_skip: bool = True) -> bool:
         """Deal with the previous save before this one: False to skip this one. Raises the
         previous save's failure when nobody was told of it yet."""
         job = self._job
         if job is None:
             return True
         if not job.finished.is_set():
-            if self.when_busy == "skip":
+            if self.when_busy == "skip" and may_skip:
                 log.info("step %s: skipped, step %s is still being written", step, job.step)
                 return False
             waited = time.monotonic()
@@ -409,7 +412,15 @@ class AsyncSaver:
         """torch's DCP stager, kept for the saver's life so that its buffers are reused."""
         if self._dcp_stager is None:
             import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            try:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            except ImportError as exc:
+                raise RuntimeError(
+                    f"torch {torch.__version__} has no DCP DefaultStager, which the "
+                    "asynchronous DCP save stages with: use torch_io.save_distributed, or a "
+                    "newer torch"
+                ) from exc
 
             cuda = bool(torch.cuda.is_available())
             self._dcp_stager = DefaultStager(
