@@ -89,6 +89,10 @@ def test_cleanup_removes_what_we_published_never_data(tmp_path: Path) -> None:
     (ckpt / "job-s21-n1-w0.save.tmp").write_bytes(b"half")
     (ckpt / "step=21").mkdir()
     (ckpt / "21.orbax-checkpoint-tmp-9").mkdir()
+    outside = tmp_path / "outside"  # a pod's link with our temp's name is not followed
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    os.symlink(outside, ckpt / "step=22-unfinished")
     removed = cleanup_workload_files(ckpt, store)
     assert sorted(removed) == sorted(
         [
@@ -105,7 +109,9 @@ def test_cleanup_removes_what_we_published_never_data(tmp_path: Path) -> None:
         "20",
         "21.orbax-checkpoint-tmp-9",
         "step=21",
+        "step=22-unfinished",
     ]
+    assert (outside / "keep").read_bytes() == b"x"
     assert store.get(ITEM) is not None
 
 
