@@ -5,7 +5,9 @@ take) and on disk, and the daemon's handshake clean-up leaves no temporary. And 
 the pod's termination notice, publishes the save in flight before the process ends.
 
 The trainer is a real process (this module run as a script), stopped at a phase by the
-saver's phase hook, then killed.
+saver's phase hook, then killed; CHECKPOINT_DIR is a tmpfs (the ``ckpt`` fixture). Then a
+real daemon: the job's next handshake removes the killed save's temp and restores the
+whole step.
 """
 
 from __future__ import annotations
@@ -21,10 +23,18 @@ from typing import Any
 
 import pytest
 
+from mtc_replicator.client import AsyncSaver
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
 from mtc_replicator.core.policy import find_handoffs
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.checkpoint_dir import cleanup_workload_files, list_top
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    config_text,
+    wait_ingested,
+    wait_markers,
+    write_yaml_atomic,
+)
 
 pytestmark = pytest.mark.integration
 torch = pytest.importorskip("torch")
@@ -40,8 +50,6 @@ def values(step: int) -> dict[str, Any]:
 
 def child(directory: str, layout: str, stop_at: str) -> None:
     """The trainer: step 1 saved and published, then step 2 stopped at ``stop_at``."""
-    from mtc_replicator.client import AsyncSaver
-
     armed = threading.Event()
     preempt = stop_at == "sigterm"
     where = "write" if preempt else stop_at
@@ -115,10 +123,8 @@ PHASES = [
 
 @pytest.mark.parametrize(("layout", "stop_at", "steps"), PHASES)
 def test_a_kill_at_any_phase_leaves_whole_steps_only(
-    tmp_path: Path, layout: str, stop_at: str, steps: list[int]
+    ckpt: Path, layout: str, stop_at: str, steps: list[int]
 ) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
     proc = run_child(ckpt, layout, stop_at)
     try:
         assert proc.stdout is not None
@@ -138,12 +144,38 @@ def test_a_kill_at_any_phase_leaves_whole_steps_only(
     assert names == sorted(published(ckpt, layout, s).relative_to(ckpt).parts[0] for s in steps)
 
 
+def test_a_real_daemon_restores_the_whole_step_and_removes_the_killed_saves_temp(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    proc = run_child(ckpt, "step-dir", "write")
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "write"
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert (ckpt / "step=2-unfinished").is_dir()
+
+    # The job comes back: its handshake removes the temp; step 1 is ingested and restored.
+    daemon = start_daemon()
+    write_yaml_atomic(ckpt, config_text(job, framework="pytorch.distributed"))
+    (marker,) = wait_markers(ckpt, job, 1, daemon)
+    assert not os.path.lexists(ckpt / "step=2-unfinished")
+    restored = torch.load(marker / "state.pt", weights_only=True)
+    assert all(torch.equal(restored[k], v) for k, v in values(1).items())
+
+    # An asynchronous save of this incarnation is taken whole.
+    with AsyncSaver(ckpt) as saver:
+        saver.save_state_dict(2, values(2))
+    data = wait_ingested(ckpt, job, 2, daemon)
+    saved = torch.load(data / "state.pt", weights_only=True)
+    assert all(torch.equal(saved[k], v) for k, v in values(2).items())
+
+
 @pytest.mark.parametrize("layout", ["step-dir", "save-file"])
 def test_sigterm_publishes_the_save_in_flight_then_ends_the_process(
-    tmp_path: Path, layout: str
+    ckpt: Path, layout: str
 ) -> None:
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
     proc = run_child(ckpt, layout, "sigterm")
     assert proc.wait(60) == -signal.SIGTERM  # the default action, after the save
     assert taken_steps(ckpt, layout) == [1, 2]
