@@ -72,7 +72,7 @@ class Floor:
     def __init__(self, state: dict[str, Any], device: str) -> None:
         pin = device == "cuda"
         self.pairs = [
-            (torch.empty_like(t, device="cpu", pin_memory=pin), t) for t in state.values()
+            (torch.empty(t.shape, dtype=t.dtype, pin_memory=pin), t) for t in state.values()
         ]
         self.device = device
         self()  # fault the pages in
