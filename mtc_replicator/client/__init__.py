@@ -6,6 +6,7 @@ when they are called, and the Ray checkpointer (``RayCheckpointer``, docs/ray.md
 and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 """
 
+from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
 from mtc_replicator.client.handshake import (
     DEFAULT_TIMEOUT,
     ConfigFields,
@@ -38,6 +39,8 @@ from mtc_replicator.core.contract import ConfigError, Framework, JobConfig
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "AsyncSaveError",
+    "AsyncSaver",
     "CheckpointDirFull",
     "ConfigError",
     "ConfigFields",
@@ -45,6 +48,7 @@ __all__ = [
     "HandshakeError",
     "HandshakeTimeout",
     "JobConfig",
+    "PendingSave",
     "RayCheckpointer",
     "RayTrainRefused",
     "RenameStyle",
@@ -52,6 +56,7 @@ __all__ = [
     "RestorePlan",
     "RestoreResult",
     "Restored",
+    "WhenBusy",
     "await_restore",
     "handshake",
     "job_config",

@@ -182,16 +182,8 @@ def save_file(
     ``workers-per-node`` names exist, so a name must never point at a partial file.
     ``zip_crc32``: see ``_torch_save``.
     """
-    _check_step(step)
-    check_job_name(job)
-    for label, value in (("rank", rank), ("worker", worker)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{label} must be an integer >= 0, got {value!r}")
-    directory = Path(checkpoint_dir)
-    final = directory / contract.save_file_name(job, step, rank, worker)
-    tmp = final.with_name(final.name + ".tmp")
-    if os.path.lexists(final):
-        raise FileExistsError(f"{final} already exists; a step is saved once")
+    final, tmp = _save_file_paths(checkpoint_dir, step, job, rank, worker)
+    directory = final.parent
     started = time.monotonic()
     needed = _check_room(directory, state_dict)
     try:
@@ -338,6 +330,22 @@ def _step_paths(checkpoint_dir: str | os.PathLike[str], step: int) -> tuple[Path
     _check_step(step)
     directory = Path(checkpoint_dir)
     return directory / str(step), directory / f"{contract.STEP_TMP_PREFIX}{step}-unfinished"
+
+
+def _save_file_paths(
+    checkpoint_dir: str | os.PathLike[str], step: int, job: str, rank: int, worker: int
+) -> tuple[Path, Path]:
+    """``(<job>-s<N>-n<rank>-w<worker>.save, <that>.tmp)``, checked; refused when the
+    ``.save`` name exists already."""
+    _check_step(step)
+    check_job_name(job)
+    for label, value in (("rank", rank), ("worker", worker)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{label} must be an integer >= 0, got {value!r}")
+    final = Path(checkpoint_dir) / contract.save_file_name(job, step, rank, worker)
+    if os.path.lexists(final):
+        raise FileExistsError(f"{final} already exists; a step is saved once")
+    return final, final.with_name(final.name + contract.SAVE_TMP_SUFFIX)
 
 
 def _prepare_temp_dir(final: Path, tmp: Path) -> None:

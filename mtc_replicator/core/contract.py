@@ -515,6 +515,21 @@ def _parse(pattern: re.Pattern[str], name: str) -> NameParts | None:
     return NameParts(m["job"], int(m["step"]), int(m["rank"]), int(m["worker"]))
 
 
+CLIENT_STEP_TMP_RE = re.compile(r"step=(?:0|[1-9][0-9]*)-unfinished")
+"""The temp directory of a step our client is writing (``client.torch_io``)."""
+
+
+def is_client_temp_name(name: str, *, is_dir: bool) -> bool:
+    """Whether ``name`` is a temporary our client (``mtc_replicator.client``) writes a step
+    under: ``step=<N>-unfinished/`` or ``<job>-s<N>-n<rank>-w<worker>.save.tmp``. Found at a
+    handshake, it is what a trainer killed mid-save left: never a step, removed. The
+    PyTorch reference client's ``step=<N>`` and Orbax's temps are not ours to remove."""
+    if is_dir:
+        return CLIENT_STEP_TMP_RE.fullmatch(name) is not None
+    base = name.removesuffix(SAVE_TMP_SUFFIX)
+    return base != name and parse_save_name(base) is not None
+
+
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``<N>`` directory name (decimal digits only), or None."""
     return int(name) if STEP_DIR_RE.fullmatch(name) else None

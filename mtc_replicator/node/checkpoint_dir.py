@@ -8,6 +8,7 @@ items retention deletes. Never the workload's data: the store owns what it took.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Collection
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from mtc_replicator.core.contract import (
     FAILED_FILE,
     PRERESTORE_FILE,
     JobConfig,
+    is_client_temp_name,
     marker_name,
 )
 from mtc_replicator.core.manifest import ItemId
@@ -48,11 +50,23 @@ def list_top(checkpoint_dir: Path) -> list[Entry]:
 
 
 def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
-    """Handshake step 3: remove stale files we published; never data, never jax-init-info."""
+    """Handshake step 3: remove stale files we published, and the temps our client leaves
+    when it is killed mid-save; never data, never jax-init-info."""
     removed = []
     with os.scandir(checkpoint_dir) as it:
         for e in it:
             path = Path(e.path)
+            is_dir = e.is_dir(follow_symlinks=False)
+            if (is_dir or e.is_file(follow_symlinks=False)) and is_client_temp_name(
+                e.name, is_dir=is_dir
+            ):
+                # No save runs now: the job waits for this handshake before it saves.
+                if is_dir:
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+                removed.append(e.name)
+                continue
             stale = (
                 e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE)
                 or e.name.endswith(".restore")

@@ -58,6 +58,8 @@ def _dcp_rank(rank: int, world: int, root: str) -> None:
         os.environ["LOCAL_WORLD_SIZE"] = str(world)
         _save_and_load(rank, Path(root) / "single" / "node0", None, range(world))
         dist.barrier()
+        _async_saves(rank, Path(root) / "single-async")
+        dist.barrier()
         # Two nodes of one rank each, each with its own RAM disk and its own node group.
         os.environ["LOCAL_WORLD_SIZE"] = "1"
         group = node_process_group()
@@ -68,7 +70,30 @@ def _dcp_rank(rank: int, world: int, root: str) -> None:
 
 @pytest.mark.integration
 def test_dcp_with_two_ranks_on_one_node_and_on_two_nodes(tmp_path: Path) -> None:
+    """Synchronous saves on one and on two nodes; asynchronous ones (``AsyncSaver``, its
+    DCP collectives and the rename's agreement in its background thread) on one."""
     (tmp_path / "single").mkdir()
     (tmp_path / "multi").mkdir()
     mp = pytest.importorskip("torch.multiprocessing")
     mp.spawn(_dcp_rank, args=(2, str(tmp_path)), nprocs=2, join=True)
+
+
+def _async_saves(rank: int, ckpt: Path) -> None:
+    """Two asynchronous saves of this node's ranks while the loop changes its tensors."""
+    from mtc_replicator.client import AsyncSaver
+
+    ckpt.mkdir(exist_ok=True)
+    live = {"replicated": torch.arange(6.0), f"own{rank}": torch.full((3,), float(rank))}
+    expected = {k: v.clone() for k, v in live.items()}
+    with AsyncSaver(ckpt) as saver:
+        pending = saver.save_distributed(8, live)
+        for t in live.values():
+            t.add_(100)  # the loop goes on: step 8 keeps the state at its call
+        saver.save_distributed(9, live)  # waits for step 8, every rank alike
+        assert pending is not None
+        assert pending.done()
+    assert sorted(os.listdir(ckpt)) == ["8", "9"]
+    for step, want in ((8, expected), (9, live)):
+        target = zeros_like(want)
+        load_distributed(ckpt / str(step), target)
+        assert_same(target, want)

@@ -83,11 +83,35 @@ def test_cleanup_removes_what_we_published_never_data(tmp_path: Path) -> None:
     publish_markers(ckpt, store, CONFIG, "inc", outcome(20))
     (ckpt / ERRORS_FILE).write_text("old\n")
     (ckpt / "20").mkdir()  # the workload's own step directory
+    # What our client leaves when killed mid-save goes; other clients' temps stay.
+    (ckpt / "step=21-unfinished").mkdir()
+    (ckpt / "step=21-unfinished" / "state.pt").write_bytes(b"half")
+    (ckpt / "job-s21-n1-w0.save.tmp").write_bytes(b"half")
+    (ckpt / "step=21").mkdir()
+    (ckpt / "21.orbax-checkpoint-tmp-9").mkdir()
+    outside = tmp_path / "outside"  # a pod's link with our temp's name is not followed
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"x")
+    os.symlink(outside, ckpt / "step=22-unfinished")
     removed = cleanup_workload_files(ckpt, store)
     assert sorted(removed) == sorted(
-        [PRERESTORE_FILE, ERRORS_FILE, marker_name("job", 20, 1, 0), marker_name("job", 20, 1, 1)]
+        [
+            *(
+                PRERESTORE_FILE,
+                ERRORS_FILE,
+                marker_name("job", 20, 1, 0),
+                marker_name("job", 20, 1, 1),
+            ),
+            *("step=21-unfinished", "job-s21-n1-w0.save.tmp"),
+        ]
     )
-    assert [e.name for e in list_top(ckpt)] == ["20"]
+    assert sorted(e.name for e in list_top(ckpt)) == [
+        "20",
+        "21.orbax-checkpoint-tmp-9",
+        "step=21",
+        "step=22-unfinished",
+    ]
+    assert (outside / "keep").read_bytes() == b"x"
     assert store.get(ITEM) is not None
 
 
