@@ -6,7 +6,7 @@ replicator DaemonSet already on its nodes: each worker pod mounts the RAM disk a
 ``$MTC_CHECKPOINT_DIR`` (deploy/examples/rayjob.yaml). One Ray Train worker per worker pod,
 ``STRICT_SPREAD`` so each lands on its own node; the run name is the replicator's job name
 and must be the same at every retry of the job. A small model stands in for yours: replace
-``build`` and the step, keep the four lines marked ``changed`` (docs/ray.md).
+``build`` and the step, keep the lines marked ``changed`` (docs/ray.md).
 
     python examples/ray_train_job.py --workers 4 --steps 1000 --storage-path /mnt/shared/ray
 """
@@ -50,6 +50,7 @@ def train_func(config: dict[str, Any]) -> None:
             ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})  # changed
         if step % config["report_every"] == 0:
             ckpt.report({"step": step, "loss": loss.item()})
+    ckpt.close()  # changed: publish the last save (saves are written in the background)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mtc_replicator.client import torch_io
+from mtc_replicator.client.async_save import AsyncSaver, PendingSave, WhenBusy
 from mtc_replicator.client.handshake import (
     DEFAULT_TIMEOUT,
     ConfigFields,
@@ -92,6 +93,10 @@ class RayCheckpointer:
     ``$MTC_CHECKPOINT_DIR``), or a function returning it (run on the worker).
     ``ray_checkpoint_every=K``: every K-th save also goes to Ray's ``storage_path`` at the next
     ``report``. ``job_name``: default the stable ``RunConfig(name=...)``.
+    ``asynchronous`` (default): a save returns once the state is snapshotted and is written
+    in the background (``client.async_save.AsyncSaver``: one save in flight, ``when_busy``
+    says whether the next waits or is skipped); ``close()`` at the end of ``train_func``
+    publishes the last one.
     """
 
     def __init__(
@@ -108,6 +113,8 @@ class RayCheckpointer:
         claim_lease_seconds: float = 120.0,
         timeout: float = DEFAULT_TIMEOUT,
         poll_interval: float = 0.2,
+        asynchronous: bool = True,
+        when_busy: WhenBusy = "wait",
     ) -> None:
         if mode not in ("files", "dcp"):
             raise ValueError(f"mode must be 'files' or 'dcp', not {mode!r}")
@@ -123,6 +130,9 @@ class RayCheckpointer:
         self.claim_lease_seconds = claim_lease_seconds
         self.timeout = timeout
         self.poll_interval = poll_interval
+        self.asynchronous = asynchronous
+        self.when_busy: WhenBusy = when_busy
+        self._saver: AsyncSaver | None = None
         self._session: _Session | None = None
         self._last: tuple[int, Mapping[str, Any]] | None = None
         self._saves_since_ray = 0
@@ -163,11 +173,18 @@ class RayCheckpointer:
         loaded = session.load_replicator(state)
         return Restored(step, loaded, session.result.source or "unknown")
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
+    def save(self, step: int, state: Mapping[str, Any]) -> PendingSave | None:
         """Publish this worker's ``state`` as step ``step`` to the RAM disk; collective in
-        ``dcp`` mode. Returns once the step is on the RAM disk; the daemon replicates it."""
+        ``dcp`` mode. Asynchronous: returns once the state is snapshotted (the save being
+        written, or None when skipped); otherwise once the step is on the RAM disk (None).
+        The daemon replicates it."""
         session = self._started()
-        if self.mode == "files":
+        pending = None
+        if self.asynchronous:
+            pending = self._save_async(session, step, state)
+            if pending is None:
+                return None
+        elif self.mode == "files":
             torch_io.save_file(
                 session.directory,
                 step,
@@ -184,6 +201,34 @@ class RayCheckpointer:
             session.write_claim()
         self._last = (step, state)
         self._saves_since_ray += 1
+        return pending
+
+    def _save_async(
+        self, session: _Session, step: int, state: Mapping[str, Any]
+    ) -> PendingSave | None:
+        if self._saver is None:
+            self._saver = AsyncSaver(session.directory, when_busy=self.when_busy)
+        if self.mode == "files":
+            return self._saver.save_file(
+                step,
+                state,
+                job=session.job,
+                rank=session.node_rank,
+                worker=session.place.local_rank,
+            )
+        return self._saver.save_distributed(step, dict(state), process_group=session.node_group)
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Block until the save in flight is on the RAM disk (its path; None: none in
+        flight); a failure of a background save is raised here or by the next ``save``."""
+        return None if self._saver is None else self._saver.wait(timeout)
+
+    def close(self) -> None:
+        """Publish the save in flight and free the staging buffers: call it at the end of
+        ``train_func`` (a worker that returns while a save is written may be stopped)."""
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            saver.close()
 
     def report(self, metrics: Mapping[str, Any], *, ray_checkpoint: bool | None = None) -> None:
         """``ray.train.report(metrics)``; with a Ray checkpoint of the last save when
@@ -275,7 +320,9 @@ class _Session:
         layout = raytrain.layout_of(places, ctx.get_world_size())
         raytrain.check_fixed_workers(_elastic(), layout.world_size, None)
         job = owner._job_arg or raytrain.job_name_of(ctx.get_experiment_name())
-        node_group = _node_group(layout, place) if owner.mode == "dcp" else None
+        node_group = (
+            _node_group(layout, place, cpu=owner.asynchronous) if owner.mode == "dcp" else None
+        )
         session = cls(owner, _resolve_dir(owner._dir_arg), place, layout, job, group, node_group)
         session.handshake()
         return session
@@ -476,15 +523,17 @@ def _all_or_none(group: Any, action: Callable[[], object]) -> list[Any]:
     return [value for _, value in gathered]
 
 
-def _node_group(layout: RayLayout, place: WorkerPlace) -> Any:
-    """This node's ranks as a process group; every worker creates every node's group."""
+def _node_group(layout: RayLayout, place: WorkerPlace, *, cpu: bool = False) -> Any:
+    """This node's ranks as a process group; every worker creates every node's group.
+    ``cpu``: on gloo whatever the job's backend, as an asynchronous DCP save needs (its
+    background thread runs the collectives of the plan and the rename on it)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
     mine = None
     for members in layout.node_members:
-        group = dist.new_group(ranks=list(members))
+        group = dist.new_group(ranks=list(members), backend="gloo" if cpu else None)
         if place.world_rank in members:
             mine = group
     return mine

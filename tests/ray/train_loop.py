@@ -141,6 +141,7 @@ def train_func(config: dict[str, Any]) -> None:
         time.sleep(config.get("step_seconds", 0.15))
         if step % 3 == 0:
             ckpt.report({"step": step})
+    ckpt.close()  # the last save, written in the background, is published
     emit(event="done", step=config["steps"], digest=digest(model))
 
 
