@@ -43,7 +43,7 @@ unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
 
 test: $(STAMP) lint typecheck
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_local.py --size-mib 1024

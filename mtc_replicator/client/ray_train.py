@@ -112,7 +112,7 @@ class RayCheckpointer:
         ray_checkpoint_every: int = 0,
         claim_lease_seconds: float = 120.0,
         timeout: float = DEFAULT_TIMEOUT,
-        poll_interval: float = 0.2,
+        poll_interval: float = 0.02,
         asynchronous: bool = True,
         when_busy: WhenBusy = "wait",
     ) -> None:
