@@ -8,6 +8,7 @@ and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 
 from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
 from mtc_replicator.client.handshake import (
+    DEFAULT_POLL_INTERVAL,
     DEFAULT_TIMEOUT,
     ConfigFields,
     HandshakeError,
@@ -38,6 +39,7 @@ from mtc_replicator.client.torch_io import (
 from mtc_replicator.core.contract import ConfigError, Framework, JobConfig
 
 __all__ = [
+    "DEFAULT_POLL_INTERVAL",
     "DEFAULT_TIMEOUT",
     "AsyncSaveError",
     "AsyncSaver",

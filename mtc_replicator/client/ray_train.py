@@ -26,6 +26,7 @@ from typing import Any, Literal
 from mtc_replicator.client import torch_io
 from mtc_replicator.client.async_save import AsyncSaver, PendingSave, WhenBusy
 from mtc_replicator.client.handshake import (
+    DEFAULT_POLL_INTERVAL,
     DEFAULT_TIMEOUT,
     ConfigFields,
     HandshakeError,
@@ -112,7 +113,7 @@ class RayCheckpointer:
         ray_checkpoint_every: int = 0,
         claim_lease_seconds: float = 120.0,
         timeout: float = DEFAULT_TIMEOUT,
-        poll_interval: float = 0.02,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
         asynchronous: bool = True,
         when_busy: WhenBusy = "wait",
     ) -> None:
