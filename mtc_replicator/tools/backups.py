@@ -105,8 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     download_cli.add_arguments(dl)
 
-    for c in (verify, restore, prune, dl):
+    for c in (verify, prune, dl):
         progress_bars.add_option(c)
+    progress_bars.add_option(restore, has_json=False)
 
 
 def _command(

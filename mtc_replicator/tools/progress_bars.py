@@ -80,11 +80,12 @@ def bar(args: argparse.Namespace, total: int, label: str, stream: TextIO | None 
     return ByteBar(out, total, label) if wanted(args, out) else NoBar()
 
 
-def add_option(parser: argparse.ArgumentParser) -> None:
+def add_option(parser: argparse.ArgumentParser, *, has_json: bool = True) -> None:
+    """``--progress``; ``has_json``: the command has a ``--json`` (its help names it)."""
+    when = "terminal and not with --json" if has_json else "terminal"
     parser.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="a progress bar with rate and ETA on stderr (default: only when stderr is a "
-        "terminal and not with --json)",
+        help=f"a progress bar with rate and ETA on stderr (default: only when stderr is a {when})",
     )

@@ -118,3 +118,18 @@ def test_status_escapes_what_a_peer_says() -> None:
     from mtc_replicator.tools.status_cli import _printable
 
     assert _printable("refused\x1b[2J\x07 ok é") == "refused\\x1b[2J\\x07 ok é"
+
+
+def test_help_names_only_options_the_command_has() -> None:
+    """A help text that says "--json" (or another option) belongs to a command that has it:
+    ``mtc backups pin``'s once told of a ``--json`` it lacks."""
+    every = {s for _, parser in _all() for a in parser._actions for s in a.option_strings}
+    problems = []
+    for path, parser in _all():
+        have = {s for a in parser._actions for s in a.option_strings}
+        for action in _options(parser):
+            for named in re.findall(r"(?<![\w-])--[a-z][a-z-]*", action.help or ""):
+                # Another command's option (not the daemon's, which helps may cite).
+                if named in every and named not in have:
+                    problems.append(f"{_name(path, action)} names {named}")
+    assert not problems, problems
