@@ -1,4 +1,5 @@
-"""Numbers as operators read them: sizes in binary units, ages in two units at most. Pure.
+"""Numbers as operators read them: sizes in binary units, ages in two units at most, counts
+with their noun in the right number. Pure.
 
 In ``core`` rather than in ``tools`` because the prune policy (``core.prune``) words its
 reasons with ``human_age``, and ``mtc``'s output must say the same thing the same way.
@@ -36,3 +37,8 @@ def human_age(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60}m"
     return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 item", "2 items", "0 steps"."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mtc_replicator.core.humanize import human_age, human_bytes
+from mtc_replicator.core.humanize import count, human_age, human_bytes
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import restore_pins as pins
 
@@ -124,7 +124,7 @@ def verdict_json(v: audit.StepVerdict) -> dict[str, Any]:
 def print_verdict(v: audit.StepVerdict) -> None:
     status = "OK" if v.ok else "CORRUPT"
     size = human_bytes(v.bytes_checked)
-    counts = f"{v.items} items, {v.objects_checked} objects, {size}"
+    counts = f"{count(v.items, 'item')}, {count(v.objects_checked, 'object')}, {size}"
     print(f"job {v.job} step {v.step}: {status} ({counts})")
     for p in v.problems:
         where = " ".join(x for x in (f"item {p.item}" if p.item else "", p.key or "") if x)

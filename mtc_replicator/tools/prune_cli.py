@@ -14,7 +14,7 @@ from typing import Any
 
 from mtc_replicator.core import argtypes
 from mtc_replicator.core import prune as retention
-from mtc_replicator.core.humanize import human_age, human_bytes
+from mtc_replicator.core.humanize import count, human_age, human_bytes
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import backup_prune
 from mtc_replicator.storage import restore_pins as pins
@@ -228,13 +228,14 @@ def _print_prune(p: _JobPrune, url: str, now: float, *, apply: bool) -> None:
     table(["STEP", "STATE", "ACTION", "SIZE", "AGE", "WHY"], rows)
     if not apply:
         doomed = [d for d in p.decisions if d.action is retention.Action.DELETE]
-        count = sum(p.sizes[d.step].objects for d in doomed)
+        objects = sum(p.sizes[d.step].objects for d in doomed)
         size = human_bytes(sum(p.sizes[d.step].bytes for d in doomed))
-        print(f"would delete {len(doomed)} step(s): {count} objects, {size}")
+        print(f"would delete {count(len(doomed), 'step')}: {count(objects, 'object')}, {size}")
         return
     done = [x for x in p.deletions if x.skipped is None]
     size = human_bytes(sum(x.bytes for x in done))
-    print(f"deleted {len(done)} step(s): {sum(x.objects for x in done)} objects, {size}")
+    objects = sum(x.objects for x in done)
+    print(f"deleted {count(len(done), 'step')}: {count(objects, 'object')}, {size}")
     for x in p.deletions:
         if x.skipped:
             print(f"  left step {x.step}: {x.skipped}")

@@ -289,7 +289,7 @@ def test_prune_is_a_dry_run_until_apply(backup: Backup) -> None:
     assert rows["300"][1:3] == ["committed", "keep"]
     assert rows["200"][1:3] == ["committed", "keep"]
     assert rows["100"][1:3] == ["committed", "delete"]
-    assert "would delete 2 step(s): 13 objects," in out.stdout
+    assert "would delete 2 steps: 13 objects," in out.stdout
     doc = mtc_json("prune", backup.url, "--job", backup.job, "--keep-last", "2")
     assert doc["apply"] is False
     assert doc["deleted"] == []
@@ -328,7 +328,7 @@ def test_prune_keeps_the_pinned_and_the_newest_verified_step(backup: Backup) -> 
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"job {backup.job} step 300: CORRUPT" in out.stdout
     assert f"job {backup.job} step 200: OK" in out.stdout
-    assert "deleted 2 step(s)" in out.stdout  # the partial steps, 400 and 500
+    assert "deleted 2 steps:" in out.stdout  # the partial steps, 400 and 500
     assert set(backup.store.committed_steps(backup.job)) == {100, 200, 300}
     assert not backup.step_dir(UPLOADING).exists() or not any(
         p.is_file() for p in backup.step_dir(UPLOADING).rglob("*")

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtc_replicator.core.humanize import human_age, human_bytes
+from mtc_replicator.core.humanize import count, human_age, human_bytes
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -60,3 +60,19 @@ def test_human_age_answers_any_time_in_two_units_at_most(seconds: float) -> None
 @given(st.integers(0, 2**70))
 def test_human_bytes_is_one_number_and_a_unit(n: int) -> None:
     assert re.fullmatch(r"\d+ B|\d+\.\d [KMGTP]iB", human_bytes(n))
+
+
+@pytest.mark.parametrize(
+    ("n", "noun", "plural", "said"),
+    [
+        (1, "item", None, "1 item"),
+        (2, "item", None, "2 items"),
+        (0, "step", None, "0 steps"),
+        (1, "copy", "copies", "1 copy"),
+        (3, "copy", "copies", "3 copies"),
+    ],
+)
+def test_a_count_names_its_noun_in_the_right_number(
+    n: int, noun: str, plural: str | None, said: str
+) -> None:
+    assert count(n, noun, plural) == said

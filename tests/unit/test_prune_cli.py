@@ -54,7 +54,7 @@ def test_a_dry_run_says_what_it_would_delete(
     assert prune_cli.run(args(), objects, NOW) == 0
     out = capsys.readouterr().out
     assert "dry run: nothing is deleted" in out
-    assert "would delete 2 step(s)" in out
+    assert "would delete 2 steps:" in out
     assert sorted(i.key for i in objects.list("")) == before
 
 
