@@ -178,7 +178,7 @@ def _add_locations(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
         "--listen",
         type=argtypes.listen_address,
         default=env.get("MTC_LISTEN", "0.0.0.0:7070"),
-        help="gRPC address for peers and the coordinator [MTC_LISTEN]",
+        help="gRPC address for peers and the coordinator (default: 0.0.0.0:7070) [MTC_LISTEN]",
     )
     p.add_argument(
         "--advertise",
@@ -252,7 +252,7 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         default=env.get("MTC_DATA_PORT", "auto"),
         help="TCP port for item bytes beside gRPC, on the --listen host: a number, 'auto' "
         "(any free port, told to peers over gRPC) or 'off' (bytes in gRPC chunks) "
-        "[MTC_DATA_PORT]",
+        "(default: auto) [MTC_DATA_PORT]",
     )
     p.add_argument(
         "--tls-cert",

@@ -181,3 +181,15 @@ def test_unsafe_settings_are_named_at_start() -> None:
     assert unsigned.startswith("--accept-unsigned-records is on")
     strict = options.parse_args(["--owner-file", "/run/owner.json"], DAEMON_ENV)
     assert options.unsafe_settings(strict, tls=True, listen=None) == []
+
+
+def test_every_daemon_option_with_a_default_shows_it_in_its_help() -> None:
+    """``mtc-replicator --help`` once showed no default for --listen or --data-port."""
+    missing = [
+        a.option_strings[0]
+        for a in options.make_parser({})._actions
+        if a.option_strings
+        and a.default not in (None, False, argparse.SUPPRESS)
+        and "(default" not in (a.help or "")
+    ]
+    assert not missing, missing
