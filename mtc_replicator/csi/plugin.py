@@ -106,14 +106,14 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     p.add_argument(
         "--driver-name",
         default=env.get("MTC_CSI_DRIVER_NAME", DEFAULT_DRIVER_NAME),
-        help=f"CSI driver name, as the CSIDriver object names it (default {DEFAULT_DRIVER_NAME})"
+        help=f"CSI driver name, as the CSIDriver object names it (default: {DEFAULT_DRIVER_NAME})"
         " [MTC_CSI_DRIVER_NAME]",
     )
     p.add_argument(
         "--checkpoint-subdir",
         default=env.get("MTC_CHECKPOINT_SUBDIR", DEFAULT_SUBDIR),
         help="the RAM disk's subdirectory that pods get as their volume, the daemon's "
-        f"CHECKPOINT_DIR (default {DEFAULT_SUBDIR}) [MTC_CHECKPOINT_SUBDIR]",
+        f"CHECKPOINT_DIR (default: {DEFAULT_SUBDIR}) [MTC_CHECKPOINT_SUBDIR]",
     )
     p.add_argument(
         "--allowed-namespaces",
@@ -136,7 +136,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
         metavar="GID",
         help="group of the RAM disk and the checkpoint directory (mode 2770): the "
         "replicator's gid; training pods join it with fsGroup or runAsGroup "
-        f"(default {DEFAULT_FS_GROUP}) [MTC_CSI_FS_GROUP]",
+        f"(default: {DEFAULT_FS_GROUP}) [MTC_CSI_FS_GROUP]",
     )
     add_log_arguments(p, env)
     p.add_argument(

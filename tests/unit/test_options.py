@@ -183,13 +183,19 @@ def test_unsafe_settings_are_named_at_start() -> None:
     assert options.unsafe_settings(strict, tls=True, listen=None) == []
 
 
-def test_every_daemon_option_with_a_default_shows_it_in_its_help() -> None:
-    """``mtc-replicator --help`` once showed no default for --listen or --data-port."""
-    missing = [
-        a.option_strings[0]
-        for a in options.make_parser({})._actions
-        if a.option_strings
-        and a.default not in (None, False, argparse.SUPPRESS)
-        and "(default" not in (a.help or "")
-    ]
+@pytest.mark.parametrize("make", [options.make_parser, csi_plugin.make_parser])
+def test_every_daemon_option_with_a_default_shows_it_in_its_help(
+    make: Callable[[Mapping[str, str]], argparse.ArgumentParser],
+) -> None:
+    """``mtc-replicator --help`` once showed no default for --listen or --data-port, and
+    ``mtc-csi`` wrote "(default X)" beside "(default: X)"."""
+    missing, styled = [], []
+    for a in make({})._actions:
+        text = a.help or ""
+        if re.search(r"\(default [^:]", text):
+            styled.append(a.option_strings[0])
+        has_default = a.default not in (None, False, "", argparse.SUPPRESS)
+        if a.option_strings and has_default and "(default" not in text:
+            missing.append(a.option_strings[0])
     assert not missing, missing
+    assert not styled, styled
