@@ -24,6 +24,10 @@ RUN groupadd --gid 65532 mtc \
     && useradd --uid 65532 --gid 65532 --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin mtc
 COPY --from=builder /opt/mtc /opt/mtc
+COPY LICENSE NOTICE /usr/share/doc/mtc-replicator/
+LABEL org.opencontainers.image.title="mtc-replicator" \
+      org.opencontainers.image.description="Node-local multi-tier checkpoint replicator and its CSI plugin" \
+      org.opencontainers.image.licenses="Apache-2.0"
 # Bytecode was compiled at install time; the root filesystem is read-only at run time.
 ENV PATH=/opt/mtc/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -137,7 +137,7 @@ def workdir() -> Iterator[Path]:
 def wheel(workdir: Path) -> Path:
     src = workdir / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE", "NOTICE"):
         shutil.copy2(REPO / name, src / name)
     for package in ("mtc_replicator",):
         shutil.copytree(
@@ -266,6 +266,20 @@ def test_the_wheel_installs_one_top_level_package(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         tops = {name.split("/")[0] for name in zf.namelist()}
     assert {top for top in tops if not top.endswith(".dist-info")} == {"mtc_replicator"}
+
+
+def test_the_wheel_carries_the_license_and_notice(wheel: Path) -> None:
+    """Apache-2.0 asks for both to travel with every copy; PEP 639 puts them in the
+    dist-info's ``licenses/`` and names the license in the metadata."""
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        fields = Parser().parsestr(zf.read(meta).decode())
+        texts = {n.rsplit("/", 1)[1]: zf.read(n) for n in names if "/licenses/" in n}
+    assert fields["License-Expression"] == "Apache-2.0"
+    assert set(texts) == {"LICENSE", "NOTICE"}
+    assert b"Apache License" in texts["LICENSE"]
+    assert b"Version 2.0, January 2004" in texts["LICENSE"]
 
 
 def test_a_training_repos_own_client_and_csi_shadow_nothing(
