@@ -25,6 +25,7 @@ from typing import Any
 
 from mtc_replicator.core import argtypes
 from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
+from mtc_replicator.core.humanize import count
 from mtc_replicator.core.identity import IdentityRule
 from mtc_replicator.core.manifest import ManifestError
 from mtc_replicator.core.signed import OPEN, RecordTrust
@@ -300,7 +301,7 @@ def _verify_job(
         for v in verdicts:
             print_verdict(v)
         bad = sum(1 for v in verdicts if not v.ok)
-        print(f"{len(verdicts)} step(s) verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
+        print(f"{count(len(verdicts), 'step')} verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
     return ok, {"job": job, "ok": ok, "steps": [verdict_json(v) for v in verdicts]}
 
 

@@ -160,7 +160,7 @@ def test_verify_good_and_corrupt_steps(backup: Backup) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     for step in COMMITTED:
         assert f"job {backup.job} step {step}: OK (2 items, 4 objects, 128.0 KiB)" in out.stdout
-    assert "3 step(s) verified: 3 OK, 0 CORRUPT" in out.stdout
+    assert "3 steps verified: 3 OK, 0 CORRUPT" in out.stdout
     assert "100%" in out.stderr  # the progress bar, forced although stderr is a pipe
 
     quiet = mtc("verify", backup.url, "--job", backup.job)
@@ -180,7 +180,7 @@ def test_verify_good_and_corrupt_steps(backup: Backup) -> None:
     assert f"checksum mismatch: item 1-0 {weights}: " in out.stdout
     assert "content digest (blake3)" in out.stdout
     assert f"missing object: item 0-0 {metadata}" in out.stdout
-    assert "3 step(s) verified: 1 OK, 2 CORRUPT" in out.stdout
+    assert "3 steps verified: 1 OK, 2 CORRUPT" in out.stdout
 
     doc = mtc_json("verify", backup.url, "--job", backup.job, "--step", "200", rc=1)
     assert doc["ok"] is False
