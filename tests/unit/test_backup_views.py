@@ -52,7 +52,7 @@ def test_print_verdict_says_where(capsys: pytest.CaptureFixture[str]) -> None:
     bad = Problem(ProblemKind.MISSING_OBJECT, "gone", item="0-0", key="j/7/x")
     backup_views.print_verdict(StepVerdict("j", 7, 1, 2, 7, (bad,)))
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "job j step 7: CORRUPT (1 items, 2 objects, 7 B)"
+    assert out[0] == "job j step 7: CORRUPT (1 item, 2 objects, 7 B)"
     assert out[1] == "  missing object: item 0-0 j/7/x: gone"
 
 
