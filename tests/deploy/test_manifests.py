@@ -457,6 +457,8 @@ def test_scheduling_and_priority(built: list[Obj]) -> None:
     priority = only(built, "PriorityClass")
     assert pod["priorityClassName"] == priority["metadata"]["name"]
     assert priority["value"] >= 1_000_000
+    # Placed before training pods but never evicting a running one (issue 28).
+    assert priority["preemptionPolicy"] == "Never"
     assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
     assert pod["tolerations"]
     for c in [*pod["initContainers"], *pod["containers"]]:

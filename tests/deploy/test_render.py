@@ -71,6 +71,8 @@ def test_defaults() -> None:
     pod = _pod(objs)
     assert pod["tolerations"] == [dict(t) for t in render_config.DEFAULT_TOLERATIONS]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    # Scheduled before training pods, never preempting a running one.
+    assert only(objs, "PriorityClass")["preemptionPolicy"] == "Never"
     # The default drain (20 s) and 10 s to stop: Kubernetes' default grace period.
     assert pod["terminationGracePeriodSeconds"] == 30
     replicator = container(pod, "replicator")
