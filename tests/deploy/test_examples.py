@@ -89,3 +89,12 @@ def test_jobset_gets_no_tls_material() -> None:
     for c in all_containers(pod):
         assert not [r for r in c.get("envFrom", []) if "secretRef" in r], c["name"]
         assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+
+
+def test_jobset_runs_on_the_pool_and_uses_the_gpus_whose_taint_it_tolerates() -> None:
+    pod = _pod_spec()
+    assert pod["nodeSelector"] == dict(render_config.DEFAULT_NODE_SELECTOR)
+    tolerated = {t["key"] for t in pod["tolerations"]}
+    trainer = container(pod, "trainer")
+    if "nvidia.com/gpu" in tolerated:
+        assert int(trainer["resources"]["limits"]["nvidia.com/gpu"]) >= 1

@@ -459,8 +459,15 @@ def test_scheduling_and_priority(built: list[Obj]) -> None:
     assert priority["value"] >= 1_000_000
     # Placed before training pods but never evicting a running one (issue 28).
     assert priority["preemptionPolicy"] == "Never"
-    assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
-    assert pod["tolerations"]
+    # Only the pool the operator labels, not every Linux node (system nodes included).
+    assert pod["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        render_config.POOL_LABEL: "true",
+    }
+    # GPU taints of GKE/EKS (nvidia.com/gpu) and AKS (sku=gpu), both effects.
+    for key in ("nvidia.com/gpu", "sku"):
+        for effect in ("NoSchedule", "NoExecute"):
+            assert {"key": key, "operator": "Exists", "effect": effect} in pod["tolerations"]
     for c in [*pod["initContainers"], *pod["containers"]]:
         assert c["resources"]["requests"], c["name"]
     namespace = only(built, "Namespace")
