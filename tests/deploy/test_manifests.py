@@ -549,3 +549,28 @@ def test_the_cert_manager_check_catches_bad_issuers(spec: Obj) -> None:
     }
     assert cert_manager_errors(issuer)
     assert cert_manager_errors(issuer | {"spec": {"selfSigned": {}}}) == []
+
+
+def _documented_uninstall() -> str:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    return text.split("## 5. Uninstall", 1)[1].split("\n4. Only to remove everything", 1)[0]
+
+
+def test_the_documented_uninstall_deletes_all_but_the_namespace_and_crd(built: list[Obj]) -> None:
+    # Everything the kustomization makes goes, except the namespace (hand-made Secrets in it)
+    # and the CRD (every CheckpointConfiguration): what docs/deploy.md promises to keep.
+    steps = _documented_uninstall()
+    namespaced: set[str] = set()
+    for kinds in re.findall(r"-n mtc-system delete ([a-z,]+)", steps):
+        namespaced |= set(kinds.split(","))
+    assert "-l app.kubernetes.io/part-of=mtc" in steps
+    named = set(re.findall(r"kubectl delete ([a-z]+) ([a-z0-9.-]+)", steps))
+    for obj in built:
+        kind, meta = obj["kind"], obj["metadata"]
+        if kind in ("Namespace", "CustomResourceDefinition"):
+            assert kind.lower() not in namespaced | {k for k, _ in named}
+        elif "namespace" in meta:
+            assert kind.lower() in namespaced, kind
+            assert meta["labels"]["app.kubernetes.io/part-of"] == "mtc", name_of(obj)
+        else:
+            assert (kind.lower(), meta["name"]) in named, name_of(obj)
