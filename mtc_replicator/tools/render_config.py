@@ -94,11 +94,16 @@ _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 _TLS_FIELDS = frozenset({"enabled", "secretName", "certManager", "perNodeCertificates"})
 _TOLERATION_FIELDS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
 _EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
-DEFAULT_TOLERATIONS: tuple[Manifest, ...] = (
-    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-    {"key": "google.com/tpu", "operator": "Exists", "effect": "NoSchedule"},
+DEFAULT_TOLERATIONS: tuple[Manifest, ...] = tuple(
+    {"key": key, "operator": "Exists", "effect": effect}
+    for key in ("nvidia.com/gpu", "sku", "google.com/tpu")  # sku=gpu: AKS
+    for effect in ("NoSchedule", "NoExecute")
 )
 """Accelerator nodes are tainted; the node stack must run exactly there."""
+POOL_LABEL = "checkpointing.mtc.dev/pool"
+DEFAULT_NODE_SELECTOR: tuple[tuple[str, str], ...] = ((POOL_LABEL, "true"),)
+"""Without ``spec.nodeSelector``: the nodes the operator labels as the checkpointing pool, not
+every node (the plugin is privileged and requests resources)."""
 
 
 class RenderError(ValueError):
@@ -118,7 +123,7 @@ class NodeConfig:
     backup_url: str
     ram_size: str
     registry_url: str | None = None
-    node_selector: tuple[tuple[str, str], ...] = ()
+    node_selector: tuple[tuple[str, str], ...] = DEFAULT_NODE_SELECTOR
     tolerations: tuple[Manifest, ...] = DEFAULT_TOLERATIONS
     image: str = DEFAULT_IMAGE
     pull_policy: str = "IfNotPresent"
@@ -302,6 +307,8 @@ def _ram_size(spec: Mapping[str, Any]) -> str:
 
 
 def _node_selector(spec: Mapping[str, Any]) -> dict[str, str]:
+    if "nodeSelector" not in spec:
+        return dict(DEFAULT_NODE_SELECTOR)
     node_selector = _string_map(spec.get("nodeSelector", {}), "spec.nodeSelector", _LABEL_KEY)
     for key, value in node_selector.items():
         if not _LABEL_VALUE.fullmatch(value):

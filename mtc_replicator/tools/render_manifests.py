@@ -532,10 +532,12 @@ def manifests(c: NodeConfig) -> list[Manifest]:
             "kind": "PriorityClass",
             "metadata": _meta(PRIORITY_CLASS, c, namespaced=False),
             # Our own class: system-node-critical is quota-limited to kube-system on some
-            # clusters (GKE). Training pods need the node stack, so it must not be evicted.
+            # clusters (GKE). Training pods need the node stack: the high value schedules it
+            # before them and keeps them from preempting it, and Never keeps it from
+            # preempting running training pods (it waits for room instead).
             "value": 1_000_000_000,
             "globalDefault": False,
-            "preemptionPolicy": "PreemptLowerPriority",
+            "preemptionPolicy": "Never",
             "description": "The multi-tier checkpoint node stack (CSI plugin and replicator).",
         }
     )

@@ -1,13 +1,32 @@
-"""The example JobSet is a valid workload that mounts our volume the way the contract needs."""
+"""The example workloads (JobSet, PyTorchJob, StatefulSet) are valid and mount our volume the
+way the contract needs. The PyTorchJob's own fields are checked against
+deploy/schemas/kubeflow-pytorchjob-v1.yaml (strict, like test_kuberay.py's KubeRay schema), its
+pod templates and the StatefulSet with kubernetes-validate."""
 
 from __future__ import annotations
 
+import copy
+
+import jsonschema
+import pytest
 import yaml
 
 from mtc_replicator.tools import render_config
-from tests.deploy.k8s import DEPLOY, Obj, all_containers, container, env, secret_volumes, validate
+from tests.deploy.k8s import (
+    DEPLOY,
+    Obj,
+    all_containers,
+    container,
+    env,
+    secret_volumes,
+    strict,
+    validate,
+)
 
 JOBSET = DEPLOY / "examples" / "jobset.yaml"
+PYTORCHJOB = DEPLOY / "examples" / "pytorchjob.yaml"
+STATEFULSET = DEPLOY / "examples" / "statefulset.yaml"
+PYTORCHJOB_SCHEMA = DEPLOY / "schemas" / "kubeflow-pytorchjob-v1.yaml"
 
 
 def _pod_spec() -> Obj:
@@ -89,3 +108,121 @@ def test_jobset_gets_no_tls_material() -> None:
     for c in all_containers(pod):
         assert not [r for r in c.get("envFrom", []) if "secretRef" in r], c["name"]
         assert not [e for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})]
+
+
+def test_jobset_runs_on_the_pool_and_uses_the_gpus_whose_taint_it_tolerates() -> None:
+    pod = _pod_spec()
+    assert pod["nodeSelector"] == dict(render_config.DEFAULT_NODE_SELECTOR)
+    tolerated = {t["key"] for t in pod["tolerations"]}
+    trainer = container(pod, "trainer")
+    if "nvidia.com/gpu" in tolerated:
+        assert int(trainer["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+
+
+# --- PyTorchJob and StatefulSet ------------------------------------------------------------
+
+
+def _pytorchjob_errors(obj: Obj) -> list[str]:
+    doc = yaml.safe_load(PYTORCHJOB_SCHEMA.read_text())
+    schema = strict({"$ref": "#/$defs/PyTorchJob", "$defs": doc["$defs"]})
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '(root)'}: {e.message}"
+        for e in jsonschema.Draft202012Validator(schema).iter_errors(obj)
+    ]
+
+
+def _pod_specs() -> dict[str, Obj]:
+    """The pod spec of each example workload, by kind (the PyTorchJob's Worker and Master
+    share one template)."""
+    pytorchjob = yaml.safe_load(PYTORCHJOB.read_text())
+    (statefulset,) = [
+        o for o in yaml.safe_load_all(STATEFULSET.read_text()) if o["kind"] == "StatefulSet"
+    ]
+    replicas = pytorchjob["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["template"] == replicas["Worker"]["template"]
+    return {
+        "JobSet": _pod_spec(),
+        "PyTorchJob": replicas["Master"]["template"]["spec"],
+        "StatefulSet": statefulset["spec"]["template"]["spec"],
+    }
+
+
+def test_pytorchjob_is_valid() -> None:
+    job = yaml.safe_load(PYTORCHJOB.read_text())
+    assert _pytorchjob_errors(job) == []
+    for kind, replica in job["spec"]["pytorchReplicaSpecs"].items():
+        validate(
+            {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": f"{job['metadata']['name']}-{kind.lower()}"},
+                "template": replica["template"],
+            }
+        )
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        (("spec", "pytorchReplicaSpecs", "Chief"), {"template": {}}),
+        (("spec", "pytorchReplicaSpecs", "Worker", "restartPolicy"), "Sometimes"),
+        (("spec", "runPolicy", "cleanPodPolicy"), "Some"),
+        (("spec", "replicaSpecs"), {}),
+    ],
+)
+def test_the_pytorchjob_schema_rejects_mistakes(path: tuple[str, ...], value: object) -> None:
+    job = copy.deepcopy(yaml.safe_load(PYTORCHJOB.read_text()))
+    node = job
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    assert _pytorchjob_errors(job)
+
+
+def test_statefulset_is_valid() -> None:
+    docs = list(yaml.safe_load_all(STATEFULSET.read_text()))
+    assert sorted(o["kind"] for o in docs) == ["Service", "StatefulSet"]
+    for obj in docs:
+        validate(obj)
+    service, statefulset = sorted(docs, key=lambda o: o["kind"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert statefulset["spec"]["serviceName"] == service["metadata"]["name"]
+
+
+@pytest.mark.parametrize("kind", ["JobSet", "PyTorchJob", "StatefulSet"])
+def test_every_example_mounts_the_ram_disk_on_the_pool_one_pod_per_node(kind: str) -> None:
+    pod = _pod_specs()[kind]
+    driver = yaml.safe_load((DEPLOY / "base" / "csidriver.yaml").read_text())["metadata"]["name"]
+    (volume,) = pod["volumes"]
+    assert volume["csi"] == {"driver": driver}
+    (trainer,) = pod["containers"]
+    (mount,) = trainer["volumeMounts"]
+    assert mount == {"name": volume["name"], "mountPath": env(trainer)["MTC_CHECKPOINT_DIR"]}
+    assert pod["securityContext"]["runAsUser"] == render_config.WORKLOAD_UID
+    assert pod["nodeSelector"] == dict(render_config.DEFAULT_NODE_SELECTOR)
+    # Tolerating the GPU taint means using the GPUs.
+    assert {t["key"] for t in pod["tolerations"]} == {"nvidia.com/gpu"}
+    assert int(trainer["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    (term,) = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert "MTC_JOB_NAME" in env(trainer)
+    assert not secret_volumes(pod)
+
+
+def test_pytorchjob_and_statefulset_count_their_nodes() -> None:
+    job = yaml.safe_load(PYTORCHJOB.read_text())
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1
+    e = env(_pod_specs()["PyTorchJob"]["containers"][0])
+    assert int(e["NNODES"]) == replicas["Master"]["replicas"] + replicas["Worker"]["replicas"]
+    assert e["MTC_JOB_NAME"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['training.kubeflow.org/job-name']"}
+    }
+    (statefulset,) = [
+        o for o in yaml.safe_load_all(STATEFULSET.read_text()) if o["kind"] == "StatefulSet"
+    ]
+    e = env(_pod_specs()["StatefulSet"]["containers"][0])
+    assert int(e["NNODES"]) == statefulset["spec"]["replicas"]
+    assert e["NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
+    }

@@ -249,7 +249,10 @@ def test_worker_group_follows_the_configuration() -> None:
     assert pod["tolerations"] == []
     default = ray_worker_group(render_config.parse(cr()), "job-1")["template"]["spec"]
     assert default["securityContext"]["runAsUser"] == render_config.WORKLOAD_UID
-    assert default["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert default["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        render_config.POOL_LABEL: "true",
+    }
     assert default["tolerations"] == [dict(t) for t in render_config.DEFAULT_TOLERATIONS]
 
 

@@ -457,8 +457,17 @@ def test_scheduling_and_priority(built: list[Obj]) -> None:
     priority = only(built, "PriorityClass")
     assert pod["priorityClassName"] == priority["metadata"]["name"]
     assert priority["value"] >= 1_000_000
-    assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
-    assert pod["tolerations"]
+    # Placed before training pods but never evicting a running one (issue 28).
+    assert priority["preemptionPolicy"] == "Never"
+    # Only the pool the operator labels, not every Linux node (system nodes included).
+    assert pod["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        render_config.POOL_LABEL: "true",
+    }
+    # GPU taints of GKE/EKS (nvidia.com/gpu) and AKS (sku=gpu), both effects.
+    for key in ("nvidia.com/gpu", "sku"):
+        for effect in ("NoSchedule", "NoExecute"):
+            assert {"key": key, "operator": "Exists", "effect": effect} in pod["tolerations"]
     for c in [*pod["initContainers"], *pod["containers"]]:
         assert c["resources"]["requests"], c["name"]
     namespace = only(built, "Namespace")
@@ -540,3 +549,28 @@ def test_the_cert_manager_check_catches_bad_issuers(spec: Obj) -> None:
     }
     assert cert_manager_errors(issuer)
     assert cert_manager_errors(issuer | {"spec": {"selfSigned": {}}}) == []
+
+
+def _documented_uninstall() -> str:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    return text.split("## 5. Uninstall", 1)[1].split("\n4. Only to remove everything", 1)[0]
+
+
+def test_the_documented_uninstall_deletes_all_but_the_namespace_and_crd(built: list[Obj]) -> None:
+    # Everything the kustomization makes goes, except the namespace (hand-made Secrets in it)
+    # and the CRD (every CheckpointConfiguration): what docs/deploy.md promises to keep.
+    steps = _documented_uninstall()
+    namespaced: set[str] = set()
+    for kinds in re.findall(r"-n mtc-system delete ([a-z,]+)", steps):
+        namespaced |= set(kinds.split(","))
+    assert "-l app.kubernetes.io/part-of=mtc" in steps
+    named = set(re.findall(r"kubectl delete ([a-z]+) ([a-z0-9.-]+)", steps))
+    for obj in built:
+        kind, meta = obj["kind"], obj["metadata"]
+        if kind in ("Namespace", "CustomResourceDefinition"):
+            assert kind.lower() not in namespaced | {k for k, _ in named}
+        elif "namespace" in meta:
+            assert kind.lower() in namespaced, kind
+            assert meta["labels"]["app.kubernetes.io/part-of"] == "mtc", name_of(obj)
+        else:
+            assert (kind.lower(), meta["name"]) in named, name_of(obj)

@@ -70,7 +70,17 @@ def test_defaults() -> None:
     }
     pod = _pod(objs)
     assert pod["tolerations"] == [dict(t) for t in render_config.DEFAULT_TOLERATIONS]
-    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    # The labelled accelerator pool, not every Linux node; its GPU taints, both effects.
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", render_config.POOL_LABEL: "true"}
+    for key in ("nvidia.com/gpu", "sku"):
+        for effect in ("NoSchedule", "NoExecute"):
+            assert {"key": key, "operator": "Exists", "effect": effect} in pod["tolerations"]
+    # An explicit empty selector opts out of the pool label.
+    assert _pod(render_manifests.manifests(render_config.parse(cr(nodeSelector={}))))[
+        "nodeSelector"
+    ] == {"kubernetes.io/os": "linux"}
+    # Scheduled before training pods, never preempting a running one.
+    assert only(objs, "PriorityClass")["preemptionPolicy"] == "Never"
     # The default drain (20 s) and 10 s to stop: Kubernetes' default grace period.
     assert pod["terminationGracePeriodSeconds"] == 30
     replicator = container(pod, "replicator")
