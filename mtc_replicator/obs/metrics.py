@@ -33,10 +33,15 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mtc_replicator import __version__
+
+# No ``*_created`` series: they double a scrape and say nothing Prometheus cannot see itself
+# (a counter's reset shows as a drop). The switch is process-wide and read at scrape time.
+disable_created_metrics()
 
 
 class TransferKind(StrEnum):

@@ -231,6 +231,17 @@ def test_csi_calls_count_by_method_and_code() -> None:
     assert value(r, "mtc_csi_call_seconds_count", method="Probe") == 1
 
 
+def test_no_created_series_in_either_exposition(metrics: PrometheusMetrics) -> None:
+    metrics.transfer(TransferKind.INGEST, 10, 0.1)
+    metrics.committed("j", 3)
+    csi = PrometheusCallMetrics()
+    csi.call("Probe", "OK", 0.0001)
+    for registry in (metrics.registry, csi.registry):
+        text = generate_latest(registry).decode()
+        assert "_total" in text
+        assert "_created" not in text
+
+
 @pytest.mark.parametrize(
     ("flags", "rule"),
     [
