@@ -41,7 +41,7 @@ from mtc_replicator import __version__
 
 # No ``*_created`` series: they double a scrape and say nothing Prometheus cannot see itself
 # (a counter's reset shows as a drop). The switch is process-wide and read at scrape time.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class TransferKind(StrEnum):
