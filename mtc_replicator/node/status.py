@@ -157,7 +157,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if self.drop is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")
         assert self.drop is not None
-        log.warning("Drop of job %s asked by %s", job, context.peer())
+        log.warning("Drop of job %s asked by %s", job, context.peer(), extra={"job": job})
         try:
             gone = await self.drop(job, request.even_if_only_copy)
         except DropRefused as exc:

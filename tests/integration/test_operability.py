@@ -49,13 +49,14 @@ def get(address: str, path: str) -> tuple[int, str]:
 
 
 def test_json_logs_are_json_lines_with_the_job_as_keys(
-    ckpt: Path, job: str, start_daemon: StartDaemon
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
 ) -> None:
-    daemon = start_daemon(extra=("--log-format", "json", "--log-level", "debug"))
-    write_yaml_atomic(ckpt, config_text(job))
+    daemon = start_daemon(backup=backup_dir, extra=("--log-format", "json", "--log-level", "debug"))
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1))
     wait_markers(ckpt, job, 0, daemon)
     make_step(ckpt, 3, payload(3, seed=job))
     wait_ingested(ckpt, job, 3, daemon)
+    wait_until(lambda: "backup committed" in daemon.log(), "the backup committed", daemon=daemon)
     daemon.stop()
 
     lines = [json.loads(line) for line in daemon.log().splitlines()]  # every line is JSON
@@ -67,9 +68,19 @@ def test_json_logs_are_json_lines_with_the_job_as_keys(
         assert isinstance(line["message"], str), line
     about_the_job = [line for line in lines if line.get("job") == job]
     assert about_the_job, "no line carries the job as a key"
-    assert all(line["rank"] == 0 for line in about_the_job)
+    assert all(line.get("rank", 0) == 0 for line in about_the_job)
     assert any(line.get("step") == 3 for line in about_the_job), "no line carries step 3"
     assert any(line["message"].startswith("daemon ready") for line in lines)
+    # Every line of ours that names the job (accepted, backup committed, ...) has it as a key.
+    naming = [
+        line
+        for line in lines
+        if line["logger"].startswith("mtc_replicator.")
+        and re.search(rf"\bjob\b.*\b{re.escape(job)}\b", line["message"])
+    ]
+    assert any(line["message"].startswith("accepted") for line in naming)
+    assert any(line["message"].startswith("backup committed") for line in naming)
+    assert [line for line in naming if line.get("job") != job] == []
 
 
 def test_text_logs_stamp_utc_with_its_zone(ckpt: Path, job: str, start_daemon: StartDaemon) -> None:
