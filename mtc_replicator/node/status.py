@@ -102,8 +102,9 @@ def node_status(
             member = incarnation.member
             if member is not None:
                 status.coordinator = member.coordinator or ""
-                if member.replication.newest_replicated is not None:
-                    status.last_replicated = member.replication.newest_replicated
+                replicated = member.replication.newest_replicated
+                if member.replication.replicates and replicated is not None:
+                    status.last_replicated = replicated
                 if member.uploaded is not None:
                     status.last_backed_up = member.uploaded
             for rank, peer in peer_addresses(incarnation).items():

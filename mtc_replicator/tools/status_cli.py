@@ -211,10 +211,12 @@ def print_status(body: dict[str, Any], now: float) -> None:
                 f"job {j['job']}: rank {j['rank']}/{j['nodes']}, {j['phase']}, incarnation "
                 f"{j['incarnation']}, coordinator {_or_dash(j['coordinator'])}"
             )
-            print(
-                f"  last replicated {_or_dash(j['last_replicated'])}, "
-                f"last backed up {_or_dash(j['last_backed_up'])}"
+            replicated = (
+                "not replicated (one node)"
+                if j["nodes"] == 1
+                else f"last replicated {_or_dash(j['last_replicated'])}"
             )
+            print(f"  {replicated}, last backed up {_or_dash(j['last_backed_up'])}")
             print(f"  local steps: {_steps(j['local_steps'])}")
         elif j["kept_without_backup"]:
             print(

@@ -149,6 +149,8 @@ def test_one_node_ingest_backup_and_restores_are_measured(
     assert sample(got, "mtc_restore_rounds_total", job=job, outcome="restored") == 0
     assert sample(got, "mtc_errors_total", kind="ingest") == 0
     assert not [name for name, _ in got if name.endswith("_created")]
+    # One node: nothing to replicate to, so no replicated tier is claimed.
+    assert sample(got, "mtc_newest_step", job=job, tier="replicated") is None
 
     # The job restarts: step 7 is restored from the local tier, every byte re-read.
     write_yaml_atomic(ckpt, yaml_text)

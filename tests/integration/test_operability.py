@@ -33,6 +33,7 @@ from tests.integration.helpers import (
     write_yaml_atomic,
 )
 from tests.integration.test_metrics import METRICS, sample, scrape_daemon
+from tests.integration.test_status import mtc_status
 
 pytestmark = pytest.mark.integration
 
@@ -57,6 +58,15 @@ def test_json_logs_are_json_lines_with_the_job_as_keys(
     make_step(ckpt, 3, payload(3, seed=job))
     wait_ingested(ckpt, job, 3, daemon)
     wait_until(lambda: "backup committed" in daemon.log(), "the backup committed", daemon=daemon)
+    # One node: mtc status claims no replication, in JSON or in words.
+    status = mtc_status(daemon.address, "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    (about,) = [j for j in json.loads(status.stdout)["jobs"] if j["job"] == job]
+    assert (about["nodes"], about["last_replicated"]) == (1, None)
+    assert about["local_steps"] == [3]
+    table = mtc_status(daemon.address).stdout
+    assert "not replicated (one node), last backed up" in table
+    assert "last replicated" not in table
     daemon.stop()
 
     lines = [json.loads(line) for line in daemon.log().splitlines()]  # every line is JSON
