@@ -80,7 +80,12 @@ def test_json_logs_are_json_lines_with_the_job_as_keys(
     assert about_the_job, "no line carries the job as a key"
     assert all(line.get("rank", 0) == 0 for line in about_the_job)
     assert any(line.get("step") == 3 for line in about_the_job), "no line carries step 3"
-    assert any(line["message"].startswith("daemon ready") for line in lines)
+    # The start line says the daemon serves; whether it is ready is its own line, never
+    # "daemon ready:" followed by "not ready".
+    messages = [line["message"] for line in lines]
+    started = next(i for i, m in enumerate(messages) if m.startswith("daemon started: "))
+    assert "ready" in messages[started:]
+    assert not [m for m in messages if m.startswith("daemon ready")]
     # Every line of ours that names the job (accepted, backup committed, ...) has it as a key.
     naming = [
         line
@@ -97,7 +102,7 @@ def test_text_logs_stamp_utc_with_its_zone(ckpt: Path, job: str, start_daemon: S
     daemon = start_daemon()
     write_yaml_atomic(ckpt, config_text(job))
     wait_markers(ckpt, job, 0, daemon)
-    ready = next(line for line in daemon.log().splitlines() if "daemon ready" in line)
+    ready = next(line for line in daemon.log().splitlines() if "daemon started" in line)
     assert RFC3339_UTC.match(ready.split(" ", 1)[0]), ready
     assert any(f"job={job} rank=0" in line for line in daemon.log().splitlines())
 
@@ -151,7 +156,7 @@ def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon
     daemon = start_daemon(extra=(*METRICS, "--health-listen", "127.0.0.1:0"))
     address = daemon.metrics
     assert address is not None
-    found = re.search(r"daemon ready:.* health=(\S+)", daemon.log())
+    found = re.search(r"daemon started:.* health=(\S+)", daemon.log())
     assert found
     probes = found[1]
     wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
@@ -182,9 +187,17 @@ def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon
         assert grpc_health(probes, "") == "SERVING"
     finally:
         away.rename(ckpt)
-    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready again", daemon=daemon)
+    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready", daemon=daemon)
     wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
     assert "not ready: CHECKPOINT_DIR" in daemon.log()
+    wait_until(
+        lambda: (
+            daemon.log().rfind("mtc_replicator.node.daemon: ready")
+            > daemon.log().index("not ready: CHECKPOINT_DIR")
+        ),
+        "'ready' logged after 'not ready'",
+        daemon=daemon,
+    )
 
 
 def test_probes_answer_503_with_the_reasons() -> None:
