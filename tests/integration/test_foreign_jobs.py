@@ -90,7 +90,7 @@ def test_a_job_not_in_the_backup_is_kept_and_reported(
     run_a_then_b(ckpt, daemon, a, b)
     wait_until(lambda: f"job {a} does not run here" in daemon.log(), "the warning", daemon=daemon)
     assert stored_steps(ckpt, a) == {10}
-    held = sample(scrape_daemon(daemon), "mtc_held_without_backup_bytes", job=a)
+    held = sample(scrape_daemon(daemon), "mtc_held_without_backup_bytes", mtc_job=a)
     assert held is not None
     assert held > STEP
 
