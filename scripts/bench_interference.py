@@ -314,7 +314,7 @@ class Daemon:
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + 60
-        while b"daemon ready:" not in self.log.read_bytes():
+        while b"daemon started:" not in self.log.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 text = self.log.read_text(errors="replace")
                 raise RuntimeError(f"daemon did not start:\n{text}")

@@ -63,7 +63,7 @@ except ImportError:  # pragma: no cover
 
 JOB = "bench"
 _HEADER = struct.Struct("!HQ")
-_READY = re.compile(rb"daemon ready:.* listen=(\S+) advertise=")
+_READY = re.compile(rb"daemon started:.* listen=(\S+) advertise=")
 
 
 # --- the raw-socket baseline (run as child processes) -----------------------------------------

@@ -77,7 +77,7 @@ except ImportError:  # pragma: no cover
 
 JOB = "scale"
 State = pb.RoundStatusResponse.State
-_READY = re.compile(rb"daemon ready:.* listen=(\S+) advertise=")
+_READY = re.compile(rb"daemon started:.* listen=(\S+) advertise=")
 _PLAN = re.compile(
     r"round (\d+) plan (\d+): .* in ([0-9.]+)s \((\d+) items; the busiest peer serves (\d+)\)"
 )

@@ -11,9 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-READY_LINE = "daemon ready"
-_READY_RE = re.compile(rb"daemon ready:.* listen=(\S+) advertise=(\S+) backup=")
-_METRICS_RE = re.compile(rb"daemon ready:.* metrics=(\S+)")
+READY_LINE = "daemon started"
+_READY_RE = re.compile(rb"daemon started:.* listen=(\S+) advertise=(\S+) backup=")
+_METRICS_RE = re.compile(rb"daemon started:.* metrics=(\S+)")
 
 
 def _default_log(checkpoint_dir: Path) -> Path:

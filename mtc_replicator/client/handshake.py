@@ -225,6 +225,7 @@ def publish_config(
         config.framework.value,
         config.nodes,
         config.workers_per_node,
+        extra={"job": config.job_name},
     )
     return final
 
@@ -305,6 +306,7 @@ def await_restore(
                 who.rank,
                 who.worker,
                 now - start,
+                extra={"job": who.job},
             )
             next_progress = now + _PROGRESS_EVERY
         sleep(poll_interval)
@@ -423,7 +425,12 @@ def _relay_errors(directory: Path, who: _Who) -> None:
     for line in text.splitlines():
         if line.strip():
             log.warning(
-                "job %s rank %s worker %s: replicator: %s", who.job, who.rank, who.worker, line
+                "job %s rank %s worker %s: replicator: %s",
+                who.job,
+                who.rank,
+                who.worker,
+                line,
+                extra={"job": who.job},
             )
 
 
@@ -440,6 +447,7 @@ def _raise_if_failed(directory: Path, who: _Who) -> None:
         who.rank,
         who.worker,
         text.strip(),
+        extra={"job": who.job},
     )
     raise ReplicatorFailed(text)
 
@@ -458,6 +466,7 @@ def _read_prerestore(directory: Path, who: _Who) -> tuple[int | None, str | None
             who.worker,
             contract.PRERESTORE_FILE,
             exc,
+            extra={"job": who.job},
         )
         return None, None
     if not isinstance(data, dict):
@@ -483,6 +492,7 @@ def _apply(directory: Path, plan: RestorePlan, rename: RenameStyle, who: _Who) -
             who.job,
             who.rank,
             who.worker,
+            extra={"job": who.job},
         )
         return RestoreResult(step=None, path=None, source=source)
     if announced_step is not None and announced_step != plan.step:
@@ -494,6 +504,7 @@ def _apply(directory: Path, plan: RestorePlan, rename: RenameStyle, who: _Who) -
             contract.PRERESTORE_FILE,
             announced_step,
             plan.step,
+            extra={"job": who.job},
         )
     target = directory / restore_name(plan.step, rename, who.suffix)
     try:
@@ -517,6 +528,7 @@ def _apply(directory: Path, plan: RestorePlan, rename: RenameStyle, who: _Who) -
         plan.step,
         source or "unknown source",
         target,
+        extra={"job": who.job},
     )
     return RestoreResult(step=plan.step, path=target, source=source)
 

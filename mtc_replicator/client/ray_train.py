@@ -164,7 +164,12 @@ class RayCheckpointer:
         ray_step, ray_checkpoint = _ray_checkpoint(session)
         source = raytrain.pick_source(step, ray_step)
         if source is None:
-            log.info("job %s rank %s: fresh start", session.job, session.place.world_rank)
+            log.info(
+                "job %s rank %s: fresh start",
+                session.job,
+                session.place.world_rank,
+                extra={"job": session.job},
+            )
             return None
         if source == "ray":
             assert ray_step is not None
@@ -279,6 +284,7 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
             session.job,
             session.place.world_rank,
             checkpoint.path,
+            extra={"job": session.job},
         )
         return None, None
     raytrain.check_fixed_workers(False, session.layout.world_size, world_size)

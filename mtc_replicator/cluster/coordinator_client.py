@@ -437,7 +437,9 @@ async def find_coordinator(
             raise UntrustedCoordinator(str(exc)) from None
         except ObjectStoreError as exc:
             failure, entry = exc, None
-            log.warning("registry %s unreadable for job=%s: %s", registry.url, job, exc)
+            log.warning(
+                "registry %s unreadable for job=%s: %s", registry.url, job, exc, extra={"job": job}
+            )
         else:
             failure = None
         if entry is not None:

@@ -120,6 +120,7 @@ class CoordinatorHost:
             job,
             hosted.coordinator_id,
             config.nodes,
+            extra={"job": job},
         )
         return hosted.coordinator
 
@@ -128,7 +129,12 @@ class CoordinatorHost:
         hosted = self._jobs.pop(job, None)
         if hosted is not None:
             hosted.notify()  # long polls answer NOT_FOUND now, not at their deadline
-            log.info("dropped the coordinator job=%s id=%s", job, hosted.coordinator_id)
+            log.info(
+                "dropped the coordinator job=%s id=%s",
+                job,
+                hosted.coordinator_id,
+                extra={"job": job},
+            )
 
     def close(self) -> None:
         """Drop every coordinator, before the server stops, so long polls end at once."""

@@ -217,7 +217,8 @@ class ClusterMember:
         coordinator's interval passed; after a failure, not before the backoff."""
         if newest_step is not None:
             self.replication.committed(newest_step)
-        self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
+        if self.replication.replicates:
+            self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
         if not self.running:
             return  # restoring: the round speaks for this rank until it is released
         now = time.monotonic()

@@ -246,6 +246,7 @@ class Registry:
             entry.address,
             entry.coordinator_id,
             entry.owner or "(unowned)",
+            extra={"job": entry.job},
         )
 
     def register(self, entry: RegistryEntry) -> None:
@@ -275,7 +276,9 @@ class Registry:
         except RefusedEntry:
             raise
         except MalformedEntry as exc:
-            log.warning("ignoring registry entry %s of job=%s: %s", key, job, exc)
+            log.warning(
+                "ignoring registry entry %s of job=%s: %s", key, job, exc, extra={"job": job}
+            )
             return None
 
     def _parse_strict(self, key: str, job: str, raw: bytes) -> RegistryEntry:

@@ -43,7 +43,9 @@ class Replication:
         self.targets = replication_targets(config)
         self.addresses: dict[int, str] = {}
         self.newest_replicated: int | None = None
-        """Newest own step committed here AND on every target."""
+        """Newest own step committed here AND on every target (with no target, every
+        committed step: the rounds may count on it, but the job is not reported replicated,
+        see ``replicates``)."""
         self.pushing: int | None = None
         """The step being pushed now, if any (the coordinator asks every rank to keep it)."""
         self._wanted: int | None = None
@@ -52,6 +54,13 @@ class Replication:
         self._retry_at = 0.0
         """After a failed push, no new attempt of the same step before this (monotonic)."""
         self._log = JobLog(log, config.job_name, config.node_rank)
+
+    @property
+    def replicates(self) -> bool:
+        """Whether this rank has targets (not one node, not ``peers-per-node: 0``): only then
+        are ``mtc_newest_step{tier="replicated"}`` and ``mtc status``'s "last replicated"
+        reported, never for replication that cannot happen."""
+        return bool(self.targets)
 
     def set_addresses(self, addresses: Mapping[int, str]) -> None:
         self.addresses = dict(addresses)

@@ -171,7 +171,7 @@ class RoundParticipant:
             except JoinRejected as exc:
                 raise RoundFailed(str(exc)) from None
             except MustRejoin as exc:
-                log.info("rejoining the round of job %s: %s", job, exc)
+                log.info("rejoining the round of job %s: %s", job, exc, extra={"job": job})
                 if not self._admitted:
                     await asyncio.sleep(backoff.next())  # told so again before a round
             except UntrustedCoordinator as exc:
@@ -244,6 +244,7 @@ class RoundParticipant:
                 self._refusals,
                 self._refusal or "no reason given",
                 wait,
+                extra={"job": self.config.job_name},
             )
             self._refusal_said = now
         self._say_waiting(

@@ -9,10 +9,13 @@ name. No I/O.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 CALL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 """Seconds: probes take microseconds, a mount milliseconds, a stuck mount much longer."""
+
+# No ``*_created`` series (process-wide, read at scrape time).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class CallMetrics:

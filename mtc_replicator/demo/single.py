@@ -124,7 +124,7 @@ class Daemon:
         while time.monotonic() < deadline:
             with self.log_path.open("rb") as f:
                 f.seek(offset)
-                if b"daemon ready" in f.read():
+                if b"daemon started" in f.read():
                     say(f"{self.name} started (pid {self.proc.pid}), log: {self.log_path}")
                     return
             if self.proc.poll() is not None:

@@ -100,7 +100,9 @@ from mtc_replicator.transport.tls import TlsError
 log = logging.getLogger("mtc_replicator.node.daemon")
 
 
-READY_LINE = "daemon ready"
+STARTED_LINE = "daemon started"
+"""Logged once the daemon serves; whether it is ready (``/readyz``) is logged next, apart:
+"ready" or "not ready: REASONS"."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
 RECLAIM_EVERY = 30.0
@@ -276,7 +278,8 @@ class Daemon:
 
     async def _report_readiness(self, rpc: RpcServer) -> None:
         """Mirror ``/readyz`` on the gRPC health service ``readiness`` (kubelet's probes use
-        the plaintext gRPC health port), and log each change with its reasons."""
+        the plaintext gRPC health port), and log the first state and each change, with its
+        reasons: "ready" or "not ready: ..." (never a second "ready" word on the start line)."""
         was: list[str] | None = None
         while True:
             problems = self.health.readiness()
@@ -284,8 +287,8 @@ class Daemon:
                 await rpc.set_ready(not problems)
                 if problems:
                     log.warning("not ready: %s", "; ".join(problems))
-                elif was is not None:
-                    log.info("ready again")
+                else:
+                    log.info("ready")
                 was = problems
             await asyncio.sleep(1.0)
 
@@ -475,7 +478,7 @@ class Daemon:
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
             "tls=%s node=%s health=%s metrics=%s data-port=%s owner-file=%s",
-            READY_LINE,
+            STARTED_LINE,
             self.opts.checkpoint_dir,
             self.store.root,
             self.listen_address,

@@ -127,7 +127,13 @@ class Rank0Coordinator:
                 self._claim_later(entry), name=f"register-{keep}"
             )
             return
-        log.info("hosting the coordinator of job %s at %s (id %s)", keep, advertise, coordinator_id)
+        log.info(
+            "hosting the coordinator of job %s at %s (id %s)",
+            keep,
+            advertise,
+            coordinator_id,
+            extra={"job": keep},
+        )
 
     async def _claim(self, entry: RegistryEntry, *, once: bool = False) -> None:
         """Register ``entry``, waiting out what may heal (a full or unreachable store: the
@@ -147,6 +153,7 @@ class Rank0Coordinator:
                         entry.job,
                         self.registry.url,
                         exc,
+                        extra={"job": entry.job},
                     )
                     raise
                 wait = backoff.next()
@@ -156,6 +163,7 @@ class Rank0Coordinator:
                     self.registry.url,
                     wait,
                     exc,
+                    extra={"job": entry.job},
                 )
             else:
                 return
@@ -175,4 +183,6 @@ class Rank0Coordinator:
                 await self._on_refused(entry.job, exc)
                 return
         if not self._stop.is_set():
-            log.info("registered the coordinator of job %s at last", entry.job)
+            log.info(
+                "registered the coordinator of job %s at last", entry.job, extra={"job": entry.job}
+            )

@@ -142,7 +142,9 @@ class ForeignItems:
             committed = newest_committed(self.backups.committed_steps(job))
         except (ObjectStoreError, ManifestError, OSError) as exc:
             # Asked again after RECHECK_SECONDS; meanwhile the items are kept.
-            log.warning("cannot tell whether job %s is in the backup: %s", job, exc)
+            log.warning(
+                "cannot tell whether job %s is in the backup: %s", job, exc, extra={"job": job}
+            )
             committed = None
         with self._lock:
             self._committed[job] = (newest_held, committed, now)
@@ -202,6 +204,7 @@ class ForeignItems:
                     sorted({s for steps in gone.steps.values() for s in steps}),
                     h.newest_step,
                     h.committed,
+                    extra={"job": h.job},
                 )
                 dropped.append(gone)
         self._report([h for h in held if h.job not in plan.jobs])
@@ -223,6 +226,7 @@ class ForeignItems:
             gone.bytes,
             held.newest_step,
             held.committed,
+            extra={"job": job},
         )
         return gone
 
@@ -282,6 +286,7 @@ class ForeignItems:
                 h.items,
                 h.bytes,
                 h.job,
+                extra={"job": h.job},
             )
         self.metrics.held_without_backup({h.job: h.bytes for h in exposed})
 

@@ -102,8 +102,9 @@ def node_status(
             member = incarnation.member
             if member is not None:
                 status.coordinator = member.coordinator or ""
-                if member.replication.newest_replicated is not None:
-                    status.last_replicated = member.replication.newest_replicated
+                replicated = member.replication.newest_replicated
+                if member.replication.replicates and replicated is not None:
+                    status.last_replicated = replicated
                 if member.uploaded is not None:
                     status.last_backed_up = member.uploaded
             for rank, peer in peer_addresses(incarnation).items():
@@ -157,7 +158,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if self.drop is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")
         assert self.drop is not None
-        log.warning("Drop of job %s asked by %s", job, context.peer())
+        log.warning("Drop of job %s asked by %s", job, context.peer(), extra={"job": job})
         try:
             gone = await self.drop(job, request.even_if_only_copy)
         except DropRefused as exc:

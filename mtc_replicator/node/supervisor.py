@@ -108,11 +108,17 @@ class Supervisor:
                 "may not have reached the peers or the backup",
                 running.config.job_name,
                 self.opts.drain_seconds,
+                extra={"job": running.config.job_name},
             )
             self.ctx.pacer.halt()
             return
         except Exception as exc:
-            log.exception("drain of job %s failed: %s", running.config.job_name, exc)  # noqa: TRY401
+            log.exception(
+                "drain of job %s failed: %s",
+                running.config.job_name,
+                exc,  # noqa: TRY401
+                extra={"job": running.config.job_name},
+            )
             return
         if plan is not None:
             log.info(
@@ -120,6 +126,7 @@ class Supervisor:
                 running.config.job_name,
                 time.monotonic() - t0,
                 plan.step,
+                extra={"job": running.config.job_name},
             )
 
     async def check_config(self) -> None:
@@ -209,6 +216,7 @@ class Supervisor:
             running.config.job_name,
             running.id,
             "CHECKPOINT_DIR was published to another namespace's pod" if owner else why,
+            extra={"job": running.config.job_name},
         )
         await self._end_and_clean()
 
@@ -235,7 +243,12 @@ class Supervisor:
             gone = await loop.run_in_executor(self.executor, self.foreign.purge)
             await loop.run_in_executor(self.executor, save_state, self.store, None)
             for job, nbytes in gone.items():
-                log.warning("node handoff: removed job %s from this node: %d bytes", job, nbytes)
+                log.warning(
+                    "node handoff: removed job %s from this node: %d bytes",
+                    job,
+                    nbytes,
+                    extra={"job": job},
+                )
         # Last: a crash before this line finds the old record, and purges again.
         await loop.run_in_executor(self.executor, write_store_owner, self.store.root, owner)
         return owner
@@ -261,7 +274,7 @@ class Supervisor:
         job stops here as a refused handshake would."""
         running = self.incarnation
         if running is not None and running.config.job_name == job:
-            log.error("stopping job %s: %s", job, exc)
+            log.error("stopping job %s: %s", job, exc, extra={"job": job})
             await self.end_incarnation()
             text = f"mtc-replicator: job {job} stopped: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
@@ -273,7 +286,13 @@ class Supervisor:
         try:
             resumed.owner = await self.owner_now()
             if load_state(self.store) is None:
-                log.warning("not resuming incarnation %s of job %s: %s", resumed.id, job, HANDED)
+                log.warning(
+                    "not resuming incarnation %s of job %s: %s",
+                    resumed.id,
+                    job,
+                    HANDED,
+                    extra={"job": job},
+                )
                 return
             await self.rank0.host(
                 resumed.config,
@@ -283,15 +302,33 @@ class Supervisor:
                 register_later=True,
             )
         except Stopping as exc:
-            log.info("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            log.info(
+                "not resuming incarnation %s of job %s: %s",
+                resumed.id,
+                job,
+                exc,
+                extra={"job": job},
+            )
             return  # its saved state stays: the next start resumes it
         except (BadOwner, OwnedByAnother) as exc:
-            log.error("not resuming incarnation %s of job %s: %s", resumed.id, job, exc)
+            log.error(
+                "not resuming incarnation %s of job %s: %s",
+                resumed.id,
+                job,
+                exc,
+                extra={"job": job},
+            )
             save_state(self.store, None)
             text = f"mtc-replicator: not resuming job {job}: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
             return
-        log.info("resuming incarnation %s of job %s (phase %s)", resumed.id, job, resumed.phase)
+        log.info(
+            "resuming incarnation %s of job %s (phase %s)",
+            resumed.id,
+            job,
+            resumed.phase,
+            extra={"job": job},
+        )
         self.incarnation = resumed
         resumed.start()
 
@@ -301,6 +338,7 @@ class Supervisor:
                 "stopping incarnation %s of job %s",
                 self.incarnation.id,
                 self.incarnation.config.job_name,
+                extra={"job": self.incarnation.config.job_name},
             )
             await self.incarnation.stop()
             self.foreign.ended(self.incarnation.config.job_name)
@@ -367,6 +405,7 @@ class Supervisor:
             config.workers_per_node,
             self.incarnation.id,
             len(removed),
+            extra={"job": config.job_name},
         )
         # Persist before the yaml goes: a crash in between must still end in markers.
         await loop.run_in_executor(self.executor, self.incarnation.persist)

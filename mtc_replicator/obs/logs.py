@@ -90,9 +90,11 @@ class KeyValueFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         """The message line with its fields; ``format`` puts a traceback after it."""
         line = super().formatMessage(record)
-        extras = [
+        fields = [
             f"{k}={getattr(record, k)}" for k in _FIELDS if getattr(record, k, None) is not None
         ]
+        # A message that reads ``job=x`` already is not followed by a second ``job=x``.
+        extras = [f for f in fields if f" {f}" not in f" {record.getMessage()}"]
         return f"{line} {' '.join(extras)}" if extras else line
 
 

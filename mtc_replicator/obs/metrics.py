@@ -9,8 +9,8 @@ one, so tests can make several); ``obs.metrics_endpoint`` serves a registry over
 (``/proc`` and ``statvfs``).
 
 Labels stay few and bounded: a transfer or error kind, a tier, an outcome, and the job a
-daemon serves now (the series of a job go when the daemon accepts another job). Step
-numbers are values, never labels.
+daemon serves now, as ``mtc_job`` (``job`` is Prometheus' own target label); the series of a
+job go when the daemon accepts another job. Step numbers are values, never labels.
 """
 
 from __future__ import annotations
@@ -33,10 +33,19 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from mtc_replicator import __version__
+
+# No ``*_created`` series: they double a scrape and say nothing Prometheus cannot see itself
+# (a counter's reset shows as a drop). The switch is process-wide and read at scrape time.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+JOB_LABEL = "mtc_job"
+"""The training job's label: not ``job``, which Prometheus gives every target (its scrape
+job), so that neither renames the other (``exported_job``) or needs ``honor_labels``."""
 
 
 class TransferKind(StrEnum):
@@ -250,17 +259,17 @@ class PrometheusMetrics(Metrics):
         self._pin_delete_failures = Counter(
             "mtc_pin_delete_failures",
             "Used restore pins this node's coordinator could not delete from the bucket.",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self._pins_refused = Counter(
             "mtc_pins_refused",
             "Restore pins this node's coordinator refused: not signed by an operator.",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self._rounds = Counter(
-            "mtc_restore_rounds", "Restores, by outcome.", ["job", "outcome"], registry=r
+            "mtc_restore_rounds", "Restores, by outcome.", [JOB_LABEL, "outcome"], registry=r
         )
         self._restore_seconds = Histogram(
             "mtc_restore_seconds",
@@ -292,7 +301,7 @@ class PrometheusMetrics(Metrics):
             "mtc_held_without_backup_bytes",
             "Bytes held here of a job that does not run here and whose newest step held is "
             "not in the backup: kept, as they may be its only copy.",
-            ["job"],
+            [JOB_LABEL],
             registry=r,
         )
         self._foreign_dropped = Counter(
@@ -437,24 +446,24 @@ class _JobStateCollector:
             "mtc_newest_step",
             "Newest step of the job committed here, replicated to this rank's peers, "
             "or committed in the backup.",
-            labels=["job", "tier"],
+            labels=[JOB_LABEL, "tier"],
         )
         for (job, step_tier), step in sorted(steps.items()):
             newest.add_metric([job, step_tier.value], step)
         step_of = GaugeMetricFamily(
             "mtc_newest_restorable_step",
             "Newest step restorable from the tier.",
-            labels=["job", "tier"],
+            labels=[JOB_LABEL, "tier"],
         )
         since = GaugeMetricFamily(
             "mtc_newest_restorable_timestamp_seconds",
             "Unix time since which the newest restorable step is restorable from the tier.",
-            labels=["job", "tier"],
+            labels=[JOB_LABEL, "tier"],
         )
         age = GaugeMetricFamily(
             "mtc_newest_restorable_age_seconds",
             "Seconds since the newest restorable step became restorable from the tier.",
-            labels=["job", "tier"],
+            labels=[JOB_LABEL, "tier"],
         )
         for (job, tier), (step, at) in sorted(restorable.items()):
             step_of.add_metric([job, tier.value], step)

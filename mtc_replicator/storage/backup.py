@@ -137,6 +137,7 @@ class BackupStore:
                         upload.key,
                         max(time.time() - upload.initiated, 0.0),
                         job,
+                        extra={"job": job},
                     )
         except ObjectStoreError as exc:
             if not self._leftovers_warned:
@@ -146,6 +147,7 @@ class BackupStore:
                     "bucket lifecycle rule does it too): %s",
                     job,
                     exc,
+                    extra={"job": job},
                 )
         return aborted
 
@@ -181,7 +183,9 @@ class BackupStore:
             self.objects.put_bytes(commit_key(job, step), sealed, if_absent=True)
         except PreconditionFailed:
             return self.read_commit(job, step)
-        log.info("backup committed job=%s step=%d items=%d", job, step, len(digests))
+        log.info(
+            "backup committed job=%s step=%d items=%d", job, step, len(digests), extra={"job": job}
+        )
         return record
 
     def read_commit(self, job: str, step: int) -> CommitRecord | None:

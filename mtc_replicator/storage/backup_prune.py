@@ -101,6 +101,13 @@ def apply_prune(
                 done.append(Deletion(d.step, 0, 0, "new objects arrived since it was listed"))
                 continue
         count, size = delete_step(objects, job, d.step)
-        log.info("pruned backup job=%s step=%d objects=%d bytes=%d", job, d.step, count, size)
+        log.info(
+            "pruned backup job=%s step=%d objects=%d bytes=%d",
+            job,
+            d.step,
+            count,
+            size,
+            extra={"job": job},
+        )
         done.append(Deletion(d.step, count, size))
     return done

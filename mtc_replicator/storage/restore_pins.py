@@ -181,7 +181,7 @@ def write_restore_pin(objects: ObjectStore, pin: RestorePin, trust: RecordTrust 
     """Publish ``pin``, signed when ``trust`` can sign, replacing any older pin of its job
     (the newest request wins)."""
     objects.put_bytes(pin_key(pin.job), trust.seal(PIN_KIND, pin.to_dict()))
-    log.info("restore pinned job=%s step=%d", pin.job, pin.step)
+    log.info("restore pinned job=%s step=%d", pin.job, pin.step, extra={"job": pin.job})
 
 
 def clear_restore_pin(objects: ObjectStore, job: str, expected: RestorePin | None = None) -> bool:
@@ -202,7 +202,7 @@ def clear_restore_pin(objects: ObjectStore, job: str, expected: RestorePin | Non
     elif objects.head(key) is None:
         return False
     objects.delete(key)
-    log.info("restore pin cleared job=%s", job)
+    log.info("restore pin cleared job=%s", job, extra={"job": job})
     return True
 
 
@@ -286,7 +286,7 @@ class StorePins:
             self._refuse(job, str(exc))
             return None
         except (PinError, ObjectStoreError) as exc:
-            log.warning("ignoring the restore pin of job %s: %s", job, exc)
+            log.warning("ignoring the restore pin of job %s: %s", job, exc, extra={"job": job})
             return None
         self._offered[job] = pin
         return pin.step
@@ -298,10 +298,12 @@ class StorePins:
             "(`mtc backups pin --operator-cert --operator-key`, docs/cli.md)"
         )
         if self._refused.get(job) == message:
-            log.debug("still ignoring the restore pin of job %s: %s", job, reason)
+            log.debug(
+                "still ignoring the restore pin of job %s: %s", job, reason, extra={"job": job}
+            )
             return
         self._refused[job] = message
-        log.error("job %s: %s", job, message)
+        log.error("job %s: %s", job, message, extra={"job": job})
         if self.on_refused is not None:
             self.on_refused(job, message)
 
@@ -311,11 +313,14 @@ class StorePins:
             "restore pin of job %s (step %d) was used already; not honoured again",
             job,
             pin.step,
+            extra={"job": job},
         )
         try:
             clear_restore_pin(self.objects, job, expected=pin)
         except ObjectStoreError as exc:
-            log.debug("cannot remove the used restore pin of job %s: %s", job, exc)
+            log.debug(
+                "cannot remove the used restore pin of job %s: %s", job, exc, extra={"job": job}
+            )
 
     def consumed(self, job: str, step: int) -> None:
         pin = self._offered.pop(job, None)
@@ -331,7 +336,12 @@ class StorePins:
                     self.used.record(job, pin_digest(pin))
                     recorded = True
                 except OSError as exc:
-                    log.error("cannot record the used restore pin of job %s: %s", job, exc)
+                    log.error(
+                        "cannot record the used restore pin of job %s: %s",
+                        job,
+                        exc,
+                        extra={"job": job},
+                    )
             clear_restore_pin(self.objects, job, expected=pin)
         except (PinError, ObjectStoreError) as exc:
             message = (

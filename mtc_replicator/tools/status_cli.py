@@ -161,6 +161,7 @@ def _peer_json(p: pb.PeerContact) -> dict[str, Any]:
 
 def _job_json(j: pb.JobStatus) -> dict[str, Any]:
     active = j.active
+    copies = [{"rank": c.rank, "steps": list(c.steps)} for c in j.peer_copies]
     return {
         "job": j.job,
         "active": active,
@@ -172,7 +173,10 @@ def _job_json(j: pb.JobStatus) -> dict[str, Any]:
         "last_replicated": j.last_replicated if j.HasField("last_replicated") else None,
         "last_backed_up": j.last_backed_up if j.HasField("last_backed_up") else None,
         "local_steps": list(j.local_steps),
-        "peer_copies": [{"rank": c.rank, "steps": list(c.steps)} for c in j.peer_copies],
+        # A job not running here: the node no longer knows which rank was its own, so its
+        # copies are "held", not "peer" copies.
+        "peer_copies": copies if active else None,
+        "held_copies": None if active else copies,
         "peers": [_peer_json(p) for p in j.peers],
         "committed_backup_step": (
             j.committed_backup_step if j.HasField("committed_backup_step") else None
@@ -211,10 +215,12 @@ def print_status(body: dict[str, Any], now: float) -> None:
                 f"job {j['job']}: rank {j['rank']}/{j['nodes']}, {j['phase']}, incarnation "
                 f"{j['incarnation']}, coordinator {_or_dash(j['coordinator'])}"
             )
-            print(
-                f"  last replicated {_or_dash(j['last_replicated'])}, "
-                f"last backed up {_or_dash(j['last_backed_up'])}"
+            replicated = (
+                "not replicated (one node)"
+                if j["nodes"] == 1
+                else f"last replicated {_or_dash(j['last_replicated'])}"
             )
+            print(f"  {replicated}, last backed up {_or_dash(j['last_backed_up'])}")
             print(f"  local steps: {_steps(j['local_steps'])}")
         elif j["kept_without_backup"]:
             print(
@@ -230,7 +236,7 @@ def print_status(body: dict[str, Any], now: float) -> None:
             )
         else:
             print(f"job {j['job']}: not running here (items held from an earlier incarnation)")
-        for c in j["peer_copies"]:
+        for c in j["peer_copies"] if j["active"] else j["held_copies"]:
             print(f"  copies of rank {c['rank']}: {_steps(c['steps'])}")
         if j["peers"]:
             rows = [["RANK", "PEER", "REACHABLE", "LAST ANSWER", "ERROR"]]

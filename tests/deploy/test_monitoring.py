@@ -122,7 +122,8 @@ def test_the_pod_monitor_scrapes_the_replicators_metrics_port(built: list[Obj]) 
         next(e["value"] for e in replicator["env"] if e["name"] == "MTC_METRICS").rsplit(":")[1]
     )
     assert endpoint["path"] == "/metrics"
-    assert endpoint["honorLabels"] is True  # the training job's `job` label survives
+    # The training job is `mtc_job`: Prometheus' own labels need no overriding.
+    assert not endpoint.get("honorLabels", False)
     assert seconds(endpoint["scrapeTimeout"]) < seconds(endpoint["interval"])
 
 
@@ -146,6 +147,9 @@ def test_every_alert_is_well_formed_and_asks_for_real_metrics(
             names = metric_names(r["expr"])
             assert names, r["expr"]
             assert names <= exported, f"{r['alert']}: {names - exported} not exported"
+            # The training job is `mtc_job`; `job` is Prometheus' scrape job.
+            text = r["expr"] + " ".join(r["annotations"].values())
+            assert not re.search(r"\bby \(job\)|\$labels\.job\b|\bjob=", text), r
             alerts.append(r["alert"])
     assert len(alerts) == len(set(alerts))
     assert {"MtcBackupStale", "MtcReplicationLagging", "MtcRestoreFailed"} <= set(alerts)

@@ -286,7 +286,7 @@ def test_a_pin_the_daemon_may_not_delete_is_honoured_once(
     scrape_until(
         daemon,
         "mtc_pin_delete_failures_total",
-        lambda s: sample(s, "mtc_pin_delete_failures_total", job=job) == 1.0,
+        lambda s: sample(s, "mtc_pin_delete_failures_total", mtc_job=job) == 1.0,
     )
     assert exists(auth_s3, bucket, pin_key(job)), "the policy must have kept the pin"
 

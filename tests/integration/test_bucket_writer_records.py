@@ -109,7 +109,7 @@ def test_an_unsigned_restore_pin_rolls_nothing_back(s3_cluster: Cluster, tmp_pat
     scrape_until(
         cluster.daemon(0),
         "mtc_pins_refused_total",
-        lambda s: sample(s, "mtc_pins_refused_total", job=cluster.job) == 1.0,
+        lambda s: sample(s, "mtc_pins_refused_total", mtc_job=cluster.job) == 1.0,
     )
     assert objects.get_bytes(pin_key(cluster.job)) == forged.to_json(), "left for the operator"
     tls = cluster.tls[0]

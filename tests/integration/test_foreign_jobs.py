@@ -90,7 +90,7 @@ def test_a_job_not_in_the_backup_is_kept_and_reported(
     run_a_then_b(ckpt, daemon, a, b)
     wait_until(lambda: f"job {a} does not run here" in daemon.log(), "the warning", daemon=daemon)
     assert stored_steps(ckpt, a) == {10}
-    held = sample(scrape_daemon(daemon), "mtc_held_without_backup_bytes", job=a)
+    held = sample(scrape_daemon(daemon), "mtc_held_without_backup_bytes", mtc_job=a)
     assert held is not None
     assert held > STEP
 
@@ -98,6 +98,8 @@ def test_a_job_not_in_the_backup_is_kept_and_reported(
     assert out.returncode == 0, out.stderr
     (status,) = [j for j in json.loads(out.stdout)["jobs"] if j["job"] == a]
     assert status["kept_without_backup"] is True
+    # Its own rank's copies, not a peer's: "held", never "peer" copies.
+    assert (status["held_copies"], status["peer_copies"]) == ([{"rank": 0, "steps": [10]}], None)
     out = mtc("status", "--address", daemon.address)
     assert f"job {a}: not running here; its newest step held is NOT in the backup" in out.stdout
 

@@ -96,7 +96,7 @@ def test_the_endpoint_serves_its_registry(served: tuple[PrometheusMetrics, str])
     metrics.committed("j", 9)
     got = scrape(address)
     assert sample(got, "mtc_transfer_bytes_total", kind="backup_upload") == 123
-    assert sample(got, "mtc_newest_step", job="j", tier="committed") == 9
+    assert sample(got, "mtc_newest_step", mtc_job="j", tier="committed") == 9
 
 
 def test_a_taken_port_is_a_clear_error() -> None:
@@ -133,21 +133,24 @@ def test_one_node_ingest_backup_and_restores_are_measured(
     got = scrape_until(
         daemon,
         "step 7 committed and backed up",
-        lambda s: sample(s, "mtc_newest_step", job=job, tier="backup") == 7,
+        lambda s: sample(s, "mtc_newest_step", mtc_job=job, tier="backup") == 7,
     )
     assert sample(got, "mtc_transfer_bytes_total", kind="ingest") == size_of(files)
     assert sample(got, "mtc_transfer_seconds_count", kind="ingest") == 1
     assert sample(got, "mtc_transfer_bytes_total", kind="backup_upload") == size_of(files)
-    assert sample(got, "mtc_newest_step", job=job, tier="committed") == 7
-    assert sample(got, "mtc_newest_restorable_step", job=job, tier="local") == 7
-    assert sample(got, "mtc_newest_restorable_step", job=job, tier="backup") == 7
+    assert sample(got, "mtc_newest_step", mtc_job=job, tier="committed") == 7
+    assert sample(got, "mtc_newest_restorable_step", mtc_job=job, tier="local") == 7
+    assert sample(got, "mtc_newest_restorable_step", mtc_job=job, tier="backup") == 7
     for tier in ("local", "backup"):
-        age = sample(got, "mtc_newest_restorable_age_seconds", job=job, tier=tier)
+        age = sample(got, "mtc_newest_restorable_age_seconds", mtc_job=job, tier=tier)
         assert age is not None
         assert 0 <= age < 60
-    assert sample(got, "mtc_restore_rounds_total", job=job, outcome="fresh") == 1
-    assert sample(got, "mtc_restore_rounds_total", job=job, outcome="restored") == 0
+    assert sample(got, "mtc_restore_rounds_total", mtc_job=job, outcome="fresh") == 1
+    assert sample(got, "mtc_restore_rounds_total", mtc_job=job, outcome="restored") == 0
     assert sample(got, "mtc_errors_total", kind="ingest") == 0
+    assert not [name for name, _ in got if name.endswith("_created")]
+    # One node: nothing to replicate to, so no replicated tier is claimed.
+    assert sample(got, "mtc_newest_step", mtc_job=job, tier="replicated") is None
 
     # The job restarts: step 7 is restored from the local tier, every byte re-read.
     write_yaml_atomic(ckpt, yaml_text)
@@ -155,7 +158,7 @@ def test_one_node_ingest_backup_and_restores_are_measured(
     got = scrape_until(
         daemon,
         "the restore counted",
-        lambda s: sample(s, "mtc_restore_rounds_total", job=job, outcome="restored") == 1,
+        lambda s: sample(s, "mtc_restore_rounds_total", mtc_job=job, outcome="restored") == 1,
     )
     assert sample(got, "mtc_transfer_bytes_total", kind="restore_local") == size_of(files)
     assert sample(got, "mtc_restore_seconds_count", outcome="restored") == 1
@@ -187,13 +190,14 @@ def test_cluster_replication_and_a_restore_from_a_peer_are_measured(cluster: Clu
             cluster.daemon(r),
             f"rank {r}'s step 5 replicated and restorable in the cluster",
             lambda s: (
-                sample(s, "mtc_newest_step", job=cluster.job, tier="replicated") == 5
-                and sample(s, "mtc_newest_restorable_step", job=cluster.job, tier="cluster") == 5
+                sample(s, "mtc_newest_step", mtc_job=cluster.job, tier="replicated") == 5
+                and sample(s, "mtc_newest_restorable_step", mtc_job=cluster.job, tier="cluster")
+                == 5
             ),
         )
         own = size_of(files[r])
         assert sample(got, "mtc_transfer_bytes_total", kind="replicate_out") == own
-        assert sample(got, "mtc_restore_rounds_total", job=cluster.job, outcome="fresh") == 1
+        assert sample(got, "mtc_restore_rounds_total", mtc_job=cluster.job, outcome="fresh") == 1
     received = scrape_daemon(cluster.daemon(holder))
     assert sample(received, "mtc_transfer_bytes_total", kind="replicate_in") == size_of(files[lost])
 
@@ -205,7 +209,9 @@ def test_cluster_replication_and_a_restore_from_a_peer_are_measured(cluster: Clu
     got = scrape_until(
         cluster.daemon(lost),
         "rank 2's restore counted",
-        lambda s: sample(s, "mtc_restore_rounds_total", job=cluster.job, outcome="restored") == 1,
+        lambda s: (
+            sample(s, "mtc_restore_rounds_total", mtc_job=cluster.job, outcome="restored") == 1
+        ),
     )
     assert sample(got, "mtc_transfer_bytes_total", kind="restore_peer") == size_of(files[lost])
     assert sample(got, "mtc_transfer_seconds_count", kind="restore_peer") == 1

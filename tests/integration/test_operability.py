@@ -33,6 +33,7 @@ from tests.integration.helpers import (
     write_yaml_atomic,
 )
 from tests.integration.test_metrics import METRICS, sample, scrape_daemon
+from tests.integration.test_status import mtc_status
 
 pytestmark = pytest.mark.integration
 
@@ -49,13 +50,23 @@ def get(address: str, path: str) -> tuple[int, str]:
 
 
 def test_json_logs_are_json_lines_with_the_job_as_keys(
-    ckpt: Path, job: str, start_daemon: StartDaemon
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
 ) -> None:
-    daemon = start_daemon(extra=("--log-format", "json", "--log-level", "debug"))
-    write_yaml_atomic(ckpt, config_text(job))
+    daemon = start_daemon(backup=backup_dir, extra=("--log-format", "json", "--log-level", "debug"))
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1))
     wait_markers(ckpt, job, 0, daemon)
     make_step(ckpt, 3, payload(3, seed=job))
     wait_ingested(ckpt, job, 3, daemon)
+    wait_until(lambda: "backup committed" in daemon.log(), "the backup committed", daemon=daemon)
+    # One node: mtc status claims no replication, in JSON or in words.
+    status = mtc_status(daemon.address, "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    (about,) = [j for j in json.loads(status.stdout)["jobs"] if j["job"] == job]
+    assert (about["nodes"], about["last_replicated"]) == (1, None)
+    assert about["local_steps"] == [3]
+    table = mtc_status(daemon.address).stdout
+    assert "not replicated (one node), last backed up" in table
+    assert "last replicated" not in table
     daemon.stop()
 
     lines = [json.loads(line) for line in daemon.log().splitlines()]  # every line is JSON
@@ -67,16 +78,31 @@ def test_json_logs_are_json_lines_with_the_job_as_keys(
         assert isinstance(line["message"], str), line
     about_the_job = [line for line in lines if line.get("job") == job]
     assert about_the_job, "no line carries the job as a key"
-    assert all(line["rank"] == 0 for line in about_the_job)
+    assert all(line.get("rank", 0) == 0 for line in about_the_job)
     assert any(line.get("step") == 3 for line in about_the_job), "no line carries step 3"
-    assert any(line["message"].startswith("daemon ready") for line in lines)
+    # The start line says the daemon serves; whether it is ready is its own line, never
+    # "daemon ready:" followed by "not ready".
+    messages = [line["message"] for line in lines]
+    started = next(i for i, m in enumerate(messages) if m.startswith("daemon started: "))
+    assert "ready" in messages[started:]
+    assert not [m for m in messages if m.startswith("daemon ready")]
+    # Every line of ours that names the job (accepted, backup committed, ...) has it as a key.
+    naming = [
+        line
+        for line in lines
+        if line["logger"].startswith("mtc_replicator.")
+        and re.search(rf"\bjob\b.*\b{re.escape(job)}\b", line["message"])
+    ]
+    assert any(line["message"].startswith("accepted") for line in naming)
+    assert any(line["message"].startswith("backup committed") for line in naming)
+    assert [line for line in naming if line.get("job") != job] == []
 
 
 def test_text_logs_stamp_utc_with_its_zone(ckpt: Path, job: str, start_daemon: StartDaemon) -> None:
     daemon = start_daemon()
     write_yaml_atomic(ckpt, config_text(job))
     wait_markers(ckpt, job, 0, daemon)
-    ready = next(line for line in daemon.log().splitlines() if "daemon ready" in line)
+    ready = next(line for line in daemon.log().splitlines() if "daemon started" in line)
     assert RFC3339_UTC.match(ready.split(" ", 1)[0]), ready
     assert any(f"job={job} rank=0" in line for line in daemon.log().splitlines())
 
@@ -130,7 +156,7 @@ def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon
     daemon = start_daemon(extra=(*METRICS, "--health-listen", "127.0.0.1:0"))
     address = daemon.metrics
     assert address is not None
-    found = re.search(r"daemon ready:.* health=(\S+)", daemon.log())
+    found = re.search(r"daemon started:.* health=(\S+)", daemon.log())
     assert found
     probes = found[1]
     wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
@@ -161,9 +187,17 @@ def test_healthz_and_readyz_mean_something(ckpt: Path, start_daemon: StartDaemon
         assert grpc_health(probes, "") == "SERVING"
     finally:
         away.rename(ckpt)
-    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready again", daemon=daemon)
+    wait_until(lambda: get(address, "/readyz") == (200, "ok\n"), "ready", daemon=daemon)
     wait_until(lambda: grpc_health(probes, "readiness") == "SERVING", "ready", daemon=daemon)
     assert "not ready: CHECKPOINT_DIR" in daemon.log()
+    wait_until(
+        lambda: (
+            daemon.log().rfind("mtc_replicator.node.daemon: ready")
+            > daemon.log().index("not ready: CHECKPOINT_DIR")
+        ),
+        "'ready' logged after 'not ready'",
+        daemon=daemon,
+    )
 
 
 def test_probes_answer_503_with_the_reasons() -> None:

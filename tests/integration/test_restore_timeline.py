@@ -132,7 +132,7 @@ def test_a_backup_restore_logs_and_exports_the_download(
     scrape_until(
         daemon,
         "step 7 backed up",
-        lambda s: sample(s, "mtc_newest_step", job=job, tier="backup") == 7,
+        lambda s: sample(s, "mtc_newest_step", mtc_job=job, tier="backup") == 7,
     )
     (fresh,) = summaries(daemon.log(), None)  # the first incarnation's: nothing to fetch
     assert (fresh["local"], fresh["peer"], fresh["backup"]) == (0, 0, 0)

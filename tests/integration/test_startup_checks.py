@@ -131,7 +131,7 @@ def test_a_certificate_peers_refuse_stops_the_daemon_at_start(tmp_path: Path, na
     assert reason in lines[0]
     if name != "key-does-not-fit":
         assert "mtc certs init" in lines[0]
-    assert "daemon ready" not in done.stderr
+    assert "daemon started" not in done.stderr
 
 
 def test_a_certificate_peers_accept_starts(tmp_path: Path) -> None:
@@ -166,7 +166,7 @@ def test_a_rotated_certificate_peers_would_refuse_is_kept_out(
 def _one_line_exit_2(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert "daemon ready" not in done.stderr
+    assert "daemon started" not in done.stderr
     return done.stderr.strip().splitlines()[-1]
 
 

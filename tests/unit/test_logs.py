@@ -1,11 +1,17 @@
-"""``mtc_replicator.obs.logs``: the text format's line layout."""
+"""``mtc_replicator.obs.logs``: the text format's line layout, the JSON keys, and every log call
+that names a job passing it as a key."""
 
 from __future__ import annotations
 
+import ast
 import io
+import json
 import logging
+import re
+from pathlib import Path
 
-from mtc_replicator.obs.logs import JobLog, KeyValueFormatter, RepeatLimit
+import mtc_replicator
+from mtc_replicator.obs.logs import JobLog, JsonLineFormatter, KeyValueFormatter, RepeatLimit
 
 
 def test_a_text_line_with_a_traceback_has_its_fields_on_the_message_line() -> None:
@@ -59,3 +65,44 @@ def test_info_lines_are_never_limited_and_causes_are_bounded() -> None:
     # Messages built with f-strings: each its own cause, and the table stays bounded.
     assert all(limit.filter(_record(f"unique {i}")) for i in range(100))
     assert len(limit._windows) <= 8
+
+
+def test_a_message_that_names_the_job_is_not_followed_by_it_again() -> None:
+    record = _record("backup committed job=%s step=%d", "train", 4)
+    record.job = "train"
+    record.step = 4
+    assert KeyValueFormatter().format(record).endswith(" backup committed job=train step=4")
+    record.job = "other"
+    assert KeyValueFormatter().format(record).endswith(" job=train step=4 job=other")
+
+
+def test_a_job_passed_as_extra_is_a_json_key() -> None:
+    record = _record("accepted %s: job=%s", "replicator.yaml", "train", level=logging.INFO)
+    record.job = "train"
+    line = json.loads(JsonLineFormatter().format(record))
+    assert (line["job"], line["message"]) == ("train", "accepted replicator.yaml: job=train")
+    assert "rank" not in line
+
+
+_JOB_ARG = re.compile(r"(job|keep|job_name|[\w.]*\.job|[\w.]*\.job_name)")
+
+
+def test_every_log_call_that_names_a_job_passes_it_as_a_key() -> None:
+    """A plain ``logging`` call whose arguments include a job name passes ``extra={"job": ...}``
+    (``JobLog`` adds it itself), so ``--log-format json`` lines carry ``job`` as a key."""
+    root = Path(mtc_replicator.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "log"
+                and node.func.attr in ("debug", "info", "warning", "error", "exception", "log")
+            ):
+                continue
+            names_a_job = any(_JOB_ARG.fullmatch(ast.unparse(a)) for a in node.args[1:])
+            if names_a_job and not any(k.arg == "extra" for k in node.keywords):
+                missing.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not missing, missing

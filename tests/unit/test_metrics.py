@@ -71,7 +71,7 @@ def test_every_bounded_label_value_is_exported_from_the_start(metrics: Prometheu
     for phase in RestorePhase:
         assert got[("mtc_restore_phase_seconds_count", (("phase", phase.value),))] == 0
     # No job yet: no per-job series at all.
-    assert not [k for k in got if any(label == "job" for label, _ in k[1])]
+    assert not [k for k in got if any(label == "mtc_job" for label, _ in k[1])]
 
 
 def test_transfers_add_bytes_and_observe_seconds_per_kind(metrics: PrometheusMetrics) -> None:
@@ -111,9 +111,9 @@ def test_restore_rounds_by_outcome_and_their_durations(metrics: PrometheusMetric
     metrics.restore_done("j", None, 0.3)
     metrics.restore_failed("j", 400.0)
     r = metrics.registry
-    assert value(r, "mtc_restore_rounds_total", job="j", outcome="restored") == 1
-    assert value(r, "mtc_restore_rounds_total", job="j", outcome="fresh") == 1
-    assert value(r, "mtc_restore_rounds_total", job="j", outcome="failed") == 1
+    assert value(r, "mtc_restore_rounds_total", mtc_job="j", outcome="restored") == 1
+    assert value(r, "mtc_restore_rounds_total", mtc_job="j", outcome="fresh") == 1
+    assert value(r, "mtc_restore_rounds_total", mtc_job="j", outcome="failed") == 1
     assert value(r, "mtc_restore_seconds_sum", outcome="restored") == 1.5
     assert value(r, "mtc_restore_seconds_count", outcome="failed") == 1
     assert value(r, "mtc_restore_seconds_bucket", outcome="failed", le="300.0") == 0
@@ -138,47 +138,47 @@ def test_newest_steps_and_restorable_ages_per_tier(
 ) -> None:
     r = metrics.registry
     metrics.serving("j")
-    assert value(r, "mtc_restore_rounds_total", job="j", outcome="restored") == 0
+    assert value(r, "mtc_restore_rounds_total", mtc_job="j", outcome="restored") == 0
     metrics.committed("j", 5)
     clock.now += 30
-    assert value(r, "mtc_newest_step", job="j", tier="committed") == 5
-    assert value(r, "mtc_newest_restorable_step", job="j", tier="local") == 5
-    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 30
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="committed") == 5
+    assert value(r, "mtc_newest_restorable_step", mtc_job="j", tier="local") == 5
+    assert value(r, "mtc_newest_restorable_age_seconds", mtc_job="j", tier="local") == 30
     # The same step seen again (every rescan) keeps its age; a new one starts at 0.
     metrics.committed("j", 5)
-    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 30
+    assert value(r, "mtc_newest_restorable_age_seconds", mtc_job="j", tier="local") == 30
     metrics.committed("j", 6)
     clock.now += 2
-    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="local") == 2
-    assert value(r, "mtc_newest_restorable_timestamp_seconds", job="j", tier="local") == (
+    assert value(r, "mtc_newest_restorable_age_seconds", mtc_job="j", tier="local") == 2
+    assert value(r, "mtc_newest_restorable_timestamp_seconds", mtc_job="j", tier="local") == (
         clock.now - 2
     )
 
     metrics.replicated("j", None)  # unknown: nothing
-    assert value(r, "mtc_newest_step", job="j", tier="replicated") is None
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="replicated") is None
     metrics.replicated("j", 6)
-    assert value(r, "mtc_newest_step", job="j", tier="replicated") == 6
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="replicated") == 6
 
     metrics.cluster_restorable("j", 5)
     clock.now += 1
-    assert value(r, "mtc_newest_restorable_step", job="j", tier="cluster") == 5
-    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="cluster") == 1
+    assert value(r, "mtc_newest_restorable_step", mtc_job="j", tier="cluster") == 5
+    assert value(r, "mtc_newest_restorable_age_seconds", mtc_job="j", tier="cluster") == 1
 
     # A backup's age counts from its COMMIT; an upload not yet committed records nothing,
     # and an older commit (a listing that lags) never moves the gauge back.
     metrics.backed_up("j", 6, None)
-    assert value(r, "mtc_newest_step", job="j", tier="backup") is None
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="backup") is None
     metrics.backed_up("j", 4, clock.now - 100)
-    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
-    assert value(r, "mtc_newest_restorable_age_seconds", job="j", tier="backup") == 100
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="backup") == 4
+    assert value(r, "mtc_newest_restorable_age_seconds", mtc_job="j", tier="backup") == 100
     metrics.backed_up("j", 3, clock.now)
-    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="backup") == 4
 
     # Nothing complete locally any more: the local series go, the others stay.
     metrics.committed("j", None)
-    assert value(r, "mtc_newest_step", job="j", tier="committed") is None
-    assert value(r, "mtc_newest_restorable_step", job="j", tier="local") is None
-    assert value(r, "mtc_newest_step", job="j", tier="backup") == 4
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="committed") is None
+    assert value(r, "mtc_newest_restorable_step", mtc_job="j", tier="local") is None
+    assert value(r, "mtc_newest_step", mtc_job="j", tier="backup") == 4
 
 
 def test_a_new_job_drops_the_series_of_the_previous_one(metrics: PrometheusMetrics) -> None:
@@ -188,9 +188,9 @@ def test_a_new_job_drops_the_series_of_the_previous_one(metrics: PrometheusMetri
     metrics.restore_done("old", 5, 1.0)
     metrics.serving("new")
     got = samples(r)
-    jobs = {dict(labels).get("job") for _, labels in got} - {None}
+    jobs = {dict(labels).get("mtc_job") for _, labels in got} - {None}
     assert jobs == {"new"}
-    assert value(r, "mtc_restore_rounds_total", job="new", outcome="restored") == 0
+    assert value(r, "mtc_restore_rounds_total", mtc_job="new", outcome="restored") == 0
     # Counters without a job label keep counting across jobs.
     metrics.transfer(TransferKind.INGEST, 3, 0.1)
     metrics.serving("newer")
@@ -229,6 +229,17 @@ def test_csi_calls_count_by_method_and_code() -> None:
     assert value(r, "mtc_csi_calls_total", method="NodePublishVolume", code="INVALID_ARGUMENT") == 1
     assert value(r, "mtc_csi_call_seconds_count", method="NodePublishVolume") == 2
     assert value(r, "mtc_csi_call_seconds_count", method="Probe") == 1
+
+
+def test_no_created_series_in_either_exposition(metrics: PrometheusMetrics) -> None:
+    metrics.transfer(TransferKind.INGEST, 10, 0.1)
+    metrics.committed("j", 3)
+    csi = PrometheusCallMetrics()
+    csi.call("Probe", "OK", 0.0001)
+    for registry in (metrics.registry, csi.registry):
+        text = generate_latest(registry).decode()
+        assert "_total" in text
+        assert "_created" not in text
 
 
 @pytest.mark.parametrize(
