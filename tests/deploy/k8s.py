@@ -28,7 +28,12 @@ from mtc_replicator.tools import render_config, render_manifests
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-KUBE_VERSION = "1.32"
+KUBE_VERSIONS = sorted(
+    {".".join(v.split(".")[:2]) for v in kubernetes_validate.utils.all_versions()},
+    key=lambda v: tuple(int(p) for p in v.split(".")),
+)[-3:]
+"""The three newest Kubernetes minor versions kubernetes-validate knows: every manifest must
+validate against each (an install on a cluster a year old, and on the newest)."""
 CRD_FILE = DEPLOY / "base" / "crd.yaml"
 
 Obj = dict[str, Any]
@@ -238,12 +243,11 @@ def validate(obj: Obj) -> None:
             validate(job)
         return
     try:
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
     except kubernetes_validate.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path)
-        pytest.fail(
-            f"{name_of(obj)} is invalid for Kubernetes {KUBE_VERSION}: {path}: {exc.message}"
-        )
+        pytest.fail(f"{name_of(obj)} is invalid for Kubernetes {version}: {path}: {exc.message}")
     except kubernetes_validate.SchemaNotFoundError as exc:
         pytest.fail(f"{name_of(obj)}: {exc.message}")
 
