@@ -329,7 +329,7 @@ def _step_paths(checkpoint_dir: str | os.PathLike[str], step: int) -> tuple[Path
     """``(<N>, step=<N>-unfinished)`` for one step."""
     _check_step(step)
     directory = Path(checkpoint_dir)
-    return directory / str(step), directory / f"{contract.STEP_TMP_PREFIX}{step}-unfinished"
+    return directory / str(step), directory / contract.client_step_tmp_name(step)
 
 
 def _save_file_paths(

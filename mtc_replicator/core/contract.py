@@ -54,6 +54,8 @@ ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 STEP_TMP_PREFIX = "step="
 """Starts the name of a step directory the PyTorch clients are still writing (``step=<N>``,
 ours ``step=<N>-unfinished``), renamed to ``<N>`` when done."""
+STEP_TMP_SUFFIX = "-unfinished"
+"""After ``step=<N>``: the directory our client writes a step in (``client_step_tmp_name``)."""
 SAVE_TMP_SUFFIX = ".tmp"
 """After a ``.save`` name: the file our client writes before renaming it into place."""
 RESTORE_MARKER_RE = re.compile(_MARKER_BODY + r"\.restore")
@@ -515,8 +517,15 @@ def _parse(pattern: re.Pattern[str], name: str) -> NameParts | None:
     return NameParts(m["job"], int(m["step"]), int(m["rank"]), int(m["worker"]))
 
 
-CLIENT_STEP_TMP_RE = re.compile(r"step=(?:0|[1-9][0-9]*)-unfinished")
-"""The temp directory of a step our client is writing (``client.torch_io``)."""
+CLIENT_STEP_TMP_RE = re.compile(
+    re.escape(STEP_TMP_PREFIX) + r"(?:0|[1-9][0-9]*)" + re.escape(STEP_TMP_SUFFIX)
+)
+"""The temp directory of a step our client is writing (``client_step_tmp_name``)."""
+
+
+def client_step_tmp_name(step: int) -> str:
+    """``step=<N>-unfinished``: where our client writes step ``step`` before its rename."""
+    return f"{STEP_TMP_PREFIX}{step}{STEP_TMP_SUFFIX}"
 
 
 def is_client_temp_name(name: str, *, is_dir: bool) -> bool:
