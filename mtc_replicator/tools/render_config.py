@@ -164,6 +164,12 @@ class NodeConfig:
     ignored: tuple[str, ...] = ()
     """GKE fields present in the input that have no effect here."""
 
+    @property
+    def pod_node_selector(self) -> dict[str, str]:
+        """The ``nodeSelector`` of the node stack's pods, and so of every pod that mounts the
+        RAM disk: only those nodes have it."""
+        return {"kubernetes.io/os": "linux", **dict(self.node_selector)}
+
 
 # --- parsing -------------------------------------------------------------------------------
 

@@ -356,7 +356,7 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
                     "serviceAccountName": f"mtc-node-{c.name}",
                     "automountServiceAccountToken": False,
                     "priorityClassName": PRIORITY_CLASS,
-                    "nodeSelector": {"kubernetes.io/os": "linux", **dict(c.node_selector)},
+                    "nodeSelector": c.pod_node_selector,
                     "tolerations": [dict(t) for t in c.tolerations],
                     "terminationGracePeriodSeconds": grace_seconds(c),
                     "securityContext": pod_security,

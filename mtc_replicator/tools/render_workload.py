@@ -43,11 +43,6 @@ def pod_security(c: NodeConfig) -> Manifest:
     return {"runAsUser": c.run_as_user, "runAsGroup": c.run_as_group, "fsGroup": c.run_as_group}
 
 
-def node_selector(c: NodeConfig) -> dict[str, str]:
-    """The nodes the configuration's DaemonSet runs on: only they have the RAM disk."""
-    return {"kubernetes.io/os": "linux", **dict(c.node_selector)}
-
-
 def one_pod_per_node() -> Manifest:
     """A required anti-affinity over every pod labelled ``JOB_LABEL``, in every namespace:
     a node has one RAM disk and its replicator serves one rank of one job, so a second
@@ -77,7 +72,7 @@ def ray_worker_group(c: NodeConfig, job: str) -> Manifest:
             "spec": {
                 "securityContext": pod_security(c),
                 "affinity": one_pod_per_node(),
-                "nodeSelector": node_selector(c),
+                "nodeSelector": c.pod_node_selector,
                 "tolerations": [dict(t) for t in c.tolerations],
                 "containers": [
                     {
