@@ -124,6 +124,9 @@ def run(work: Path, steps: int, kill_at: int) -> int:
         for i, d in enumerate(dirs)
     ]
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+    # Every node is given its IP: Ray's agents need not look this host up through DNS (slow
+    # enough to fail the start where the hostname does not resolve and there is no route).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     cluster = None
     try:
         for d in daemons:

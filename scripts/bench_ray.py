@@ -405,6 +405,8 @@ class Bench:
             p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
         )
         os.environ["RAY_DEDUP_LOGS"] = "0"
+        # Every node is given its IP: Ray's agents need not look this host up through DNS.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 0, "node_ip_address": HEAD_IP, "include_dashboard": False},

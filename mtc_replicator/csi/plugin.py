@@ -73,6 +73,23 @@ class PluginOptions:
     (``--fs-group``, default ``DEFAULT_FS_GROUP``); None: the plugin's own group."""
 
 
+VARIABLES = {"endpoint": "MTC_CSI_ENDPOINT", "node_id": "MTC_CSI_NODE_ID"}
+"""The plugin's own settings are ``MTC_CSI_*`` (the node's RAM disk, which the ConfigMap
+shares, ``MTC_RAM_*``)."""
+DEPRECATED_VARIABLES = {"MTC_CSI_ENDPOINT": "CSI_ENDPOINT", "MTC_CSI_NODE_ID": "NODE_NAME"}
+"""Names of 0.1.0, still read when the new one is unset; the plugin warns at start."""
+
+
+def _env(env: Mapping[str, str], option: str) -> str | None:
+    name = VARIABLES[option]
+    return env.get(name) or env.get(DEPRECATED_VARIABLES[name])
+
+
+def deprecated_variables(env: Mapping[str, str]) -> list[str]:
+    """The old names ``env`` sets without their new ones: what the plugin warns about."""
+    return [old for new, old in DEPRECATED_VARIABLES.items() if env.get(old) and not env.get(new)]
+
+
 def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
@@ -84,13 +101,13 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     )
     p.add_argument(
         "--endpoint",
-        default=env.get("CSI_ENDPOINT"),
-        help="unix socket to serve, unix:///csi/csi.sock [CSI_ENDPOINT]",
+        default=_env(env, "endpoint"),
+        help="unix socket to serve, unix:///csi/csi.sock [MTC_CSI_ENDPOINT]",
     )
     p.add_argument(
         "--node-id",
-        default=env.get("NODE_NAME"),
-        help="this node's name, as NodeGetInfo reports it [NODE_NAME]",
+        default=_env(env, "node_id"),
+        help="this node's name, as NodeGetInfo reports it [MTC_CSI_NODE_ID]",
     )
     p.add_argument(
         "--ram-dir",
@@ -154,12 +171,12 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
 def parse_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> PluginOptions:
-    """Flags win over the environment (``CSI_ENDPOINT``, ``NODE_NAME``, ``MTC_*``)."""
+    """Flags win over the environment (``MTC_*``; ``DEPRECATED_VARIABLES`` still read)."""
     p = make_parser(env)
     a = p.parse_args(argv)
     for flag, variable in (
-        ("endpoint", "CSI_ENDPOINT"),
-        ("node_id", "NODE_NAME"),
+        ("endpoint", VARIABLES["endpoint"]),
+        ("node_id", VARIABLES["node_id"]),
         ("ram_dir", "MTC_RAM_DIR"),
         ("ram_size", "MTC_RAM_SIZE"),
     ):
@@ -277,6 +294,9 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     configure_logging(opts.log_level, opts.log_format)
+    for old_name in deprecated_variables(os.environ):
+        new_name = next(n for n, o in DEPRECATED_VARIABLES.items() if o == old_name)
+        log.warning("%s is deprecated: set %s (read for now)", old_name, new_name)
     log.info(
         "starting mtc-csi %s: ram-dir=%s ram-size=%s",
         __version__,

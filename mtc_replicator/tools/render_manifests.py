@@ -146,8 +146,8 @@ def _plugin(c: NodeConfig, config_map: str) -> Manifest:
         "command": ["mtc-csi"],
         "restartPolicy": "Always",
         "env": [
-            {"name": "CSI_ENDPOINT", "value": "unix:///csi/csi.sock"},
-            _field_env("NODE_NAME", "spec.nodeName"),
+            {"name": "MTC_CSI_ENDPOINT", "value": "unix:///csi/csi.sock"},
+            _field_env("MTC_CSI_NODE_ID", "spec.nodeName"),
             {"name": "MTC_RAM_DIR", "value": RAM_DIR},
             {"name": "MTC_CHECKPOINT_SUBDIR", "value": CHECKPOINT_SUBDIR},
             {"name": "MTC_CSI_DRIVER_NAME", "value": DRIVER_NAME},

@@ -72,8 +72,8 @@ def assert_counted(samples: Samples) -> None:
 # --- options -----------------------------------------------------------------------------------
 
 ENV = {
-    "CSI_ENDPOINT": "unix:///csi/csi.sock",
-    "NODE_NAME": "node-a",
+    "MTC_CSI_ENDPOINT": "unix:///csi/csi.sock",
+    "MTC_CSI_NODE_ID": "node-a",
     "MTC_RAM_DIR": "/var/lib/mtc/ram",
     "MTC_RAM_SIZE": "64Gi",
 }

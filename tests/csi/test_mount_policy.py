@@ -18,8 +18,8 @@ from mtc_replicator.csi.validation import Publish
 from mtc_replicator.csi.volumes import NodeVolumes
 
 ENV = {
-    "CSI_ENDPOINT": "unix:///csi/csi.sock",
-    "NODE_NAME": "node-a",
+    "MTC_CSI_ENDPOINT": "unix:///csi/csi.sock",
+    "MTC_CSI_NODE_ID": "node-a",
     "MTC_RAM_DIR": "/var/lib/mtc/ramdisk",
     "MTC_RAM_SIZE": "1Gi",
 }

@@ -23,6 +23,7 @@ from mtc_replicator.csi.plugin import (
     DEFAULT_FS_GROUP,
     EXIT_STARTUP_FAILED,
     PluginOptions,
+    deprecated_variables,
     parse_args,
     run,
 )
@@ -324,8 +325,8 @@ def test_a_stale_socket_is_removed_a_live_one_or_a_file_is_not(tmp_path: Path) -
 # --- the process's options and lifecycle ---------------------------------------------------
 
 ENV = {
-    "CSI_ENDPOINT": "unix:///csi/csi.sock",
-    "NODE_NAME": "node-a",
+    "MTC_CSI_ENDPOINT": "unix:///csi/csi.sock",
+    "MTC_CSI_NODE_ID": "node-a",
     "MTC_RAM_DIR": "/var/lib/mtc/ram/",
     "MTC_RAM_SIZE": "64Gi",
 }
@@ -345,6 +346,17 @@ def test_options_from_the_environment() -> None:
     assert named.driver_name == "ckpt.example.com"
 
 
+def test_the_0_1_names_are_still_read_and_named_as_deprecated() -> None:
+    old = {"CSI_ENDPOINT": "unix:///old/csi.sock", "NODE_NAME": "node-old"}
+    rest = {k: v for k, v in ENV.items() if not k.startswith("MTC_CSI_")}
+    opts = parse_args([], {**rest, **old})
+    assert (opts.socket_path, opts.node_id) == (Path("/old/csi.sock"), "node-old")
+    assert deprecated_variables({**rest, **old}) == ["CSI_ENDPOINT", "NODE_NAME"]
+    both = {**ENV, **old}
+    assert parse_args([], both).node_id == "node-a", "the new name wins"
+    assert deprecated_variables(both) == []
+
+
 def test_flags_win_over_the_environment() -> None:
     opts = parse_args(
         ["--node-id", "node-b", "--ram-size", "512Mi", "--driver-name", "x.example.com"], ENV
@@ -359,7 +371,7 @@ def test_flags_win_over_the_environment() -> None:
 @pytest.mark.parametrize(
     ("drop", "extra", "message"),
     [
-        ("NODE_NAME", [], "--node-id (or NODE_NAME) is required"),
+        ("MTC_CSI_NODE_ID", [], "--node-id (or MTC_CSI_NODE_ID) is required"),
         ("MTC_RAM_SIZE", [], "--ram-size (or MTC_RAM_SIZE) is required"),
         (None, ["--ram-size", "256m"], "unknown suffix"),
         (None, ["--ram-dir", "ram"], "absolute"),

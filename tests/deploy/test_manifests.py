@@ -122,7 +122,7 @@ def test_plugin_is_privileged_and_propagates_its_mounts(built: list[Obj]) -> Non
     assert mounts[host_mount]["mountPropagation"] == "Bidirectional"
     assert plugin["startupProbe"]["exec"]["command"] == ["mountpoint", "-q", ram_dir]
     assert e["MTC_CSI_DRIVER_NAME"] == render_manifests.DRIVER_NAME
-    assert e["CSI_ENDPOINT"] == "unix:///csi/csi.sock"
+    assert e["MTC_CSI_ENDPOINT"] == "unix:///csi/csi.sock"
     assert plugin["command"] == ["mtc-csi"]
 
 
@@ -159,7 +159,7 @@ def test_pods_get_checkpoint_dir_and_the_store_and_owner_file_lie_beside_it(
     pod = _pod(built)
     plugin_env = env(container(pod, "csi-plugin"))
     plugin = csi_plugin.parse_args(
-        [], env={**plugin_env, "NODE_NAME": "node-a", "MTC_RAM_SIZE": "1Gi"}
+        [], env={**plugin_env, "MTC_CSI_NODE_ID": "node-a", "MTC_RAM_SIZE": "1Gi"}
     )
     ram_dir = Path(plugin_env["MTC_RAM_DIR"])
     checkpoint = CheckpointDir(plugin.ram_dir, plugin.checkpoint_subdir)
@@ -180,7 +180,7 @@ def test_the_plugin_serves_listed_namespaces_in_the_replicator_s_group(
     allow-list (never open by default), and the replicator's gid as the RAM disk's group."""
     pod = _pod(built)
     data = only(built, "ConfigMap")["data"]
-    plugin_env = {**data, **env(container(pod, "csi-plugin")), "NODE_NAME": "node-a"}
+    plugin_env = {**data, **env(container(pod, "csi-plugin")), "MTC_CSI_NODE_ID": "node-a"}
     plugin = csi_plugin.parse_args([], env=plugin_env)
     assert not plugin.policy.open
     assert plugin.policy.namespaces == {"default"}, "the example JobSet's namespace"

@@ -355,7 +355,7 @@ def test_who_may_mount_and_the_ram_disk_group_are_rendered() -> None:
     assert data["MTC_CSI_ALLOWED_NAMESPACES"] == "ml-team,research"
     assert data["MTC_CSI_ALLOWED_SERVICE_ACCOUNTS"] == "shared/trainer"
     pod = _pod(objs)
-    plugin_env = {**data, **env(container(pod, "csi-plugin")), "NODE_NAME": "node-a"}
+    plugin_env = {**data, **env(container(pod, "csi-plugin")), "MTC_CSI_NODE_ID": "node-a"}
     plugin = csi_plugin.parse_args([], env=plugin_env)
     assert plugin.policy.namespaces == {"ml-team", "research"}
     assert plugin.policy.service_accounts == {("shared", "trainer")}

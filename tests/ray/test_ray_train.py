@@ -40,6 +40,11 @@ RAY_ENV = {
     # The controller polls its workers this often; report() is throttled by it (2 s default).
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_DEDUP_LOGS": "0",
+    # Ray's agents look up this host's own address (a UDP "connect" to 8.8.8.8, then the
+    # hostname through DNS) though every node here is given its IP. With no default route
+    # and a hostname DNS never answers, that lookup outlasts the raylet's 30 s to register
+    # ("The current node timed out during startup"; CI failed so). Off: the loopback IP.
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
 }
 HEAD_IP = "127.0.0.10"
 """Ray's head, without CPUs: every worker node can be lost. Not 127.0.0.1: Ray rewrites a
@@ -113,9 +118,13 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
     cluster = Cluster()
     state = RayNodes(root, cluster, dirs, daemons, [], backup)
     try:
-        cluster.add_node(num_cpus=0, node_ip_address=HEAD_IP, include_dashboard=False)
-        state.ray_nodes = [state.add_ray_node(i, f"127.0.0.{2 + i}") for i in range(2)]
-        ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
+        try:
+            cluster.add_node(num_cpus=0, node_ip_address=HEAD_IP, include_dashboard=False)
+            state.ray_nodes = [state.add_ray_node(i, f"127.0.0.{2 + i}") for i in range(2)]
+            ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
+        except Exception as exc:
+            message = f"the local Ray cluster did not start: {exc}\n{_ray_logs()}"
+            raise RuntimeError(message) from exc
         yield state
     finally:
         ray.shutdown()
@@ -132,6 +141,17 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
         shutil.rmtree(ram, ignore_errors=True)
         for d in dirs:
             shutil.rmtree(default_store_dir(PurePosixPath(d)), ignore_errors=True)
+
+
+def _ray_logs(lines: int = 15) -> str:
+    """The last lines of the newest Ray session's own process logs, for a start that failed."""
+    logs = Path("/tmp/ray/session_latest/logs")
+    out = []
+    for name in ("gcs_server.err", "raylet.out", "raylet.err", "runtime_env_agent.err"):
+        for path in sorted(logs.glob(name.replace(".", "*."))):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path}\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no Ray logs under {logs})"
 
 
 def _fit(

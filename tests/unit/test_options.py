@@ -21,8 +21,8 @@ from mtc_replicator.node import options
 # The least each parser needs to get past its required options.
 DAEMON_ENV = {"MTC_CHECKPOINT_DIR": "/tmp/mtc-flags-test"}
 CSI_ENV = {
-    "CSI_ENDPOINT": "unix:///tmp/mtc-flags-test/csi.sock",
-    "NODE_NAME": "node-a",
+    "MTC_CSI_ENDPOINT": "unix:///tmp/mtc-flags-test/csi.sock",
+    "MTC_CSI_NODE_ID": "node-a",
     "MTC_RAM_DIR": "/tmp/mtc-flags-test/ram",
     "MTC_RAM_SIZE": "1Gi",
 }
