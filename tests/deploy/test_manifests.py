@@ -73,6 +73,7 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
         "components/cert-manager",
         "components/cert-manager-per-node",
         "components/monitoring",
+        "components/root-training",
     ]
 
 

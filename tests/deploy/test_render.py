@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -393,8 +395,34 @@ def _without_config_map_hash(objs: list[Obj]) -> dict[str, Obj]:
     ],
 )
 def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None:
+    _check_render_matches(DEPLOY / kustomization, tls=tls)
+
+
+def test_root_training_component_is_run_as_user_0(tmp_path: Path) -> None:
+    """deploy/components/root-training (for NGC-style root images) is ``runAsUser: 0``."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    there = os.path.relpath(DEPLOY, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {"resources": [f"{there}/base"], "components": [f"{there}/components/root-training"]}
+        )
+    )
+    objs = _check_render_matches(overlay, runAsUser=0)
+    replicator = container(_pod(list(objs.values())), "replicator")["securityContext"]
+    assert (replicator["runAsUser"], replicator["runAsNonRoot"]) == (0, False)
+    assert replicator["capabilities"] == {"drop": ["ALL"]}
+    assert replicator["readOnlyRootFilesystem"] is True
+    assert replicator["allowPrivilegeEscalation"] is False
+    for obj in objs.values():
+        validate(obj)
+
+
+def _check_render_matches(path: Path, **spec: Any) -> dict[str, Obj]:
+    """``mtc render`` of a configuration with ``spec`` gives the objects kustomize builds
+    at ``path`` (but the CRD, and the backup deploy/base lacks); those objects by name."""
     base = _without_config_map_hash(
-        [o for o in kustomize(DEPLOY / kustomization) if o["kind"] != "CustomResourceDefinition"]
+        [o for o in kustomize(path) if o["kind"] != "CustomResourceDefinition"]
     )
     config_map = base["ConfigMap/mtc-node-default-config"]
     rendered = _without_config_map_hash(
@@ -402,7 +430,7 @@ def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None
             cr(
                 inMemoryVolumeSize=config_map["data"]["MTC_RAM_SIZE"],
                 allowedNamespaces=config_map["data"]["MTC_CSI_ALLOWED_NAMESPACES"].split(","),
-                tls=tls,
+                **spec,
             )
         )
     )
@@ -411,6 +439,7 @@ def test_render_produces_what_deploy_holds(kustomization: str, tls: Obj) -> None
     assert sorted(base) == sorted(rendered)
     for name, obj in rendered.items():
         assert base[name] == obj, name
+    return base
 
 
 # --- the CLI -------------------------------------------------------------------------------
