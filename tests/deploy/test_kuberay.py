@@ -116,6 +116,22 @@ def test_the_two_examples_describe_the_same_cluster() -> None:
     assert entry[entry.index("--name") + 1] == rayjob["metadata"]["name"]
 
 
+@EXAMPLE_FILES
+def test_workers_wait_for_the_save_in_flight_before_sigterm(path: Path) -> None:
+    """The preStop hook runs our client's wait, within the pod's grace period (Ray needs a
+    few seconds of it after the hook)."""
+    pod = _workers(_load(path))["template"]["spec"]
+    command = container(pod, "ray-worker")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["python", "-m", "mtc_replicator.client.wait_saves"]
+    timeout = float(command[command.index("--timeout") + 1])
+    assert timeout + 5 <= pod.get("terminationGracePeriodSeconds", 30)
+    from mtc_replicator.client import wait_saves
+
+    with pytest.raises(SystemExit) as info:  # the module takes the hook's options
+        wait_saves.main([*command[3:], "--help"])
+    assert info.value.code == 0
+
+
 def test_the_entrypoint_script_runs() -> None:
     """The script a RayJob starts exists and parses its options (no Ray cluster here)."""
     script = DEPLOY.parent / "examples" / "ray_train_job.py"
