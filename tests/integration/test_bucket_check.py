@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from mtc_replicator.storage.probe import PROBE_KEY
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,
@@ -28,9 +29,14 @@ from tests.integration.helpers import (
 )
 from tests.storage_servers import (
     S3_UNSET,
+    Bucket,
     ServerProcess,
+    answer,
     create_s3_bucket,
+    fault_proxy,
     gcs_env,
+    gcs_error,
+    gcs_upload_name,
     s3_env,
     unique_bucket_name,
 )
@@ -102,6 +108,31 @@ def test_gcs_bucket_that_does_not_exist_is_not_ready_and_refuses_a_job(
         write_yaml_atomic(ckpt, config_text("nobucket"))
         wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
         assert "does not exist" in read_text(ckpt / FAILED)
+
+
+def test_gcs_that_refuses_the_probe_write_is_not_ready_and_refuses_a_job(
+    tmp_path: Path, gcs_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emulator checks no permissions: a proxy answers the probe's upload as GCS does
+    a principal without ``storage.objects.create`` (S3's own denial, from moto's policy
+    engine, is in ``test_bucket_permissions.py``). Before: the daemon said ready."""
+    forbidden = gcs_error(403, "forbidden", "caller does not have storage.objects.create access")
+    deny = answer(
+        403,
+        forbidden,
+        "application/json",
+        match=lambda r: r.method == "POST" and PROBE_KEY in gcs_upload_name(r),
+    )
+    with fault_proxy(gcs_bucket.endpoint, [deny]) as proxy:
+        env = gcs_env(proxy.url)
+        with daemon_on(tmp_path, gcs_bucket.url, env, monkeypatch) as daemon:
+            body = wait_ready_says(daemon, "refused")
+            assert "may not write under the prefix: it needs storage.objects.create" in body
+            ckpt = tmp_path / "ckpt"
+            write_yaml_atomic(ckpt, config_text("nocreate"))
+            wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
+            assert "storage.objects.create" in read_text(ckpt / FAILED)
+        assert proxy.requests("POST"), "the probe tried to write"
 
 
 def test_s3_with_credentials_is_ready(
