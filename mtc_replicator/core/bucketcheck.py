@@ -62,6 +62,15 @@ def refused_reason(url: str, right: Right, error: str, *, denied: bool) -> str:
     return f"{error} (this node may not {right.value} under the prefix: it needs {needs})"
 
 
+def may_heal(right: Right, *, transient: bool, denied: bool) -> bool:
+    """Whether a failed probe step is retried with backoff rather than refused: a transient
+    error, and a write that failed for any reason but a denial (a full ``file://`` disk, a
+    store that will not take the conditional write now): the listing and the read already
+    showed the bucket and the credentials, and only a missing permission is a
+    configuration to fix."""
+    return transient or (right is Right.WRITE and not denied)
+
+
 class Verdict(enum.Enum):
     UNCHECKED = "unchecked"
     USABLE = "usable"

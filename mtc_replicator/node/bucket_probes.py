@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from mtc_replicator.cluster.registry import Registry
-from mtc_replicator.core.bucketcheck import BucketCheck, Verdict, refused_reason
+from mtc_replicator.core.bucketcheck import BucketCheck, Verdict, may_heal, refused_reason
 from mtc_replicator.core.contract import FAILED_FILE, JobConfig
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
@@ -50,7 +50,8 @@ class BucketProbes:
                     await _in_daemon_thread(probe_store, store)
                 except ProbeFailed as exc:
                     reason = refused_reason(check.url, exc.right, str(exc), denied=exc.denied)
-                    wait = check.record(reason, transient=exc.transient)
+                    heals = may_heal(exc.right, transient=exc.transient, denied=exc.denied)
+                    wait = check.record(reason, transient=heals)
                 except ObjectStoreError as exc:
                     wait = check.record(str(exc), transient=is_transient(exc))
                 except Exception as exc:  # an SDK error no translation knows: may heal

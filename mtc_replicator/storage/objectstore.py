@@ -247,6 +247,8 @@ class FileObjectStore:
                 return
         except OSError as exc:
             raise _translate(exc, key) from exc
+        if os.path.lexists(dest):  # before writing anything: a full disk still answers
+            raise PreconditionFailed(f"{key} already exists")
         tmp = fsutil.tmp_name(dest)
         try:
             with open(tmp, "wb") as out:

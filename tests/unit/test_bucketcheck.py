@@ -10,6 +10,7 @@ from mtc_replicator.core.bucketcheck import (
     BucketCheck,
     Right,
     Verdict,
+    may_heal,
     refused_reason,
 )
 
@@ -76,3 +77,12 @@ def test_a_denied_write_refuses_jobs_with_the_permission_and_the_remedy() -> Non
     assert refusal.endswith("it needs s3:PutObject)")
     assert check.readiness() == f"backup s3://b/p refused: {reason}; {REMEDY}"
     assert "list, read and create objects" in REMEDY
+
+
+def test_only_a_denied_write_is_a_refusal_other_write_failures_are_retried() -> None:
+    assert not may_heal(Right.WRITE, transient=False, denied=True)
+    assert may_heal(Right.WRITE, transient=False, denied=False)  # a full file:// disk
+    assert may_heal(Right.WRITE, transient=True, denied=False)
+    assert not may_heal(Right.LIST, transient=False, denied=False)  # no such bucket
+    assert not may_heal(Right.READ, transient=False, denied=True)
+    assert may_heal(Right.READ, transient=True, denied=False)
