@@ -375,7 +375,7 @@ def gcs_create_only(req: Request, proxy: FaultProxy) -> Reply | None:
     if req.method not in ("POST", "PUT") or req.query.get("ifGenerationMatch") != ["0"]:
         return None
     bucket = urlsplit(req.path).path.split("/b/", 1)[1].split("/", 1)[0]
-    name = _gcs_upload_name(req)
+    name = gcs_upload_name(req)
     with proxy.lock:
         probe = Request("GET", f"/storage/v1/b/{bucket}/o/{quote(name, safe='')}", [], b"")
         if proxy.forward(probe).status == 200:
@@ -388,7 +388,8 @@ def gcs_create_only(req: Request, proxy: FaultProxy) -> Reply | None:
         return proxy.forward(req)
 
 
-def _gcs_upload_name(req: Request) -> str:
+def gcs_upload_name(req: Request) -> str:
+    """The object name an upload request creates (query, JSON body, or multipart)."""
     if "name" in req.query:
         return req.query["name"][0]
     content_type = req.header("Content-Type") or ""

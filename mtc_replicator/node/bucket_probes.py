@@ -1,5 +1,6 @@
-"""The backup and registry locations, probed from the daemon's start until each is usable
-(``core.bucketcheck`` decides what a result means). Does I/O: each probe runs in a thread of
+"""The backup and registry locations, probed from the daemon's start until each is usable:
+listed, read and written (``storage.probe``; ``core.bucketcheck`` decides what a result
+means). Does I/O: each probe runs in a thread of
 its own, so that an unreachable bucket never holds up the daemon's exit.
 """
 
@@ -14,10 +15,11 @@ import time
 from collections.abc import Callable
 
 from mtc_replicator.cluster.registry import Registry
-from mtc_replicator.core.bucketcheck import BucketCheck, Verdict
+from mtc_replicator.core.bucketcheck import BucketCheck, Verdict, may_heal, refused_reason
 from mtc_replicator.core.contract import FAILED_FILE, JobConfig
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStore, ObjectStoreError, is_transient
+from mtc_replicator.storage.probe import ProbeFailed
 from mtc_replicator.storage.probe import probe as probe_store
 
 log = logging.getLogger(__name__)
@@ -43,9 +45,13 @@ class BucketProbes:
             for check, store in self.checks:
                 if due[id(check)] > time.monotonic():
                     continue
-                was = check.verdict
+                was = (check.verdict, check.reason)
                 try:
                     await _in_daemon_thread(probe_store, store)
+                except ProbeFailed as exc:
+                    reason = refused_reason(check.url, exc.right, str(exc), denied=exc.denied)
+                    heals = may_heal(exc.right, transient=exc.transient, denied=exc.denied)
+                    wait = check.record(reason, transient=heals)
                 except ObjectStoreError as exc:
                     wait = check.record(str(exc), transient=is_transient(exc))
                 except Exception as exc:  # an SDK error no translation knows: may heal
@@ -115,12 +121,18 @@ async def _in_daemon_thread(fn: Callable[[ObjectStore], None], store: ObjectStor
     await done
 
 
-def _log_bucket(check: BucketCheck, was: Verdict, wait: float | None) -> None:
+def _log_bucket(check: BucketCheck, was: tuple[Verdict, str], wait: float | None) -> None:
+    """Log a probe's outcome: usable or refused once per change (a refusal's reason too),
+    each unreachable try with its wait (they back off)."""
     if check.verdict is Verdict.USABLE:
-        if was is not Verdict.USABLE:
-            log.info("%s %s: usable (listed and read under its prefix)", check.what, check.url)
+        if was[0] is not Verdict.USABLE:
+            log.info(
+                "%s %s: usable (listed, read and written under its prefix)",
+                check.what,
+                check.url,
+            )
     elif check.verdict is Verdict.REFUSED:
-        if was is not Verdict.REFUSED:
+        if was != (Verdict.REFUSED, check.reason):
             log.error(
                 "%s %s refused: %s; jobs on this node get %s until it is fixed "
                 "(docs/permissions.md); checking again in %.0fs",

@@ -240,10 +240,15 @@ class FileObjectStore:
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if not if_absent:
-            fsutil.atomic_write_bytes(dest, data, durable=True)
-            return
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if not if_absent:
+                fsutil.atomic_write_bytes(dest, data, durable=True)
+                return
+        except OSError as exc:
+            raise _translate(exc, key) from exc
+        if os.path.lexists(dest):  # before writing anything: a full disk still answers
+            raise PreconditionFailed(f"{key} already exists")
         tmp = fsutil.tmp_name(dest)
         try:
             with open(tmp, "wb") as out:
@@ -356,6 +361,8 @@ def _translate(exc: OSError, key: str) -> ObjectStoreError:
         return ObjectNotFound(key)
     if exc.errno in (errno.EAGAIN, errno.EINTR, errno.EBUSY):
         return TransientError(f"{key}: {exc}")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return PermissionDenied(f"{key}: {exc}")
     return ObjectStoreError(f"{key}: {exc}")
 
 

@@ -10,6 +10,7 @@ unreachable store makes it not ready and is retried with backoff while jobs run 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import urllib.error
 import urllib.request
@@ -17,20 +18,28 @@ from pathlib import Path
 
 import pytest
 
+from mtc_replicator.storage.probe import PROBE_KEY
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     CONFIG,
     FAILED,
     config_text,
+    mount_tmpfs,
     read_text,
+    unmount,
     wait_until,
     write_yaml_atomic,
 )
 from tests.storage_servers import (
     S3_UNSET,
+    Bucket,
     ServerProcess,
+    answer,
     create_s3_bucket,
+    fault_proxy,
     gcs_env,
+    gcs_error,
+    gcs_upload_name,
     s3_env,
     unique_bucket_name,
 )
@@ -102,6 +111,76 @@ def test_gcs_bucket_that_does_not_exist_is_not_ready_and_refuses_a_job(
         write_yaml_atomic(ckpt, config_text("nobucket"))
         wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
         assert "does not exist" in read_text(ckpt / FAILED)
+
+
+def test_gcs_that_refuses_the_probe_write_is_not_ready_and_refuses_a_job(
+    tmp_path: Path, gcs_bucket: Bucket, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emulator checks no permissions: a proxy answers the probe's upload as GCS does
+    a principal without ``storage.objects.create`` (S3's own denial, from moto's policy
+    engine, is in ``test_bucket_permissions.py``). Before: the daemon said ready."""
+    forbidden = gcs_error(403, "forbidden", "caller does not have storage.objects.create access")
+    deny = answer(
+        403,
+        forbidden,
+        "application/json",
+        match=lambda r: r.method == "POST" and PROBE_KEY in gcs_upload_name(r),
+    )
+    with fault_proxy(gcs_bucket.endpoint, [deny]) as proxy:
+        env = gcs_env(proxy.url)
+        with daemon_on(tmp_path, gcs_bucket.url, env, monkeypatch) as daemon:
+            body = wait_ready_says(daemon, "refused")
+            assert "may not write under the prefix: it needs storage.objects.create" in body
+            ckpt = tmp_path / "ckpt"
+            write_yaml_atomic(ckpt, config_text("nocreate"))
+            wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
+            assert "storage.objects.create" in read_text(ckpt / FAILED)
+        assert proxy.requests("POST"), "the probe tried to write"
+
+
+def fill(directory: Path) -> Path:
+    """Fill ``directory``'s filesystem to the last byte; the file that holds it all."""
+    filler = directory / "filler"
+    with contextlib.suppress(OSError), open(filler, "wb", buffering=0) as out:  # ENOSPC
+        while True:
+            out.write(b"x" * 4096)
+    return filler
+
+
+def test_a_full_file_backup_disk_is_retried_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's write is refused only when denied: a full disk may heal, so it is retried
+    and jobs start; once the probe object exists a full disk no longer matters to it (a
+    create-only write of an existing name writes nothing)."""
+    fs = tmp_path / "backup-fs"
+    fs.mkdir()
+    if not mount_tmpfs(fs, "256k"):
+        pytest.skip("needs root: a tmpfs of its own, never a real disk filled")
+    try:
+        backup = fs / "backup"
+        backup.mkdir()
+        filler = fill(fs)
+        with daemon_on(tmp_path, backup.as_uri(), {}, monkeypatch) as daemon:
+            body = wait_ready_says(daemon, "unreachable, retrying")
+            assert "No space left on device" in body, body
+            ckpt = tmp_path / "ckpt"
+            write_yaml_atomic(ckpt, config_text("fulldisk"))
+            wait_until(
+                lambda: f"accepted {CONFIG}: job=fulldisk" in daemon.log(),
+                "the handshake accepted (a full disk may be freed)",
+                daemon=daemon,
+                timeout=20,
+            )
+            assert not (ckpt / FAILED).exists()
+            filler.unlink()
+            wait_ready_says(daemon, "ok", status=200)
+        assert (backup / PROBE_KEY).is_file()
+        fill(fs)
+        with daemon_on(tmp_path, backup.as_uri(), {}, monkeypatch) as daemon:
+            wait_ready_says(daemon, "ok", status=200)
+    finally:
+        unmount(fs)
 
 
 def test_s3_with_credentials_is_ready(

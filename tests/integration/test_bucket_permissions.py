@@ -1,7 +1,9 @@
 """The bucket permissions of docs/permissions.md, against a real daemon and ``mtc`` on moto's
 S3 server with authorization enforced: the documented policies (read from that page) are
-enough for a backup, a pinned restore from it and the pin's removal, and each statement is
-needed: without it the matching feature fails, and says so.
+enough for the daemon's start-up probe (which creates ``_mtc-probe/writable``), a backup, a
+pinned restore from it and the pin's removal, and each statement is needed: without it the
+matching feature fails, and says so (without ``s3:PutObject`` the daemon is not ready and
+refuses jobs at once).
 
 moto checks actions and resource ARNs; it does not evaluate condition keys (``s3:prefix``),
 so those parts of the policies are present but unchecked here.
@@ -26,10 +28,13 @@ import botocore.exceptions
 import pytest
 
 from mtc_replicator.storage.backup import LEFTOVER_SKEW
+from mtc_replicator.storage.probe import PROBE_KEY
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster, assert_restored, running
 from tests.integration.helpers import (
+    CONFIG,
     ERRORS,
+    FAILED,
     FAST_ARGS,
     config_text,
     make_step,
@@ -43,6 +48,7 @@ from tests.integration.helpers import (
     write_big_step_tmp,
     write_yaml_atomic,
 )
+from tests.integration.test_bucket_check import wait_ready_says
 from tests.integration.test_metrics import METRICS, sample, scrape_until
 from tests.storage_servers import (
     S3_UNSET,
@@ -245,6 +251,8 @@ def test_the_documented_policies_back_up_restore_and_consume_a_pin(
     node = auth_s3.user(documented_policy("s3-daemon", bucket))
     operator = auth_s3.user(documented_policy("s3-operator", bucket))
     daemon = start_s3_daemon(node)
+    wait_ready_says(daemon, "ok", status=200)  # the probe listed, read and wrote
+    assert exists(auth_s3, bucket, PROBE_KEY)
     yaml_text = config_text(job, backup_interval_steps=1)
     write_yaml_atomic(ckpt, yaml_text)
     wait_markers(ckpt, job, 0, daemon)
@@ -303,23 +311,26 @@ def test_a_pin_the_daemon_may_not_delete_is_honoured_once(
     assert read_tree(marker) == payload(2, seed=job)
 
 
-def test_without_put_object_a_backup_fails_and_says_so(
+def test_without_put_object_the_daemon_is_not_ready_and_refuses_a_job_at_once(
     ckpt: Path, job: str, bucket: str, auth_s3: AuthS3, start_s3_daemon: StartDaemon
 ) -> None:
+    """Before: the daemon said ready, accepted the job, and its first backup failed with
+    AccessDenied in replicator.errors; the probe wrote nothing. Now its create-only write
+    of the probe object is refused, and so is every job, at once."""
     node = auth_s3.user(without(documented_policy("s3-daemon", bucket), "Objects", "s3:PutObject"))
     daemon = start_s3_daemon(node)
+    body = wait_ready_says(daemon, "refused")
+    assert f"backup s3://{bucket}/{PREFIX} refused" in body, body
+    assert "AccessDenied" in body, body
+    assert "may not write under the prefix: it needs s3:PutObject" in body, body
+    assert "docs/permissions.md" in body, body
     write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1))
-    wait_markers(ckpt, job, 0, daemon)
-    make_step(ckpt, 1, payload(1, seed=job))
-    wait_ingested(ckpt, job, 1, daemon)
-    errors = wait_until(
-        lambda: "AccessDenied" in read_text(ckpt / ERRORS) and read_text(ckpt / ERRORS),
-        f"{ERRORS} says the backup was refused",
-        daemon=daemon,
-        timeout=60,
-    )
-    assert "backup" in errors, errors
-    assert not exists(auth_s3, bucket, f"{job}/1/COMMIT")
+    wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
+    failed = read_text(ckpt / FAILED)
+    assert "it needs s3:PutObject" in failed, failed
+    assert not (ckpt / CONFIG).exists()
+    assert not exists(auth_s3, bucket, PROBE_KEY)
+    assert daemon.log().count("refused: ") == 1, "one line per change, not per probe"
 
 
 def incomplete_uploads(auth_s3: AuthS3, bucket: str, job: str) -> list[str]:

@@ -6,8 +6,12 @@ from __future__ import annotations
 from mtc_replicator.core.bucketcheck import (
     MAX_RETRY_SECONDS,
     RECHECK_REFUSED_SECONDS,
+    REMEDY,
     BucketCheck,
+    Right,
     Verdict,
+    may_heal,
+    refused_reason,
 )
 
 
@@ -44,3 +48,41 @@ def test_usable_again_clears_everything() -> None:
     check.record("denied", transient=False)
     assert check.record(None, transient=False) is None
     assert (check.readiness(), check.refusal(), check.verdict) == (None, None, Verdict.USABLE)
+
+
+def test_a_denied_step_names_the_permission_it_needs_on_each_store() -> None:
+    denied = "put b/p/_mtc-probe/writable: AccessDenied Access Denied"
+    assert refused_reason("s3://b/p", Right.WRITE, denied, denied=True) == (
+        f"{denied} (this node may not write under the prefix: it needs s3:PutObject)"
+    )
+    gcs = refused_reason("gs://b", Right.LIST, "403 forbidden", denied=True)
+    assert gcs.endswith("may not list under the prefix: it needs storage.objects.list)")
+    file = refused_reason("file:///backup", Right.WRITE, "EACCES", denied=True)
+    assert file.endswith("it needs write permission on the directory)")
+    unknown = refused_reason("odd://b", Right.READ, "403", denied=True)
+    assert unknown.endswith("it needs a permission the store did not name)")
+
+
+def test_a_refusal_that_is_no_denial_is_told_as_it_is() -> None:
+    missing = "bucket b does not exist"
+    assert refused_reason("s3://b/p", Right.LIST, missing, denied=False) == missing
+
+
+def test_a_denied_write_refuses_jobs_with_the_permission_and_the_remedy() -> None:
+    check = BucketCheck("s3://b/p", "backup")
+    reason = refused_reason("s3://b/p", Right.WRITE, "AccessDenied", denied=True)
+    assert check.record(reason, transient=False) == RECHECK_REFUSED_SECONDS
+    refusal = check.refusal()
+    assert refusal is not None
+    assert refusal.endswith("it needs s3:PutObject)")
+    assert check.readiness() == f"backup s3://b/p refused: {reason}; {REMEDY}"
+    assert "list, read and create objects" in REMEDY
+
+
+def test_only_a_denied_write_is_a_refusal_other_write_failures_are_retried() -> None:
+    assert not may_heal(Right.WRITE, transient=False, denied=True)
+    assert may_heal(Right.WRITE, transient=False, denied=False)  # a full file:// disk
+    assert may_heal(Right.WRITE, transient=True, denied=False)
+    assert not may_heal(Right.LIST, transient=False, denied=False)  # no such bucket
+    assert not may_heal(Right.READ, transient=False, denied=True)
+    assert may_heal(Right.READ, transient=True, denied=False)

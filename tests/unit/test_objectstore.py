@@ -38,6 +38,7 @@ from mtc_replicator.storage.parts import (
     upload_parts,
     verified_chunks,
 )
+from mtc_replicator.storage.probe import PROBE_BODY, PROBE_KEY, probe
 from mtc_replicator.storage.stores import open_object_store
 
 SMALL_CHUNK = 1000
@@ -132,6 +133,14 @@ class TestObjectStoreContract:
         with pytest.raises(PreconditionFailed):
             objects.put_bytes("k", b"create-only", if_absent=True)
         assert objects.get_bytes("k") == b"plain"
+
+    def test_the_start_up_probe_creates_one_object_once(self, objects: ObjectStore) -> None:
+        """The daemon's probe (``storage.probe``) writes its object create-only: the first
+        probe creates it, every later one finds it there, which means writable too."""
+        probe(objects)
+        probe(objects)
+        assert [o.key for o in objects.list("")] == [PROBE_KEY]
+        assert objects.get_bytes(PROBE_KEY) == PROBE_BODY
 
     def test_head(self, objects: ObjectStore) -> None:
         assert objects.head("nothing") is None
