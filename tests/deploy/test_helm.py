@@ -248,6 +248,18 @@ def test_a_second_pool_makes_only_its_own_objects() -> None:
     }
     # Its pods' names are still nodes to the daemon's per-node certificate check.
     assert re.fullmatch(render_manifests.NODE_POD_PATTERN, "mtc-node-tpu-x7k2p")
+    # With cert-manager, the CA (the first release's) is not made twice; its own shared
+    # certificate, under its own name, is.
+    per_node = render(VARIANTS["second-pool"] | {"tls": {"mode": "cert-manager-per-node"}})
+    assert sorted(name_of(o) for o in per_node) == sorted(name_of(o) for o in objs)
+    shared = render(
+        VARIANTS["second-pool"] | {"tls": {"mode": "cert-manager", "secretName": "mtc-tpu-tls"}}
+    )
+    (certificate,) = [o for o in shared if o["kind"] == "Certificate"]
+    assert certificate["spec"]["secretName"] == "mtc-tpu-tls"
+    assert certificate["spec"]["issuerRef"]["name"] == "mtc-ca"
+    for obj in shared:
+        validate(obj)
 
 
 def test_root_images_run_the_replicator_as_root_without_privileges() -> None:
