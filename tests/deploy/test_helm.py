@@ -151,6 +151,29 @@ def test_the_chart_renders_the_monitoring_component(tmp_path: Path) -> None:
     _assert_same(helm_chart.render_files("monitoring.yaml"), built)
 
 
+@pytest.mark.parametrize(
+    ("resource", "components", "files"),
+    [
+        ("overlays/gke", ["cert-manager"], ("gke.yaml", "cert-manager.yaml")),
+        (
+            "overlays/s3",
+            ["cert-manager", "monitoring"],
+            ("s3.yaml", "cert-manager.yaml", "monitoring.yaml"),
+        ),
+    ],
+)
+def test_values_files_compose_as_the_components_do(
+    tmp_path: Path, resource: str, components: list[str], files: tuple[str, ...]
+) -> None:
+    # docs/deploy.md adds a component to an overlay; -f adds its values file the same way.
+    kustomization = {
+        "resources": [f"../../{resource}"],
+        "components": [f"../../components/{c}" for c in components],
+    }
+    built = kustomize(helm_chart.overlay(tmp_path / "overlay", kustomization))
+    _assert_same(helm_chart.render_files(*files), built)
+
+
 def test_only_what_must_differ_is_normalised() -> None:
     helm, kustomized = render(), kustomize(DEPLOY / "base")
     for obj in helm:
