@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from helm_python.chart import lint
 from helm_python.errors import HelmRenderError, HelmValuesError
 
@@ -172,6 +173,31 @@ def test_values_files_compose_as_the_components_do(
     }
     built = kustomize(helm_chart.overlay(tmp_path / "overlay", kustomization))
     _assert_same(helm_chart.render_files(*files), built)
+
+
+def test_the_move_to_per_node_certificates_has_its_middle_step(tmp_path: Path) -> None:
+    # docs/deploy.md's middle step as values: csi-driver's certificates, and the shared one
+    # still made and accepted while pods with it remain.
+    from tests.deploy.test_per_node_certificates import _documented_migration_step
+
+    built = kustomize(
+        helm_chart.overlay(tmp_path / "overlay", yaml.safe_load(_documented_migration_step()))
+    )
+    values = values_of("cert-manager-per-node.yaml", tls={"acceptSharedCertificate": True})
+    helm = render(values)
+    # The order of the variables is all that may differ: kustomize's patch puts the flag
+    # first, the chart beside the other MTC_TLS_* ones.
+    for objs in (helm, built):
+        replicator = pod_of(objs)["containers"][0]
+        assert replicator["name"] == "replicator"
+        replicator["env"].sort(key=lambda e: e["name"])
+    _assert_same(helm, built)
+    for obj in helm:
+        validate_once(obj)
+    with pytest.raises(
+        HelmRenderError, match=re.escape("set tls.mode cert-manager-per-node with it")
+    ):
+        render(values_of("cert-manager.yaml", tls={"acceptSharedCertificate": True}))
 
 
 def test_only_what_must_differ_is_normalised() -> None:

@@ -79,6 +79,9 @@ AWS_ENDPOINT_URL_S3: {{ . | quote }}
 {{- fail (printf "extraConfig.%s is set by the chart: use the value %s instead" $key (get $owned $key)) }}
 {{- end }}
 {{- end }}
+{{- if and .Values.tls.acceptSharedCertificate (ne .Values.tls.mode "cert-manager-per-node") }}
+{{- fail "tls.acceptSharedCertificate is the middle step of the move to cert-manager-per-node: set tls.mode cert-manager-per-node with it" }}
+{{- end }}
 {{- if and (or .Values.backup.s3.region .Values.backup.s3.endpointUrl) (not (or (hasPrefix "s3://" .Values.backup.url) (hasPrefix "s3://" .Values.backup.registryUrl))) }}
 {{- fail "backup.s3 is only for s3:// backup or registry URLs" }}
 {{- end }}
