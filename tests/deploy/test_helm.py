@@ -82,6 +82,8 @@ def test_the_chart_is_the_package_s_version() -> None:
         ),
         ({"extraConfig": {"LD_PRELOAD": "/x.so"}}, "invalid propertyName 'LD_PRELOAD'"),
         ({"nodeselector": {}}, "additional properties 'nodeselector' not allowed"),
+        # Its pods' names would exceed what the per-node certificate check admits.
+        ({"name": "p" * 49}, "at '/name'"),
     ],
 )
 def test_the_schema_refuses_bad_values_naming_the_key(values: dict[str, Any], message: str) -> None:
@@ -309,6 +311,10 @@ def test_a_second_pool_makes_only_its_own_objects() -> None:
     }
     # Its pods' names are still nodes to the daemon's per-node certificate check.
     assert re.fullmatch(render_manifests.NODE_POD_PATTERN, "mtc-node-tpu-x7k2p")
+    longest = render({"name": "p" * 48})
+    assert re.fullmatch(
+        render_manifests.NODE_POD_PATTERN, only(longest, "DaemonSet")["metadata"]["name"] + "-x7k2p"
+    )
     # With cert-manager, the CA (the first release's) is not made twice; its own shared
     # certificate, under its own name, is.
     per_node = render(VARIANTS["second-pool"] | {"tls": {"mode": "cert-manager-per-node"}})
