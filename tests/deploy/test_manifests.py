@@ -1,6 +1,8 @@
-"""Every kustomization builds, every object is valid for Kubernetes 1.32, and the node stack
-keeps the properties it depends on (privileges, propagation, paths, names that must agree,
-TLS on with the Secret in the replicator alone, the NetworkPolicy's rules)."""
+"""Every kustomization builds, every object is valid for the Kubernetes versions of
+KUBE_VERSIONS, and the node stack keeps the properties it depends on (privileges, propagation,
+paths, names that must agree, TLS on with the Secret in the replicator alone, the
+NetworkPolicy's rules). The tests that take ``built`` run on the Helm chart's renders too
+(tests/deploy/test_helm.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from mtc_replicator.csi.checkpoint import CheckpointDir
 from mtc_replicator.tools import certs, render_config, render_manifests
 from mtc_replicator.transport import tls
 from mtc_replicator.transport.grpc_server import READINESS_SERVICE
+from tests.deploy import helm_chart
 from tests.deploy.k8s import (
     DEPLOY,
     REPO,
@@ -77,8 +80,16 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
     ]
 
 
-@pytest.fixture(params=KUSTOMIZATIONS, ids=_id)
+HELM_RENDERS = [f"helm:{name}" for name in helm_chart.MIRRORS]
+"""The Helm chart with the values of each kustomization: every property below holds for it."""
+
+
+@pytest.fixture(
+    params=[*KUSTOMIZATIONS, *HELM_RENDERS], ids=lambda p: p if isinstance(p, str) else _id(p)
+)
 def built(request: pytest.FixtureRequest) -> list[Obj]:
+    if isinstance(request.param, str):
+        return helm_chart.render_files(*helm_chart.MIRRORS[request.param.removeprefix("helm:")])
     path: Path = request.param
     return kustomize(path)
 

@@ -22,6 +22,7 @@ from mtc_replicator.obs.metrics import (
     PrometheusMetrics,
     process_metrics,
 )
+from tests.deploy import helm_chart
 from tests.deploy.k8s import DEPLOY, Obj, container, kustomize, only, pod_of, seconds
 from tests.deploy.test_manifests import _overlay
 
@@ -35,9 +36,12 @@ PROMQL_WORDS = {
 """PromQL keywords, functions and aggregations the rules may use: anything else is a metric."""
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> list[Obj]:
-    """deploy/base with the component, as docs/deploy.md tells to add it."""
+@pytest.fixture(scope="module", params=["kustomize", "helm"])
+def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[Obj]:
+    """deploy/base with the component, as docs/deploy.md tells to add it; or the Helm chart
+    with monitoring on."""
+    if request.param == "helm":
+        return helm_chart.render_files("monitoring.yaml")
     tmp = tmp_path_factory.mktemp("monitoring")
     text = yaml.safe_dump(
         {"resources": ["../../base"], "components": ["../../components/monitoring"]}
