@@ -163,6 +163,7 @@ def test_the_chart_renders_the_monitoring_component(tmp_path: Path) -> None:
             ["cert-manager", "monitoring"],
             ("s3.yaml", "cert-manager.yaml", "monitoring.yaml"),
         ),
+        ("base", ["root-training"], ("root.yaml",)),
     ],
 )
 def test_values_files_compose_as_the_components_do(
@@ -333,11 +334,13 @@ def test_root_images_run_the_replicator_as_root_without_privileges() -> None:
     pod = pod_of(render(values_of("root.yaml")))
     replicator = container(pod, "replicator")
     sc = replicator["securityContext"]
-    assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (0, 0, False)
+    assert (sc["runAsUser"], sc["runAsGroup"], sc["runAsNonRoot"]) == (0, 65532, False)
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["allowPrivilegeEscalation"] is False
-    assert pod["securityContext"]["fsGroup"] == 0
-    assert env(container(pod, "csi-plugin"))["MTC_CSI_FS_GROUP"] == "0"
+    # The RAM disk keeps the replicator's group: pods of the same job that run as non-root
+    # (a sidecar, an evaluator) still reach it through fsGroup.
+    assert pod["securityContext"]["fsGroup"] == 65532
+    assert env(container(pod, "csi-plugin"))["MTC_CSI_FS_GROUP"] == "65532"
 
 
 def test_the_values_files_say_what_they_set() -> None:
