@@ -7,7 +7,8 @@ of ``--step-mib`` each, ``--saves`` times, waiting for every step to be backed u
 the next. Measured from ``/proc``, per daemon: resident memory idle before the job, the
 peak (``VmHWM``) over the run, CPU seconds per GiB of the node's own checkpoint (its
 ingest, its push to its peer, the peer's copy it receives, its upload), and CPU while
-idle between saves. The plugin: its resident memory and CPU while idle.
+idle between saves. ``--no-backup``: the same without a backup (the next save waits for
+every push), to tell the tiers' shares apart. The plugin: its resident memory and CPU while idle.
 
     .venv/bin/python scripts/bench_footprint.py --step-mib 512 --saves 4
 """
@@ -65,14 +66,22 @@ def save(ckpt: Path, step: int, mib: int) -> None:
     os.rename(tmp, ckpt / str(step))
 
 
-def wait_backup(logs: list[Path], step: int, timeout: float = 300.0) -> None:
-    pattern = re.compile(rf"backup committed job={JOB} step={step} ")
+def wait_step(logs: list[Path], step: int, backup: bool, timeout: float = 60.0) -> None:
+    """Until ``step`` is backed up (every rank's item committed), or without a backup,
+    until every rank pushed its item to its peer."""
+    if backup:
+        pattern, needed = re.compile(rf"backup committed job={JOB} step={step} "), 1
+    else:
+        pattern, needed = re.compile(rf"pushed {JOB}/s{step}/n\d+-w\d+ to "), NODES
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(pattern.search(p.read_text(errors="replace")) for p in logs):
+        if sum(len(pattern.findall(p.read_text(errors="replace"))) for p in logs) >= needed:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"step {step} was not backed up within {timeout:.0f}s")
+    tail = "\n".join(logs[0].read_text(errors="replace").splitlines()[-20:])
+    raise TimeoutError(
+        f"step {step} was not {'backed up' if backup else 'pushed'} in time; {logs[0]}:\n{tail}"
+    )
 
 
 def start_plugin(root: Path) -> subprocess.Popen[bytes]:
@@ -111,7 +120,9 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
             ckpt.mkdir(parents=True)
             tls = make_tls(root, ca, f"node{rank}")
             argv = [sys.executable, "-m", "mtc_replicator.node.daemon", "--checkpoint-dir"]
-            argv += [str(ckpt), "--listen", "127.0.0.1:0", "--backup", backup.as_uri()]
+            argv += [str(ckpt), "--listen", "127.0.0.1:0"]
+            # Without a backup, the bucket's directory is the job's registry alone.
+            argv += ["--registry" if args.no_backup else "--backup", backup.as_uri()]
             argv += ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
             argv += ["--tls-ca", str(tls.ca)]
             nodes.append(Node(rank, ckpt, argv, root / f"node{rank}.log"))
@@ -133,7 +144,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
             step = (i + 1) * 10
             for node in nodes:
                 save(node.ckpt, step, args.step_mib)
-            wait_backup([n.log for n in nodes], step)
+            wait_step([n.log for n in nodes], step, backup=not args.no_backup)
         busy = time.monotonic() - started
         cpu_saves = [proc_cpu_seconds(p) - c for p, c in zip(pids, cpu_before, strict=True)]
         cpu_idle0 = [proc_cpu_seconds(p) for p in pids]
@@ -143,6 +154,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
         after = [proc_mib(p, "VmRSS") for p in pids]
         gib = args.saves * args.step_mib / 1024
         result: dict[str, object] = {
+            "backup": "none" if args.no_backup else "file://, every step",
             "step_mib_per_rank": args.step_mib,
             "saves": args.saves,
             "seconds_for_the_saves": round(busy, 1),
@@ -178,6 +190,9 @@ def main() -> None:
     parser.add_argument("--step-mib", type=int, default=512, help="each rank's step (MiB)")
     parser.add_argument("--saves", type=int, default=4, help="steps saved (default 4)")
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="idle windows (s)")
+    parser.add_argument(
+        "--no-backup", action="store_true", help="no backup: the local and peer tiers alone"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="mtc-footprint-") as tmp:

@@ -332,7 +332,10 @@ class Incarnation:
                 # Work cut short by stop() (Cancelled); the next incarnation owns the files.
                 self.log.info("incarnation stopped: %s", exc)
                 return
-            self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
+            if isinstance(exc, RestoreBlocked | RoundFailed):
+                self.log.error("incarnation failed: %s", exc)  # a refusal: its reason is all
+            else:
+                self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
             if self.phase is IncarnationPhase.RESTORING:
                 self.ctx.metrics.restore_failed(self.config.job_name, self._since_start())
                 self._report_timeline("restore failed", None)

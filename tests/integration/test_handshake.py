@@ -292,6 +292,19 @@ def test_var_expansion_never_reads_the_daemons_secrets(ckpt: Path, job: str) -> 
             (ckpt / FAILED).unlink()
 
 
+def test_a_cluster_job_without_a_registry_fails_in_one_line(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """A daemon with neither --backup nor --registry cannot find a coordinator: the job is
+    told at once, and the log says why in one line, not a traceback."""
+    daemon = start_daemon()
+    write_yaml_atomic(ckpt, config_text(job, nodes=2))
+    wait_until((ckpt / FAILED).exists, f"{FAILED} written", daemon=daemon)
+    assert "needs the daemon's --registry (or --backup)" in (ckpt / FAILED).read_text()
+    wait_until(lambda: "incarnation failed" in daemon.log(), "the error", daemon=daemon)
+    assert "Traceback" not in daemon.log()
+
+
 def test_an_allowed_variable_expands(ckpt: Path, job: str) -> None:
     with running_daemon_env(ckpt, {"NODE_NAME": "node-7"}) as daemon:
         write_yaml_atomic(
