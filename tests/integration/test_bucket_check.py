@@ -164,15 +164,9 @@ def test_a_full_file_backup_disk_is_retried_not_refused(
         with daemon_on(tmp_path, backup.as_uri(), {}, monkeypatch) as daemon:
             body = wait_ready_says(daemon, "unreachable, retrying")
             assert "No space left on device" in body, body
-            ckpt = tmp_path / "ckpt"
-            write_yaml_atomic(ckpt, config_text("fulldisk"))
-            wait_until(
-                lambda: f"accepted {CONFIG}: job=fulldisk" in daemon.log(),
-                "the handshake accepted (a full disk may be freed)",
-                daemon=daemon,
-                timeout=20,
+            _accepted_while_retried(
+                daemon, tmp_path / "ckpt", "fulldisk", "a full disk may be freed"
             )
-            assert not (ckpt / FAILED).exists()
             filler.unlink()
             wait_ready_says(daemon, "ok", status=200)
         assert (backup / PROBE_KEY).is_file()
@@ -181,6 +175,18 @@ def test_a_full_file_backup_disk_is_retried_not_refused(
             wait_ready_says(daemon, "ok", status=200)
     finally:
         unmount(fs)
+
+
+def _accepted_while_retried(daemon: DaemonProcess, ckpt: Path, job: str, why: str) -> None:
+    """A job's handshake is accepted while a location is retried (``why`` it may heal)."""
+    write_yaml_atomic(ckpt, config_text(job))
+    wait_until(
+        lambda: f"accepted {CONFIG}: job={job}" in daemon.log(),
+        f"the handshake accepted ({why})",
+        daemon=daemon,
+        timeout=20,
+    )
+    assert not (ckpt / FAILED).exists()
 
 
 def test_s3_with_credentials_is_ready(
@@ -210,15 +216,7 @@ def test_an_unreachable_store_is_not_ready_retried_with_backoff_and_jobs_still_s
             timeout=30,
         )
         assert "retrying in" in daemon.log()
-        ckpt = tmp_path / "ckpt"
-        write_yaml_atomic(ckpt, config_text("waits"))
-        wait_until(
-            lambda: f"accepted {CONFIG}: job=waits" in daemon.log(),
-            "the handshake accepted (an outage may heal)",
-            daemon=daemon,
-            timeout=20,
-        )
-        assert not (ckpt / FAILED).exists()
+        _accepted_while_retried(daemon, tmp_path / "ckpt", "waits", "an outage may heal")
 
 
 def test_a_refused_registry_refuses_cluster_jobs_only(
