@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pythonjsonlogger.json import JsonFormatter
@@ -124,8 +126,10 @@ class RepeatLimit(logging.Filter):
 
     A cause is a logger, a level and a message template (before its arguments): a problem
     retried in a loop (a refused join, an unreachable peer) says so ``burst`` times, then
-    once per interval with how many lines like it were not written. Only WARNING and above:
-    INFO lines are work done, each worth its line, and DEBUG is asked for.
+    once per interval with how many lines like it were not written. A cause that stops
+    gets its count too: its last line held back is written, with the count, once its
+    interval is over (when the next line of any cause passes this filter). Only WARNING and
+    above: INFO lines are work done, each worth its line, and DEBUG is asked for.
     """
 
     def __init__(
@@ -138,39 +142,72 @@ class RepeatLimit(logging.Filter):
     ) -> None:
         super().__init__()
         self.burst, self.interval, self.clock, self.max_causes = burst, interval, clock, max_causes
-        self._windows: dict[tuple[str, int, str], list[float]] = {}
-        """cause -> [window start, lines written in it, lines dropped in it]."""
+        self._windows: dict[tuple[str, int, str], _Window] = {}
+        self._swept = -math.inf
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING:
-            return True
         now = self.clock()
         key = (record.name, record.levelno, str(record.msg))
+        if not getattr(record, _HELD_BACK, False) and now - self._swept >= 1.0:
+            self._swept = now
+            self._write_ended(now, but=key)
+        if record.levelno < logging.WARNING:
+            return True
         window = self._windows.get(key)
-        if window is None or now - window[0] >= self.interval:
-            dropped = 0 if window is None else int(window[2])
+        if window is None or now - window.start >= self.interval:
             if window is None and len(self._windows) >= self.max_causes:
                 self._forget(now)
-            self._windows[key] = [now, 1, 0]
-            if dropped:
-                # No '%' in what is added: the template keeps its own arguments.
-                record.msg = (
-                    f"{record.msg} ({dropped} more lines like this in the last "
-                    f"{self.interval:.0f}s not logged)"
-                )
+            self._windows[key] = _Window(now)
+            if window is not None and window.dropped:
+                _count(record, window.dropped, self.interval)
             return True
-        if window[1] < self.burst:
-            window[1] += 1
+        if window.written < self.burst:
+            window.written += 1
             return True
-        window[2] += 1
+        window.dropped += 1
+        window.last = record
         return False
+
+    def _write_ended(self, now: float, *, but: tuple[str, int, str]) -> None:
+        """Write the last held-back line of each cause whose interval is over, with its
+        count, and forget the cause (its next line starts a new interval); not ``but``'s,
+        whose line now takes the count."""
+        for key, window in list(self._windows.items()):
+            if key == but or now - window.start < self.interval or window.last is None:
+                continue
+            del self._windows[key]
+            held = window.last
+            _count(held, window.dropped - 1, self.interval)
+            setattr(held, _HELD_BACK, True)
+            logging.getLogger(held.name).handle(held)
 
     def _forget(self, now: float) -> None:
         """Bound the causes kept: drop the ended windows, or all of them if none ended
         (messages built with f-strings make every line its own cause)."""
-        ended = [k for k, w in self._windows.items() if now - w[0] >= self.interval]
+        ended = [k for k, w in self._windows.items() if now - w.start >= self.interval]
         for k in ended or list(self._windows):
             del self._windows[k]
+
+
+_HELD_BACK = "_mtc_held_back"
+"""Set on a held-back line ``RepeatLimit`` writes late: it passes without a sweep."""
+
+
+@dataclass
+class _Window:
+    """One cause's interval: when it started, lines written and held back, the last held."""
+
+    start: float
+    written: int = 1
+    dropped: int = 0
+    last: logging.LogRecord | None = None
+
+
+def _count(record: logging.LogRecord, dropped: int, interval: float) -> None:
+    if dropped:
+        # No '%' in what is added: the template keeps its own arguments.
+        more = f"{dropped} more lines like this in the last {interval:.0f}s not logged"
+        record.msg = f"{record.msg} ({more})"
 
 
 def configure(level: str = "INFO", fmt: str = "text") -> None:

@@ -59,6 +59,36 @@ def test_a_repeated_warning_is_written_burst_times_then_once_per_interval_with_a
     assert limit.filter(_record("join of %s refused", "job"))
 
 
+def test_a_cause_that_stops_still_gets_its_count_written() -> None:
+    now = [0.0]
+    limit = RepeatLimit(burst=2, interval=60.0, clock=lambda: now[0])
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    handler.addFilter(limit)
+    logger = logging.getLogger("replicator.stops")
+    logger.addHandler(handler)
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    try:
+        for i in range(12):
+            logger.warning("peer %s unreachable", f"p{i}")
+        assert lines == ["peer p0 unreachable", "peer p1 unreachable"]
+        now[0] = 30.0
+        logger.info("step %d ingested", 10)  # the interval is not over: nothing more
+        assert lines[2:] == ["step 10 ingested"]
+        now[0] = 61.0
+        logger.info("step %d ingested", 20)  # any line after it is over writes the count
+        assert lines[3:] == [
+            "peer p11 unreachable (9 more lines like this in the last 60s not logged)",
+            "step 20 ingested",
+        ]
+        logger.warning("peer %s unreachable", "p12")  # the cause starts afresh
+        assert lines[5:] == ["peer p12 unreachable"]
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_info_lines_are_never_limited_and_causes_are_bounded() -> None:
     limit = RepeatLimit(burst=1, interval=60.0, clock=lambda: 0.0, max_causes=8)
     assert all(limit.filter(_record("ingested %s", i, level=logging.INFO)) for i in range(50))
