@@ -175,7 +175,9 @@ class RepeatLimit(logging.Filter):
         for key, window in list(self._windows.items()):
             if key == but or now - window.start < self.interval or window.last is None:
                 continue
-            del self._windows[key]
+            if self._windows.get(key) is not window:
+                continue  # another thread's sweep wrote it (filters run in every thread)
+            self._windows.pop(key, None)
             held = window.last
             _count(held, window.dropped - 1, self.interval)
             setattr(held, _HELD_BACK, True)
@@ -186,7 +188,7 @@ class RepeatLimit(logging.Filter):
         (messages built with f-strings make every line its own cause)."""
         ended = [k for k, w in self._windows.items() if now - w.start >= self.interval]
         for k in ended or list(self._windows):
-            del self._windows[k]
+            self._windows.pop(k, None)  # pop: another thread may have dropped it
 
 
 _HELD_BACK = "_mtc_held_back"
