@@ -52,7 +52,7 @@ def test_every_publishing_job_waits_for_the_suite() -> None:
                 todo.extend(_needs(jobs[n]))
         return seen
 
-    for name in ("pypi", "image", "release"):
+    for name in ("pypi", "image", "chart", "release"):
         assert "test" in upstream(name), name
 
 
@@ -64,3 +64,15 @@ def test_the_image_is_multi_arch_and_the_wheel_is_checked() -> None:
     assert "python -m build" in runs
     assert "twine check --strict" in runs
     assert jobs["pypi"]["permissions"] == {"id-token": "write"}  # no stored token
+
+
+def test_the_chart_is_released_at_the_package_s_version() -> None:
+    """The chart job checks the tag against Chart.yaml, which must say the package's version
+    now (the image's tag is the chart's appVersion), and pushes the package it built."""
+    chart = yaml.safe_load((REPO / "deploy" / "helm" / "mtc-replicator" / "Chart.yaml").read_text())
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert (chart["version"], chart["appVersion"]) == (version, version)
+    runs = " ".join(str(s.get("run", "")) for s in _workflow()["jobs"]["chart"]["steps"])
+    assert "helm package deploy/helm/mtc-replicator" in runs
+    assert 'helm push chart/mtc-replicator-"${GITHUB_REF_NAME#v}".tgz' in runs
+    assert "version: ${GITHUB_REF_NAME#v}" in runs
