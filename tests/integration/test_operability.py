@@ -67,6 +67,9 @@ def test_json_logs_are_json_lines_with_the_job_as_keys(
     table = mtc_status(daemon.address).stdout
     assert "not replicated (one node), last backed up" in table
     assert "last replicated" not in table
+    # Ready once its backup was probed (listed, read and written): its line may follow the
+    # start line by the readiness loop's second.
+    wait_until(lambda: '"message": "ready"' in daemon.log(), "the ready line", daemon=daemon)
     daemon.stop()
 
     lines = [json.loads(line) for line in daemon.log().splitlines()]  # every line is JSON
