@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from mtc_replicator.tools import certs  # noqa: E402
 from scripts.bench_scale import Node, make_tls  # noqa: E402
+from tests.proc import cpu_seconds, memory_mib  # noqa: E402
 
 JOB = "footprint"
 NODES = 4
@@ -43,18 +44,6 @@ def yaml_text(rank: int) -> str:
         f"job-name: {JOB}\nframework: orbax\nnode-rank: {rank}\nnodes: {NODES}\n"
         "peers-per-node: 1\nbackup-interval-steps: 1\n"
     )
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def proc_mib(pid: int, key: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def save(ckpt: Path, step: int, mib: int) -> None:
@@ -132,13 +121,13 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
             plugin = start_plugin(root)
         time.sleep(args.idle_seconds)
         pids = [n.proc.pid for n in nodes if n.proc is not None]
-        idle_rss = [proc_mib(p, "VmRSS") for p in pids]
+        idle_rss = [memory_mib(p, "VmRSS") for p in pids]
         for node in nodes:
             tmp = node.ckpt / "replicator.yaml.tmp"
             tmp.write_text(yaml_text(node.rank))
             os.rename(tmp, node.ckpt / "replicator.yaml")
         time.sleep(2)
-        cpu_before = [proc_cpu_seconds(p) for p in pids]
+        cpu_before = [cpu_seconds(p) for p in pids]
         started = time.monotonic()
         for i in range(args.saves):
             step = (i + 1) * 10
@@ -146,12 +135,12 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
                 save(node.ckpt, step, args.step_mib)
             wait_step([n.log for n in nodes], step, backup=not args.no_backup)
         busy = time.monotonic() - started
-        cpu_saves = [proc_cpu_seconds(p) - c for p, c in zip(pids, cpu_before, strict=True)]
-        cpu_idle0 = [proc_cpu_seconds(p) for p in pids]
+        cpu_saves = [cpu_seconds(p) - c for p, c in zip(pids, cpu_before, strict=True)]
+        cpu_idle0 = [cpu_seconds(p) for p in pids]
         time.sleep(args.idle_seconds)
-        cpu_idle = [proc_cpu_seconds(p) - c for p, c in zip(pids, cpu_idle0, strict=True)]
-        peak = [proc_mib(p, "VmHWM") for p in pids]
-        after = [proc_mib(p, "VmRSS") for p in pids]
+        cpu_idle = [cpu_seconds(p) - c for p, c in zip(pids, cpu_idle0, strict=True)]
+        peak = [memory_mib(p, "VmHWM") for p in pids]
+        after = [memory_mib(p, "VmRSS") for p in pids]
         gib = args.saves * args.step_mib / 1024
         result: dict[str, object] = {
             "backup": "none" if args.no_backup else "file://, every step",
@@ -167,12 +156,12 @@ def measure(args: argparse.Namespace, root: Path) -> dict[str, object]:
             ],
         }
         if plugin is not None:
-            c0 = proc_cpu_seconds(plugin.pid)
+            c0 = cpu_seconds(plugin.pid)
             time.sleep(args.idle_seconds)
-            result["plugin_rss_mib"] = round(proc_mib(plugin.pid, "VmRSS"))
-            result["plugin_peak_rss_mib"] = round(proc_mib(plugin.pid, "VmHWM"))
+            result["plugin_rss_mib"] = round(memory_mib(plugin.pid, "VmRSS"))
+            result["plugin_peak_rss_mib"] = round(memory_mib(plugin.pid, "VmHWM"))
             result["plugin_idle_cpu_percent"] = round(
-                100 * (proc_cpu_seconds(plugin.pid) - c0) / args.idle_seconds, 2
+                100 * (cpu_seconds(plugin.pid) - c0) / args.idle_seconds, 2
             )
         return result
     finally:

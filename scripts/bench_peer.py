@@ -56,6 +56,11 @@ from mtc_replicator.transport.attesting import manifest_trust
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: tests/ beside mtc_replicator
+
+from tests import proc  # noqa: E402
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover
@@ -186,14 +191,10 @@ class Daemon:
     log: Path
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc.cpu_seconds(self.proc.pid)
 
     def memory_mib(self, key: str) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) / 1024
-        raise KeyError(key)
+        return proc.memory_mib(self.proc.pid, key)
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

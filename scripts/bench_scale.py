@@ -70,6 +70,11 @@ from mtc_replicator.storage.objectstore import FileObjectStore, PreconditionFail
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: tests/ beside mtc_replicator
+
+from tests import proc  # noqa: E402
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover
@@ -125,15 +130,11 @@ class Node:
 
     def cpu_seconds(self) -> float:
         assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return proc.cpu_seconds(self.proc.pid)
 
     def memory_mib(self, key: str = "VmRSS") -> float:
         assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith(f"{key}:"):
-                return int(line.split()[1]) / 1024
-        raise KeyError(key)
+        return proc.memory_mib(self.proc.pid, key)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -22,6 +22,7 @@ from tests.integration.helpers import (
     read_tree,
     wait_until,
 )
+from tests.proc import cpu_seconds
 from tests.tls import operator_flags
 
 pytestmark = pytest.mark.integration
@@ -239,12 +240,6 @@ def test_mtc_backups_restore_pins_the_next_round_to_an_older_backup(cluster: Clu
     )
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process, from ``/proc/<pid>/stat``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_idle_daemons_in_steady_state_use_under_2_percent_of_a_core(cluster: Cluster) -> None:
     # Replicated, reported, nothing to do: what each daemon costs a training node at rest
     # (with the tests' fast rescans, 0.3 s; the default is slower).
@@ -252,9 +247,9 @@ def test_idle_daemons_in_steady_state_use_under_2_percent_of_a_core(cluster: Clu
     cluster.save(5)
     time.sleep(2)
     pids = [cluster.daemon(r).pid for r in range(NODES)]
-    before = [_cpu_seconds(p) for p in pids]
+    before = [cpu_seconds(p) for p in pids]
     t0 = time.monotonic()
     time.sleep(10)
     elapsed = time.monotonic() - t0
-    shares = [(_cpu_seconds(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
+    shares = [(cpu_seconds(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
     assert max(shares) < 0.02, shares
