@@ -85,9 +85,12 @@ def _env(env: Mapping[str, str], option: str) -> str | None:
     return env.get(name) or env.get(DEPRECATED_VARIABLES[name])
 
 
-def deprecated_variables(env: Mapping[str, str]) -> list[str]:
-    """The old names ``env`` sets without their new ones: what the plugin warns about."""
-    return [old for new, old in DEPRECATED_VARIABLES.items() if env.get(old) and not env.get(new)]
+def deprecated_variables(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(old, new) for each old name ``env`` sets without its new one: what the plugin warns
+    about."""
+    return [
+        (old, new) for new, old in DEPRECATED_VARIABLES.items() if env.get(old) and not env.get(new)
+    ]
 
 
 def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
@@ -294,8 +297,7 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     opts = parse_args(argv)
     configure_logging(opts.log_level, opts.log_format)
-    for old_name in deprecated_variables(os.environ):
-        new_name = next(n for n, o in DEPRECATED_VARIABLES.items() if o == old_name)
+    for old_name, new_name in deprecated_variables(os.environ):
         log.warning("%s is deprecated: set %s (read for now)", old_name, new_name)
     log.info(
         "starting mtc-csi %s: ram-dir=%s ram-size=%s",

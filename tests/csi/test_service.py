@@ -351,7 +351,10 @@ def test_the_0_1_names_are_still_read_and_named_as_deprecated() -> None:
     rest = {k: v for k, v in ENV.items() if not k.startswith("MTC_CSI_")}
     opts = parse_args([], {**rest, **old})
     assert (opts.socket_path, opts.node_id) == (Path("/old/csi.sock"), "node-old")
-    assert deprecated_variables({**rest, **old}) == ["CSI_ENDPOINT", "NODE_NAME"]
+    assert deprecated_variables({**rest, **old}) == [
+        ("CSI_ENDPOINT", "MTC_CSI_ENDPOINT"),
+        ("NODE_NAME", "MTC_CSI_NODE_ID"),
+    ]
     both = {**ENV, **old}
     assert parse_args([], both).node_id == "node-a", "the new name wins"
     assert deprecated_variables(both) == []
