@@ -104,7 +104,8 @@ class JobConfig:
     peer_ranks: tuple[int, ...] = ()
     """Explicit peers (Orbax: the data-parallel equivalents); may be empty."""
     peers_per_node: int = 0
-    """How many peers to choose when ``peer_ranks`` is empty."""
+    """How many peers to choose when ``peer_ranks`` is empty (``parse_config`` makes it
+    ``DEFAULT_PEERS_PER_NODE`` for a multi-node job that names neither key)."""
     data_parallelism: int | None = None
     """``D`` identical replicas of ``nodes // D`` nodes each, or None when not declared."""
     workers_per_node: int = 1
@@ -153,6 +154,21 @@ class ConfigError(ValueError):
 NO_FRAMEWORK_ASSUMED = (
     "replicator.yaml has no 'framework' key: assuming 'orbax' (MaxText's first multi-tier "
     "release writes none); write 'framework: orbax' to silence this warning"
+)
+
+
+DEFAULT_PEERS_PER_NODE = 1
+"""Peers of a multi-node job whose handshake names neither ``peer-ranks`` nor
+``peers-per-node``. The GKE contract's default is ``len(peer-ranks)``, 0 when both are absent:
+no copy off the node, so a lost node restores every rank from the backup, a rollback to its
+last interval. Both keys are optional in that contract, so choosing 1 changes nothing a
+client relies on; every client that writes either key keeps exactly what it wrote."""
+
+NO_PEERS_ASSUMED = (
+    "replicator.yaml names neither 'peer-ranks' nor 'peers-per-node': assuming "
+    f"'peers-per-node: {DEFAULT_PEERS_PER_NODE}' (each step is copied to another node, so a "
+    "lost node restores from a peer, not from the backup); write 'peers-per-node: 0' to keep "
+    "no peer copy, or set it to silence this note"
 )
 
 
@@ -369,7 +385,10 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
     peers = _peer_ranks(data, nodes, rank)
 
     ppn = _opt_int(data, "peers-per-node")
-    if ppn is None:
+    if ppn is None and data.get("peer-ranks") is None and nodes > 1:
+        ppn = DEFAULT_PEERS_PER_NODE
+        assumed.append(NO_PEERS_ASSUMED)
+    elif ppn is None:
         ppn = len(peers)
     if ppn < 0:
         raise ConfigError("peers-per-node", ppn, "must be >= 0")

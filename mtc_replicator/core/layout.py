@@ -119,6 +119,27 @@ def holders(config: JobConfig, rank: int) -> Holders:
     return Holders(copies, config.equivalent_ranks(rank))
 
 
+def off_node_copies(config: JobConfig) -> int:
+    """How many other nodes hold this node's rank's steps in steady state: its replication
+    targets and its data-parallel equivalents. 0: a lost node loses every step not yet in the
+    backup."""
+    own = holders(config, config.node_rank)
+    return len(own.copies) + len(own.equivalents)
+
+
+def no_copy_note(config: JobConfig) -> str | None:
+    """What a multi-node job is told, once per incarnation, when no other node holds its
+    steps; None when one does, or when the job has one node (nothing to choose)."""
+    if config.nodes == 1 or off_node_copies(config) > 0:
+        return None
+    return (
+        f"job {config.job_name} rank {config.node_rank}: no other node holds a copy of this "
+        "rank's steps (no peer-ranks, peers-per-node: 0, no data-parallel replica): if this "
+        "node is lost, every rank of the job restores the backup's newest step and the steps "
+        "saved since are lost; set peers-per-node: 1 to keep a copy on a peer"
+    )
+
+
 def pushers(config: JobConfig, rank: int) -> tuple[int, ...]:
     """Ranks that push copies of their items to ``rank`` (the inverse of ``holders``).
 

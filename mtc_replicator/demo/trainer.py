@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "nodes": a.nodes,
         "backup_interval_steps": a.backup_interval_steps,
     }
-    if multi:
-        fields["peers_per_node"] = 1
+    # No peers_per_node: a multi-node job gets one peer by default, as docs/client.md says.
     result = client.handshake(a.dir, timeout=a.timeout, poll_interval=0.2, **fields)
     world = 1
     if multi and a.dist_port:

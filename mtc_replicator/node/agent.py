@@ -39,7 +39,7 @@ from mtc_replicator.core.contract import (
     parse_config,
 )
 from mtc_replicator.core.drain import DrainPlan, plan_drain
-from mtc_replicator.core.layout import backup_items
+from mtc_replicator.core.layout import backup_items, no_copy_note, off_node_copies
 from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import (
@@ -207,6 +207,8 @@ class Incarnation:
 
     def start(self) -> None:
         self.ctx.metrics.serving(self.config.job_name)
+        if self.config.nodes > 1:
+            self.ctx.metrics.off_node_copies(self.config.job_name, off_node_copies(self.config))
         self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
 
     def wake(self) -> None:
@@ -316,6 +318,9 @@ class Incarnation:
             if self.phase is IncarnationPhase.RESTORING:
                 for assumption in self.config.assumed:
                     self.error(assumption, kind=ErrorKind.CONFIG)
+                alone = no_copy_note(self.config)
+                if alone is not None:
+                    self.error(alone, kind=ErrorKind.CONFIG)
                 self.persist()
                 await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk

@@ -26,6 +26,7 @@ from mtc_replicator._pb.mtc.v1 import node_pb2_grpc
 from mtc_replicator.core.contacts import Contact
 from mtc_replicator.core.foreign import DropRefused, HeldJob
 from mtc_replicator.core.jobname import is_job_name
+from mtc_replicator.core.layout import off_node_copies
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.agent import Incarnation
 from mtc_replicator.node.reclaim import Dropped
@@ -99,6 +100,7 @@ def node_status(
             status.rank = own
             status.nodes = incarnation.config.nodes
             status.phase = incarnation.phase.value
+            status.off_node_copies = off_node_copies(incarnation.config)
             member = incarnation.member
             if member is not None:
                 status.coordinator = member.coordinator or ""

@@ -24,6 +24,7 @@ from mtc_replicator.core.contract import (
     parse_config,
 )
 from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
+from mtc_replicator.core.layout import off_node_copies, replication_targets
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
 from mtc_replicator.local import fsutil
@@ -395,7 +396,7 @@ class Supervisor:
             handshake_at=seen_at,
         )
         log.info(
-            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d incarnation=%s "
+            "accepted %s: job=%s rank=%d/%d framework=%s workers=%d peers=%s incarnation=%s "
             "(removed %d stale files)",
             CONFIG_FILE,
             config.job_name,
@@ -403,6 +404,7 @@ class Supervisor:
             config.nodes,
             config.framework.value,
             config.workers_per_node,
+            _peers_said(config),
             self.incarnation.id,
             len(removed),
             extra={"job": config.job_name},
@@ -411,6 +413,19 @@ class Supervisor:
         await loop.run_in_executor(self.executor, self.incarnation.persist)
         self.handshake.delete(text)
         self.incarnation.start()
+
+
+def _peers_said(config: JobConfig) -> str:
+    """The accepted-handshake line's word on copies off this node (``core.layout``)."""
+    if config.nodes == 1:
+        return "none (one node)"
+    if off_node_copies(config) == 0:
+        return "NONE (no other node holds this rank's steps: a lost node restores from the backup)"
+    targets = replication_targets(config)
+    equivalents = config.equivalent_ranks(config.node_rank)
+    said = [f"copies to {list(targets)}"] if targets else []
+    said += [f"equivalents {list(equivalents)}"] if equivalents else []
+    return " and ".join(said)
 
 
 def _restart(exc: Exception) -> str:

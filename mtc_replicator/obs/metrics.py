@@ -154,6 +154,9 @@ class Metrics:
     def serving(self, job: str) -> None:
         """The daemon serves ``job`` now: the series of any other job go."""
 
+    def off_node_copies(self, job: str, count: int) -> None:
+        """How many other nodes hold this rank's steps of ``job`` (``core.layout``)."""
+
     def committed(self, job: str, step: int | None) -> None:
         """The newest step complete in the local store (None: none is)."""
 
@@ -309,6 +312,13 @@ class PrometheusMetrics(Metrics):
             "Bytes of jobs that do not run here, dropped from this node (TTL, room, mtc drop).",
             registry=r,
         )
+        self._off_node = Gauge(
+            "mtc_off_node_copies",
+            "Other nodes holding this rank's steps (its peers' copies and data-parallel "
+            "equivalents); 0 in a multi-node job: a lost node restores from the backup.",
+            [JOB_LABEL],
+            registry=r,
+        )
         r.register(_JobStateCollector(self.job_state, clock))
 
     def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
@@ -343,6 +353,11 @@ class PrometheusMetrics(Metrics):
         with self._lock:
             self._adopt(job)
 
+    def off_node_copies(self, job: str, count: int) -> None:
+        with self._lock:
+            self._adopt(job)
+            self._off_node.labels(job).set(count)
+
     def _adopt(self, job: str) -> None:
         """Forget another job's series (under the lock); bounded: one job at a time."""
         if self._job == job:
@@ -354,6 +369,8 @@ class PrometheusMetrics(Metrics):
                 self._pin_delete_failures.remove(self._job)
             with contextlib.suppress(KeyError):
                 self._pins_refused.remove(self._job)
+            with contextlib.suppress(KeyError):
+                self._off_node.remove(self._job)
         self._job = job
         self._steps = {k: v for k, v in self._steps.items() if k[0] == job}
         self._restorable = {k: v for k, v in self._restorable.items() if k[0] == job}

@@ -182,6 +182,7 @@ def _job_json(j: pb.JobStatus) -> dict[str, Any]:
             j.committed_backup_step if j.HasField("committed_backup_step") else None
         ),
         "kept_without_backup": j.kept_without_backup,
+        "off_node_copies": j.off_node_copies if active else None,
     }
 
 
@@ -215,11 +216,15 @@ def print_status(body: dict[str, Any], now: float) -> None:
                 f"job {j['job']}: rank {j['rank']}/{j['nodes']}, {j['phase']}, incarnation "
                 f"{j['incarnation']}, coordinator {_or_dash(j['coordinator'])}"
             )
-            replicated = (
-                "not replicated (one node)"
-                if j["nodes"] == 1
-                else f"last replicated {_or_dash(j['last_replicated'])}"
-            )
+            if j["nodes"] == 1:
+                replicated = "not replicated (one node)"
+            elif not j["off_node_copies"]:
+                replicated = (
+                    "NOT REPLICATED: no other node holds this rank's steps (peers-per-node: 0), "
+                    "a lost node restores from the backup"
+                )
+            else:
+                replicated = f"last replicated {_or_dash(j['last_replicated'])}"
             print(f"  {replicated}, last backed up {_or_dash(j['last_backed_up'])}")
             print(f"  local steps: {_steps(j['local_steps'])}")
         elif j["kept_without_backup"]:

@@ -70,6 +70,7 @@ def exported_metrics(tmp_path: Path) -> set[str]:
     metrics.backed_up("j", 2, 1.0)
     metrics.restore_failed("j", 1.0)
     metrics.pin_delete_failed("j")
+    metrics.off_node_copies("j", 0)
     metrics.peer_contacts(
         lambda: [Contact("10.0.0.2:7070", reachable=False, last_answer_at=1.0)],
         lambda: ["10.0.0.2:7070"],
@@ -156,7 +157,12 @@ def test_every_alert_is_well_formed_and_asks_for_real_metrics(
             assert not re.search(r"\bby \(job\)|\$labels\.job\b|\bjob=", text), r
             alerts.append(r["alert"])
     assert len(alerts) == len(set(alerts))
-    assert {"MtcBackupStale", "MtcReplicationLagging", "MtcRestoreFailed"} <= set(alerts)
+    assert {
+        "MtcBackupStale",
+        "MtcReplicationLagging",
+        "MtcRestoreFailed",
+        "MtcNoCopyOffNode",
+    } <= set(alerts)
 
 
 def test_every_alert_expression_of_the_docs_is_a_rule(built: list[Obj]) -> None:

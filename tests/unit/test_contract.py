@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from mtc_replicator.core import contract
 from mtc_replicator.core.contract import (
+    DEFAULT_PEERS_PER_NODE,
     NO_FRAMEWORK_ASSUMED,
+    NO_PEERS_ASSUMED,
     BackupInterval,
     ConfigError,
     Framework,
@@ -627,7 +629,7 @@ def test_a_file_without_framework_is_orbax_with_the_assumption_said(empty: str |
     assert cfg.backup_interval == BackupInterval(minutes=30, steps=None)
     # Written, it is taken as written and nothing is assumed.
     assert parse_config(f"framework: orbax\n{MAXTEXT_FIRST}").assumed == ()
-    assert parse_config(doc()).assumed == ()
+    assert parse_config(doc(peers_per_node="1")).assumed == ()
 
 
 def test_a_file_without_framework_is_still_validated() -> None:
@@ -690,9 +692,34 @@ def test_defaults() -> None:
     assert cfg.backup_interval == BackupInterval(minutes=30, steps=None)
     assert cfg.workers_per_node == 1
     assert cfg.peer_ranks == ()
-    assert cfg.peers_per_node == 0
+    assert cfg.peers_per_node == DEFAULT_PEERS_PER_NODE == 1
     assert cfg.data_parallelism is None
     assert cfg.unknown_keys == ()
+    assert cfg.assumed == (NO_PEERS_ASSUMED,)
+
+
+def test_a_multi_node_job_naming_no_peers_gets_one_and_is_told() -> None:
+    """The GKE contract's default (len(peer-ranks), 0) leaves a job that names neither key
+    with no copy off its node; ours is one peer, said in the job's replicator.errors."""
+    cfg = parse_config(doc(nodes="2", node_rank="0"))
+    assert cfg.peers_per_node == 1
+    assert "peers-per-node: 0" in NO_PEERS_ASSUMED
+    assert cfg.assumed == (NO_PEERS_ASSUMED,)
+
+
+def test_a_written_peer_key_is_taken_as_written() -> None:
+    """Orbax always writes peer-ranks (often []); the reference client writes peers-per-node:
+    neither gets the default, so what they wrote keeps its contract meaning."""
+    for written in (doc(peer_ranks="[]"), doc(peers_per_node="0"), doc(peer_ranks="[0]")):
+        cfg = parse_config(written)
+        assert NO_PEERS_ASSUMED not in cfg.assumed
+    assert parse_config(doc(peer_ranks="[]")).peers_per_node == 0
+    assert parse_config(doc(peers_per_node="0")).peers_per_node == 0
+
+
+def test_a_one_node_job_gets_no_peer_and_no_note() -> None:
+    cfg = parse_config(doc(nodes="1", node_rank="0"))
+    assert (cfg.peers_per_node, cfg.assumed) == (0, ())
 
 
 def test_peers_per_node_defaults_to_number_of_peer_ranks() -> None:
@@ -1205,7 +1232,7 @@ def test_an_error_quotes_the_value_as_written_not_as_expanded() -> None:
 
 
 def test_an_unknown_key_is_told_to_the_job_with_the_nearest_known_key() -> None:
-    cfg = parse_config(doc() + "\nbackup-interval-minute: 5\nzzz-unrelated: 1\n")
+    cfg = parse_config(doc(peers_per_node="1") + "\nbackup-interval-minute: 5\nzzz-unrelated: 1\n")
     assert cfg.unknown_keys == ("backup-interval-minute", "zzz-unrelated")
     assert cfg.assumed == (
         "replicator.yaml key 'backup-interval-minute' is not one the replicator knows and was "

@@ -19,6 +19,8 @@ from mtc_replicator.core.layout import (
     format_ranks,
     holders,
     missing_ranks,
+    no_copy_note,
+    off_node_copies,
     peer_offsets,
     pushers,
     replication_targets,
@@ -240,3 +242,35 @@ def test_format_ranks_collapses_runs_and_stays_short() -> None:
     assert len(every_other) < 120
     assert every_other.endswith("and 4984 more")
     assert format_ranks(range(100_000)) == "0-99999"
+
+
+# --- copies off the node ---------------------------------------------------------------------
+
+
+def test_off_node_copies_count_targets_and_equivalents() -> None:
+    assert off_node_copies(cfg(4, ppn=1)) == 1
+    assert off_node_copies(cfg(4, ppn=2)) == 2
+    assert off_node_copies(cfg(4, ppn=0)) == 0
+    # Two replicas of two nodes: the equivalent holds this rank's state, with no push.
+    assert off_node_copies(cfg(4, ppn=0, dp=2)) == 1
+    assert off_node_copies(cfg(4, ppn=1, dp=2)) == 1
+    assert off_node_copies(cfg(4, rank=0, peer_ranks=(2, 3), ppn=2)) == 2
+    assert off_node_copies(cfg(1, ppn=0)) == 0
+
+
+def test_only_a_multi_node_job_with_no_copy_off_its_node_gets_the_note() -> None:
+    note = no_copy_note(cfg(4, ppn=0, rank=2))
+    assert note is not None
+    assert "job job rank 2" in note
+    assert "peers-per-node: 1" in note
+    assert no_copy_note(cfg(4, ppn=1)) is None
+    assert no_copy_note(cfg(4, ppn=0, dp=4)) is None
+    assert no_copy_note(cfg(1, ppn=0)) is None
+
+
+@given(layouts())
+@settings(max_examples=200, deadline=None)
+def test_the_note_is_said_exactly_when_no_other_node_holds_the_rank(config: JobConfig) -> None:
+    held = holders(config, config.node_rank)
+    alone = config.nodes > 1 and not held.copies and not held.equivalents
+    assert (no_copy_note(config) is not None) == alone

@@ -186,6 +186,8 @@ def test_a_new_job_drops_the_series_of_the_previous_one(metrics: PrometheusMetri
     metrics.committed("old", 5)
     metrics.backed_up("old", 5, 1.0)
     metrics.restore_done("old", 5, 1.0)
+    metrics.off_node_copies("old", 0)
+    assert value(r, "mtc_off_node_copies", mtc_job="old") == 0
     metrics.serving("new")
     got = samples(r)
     jobs = {dict(labels).get("mtc_job") for _, labels in got} - {None}

@@ -41,6 +41,18 @@ def test_a_one_node_job_reads_not_replicated(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "  not replicated (one node), last backed up 3" in out
     assert "last replicated" not in out
-    four = pb.JobStatus(job="j", active=True, rank=0, nodes=4)
+    four = pb.JobStatus(job="j", active=True, rank=0, nodes=4, off_node_copies=1)
     print_status(_body(four), now=0.0)
     assert "  last replicated -, last backed up -" in capsys.readouterr().out
+
+
+def test_a_multi_node_job_with_no_copy_off_its_node_is_said_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    alone = pb.JobStatus(job="j", active=True, rank=0, nodes=4, off_node_copies=0)
+    print_status(_body(alone), now=0.0)
+    out = capsys.readouterr().out
+    assert "NOT REPLICATED" in out
+    assert "peers-per-node: 0" in out
+    assert "last replicated" not in out
+    assert _job_json(alone)["off_node_copies"] == 0

@@ -133,6 +133,7 @@ class JobStatus(_message.Message):
     PEERS_FIELD_NUMBER: _builtins.int
     COMMITTED_BACKUP_STEP_FIELD_NUMBER: _builtins.int
     KEPT_WITHOUT_BACKUP_FIELD_NUMBER: _builtins.int
+    OFF_NODE_COPIES_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     active: _builtins.bool
     """True for the job this node serves now; the fields below up to `peers` are set only then."""
@@ -157,6 +158,11 @@ class JobStatus(_message.Message):
     kept_without_backup: _builtins.bool
     """A job not running here whose newest step held is not in the backup: its items are
     kept (they may be its only copy) until an operator drops them.
+    """
+    off_node_copies: _builtins.int
+    """The running job: how many other nodes hold this rank's steps (its replication targets'
+    copies and its data-parallel equivalents). 0 in a multi-node job: a lost node restores
+    every rank from the backup.
     """
     @_builtins.property
     def local_steps(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -187,10 +193,11 @@ class JobStatus(_message.Message):
         peers: _abc.Iterable[Global___PeerContact] | None = ...,
         committed_backup_step: _builtins.int | None = ...,
         kept_without_backup: _builtins.bool = ...,
+        off_node_copies: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "committed_backup_step", b"committed_backup_step", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "active", b"active", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "incarnation", b"incarnation", "job", b"job", "kept_without_backup", b"kept_without_backup", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated", "local_steps", b"local_steps", "nodes", b"nodes", "peer_copies", b"peer_copies", "peers", b"peers", "phase", b"phase", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step", "_last_backed_up", b"_last_backed_up", "_last_replicated", b"_last_replicated", "active", b"active", "committed_backup_step", b"committed_backup_step", "coordinator", b"coordinator", "incarnation", b"incarnation", "job", b"job", "kept_without_backup", b"kept_without_backup", "last_backed_up", b"last_backed_up", "last_replicated", b"last_replicated", "local_steps", b"local_steps", "nodes", b"nodes", "off_node_copies", b"off_node_copies", "peer_copies", b"peer_copies", "peers", b"peers", "phase", b"phase", "rank", b"rank"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__committed_backup_step: _TypeAlias = _typing.Literal["committed_backup_step"]  # noqa: Y015
     _WhichOneofArgType__committed_backup_step: _TypeAlias = _typing.Literal["_committed_backup_step", b"_committed_backup_step"]  # noqa: Y015
