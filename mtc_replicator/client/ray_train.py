@@ -18,9 +18,11 @@ import os
 import re
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any, Literal
 
 from mtc_replicator.client import torch_io
@@ -41,6 +43,7 @@ from mtc_replicator.core.contract import Framework
 from mtc_replicator.core.raytrain import (
     DatedRunName,
     ElasticWorkers,
+    ForeignCheckpoint,
     RanksDisagree,
     RayLayout,
     RayTrainRefused,
@@ -53,6 +56,7 @@ __all__ = [
     "CLAIM_FILE",
     "DatedRunName",
     "ElasticWorkers",
+    "ForeignCheckpoint",
     "RanksDisagree",
     "RayCheckpointer",
     "RayLayout",
@@ -97,7 +101,8 @@ class RayCheckpointer:
     ``asynchronous`` (default): a save returns once the state is snapshotted and is written
     in the background (``client.async_save.AsyncSaver``: one save in flight, ``when_busy``
     says whether the next waits or is skipped); ``close()`` at the end of ``train_func``
-    publishes the last one.
+    publishes the last one and gives the node back to the next job (``with
+    RayCheckpointer(...) as ckpt:`` does it when the block ends without an exception).
     """
 
     def __init__(
@@ -150,18 +155,32 @@ class RayCheckpointer:
     def checkpoint_dir(self) -> Path:
         return self._started().directory
 
-    def restore(self, state: dict[str, Any] | None = None) -> Restored | None:
+    def restore(
+        self, state: dict[str, Any] | None = None, *, checkpoint: Any = None
+    ) -> Restored | None:
         """Hand this job to the node's replicator and load what it offers; collective.
 
         Returns None on a fresh start. Raises a ``RayTrainRefused`` (the same on every
         worker) for a setup that cannot work. ``state`` is required in ``dcp`` mode: the
         state dict to load into, in place (DCP loads into existing tensors).
+        ``checkpoint``: a ``ray.train.Checkpoint`` the job was asked to continue from (under
+        Ray Tune, the one ``tune.get_checkpoint()`` hands the trial, passed in through
+        ``train_loop_config``). This job's own is one more candidate beside Ray's newest;
+        another job's (a PopulationBasedTraining exploit) is refused with
+        ``ForeignCheckpoint`` before the handshake, never answered with this job's state.
         """
         if self.mode == "dcp" and state is None:
             raise ValueError("mode='dcp' restores in place: pass the state dict to load into")
-        session = self._session = _Session.start(self)
+        if checkpoint is not None and not hasattr(checkpoint, "filesystem"):
+            raise TypeError(
+                f"checkpoint must be a ray.train.Checkpoint (or tune.Checkpoint), not "
+                f"{type(checkpoint).__name__}: wrap a path as ray.train.Checkpoint(path)"
+            )
+        session = self._session = _Session.start(self, checkpoint)
         step = session.agree_on_step()
         ray_step, ray_checkpoint = _ray_checkpoint(session)
+        if session.handed_step is not None and (ray_step is None or session.handed_step > ray_step):
+            ray_step, ray_checkpoint = session.handed_step, checkpoint
         source = raytrain.pick_source(step, ray_step)
         if source is None:
             log.info(
@@ -230,11 +249,31 @@ class RayCheckpointer:
         return None if self._saver is None else self._saver.wait(timeout)
 
     def close(self) -> None:
-        """Publish the save in flight and free the staging buffers: call it at the end of
-        ``train_func`` (a worker that returns while a save is written may be stopped)."""
+        """Publish the save in flight, free the staging buffers and release the node's claim
+        (``ray-train.claim``, if this job's incarnation still holds it), so that the next job
+        (the next Tune trial, a new run name) is accepted on these nodes at once. Call it at
+        the end of ``train_func``, not on an error: a worker that returns while a save is
+        written may be stopped, and a job that failed keeps its nodes for the claim's lease,
+        so that Ray's restart finds them free of other jobs."""
         if self._saver is not None:
             saver, self._saver = self._saver, None
             saver.close()
+        if self._session is not None:
+            self._session.release_claim()
+
+    def __enter__(self) -> RayCheckpointer:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """``close()`` when the block ends normally; on an exception the claim is kept (Ray
+        restarts the job's workers on the same nodes) and the error goes on."""
+        if kind is None:
+            self.close()
 
     def report(self, metrics: Mapping[str, Any], *, ray_checkpoint: bool | None = None) -> None:
         """``ray.train.report(metrics)``; with a Ray checkpoint of the last save when
@@ -273,11 +312,8 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None, None
-    try:
-        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
-            meta = json.loads(f.read().decode("utf-8"))
-        step, world_size = int(meta["step"]), int(meta["world-size"])
-    except (OSError, ValueError, KeyError, TypeError):
+    meta = _read_meta(checkpoint)
+    if meta is None:
         log.warning(
             "job %s rank %s: Ray's checkpoint %s was not written by RayCheckpointer.report; "
             "ignoring it",
@@ -287,8 +323,28 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
             extra={"job": session.job},
         )
         return None, None
-    raytrain.check_fixed_workers(False, session.layout.world_size, world_size)
-    return step, checkpoint
+    raytrain.check_fixed_workers(False, session.layout.world_size, meta.world_size)
+    return meta.step, checkpoint
+
+
+def _read_meta(checkpoint: Any) -> raytrain.RayMeta | None:
+    """A Ray checkpoint's ``mtc-ray.json`` (None: absent or not ours); read through the
+    checkpoint's own filesystem, so also from remote storage."""
+    try:
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
+            return raytrain.RayMeta.from_json(json.loads(f.read().decode("utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _handed_step(checkpoint: Any, job: str, world_size: int) -> int:
+    """The step of the checkpoint ``restore`` was asked to continue from, if it is this
+    job's own; ``ForeignCheckpoint`` otherwise (nothing loaded, the replicator untouched)."""
+    meta = _read_meta(checkpoint)
+    raytrain.check_handed(job, meta, str(getattr(checkpoint, "path", checkpoint)))
+    assert meta is not None
+    raytrain.check_fixed_workers(False, world_size, meta.world_size)
+    return meta.step
 
 
 @dataclass
@@ -306,13 +362,17 @@ class _Session:
     """This node's ranks (``dcp`` mode), or None."""
     result: RestoreResult = field(default_factory=lambda: RestoreResult(None, None))
     node_results: tuple[RestoreResult, ...] = ()
+    handed_step: int | None = None
+    """The step of the checkpoint ``restore`` was asked to continue from (this job's own)."""
+    holder: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """This incarnation's token in the node's claim: what it may release."""
 
     @property
     def node_rank(self) -> int:
         return self.place.node_rank
 
     @classmethod
-    def start(cls, owner: RayCheckpointer) -> _Session:
+    def start(cls, owner: RayCheckpointer, handed: Any = None) -> _Session:
         import ray.train
 
         ctx = ray.train.get_context()
@@ -331,6 +391,10 @@ class _Session:
             _node_group(layout, place, cpu=owner.asynchronous) if owner.mode == "dcp" else None
         )
         session = cls(owner, _resolve_dir(owner._dir_arg), place, layout, job, group, node_group)
+        if handed is not None:
+            # Before the handshake: a refused restore leaves the node's replicator untouched.
+            steps = _all_or_none(group, lambda: _handed_step(handed, job, layout.world_size))
+            session.handed_step = steps[place.world_rank]
         session.handshake()
         return session
 
@@ -404,11 +468,26 @@ class _Session:
         )
 
     def write_claim(self) -> None:
-        claim = raytrain.Claim(self.job, self.layout.world_size, time.time())
+        claim = raytrain.Claim(self.job, self.layout.world_size, time.time(), self.holder)
         path = self.directory / CLAIM_FILE
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(claim.to_json()), encoding="utf-8")
         os.replace(tmp, path)
+
+    def release_claim(self) -> None:
+        """Delete the node's claim if this incarnation wrote it (local rank 0 does); a
+        claim another job wrote since ours ran out is left alone."""
+        path = self.directory / CLAIM_FILE
+        if not raytrain.may_release(_read_claim(self.directory), self.holder):
+            return
+        path.unlink(missing_ok=True)
+        log.info(
+            "job %s node rank %s: released %s",
+            self.job,
+            self.node_rank,
+            path,
+            extra={"job": self.job},
+        )
 
     def agree_on_step(self) -> int | None:
         return raytrain.agree_step({node: r.step for node, r in enumerate(self.node_results)})
@@ -443,8 +522,8 @@ class _Session:
 
             dcp_save(dict(state), checkpoint_id=directory)
         if self.place.world_rank == 0:
-            meta = {"step": step, "world-size": self.layout.world_size, "mode": self.owner.mode}
-            (directory / RAY_META_FILE).write_text(json.dumps(meta), encoding="utf-8")
+            meta = raytrain.RayMeta(step, self.layout.world_size, self.owner.mode, self.job)
+            (directory / RAY_META_FILE).write_text(json.dumps(meta.to_json()), encoding="utf-8")
 
 
 def _rank_file(world_rank: int) -> str:

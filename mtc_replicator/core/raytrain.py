@@ -8,6 +8,9 @@ The replicator's contract needs the same number of workers on every node and tor
 numbering (node ``k`` holds world ranks ``k*L .. k*L+L-1``), because a worker's data is
 filed under ``(node-rank, local-rank)`` and must map back to the same world rank after a
 restart. Everything that breaks this is refused here, with the Ray setting that fixes it.
+Also decided here: whether another job's claim on a node's replicator refuses this one, which
+claim an incarnation may release, and whether a checkpoint ``restore`` is asked to continue
+from is this job's own (Ray Tune's PopulationBasedTraining hands a trial another's).
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class SharedNodes(RayTrainRefused):
 
 class RanksDisagree(RayTrainRefused):
     """The workers were offered different steps to restore; nothing is loaded."""
+
+
+class ForeignCheckpoint(RayTrainRefused):
+    """``restore`` was asked to continue from a checkpoint that is not this job's own (Ray
+    Tune's PopulationBasedTraining exploit hands a trial another trial's checkpoint), or one
+    it cannot read; nothing is loaded."""
 
 
 @dataclass(frozen=True)
@@ -162,9 +171,17 @@ class Claim:
     world_size: int
     at: float
     """Wall-clock seconds of its last handshake or save."""
+    holder: str = ""
+    """The incarnation that wrote it (a random token per handshake): only that one may
+    release the claim. Empty in a claim written before holders existed."""
 
     def to_json(self) -> dict[str, object]:
-        return {"job": self.job, "world-size": self.world_size, "at": self.at}
+        return {
+            "job": self.job,
+            "world-size": self.world_size,
+            "at": self.at,
+            "holder": self.holder,
+        }
 
     @staticmethod
     def from_json(data: object) -> Claim | None:
@@ -176,7 +193,15 @@ class Claim:
             return None
         if not isinstance(at, int | float) or isinstance(at, bool):
             return None
-        return Claim(job, world, float(at))
+        holder = data.get("holder", "")
+        return Claim(job, world, float(at), holder if isinstance(holder, str) else "")
+
+
+def may_release(claim: Claim | None, holder: str) -> bool:
+    """Whether the incarnation ``holder`` may delete the claim on the node: only the claim it
+    wrote itself, never another job's (one that took the node after this claim's lease ran
+    out) nor another incarnation's of the same job."""
+    return claim is not None and holder != "" and claim.holder == holder
 
 
 def check_claim(claim: Claim | None, job: str, now: float, lease: float, where: str) -> None:
@@ -216,3 +241,73 @@ def pick_source(replicator_step: int | None, ray_step: int | None) -> Source | N
     if ray_step is not None and (replicator_step is None or ray_step > replicator_step):
         return "ray"
     return None if replicator_step is None else "replicator"
+
+
+@dataclass(frozen=True)
+class RayMeta:
+    """``mtc-ray.json`` in a Ray checkpoint that ``RayCheckpointer.report`` wrote."""
+
+    step: int
+    world_size: int
+    mode: str
+    job: str | None
+    """The job that wrote it; None in a checkpoint written before the job was recorded."""
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "step": self.step,
+            "world-size": self.world_size,
+            "mode": self.mode,
+        }
+        if self.job is not None:
+            out["job"] = self.job
+        return out
+
+    @staticmethod
+    def from_json(data: object) -> RayMeta | None:
+        """None for anything this checkpointer did not write."""
+        if not isinstance(data, Mapping):
+            return None
+        step, world, mode, job = (data.get(k) for k in ("step", "world-size", "mode", "job"))
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            return None
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            return None
+        return RayMeta(
+            step,
+            world,
+            mode if isinstance(mode, str) else "",
+            job if isinstance(job, str) else None,
+        )
+
+
+def check_handed(job: str, handed: RayMeta | None, where: str) -> None:
+    """Refuse a checkpoint ``restore(checkpoint=...)`` was asked to continue from unless it is
+    this job's own: the replicator serves a job only its own steps, and answering with this
+    job's newest step would silently ignore what Ray Tune asked for (PopulationBasedTraining's
+    exploit hands a trial another trial's checkpoint)."""
+    if handed is not None and handed.job == job:
+        return
+    if handed is None:
+        raise ForeignCheckpoint(
+            f"job {job!r} was asked to continue from the checkpoint at {where}, which "
+            "RayCheckpointer.report did not write (no readable mtc-ray.json): RayCheckpointer "
+            "cannot restore from it, and loading this job's own newest step instead would "
+            "ignore it. Nothing was loaded. Load that checkpoint yourself, without passing it "
+            "to restore(checkpoint=...)"
+        )
+    owner = (
+        f"job {handed.job!r}"
+        if handed.job
+        else "a job it does not name (written by an older mtc-replicator)"
+    )
+    raise ForeignCheckpoint(
+        f"job {job!r} was asked to continue from {owner}'s checkpoint of step {handed.step} at "
+        f"{where}, as Ray Tune's PopulationBasedTraining does when it exploits another trial. "
+        f"RayCheckpointer restores a job only from its own steps and cannot serve another "
+        f"job's yet; loading {job!r}'s own newest step instead would silently undo the "
+        "exploit. Nothing was loaded and the replicator was not touched. Under "
+        "PopulationBasedTraining, checkpoint the trials with Ray alone for now (ray.train.report "
+        "with a checkpoint to storage_path, loaded from the checkpoint Tune hands the trial), "
+        "or tune without PopulationBasedTraining"
+    )

@@ -7,7 +7,8 @@ killed (Ray restarts the whole group) restores from the RAM disks; a node lost w
 daemon and RAM disk, its Ray node replaced, restores that node's data from its peer; every
 RAM disk wiped and a new ``fit()`` restores from the ``file://`` backup. Each checks the
 step on every rank, the restore source the daemons announced, and the final weights
-against an uninterrupted run.
+against an uninterrupted run. Then Ray Tune trials one after the other on the same nodes,
+and the refusals: another job beside a live one, an elastic worker count.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import ray
 
+from mtc_replicator.client.ray_train import CLAIM_FILE
 from mtc_replicator.core.storedir import default_store_dir
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
@@ -49,6 +51,9 @@ RAY_ENV = {
 HEAD_IP = "127.0.0.10"
 """Ray's head, without CPUs: every worker node can be lost. Not 127.0.0.1: Ray rewrites a
 bootstrap address on 127.0.0.1 to the host's own IP."""
+TUNE_DRIVER = "tune-driver"
+"""A resource only the head has: where a Tune trial's own function runs (Tune refuses a
+trial that asks for nothing, and a CPU would leave a node too few for its Train worker)."""
 
 
 @dataclass
@@ -119,7 +124,12 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
     state = RayNodes(root, cluster, dirs, daemons, [], backup)
     try:
         try:
-            cluster.add_node(num_cpus=0, node_ip_address=HEAD_IP, include_dashboard=False)
+            cluster.add_node(
+                num_cpus=0,
+                resources={TUNE_DRIVER: 1},
+                node_ip_address=HEAD_IP,
+                include_dashboard=False,
+            )
             state.ray_nodes = [state.add_ray_node(i, f"127.0.0.{2 + i}") for i in range(2)]
             ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
         except Exception as exc:
@@ -298,11 +308,59 @@ def test_wiped_ram_disks_resume_from_the_backup(nodes: RayNodes) -> None:
     _check_end(events, steps)
 
 
+def test_tune_trials_one_after_the_other_share_the_nodes(nodes: RayNodes) -> None:
+    """Ray Tune trials one at a time on the same nodes (``max_concurrent_trials=1``, as
+    docs/ray.md advises), each a ``TorchTrainer`` of its own run name: a trial's ``close()``
+    gives the nodes back, so the next one starts at once instead of being refused for the
+    claim's 120 s lease. Trial b, once trained, is asked to continue from trial a's
+    checkpoint, as PopulationBasedTraining's exploit asks: refused before any handshake,
+    naming both jobs, instead of answered with b's own newest step."""
+    from ray import tune
+
+    events = nodes.root / "tune-events"
+    events.mkdir()
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 1}),
+        param_space={
+            "trial": tune.grid_search(["a", "b"]),
+            "loop": {
+                "steps": 3,
+                "events": str(events),
+                "dirs": [str(d) for d in nodes.dirs],
+                "ray_every": 1,
+            },
+            "storage": str(nodes.root / "ray-storage"),
+            "exploits": {"b": "a"},
+        },
+        tune_config=tune.TuneConfig(max_concurrent_trials=1),
+        run_config=tune.RunConfig(name="sweep", storage_path=str(nodes.root / "tune-storage")),
+    )
+    errors = {r.config["trial"]: r.error for r in tuner.fit() if r.error is not None}
+    trials = {trial: _read_events(events / trial) for trial in ("a", "b")}
+    for trial, run in trials.items():
+        assert sorted(e["rank"] for e in run if e["event"] == "fresh") == [0, 1], (trial, run)
+        _check_end(run, 3)
+    assert list(errors) == ["b"], errors
+    refused = [e for e in trials["b"] if e["event"] in ("refused", "exploited")]
+    assert sorted(e["rank"] for e in refused) == [0, 1], trials["b"]
+    for e in refused:
+        assert e["error"] == "ForeignCheckpoint", e
+        assert (
+            "job 'tune-b' was asked to continue from job 'tune-a''s checkpoint of step 3"
+            in (e["message"])
+        )
+        assert "PopulationBasedTraining" in e["message"]
+    # Every trial's close() released its claim; the refused restore wrote none.
+    assert not [d for d in nodes.dirs if (d / CLAIM_FILE).exists()]
+
+
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
-    """A second run (or a concurrent Tune trial) on nodes that job ``ray-mtc`` saved on
-    moments ago: refused on every worker, and ``ray-mtc``'s data is untouched."""
-    if nodes.steps_done == 0:
-        _fit(nodes, 3)
+    """A second run (or a concurrent Tune trial) on nodes where job ``ray-mtc`` failed
+    moments ago: Ray could restart ``ray-mtc``'s workers there, so it keeps its nodes for
+    the claim's lease (no ``close()``). Refused on every worker, and ``ray-mtc``'s data is
+    untouched."""
+    with pytest.raises(Exception, match="failed at step"):
+        _fit(nodes, nodes.steps_done + 1, max_failures=0, fail_at=nodes.steps_done + 1)
     with pytest.raises(Exception, match="SharedNodes") as err:
         _fit(nodes, 3, name="ray-other", max_failures=0)
     assert f"serves job '{JOB}'" in str(err.value)

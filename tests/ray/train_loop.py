@@ -7,7 +7,11 @@ uninterrupted one. Each worker appends JSON events to ``<events>/<pid>.jsonl``; 
 reads them. ``kill_rank_at`` and ``hold_at`` act once per fit (a flag file each), after the
 step was replicated to every node, so that the restart finds it on a peer too;
 ``ray_every`` makes every K-th save also a Ray checkpoint (at the next report, every 3
-steps); ``backup_every`` is the job's ``backup-interval-steps``.
+steps); ``backup_every`` is the job's ``backup-interval-steps``; ``fail_at`` raises at that
+step (the job never closes); ``exploit_from``: once trained, the job is asked to continue
+from that Ray checkpoint, as PopulationBasedTraining's exploit asks a trial (expected to be
+refused). ``tune_trial`` is a Ray Tune trial that runs this ``train_func`` in a
+``TorchTrainer`` of its own name, as docs/ray.md shows.
 """
 
 from __future__ import annotations
@@ -126,6 +130,8 @@ def train_func(config: dict[str, Any]) -> None:
         emit(event="restored", step=restored.step, source=restored.source, digest=digest(model))
     flag, killed = Path(config["events"]) / "acted", Path(config["events"]) / "killed"
     for step in range(start, config["steps"] + 1):
+        if step == config.get("fail_at"):
+            raise RuntimeError(f"failed at step {step}, as the test asked")
         train_step(model, opt, step, rank, world)
         ckpt.save(step, _state(ckpt, model, opt))
         if step == config.get("hold_at") and not flag.exists():
@@ -143,6 +149,24 @@ def train_func(config: dict[str, Any]) -> None:
             ckpt.report({"step": step})
     ckpt.close()  # the last save, written in the background, is published
     emit(event="done", step=config["steps"], digest=digest(model))
+    if config.get("exploit_from"):
+        _exploit(config["exploit_from"], emit)
+
+
+def _exploit(path: str, emit: Any) -> None:
+    """PopulationBasedTraining's exploit as the trial's new worker would meet it: restore
+    asked to continue from another trial's checkpoint while this job's own steps are on the
+    nodes. The refusal is recorded (Ray truncates long errors), then raised."""
+    import ray.train
+
+    from mtc_replicator.client.ray_train import RayTrainRefused
+
+    try:
+        restored = RayCheckpointer(timeout=90).restore(checkpoint=ray.train.Checkpoint(path))
+    except RayTrainRefused as exc:
+        emit(event="refused", error=type(exc).__name__, message=str(exc))
+        raise
+    emit(event="exploited", step=None if restored is None else restored.step)
 
 
 def _state(ckpt: RayCheckpointer, model: Any, opt: Any) -> dict[str, Any]:
@@ -174,3 +198,34 @@ def _restore(ckpt: RayCheckpointer, model: Any, opt: Any) -> Restored | None:
             optim_state_dict=restored.state["optimizer"],
         )
     return restored
+
+
+def tune_trial(config: dict[str, Any]) -> None:
+    """A Ray Tune trial: one ``TorchTrainer`` of ``train_func`` under the stable run name
+    ``tune-<trial>``, its own job; its Ray checkpoint's path goes to ``<events>/<trial>``.
+    ``config["exploits"]`` maps a trial to an earlier one whose checkpoint it is then asked
+    to continue from (the path travels through ``train_loop_config``, as the checkpoint
+    ``tune.get_checkpoint()`` hands an exploited trial would)."""
+    from ray import tune
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trial, shared = config["trial"], Path(config["loop"]["events"])
+    loop = {**config["loop"], "events": str(shared / trial)}
+    (shared / trial).mkdir()
+    donor = config.get("exploits", {}).get(trial)
+    if donor:
+        loop["exploit_from"] = (shared / f"{donor}.checkpoint").read_text()
+    result = TorchTrainer(
+        train_func,
+        train_loop_config=loop,
+        scaling_config=ScalingConfig(num_workers=WORLD, placement_strategy="STRICT_SPREAD"),
+        run_config=RunConfig(
+            name=f"tune-{trial}",
+            storage_path=config["storage"],
+            failure_config=FailureConfig(max_failures=0),
+        ),
+    ).fit()
+    if result.checkpoint is not None:
+        (shared / f"{trial}.checkpoint").write_text(result.checkpoint.path)
+    tune.report({"trained": 1})

@@ -11,7 +11,9 @@ from mtc_replicator.core.raytrain import (
     Claim,
     DatedRunName,
     ElasticWorkers,
+    ForeignCheckpoint,
     RanksDisagree,
+    RayMeta,
     RayTrainRefused,
     SharedNodes,
     UnevenPlacement,
@@ -19,8 +21,10 @@ from mtc_replicator.core.raytrain import (
     agree_step,
     check_claim,
     check_fixed_workers,
+    check_handed,
     job_name_of,
     layout_of,
+    may_release,
     pick_source,
 )
 
@@ -114,10 +118,56 @@ def test_another_jobs_recent_claim_is_refused_an_old_one_is_not() -> None:
 
 
 def test_claims_round_trip_and_damaged_ones_claim_nothing() -> None:
-    claim = Claim("job", 4, 12.5)
+    claim = Claim("job", 4, 12.5, holder="f00d")
     assert Claim.from_json(claim.to_json()) == claim
+    # A claim written before holders existed is still a claim, one nobody may release.
+    assert Claim.from_json({"job": "job", "world-size": 4, "at": 12.5}) == Claim("job", 4, 12.5)
     for bad in (None, [], {"job": 1, "world-size": 2, "at": 1}, {"job": "j", "world-size": True}):
         assert Claim.from_json(bad) is None
+
+
+def test_only_the_incarnation_that_wrote_a_claim_may_release_it() -> None:
+    mine = Claim("trial-a", 2, 1000.0, holder="a1")
+    assert may_release(mine, "a1")
+    # The same job's next incarnation (Ray restarted its workers) holds the node now.
+    assert not may_release(Claim("trial-a", 2, 1010.0, holder="a2"), "a1")
+    # Another job took the node after trial-a's lease ran out.
+    assert not may_release(Claim("trial-b", 2, 1200.0, holder="b1"), "a1")
+    assert not may_release(None, "a1")
+    assert not may_release(Claim("trial-a", 2, 1000.0), "")
+
+
+def test_ray_metadata_round_trips_and_an_older_one_names_no_job() -> None:
+    meta = RayMeta(6, 2, "files", "sweep-a")
+    assert RayMeta.from_json(meta.to_json()) == meta
+    assert RayMeta.from_json({"step": 3, "world-size": 2, "mode": "dcp"}) == RayMeta(
+        3, 2, "dcp", None
+    )
+    for bad in (None, [], {"step": "3", "world-size": 2}, {"step": 3, "world-size": 0}):
+        assert RayMeta.from_json(bad) is None
+
+
+def test_a_checkpoint_of_this_job_may_be_continued_from() -> None:
+    check_handed("sweep-b", RayMeta(6, 2, "files", "sweep-b"), "/s/sweep-b/checkpoint_1")
+
+
+def test_another_jobs_checkpoint_is_refused_naming_both_jobs_and_what_to_do() -> None:
+    with pytest.raises(ForeignCheckpoint) as err:
+        check_handed("sweep-b", RayMeta(6, 2, "files", "sweep-a"), "/s/sweep-a/checkpoint_1")
+    text = str(err.value)
+    assert "job 'sweep-b' was asked to continue from job 'sweep-a''s checkpoint of step 6" in text
+    assert "/s/sweep-a/checkpoint_1" in text
+    assert "PopulationBasedTraining" in text
+    assert "Nothing was loaded" in text
+    assert "checkpoint the trials with Ray alone" in text
+    assert isinstance(err.value, RayTrainRefused)
+
+
+def test_a_checkpoint_that_names_no_job_or_is_not_ours_is_refused() -> None:
+    with pytest.raises(ForeignCheckpoint, match="written by an older mtc-replicator"):
+        check_handed("sweep-b", RayMeta(6, 2, "files", None), "/s/x")
+    with pytest.raises(ForeignCheckpoint, match=r"RayCheckpointer.report did not write"):
+        check_handed("sweep-b", None, "/s/x")
 
 
 def test_every_node_must_offer_the_same_step() -> None:
