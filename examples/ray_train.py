@@ -89,7 +89,7 @@ def train_func(config: dict[str, Any]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if step % 4 == 0:
             ckpt.report({"step": step})  # Ray's report (a barrier); no Ray checkpoint here
-    ckpt.close()  # changed: publish the last save (saves are written in the background)
+    ckpt.close()  # changed: publish the last save, then give the nodes back to the next run
     with open(Path(config["events"]) / f"{os.getpid()}-done.json", "w") as f:
         json.dump({"event": "done", "rank": rank, "digest": digest(model)}, f)
 

@@ -50,7 +50,7 @@ def train_func(config: dict[str, Any]) -> None:
             ckpt.save(step, {"model": model.state_dict(), "optimizer": opt.state_dict()})  # changed
         if step % config["report_every"] == 0:
             ckpt.report({"step": step, "loss": loss.item()})
-    ckpt.close()  # changed: publish the last save (saves are written in the background)
+    ckpt.close()  # changed: publish the last save, then give the nodes back to the next run
 
 
 def main() -> None:
