@@ -188,6 +188,11 @@ class BackupStore:
         )
         return record
 
+    def missing_items(self, items: Collection[ItemId]) -> list[ItemId]:
+        """Those of ``items`` whose manifest is not in the bucket: what a ``try_commit``
+        that returned None still waits for."""
+        return [i for i in items if self.objects.head(manifest_key(i, LAYOUT)) is None]
+
     def read_commit(self, job: str, step: int) -> CommitRecord | None:
         found = self.read_commit_raw(job, step)
         return None if found is None else found[0]
