@@ -173,16 +173,7 @@ class Daemon:
         )
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign
-        self.kept_uploads = KeptUploads(
-            self.store,
-            backups,
-            self.foreign,
-            self.executor,
-            current=self._running_job,
-            env=self.ctx.env,
-            cancelled=self.pacer.halted.is_set,
-            metrics=self.metrics,
-        )
+        self.kept_uploads = KeptUploads(self.ctx, self.foreign, current=self._running_job)
         """``mtc upload``: a kept job's step to the backup, on demand."""
         self._reclaimed_at = 0.0
         self.buckets = BucketProbes(backups, self.registry)

@@ -18,16 +18,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from mtc_replicator.core.contract import ConfigError, parse_config
 from mtc_replicator.core.foreign import KeptUploadPlan, UploadRefused, plan_kept_upload
 from mtc_replicator.core.layout import format_ranks
-from mtc_replicator.core.manifest import CancelCheck, Cancelled, ItemId, ManifestError
-from mtc_replicator.local.store import LocalStore
+from mtc_replicator.core.manifest import Cancelled, ItemId, ManifestError
+from mtc_replicator.node.agent import AgentContext
 from mtc_replicator.node.reclaim import ForeignItems
-from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from mtc_replicator.obs.metrics import TransferKind
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
 
@@ -61,28 +60,19 @@ class KeptUploads:
     """The daemon's ``mtc upload``s, one per job at a time."""
 
     def __init__(
-        self,
-        store: LocalStore,
-        backups: BackupStore | None,
-        foreign: ForeignItems,
-        executor: Executor,
-        *,
-        current: Callable[[], str | None],
-        env: dict[str, str] | None = None,
-        cancelled: CancelCheck = lambda: False,
-        metrics: Metrics = NO_METRICS,
+        self, ctx: AgentContext, foreign: ForeignItems, *, current: Callable[[], str | None]
     ) -> None:
-        """``current``: the job running here now (never uploaded this way); ``env``: what
-        ``$VAR`` in a recorded config expands to, as at its handshake; ``cancelled``: the
-        daemon stops (paced uploads end at their next slice anyway)."""
-        self.store = store
-        self.backups = backups
+        """``ctx``: the daemon's store, bucket, thread pool, ``$VAR`` values (a recorded
+        config expands as at its handshake) and pacer (halted: the daemon stops);
+        ``current``: the job running here now, never uploaded this way."""
+        self.store = ctx.store
+        self.backups = ctx.backups
+        self.executor = ctx.executor
+        self.env = ctx.env
+        self.cancelled = ctx.pacer.halted.is_set
+        self.metrics = ctx.metrics
         self.foreign = foreign
-        self.executor = executor
         self.current = current
-        self.env = env or {}
-        self.cancelled = cancelled
-        self.metrics = metrics
         self._running: dict[str, asyncio.Future[KeptUpload]] = {}
 
     async def upload(self, job: str, step: int | None = None) -> KeptUpload:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,33 @@ def test_finish_job_returns_once_the_daemon_drained_the_job(
     out = mtc("status", "--address", daemon.address, "--json")
     (status,) = [j for j in json.loads(out.stdout)["jobs"] if j["job"] == job]
     assert (status["active"], status["committed_backup_step"]) == (False, 20)
+
+
+def test_finish_job_says_when_the_drain_could_not_upload_the_newest_step(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    # 1 MiB/s for uploads: a 24 MiB step needs 24 s, the drain has 1.
+    daemon = start_daemon(
+        backup=backup_dir, extra=("--max-transfer-rate", "1MiB", "--drain-seconds", "1")
+    )
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_minutes=60))
+    wait_markers(ckpt, job, 0, daemon=daemon)
+    make_step(ckpt, 10, payload(10, size=1024))
+    wait_until(lambda: 10 in backup_commits(backup_dir, job), "step 10's COMMIT", daemon=daemon)
+    make_step(ckpt, 20, payload(20, size=24 << 20))
+    wait_ingested(ckpt, job, 20, daemon)
+
+    t0 = time.monotonic()
+    lines = client.finish_job(ckpt, timeout=60)
+    # The drain's second, and the stop: the upload past the deadline ends at its next slice.
+    assert time.monotonic() - t0 < 8, daemon.log()[-3000:]
+    assert "drain of job" in daemon.log()
+    assert "stopped at its deadline (--drain-seconds 1)" in daemon.log()
+    (line,) = lines
+    assert f"job {job} stopped on this node and its newest step may not be in the backup" in line
+    assert f"`mtc upload --job {job}` on this node uploads it" in line
+    assert 20 not in backup_commits(backup_dir, job)
+    assert 20 in stored_steps(ckpt, job)  # kept: it may be the only copy
 
 
 def test_mtc_upload_uploads_a_kept_jobs_newest_step_on_demand(
