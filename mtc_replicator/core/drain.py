@@ -1,5 +1,6 @@
 """What a daemon told to stop (SIGTERM: a node drain, an upgrade) does with the job's newest
-step before it exits. Pure: no I/O.
+step before it exits, and what it does with it when the job ends on the node (another job's
+handshake, an empty one: its items are then another job's neighbours). Pure: no I/O.
 
 A stopping node may be gone for good (a drain) and take its RAM disk with it, so the
 newest step it holds must reach another tier first, within the pod's grace period:

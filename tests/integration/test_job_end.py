@@ -158,6 +158,8 @@ def test_mtc_upload_uploads_a_kept_jobs_newest_step_on_demand(
     refused = mtc("drop", "--address", daemon.address, "--job", x)
     assert refused.returncode == 1
     assert f"`mtc upload --job {x}` uploads that step to the backup first" in refused.stderr
+    table = mtc("status", "--address", daemon.address).stdout
+    assert f"(mtc upload --job {x} uploads it; mtc drop --job {x} --even-if-only-copy" in table
 
     # The layout it needs is kept in the store: a daemon restart does not lose it.
     assert daemon.stop(timeout=30) == 0
