@@ -152,7 +152,15 @@ class KeptUploads:
             config = parse_config(text, self.env)
         except ConfigError as exc:
             raise UploadRefused(f"job {job}'s recorded config no longer parses: {exc}") from exc
-        return plan_kept_upload(config, held, step)
+        plan = plan_kept_upload(config, held, step)
+        known = self.foreign.last.get(job)
+        if step is None and known is not None and (known.committed or -1) > plan.step:
+            # The job went on elsewhere and backed up later: this older step adds nothing.
+            raise UploadRefused(
+                f"the backup holds a newer step of job {job}, {known.committed}, than the "
+                f"newest held here, {plan.step}: nothing to upload (--step uploads it anyway)"
+            )
+        return plan
 
     def _put(self, backups: BackupStore, plan: KeptUploadPlan) -> int:
         """Upload the plan's items (files, then each manifest); their bytes."""

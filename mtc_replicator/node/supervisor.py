@@ -51,6 +51,8 @@ from mtc_replicator.obs.metrics import ErrorKind
 log = logging.getLogger(__name__)
 
 HANDED = "the node changed hands while the daemon was down, and its store was emptied"
+SURVEY_WAIT = 5.0
+"""Seconds a job's end waits for the bucket's word on the ended job (for ``mtc status``)."""
 
 
 class Supervisor:
@@ -366,9 +368,13 @@ class Supervisor:
         save_state(self.store, None)
         if drain is not None:
             # What the bucket holds of it now, for mtc status at once (not at the next
-            # reclaim): the drain may just have committed it.
+            # reclaim): the drain may just have committed it. Waited for a little only: a
+            # slow bucket must not hold the next job's handshake (it lands when it lands).
             self.foreign.recheck(job)
-            await asyncio.get_running_loop().run_in_executor(self.executor, self.foreign.held, None)
+            survey = asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.held, None
+            )
+            await asyncio.wait([survey], timeout=SURVEY_WAIT)
 
     def _tell_drained(self, running: Incarnation, drained: Drained | None) -> None:
         """Tell the workload (``replicator.errors``, which ``client.finish_job`` relays) when

@@ -21,7 +21,7 @@ from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
 from tests.unit.test_foreign import config
-from tests.unit.test_reclaim import save
+from tests.unit.test_reclaim import back_up, save
 
 
 @pytest.fixture
@@ -128,3 +128,21 @@ def test_a_caller_that_gives_up_does_not_stop_the_upload(
 
     assert asyncio.run(give_up_then_ask_again())
     assert set(backups.committed_steps("job")) == {10}
+
+
+def test_an_older_step_than_the_backups_newest_is_uploaded_only_when_named(
+    store: LocalStore, tmp_path: Path, executor: ThreadPoolExecutor
+) -> None:
+    """The job went on on other nodes and backed up step 30 there; this node kept step 10."""
+    backups = BackupStore(FileObjectStore(tmp_path / "backup"))
+    for step in (10, 30):
+        save(store, tmp_path, ItemId("job", step, 0, 0))
+    back_up(store, backups, ItemId("job", 30, 0, 0))
+    store.delete(ItemId("job", 30, 0, 0))
+    kept = uploads(store, backups, executor)
+    kept.foreign.ended("job", render_config(config()))
+    kept.foreign.held(None)  # the daemon's last look at the bucket
+    with pytest.raises(UploadRefused, match=r"holds a newer step of job job, 30, .* held here, 10"):
+        asyncio.run(kept.upload("job"))
+    assert asyncio.run(kept.upload("job", 10)).committed
+    assert set(backups.committed_steps("job")) == {10, 30}
