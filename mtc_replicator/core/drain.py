@@ -36,6 +36,18 @@ class DrainPlan:
     why: str
 
 
+@dataclass(frozen=True)
+class Drained:
+    """What a drain did with the newest step (``node.agent.Incarnation.drain``)."""
+
+    plan: DrainPlan
+    committed: bool
+    """Whether the backup holds a ``COMMIT`` of ``plan.step`` now (before or by the drain)."""
+    upload_failed: bool = False
+    """The drain's upload (or its COMMIT) failed; False when uploaded but not committed yet
+    (other uploaders' items missing) or when no upload was due."""
+
+
 def plan_drain(
     config: JobConfig,
     *,

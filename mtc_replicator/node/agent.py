@@ -38,7 +38,7 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
-from mtc_replicator.core.drain import DrainPlan, plan_drain
+from mtc_replicator.core.drain import Drained, plan_drain
 from mtc_replicator.core.layout import backup_items
 from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
@@ -118,18 +118,6 @@ class AgentContext:
     """Items of jobs that do not run here: they give way when this job needs the room."""
     manifests: ManifestTrust = OPEN_MANIFESTS
     """How this node attests the items it ingests and which items it restores."""
-
-
-@dataclass(frozen=True)
-class Drained:
-    """What a drain did with the newest step (``Incarnation.drain``)."""
-
-    plan: DrainPlan
-    committed: bool
-    """Whether the backup holds a ``COMMIT`` of ``plan.step`` now (before or by the drain)."""
-    upload_failed: bool = False
-    """The drain's upload (or its COMMIT) failed; False when uploaded but not committed yet
-    (other uploaders' items missing) or when no upload was due."""
 
 
 @dataclass(frozen=True)

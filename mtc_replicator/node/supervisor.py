@@ -24,6 +24,7 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
+from mtc_replicator.core.drain import Drained
 from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
@@ -32,7 +33,6 @@ from mtc_replicator.local.holders_file import HoldersFile
 from mtc_replicator.local.store_owner import read_store_owner, write_store_owner
 from mtc_replicator.node.agent import (
     AgentContext,
-    Drained,
     Incarnation,
     IncarnationPhase,
     load_state,
