@@ -224,10 +224,9 @@ class Incarnation:
         await self._offload.wait(timeout)
 
     async def drain(self) -> Drained | None:
-        """SIGTERM, a job switch or a job end: get the newest step held here to the peers
-        that lack it and into the backup when it is older (``core.drain``), before ``stop``.
-        The caller bounds it (``--drain-seconds``). None: nothing done (the job had not
-        restored yet)."""
+        """SIGTERM or the job's end here: get the newest step held here to the peers that
+        lack it and into the backup when it is older (``core.drain``), before ``stop``. The
+        caller bounds it (``--drain-seconds``). None: nothing done (not restored yet)."""
         member = self.member
         if member is None or self.phase is not IncarnationPhase.STEADY:
             return None
