@@ -7,6 +7,7 @@ and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 """
 
 from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
+from mtc_replicator.client.finish import finish_job
 from mtc_replicator.client.handshake import (
     DEFAULT_POLL_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -60,6 +61,7 @@ __all__ = [
     "Restored",
     "WhenBusy",
     "await_restore",
+    "finish_job",
     "handshake",
     "job_config",
     "load_distributed",

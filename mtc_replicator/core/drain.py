@@ -1,5 +1,6 @@
 """What a daemon told to stop (SIGTERM: a node drain, an upgrade) does with the job's newest
-step before it exits. Pure: no I/O.
+step before it exits, and what it does with it when the job ends on the node (another job's
+handshake, an empty one: its items are then another job's neighbours). Pure: no I/O.
 
 A stopping node may be gone for good (a drain) and take its RAM disk with it, so the
 newest step it holds must reach another tier first, within the pod's grace period:
@@ -33,6 +34,18 @@ class DrainPlan:
     upload: bool
     """Upload this rank's items of it and try its COMMIT."""
     why: str
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a drain did with the newest step (``node.agent.Incarnation.drain``)."""
+
+    plan: DrainPlan
+    committed: bool
+    """Whether the backup holds a ``COMMIT`` of ``plan.step`` now (before or by the drain)."""
+    upload_failed: bool = False
+    """The drain's upload (or its COMMIT) failed; False when uploaded but not committed yet
+    (other uploaders' items missing) or when no upload was due."""
 
 
 def plan_drain(

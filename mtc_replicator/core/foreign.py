@@ -5,13 +5,18 @@ fast restore if that job comes back here, but they are the node's RAM: once the 
 step held of such a job is committed in the backup, nothing is lost by dropping them, so
 they give way when the running job needs the space, and after ``DEFAULT_TTL`` in any
 case. A job whose newest step held here is not in the backup is never dropped by the
-daemon on its own (the items may be its only copy); it is reported instead.
+daemon on its own (the items may be its only copy); it is reported instead, and an
+operator's ``mtc upload`` can upload that step (``plan_kept_upload``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+
+from mtc_replicator.core.contract import JobConfig
+from mtc_replicator.core.layout import backup_items, backup_uploaders, format_ranks
+from mtc_replicator.core.manifest import ItemId
 
 DEFAULT_TTL = 3600.0
 """``--foreign-job-ttl``: seconds a backed-up job that stopped running here keeps its items.
@@ -107,6 +112,58 @@ def check_drop(job: str, running: str | None, held: HeldJob | None, *, only_copy
         raise DropRefused(
             f"the newest step of job {job} held here, {held.newest_step}, is not committed in "
             f"the backup (newest committed: {newest}): these items may be its only copy; "
-            "pass --even-if-only-copy to drop them anyway"
+            f"`mtc upload --job {job}` uploads that step to the backup first, or pass "
+            "--even-if-only-copy to drop them anyway"
         )
     return held
+
+
+# --- an operator's upload (``mtc upload``) ---------------------------------------------------
+
+
+class UploadRefused(ValueError):
+    """An operator's upload this node cannot do; the text says why and what to do instead."""
+
+
+@dataclass(frozen=True)
+class KeptUploadPlan:
+    """What ``mtc upload --job`` uploads of a job that no longer runs here."""
+
+    job: str
+    step: int
+    items: tuple[ItemId, ...]
+    """The items of ``step`` its COMMIT lists that this node holds: what it uploads."""
+    listed: tuple[ItemId, ...]
+    """Every item the COMMIT of ``step`` lists (``core.layout.backup_items``)."""
+
+
+def plan_kept_upload(
+    config: JobConfig, held: Collection[ItemId], step: int | None = None
+) -> KeptUploadPlan:
+    """The step to upload (``step``, else the newest of which this node holds an item its
+    COMMIT lists) and those items; raises ``UploadRefused`` when it holds none.
+
+    Every listed item held is uploaded, this rank's and the peer copies alike: a job's
+    COMMIT needs every uploader's items, and a node that kept its peers' copies can give
+    the backup theirs too.
+    """
+    job = config.job_name
+    mine = {i for i in held if i.job == job}
+    steps = {i.step for i in mine}
+    candidates = sorted(s for s in steps if any(i in mine for i in backup_items(config, s)))
+    if step is None:
+        if not candidates:
+            raise UploadRefused(
+                f"this node holds no item of job {job} that a backup COMMIT lists (uploaders: "
+                f"ranks {format_ranks(backup_uploaders(config))}; with "
+                "assume-data-parallelism one replica's ranks upload for all): run it on the "
+                "node of an uploading rank"
+            )
+        step = candidates[-1]
+    elif step not in candidates:
+        raise UploadRefused(
+            f"this node holds no item of job {job}'s step {step} that its COMMIT lists "
+            f"(steps held here: {', '.join(map(str, sorted(steps))) or 'none'})"
+        )
+    listed = tuple(backup_items(config, step))
+    return KeptUploadPlan(job, step, tuple(i for i in listed if i in mine), listed)

@@ -5,7 +5,8 @@ A non-atomic writer's half can parse as a whole config (a truncated job name, or
 of `nodes: 16`), so what was read is judged only once its writer is done with it: renamed
 into place (complete by the protocol), closed after writing and unchanged since, or, when
 the close event was lost, unchanged for the ``.save`` settle time. A partial or empty file
-is re-read until ``config_wait_seconds`` have passed, then judged as it is.
+is re-read until ``config_wait_seconds`` have passed, then judged as it is; an empty file
+renamed into place is final at once (a job's end, ``client.finish_job``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def judge(
     waited = now - reads.first_seen
     finished = closed or stable >= rules.settle_seconds
     if reading is Reading.EMPTY:
-        if waited >= rules.config_wait_seconds:
+        # Renamed into place empty (``client.finish_job``): no writer is coming, it says
+        # "stop" as it is. Written in place, it may be a writer that has not begun yet.
+        if renamed or waited >= rules.config_wait_seconds:
             return Judgement(Act.CLEAR, waited)
     elif reading is Reading.INCOMPLETE:
         if closed and stable >= rules.valid_settle:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from mtc_replicator.core.manifest import Cancelled
+from mtc_replicator.core.manifest import CancelCheck, Cancelled
 from mtc_replicator.core.pacing import Booking, PaceBook, PaceRules, Traffic
 
 Clock = Callable[[], float]
@@ -57,13 +57,13 @@ class Pacer:
         self.halted.set()
 
     @contextmanager
-    def transfer(self, traffic: Traffic) -> Iterator[Meter]:
+    def transfer(self, traffic: Traffic, cancelled: CancelCheck | None = None) -> Iterator[Meter]:
         """One transfer of ``traffic`` in flight for the ``with`` block (it holds lower
-        classes while it lasts)."""
+        classes while it lasts); ``cancelled``: it ends at its next slice once true."""
         with self._lock:
             self._book.begin(traffic)
         try:
-            yield Meter(self, traffic)
+            yield Meter(self, traffic, cancelled)
         finally:
             with self._lock:
                 self._book.end(traffic)
@@ -102,9 +102,13 @@ class Meter:
     """One transfer's account at the ``Pacer``: it books whole slices, so concurrent
     transfers share the link slice by slice, and spends what it booked before booking again."""
 
-    def __init__(self, pacer: Pacer, traffic: Traffic) -> None:
+    def __init__(
+        self, pacer: Pacer, traffic: Traffic, cancelled: CancelCheck | None = None
+    ) -> None:
         self.pacer = pacer
         self.traffic = traffic
+        self.cancelled = cancelled
+        """The transfer's own cancellation (its job stopped), checked like ``halt``."""
         self._credit = 0
 
     def slice(self) -> int:
@@ -147,7 +151,11 @@ class Meter:
 
     def _book_blocking(self, stop: threading.Event | None) -> int:
         while True:
-            if (stop is not None and stop.is_set()) or self.pacer.halted.is_set():
+            if (
+                (stop is not None and stop.is_set())
+                or self.pacer.halted.is_set()
+                or (self.cancelled is not None and self.cancelled())
+            ):
                 raise Cancelled(f"{self.traffic.name.lower()} transfer")
             size = self.pacer._slice(self.traffic)
             booking = self.pacer._book_bytes(self.traffic, size)
@@ -176,7 +184,7 @@ class SharedMeter(Meter):
     still one transfer, booking one slice at a time, so it gets no more than its share."""
 
     def __init__(self, meter: Meter) -> None:
-        super().__init__(meter.pacer, meter.traffic)
+        super().__init__(meter.pacer, meter.traffic, meter.cancelled)
         self._taking = threading.Lock()
 
     def take(self, nbytes: int, *args: Any, **kwargs: Any) -> None:

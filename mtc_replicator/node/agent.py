@@ -38,7 +38,7 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
-from mtc_replicator.core.drain import DrainPlan, plan_drain
+from mtc_replicator.core.drain import Drained, plan_drain
 from mtc_replicator.core.layout import backup_items, no_copy_note, off_node_copies
 from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
@@ -225,10 +225,10 @@ class Incarnation:
             await self.member.stop()
         await self._offload.wait(timeout)
 
-    async def drain(self) -> DrainPlan | None:
-        """SIGTERM: get the newest step held here to the peers that lack it and into the
-        backup when it is older (``core.drain``), before ``stop``. The caller bounds it
-        (``--drain-seconds``). None: nothing done (the job had not restored yet)."""
+    async def drain(self) -> Drained | None:
+        """SIGTERM or the job's end here: get the newest step held here to the peers that
+        lack it and into the backup when it is older (``core.drain``), before ``stop``. The
+        caller bounds it (``--drain-seconds``). None: nothing done (not restored yet)."""
         member = self.member
         if member is None or self.phase is not IncarnationPhase.STEADY:
             return None
@@ -260,7 +260,7 @@ class Incarnation:
         )
         self.log.info("drain: step %s: %s", plan.step, plan.why, step=plan.step)
         if plan.step is None:
-            return plan
+            return Drained(plan, committed=False)
         step = plan.step
         if plan.push:
             t0 = time.monotonic()
@@ -273,10 +273,15 @@ class Incarnation:
                 step=step,
             )
         if plan.upload and backups is not None:
-            await self._drain_upload(member, backups, step)
-        return plan
+            outcome = await self._drain_upload(member, backups, step)
+            return Drained(plan, committed=outcome is True, upload_failed=outcome is None)
+        return Drained(plan, committed)
 
-    async def _drain_upload(self, member: ClusterMember, backups: BackupStore, step: int) -> None:
+    async def _drain_upload(
+        self, member: ClusterMember, backups: BackupStore, step: int
+    ) -> bool | None:
+        """Upload this rank's items of ``step`` and try its COMMIT: True committed, False
+        uploaded (other uploaders' items missing), None failed."""
         t0 = time.monotonic()
         job = self.config.job_name
         try:
@@ -289,7 +294,8 @@ class Incarnation:
                     run_thread=self._thread,
                     log=self.log,
                     metrics=self.ctx.metrics,
-                    cancelled=self.ctx.pacer.halted.is_set,
+                    # Past the deadline: SIGTERM halts the pacer, a job switch stops us.
+                    cancelled=lambda: self.ctx.pacer.halted.is_set() or self._stopping.is_set(),
                 )
             keys = [i.key for i in backup_items(self.config, step)]
             record = await self._thread(backups.try_commit, job, step, keys)
@@ -297,7 +303,7 @@ class Incarnation:
             record = await self._thread(backups.read_commit, job, step)
         except (ObjectStoreError, ManifestError, ItemNotHeld, OSError) as exc:
             self.log.warning("drain: backup of step %d failed: %s", step, exc, step=step)
-            return
+            return None
         if record is None:
             self.log.info(
                 "drain: step %d uploaded; not committed: other uploaders' items are missing "
@@ -305,11 +311,12 @@ class Incarnation:
                 step,
                 step=step,
             )
-            return
+            return False
         self.ctx.metrics.backed_up(job, step, record.created)
         self.log.info(
             "drain: backup of step %d committed in %.2fs", step, time.monotonic() - t0, step=step
         )
+        return True
 
     async def _run(self) -> None:
         try:

@@ -60,6 +60,7 @@ from mtc_replicator.node.agent import (
     restore_saved,
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
+from mtc_replicator.node.kept_upload import KeptUploads
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
@@ -172,6 +173,8 @@ class Daemon:
         )
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign
+        self.kept_uploads = KeptUploads(self.ctx, self.foreign, current=self._running_job)
+        """``mtc upload``: a kept job's step to the backup, on demand."""
         self._reclaimed_at = 0.0
         self.buckets = BucketProbes(backups, self.registry)
         self.health = Health(
@@ -403,7 +406,8 @@ class Daemon:
         rpc.add_service(PEER_SERVICE, self._peer_servicer(channel).register)
         self.ctx.coordinators = self._coordinators(loop)
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
-        rpc.add_service(NODE_SERVICE, NodeServicer(self._status, self._drop).register)
+        node = NodeServicer(self._status, self._drop, self.kept_uploads.upload)
+        rpc.add_service(NODE_SERVICE, node.register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
             self.listen_address = rpc.bind(self.opts.listen, credentials)

@@ -115,8 +115,9 @@ class DaemonOptions:
     storage_timeout: float = DEFAULT_STORAGE_TIMEOUT
     """Seconds one backup-store request may take with the SDK's retries."""
     drain_seconds: float = DEFAULT_DRAIN_SECONDS
-    """On SIGTERM, how long the newest step may take to reach the peers and the backup
-    (``core.drain``) before the daemon stops anyway; 0: no drain."""
+    """On SIGTERM and at a job's end here (a switch, an empty handshake), how long the
+    newest step may take to reach the peers and the backup (``core.drain``) before the job
+    stops anyway; 0: no drain."""
     foreign_job_ttl: float = DEFAULT_TTL
     """Seconds a job that no longer runs here keeps its backed-up items (``core.foreign``)."""
 
@@ -399,9 +400,10 @@ def _add_transfer_limits(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         type=argtypes.non_negative,
         default=env.get("MTC_DRAIN_SECONDS", f"{DEFAULT_DRAIN_SECONDS:g}"),
         metavar="SECONDS",
-        help="on SIGTERM, push the job's newest step to peers that lack it and back it up "
-        "when the bucket is older, for at most this long before stopping; keep it under the "
-        "pod's terminationGracePeriodSeconds less 10; 0: stop at once (default: %(default)s) "
+        help="on SIGTERM, and when a job ends here (another job's handshake, an empty one), "
+        "push the job's newest step to peers that lack it and back it up when the bucket is "
+        "older, for at most this long before stopping it; keep it under the pod's "
+        "terminationGracePeriodSeconds less 10; 0: stop at once (default: %(default)s) "
         "[MTC_DRAIN_SECONDS]",
     )
     p.add_argument(

@@ -27,6 +27,7 @@ from mtc_replicator.core.foreign import (
     unprotected,
 )
 from mtc_replicator.core.manifest import ItemId, ManifestError
+from mtc_replicator.local.ended_jobs import EndedJobs
 from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics
 from mtc_replicator.storage.backup import BackupStore
@@ -84,11 +85,22 @@ class ForeignItems:
         self._warned: dict[str, float] = {}
         self.last: dict[str, HeldJob] = {}
         """The jobs held at the last look, for ``mtc status`` (which does no I/O)."""
+        self.configs = EndedJobs(store.root)
+        """The config each job held here last ran with (``mtc upload`` needs its layout)."""
 
-    def ended(self, job: str) -> None:
-        """The job's incarnation stopped on this node: its items are held from now on."""
+    def ended(self, job: str, config_text: str | None = None) -> None:
+        """The job's incarnation stopped on this node: its items are held from now on;
+        ``config_text``, its accepted ``replicator.yaml``, is kept while they are."""
         with self._lock:
             self._ended[job] = self.clock()
+        if config_text is not None:
+            self.configs.save(job, config_text)
+
+    def recheck(self, job: str) -> None:
+        """Forget what the bucket said of ``job``: it was just uploaded (``mtc upload``)."""
+        with self._lock:
+            self._committed.pop(job, None)
+            self._warned.pop(job, None)
 
     # --- looking ---------------------------------------------------------------------------
 
@@ -235,6 +247,7 @@ class ForeignItems:
         so does what was known of them; bytes removed by job."""
         with self._dropping:
             gone = self.store.purge()
+            self.configs.forget_all()
             with self._lock:
                 self._committed.clear()
                 self._ended.clear()
@@ -257,6 +270,7 @@ class ForeignItems:
             steps.setdefault(item.rank, []).append(item.step)
             nbytes += manifest.total_bytes
         self.metrics.foreign_dropped(held.job, nbytes)
+        self.configs.forget(held.job)
         with self._lock:
             self._committed.pop(held.job, None)
             self._ended.pop(held.job, None)
@@ -273,18 +287,21 @@ class ForeignItems:
                 if last is not None and now - last < WARN_EVERY:
                     continue
                 self._warned[h.job] = now
-            where = (
-                "no backup is set" if self.backups is None else f"newest committed: {h.committed}"
-            )
+            if self.backups is None:
+                where, upload = "no backup is set", ""
+            else:
+                where = f"newest committed: {h.committed}"
+                upload = f"`mtc upload --job {h.job}` uploads it to the backup, "
             log.warning(
                 "job %s does not run here, and its newest step held here, %d, is not in the "
                 "backup (%s): its %d items (%d bytes) are kept, they may be its only copy; "
-                "`mtc drop --job %s --even-if-only-copy` drops them",
+                "%s`mtc drop --job %s --even-if-only-copy` drops them",
                 h.job,
                 h.newest_step,
                 where,
                 h.items,
                 h.bytes,
+                upload,
                 h.job,
                 extra={"job": h.job},
             )

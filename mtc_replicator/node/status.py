@@ -1,12 +1,13 @@
-"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, ``mtc drop``, and the
-peer probe.
+"""The ``mtc.v1.Node`` service: a node's status for ``mtc status``, ``mtc drop``, ``mtc
+upload``, and the peer probe.
 
 ``Status`` is read-only and cheap: the answer is assembled from what the daemon has in memory (the
 store's index, the running incarnation, the peer client's last contacts); no disk or
 network I/O in the handler. The probe asks every peer of the running job's health service
 now and then, so a peer that died between two checkpoints shows as unreachable within
 ``PROBE_EVERY`` plus the probe's own timeout, not at the next push. ``Drop`` removes a
-job's items through the daemon (``node.reclaim``), which owns the store.
+job's items through the daemon (``node.reclaim``), which owns the store; ``Upload`` uploads
+a kept job's step to the backup (``node.kept_upload``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from mtc_replicator import __version__
 from mtc_replicator._pb.mtc.v1 import node_pb2 as pb
 from mtc_replicator._pb.mtc.v1 import node_pb2_grpc
 from mtc_replicator.core.contacts import Contact
-from mtc_replicator.core.foreign import DropRefused, HeldJob
+from mtc_replicator.core.foreign import DropRefused, HeldJob, UploadRefused
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.layout import off_node_copies
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.agent import Incarnation
+from mtc_replicator.node.kept_upload import KeptUpload, UploadFailed
 from mtc_replicator.node.reclaim import Dropped
 from mtc_replicator.transport.peer_client import PeerClient
 
@@ -127,17 +129,24 @@ def node_status(
 
 Drop = Callable[[str, bool], Awaitable[Dropped]]
 """``drop(job, even_if_only_copy)``: drop a job's items; raises ``DropRefused``."""
+Upload = Callable[[str, int | None], Awaitable[KeptUpload]]
+"""``upload(job, step)``: upload a kept job's step (``node.kept_upload``); raises
+``UploadRefused`` or ``UploadFailed``."""
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
     """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``), ``drop``
-    performs ``Drop`` (None: UNIMPLEMENTED)."""
+    performs ``Drop`` and ``upload`` ``Upload`` (None: UNIMPLEMENTED)."""
 
     def __init__(
-        self, status: Callable[[str | None], pb.NodeStatusResponse], drop: Drop | None = None
+        self,
+        status: Callable[[str | None], pb.NodeStatusResponse],
+        drop: Drop | None = None,
+        upload: Upload | None = None,
     ) -> None:
         self.status = status
         self.drop = drop
+        self.upload = upload
 
     async def Status(
         self,
@@ -171,6 +180,37 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         if gone.committed is not None:
             reply.committed_backup_step = gone.committed
         return reply
+
+    async def Upload(
+        self,
+        request: pb.UploadRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.UploadResponse:
+        job = request.job
+        if not is_job_name(job):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+        if self.upload is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon uploads nothing")
+        assert self.upload is not None
+        step = request.step if request.HasField("step") else None
+        log.warning("Upload of job %s asked by %s", job, context.peer(), extra={"job": job})
+        try:
+            done = await self.upload(job, step)
+        except UploadRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except UploadFailed as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        return pb.UploadResponse(
+            job=job,
+            step=done.step,
+            uploaded=[i.key for i in done.uploaded],
+            bytes=done.bytes,
+            committed=done.committed,
+            already_committed=done.already_committed,
+            missing_ranks=sorted({i.rank for i in done.missing}),
+            backup=done.backup,
+            seconds=done.seconds,
+        )
 
     def register(self, server: grpc.aio.Server) -> None:
         node_pb2_grpc.add_NodeServicer_to_server(self, server)

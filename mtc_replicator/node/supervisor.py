@@ -1,7 +1,8 @@
 """The handshakes on one CHECKPOINT_DIR and the incarnations they start: reads
 ``replicator.yaml`` until it is settled (``core.settle``), accepts or refuses it, resumes the
 incarnation a restart interrupted, hosts rank 0's coordinator, ends the running job and
-empties the store when its node changes hands (``core.handoff``), and drains it on SIGTERM.
+empties the store when its node changes hands (``core.handoff``), and drains it on SIGTERM
+and before a job switch or a job end.
 Does I/O through the pieces it is given; the daemon calls it from its loop.
 """
 
@@ -23,6 +24,7 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
+from mtc_replicator.core.drain import Drained
 from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.layout import off_node_copies, replication_targets
 from mtc_replicator.core.ownership import BadOwner
@@ -50,6 +52,8 @@ from mtc_replicator.obs.metrics import ErrorKind
 log = logging.getLogger(__name__)
 
 HANDED = "the node changed hands while the daemon was down, and its store was emptied"
+SURVEY_WAIT = 5.0
+"""Seconds a job's end waits for the bucket's word on the ended job (for ``mtc status``)."""
 
 
 class Supervisor:
@@ -93,42 +97,51 @@ class Supervisor:
         pending handshake is re-read soon (``core.settle``)."""
         return self._recheck_in if self.handshake.reads is not None else 1.0
 
-    async def drain(self) -> None:
-        """SIGTERM: the running job's newest step to its peers and the backup, within
-        ``--drain-seconds``; past it, paced transfers still going are halted at once."""
+    async def drain(self, why: str = "SIGTERM", *, shutting_down: bool = True) -> Drained | None:
+        """The running job's newest step to its peers and the backup, within
+        ``--drain-seconds``: on SIGTERM, and before a job switch or a job end
+        (``shutting_down`` False, ``why`` says which). Past the deadline, paced transfers
+        still going are halted at once on SIGTERM; otherwise the incarnation's ``stop``
+        cancels them. None: no drain ran, or it did not end."""
         running = self.incarnation
         if running is None or self.opts.drain_seconds <= 0:
-            return
+            return None
+        job = running.config.job_name
+        if not shutting_down:
+            log.info(
+                "draining job %s before it stops here (%s): at most %gs (--drain-seconds)",
+                job,
+                why,
+                self.opts.drain_seconds,
+                extra={"job": job},
+            )
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self.opts.drain_seconds):
-                plan = await running.drain()
+                drained = await running.drain()
         except TimeoutError:
             log.warning(
                 "drain of job %s stopped at its deadline (--drain-seconds %g): the newest step "
                 "may not have reached the peers or the backup",
-                running.config.job_name,
+                job,
                 self.opts.drain_seconds,
-                extra={"job": running.config.job_name},
+                extra={"job": job},
             )
-            self.ctx.pacer.halt()
-            return
+            if shutting_down:
+                self.ctx.pacer.halt()
+            return None
         except Exception as exc:
-            log.exception(
-                "drain of job %s failed: %s",
-                running.config.job_name,
-                exc,  # noqa: TRY401
-                extra={"job": running.config.job_name},
-            )
-            return
-        if plan is not None:
+            log.exception("drain of job %s failed: %s", job, exc, extra={"job": job})  # noqa: TRY401
+            return None
+        if drained is not None:
             log.info(
                 "drain of job %s done in %.2fs (step %s)",
-                running.config.job_name,
+                job,
                 time.monotonic() - t0,
-                plan.step,
-                extra={"job": running.config.job_name},
+                drained.plan.step,
+                extra={"job": job},
             )
+        return drained
 
     async def check_config(self) -> None:
         """Read the handshake and act on it once it is settled (``core.settle``)."""
@@ -166,7 +179,9 @@ class Supervisor:
         self._recheck_in = verdict.recheck_in or self.settle_rules.poll
         if verdict.act is Act.CLEAR:
             log.info("empty %s stayed empty: stopping the current job", CONFIG_FILE)
-            await self.end_incarnation()
+            # The job ended (``client.finish_job``): its newest step drains first, and the
+            # yaml goes last, the client's cue that the drain is over.
+            await self.end_incarnation(drain=f"an empty {CONFIG_FILE}")
             self.handshake.delete(text)
         elif verdict.act is Act.REJECT:
             assert error is not None
@@ -276,7 +291,8 @@ class Supervisor:
         running = self.incarnation
         if running is not None and running.config.job_name == job:
             log.error("stopping job %s: %s", job, exc, extra={"job": job})
-            await self.end_incarnation()
+            # Not recorded for ``mtc upload``: the name is another owner's in the backup.
+            await self.end_incarnation(remember=False)
             text = f"mtc-replicator: job {job} stopped: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
 
@@ -333,18 +349,68 @@ class Supervisor:
         self.incarnation = resumed
         resumed.start()
 
-    async def end_incarnation(self) -> None:
-        if self.incarnation is not None:
-            log.info(
-                "stopping incarnation %s of job %s",
-                self.incarnation.id,
-                self.incarnation.config.job_name,
-                extra={"job": self.incarnation.config.job_name},
+    async def end_incarnation(self, *, drain: str | None = None, remember: bool = True) -> None:
+        """Stop the running incarnation, if any; its items stay, as another job's.
+
+        ``drain``: why its job ends here (a switch, a job end): its newest step is drained
+        first, as on SIGTERM, within ``--drain-seconds``. ``remember``: keep its config for
+        ``mtc upload`` (``node.reclaim.ForeignItems.configs``).
+        """
+        running = self.incarnation
+        if running is None:
+            return
+        job = running.config.job_name
+        if drain is not None:
+            self._tell_drained(running, await self.drain(drain, shutting_down=False))
+        log.info("stopping incarnation %s of job %s", running.id, job, extra={"job": job})
+        await running.stop()
+        self.foreign.ended(job, running.config_text if remember else None)
+        self.incarnation = None
+        save_state(self.store, None)
+        if drain is not None:
+            # What the bucket holds of it now, for mtc status at once (not at the next
+            # reclaim): the drain may just have committed it. Waited for a little only: a
+            # slow bucket must not hold the next job's handshake (it lands when it lands).
+            self.foreign.recheck(job)
+            survey = asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.held, None
             )
-            await self.incarnation.stop()
-            self.foreign.ended(self.incarnation.config.job_name)
-            self.incarnation = None
-            save_state(self.store, None)
+            await asyncio.wait([survey], timeout=SURVEY_WAIT)
+
+    def _tell_drained(self, running: Incarnation, drained: Drained | None) -> None:
+        """Tell the workload (``replicator.errors``, which ``client.finish_job`` relays) when
+        its ending job's newest step did not reach the backup here."""
+        if self.ctx.backups is None or self.opts.drain_seconds <= 0:
+            return
+        job = running.config.job_name
+        if drained is None:
+            if running.phase is not IncarnationPhase.STEADY:
+                return  # never restored: nothing of this incarnation's to drain
+            why = f"the drain did not end within --drain-seconds {self.opts.drain_seconds:g}"
+            step = None
+        elif drained.upload_failed:
+            why, step = "the drain's upload failed (see the daemon's log)", drained.plan.step
+        elif drained.plan.upload and not drained.committed and running.config.nodes == 1:
+            why, step = "its COMMIT could not be written", drained.plan.step
+        else:
+            # Committed, not this rank's to upload, or uploaded and waiting for the other
+            # ranks' items: the last of them to drain commits it (docs/daemon.md).
+            return
+        newest = "its newest step" if step is None else f"its newest step, {step},"
+        running.error(
+            f"job {job} stopped on this node and {newest} may not be in the backup ({why}): "
+            f"its items are kept here; `mtc upload --job {job}` on this node uploads it",
+            step,
+            ErrorKind.BACKUP,
+        )
+
+    def _switching_from(self, job: str) -> str | None:
+        """Why the running job drains before ``job`` starts here; None when it is ``job``
+        itself (its items stay its own, and the new incarnation restores from them)."""
+        running = self.incarnation
+        if running is None or running.config.job_name == job:
+            return None
+        return f"job {job}'s handshake"
 
     async def _accept(self, config: JobConfig, text: str, seen_at: float | None = None) -> None:
         """Handshake steps 1-4, then hand over to a new incarnation (steps 5-8); ``seen_at``:
@@ -373,7 +439,7 @@ class Supervisor:
                 "The CSI plugin writes that file when it publishes the volume; restart the pod",
             )
             return
-        await self.end_incarnation()
+        await self.end_incarnation(drain=self._switching_from(config.job_name))
         removed = await loop.run_in_executor(
             self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
         )

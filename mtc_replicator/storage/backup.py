@@ -99,7 +99,7 @@ class BackupStore:
             raise PreconditionFailed(f"{manifest.item}: step is already committed")
         # One transfer for the whole item: it shares the link with the job and the peer
         # plane, behind restores and replication (``core.pacing``).
-        with self.pacer.transfer(Traffic.BACKUP) as meter:
+        with self.pacer.transfer(Traffic.BACKUP, cancelled) as meter:
             for entry in manifest.files:
                 if cancelled():
                     raise Cancelled(str(manifest.item))
@@ -187,6 +187,11 @@ class BackupStore:
             "backup committed job=%s step=%d items=%d", job, step, len(digests), extra={"job": job}
         )
         return record
+
+    def missing_items(self, items: Collection[ItemId]) -> list[ItemId]:
+        """Those of ``items`` whose manifest is not in the bucket: what a ``try_commit``
+        that returned None still waits for."""
+        return [i for i in items if self.objects.head(manifest_key(i, LAYOUT)) is None]
 
     def read_commit(self, job: str, step: int) -> CommitRecord | None:
         found = self.read_commit_raw(job, step)

@@ -1,7 +1,7 @@
 """``mtc``: the operator CLI. I/O only through the commands it dispatches to.
 
-Built-in commands are ``backups``, ``certs``, ``drop``, ``registry``, ``render`` and
-``status``. Other
+Built-in commands are ``backups``, ``certs``, ``drop``, ``registry``, ``render``,
+``status`` and ``upload``. Other
 commands plug in through the ``mtc.commands`` entry-point group: each names a module with
 ``add_parser(subparsers)`` and ``run(args) -> int``, like the built-in ones. ``mtc demo``
 comes that way from ``mtc_replicator.demo``, so that the product never imports the demo (an
@@ -19,7 +19,7 @@ from types import ModuleType
 
 from mtc_replicator import __version__
 from mtc_replicator.tools import backups as backups_cli
-from mtc_replicator.tools import certs, drop, registry_cli, render, status_cli
+from mtc_replicator.tools import certs, drop, registry_cli, render, status_cli, upload
 
 COMMANDS_GROUP = "mtc.commands"
 log = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ def _commands() -> dict[str, ModuleType]:
         "registry": registry_cli,
         "render": render,
         "status": status_cli,
+        "upload": upload,
     }
     commands.update(_plugins())
     return commands

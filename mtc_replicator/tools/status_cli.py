@@ -231,7 +231,8 @@ def print_status(body: dict[str, Any], now: float) -> None:
             print(
                 f"job {j['job']}: not running here; its newest step held is NOT in the backup "
                 f"(newest committed: {_or_dash(j['committed_backup_step'])}): kept, it may be "
-                f"the only copy (mtc drop --job {j['job']} --even-if-only-copy frees it)"
+                f"the only copy (mtc upload --job {j['job']} uploads it; mtc drop --job "
+                f"{j['job']} --even-if-only-copy frees it)"
             )
         elif j["committed_backup_step"] is not None:
             print(

@@ -27,5 +27,5 @@ def test_a_plugin_that_cannot_be_imported_is_left_out(
         cli.main(["--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert "{backups,certs,drop,registry,render,status}" in out
+    assert "{backups,certs,drop,registry,render,status,upload}" in out
     assert "ghost" not in out

@@ -10,11 +10,14 @@ from mtc_replicator.core.drain import plan_drain
 from mtc_replicator.core.foreign import (
     DropRefused,
     HeldJob,
+    UploadRefused,
     check_drop,
     next_save_bytes,
     plan_eviction,
+    plan_kept_upload,
     unprotected,
 )
+from mtc_replicator.core.manifest import ItemId
 
 MiB = 1 << 20
 
@@ -68,6 +71,8 @@ def test_a_drop_refuses_the_running_job_an_unknown_one_and_an_only_copy() -> Non
     only = held("b", newest=30, committed=20)
     with pytest.raises(DropRefused, match=r"30, is not committed .* \(newest committed: 20\)"):
         check_drop("b", "a", only, only_copy=False)
+    with pytest.raises(DropRefused, match="`mtc upload --job b` uploads that step"):
+        check_drop("b", "a", only, only_copy=False)
     assert check_drop("b", "a", only, only_copy=True) is only
     assert check_drop("c", None, held("c"), only_copy=False).job == "c"
 
@@ -98,3 +103,25 @@ def test_a_cluster_rank_pushes_to_peers_that_lack_it_and_uploads_if_it_is_an_upl
     plan = plan_drain(dp, newest=30, replicated=None, committed=False, has_backup=True)
     assert plan.upload is False
     assert "another replica" in plan.why
+
+
+def test_an_upload_of_a_kept_job_takes_the_newest_step_and_every_listed_item_held() -> None:
+    c = config(rank=1, nodes=4, peers_per_node=1)
+    # Rank 1's own steps 10 and 20, and a peer copy of rank 0's step 20; another job's item.
+    held_here = [ItemId("job", 10, 1, 0), ItemId("job", 20, 1, 0), ItemId("job", 20, 0, 0)]
+    plan = plan_kept_upload(c, [*held_here, ItemId("other", 30, 1, 0)])
+    assert (plan.job, plan.step) == ("job", 20)
+    assert plan.items == (ItemId("job", 20, 0, 0), ItemId("job", 20, 1, 0))
+    assert [i.rank for i in plan.listed] == [0, 1, 2, 3]  # the COMMIT lists every rank
+    assert plan_kept_upload(c, held_here, step=10).items == (ItemId("job", 10, 1, 0),)
+    with pytest.raises(UploadRefused, match=r"step 15 .* \(steps held here: 10, 20\)"):
+        plan_kept_upload(c, held_here, step=15)
+
+
+def test_an_upload_needs_an_item_the_commit_lists() -> None:
+    # Replica 1 of a data-parallel job: its items are never in a COMMIT (replica 0's are).
+    dp = config(rank=3, nodes=4, peers_per_node=1, data_parallelism=2)
+    with pytest.raises(UploadRefused, match=r"uploaders: ranks 0, 1;.*node of an uploading rank"):
+        plan_kept_upload(dp, [ItemId("job", 20, 3, 0)])
+    with pytest.raises(UploadRefused, match="holds no item of job job"):
+        plan_kept_upload(config(), [])

@@ -251,6 +251,21 @@ def test_a_halted_pacer_ends_every_paced_transfer_at_its_next_slice() -> None:
         asyncio.run(meter.take_async(2 * MiB))
 
 
+def test_a_cancelled_transfer_ends_at_its_next_slice_and_the_others_go_on() -> None:
+    """A job switch past its drain's deadline: that job's upload stops mid-file, while the
+    pacer (and the next job's transfers) carry on."""
+    p, _ = pacer(rate=1 * MiB)
+    stopped = threading.Event()
+    with p.transfer(Traffic.BACKUP, stopped.is_set) as meter:
+        meter.take(1024)
+        stopped.set()
+        with pytest.raises(Cancelled):
+            list(meter.paced(b"x" * (2 * MiB)))
+    with p.transfer(Traffic.BACKUP) as meter:
+        meter.take(2 * MiB)
+    assert not p.halted.is_set()
+
+
 # --- the floor under a peer's transfer ---------------------------------------------------------
 
 

@@ -134,3 +134,21 @@ def test_a_job_accepted_meanwhile_is_never_dropped(store: LocalStore, tmp_path: 
     with pytest.raises(DropRefused, match="runs on this node now"):
         foreign.drop("a", None, only_copy=True)
     assert {i.job for i in store.manifests()} == {"a"}
+
+
+def test_the_config_a_job_ended_with_is_kept_while_its_items_are(
+    store: LocalStore, tmp_path: Path
+) -> None:
+    save(store, tmp_path, ItemId("a", 10, 0, 0))
+    save(store, tmp_path, ItemId("b", 10, 0, 0))
+    foreign = ForeignItems(store, None)
+    foreign.ended("a", "job-name: a\n")
+    foreign.ended("b", "job-name: b\n")
+    foreign.ended("c")  # none given (a job whose name another owner holds): nothing kept
+    assert (foreign.configs.load("a"), foreign.configs.load("c")) == ("job-name: a\n", None)
+    # In the store, so a restarted daemon has it too.
+    assert ForeignItems(store, None).configs.load("b") == "job-name: b\n"
+    foreign.drop("a", None, only_copy=True)
+    assert foreign.configs.load("a") is None
+    foreign.purge()
+    assert foreign.configs.load("b") is None

@@ -69,10 +69,15 @@ def test_an_incomplete_file_is_final_once_closed_else_after_the_config_wait() ->
     assert (late.act, late.timed_out, late.waited) == (Act.REJECT, True, 31.0)
 
 
-def test_an_empty_file_is_cleared_only_after_the_config_wait() -> None:
+def test_an_empty_file_written_in_place_is_cleared_only_after_the_config_wait() -> None:
     for closed in (False, True):
-        assert _judge(Reading.EMPTY, now=29.9, closed=closed, renamed=closed) is Act.WAIT
+        assert _judge(Reading.EMPTY, now=29.9, closed=closed) is Act.WAIT
         assert _judge(Reading.EMPTY, now=30.0, closed=closed) is Act.CLEAR
+
+
+def test_an_empty_file_renamed_into_place_is_cleared_at_once() -> None:
+    # client.finish_job renames an empty file in: the job's end, not a writer's first open.
+    assert _judge(Reading.EMPTY, now=0.0, closed=True, renamed=True) is Act.CLEAR
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,11 @@ class NodeStub:
                 request_serializer=mtc_dot_v1_dot_node__pb2.DropRequest.SerializeToString,
                 response_deserializer=mtc_dot_v1_dot_node__pb2.DropResponse.FromString,
                 _registered_method=True)
+        self.Upload = channel.unary_unary(
+                '/mtc.v1.Node/Upload',
+                request_serializer=mtc_dot_v1_dot_node__pb2.UploadRequest.SerializeToString,
+                response_deserializer=mtc_dot_v1_dot_node__pb2.UploadResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -66,6 +71,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Upload(self, request, context):
+        """Upload a step of a job that does not run here to the backup, and commit it when the
+        backup then holds every item its COMMIT lists (`mtc upload`); refused for the running
+        job. Returns when done; an upload outlives a caller that gives up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Drop,
                     request_deserializer=mtc_dot_v1_dot_node__pb2.DropRequest.FromString,
                     response_serializer=mtc_dot_v1_dot_node__pb2.DropResponse.SerializeToString,
+            ),
+            'Upload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Upload,
+                    request_deserializer=mtc_dot_v1_dot_node__pb2.UploadRequest.FromString,
+                    response_serializer=mtc_dot_v1_dot_node__pb2.UploadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +153,33 @@ class Node:
             '/mtc.v1.Node/Drop',
             mtc_dot_v1_dot_node__pb2.DropRequest.SerializeToString,
             mtc_dot_v1_dot_node__pb2.DropResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Upload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.Node/Upload',
+            mtc_dot_v1_dot_node__pb2.UploadRequest.SerializeToString,
+            mtc_dot_v1_dot_node__pb2.UploadResponse.FromString,
             options,
             channel_credentials,
             insecure,
