@@ -273,6 +273,19 @@ def append_line(path: Path, line: str) -> None:
     a name is replaced, atomically, by a regular file holding the line.
     """
     data = (line.rstrip("\n") + "\n").encode()
+    for _ in range(_APPEND_TRIES):
+        if _append_once(path, data):
+            return
+    atomic_write_bytes(path, data)
+
+
+_APPEND_TRIES = 3
+"""A reader claims the file by renaming it away, reads it, deletes it; a line written to the
+claimed file after that read is lost, so it is written again (at worst twice) to a new one."""
+
+
+def _append_once(path: Path, data: bytes) -> bool:
+    """True: ``data`` was appended to the file that is still at ``path``."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o644)
@@ -280,14 +293,21 @@ def append_line(path: Path, line: str) -> None:
         # ELOOP: a symlink; ENXIO: a FIFO nobody reads; EISDIR and the like fail below too.
         if exc.errno not in (errno.ELOOP, errno.ENXIO):
             raise
-    else:
-        try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                os.write(fd, data)
-                return
-        finally:
-            os.close(fd)
-    atomic_write_bytes(path, data)
+        atomic_write_bytes(path, data)
+        return True
+    try:
+        written = os.fstat(fd)
+        if not stat.S_ISREG(written.st_mode):
+            atomic_write_bytes(path, data)
+            return True
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (written.st_dev, written.st_ino)
 
 
 def remove_tree(path: Path) -> None:

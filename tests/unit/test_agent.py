@@ -25,7 +25,7 @@ from mtc_replicator.core.contract import (
     marker_name,
     parse_config,
 )
-from mtc_replicator.core.drain import DrainPlan
+from mtc_replicator.core.drain import Drained
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.store import LocalStore
@@ -321,7 +321,7 @@ def test_a_drain_backs_up_the_newest_step_held_here(node: Node) -> None:
     backups = BackupStore(MemoryObjectStore())
     metrics = Events()
 
-    async def body() -> DrainPlan | None:
+    async def body() -> Drained | None:
         incarnation = node.incarnation(ONE_NODE, metrics, backups=backups)
         assert await incarnation.drain() is None  # not restored yet: nothing to drain
         incarnation.start()
@@ -332,10 +332,12 @@ def test_a_drain_backs_up_the_newest_step_held_here(node: Node) -> None:
         finally:
             await incarnation.stop()
 
-    plan = asyncio.run(body())
-    assert plan is not None
+    drained = asyncio.run(body())
+    assert drained is not None
+    plan = drained.plan
     # One node: no peer to push to; the bucket lacks step 20: upload and commit it.
     assert (plan.step, plan.push, plan.upload) == (20, False, True)
+    assert (drained.committed, drained.upload_failed) == (True, False)
     assert backups.read_commit("job", 20) is not None
 
 

@@ -160,3 +160,27 @@ def test_append_line_never_follows_a_planted_name(tmp_path: Path, kind: str) -> 
     want = "first\na line\n" if kind == "regular" else "a line\n"
     assert errors.read_text() == want
     assert victim.read_text() == "keep\n"
+
+
+def test_a_line_written_while_a_reader_claims_the_file_is_not_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client claims replicator.errors by renaming it, reads it and deletes it: a line
+    whose write lands in the claimed file after that read is written again at the name."""
+    errors = tmp_path / "replicator.errors"
+    claimed = tmp_path / "claimed.tmp"
+    write = os.write
+    calls = []
+
+    def claim_first(fd: int, data: bytes) -> int:
+        if not calls:  # the reader renames, reads (nothing yet) and deletes, mid-append
+            os.rename(errors, claimed)
+            assert claimed.read_bytes() == b""
+            claimed.unlink()
+        calls.append(data)
+        return write(fd, data)
+
+    monkeypatch.setattr(fsutil.os, "write", claim_first)
+    fsutil.append_line(errors, "a line")
+    assert errors.read_text() == "a line\n"
+    assert len(calls) == 2
