@@ -224,3 +224,32 @@ def test_a_restarted_daemon_shows_the_backups_newest_step(
     assert backed_up() == 3
     table = mtc_status(again.address, "--job", job)
     assert "last backed up 3" in table.stdout, table.stdout
+
+
+def test_a_tls_failure_is_one_clear_line(
+    ckpt: Path, tmp_path: Path, start_daemon: StartDaemon
+) -> None:
+    """Before: gRPC's core wrote its own raw line on stderr ("I1128 ...
+    ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL ...") above
+    ours, and a certificate the daemon refused read "Socket closed; is mtc-replicator
+    running there?"."""
+    ours = node_tls(tmp_path / "ours", certs.new_ca())
+    daemon = start_daemon(extra=ours.args())
+    stranger = node_tls(tmp_path / "stranger", certs.new_ca("stranger CA"))
+
+    wrong_ca = mtc_status(daemon.address, "--timeout", "5", tls=stranger)
+    assert wrong_ca.returncode == 1
+    assert wrong_ca.stdout == ""
+    (line,) = wrong_ca.stderr.splitlines()
+    assert line.startswith(f"mtc status: error: TLS handshake with the daemon at {daemon.address}")
+    assert f"not issued by the CA in --tls-ca {stranger.files.ca}" in line
+
+    # The right CA, a certificate the daemon does not trust: it hangs up in the handshake.
+    files = stranger.files
+    refused = mtc_status(
+        daemon.address, "--timeout", "5", "--tls-cert", str(files.cert), "--tls-key",
+        str(files.key), "--tls-ca", str(ours.files.ca),
+    )  # fmt: skip
+    assert refused.returncode == 1
+    (line,) = refused.stderr.splitlines()
+    assert f"did not accept the certificate {files.cert}" in line
