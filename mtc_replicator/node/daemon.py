@@ -65,7 +65,14 @@ from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settin
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
-from mtc_replicator.node.startup import open_backups, open_tls, tune_malloc
+from mtc_replicator.node.startup import (
+    CheckpointDirMissing,
+    CheckpointFilesystem,
+    check_checkpoint_dir,
+    open_backups,
+    open_tls,
+    tune_malloc,
+)
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from mtc_replicator.node.supervisor import Supervisor
@@ -212,8 +219,15 @@ class Daemon:
         if self._prometheus is not None:
             process_metrics(self._prometheus.registry)
             self._prometheus.registry.register(
-                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+                FilesystemCollector(
+                    opts.checkpoint_dir,
+                    "mtc_checkpoint_dir",
+                    "CHECKPOINT_DIR",
+                    kind=lambda: (self.checkpoint_fs.fs_type, self.checkpoint_fs.in_memory),
+                )
             )
+        self.checkpoint_fs = CheckpointFilesystem(None)
+        """CHECKPOINT_DIR's filesystem, read when the store is opened."""
         self.heartbeat = Heartbeat()
         """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
         self.readiness = Readiness(stage="opening the store")
@@ -346,8 +360,13 @@ class Daemon:
     async def _open_store(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Open (and recover) the store; False, with the exit code set, when it cannot be."""
         try:
-            self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            # Never created here: a mistyped path would be served on whatever disk holds it.
+            self.checkpoint_fs = check_checkpoint_dir(self.opts.checkpoint_dir)
             report = await loop.run_in_executor(self.executor, self.store.open)
+        except CheckpointDirMissing as exc:
+            log.error("%s", exc)
+            self.exit_code = 2
+            return False
         except StorePlacementError as exc:
             log.error("%s", exc)
             self.exit_code = 2
@@ -369,6 +388,9 @@ class Daemon:
             self.exit_code = 2
             return False
         self.readiness.stage = "starting the servers"
+        not_in_ram = self.checkpoint_fs.warning(self.opts.checkpoint_dir)
+        if not_in_ram:
+            log.warning("%s", not_in_ram)
         log.info(
             "store opened: %d items, %d pending ingest, %d discarded",
             report.items,

@@ -297,37 +297,69 @@ def plan_verify(
         item = ItemId(job, step, int(rank), int(worker))
         mkey = record.manifest_key(item)
         expected.add(mkey)
-        info = listed.get(mkey)
-        kind, detail = ProblemKind.INVALID_MANIFEST, ""
         try:
-            if info is not None and info.size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"manifest of {info.size} bytes is too large")
-            manifest = Manifest.from_json(objects.get_bytes(mkey))
-            if manifest.digest != digest:
-                kind = ProblemKind.MANIFEST_DIGEST_MISMATCH
-                detail = (
-                    f"manifest digest {manifest.digest[:16]} differs from the COMMIT's "
-                    f"{digest[:16]}: modified after the commit"
-                )
-            elif manifest.item != item:
-                detail = f"manifest describes {manifest.item}"
-            else:
-                attestations.append(attested.check(manifest, record.owner or UNOWNED))
-        except Unattested as exc:
-            kind, detail = ProblemKind.UNATTESTED_MANIFEST, str(exc)
-        except ObjectNotFound:
-            kind, detail = ProblemKind.MISSING_MANIFEST, "the COMMIT names it; it is missing"
-        except ManifestError as exc:
-            detail = str(exc)
-        if detail:
-            problems.append(Problem(kind, detail, key, mkey))
+            manifest, seen = _read_pinned(
+                objects,
+                mkey,
+                listed.get(mkey),
+                digest=digest,
+                item=item,
+                attested=attested,
+                owner=record.owner or UNOWNED,
+            )
+        except _BadManifest as bad:
+            problems.append(Problem(bad.kind, bad.detail, key, mkey))
             bad_items.append(f"{item_prefix(item, record.layout)}/")
             continue
+        attestations.append(seen)
         for entry in manifest.files:
             dkey = record.data_key(item, entry.path)
             expected.add(dkey)
             checks.append((key, dkey, entry))
     return plan(True, len(record.items))
+
+
+class _BadManifest(Exception):
+    def __init__(self, kind: ProblemKind, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+def _read_pinned(
+    objects: ObjectStore,
+    key: str,
+    info: ObjectInfo | None,
+    *,
+    digest: str,
+    item: ItemId,
+    attested: ManifestTrust,
+    owner: str,
+) -> tuple[Manifest, Attested]:
+    """The manifest at ``key`` that a COMMIT pins by ``digest``, for ``item``, and what is
+    known of its attestation; ``_BadManifest`` with the problem otherwise."""
+    try:
+        if info is not None and info.size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {info.size} bytes is too large")
+        manifest = Manifest.from_json(objects.get_bytes(key))
+    except ObjectNotFound:
+        raise _BadManifest(
+            ProblemKind.MISSING_MANIFEST, "the COMMIT names it; it is missing"
+        ) from None
+    except ManifestError as exc:
+        raise _BadManifest(ProblemKind.INVALID_MANIFEST, str(exc)) from None
+    if manifest.digest != digest:
+        raise _BadManifest(
+            ProblemKind.MANIFEST_DIGEST_MISMATCH,
+            f"manifest digest {manifest.digest[:16]} differs from the COMMIT's "
+            f"{digest[:16]}: modified after the commit",
+        )
+    if manifest.item != item:
+        raise _BadManifest(ProblemKind.INVALID_MANIFEST, f"manifest describes {manifest.item}")
+    try:
+        return manifest, attested.check(manifest, owner)
+    except Unattested as exc:
+        raise _BadManifest(ProblemKind.UNATTESTED_MANIFEST, str(exc)) from None
 
 
 def _check_object(
