@@ -194,6 +194,7 @@ class Daemon:
         )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
+        self.ctx.keep_steps = opts.keep_steps
         self.ctx.tls = self.tls
         self.supervisor = Supervisor(
             opts,
