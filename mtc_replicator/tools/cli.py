@@ -31,7 +31,7 @@ BUILT_IN = {
     "status": "mtc_replicator.tools.status_cli",
     "upload": "mtc_replicator.tools.upload",
 }
-"""Imported when the parser is built, after ``_quiet_grpc``: they import gRPC."""
+"""Imported once ``_quiet_grpc`` imported gRPC: they import it too."""
 log = logging.getLogger(__name__)
 
 
@@ -50,6 +50,12 @@ def _quiet_grpc() -> None:
         del os.environ["GRPC_VERBOSITY"]
 
 
+# At import, as a plain import would: without the ``daemon`` extra a missing module is then
+# found where ``mtc_replicator.launch`` turns it into "install the daemon extra".
+_quiet_grpc()
+_BUILT_IN_MODULES = {name: importlib.import_module(module) for name, module in BUILT_IN.items()}
+
+
 def _plugins() -> dict[str, ModuleType]:
     """The installed plug-in commands; one whose module is absent (the image ships without
     the demo) is left out rather than breaking every other command."""
@@ -63,8 +69,7 @@ def _plugins() -> dict[str, ModuleType]:
 
 
 def _commands() -> dict[str, ModuleType]:
-    _quiet_grpc()
-    commands = {name: importlib.import_module(module) for name, module in BUILT_IN.items()}
+    commands = dict(_BUILT_IN_MODULES)
     commands.update(_plugins())
     return commands
 
