@@ -221,19 +221,19 @@ class Daemon:
             process_metrics(self._prometheus.registry)
             self._prometheus.registry.register(
                 FilesystemCollector(
-                    opts.checkpoint_dir,
-                    "mtc_checkpoint_dir",
-                    "CHECKPOINT_DIR",
-                    kind=lambda: (self.checkpoint_fs.fs_type, self.checkpoint_fs.in_memory),
+                    opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR", kind=self._fs_kind
                 )
             )
         self.checkpoint_fs = CheckpointFilesystem(None)
-        """CHECKPOINT_DIR's filesystem, read when the store is opened."""
+        """CHECKPOINT_DIR's filesystem, read when the store is opened (it warns if not RAM)."""
         self.heartbeat = Heartbeat()
         """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
         self.readiness = Readiness(stage="opening the store")
         self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
+
+    def _fs_kind(self) -> tuple[str | None, bool]:
+        return self.checkpoint_fs.fs_type, self.checkpoint_fs.in_memory
 
     @property
     def incarnation(self) -> Incarnation | None:
@@ -389,9 +389,6 @@ class Daemon:
             self.exit_code = 2
             return False
         self.readiness.stage = "starting the servers"
-        not_in_ram = self.checkpoint_fs.warning(self.opts.checkpoint_dir)
-        if not_in_ram:
-            log.warning("%s", not_in_ram)
         log.info(
             "store opened: %d items, %d pending ingest, %d discarded",
             report.items,

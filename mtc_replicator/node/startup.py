@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,8 @@ def open_tls(opts: DaemonOptions) -> tuple[TlsMaterial | None, str | None]:
     return tls, node
 
 
+log = logging.getLogger(__name__)
+
 IN_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 """Filesystems whose files live in RAM: what CHECKPOINT_DIR is meant to be on."""
 MOUNTINFO = Path("/proc/self/mountinfo")
@@ -94,8 +97,9 @@ class CheckpointFilesystem:
 
 
 def check_checkpoint_dir(path: Path, mountinfo: Path = MOUNTINFO) -> CheckpointFilesystem:
-    """CHECKPOINT_DIR's filesystem; ``CheckpointDirMissing`` unless it is an existing
-    directory (the CSI plugin makes it on the RAM disk before the daemon starts)."""
+    """CHECKPOINT_DIR's filesystem, with a warning logged when it is not in RAM;
+    ``CheckpointDirMissing`` unless it is an existing directory (the CSI plugin makes it on
+    the RAM disk before the daemon starts)."""
     if not path.is_dir():
         there = "is not a directory" if path.exists() else "does not exist"
         raise CheckpointDirMissing(
@@ -105,7 +109,10 @@ def check_checkpoint_dir(path: Path, mountinfo: Path = MOUNTINFO) -> CheckpointF
             "MTC_CHECKPOINT_SUBDIR, /var/lib/mtc/ramdisk/checkpoint in deploy/); for a local "
             "run create it on a tmpfs first (mkdir -p /dev/shm/mtc/checkpoint)"
         )
-    return CheckpointFilesystem(_fs_type(os.stat(path).st_dev, mountinfo))
+    found = CheckpointFilesystem(_fs_type(os.stat(path).st_dev, mountinfo))
+    if (warning := found.warning(path)) is not None:
+        log.warning("%s", warning)
+    return found
 
 
 def _fs_type(device: int, mountinfo: Path) -> str | None:
