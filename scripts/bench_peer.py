@@ -202,6 +202,7 @@ class Daemon:
 
 
 def start_daemon(ckpt: Path, extra: tuple[str, ...] = ()) -> Daemon:
+    ckpt.mkdir(parents=True, exist_ok=True)  # as the CSI plugin does: the daemon never does
     log = ckpt.parent / f"{ckpt.name}.log"
     args = [sys.executable, "-m", "mtc_replicator.node.daemon", "--checkpoint-dir", str(ckpt)]
     args += ["--listen", "127.0.0.1:0", "--rescan-seconds", "0.5", *extra]

@@ -39,8 +39,12 @@ class DaemonProcess:
         max_open_files: int | None = None,
         prefix: tuple[str, ...] = (),
         listen: str = "127.0.0.1:0",
+        make_checkpoint_dir: bool = True,
     ) -> None:
         self.checkpoint_dir = checkpoint_dir
+        self.make_checkpoint_dir = make_checkpoint_dir
+        """Create CHECKPOINT_DIR before each start, as the CSI plugin does on a node (the
+        daemon refuses one that does not exist)."""
         self.backup = backup
         self.extra_args = extra_args
         self.env = {**os.environ, **(env or {})}
@@ -58,6 +62,8 @@ class DaemonProcess:
         """Where the daemon serves ``/metrics`` (``--metrics``, port 0 resolved), once ready."""
 
     def start(self, timeout: float = 30.0) -> DaemonProcess:
+        if self.make_checkpoint_dir:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         args = [
             *self.prefix,
             sys.executable,

@@ -39,6 +39,8 @@ from mtc_replicator.local.fsutil import fsync_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_FILENAME = "state.pt"
+RAM_DISK_SIZING = "docs/deploy.md#ram-disk-sizing"
+"""Where ``CheckpointDirFull`` sends a user: the formula for the RAM disk's size."""
 
 
 class CheckpointDirFull(OSError):
@@ -49,7 +51,10 @@ class CheckpointDirFull(OSError):
         super().__init__(
             errno.ENOSPC,
             f"CHECKPOINT_DIR full: {free} bytes free, the step needs {needed} "
-            f"(at least; {directory}). Give the RAM disk more room, or keep fewer steps",
+            f"(at least; {directory}). Give the RAM disk more room: it holds several steps "
+            f"per node (the restored one, those kept, the one being written, peers' copies), "
+            f"see {RAM_DISK_SIZING}; or lower the daemon's --keep-steps (MTC_KEEP_STEPS) if "
+            "it was raised",
         )
         self.free = free
         self.needed = needed

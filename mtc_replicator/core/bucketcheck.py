@@ -52,10 +52,14 @@ PERMISSIONS: dict[str, dict[Right, str]] = {
 """The permission each probe step needs, per URL scheme (docs/permissions.md)."""
 
 
-def refused_reason(url: str, right: Right, error: str, *, denied: bool) -> str:
+def refused_reason(
+    url: str, right: Right, error: str, *, denied: bool, no_credentials: bool = False
+) -> str:
     """The reason a refused probe step gives: ``error``, and when the store denied it
-    (rather than, say, finding no bucket) the right and the permission it needs."""
-    if not denied:
+    (rather than, say, finding no bucket) the right and the permission it needs. Without
+    any credentials no request was made, so no permission is named: ``error`` says which
+    credential sources were tried."""
+    if not denied or no_credentials:
         return error
     known = PERMISSIONS.get(urlparse(url).scheme, {})
     needs = known.get(right, "a permission the store did not name")

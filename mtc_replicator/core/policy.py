@@ -5,7 +5,7 @@ rules are unit-tested without files, sockets or sleeps.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -61,6 +61,17 @@ def complete_steps(
 
 
 # --- retention -------------------------------------------------------------------------------
+
+DEFAULT_KEEP_STEPS = 1
+"""``--keep-steps``: this rank's newest complete steps kept on the RAM disk, at least."""
+
+
+def newest_kept(complete: Sequence[int], keep_steps: int) -> set[int]:
+    """Of this rank's complete steps (ascending), the newest ``keep_steps`` that
+    ``--keep-steps`` keeps beside what the safety rules keep (the restorable step, the
+    upload, the steps promised to the coordinator): it only ever adds to them, so no
+    setting can delete a step they keep."""
+    return set(complete[-keep_steps:]) if keep_steps > 0 else set()
 
 
 def retention(

@@ -123,7 +123,11 @@ class Job:
         self.run_until("done", saved)
         for rank, t in enumerate(self.trainers):
             t.run_to_end()
-            say(f"  rank {rank} finished step {STEPS} (weights {t.first('done')['digest']})")
+            done = t.first("done")
+            say(
+                f"  rank {rank} finished step {STEPS} (checkpoint {done['digest']}, "
+                f"model {done['replica']})"
+            )
 
     def kill(self) -> None:
         for t in self.trainers:
@@ -134,7 +138,14 @@ class Job:
 def check_restores(
     label: str, job: Job, want_step: int, want_sources: list[str], saved: Saved
 ) -> list[str]:
-    """Check every rank's restore; print the table; return the failed checks."""
+    """Check every rank's restore; print the table; return the failed checks.
+
+    Two digests per rank: its checkpoint's (the weights and the rank number it records, so
+    each rank's differs; it must equal what that rank saved) and its model's (the weights
+    alone: the same on every rank, as the job is data-parallel, gradients averaged with
+    ``all_reduce``). A job without data parallelism (sharded weights) would compare only
+    the first: each rank's shard against what that rank saved.
+    """
     failures: list[str] = []
     rows = []
     replicas: set[object] = set()
@@ -143,17 +154,32 @@ def check_restores(
         step, source = int(str(r["step"])), str(r["source"])
         want_digest = saved.get(rank, {}).get(step)
         ok = step == want_step and source == want_sources[rank] and r["digest"] == want_digest
-        rows.append((rank, step, source, want_sources[rank], r["digest"], ok))
+        rows.append((rank, step, source, want_sources[rank], r["digest"], r["replica"], ok))
         replicas.add(r["replica"])
         check(f"{label}: rank {rank} restored step", step, want_step, failures)
         check(f"{label}: rank {rank} restore source", source, want_sources[rank], failures)
-        check(f"{label}: rank {rank} restored weights", r["digest"], want_digest, failures)
-    check(f"{label}: model replicas identical across ranks", len(replicas), 1, failures)
+        check(
+            f"{label}: rank {rank}'s checkpoint digest (what it saved)",
+            r["digest"],
+            want_digest,
+            failures,
+        )
+    check(
+        f"{label}: distinct model digests across ranks (data-parallel: one model; each "
+        "rank's checkpoint digest also covers its rank number, so those differ)",
+        len(replicas),
+        1,
+        failures,
+    )
     say(f"  restore table ({label}):")
-    say(f"    {'rank':>4}  {'step':>4}  {'source':<7} {'expected':<8} {'weights':<16}  result")
-    for rank, step, source, want, dig, ok in rows:
+    say(
+        f"    {'rank':>4}  {'step':>4}  {'source':<7} {'expected':<8} {'checkpoint':<16}  "
+        f"{'model':<16}  result"
+    )
+    for rank, step, source, want, dig, model, ok in rows:
         say(
-            f"    {rank:>4}  {step:>4}  {source:<7} {want:<8} {dig!s:<16}  {'OK' if ok else 'FAIL'}"
+            f"    {rank:>4}  {step:>4}  {source:<7} {want:<8} {dig!s:<16}  {model!s:<16}  "
+            f"{'OK' if ok else 'FAIL'}"
         )
     return failures
 

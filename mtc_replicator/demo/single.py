@@ -189,11 +189,15 @@ def check(label: str, got: object, want: object, failures: list[str]) -> None:
 
 
 def ram_disk(workdir: Path, name: str = "ramdisk") -> Path:
-    """A directory on tmpfs: /dev/shm where it exists (a RAM disk without mounting)."""
+    """A new directory on tmpfs: /dev/shm where it exists (a RAM disk without mounting),
+    else in ``workdir`` (the daemon then warns it is not in RAM). Made here, as the CSI
+    plugin makes CHECKPOINT_DIR on a node: the daemon never creates it."""
     shm = Path("/dev/shm")  # noqa: S108 - a private mkdtemp below it, not a fixed name
     if shm.is_dir() and os.access(shm, os.W_OK):
         return Path(tempfile.mkdtemp(prefix=f"mtc-demo-{name}-", dir=shm))
-    return workdir / name
+    path = workdir / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def run(workdir: Path | None = None, step_seconds: float = 0.05) -> int:

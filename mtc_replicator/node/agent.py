@@ -43,9 +43,11 @@ from mtc_replicator.core.layout import backup_items, no_copy_note, off_node_copi
 from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import (
+    DEFAULT_KEEP_STEPS,
     Handoff,
     complete_steps,
     find_handoffs,
+    newest_kept,
     retention,
     retention_of_copies,
     save_in_progress,
@@ -116,6 +118,9 @@ class AgentContext:
     """The node's outgoing transfers: the agent tells it when the job is saving."""
     foreign: ForeignItems | None = None
     """Items of jobs that do not run here: they give way when this job needs the room."""
+    keep_steps: int = DEFAULT_KEEP_STEPS
+    """``--keep-steps``: the newest complete steps of this rank kept, besides the safety
+    rules' (``core.policy.newest_kept``)."""
     manifests: ManifestTrust = OPEN_MANIFESTS
     """How this node attests the items it ingests and which items it restores."""
 
@@ -565,8 +570,10 @@ class Incarnation:
             self.config.job_name, max(complete_steps(self.config, have), default=None)
         )
         # The restorable step, the upload, the steps that may become restorable next, and
-        # what our progress reports promised the coordinator (see ClusterMember.retained).
-        protected = member.retained(complete_steps(self.config, have))
+        # what our progress reports promised the coordinator (see ClusterMember.retained);
+        # then the newest --keep-steps, whose copies of other ranks stay with them.
+        complete = complete_steps(self.config, have)
+        protected = member.retained(complete) | newest_kept(complete, self.ctx.keep_steps)
         doomed = retention(self.config, have, protected)
         aside = self.ctx.store.aside(self.config.job_name)
         free = released(

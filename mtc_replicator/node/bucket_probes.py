@@ -49,7 +49,13 @@ class BucketProbes:
                 try:
                     await _in_daemon_thread(probe_store, store)
                 except ProbeFailed as exc:
-                    reason = refused_reason(check.url, exc.right, str(exc), denied=exc.denied)
+                    reason = refused_reason(
+                        check.url,
+                        exc.right,
+                        str(exc),
+                        denied=exc.denied,
+                        no_credentials=exc.no_credentials,
+                    )
                     heals = may_heal(exc.right, transient=exc.transient, denied=exc.denied)
                     wait = check.record(reason, transient=heals)
                 except ObjectStoreError as exc:

@@ -65,7 +65,14 @@ from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settin
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
-from mtc_replicator.node.startup import open_backups, open_tls, tune_malloc
+from mtc_replicator.node.startup import (
+    CheckpointDirMissing,
+    CheckpointFilesystem,
+    check_checkpoint_dir,
+    open_backups,
+    open_tls,
+    tune_malloc,
+)
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
 from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
 from mtc_replicator.node.supervisor import Supervisor
@@ -187,6 +194,7 @@ class Daemon:
         )
         self.ctx.registry = self.registry
         self.ctx.report_after = opts.report_after_seconds
+        self.ctx.keep_steps = opts.keep_steps
         self.ctx.tls = self.tls
         self.supervisor = Supervisor(
             opts,
@@ -212,13 +220,20 @@ class Daemon:
         if self._prometheus is not None:
             process_metrics(self._prometheus.registry)
             self._prometheus.registry.register(
-                FilesystemCollector(opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR")
+                FilesystemCollector(
+                    opts.checkpoint_dir, "mtc_checkpoint_dir", "CHECKPOINT_DIR", kind=self._fs_kind
+                )
             )
+        self.checkpoint_fs = CheckpointFilesystem(None)
+        """CHECKPOINT_DIR's filesystem, read when the store is opened (it warns if not RAM)."""
         self.heartbeat = Heartbeat()
         """Beaten by a task in the event loop: ``/healthz`` fails when the loop stalls."""
         self.readiness = Readiness(stage="opening the store")
         self.metrics.pacing(self.pacer.counts, opts.max_transfer_rate)
         self._metrics_server: MetricsServer | None = None
+
+    def _fs_kind(self) -> tuple[str | None, bool]:
+        return self.checkpoint_fs.fs_type, self.checkpoint_fs.in_memory
 
     @property
     def incarnation(self) -> Incarnation | None:
@@ -346,8 +361,13 @@ class Daemon:
     async def _open_store(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Open (and recover) the store; False, with the exit code set, when it cannot be."""
         try:
-            self.opts.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            # Never created here: a mistyped path would be served on whatever disk holds it.
+            self.checkpoint_fs = check_checkpoint_dir(self.opts.checkpoint_dir)
             report = await loop.run_in_executor(self.executor, self.store.open)
+        except CheckpointDirMissing as exc:
+            log.error("%s", exc)
+            self.exit_code = 2
+            return False
         except StorePlacementError as exc:
             log.error("%s", exc)
             self.exit_code = 2

@@ -28,6 +28,7 @@ from mtc_replicator.core.pacing import (
     MAX_YIELD_TO_SAVES,
     default_floor,
 )
+from mtc_replicator.core.policy import DEFAULT_KEEP_STEPS
 from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
 from mtc_replicator.obs.logs import add_log_arguments
 from mtc_replicator.transport.peer_servicer import IDLE_SECONDS
@@ -120,6 +121,9 @@ class DaemonOptions:
     stops anyway; 0: no drain."""
     foreign_job_ttl: float = DEFAULT_TTL
     """Seconds a job that no longer runs here keeps its backed-up items (``core.foreign``)."""
+    keep_steps: int = DEFAULT_KEEP_STEPS
+    """The running job's newest complete steps of this rank kept on the RAM disk, with the
+    other ranks' copies of them, besides what the safety rules keep (``core.policy``)."""
 
 
 def _data_port(value: str) -> int | None:
@@ -348,7 +352,7 @@ def _add_workload_rules(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
 
 
 def _add_transfer_limits(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """How fast and how long transfers, backups and the drain may go."""
+    """How fast and how long transfers, backups and the drain may go, and what stays."""
     p.add_argument(
         "--max-transfer-rate",
         type=argtypes.rate,
@@ -415,6 +419,17 @@ def _add_transfer_limits(p: argparse.ArgumentParser, env: Mapping[str, str]) -> 
         "in the backup, are dropped after this long (sooner when the running job needs the "
         "room); items not in the backup are kept (default: %(default)s) "
         "[MTC_FOREIGN_JOB_TTL]",
+    )
+    p.add_argument(
+        "--keep-steps",
+        type=argtypes.positive,
+        default=env.get("MTC_KEEP_STEPS", str(DEFAULT_KEEP_STEPS)),
+        metavar="N",
+        help="keep the running job's newest N complete steps of this node's rank on the RAM "
+        "disk, with the peers' copies of them held here; the steps the safety rules keep "
+        "(the restorable step, the one being uploaded, the newest two of a multi-node job "
+        "until the coordinator confirms them) stay whatever N is. Size the RAM disk for it: "
+        "docs/deploy.md#ram-disk-sizing (default: %(default)s) [MTC_KEEP_STEPS]",
     )
 
 
@@ -483,6 +498,7 @@ def parse_args(
         storage_timeout=a.storage_timeout,
         drain_seconds=a.drain_seconds,
         foreign_job_ttl=a.foreign_job_ttl,
+        keep_steps=a.keep_steps,
     )
 
 

@@ -109,8 +109,11 @@ def node_status(
                 replicated = member.replication.newest_replicated
                 if member.replication.replicates and replicated is not None:
                     status.last_replicated = replicated
-                if member.uploaded is not None:
-                    status.last_backed_up = member.uploaded
+                # The job's newest committed backup, as its coordinator last said (read
+                # from the bucket when it started): the source of
+                # mtc_newest_step{tier="backup"}, and known after a restart too.
+                if member.backed_up is not None:
+                    status.last_backed_up = member.backed_up
             for rank, peer in peer_addresses(incarnation).items():
                 seen = peers.contacts.get(peer) if peers is not None else None
                 status.peers.append(_contact(rank, peer, seen))

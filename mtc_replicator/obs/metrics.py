@@ -546,12 +546,20 @@ def process_metrics(registry: CollectorRegistry) -> None:
 class FilesystemCollector:
     """``<prefix>_free_bytes`` and ``<prefix>_size_bytes`` of the filesystem holding
     ``path``, read with ``statvfs`` at each scrape; nothing while ``path`` is missing (the
-    readiness probe says why)."""
+    readiness probe says why). With ``kind`` (the filesystem's type, None: unknown, and
+    whether it keeps its files in RAM), ``<prefix>_in_memory{fstype}`` too."""
 
-    def __init__(self, path: Path, prefix: str, what: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        prefix: str,
+        what: str,
+        kind: Callable[[], tuple[str | None, bool]] | None = None,
+    ) -> None:
         self._path = path
         self._prefix = prefix
         self._what = what
+        self._kind = kind
 
     def collect(self) -> Iterator[Metric]:
         try:
@@ -568,6 +576,15 @@ class FilesystemCollector:
         )
         size.add_metric([], st.f_blocks * st.f_frsize)
         yield from (free, size)
+        if self._kind is not None:
+            fs_type, in_memory = self._kind()
+            memory = GaugeMetricFamily(
+                f"{self._prefix}_in_memory",
+                f"1 when {self._what} is on a filesystem in RAM (tmpfs, ramfs), else 0.",
+                labels=["fstype"],
+            )
+            memory.add_metric([fs_type or "unknown"], 1.0 if in_memory else 0.0)
+            yield memory
 
 
 class _PeerCollector:

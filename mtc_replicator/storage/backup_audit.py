@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import google_crc32c
 
-from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust, Unattested
+from mtc_replicator.core.attestation import OPEN_MANIFESTS, Attested, ManifestTrust, Unattested
 from mtc_replicator.core.backup_layout import (
     COMMIT,
     CommitRecord,
@@ -210,6 +210,10 @@ class VerifyPlan:
     listed: Mapping[str, ObjectInfo]
     unexpected: tuple[str, ...]
     """Objects below the step that nothing committed names: not harmful, worth a note."""
+    seal: Seal | None = None
+    """What is known of the COMMIT's signature, when it was read and believed."""
+    attested: tuple[Attested, ...] = ()
+    """What is known of each believed manifest's attestation (its producer's signature)."""
 
     @property
     def total_bytes(self) -> int:
@@ -225,6 +229,11 @@ class StepVerdict:
     bytes_checked: int
     problems: tuple[Problem, ...]
     unexpected: tuple[str, ...] = ()
+    seal: Seal | None = None
+    """The COMMIT's signature: ``verified`` by the CA, ``unsigned`` (taken under the
+    migration flag), ``unchecked`` (no CA given); None: the COMMIT was not believed."""
+    attested: tuple[Attested, ...] = ()
+    """The same of each manifest believed, in the COMMIT's order."""
 
     @property
     def ok(self) -> bool:
@@ -247,6 +256,8 @@ def plan_verify(
     expected = {ckey}
     bad_items: list[str] = []
     """Prefixes of items with a bad manifest: their objects are not news."""
+    attestations: list[Attested] = []
+    seal: Seal | None = None
 
     def plan(committed: bool, items: int = 0) -> VerifyPlan:
         unexpected = tuple(
@@ -255,14 +266,23 @@ def plan_verify(
             if committed and not k.startswith(tuple(bad_items))
         )
         return VerifyPlan(
-            job, step, committed, items, tuple(checks), tuple(problems), listed, unexpected
+            job,
+            step,
+            committed,
+            items,
+            tuple(checks),
+            tuple(problems),
+            listed,
+            unexpected,
+            seal,
+            tuple(attestations),
         )
 
     info = listed.get(ckey)
     try:
         if info is not None and info.size > MAX_MANIFEST_BYTES:
             raise ManifestError(f"COMMIT of {info.size} bytes is too large")
-        found = read_commit_raw(objects, job, step, trust)
+        found = BackupStore(objects, trust).read_commit_sealed(job, step)
     except RecordRefused as exc:
         problems.append(Problem(ProblemKind.UNTRUSTED_COMMIT, str(exc), key=ckey))
         return plan(True)
@@ -271,43 +291,75 @@ def plan_verify(
         return plan(True)
     if found is None:
         return plan(False)
-    record = found[0]
+    record, seal = found[0], found[2]
     for key, digest in sorted(record.items.items()):
         rank, _, worker = key.partition("-")
         item = ItemId(job, step, int(rank), int(worker))
         mkey = record.manifest_key(item)
         expected.add(mkey)
-        info = listed.get(mkey)
-        kind, detail = ProblemKind.INVALID_MANIFEST, ""
         try:
-            if info is not None and info.size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"manifest of {info.size} bytes is too large")
-            manifest = Manifest.from_json(objects.get_bytes(mkey))
-            if manifest.digest != digest:
-                kind = ProblemKind.MANIFEST_DIGEST_MISMATCH
-                detail = (
-                    f"manifest digest {manifest.digest[:16]} differs from the COMMIT's "
-                    f"{digest[:16]}: modified after the commit"
-                )
-            elif manifest.item != item:
-                detail = f"manifest describes {manifest.item}"
-            else:
-                attested.check(manifest, record.owner or UNOWNED)
-        except Unattested as exc:
-            kind, detail = ProblemKind.UNATTESTED_MANIFEST, str(exc)
-        except ObjectNotFound:
-            kind, detail = ProblemKind.MISSING_MANIFEST, "the COMMIT names it; it is missing"
-        except ManifestError as exc:
-            detail = str(exc)
-        if detail:
-            problems.append(Problem(kind, detail, key, mkey))
+            manifest, seen = _read_pinned(
+                objects,
+                mkey,
+                listed.get(mkey),
+                digest=digest,
+                item=item,
+                attested=attested,
+                owner=record.owner or UNOWNED,
+            )
+        except _BadManifest as bad:
+            problems.append(Problem(bad.kind, bad.detail, key, mkey))
             bad_items.append(f"{item_prefix(item, record.layout)}/")
             continue
+        attestations.append(seen)
         for entry in manifest.files:
             dkey = record.data_key(item, entry.path)
             expected.add(dkey)
             checks.append((key, dkey, entry))
     return plan(True, len(record.items))
+
+
+class _BadManifest(Exception):
+    def __init__(self, kind: ProblemKind, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+def _read_pinned(
+    objects: ObjectStore,
+    key: str,
+    info: ObjectInfo | None,
+    *,
+    digest: str,
+    item: ItemId,
+    attested: ManifestTrust,
+    owner: str,
+) -> tuple[Manifest, Attested]:
+    """The manifest at ``key`` that a COMMIT pins by ``digest``, for ``item``, and what is
+    known of its attestation; ``_BadManifest`` with the problem otherwise."""
+    try:
+        if info is not None and info.size > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest of {info.size} bytes is too large")
+        manifest = Manifest.from_json(objects.get_bytes(key))
+    except ObjectNotFound:
+        raise _BadManifest(
+            ProblemKind.MISSING_MANIFEST, "the COMMIT names it; it is missing"
+        ) from None
+    except ManifestError as exc:
+        raise _BadManifest(ProblemKind.INVALID_MANIFEST, str(exc)) from None
+    if manifest.digest != digest:
+        raise _BadManifest(
+            ProblemKind.MANIFEST_DIGEST_MISMATCH,
+            f"manifest digest {manifest.digest[:16]} differs from the COMMIT's "
+            f"{digest[:16]}: modified after the commit",
+        )
+    if manifest.item != item:
+        raise _BadManifest(ProblemKind.INVALID_MANIFEST, f"manifest describes {manifest.item}")
+    try:
+        return manifest, attested.check(manifest, owner)
+    except Unattested as exc:
+        raise _BadManifest(ProblemKind.UNATTESTED_MANIFEST, str(exc)) from None
 
 
 def _check_object(
@@ -375,6 +427,8 @@ def run_verify(
         read_bytes,
         tuple(problems),
         plan.unexpected,
+        plan.seal,
+        plan.attested,
     )
 
 

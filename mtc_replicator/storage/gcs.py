@@ -73,6 +73,7 @@ from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     ChecksumMismatch,
     DamagedInTransit,
+    NoCredentials,
     ObjectInfo,
     ObjectNotFound,
     ObjectStoreError,
@@ -159,6 +160,16 @@ def _pace_sends(session: requests.Session) -> None:
             session.mount(prefix, _PacedAdapter(adapter))
 
 
+NO_GOOGLE_CREDENTIALS = (
+    "no Google credentials found: Application Default Credentials tried "
+    "GOOGLE_APPLICATION_CREDENTIALS (a key or workload identity federation file), gcloud's "
+    "application_default_credentials.json and the GCE/GKE metadata server (Workload "
+    "Identity); give the daemon one of them: bind its Kubernetes ServiceAccount to a Google "
+    "service account (docs/deploy.md, Backup credentials)"
+)
+"""Said instead of google.auth's "default credentials were not found"."""
+
+
 def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
     """Our error for an SDK/transport one, or None if ``exc`` is not a storage error.
 
@@ -179,8 +190,10 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
         return _by_status(int(exc.code or 0), f"{what}: {exc.code} {message}", what)
     if isinstance(exc, DataCorruption):
         return DamagedInTransit(f"{what}: damaged in transit: {_redact(exc)}")
-    if isinstance(exc, gauth.DefaultCredentialsError | gauth.RefreshError):
-        return PermissionDenied(f"{what}: no usable Google credentials ({exc})")
+    if isinstance(exc, gauth.DefaultCredentialsError):
+        return NoCredentials(f"{what}: {NO_GOOGLE_CREDENTIALS}")
+    if isinstance(exc, gauth.RefreshError):
+        return PermissionDenied(f"{what}: no usable Google credentials ({_redact(exc)})")
     if isinstance(
         exc,
         requests.ConnectionError

@@ -84,6 +84,11 @@ class PermissionDenied(ObjectStoreError):
     """Credentials are missing, wrong or not allowed: retrying cannot help."""
 
 
+class NoCredentials(PermissionDenied):
+    """The SDK found no credentials in any source it tries: no request was made, so no
+    permission can be named; the message says which sources were tried."""
+
+
 class BucketNotFound(ObjectStoreError):
     """The bucket in the store's URL does not exist."""
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from mtc_replicator.core.bucketcheck import Right
 from mtc_replicator.storage.objectstore import (
+    NoCredentials,
     ObjectStore,
     ObjectStoreError,
     PermissionDenied,
@@ -47,6 +48,11 @@ class ProbeFailed(ObjectStoreError):
     def denied(self) -> bool:
         """The store refused the request itself (no or wrong credentials, no permission)."""
         return isinstance(self.cause, PermissionDenied)
+
+    @property
+    def no_credentials(self) -> bool:
+        """No request was made: the SDK found no credentials to make one with."""
+        return isinstance(self.cause, NoCredentials)
 
 
 @contextlib.contextmanager

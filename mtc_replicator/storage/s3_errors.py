@@ -19,6 +19,7 @@ import urllib3.exceptions
 from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
+    NoCredentials,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
@@ -67,6 +68,16 @@ _DAMAGED_CODES = frozenset({"BadDigest", "XAmzContentSHA256Mismatch"})
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 _RETRIED_STATUS = frozenset({429, 500, 502, 503, 504})
 """What botocore's modes retry besides throttling codes and broken connections."""
+NO_AWS_CREDENTIALS = (
+    "no AWS credentials found: boto3 tried the environment (AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY), a web identity token (AWS_ROLE_ARN with "
+    "AWS_WEB_IDENTITY_TOKEN_FILE: IRSA on EKS), the shared files (~/.aws/credentials, "
+    "~/.aws/config, AWS_PROFILE), container credentials (EKS Pod Identity, ECS) and the "
+    "EC2 instance metadata service; give the daemon one of them: static keys in the Secret "
+    "mtc-backup-credentials, or a role through the ServiceAccount (docs/deploy.md, "
+    "Backup credentials)"
+)
+"""Said instead of botocore's "Unable to locate credentials", which names no source."""
 MAX_BACKOFF = 20.0
 """The longest wait botocore's retry modes make between two tries."""
 
@@ -99,7 +110,9 @@ def translate(exc: BaseException, what: str) -> ObjectStoreError | None:
         if code in _DENIED_CODES or status in (401, 403):
             return PermissionDenied(message)
         return ObjectStoreError(message)
-    if isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError):
+    if isinstance(exc, bexc.NoCredentialsError):
+        return NoCredentials(f"{what}: {NO_AWS_CREDENTIALS}")
+    if isinstance(exc, bexc.PartialCredentialsError):
         return PermissionDenied(f"{what}: no usable AWS credentials ({exc})")
     if isinstance(
         exc,

@@ -105,7 +105,36 @@ def print_job(job: dict[str, Any], now: float) -> None:
 # --- verdicts ------------------------------------------------------------------------------
 
 
-def verdict_json(v: audit.StepVerdict) -> dict[str, Any]:
+def signatures_json(v: audit.StepVerdict, ca: str | None) -> dict[str, Any]:
+    """Whether the step's signatures were checked, against which CA (``ca``: None when no
+    ``--tls-ca`` was given), and what was found: the COMMIT's seal (``refused`` when the
+    CA did not believe it) and each believed manifest's attestation, counted by kind."""
+    refused = any(p.kind is audit.ProblemKind.UNTRUSTED_COMMIT for p in v.problems)
+    manifests: dict[str, int] = {}
+    for a in v.attested:
+        manifests[a.value] = manifests.get(a.value, 0) + 1
+    unattested = sum(1 for p in v.problems if p.kind is audit.ProblemKind.UNATTESTED_MANIFEST)
+    if unattested:
+        manifests["refused"] = unattested
+    return {
+        "checked": ca is not None,
+        "ca": ca,
+        "commit": "refused" if refused else v.seal.value if v.seal is not None else None,
+        "manifests": manifests,
+    }
+
+
+def signatures_line(v: audit.StepVerdict, ca: str | None) -> str:
+    """One line: were this step's signatures checked, by which CA, and with what outcome."""
+    if ca is None:
+        return "signatures: not checked (no --tls-ca): only the bytes were checked"
+    body = signatures_json(v, ca)
+    found = [f"COMMIT {body['commit'] or 'unreadable'}"]
+    found += [f"{count(n, 'manifest')} {kind}" for kind, n in sorted(body["manifests"].items())]
+    return f"signatures: checked against the CA {ca}: {', '.join(found)}"
+
+
+def verdict_json(v: audit.StepVerdict, ca: str | None = None) -> dict[str, Any]:
     return {
         "job": v.job,
         "step": v.step,
@@ -118,10 +147,13 @@ def verdict_json(v: audit.StepVerdict) -> dict[str, Any]:
             for p in v.problems
         ],
         "unexpected_objects": list(v.unexpected),
+        "signatures": signatures_json(v, ca),
     }
 
 
-def print_verdict(v: audit.StepVerdict) -> None:
+def print_verdict(v: audit.StepVerdict, ca: str | None = None) -> None:
+    """A step's verdict, its problems and whether its signatures were checked (``ca``: the
+    CA they were checked against, None when no ``--tls-ca`` was given)."""
     status = "OK" if v.ok else "CORRUPT"
     size = human_bytes(v.bytes_checked)
     counts = f"{count(v.items, 'item')}, {count(v.objects_checked, 'object')}, {size}"
@@ -129,6 +161,7 @@ def print_verdict(v: audit.StepVerdict) -> None:
     for p in v.problems:
         where = " ".join(x for x in (f"item {p.item}" if p.item else "", p.key or "") if x)
         print(f"  {p.kind.value.replace('_', ' ')}: {where}: {p.detail}")
+    print(f"  {signatures_line(v, ca)}")
     if v.unexpected:
         n, first = len(v.unexpected), v.unexpected[0]
         print(f"  note: {n} object(s) the COMMIT does not name, e.g. {first}")

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+
 from mtc_replicator.core import argtypes
 from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
 from mtc_replicator.core.humanize import count
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         args.trust, args.attested = _trusts(args)
+        args.ca_label = _ca_label(args)
         args.signer = _operator(args)
         objects = open_object_store(args.url, create=False, timeout=args.storage_timeout)
     except (ValueError, TlsError) as exc:
@@ -187,6 +190,18 @@ def _trusts(args: argparse.Namespace) -> tuple[RecordTrust, ManifestTrust]:
         RecordTrust(verifier=records, accept_unsigned=unsigned),
         ManifestTrust(verifier=producers, accept_unsigned=unsigned),
     )
+
+
+def _ca_label(args: argparse.Namespace) -> str | None:
+    """How a verdict names the CA signatures are checked against: the ``--tls-ca`` file
+    and its first certificate's subject; None without one."""
+    if not args.tls_ca:
+        return None
+    try:
+        first = x509.load_pem_x509_certificates(Path(args.tls_ca).read_bytes())[0]
+    except (OSError, ValueError) as exc:
+        raise TlsError(f"the TLS CA {args.tls_ca} is not usable: {exc}") from None
+    return f"{args.tls_ca} ({first.subject.rfc4514_string()})"
 
 
 def _pin_trust(args: argparse.Namespace) -> RecordTrust:
@@ -299,10 +314,10 @@ def _verify_job(
             print(message)
     elif not args.json:
         for v in verdicts:
-            print_verdict(v)
+            print_verdict(v, args.ca_label)
         bad = sum(1 for v in verdicts if not v.ok)
         print(f"{count(len(verdicts), 'step')} verified: {len(verdicts) - bad} OK, {bad} CORRUPT")
-    return ok, {"job": job, "ok": ok, "steps": [verdict_json(v) for v in verdicts]}
+    return ok, {"job": job, "ok": ok, "steps": [verdict_json(v, args.ca_label) for v in verdicts]}
 
 
 def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
@@ -369,7 +384,7 @@ def _pin(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
         if verdicts is None:
             return fail(f"step {step} of job {job} is not committed any more")
         if not verdicts[0].ok:
-            print_verdict(verdicts[0])
+            print_verdict(verdicts[0], args.ca_label)
             return fail(f"step {step} of job {job} is corrupt: nothing pinned")
     signer: OperatorSigner | None = args.signer
     by = _whoami() if signer is None else f"{signer.name()} ({_whoami()})"

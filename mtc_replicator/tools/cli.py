@@ -11,18 +11,49 @@ import contract holds this) while ``mtc demo`` works wherever the distribution i
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from types import ModuleType
 
 from mtc_replicator import __version__
-from mtc_replicator.tools import backups as backups_cli
-from mtc_replicator.tools import certs, drop, registry_cli, render, status_cli, upload
 
 COMMANDS_GROUP = "mtc.commands"
+BUILT_IN = {
+    "backups": "mtc_replicator.tools.backups",
+    "certs": "mtc_replicator.tools.certs",
+    "drop": "mtc_replicator.tools.drop",
+    "registry": "mtc_replicator.tools.registry_cli",
+    "render": "mtc_replicator.tools.render",
+    "status": "mtc_replicator.tools.status_cli",
+    "upload": "mtc_replicator.tools.upload",
+}
+"""Imported once ``_quiet_grpc`` imported gRPC: they import it too."""
 log = logging.getLogger(__name__)
+
+
+def _quiet_grpc() -> None:
+    """Import gRPC with its core's own log at ERROR, unless the operator set
+    ``GRPC_VERBOSITY``: the core reads it once, at import, and otherwise writes a failed TLS
+    handshake to stderr as a raw line ("I1128 ... ssl_transport_security.cc ... Handshake
+    failed") above the one line ``mtc status`` says. The variable is unset again, so the
+    processes ``mtc`` starts (the demo's daemons) log as they would."""
+    if "grpc" in sys.modules or "GRPC_VERBOSITY" in os.environ:
+        return
+    os.environ["GRPC_VERBOSITY"] = "ERROR"
+    try:
+        importlib.import_module("grpc")
+    finally:
+        del os.environ["GRPC_VERBOSITY"]
+
+
+# At import, as a plain import would: without the ``daemon`` extra a missing module is then
+# found where ``mtc_replicator.launch`` turns it into "install the daemon extra".
+_quiet_grpc()
+_BUILT_IN_MODULES = {name: importlib.import_module(module) for name, module in BUILT_IN.items()}
 
 
 def _plugins() -> dict[str, ModuleType]:
@@ -38,15 +69,7 @@ def _plugins() -> dict[str, ModuleType]:
 
 
 def _commands() -> dict[str, ModuleType]:
-    commands: dict[str, ModuleType] = {
-        "backups": backups_cli,
-        "certs": certs,
-        "drop": drop,
-        "registry": registry_cli,
-        "render": render,
-        "status": status_cli,
-        "upload": upload,
-    }
+    commands = dict(_BUILT_IN_MODULES)
     commands.update(_plugins())
     return commands
 

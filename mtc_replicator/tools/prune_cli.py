@@ -145,9 +145,9 @@ def _prune_job(
     done = _JobPrune(
         job, policy, pin, verdicts, decisions, deletions, {s.step: s for s in listing.steps}
     )
-    result = _prune_json(done, objects.url, apply=args.apply)
+    result = _prune_json(done, objects.url, apply=args.apply, ca=args.ca_label)
     if not args.json:
-        _print_prune(done, objects.url, now, apply=args.apply)
+        _print_prune(done, objects.url, now, apply=args.apply, ca=args.ca_label)
     return 0, result
 
 
@@ -169,7 +169,7 @@ def _verify_newest(
             b.close()
 
 
-def _prune_json(p: _JobPrune, url: str, *, apply: bool) -> dict[str, Any]:
+def _prune_json(p: _JobPrune, url: str, *, apply: bool, ca: str | None) -> dict[str, Any]:
     return {
         "url": url,
         "job": p.job,
@@ -182,7 +182,7 @@ def _prune_json(p: _JobPrune, url: str, *, apply: bool) -> dict[str, Any]:
             "min_age_seconds": p.policy.min_age_seconds,
         },
         "restore_pin": pin_json(p.pin),
-        "verified": [verdict_json(v) for v in p.verdicts],
+        "verified": [verdict_json(v, ca) for v in p.verdicts],
         "steps": [
             {
                 "step": d.step,
@@ -203,11 +203,11 @@ def _prune_json(p: _JobPrune, url: str, *, apply: bool) -> dict[str, Any]:
     }
 
 
-def _print_prune(p: _JobPrune, url: str, now: float, *, apply: bool) -> None:
+def _print_prune(p: _JobPrune, url: str, now: float, *, apply: bool, ca: str | None) -> None:
     mode = "deleting" if apply else "dry run: nothing is deleted, add --apply to delete"
     print(f"job {p.job} in {url}: prune ({mode})")
     for v in p.verdicts:
-        print_verdict(v)
+        print_verdict(v, ca)
     if not p.decisions:
         print("  no backups")
         return

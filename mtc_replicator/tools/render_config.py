@@ -56,6 +56,7 @@ SPEC_FIELDS = frozenset(
         "maxTransferRate",
         "yieldToSavesSeconds",
         "drainSeconds",
+        "keepSteps",
         "allowedNamespaces",
         "allowedServiceAccounts",
     }
@@ -156,6 +157,8 @@ class NodeConfig:
     """``--yield-to-saves-seconds``; None: the daemon's default."""
     drain_seconds: float | None = None
     """``--drain-seconds``; None: the daemon's default. The pod's grace period follows it."""
+    keep_steps: int | None = None
+    """``--keep-steps``: each node's newest steps kept on its RAM disk; None: the default."""
     allowed_namespaces: tuple[str, ...] = ()
     """Namespaces whose pods may mount the CSI volume (the plugin's allow-list)."""
     allowed_service_accounts: tuple[str, ...] = ()
@@ -412,6 +415,16 @@ def _seconds(spec: Mapping[str, Any], key: str, most: float, shown: str) -> floa
     return value
 
 
+def _count(spec: Mapping[str, Any], key: str) -> int | None:
+    """A whole number >= 1, or None where it is not set."""
+    if key not in spec:
+        return None
+    value = spec[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RenderError(f"spec.{key}", f"expected a whole number >= 1, got {value!r}")
+    return value
+
+
 def parse(cr: Mapping[str, Any]) -> NodeConfig:
     """Validate a ``CheckpointConfiguration``; a ``RenderError`` names the first bad field.
 
@@ -440,6 +453,7 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         spec, "yieldToSavesSeconds", MAX_YIELD_TO_SAVES, f"{MAX_YIELD_TO_SAVES:g}"
     )
     drain = _seconds(spec, "drainSeconds", MAX_DRAIN_SECONDS, f"{MAX_DRAIN_SECONDS}")
+    keep_steps = _count(spec, "keepSteps")
     allowed_namespaces = _string_list(
         spec.get("allowedNamespaces", []),
         "spec.allowedNamespaces",
@@ -479,6 +493,7 @@ def parse(cr: Mapping[str, Any]) -> NodeConfig:
         max_transfer_rate=rate,
         yield_to_saves_seconds=yield_seconds,
         drain_seconds=drain,
+        keep_steps=keep_steps,
         allowed_namespaces=allowed_namespaces,
         allowed_service_accounts=allowed_accounts,
         ignored=tuple(sorted(k for k in spec if k in IGNORED_GKE_FIELDS)),

@@ -97,6 +97,8 @@ def config_data(c: NodeConfig) -> dict[str, str]:
         data["MTC_YIELD_TO_SAVES_SECONDS"] = f"{c.yield_to_saves_seconds:g}"
     if c.drain_seconds is not None:
         data["MTC_DRAIN_SECONDS"] = f"{c.drain_seconds:g}"
+    if c.keep_steps is not None:
+        data["MTC_KEEP_STEPS"] = str(c.keep_steps)
     if c.allowed_namespaces:
         data["MTC_CSI_ALLOWED_NAMESPACES"] = ",".join(c.allowed_namespaces)
     if c.allowed_service_accounts:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -134,8 +135,14 @@ def explain(exc: grpc.RpcError, args: argparse.Namespace) -> str:
     if refused_certificate(details) or (
         code is grpc.StatusCode.UNAVAILABLE and "ssl" in details.lower()
     ):
-        hint = "" if args.tls_cert else "; it may need TLS: pass --tls-cert, --tls-key, --tls-ca"
-        return f"TLS handshake with {where} failed: {details}{hint}"
+        return f"TLS handshake with {where} failed: {_tls_failure(details, args)}"
+    if code is grpc.StatusCode.UNAVAILABLE and args.tls_cert and "Socket closed" in details:
+        # The daemon hung up in the handshake: it refused our certificate.
+        return (
+            f"{where} closed the connection in the TLS handshake: it did not accept the "
+            f"certificate {args.tls_cert} (it must be issued by the CA the daemon trusts, "
+            "its --tls-ca), or it does not speak TLS there"
+        )
     if code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"{where} did not answer within {args.timeout:g}s"
     if code is grpc.StatusCode.UNAVAILABLE:
@@ -143,6 +150,26 @@ def explain(exc: grpc.RpcError, args: argparse.Namespace) -> str:
         return f"cannot reach {where}: {details}; is mtc-replicator running there?{hint}"
     name = code.name if code is not None else "error"
     return f"{where} answered {name}: {details}"
+
+
+_OPENSSL_REASON = re.compile(r"OPENSSL_internal:([A-Z0-9_]+)(?::\s*([^:]+))?")
+
+
+def _tls_failure(details: str, args: argparse.Namespace) -> str:
+    """Why a handshake failed, in words, from gRPC's details (which carry OpenSSL's reason
+    deep inside a chain of prefixes)."""
+    found = _OPENSSL_REASON.search(details)
+    reason = details
+    if found is not None:
+        reason = found[1] + (f": {found[2].strip()}" if found[2] and found[2].strip() else "")
+    if not args.tls_cert:
+        return f"{reason}; it needs TLS: pass --tls-cert, --tls-key, --tls-ca"
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (
+            f"its certificate is not issued by the CA in --tls-ca {args.tls_ca} ({reason}); "
+            "pass the CA of the nodes' certificates"
+        )
+    return reason
 
 
 # --- output --------------------------------------------------------------------------------

@@ -230,6 +230,7 @@ def test_every_field_maps() -> None:
             maxTransferRate="2Gbit",
             yieldToSavesSeconds=2.5,
             drainSeconds=45.5,
+            keepSteps=3,
         )
     )
     for obj in objs:
@@ -238,6 +239,7 @@ def test_every_field_maps() -> None:
         "MTC_MAX_TRANSFER_RATE": "2Gbit",
         "MTC_YIELD_TO_SAVES_SECONDS": "2.5",
         "MTC_DRAIN_SECONDS": "45.5",
+        "MTC_KEEP_STEPS": "3",
         "MTC_LOG_LEVEL": "DEBUG",
         "MTC_RAM_SIZE": "1.5Ti",
         "MTC_BACKUP": "s3://ckpt-bucket/prefix/a",

@@ -87,15 +87,20 @@ def test_s3_without_credentials_is_not_ready_and_refuses_a_job_at_once(
     }
     env.pop("AWS_ACCESS_KEY_ID")
     with daemon_on(tmp_path, f"s3://{name}/backups", env, monkeypatch) as daemon:
-        body = wait_ready_says(daemon, "no usable AWS credentials")
+        # No credentials at all: said so, with the sources tried, and no permission named
+        # (before: "no usable AWS credentials (...) ... it needs s3:ListBucket").
+        body = wait_ready_says(daemon, "no AWS credentials found")
         assert f"backup s3://{name}/backups refused" in body
+        assert "AWS_WEB_IDENTITY_TOKEN_FILE" in body
+        assert "s3:ListBucket" not in body
         assert "docs/permissions.md" in body
         assert "refused: bucket" in daemon.log()
         ckpt = tmp_path / "ckpt"
         write_yaml_atomic(ckpt, config_text("nocreds"))
         wait_until((ckpt / FAILED).exists, FAILED, daemon=daemon, timeout=10)
         failed = read_text(ckpt / FAILED)
-        assert "no usable AWS credentials" in failed
+        assert "no AWS credentials found" in failed
+        assert "s3:ListBucket" not in failed
         assert "docs/permissions.md" in failed
         assert not (ckpt / CONFIG).exists()
 

@@ -253,3 +253,30 @@ def test_idle_daemons_in_steady_state_use_under_2_percent_of_a_core(cluster: Clu
     elapsed = time.monotonic() - t0
     shares = [(cpu_seconds(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
     assert max(shares) < 0.02, shares
+
+
+@pytest.mark.parametrize(
+    ("cluster_extra", "kept"),
+    [((), (25, 30)), (("--keep-steps", "3"), (20, 25, 30))],
+    ids=["default", "keep-steps-3"],
+)
+def test_each_node_keeps_its_newest_steps_and_its_peers_copies_of_them(
+    cluster: Cluster, kept: tuple[int, ...]
+) -> None:
+    """What docs/deploy.md's RAM disk sizing counts (K own steps, K copies per peer): in
+    steady state a multi-node job keeps its newest two steps (the safety rules' minimum)
+    and its peer's copies of them; ``--keep-steps 3`` keeps three of each."""
+    cluster.fresh_start()
+    for step in (5, 10, 15, 20, 25, 30):
+        cluster.save(step)
+
+    def layout(r: int) -> tuple[set[int], set[tuple[int, str]]]:
+        held = cluster.held(r)
+        own = {s for s, item in held if item == f"{r}-0"}
+        return own, {(s, item) for s, item in held if item != f"{r}-0"}
+
+    for r in range(NODES):
+        (pusher,) = {item for _, item in layout(r)[1]} or {"none"}
+        want = (set(kept), {(s, pusher) for s in kept})
+        wait_until(lambda r=r, want=want: layout(r) == want, f"rank {r} keeps {kept}",
+                   daemon=cluster.daemon(r))  # fmt: skip

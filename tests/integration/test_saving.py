@@ -127,6 +127,28 @@ def test_pytorch_save_files_one_item_per_worker(
 
 
 @pytest.mark.tmpfs_size("512m")
+def test_keep_steps_keeps_the_newest_n_steps_on_the_ram_disk(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """``--keep-steps 3``: the newest three complete steps stay (before: no such setting,
+    one step was all a one-node job kept); restarted without it, the next ingest keeps the
+    newest alone again."""
+    daemon = start_daemon(extra=("--keep-steps", "3"))
+    write_yaml_atomic(ckpt, config_text(job))
+    wait_markers(ckpt, job, 0, daemon)
+    for step in range(1, 6):
+        make_step(ckpt, step, payload(step, seed=job))
+        wait_ingested(ckpt, job, step, daemon)
+    wait_until(lambda: stored_steps(ckpt, job) == {3, 4, 5}, "steps 3-5 kept", daemon=daemon)
+    holds(lambda: stored_steps(ckpt, job) == {3, 4, 5}, "steps 3-5 kept", 1.0, daemon=daemon)
+    assert daemon.stop() == 0
+
+    again = start_daemon()
+    make_step(ckpt, 6, payload(6, seed=job))
+    wait_ingested(ckpt, job, 6, again)
+    wait_until(lambda: stored_steps(ckpt, job) == {6}, "only step 6 kept", daemon=again)
+
+
 def test_retention_drops_a_step_once_its_upload_is_done(
     ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
 ) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -291,3 +292,50 @@ def test_mtc_backups_shows_and_checks_each_commits_signature(tmp_path: Path) -> 
     assert out.returncode == 1
     assert "not signed" in out.stderr
     assert not (bucket / "_control").exists(), "a pin to the forged step was written"
+
+
+def test_mtc_backups_verify_says_per_step_whether_signatures_were_checked(
+    tmp_path: Path,
+) -> None:
+    """Before: ``verify --tls-ca`` printed the same lines as without it, so nothing said the
+    signatures were checked, nor against which CA."""
+    ca = certs.new_ca("verify test CA")
+    node = node_tls(tmp_path / "tls", ca)
+    bucket = tmp_path / "bucket"
+    job = "signedjob"
+    signed = BackupStore(FileObjectStore(bucket), record_trust(node.material()))
+    data = make_step(tmp_path, 2, payload(2, seed=job))
+    signed.upload_item(node.attest(build_manifest(ItemId(job, 2, 0, 0), data)), data)
+    assert signed.try_commit(job, 2, ["0-0"]) is not None
+    forge_step(tmp_path / "attacker", bucket, job, "unsigned")
+
+    def verify(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "mtc_replicator.tools.cli", "backups", "verify",
+             bucket.as_uri(), "--job", job, *args],
+            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL, check=False,
+        )  # fmt: skip
+
+    ca_file = str(node.files.ca)
+    checked = verify("--tls-ca", ca_file)
+    assert checked.returncode == 1, checked.stdout + checked.stderr  # the forged step
+    by_step = re.split(rf"^job {job} step ", checked.stdout, flags=re.M)
+    good = next(s for s in by_step if s.startswith("2: OK"))
+    assert f"signatures: checked against the CA {ca_file} (CN=verify test CA" in good
+    assert "COMMIT verified, 1 manifest verified" in good
+    forged = next(s for s in by_step if s.startswith(f"{FORGED_STEP}: CORRUPT"))
+    assert "COMMIT refused" in forged
+
+    unchecked = verify()
+    assert "signatures: not checked (no --tls-ca)" in unchecked.stdout
+    assert "signatures: checked" not in unchecked.stdout
+
+    as_json = verify("--tls-ca", ca_file, "--json")
+    steps = {v["step"]: v["signatures"] for v in json.loads(as_json.stdout)["steps"]}
+    assert steps[2]["checked"] is True
+    assert steps[2]["ca"].startswith(f"{ca_file} (CN=verify test CA")
+    assert (steps[2]["commit"], steps[2]["manifests"]) == ("verified", {"verified": 1})
+    assert steps[FORGED_STEP]["commit"] == "refused"
+    plain = {v["step"]: v["signatures"] for v in json.loads(verify("--json").stdout)["steps"]}
+    assert plain[2] == {"checked": False, "ca": None, "commit": "unchecked",
+                        "manifests": {"unchecked": 1}}  # fmt: skip

@@ -33,6 +33,7 @@ from tests.integration.helpers import (
     wait_markers,
     write_yaml_atomic,
 )
+from tests.integration.test_metrics import sample, scrape_daemon
 from tests.tls import TEST_NODE, hand_made_node, openssl_style_ca
 
 pytestmark = pytest.mark.integration
@@ -183,8 +184,61 @@ def test_a_directory_the_daemon_cannot_write_is_exit_2_and_one_line(
             (ram / "ckpt").mkdir()  # CHECKPOINT_DIR is there; its store cannot be made
         subprocess.run(["mount", "-o", "remount,ro", str(ram)], check=True)
         line = _one_line_exit_2(_start(tmp_path, "--checkpoint-dir", str(ram / "ckpt")))
+        if which == "checkpoint-dir":  # never created, read-only or not (the test below)
+            assert f"CHECKPOINT_DIR {ram / 'ckpt'} does not exist" in line
+            return
         assert "Read-only file system" in line
         assert "writable directory" in line
+    finally:
+        unmount(ram)
+
+
+def test_a_checkpoint_dir_that_is_not_there_is_refused_not_made(tmp_path: Path) -> None:
+    """Before: a mistyped --checkpoint-dir was created with its parents and served, on
+    whatever disk held it, without a word."""
+    typo = tmp_path / "ramdsik" / "checkpoint"
+    line = _one_line_exit_2(_start(tmp_path, "--checkpoint-dir", str(typo)))
+    assert f"CHECKPOINT_DIR {typo} does not exist" in line
+    assert "the daemon does not create it" in line
+    assert "CSI plugin" in line
+    assert not typo.parent.exists()
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    line = _one_line_exit_2(_start(tmp_path, "--checkpoint-dir", str(a_file)))
+    assert f"CHECKPOINT_DIR {a_file} is not a directory" in line
+
+
+def test_a_checkpoint_dir_not_in_ram_is_warned_of_and_measured(tmp_path: Path) -> None:
+    """On a disk it is served (a local run may want that) with a warning and
+    ``mtc_checkpoint_dir_in_memory 0``; on a real tmpfs, 1 and no warning."""
+    on_disk = tmp_path / "disk" / "checkpoint"
+    on_disk.mkdir(parents=True)
+    fs_type = subprocess.run(
+        ["stat", "-f", "-c", "%T", str(on_disk)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    if fs_type == "tmpfs":
+        pytest.skip("the test directory is on a tmpfs: no disk to try")
+    with DaemonProcess(on_disk, extra_args=("--metrics", "127.0.0.1:0")) as daemon:
+        assert f"CHECKPOINT_DIR {on_disk} is on a " in daemon.log()
+        assert "not a RAM disk (tmpfs)" in daemon.log()
+        samples = scrape_daemon(daemon)
+        (disk_type,) = [
+            dict(labels)["fstype"]
+            for name, labels in samples
+            if name == "mtc_checkpoint_dir_in_memory"
+        ]
+        assert disk_type != "tmpfs"
+        assert sample(samples, "mtc_checkpoint_dir_in_memory", fstype=disk_type) == 0.0
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    if not mount_tmpfs(ram, "16m"):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        (ram / "checkpoint").mkdir()
+        with DaemonProcess(ram / "checkpoint", extra_args=("--metrics", "127.0.0.1:0")) as d:
+            assert "not a RAM disk" not in d.log()
+            samples = scrape_daemon(d)
+            assert sample(samples, "mtc_checkpoint_dir_in_memory", fstype="tmpfs") == 1.0
     finally:
         unmount(ram)
 

@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,17 @@ from mtc_replicator.node.status import PROBE_EVERY
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PROBE_SECONDS
 from tests.integration.cluster import NODES, Cluster
-from tests.integration.helpers import wait_until
+from tests.integration.conftest import StartDaemon
+from tests.integration.helpers import (
+    backup_commits,
+    config_text,
+    make_step,
+    payload,
+    wait_ingested,
+    wait_markers,
+    wait_until,
+    write_yaml_atomic,
+)
 from tests.integration.test_metrics import sample, scrape_daemon
 from tests.tls import NodeTls, node_tls
 
@@ -180,3 +191,65 @@ def test_status_errors(cluster: Cluster) -> None:
     ok = mtc_status(address, "--job", cluster.job, "--json", tls=cluster.tls[0])
     assert ok.returncode == 0, ok.stderr
     assert [j["job"] for j in json.loads(ok.stdout)["jobs"]] == [cluster.job]
+
+
+def test_a_restarted_daemon_shows_the_backups_newest_step(
+    ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """Before: after a restart ``mtc status`` said ``last backed up -`` (``null``) while
+    ``mtc_newest_step{tier="backup"}`` said 3 and the bucket held it: the status read this
+    rank's own upload, which a restarted daemon has not made."""
+    metrics = ("--metrics", "127.0.0.1:0")
+    daemon = start_daemon(backup=backup_dir, extra=metrics)
+    write_yaml_atomic(ckpt, config_text(job, backup_interval_steps=1))
+    wait_markers(ckpt, job, 0, daemon)
+    make_step(ckpt, 3, payload(3, seed=job))
+    wait_ingested(ckpt, job, 3, daemon)
+    wait_until(lambda: 3 in backup_commits(backup_dir, job), "step 3 committed", daemon=daemon)
+    assert daemon.stop() == 0
+
+    again = start_daemon(backup=backup_dir, extra=metrics)
+    labels = {"mtc_job": job, "tier": "backup"}
+    wait_until(
+        lambda: sample(scrape_daemon(again), "mtc_newest_step", **labels) == 3.0,
+        "the metric says step 3 is in the backup",
+        daemon=again,
+    )
+
+    def backed_up() -> object:
+        out = mtc_status(again.address, "--json", "--job", job)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout)["jobs"][0]["last_backed_up"]
+
+    assert backed_up() == 3
+    table = mtc_status(again.address, "--job", job)
+    assert "last backed up 3" in table.stdout, table.stdout
+
+
+def test_a_tls_failure_is_one_clear_line(
+    ckpt: Path, tmp_path: Path, start_daemon: StartDaemon
+) -> None:
+    """Before: gRPC's core wrote its own raw line on stderr ("I1128 ...
+    ssl_transport_security.cc:2563] Handshake failed with error SSL_ERROR_SSL ...") above
+    ours, and a certificate the daemon refused read "Socket closed; is mtc-replicator
+    running there?"."""
+    ours = node_tls(tmp_path / "ours", certs.new_ca())
+    daemon = start_daemon(extra=ours.args())
+    stranger = node_tls(tmp_path / "stranger", certs.new_ca("stranger CA"))
+
+    wrong_ca = mtc_status(daemon.address, "--timeout", "5", tls=stranger)
+    assert wrong_ca.returncode == 1
+    assert wrong_ca.stdout == ""
+    (line,) = wrong_ca.stderr.splitlines()
+    assert line.startswith(f"mtc status: error: TLS handshake with the daemon at {daemon.address}")
+    assert f"not issued by the CA in --tls-ca {stranger.files.ca}" in line
+
+    # The right CA, a certificate the daemon does not trust: it hangs up in the handshake.
+    files = stranger.files
+    refused = mtc_status(
+        daemon.address, "--timeout", "5", "--tls-cert", str(files.cert), "--tls-key",
+        str(files.key), "--tls-ca", str(ours.files.ca),
+    )  # fmt: skip
+    assert refused.returncode == 1
+    (line,) = refused.stderr.splitlines()
+    assert f"did not accept the certificate {files.cert}" in line

@@ -8,6 +8,8 @@ import math
 
 import pytest
 
+from mtc_replicator.core.attestation import Attested
+from mtc_replicator.core.signed import Seal
 from mtc_replicator.storage.backup_audit import Problem, ProblemKind, StepListing, StepVerdict
 from mtc_replicator.tools import backup_views
 
@@ -68,3 +70,23 @@ def test_table_pads_every_column_but_the_last(capsys: pytest.CaptureFixture[str]
 def test_fail_writes_to_stderr_and_returns_the_code(capsys: pytest.CaptureFixture[str]) -> None:
     assert backup_views.fail("no such job", 2) == 2
     assert capsys.readouterr().err == "mtc backups: error: no such job\n"
+
+
+def test_a_verdict_says_whether_and_against_which_ca_signatures_were_checked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    good = StepVerdict(
+        "j", 7, 2, 2, 7, (), seal=Seal.VERIFIED, attested=(Attested.VERIFIED, Attested.VERIFIED)
+    )
+    backup_views.print_verdict(good, "ca.crt (CN=ours)")
+    assert capsys.readouterr().out.splitlines()[1] == (
+        "  signatures: checked against the CA ca.crt (CN=ours): COMMIT verified, "
+        "2 manifests verified"
+    )
+    backup_views.print_verdict(StepVerdict("j", 7, 1, 1, 7, (), seal=Seal.UNCHECKED))
+    assert "signatures: not checked (no --tls-ca)" in capsys.readouterr().out
+    refused = Problem(ProblemKind.UNTRUSTED_COMMIT, "not signed", key="j/7/COMMIT")
+    body = backup_views.verdict_json(StepVerdict("j", 7, 0, 0, 0, (refused,)), "ca.crt")
+    assert body["signatures"] == {
+        "checked": True, "ca": "ca.crt", "commit": "refused", "manifests": {}
+    }  # fmt: skip

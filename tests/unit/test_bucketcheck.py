@@ -68,6 +68,14 @@ def test_a_refusal_that_is_no_denial_is_told_as_it_is() -> None:
     assert refused_reason("s3://b/p", Right.LIST, missing, denied=False) == missing
 
 
+def test_no_credentials_at_all_names_no_permission() -> None:
+    """Before: "no usable AWS credentials (...) (this node may not list under the prefix:
+    it needs s3:ListBucket)", as if a policy were missing; no request was even made."""
+    none = "list: no AWS credentials found: boto3 tried the environment (...)"
+    said = refused_reason("s3://b/p", Right.LIST, none, denied=True, no_credentials=True)
+    assert said == none
+
+
 def test_a_denied_write_refuses_jobs_with_the_permission_and_the_remedy() -> None:
     check = BucketCheck("s3://b/p", "backup")
     reason = refused_reason("s3://b/p", Right.WRITE, "AccessDenied", denied=True)

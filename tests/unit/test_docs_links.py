@@ -53,3 +53,17 @@ def test_every_docs_page_is_linked_from_the_readme() -> None:
     linked = {t.partition("#")[0] for t in _links(ROOT / "README.md")}
     pages = {f"docs/{p.name}" for p in PAGES[1:]}
     assert pages <= linked, sorted(pages - linked)
+
+
+def test_the_anchors_product_messages_name_exist() -> None:
+    """``CheckpointDirFull`` and ``--keep-steps``'s help send a user to a heading: it must
+    stay (a renamed heading would leave them pointing at nothing)."""
+    from mtc_replicator.client.torch_io import RAM_DISK_SIZING, CheckpointDirFull
+    from mtc_replicator.node.options import make_parser
+
+    page, _, anchor = RAM_DISK_SIZING.partition("#")
+    assert anchor in _anchors(ROOT / page)
+    full = str(CheckpointDirFull(Path("/ram/checkpoint"), 10, 20))
+    assert RAM_DISK_SIZING in full
+    assert "--keep-steps" in full
+    assert RAM_DISK_SIZING in "".join(make_parser({}).format_help().split())  # wrapped anywhere

@@ -16,6 +16,7 @@ from mtc_replicator.core.policy import (
     complete_steps,
     find_handoffs,
     marker_item,
+    newest_kept,
     retention,
     retention_of_copies,
     worker_slots,
@@ -302,3 +303,20 @@ def test_copies_of_ranks_that_left_are_collected() -> None:
         item(4, 2, job="j"),
         item(5, 2, job="j"),
     ]
+
+
+def test_keep_steps_adds_the_newest_n_to_what_the_safety_rules_keep() -> None:
+    """``--keep-steps``: the newest N complete own steps, and the copies of other ranks of
+    those steps, stay; a protected step (the restorable one, an upload) stays whatever N."""
+    cfg = JobConfig(job_name="j", framework=Framework.ORBAX, node_rank=0, nodes=2)
+    own = [ItemId("j", s, 0, 0) for s in (1, 2, 3, 4, 5)]
+    copies = [ItemId("j", s, 1, 0) for s in (1, 2, 3, 4, 5)]
+    complete = complete_steps(cfg, own)
+    assert newest_kept(complete, 3) == {3, 4, 5}
+    assert newest_kept(complete, 9) == {1, 2, 3, 4, 5}
+    protected = {1} | newest_kept(complete, 3)  # step 1: the restorable one, say
+    assert retention(cfg, own, protected) == [ItemId("j", 2, 0, 0)]
+    doomed = retention_of_copies(cfg, own + copies, protected, pushing={1})
+    assert doomed == [ItemId("j", 2, 1, 0)]
+    # N = 1 is what retention kept before the setting: the newest and the protected.
+    assert retention(cfg, own, {1} | newest_kept(complete, 1)) == own[1:4]

@@ -42,7 +42,7 @@ def args(**kw: Any) -> argparse.Namespace:
     defaults: dict[str, Any] = {
         "job": "j", "all_jobs": False, "keep_last": 1, "keep_hourly": 0, "keep_daily": 0,
         "keep_weekly": 0, "min_age_minutes": 60.0, "verify_newest": False, "apply": False,
-        "json": False, "trust": OPEN, "progress": False,
+        "json": False, "trust": OPEN, "progress": False, "ca_label": None,
     }  # fmt: skip
     return argparse.Namespace(**(defaults | kw))
 

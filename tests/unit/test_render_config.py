@@ -35,6 +35,7 @@ def test_a_minimal_configuration_takes_every_default() -> None:
     assert c.tolerations == render_config.DEFAULT_TOLERATIONS
     assert (c.tls, c.cert_manager, c.tls_secret) == (True, False, render_config.DEFAULT_TLS_SECRET)
     assert (c.max_transfer_rate, c.yield_to_saves_seconds, c.drain_seconds) == (None, None, None)
+    assert c.keep_steps is None
     assert c.registry_url is None
     assert c.credentials_secret is None
 

@@ -14,6 +14,7 @@ from mtc_replicator.core.retry import Backoff, RetryPolicy, RetryState, call_wit
 from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
+    NoCredentials,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
@@ -277,5 +278,10 @@ def test_gcs_transport_errors_are_transient() -> None:
     ]:
         assert isinstance(translate(exc, "op"), TransientError), exc
     no_credentials = gauth.DefaultCredentialsError("none")  # type: ignore[no-untyped-call]
-    assert isinstance(translate(no_credentials, "op"), PermissionDenied)
+    none = translate(no_credentials, "op")
+    assert isinstance(none, NoCredentials)
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in str(none)
+    assert "metadata server" in str(none)
+    refused = gauth.RefreshError("revoked")  # type: ignore[no-untyped-call]
+    assert type(translate(refused, "op")) is PermissionDenied
     assert translate(KeyError("bug"), "op") is None

@@ -10,6 +10,7 @@ import pytest
 from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
+    NoCredentials,
     ObjectNotFound,
     ObjectStoreError,
     PermissionDenied,
@@ -79,5 +80,22 @@ def test_s3_transport_errors_are_transient() -> None:
         ConnectionResetError(),
     ]:
         assert isinstance(translate(exc, "op"), TransientError), exc
-    assert isinstance(translate(bexc.NoCredentialsError(), "op"), PermissionDenied)
+    partial = bexc.PartialCredentialsError(provider="env", cred_var="AWS_SECRET_ACCESS_KEY")
+    assert isinstance(translate(partial, "op"), PermissionDenied)
     assert translate(ValueError("bug"), "op") is None
+
+
+def test_no_aws_credentials_at_all_say_which_sources_were_tried() -> None:
+    pytest.importorskip("boto3")
+    import botocore.exceptions as bexc
+
+    from mtc_replicator.storage.s3_errors import translate
+
+    none = translate(bexc.NoCredentialsError(), "list s3://b/p")
+    assert isinstance(none, NoCredentials)
+    said = str(none)
+    assert said.startswith("list s3://b/p: no AWS credentials found")
+    for source in ("AWS_ACCESS_KEY_ID", "AWS_WEB_IDENTITY_TOKEN_FILE", "~/.aws/credentials"):
+        assert source in said
+    assert "instance metadata" in said
+    assert "mtc-backup-credentials" in said

@@ -151,7 +151,7 @@ class JobStatus(_message.Message):
     last_replicated: _builtins.int
     """Newest own step held here and on every replication target."""
     last_backed_up: _builtins.int
-    """Newest step this rank uploaded (or found committed) in the backup."""
+    """Newest step of the job committed in the backup, as its coordinator last said."""
     committed_backup_step: _builtins.int
     """A job not running here: the newest step committed in the backup, as last read (unset:
     none, or not read yet).
