@@ -7,6 +7,7 @@ and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 """
 
 from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
+from mtc_replicator.client.election import NotLocalRankZero
 from mtc_replicator.client.finish import finish_job
 from mtc_replicator.client.handshake import (
     DEFAULT_POLL_INTERVAL,
@@ -51,6 +52,7 @@ __all__ = [
     "HandshakeError",
     "HandshakeTimeout",
     "JobConfig",
+    "NotLocalRankZero",
     "PendingSave",
     "RayCheckpointer",
     "RayTrainRefused",

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO, Literal
 
-from mtc_replicator.client import torch_io
+from mtc_replicator.client import election, torch_io
 from mtc_replicator.client.staging import Snapshot, Staging
 from mtc_replicator.local.fsutil import fsync_dir
 
@@ -131,7 +131,9 @@ class AsyncSaver:
         self, step: int, state_dict: Mapping[str, Any], *, filename: str = "state.pt"
     ) -> PendingSave | None:
         """``torch_io.save_state_dict``, asynchronously: ``<N>/<filename>`` published by one
-        rename of ``step=<N>-unfinished/``. None when skipped (``when_busy="skip"``)."""
+        rename of ``step=<N>-unfinished/``. None when skipped (``when_busy="skip"``).
+        ``NotLocalRankZero`` outside the node's local rank 0, as the synchronous save."""
+        election.check_saves_step_dir("AsyncSaver.save_state_dict")
         started = time.monotonic()
         if not self._settle(step):
             return None

@@ -3,13 +3,15 @@
 Owns: publishing ``replicator.yaml``, waiting for the daemon to consume it, relaying
 ``replicator.errors`` / ``replicator.failed``, and turning this worker's restore marker into a
 step path the way Orbax (``<dir>/<N>``) or the PyTorch reference client (``<dir>/step=<N>``)
-does. Does file I/O in CHECKPOINT_DIR only; imports the standard library, PyYAML and
-``mtc_replicator.core.contract``, nothing else. ``plan_restore`` is the pure decision; the rest
-acts.
+does; on a node of several processes, local rank 0's result for the others
+(``client.election``). Does file I/O in CHECKPOINT_DIR only; imports the standard library,
+PyYAML, ``client.election`` and ``core.contract``, nothing else. ``plan_restore`` is the pure
+decision; the rest acts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
@@ -22,6 +24,7 @@ from typing import Literal, TypedDict, Unpack
 
 import yaml
 
+from mtc_replicator.client import election
 from mtc_replicator.core import contract
 from mtc_replicator.core.contract import Framework, JobConfig
 
@@ -318,6 +321,7 @@ def handshake(
     *,
     worker: int = 0,
     write_config: bool | None = None,
+    launch_id: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     poll_interval: float = DEFAULT_POLL_INTERVAL,
     rename: RenameStyle = "orbax",
@@ -338,6 +342,12 @@ def handshake(
     The chosen marker becomes ``<dir>/<N>`` (``rename="orbax"``) or ``<dir>/step=<N>``
     (``"step"``, as the PyTorch reference client does); on a node with several workers,
     ``<N>-w<worker>`` or ``step=<N>-w<worker>``, so that workers do not overwrite each other.
+
+    Several processes per node (one worker, ``write_config`` not given): when the launcher
+    says this process is not the node's local rank 0 (``election.LOCAL_RANK_VARIABLES``), it
+    writes nothing and returns local rank 0's result, which local rank 0 shares through
+    ``replicator.result`` for this launch (``launch_id``, default ``election.this_launch``);
+    such a process may start before or after local rank 0. Its wait gets ``2 * timeout``.
     """
     if config is None:
         config = job_config(**fields)
@@ -346,28 +356,108 @@ def handshake(
     _check_worker(config, worker)
     restore_name(0, rename)
     directory = _existing_dir(checkpoint_dir)
-    if write_config if write_config is not None else worker == 0:
-        publish_config(
+    elected = write_config is None and config.workers_per_node == 1
+    here = election.local_rank(os.environ) if elected else None
+    if here is not None and here.rank != 0:
+        waits = election.Waits(2 * timeout, poll_interval, clock, sleep)
+        return _follow(directory, config, here, launch_id, waits)
+
+    def run() -> RestoreResult:
+        if write_config if write_config is not None else worker == 0:
+            publish_config(
+                directory,
+                config,
+                timeout=timeout,
+                poll_interval=poll_interval,
+                clock=clock,
+                sleep=sleep,
+            )
+        wait_config_consumed(
+            directory, timeout=timeout, poll_interval=poll_interval, clock=clock, sleep=sleep
+        )
+        return await_restore(
             directory,
             config,
+            worker=worker,
             timeout=timeout,
             poll_interval=poll_interval,
+            rename=rename,
             clock=clock,
             sleep=sleep,
         )
-    wait_config_consumed(
-        directory, timeout=timeout, poll_interval=poll_interval, clock=clock, sleep=sleep
+
+    return run() if here is None else _lead(directory, config, launch_id, run)
+
+
+# --- Several processes per node ----------------------------------------------------------------
+
+
+def _lead(
+    directory: Path, config: JobConfig, launch_id: str | None, run: Callable[[], RestoreResult]
+) -> RestoreResult:
+    """Local rank 0: the handshake, then its outcome (or its failure) for the node's others."""
+    try:
+        launch = election.this_launch(launch_id)
+    except election.LaunchUnknown as exc:
+        log.warning(
+            "job %s rank %s: not sharing the handshake's result with this node's other "
+            "processes: %s",
+            config.job_name,
+            config.node_rank,
+            exc,
+            extra={"job": config.job_name},
+        )
+        return run()
+    election.clear_result(directory)
+    rendered = contract.render_config(config)
+    try:
+        result = run()
+    except (HandshakeError, OSError) as exc:
+        text = exc.text if isinstance(exc, ReplicatorFailed) else str(exc)
+        failed = election.SharedResult(launch, rendered, error=text, error_kind=type(exc).__name__)
+        with contextlib.suppress(OSError):  # the failure raised says more than this one
+            election.write_result(directory, failed)
+        raise
+    name = None if result.path is None else result.path.name
+    shared = election.SharedResult(launch, rendered, result.step, name, result.source)
+    election.write_result(directory, shared)
+    return result
+
+
+def _follow(
+    directory: Path,
+    config: JobConfig,
+    here: election.LocalRank,
+    launch_id: str | None,
+    waits: election.Waits,
+) -> RestoreResult:
+    """A process other than local rank 0: local rank 0's outcome of this launch."""
+    who = f"local rank {here.rank} ({here.variable})"
+    try:
+        launch = election.this_launch(launch_id)
+        shared = election.await_result(directory, config, launch, here, waits)
+    except election.LaunchUnknown as exc:
+        raise HandshakeError(f"{who} waits for local rank 0's handshake, but {exc}") from None
+    except TimeoutError as exc:
+        raise HandshakeTimeout(f"{who}: {exc}") from None
+    except ValueError as exc:
+        raise HandshakeError(f"{who}: {exc}") from None
+    if shared.error is not None:
+        if shared.error_kind == ReplicatorFailed.__name__:
+            raise ReplicatorFailed(shared.error)
+        failure = HandshakeTimeout if shared.error_kind == HandshakeTimeout.__name__ else None
+        raise (failure or HandshakeError)(f"local rank 0's handshake failed: {shared.error}")
+    path = None if shared.path is None else directory / shared.path
+    log.info(
+        "job %s rank %s %s: local rank 0 restored step %s from %s",
+        config.job_name,
+        config.node_rank,
+        who,
+        shared.step,
+        shared.source or "unknown source",
+        extra={"job": config.job_name},
     )
-    return await_restore(
-        directory,
-        config,
-        worker=worker,
-        timeout=timeout,
-        poll_interval=poll_interval,
-        rename=rename,
-        clock=clock,
-        sleep=sleep,
-    )
+    return RestoreResult(step=shared.step, path=path, source=shared.source)
 
 
 # --- Helpers ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from mtc_replicator.client import election
 from mtc_replicator.client.handshake import RestoreResult
 from mtc_replicator.core import contract
 from mtc_replicator.core.jobname import check_job_name
@@ -127,8 +128,10 @@ def save_state_dict(
     saving fails, so a partial ``<N>`` is never visible. Returns ``<checkpoint_dir>/<N>``.
     Raises ``CheckpointDirFull`` when CHECKPOINT_DIR has no room for it (checked before
     writing, and said again if the write runs out of space).
-    ``zip_crc32``: see ``_torch_save``.
+    ``zip_crc32``: see ``_torch_save``. Raises ``NotLocalRankZero`` in a process that the
+    launcher says is not the node's local rank 0 (``election.check_saves_step_dir``).
     """
+    election.check_saves_step_dir("save_state_dict")
     final, tmp = _step_paths(checkpoint_dir, step)
     _check_plain_name(filename)
     started = time.monotonic()

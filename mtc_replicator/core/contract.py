@@ -25,6 +25,9 @@ PRERESTORE_FILE = "replicator.prerestore"
 ERRORS_FILE = "replicator.errors"
 FAILED_FILE = "replicator.failed"
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
+RESULT_FILE = "replicator.result"
+"""Our client's extension: the handshake's outcome, written by the node's local rank 0 for
+the node's other processes (``client.election``); removed at the next accepted handshake."""
 STORE_DIR = ".mtc"
 
 MAX_CONFIG_BYTES = 64 * 1024

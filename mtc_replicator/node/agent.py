@@ -59,6 +59,7 @@ from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.node.checkpoint_dir import list_top, publish_markers, unlink_links_to
 from mtc_replicator.node.reclaim import ForeignItems
+from mtc_replicator.node.repeats import Repeats
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
@@ -193,6 +194,7 @@ class Incarnation:
         self._thread = self._offload.run
         self.error = WorkloadErrors(ctx.checkpoint_dir, config, self.log, ctx.metrics).report
         """A non-fatal problem: logged, counted, and told to the workload."""
+        self.repeats = Repeats(ctx.checkpoint_dir, ctx.store, config, self.id, self.error)
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
         self.member: ClusterMember | None = None
@@ -218,6 +220,11 @@ class Incarnation:
 
     def wake(self) -> None:
         self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Started, and neither failed nor stopped."""
+        return self._task is not None and not self._task.done() and not self._stopping.is_set()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
@@ -440,6 +447,7 @@ class Incarnation:
         await self._thread(
             publish_markers, self.ctx.checkpoint_dir, self.ctx.store, self.config, self.id, outcome
         )
+        self.repeats.outcome = outcome
         self._report_timeline("restore timeline", outcome.step)
         self.log.info(
             "restore round done: step=%s source=%s in %.2fs",
@@ -480,9 +488,10 @@ class Incarnation:
             # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
             # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.ctx.rescan_seconds):
+                async with asyncio.timeout(self.repeats.rescan_in(self.ctx.rescan_seconds)):
                     await self._wake.wait()
             self._wake.clear()
+            await self.repeats.serve(self._thread)
             await self._ingest_ready(member)
             # An upload that ended no longer protects its step.
             await self._collect_garbage(member)
@@ -513,6 +522,10 @@ class Incarnation:
     async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
         for item, name in handoff.names.items():
             t0 = time.monotonic()
+            steady = self.phase is IncarnationPhase.STEADY
+            if steady and name and await self._thread(self.repeats.refuse, item, name):
+                self.ctx.closed_files.discard(name)
+                continue
             try:
                 if name:
                     await self._thread(self.ctx.store.take, self.ctx.checkpoint_dir / name, item)
@@ -537,6 +550,8 @@ class Incarnation:
                     ErrorKind.INGEST,
                 )
                 continue
+            if steady:
+                self.repeats.took(item)
             dt = max(time.monotonic() - t0, 1e-9)
             self.log.info(
                 "ingested %s: %d files, %d bytes in %.3fs (%.1f MB/s)",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from collections.abc import Collection
 from pathlib import Path
 
@@ -17,14 +18,18 @@ from mtc_replicator.core.contract import (
     ERRORS_FILE,
     FAILED_FILE,
     PRERESTORE_FILE,
+    RESULT_FILE,
     JobConfig,
     is_client_temp_name,
     marker_name,
+    parse_marker_name,
 )
-from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.manifest import ItemId, ItemKind
 from mtc_replicator.core.policy import Entry, marker_item
 from mtc_replicator.local import fsutil
-from mtc_replicator.local.store import LocalStore
+from mtc_replicator.local.store import LocalStore, view_path
+
+_RESULT_TMP = RESULT_FILE + ".tmp"
 
 
 def list_top(checkpoint_dir: Path) -> list[Entry]:
@@ -68,7 +73,7 @@ def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]
                 removed.append(e.name)
                 continue
             stale = (
-                e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE)
+                e.name in (PRERESTORE_FILE, ERRORS_FILE, FAILED_FILE, RESULT_FILE, _RESULT_TMP)
                 or e.name.endswith(".restore")
                 or e.name.startswith(fsutil.TMP_PREFIX)
             )
@@ -89,10 +94,14 @@ def publish_markers(
     config: JobConfig,
     incarnation_id: str,
     outcome: RoundOutcome,
+    *,
+    again: bool = False,
 ) -> None:
     """Handshake steps 6-7: ``replicator.prerestore`` first, then one marker per worker,
     linked to a view (for ``incarnation_id``) of the item holding its data here: its own,
-    or a data-parallel equivalent (``outcome.stored_as``)."""
+    or a data-parallel equivalent (``outcome.stored_as``). ``again``: the same restore for
+    one more process (``core.repeats``), through the view already published when it is
+    intact, so that a process still reading it never sees it rebuilt."""
     step, source = outcome.step, outcome.source
     d = checkpoint_dir
     body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
@@ -106,7 +115,41 @@ def publish_markers(
         else:
             wanted = marker_item(config, step, w)
             held = outcome.stored_as.get(wanted, wanted)
-            os.symlink(store.expose(held, incarnation_id), name)
+            view = _intact_view(d, store, held, incarnation_id) if again else None
+            os.symlink(view or store.expose(held, incarnation_id), name)
+
+
+def markers_out(checkpoint_dir: Path, config: JobConfig) -> bool:
+    """Whether a restore marker of this job's rank is still there (not taken yet)."""
+    with os.scandir(checkpoint_dir) as it:
+        for e in it:
+            parts = parse_marker_name(e.name)
+            if parts and (parts.job, parts.rank) == (config.job_name, config.node_rank):
+                return True
+    return False
+
+
+def _intact_view(checkpoint_dir: Path, store: LocalStore, item: ItemId, view: str) -> str | None:
+    """The view of ``item`` published for ``view``, when every file of the item is in it as
+    a hard link of the store's own (nothing was deleted or replaced through a marker); its
+    path for a marker, else None. Only ``lstat``: a pod's symlink there is never read."""
+    manifest = store.get(item)
+    if manifest is None:
+        return None
+    rel = view_path(view, item)
+    names = [""] if manifest.kind is ItemKind.FILE else [f.path for f in manifest.files]
+    try:
+        for name in names:
+            got = os.lstat(checkpoint_dir / rel / name if name else checkpoint_dir / rel)
+            own = os.lstat(store.data_path(item) / name if name else store.data_path(item))
+            if not stat.S_ISREG(got.st_mode) or (got.st_ino, got.st_dev) != (
+                own.st_ino,
+                own.st_dev,
+            ):
+                return None
+    except OSError:
+        return None
+    return str(rel)
 
 
 def unlink_links_to(checkpoint_dir: Path, store: LocalStore, items: Collection[ItemId]) -> None:

@@ -28,6 +28,7 @@ from mtc_replicator.core.drain import Drained
 from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
 from mtc_replicator.core.layout import off_node_copies, replication_targets
 from mtc_replicator.core.ownership import BadOwner
+from mtc_replicator.core.repeats import CLIENT_DEADLINE, Repeat, Serving, differences, judge_repeat
 from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.holders_file import HoldersFile
@@ -189,7 +190,46 @@ class Supervisor:
             await self._reject(text, error, waited if verdict.timed_out else "")
         elif verdict.act is Act.ACCEPT:
             assert config is not None
-            await self._accept(config, text, reads.first_seen)
+            if not await self._repeated(config, text):
+                await self._accept(config, text, reads.first_seen)
+
+    async def _repeated(self, config: JobConfig, text: str) -> bool:
+        """A handshake for the job and rank this node serves (``core.repeats``): the same
+        one again is consumed and served once more, a conflicting one refused in
+        ``replicator.errors`` (never ``replicator.failed``, which would stop the process of
+        the accepted one too); True when it was one of those."""
+        running = self.incarnation
+        serving = None
+        if running is not None:
+            serving = Serving(
+                running.config,
+                alive=running.alive,
+                restoring=running.phase is IncarnationPhase.RESTORING,
+                served=running.repeats.outcome is not None,
+                saved=bool(running.repeats.taken),
+                accepted_for=time.monotonic() - running.repeats.since,
+            )
+        verdict = judge_repeat(serving, config)
+        if verdict is Repeat.NEW:
+            return False
+        assert running is not None
+        self.handshake.delete(text)
+        if verdict is Repeat.SAME:
+            running.repeats.serve_again()
+            running.wake()
+            return True
+        running.error(
+            f"refused a second {CONFIG_FILE} for job {config.job_name} rank "
+            f"{config.node_rank} while incarnation {running.id} restores from the first: "
+            f"{'; '.join(differences(running.config, config))}. Every process of a node "
+            "must hand over the same config, and only one (the node's local rank 0) needs "
+            "to; the restore goes on with the first. To restart the job with the new "
+            f"config, stop it and start it again once this restore is done (or after "
+            f"{CLIENT_DEADLINE:.0f} s)",
+            None,
+            ErrorKind.CONFIG,
+        )
+        return True
 
     async def _reject(self, text: str, exc: ConfigError, when: str) -> None:
         await self._refuse(
