@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
+from tests.integration.cluster import Cluster
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
     FAILED,
     config_text,
+    holds,
     item_dir,
     make_step,
     payload,
@@ -209,3 +211,27 @@ def test_a_second_save_of_one_step_is_refused_and_a_later_incarnation_may_save_i
         daemon=daemon,
     )
     assert "was saved again" not in read_text(ckpt / ERRORS)
+
+
+def test_a_repeat_during_a_clusters_round_is_served_once_the_round_is_released(
+    cluster: Cluster,
+) -> None:
+    """Rank 0's node gets its yaml twice (two processes) before the other ranks joined: one
+    round, and both processes get the marker, one after the other."""
+    rank0 = cluster.dirs[0]
+    cluster.handshake([0])
+    wait_until(lambda: not (rank0 / CONFIG).exists(), "rank 0's yaml accepted")
+    accepted = incarnation_id(rank0)
+    cluster.handshake([0])  # the node's second process
+    wait_until(lambda: not (rank0 / CONFIG).exists(), "the same yaml consumed")
+
+    cluster.handshake([1, 2, 3])
+    cluster.wait_markers(0)
+    (marker,) = (rank0 / name for name in cluster.markers(0))
+    marker.unlink()  # the first process takes it
+    wait_until(marker.exists, "the marker for the second process", daemon=cluster.daemon(0))
+    marker.unlink()
+    holds(lambda: not marker.exists(), "no third marker", 1.0, daemon=cluster.daemon(0))
+    assert incarnation_id(rank0) == accepted
+    assert read_prerestore(rank0) == {}
+    assert not (rank0 / FAILED).exists()
