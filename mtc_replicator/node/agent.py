@@ -57,7 +57,7 @@ from mtc_replicator.local import fsutil
 from mtc_replicator.local.offload import Offload
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
-from mtc_replicator.node.checkpoint_dir import list_top, publish_markers, unlink_links_to
+from mtc_replicator.node.checkpoint_dir import list_top, unlink_links_to
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.node.repeats import Repeats
 from mtc_replicator.obs.logs import JobLog
@@ -217,14 +217,10 @@ class Incarnation:
         if self.config.nodes > 1:
             self.ctx.metrics.off_node_copies(self.config.job_name, off_node_copies(self.config))
         self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
+        self.repeats.task = self._task
 
     def wake(self) -> None:
         self._wake.set()
-
-    @property
-    def alive(self) -> bool:
-        """Started, and neither failed nor stopped."""
-        return self._task is not None and not self._task.done() and not self._stopping.is_set()
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
@@ -444,10 +440,7 @@ class Incarnation:
         if abandoned:
             self.log.info("%s", why_kept(abandoned, outcome.step), step=outcome.step)
             await self._thread(self._set_aside, abandoned)
-        await self._thread(
-            publish_markers, self.ctx.checkpoint_dir, self.ctx.store, self.config, self.id, outcome
-        )
-        self.repeats.outcome = outcome
+        await self._thread(self.repeats.publish, outcome)
         self._report_timeline("restore timeline", outcome.step)
         self.log.info(
             "restore round done: step=%s source=%s in %.2fs",
@@ -522,8 +515,7 @@ class Incarnation:
     async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
         for item, name in handoff.names.items():
             t0 = time.monotonic()
-            steady = self.phase is IncarnationPhase.STEADY
-            if steady and name and await self._thread(self.repeats.refuse, item, name):
+            if name and await self.repeats.refused(item, name, self._thread):
                 self.ctx.closed_files.discard(name)
                 continue
             try:
@@ -550,8 +542,7 @@ class Incarnation:
                     ErrorKind.INGEST,
                 )
                 continue
-            if steady:
-                self.repeats.took(item)
+            self.repeats.took(item, self.phase is IncarnationPhase.STEADY)
             dt = max(time.monotonic() - t0, 1e-9)
             self.log.info(
                 "ingested %s: %d files, %d bytes in %.3fs (%.1f MB/s)",

@@ -7,6 +7,7 @@ calls ``serve_once`` and ``refuse`` in its worker threads, the rest on the event
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 Report = Callable[[str, int | None, ErrorKind], None]
 RunThread = Callable[[Callable[[], bool]], Awaitable[bool]]
+RunRefuse = Callable[[Callable[[ItemId, str], bool], ItemId, str], Awaitable[bool]]
 
 
 class Repeats:
@@ -53,6 +55,19 @@ class Repeats:
         self.repeats = 0
         self.taken: set[ItemId] = set()
         """Items taken from the job since the markers."""
+        self.task: asyncio.Task[None] | None = None
+        """The incarnation's work, once started."""
+
+    @property
+    def alive(self) -> bool:
+        """The incarnation was started and its work neither failed nor stopped."""
+        return self.task is not None and not self.task.done()
+
+    def publish(self, outcome: RoundOutcome) -> None:
+        """Handshake steps 6-7 (``checkpoint_dir.publish_markers``), kept to serve again.
+        Blocking."""
+        publish_markers(self.checkpoint_dir, self.store, self.config, self.incarnation_id, outcome)
+        self.outcome = outcome
 
     def serve_again(self) -> None:
         """One more process of the same start waits: a marker once the current one is taken."""
@@ -93,10 +108,17 @@ class Repeats:
         self.log.info("served the restore again: step %s", outcome.step, step=outcome.step)
         return True
 
-    def took(self, item: ItemId) -> None:
-        """A step taken from the job: processes still waiting belong to an earlier start."""
-        self.taken.add(item)
-        self.pending = 0
+    def took(self, item: ItemId, steady: bool) -> None:
+        """A step taken from the job (``steady``: after the markers, not a leftover of an
+        earlier incarnation taken before them); processes still waiting for a marker belong
+        to an earlier start."""
+        if steady:
+            self.taken.add(item)
+            self.pending = 0
+
+    async def refused(self, item: ItemId, name: str, run_thread: RunRefuse) -> bool:
+        """``refuse``, on the incarnation's threads when it is a repeat."""
+        return item in self.taken and await run_thread(self.refuse, item, name)
 
     def refuse(self, item: ItemId, name: str) -> bool:
         """A second save of ``item`` since the markers: removed, told, True; else False.

@@ -203,7 +203,7 @@ class Supervisor:
         if running is not None:
             serving = Serving(
                 running.config,
-                alive=running.alive,
+                alive=running.repeats.alive,
                 restoring=running.phase is IncarnationPhase.RESTORING,
                 served=running.repeats.outcome is not None,
                 saved=bool(running.repeats.taken),

@@ -52,7 +52,7 @@ def test_a_second_save_of_a_taken_item_is_removed_and_said(tmp_path: Path) -> No
     name = save_file_name("job", 30, 1, 2)
     (ckpt / name).write_bytes(b"first")
     assert not r.refuse(item, name), "the first save is taken"
-    r.took(item)
+    r.took(item, True)
     (ckpt / name).write_bytes(b"second")
     assert r.refuse(item, name)
     assert not (ckpt / name).exists()
