@@ -11,7 +11,6 @@ committed data intact.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
@@ -194,7 +193,7 @@ class Incarnation:
         self._thread = self._offload.run
         self.error = WorkloadErrors(ctx.checkpoint_dir, config, self.log, ctx.metrics).report
         """A non-fatal problem: logged, counted, and told to the workload."""
-        self.repeats = Repeats(ctx.checkpoint_dir, ctx.store, config, self.id, self.error)
+        self.repeats = Repeats(ctx, config, self.id, self.error)
         self._task: asyncio.Task[None] | None = None
         self._started_at = time.monotonic()
         self.member: ClusterMember | None = None
@@ -478,13 +477,7 @@ class Incarnation:
 
     async def _steady(self, member: ClusterMember) -> None:
         while not self._stopping.is_set() and not self._draining:
-            # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
-            # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.repeats.rescan_in(self.ctx.rescan_seconds)):
-                    await self._wake.wait()
-            self._wake.clear()
-            await self.repeats.serve(self._thread)
+            await self.repeats.next_pass(self._wake, self.ctx.rescan_seconds, self._thread)
             await self._ingest_ready(member)
             # An upload that ended no longer protects its step.
             await self._collect_garbage(member)
@@ -516,7 +509,6 @@ class Incarnation:
         for item, name in handoff.names.items():
             t0 = time.monotonic()
             if name and await self.repeats.refused(item, name, self._thread):
-                self.ctx.closed_files.discard(name)
                 continue
             try:
                 if name:

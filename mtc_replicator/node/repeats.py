@@ -8,10 +8,12 @@ calls ``serve_once`` and ``refuse`` in its worker threads, the rest on the event
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from mtc_replicator.cluster.rounds import RoundOutcome
 from mtc_replicator.core.contract import CONFIG_FILE, JobConfig
@@ -29,19 +31,23 @@ RunThread = Callable[[Callable[[], bool]], Awaitable[bool]]
 RunRefuse = Callable[[Callable[[ItemId, str], bool], ItemId, str], Awaitable[bool]]
 
 
+class Where(Protocol):
+    """The parts of the agent's context this needs."""
+
+    checkpoint_dir: Path
+    store: LocalStore
+    closed_files: set[str]
+
+
 class Repeats:
     """One incarnation's answers to a handshake or a save it has seen already."""
 
     def __init__(
-        self,
-        checkpoint_dir: Path,
-        store: LocalStore,
-        config: JobConfig,
-        incarnation_id: str,
-        report: Report,
+        self, where: Where, config: JobConfig, incarnation_id: str, report: Report
     ) -> None:
-        self.checkpoint_dir = checkpoint_dir
-        self.store = store
+        self.checkpoint_dir = where.checkpoint_dir
+        self.store = where.store
+        self.closed = where.closed_files
         self.config = config
         self.incarnation_id = incarnation_id
         self.report = report
@@ -82,12 +88,15 @@ class Repeats:
             self.incarnation_id,
         )
 
-    def rescan_in(self, rescan: float) -> float:
-        """How long the steady loop may wait for an event: a taken marker makes none."""
-        return 0.05 if self.pending else rescan
-
-    async def serve(self, run_thread: RunThread) -> None:
-        """A marker for the next waiting process, once the last one was taken."""
+    async def next_pass(self, wake: asyncio.Event, rescan: float, run_thread: RunThread) -> None:
+        """Wait for the steady loop's next pass, a file event or ``rescan`` seconds (0.05 while
+        a process waits to be served again: a taken marker makes no event); then serve it."""
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the
+        # wake-up fires (gh-86296), and a stopped incarnation would go on taking steps.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.05 if self.pending else rescan):
+                await wake.wait()
+        wake.clear()
         if self.pending and await run_thread(self.serve_once):
             self.pending -= 1
 
@@ -126,6 +135,7 @@ class Repeats:
         if item not in self.taken:
             return False
         fsutil.discard_tree(self.checkpoint_dir / name, self.store.trash)
+        self.closed.discard(name)  # a later incarnation's file of that name is a new one
         worker = f" worker {item.worker}" if self.config.framework.item_is_file else ""
         self.report(
             f"step {item.step} of job {item.job} rank {item.rank}{worker} was saved again "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 from mtc_replicator.cluster.rounds import RoundOutcome
 from mtc_replicator.core.contract import Framework, JobConfig, marker_name, save_file_name
@@ -21,7 +22,8 @@ Reported = list[tuple[str, int | None, ErrorKind]]
 
 
 def repeats(ckpt: Path, store: LocalStore, reported: Reported) -> Repeats:
-    return Repeats(ckpt, store, CONFIG, "inc1", lambda *line: reported.append(line))
+    where = SimpleNamespace(checkpoint_dir=ckpt, store=store, closed_files={"x.save"})
+    return Repeats(where, CONFIG, "inc1", lambda *line: reported.append(line))
 
 
 def test_the_restore_is_served_again_only_after_the_last_marker_was_taken(
