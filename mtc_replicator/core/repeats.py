@@ -43,10 +43,6 @@ class Serving:
     """Its work goes on: it neither failed nor stopped."""
     restoring: bool
     """Its markers are not out yet."""
-    served: bool
-    """This daemon published its markers, and can publish the same ones again."""
-    saved: bool
-    """A step was taken from the job since the markers."""
     accepted_for: float
     """Seconds since its handshake was accepted (or it was resumed)."""
 
@@ -55,12 +51,12 @@ def judge_repeat(serving: Serving | None, new: JobConfig) -> Repeat:
     """What to do with the handshake ``new`` while ``serving`` runs.
 
     The same config again is the same start while the restore is under way, whatever the
-    job's size: the round in progress serves it. After the markers, in a one-node job that
-    has not saved since, serving the same restore again is what a new incarnation would do.
-    In a job of several nodes it is not: a restart there is every node's, and this rank must
-    be in the next round with the others, so it starts anew. A different config for the same
-    job and rank while the restore is under way and a client of it may still be waiting is
-    a conflict, never a restart that would fail the waiting process.
+    job's size: the round in progress serves it. After the markers it is a restart, as the
+    contract says, even before the job saved again: in a job of several nodes a restart is
+    every node's and this rank must be in the next round with the others, and in any job
+    the restart may be the one an operator's restore pin waits for. A different config for
+    the same job and rank while the restore is under way and a client of it may still be
+    waiting is a conflict, never a restart that would fail the waiting process.
     """
     if serving is None or not serving.alive:
         return Repeat.NEW
@@ -68,11 +64,7 @@ def judge_repeat(serving: Serving | None, new: JobConfig) -> Repeat:
     if (old.job_name, old.node_rank) != (new.job_name, new.node_rank):
         return Repeat.NEW  # another job (a switch) or another rank (the pod moved)
     if render_config(old) == render_config(new):
-        if serving.restoring:
-            return Repeat.SAME
-        if serving.served and not serving.saved and new.nodes == 1:
-            return Repeat.SAME
-        return Repeat.NEW
+        return Repeat.SAME if serving.restoring else Repeat.NEW
     if serving.restoring and serving.accepted_for < CLIENT_DEADLINE:
         return Repeat.CONFLICT
     return Repeat.NEW

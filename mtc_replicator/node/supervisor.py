@@ -205,8 +205,6 @@ class Supervisor:
                 running.config,
                 alive=running.repeats.alive,
                 restoring=running.phase is IncarnationPhase.RESTORING,
-                served=running.repeats.outcome is not None,
-                saved=bool(running.repeats.taken),
                 accepted_for=time.monotonic() - running.repeats.since,
             )
         verdict = judge_repeat(serving, config)

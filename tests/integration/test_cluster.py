@@ -240,9 +240,14 @@ def test_mtc_backups_restore_pins_the_next_round_to_an_older_backup(cluster: Clu
     )
 
 
-def test_idle_daemons_in_steady_state_use_under_2_percent_of_a_core(cluster: Cluster) -> None:
-    # Replicated, reported, nothing to do: what each daemon costs a training node at rest
-    # (with the tests' fast rescans, 0.3 s; the default is slower).
+@pytest.mark.parametrize("cluster_extra", [("--rescan-seconds", "2")])
+def test_idle_daemons_in_steady_state_use_under_10_percent_of_a_core(cluster: Cluster) -> None:
+    # Replicated, reported, nothing to do: what each daemon costs a training node at rest,
+    # at the default rescan (2 s). Earlier boxes measured under 2% a daemon even with the
+    # tests' 0.3 s rescans; this one (2026-11-28) 5-9% with those and 3-4.5% at 2 s, on the
+    # commit before that day's work as well, nearly all of it in gRPC's and TLS's C threads
+    # (py-spy: Python held the GIL about 2% of the time). The bound is for what the test
+    # is for: a pass that wakes itself again, a busy loop, costs most of a core.
     cluster.fresh_start()
     cluster.save(5)
     time.sleep(2)
@@ -252,7 +257,7 @@ def test_idle_daemons_in_steady_state_use_under_2_percent_of_a_core(cluster: Clu
     time.sleep(10)
     elapsed = time.monotonic() - t0
     shares = [(cpu_seconds(p) - b) / elapsed for p, b in zip(pids, before, strict=True)]
-    assert max(shares) < 0.02, shares
+    assert max(shares) < 0.10, shares
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """Several processes on one node (``torchrun --nproc-per-node=8`` with docs/deploy.md's
 snippet) against a real daemon: one handshake per launch, every process the same restore;
-the daemon's answers to a repeated handshake (served again, not restarted), to a conflicting
+the daemon's answers to a repeated handshake (served again during the restore, a restart
+after it), to a conflicting
 one (refused, not restarted) and to a second save of one step name (refused)."""
 
 from __future__ import annotations
@@ -105,51 +106,36 @@ def test_eight_processes_of_one_node_make_one_handshake_per_launch(
     assert not (ckpt / FAILED).exists()
 
 
-def test_the_same_yaml_again_is_served_again_not_restarted(
+def test_after_the_markers_the_same_yaml_is_a_restart(
     ckpt: Path, job: str, start_daemon: StartDaemon
 ) -> None:
-    """What a client that does not elect local rank 0 does: every process writes the yaml.
-    The second one, after the first took its marker, gets the same marker; the first
-    one's ``<N>`` link and view stay as they were."""
+    """Once the markers are out, the same yaml again is the contract's restart, even before a
+    save: it may be the restart an operator's restore pin waits for
+    (test_bucket_permissions). A launcher whose processes each write the yaml after that is
+    what our client's election prevents."""
     daemon = start_daemon(extra=METRICS)
     text = config_text(job, framework="pytorch.distributed", backup_interval_minutes=30)
     write_yaml_atomic(ckpt, text)
     (marker,) = wait_markers(ckpt, job, 0, daemon)
     marker.unlink()
-    saved = payload(10, seed=job)
-    make_step(ckpt, 10, saved)
-    wait_ingested(ckpt, job, 10, daemon)
-
-    write_yaml_atomic(ckpt, text)  # a restart after a save: a new incarnation
-    (marker,) = wait_markers(ckpt, job, 10, daemon)
-    target = os.readlink(marker)
-    os.rename(marker, ckpt / "10")  # the first process takes it, as Orbax does
-    prerestore = read_prerestore(ckpt)
     accepted = incarnation_id(ckpt)
-    view = os.stat(ckpt / "10").st_ino
 
-    write_yaml_atomic(ckpt, text)  # the node's second process, same start
-    wait_until(lambda: not (ckpt / CONFIG).exists(), "the second yaml consumed", daemon=daemon)
-    wait_until(marker.is_symlink, "the same marker again", daemon=daemon)
-    assert os.readlink(marker) == target
-    assert os.readlink(ckpt / "10") == target, "the first process's link must stay"
-    assert os.stat(ckpt / "10").st_ino == view, "the view it reads must not be rebuilt"
-    assert read_tree(ckpt / "10") == saved
-    assert read_tree(marker) == saved
-    assert read_prerestore(ckpt) == prerestore
-    assert incarnation_id(ckpt) == accepted
-    assert rounds(daemon, job, "restored") == 1, "no second restore round"
-    assert "the same replicator.yaml again" in daemon.log()
-
-    # A process that deleted a file through its link (Orbax's retention may): the next
-    # process gets the whole step again, in a view built anew.
-    os.rename(marker, ckpt / "10")
-    os.unlink(ckpt / "10" / "state" / "array_0.bin")
     write_yaml_atomic(ckpt, text)
-    wait_until(marker.is_symlink, "the marker a third time", daemon=daemon)
-    assert read_tree(marker) == saved
-    assert incarnation_id(ckpt) == accepted
-    assert not (ckpt / FAILED).exists()
+    wait_until(
+        lambda: current_incarnation(ckpt) not in (None, accepted),
+        "a new incarnation",
+        daemon=daemon,
+    )
+    wait_markers(ckpt, job, 0, daemon)
+    assert rounds(daemon, job, "fresh") == 2
+    assert "the same replicator.yaml again" not in daemon.log()
+
+
+def current_incarnation(ckpt: Path) -> str | None:
+    try:
+        return incarnation_id(ckpt)
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
+        return None
 
 
 def test_during_the_restore_round_the_same_yaml_is_kept_and_another_refused(

@@ -30,7 +30,7 @@ def config(**fields: object) -> JobConfig:
 
 
 def serving(cfg: JobConfig, **state: object) -> Serving:
-    base = Serving(cfg, alive=True, restoring=False, served=True, saved=False, accepted_for=1.0)
+    base = Serving(cfg, alive=True, restoring=False, accepted_for=1.0)
     return replace(base, **state)  # type: ignore[arg-type]
 
 
@@ -51,16 +51,13 @@ def test_another_job_or_rank_is_a_new_start() -> None:
 
 @pytest.mark.parametrize("cfg", [ONE, TWO], ids=["one-node", "two-nodes"])
 def test_the_same_config_during_the_restore_is_the_same_start(cfg: JobConfig) -> None:
-    state = serving(cfg, restoring=True, served=False, accepted_for=CLIENT_DEADLINE * 3)
+    state = serving(cfg, restoring=True, accepted_for=CLIENT_DEADLINE * 3)
     assert judge_repeat(state, cfg) is Repeat.SAME
 
 
-def test_after_the_markers_a_one_node_job_that_has_not_saved_is_served_again() -> None:
-    assert judge_repeat(serving(ONE), ONE) is Repeat.SAME
-    # It saved since: a real restart.
-    assert judge_repeat(serving(ONE, saved=True), ONE) is Repeat.NEW
-    # Resumed by a restarted daemon: it cannot publish the same markers again.
-    assert judge_repeat(serving(ONE, served=False), ONE) is Repeat.NEW
+def test_after_the_markers_the_same_config_is_a_restart_even_before_a_save() -> None:
+    """The contract's rule: an operator's restore pin waits for exactly such a restart."""
+    assert judge_repeat(serving(ONE), ONE) is Repeat.NEW
 
 
 def test_after_the_markers_a_job_of_several_nodes_starts_anew() -> None:
