@@ -90,7 +90,9 @@ def reconcile(body: Mapping[str, Any]) -> None:
         )
         _refuse(body, refusal, None)
         raise kopf.TemporaryError(refusal.message, delay=CONFLICT_RETRY_SECONDS)
-    me = plan.Peer(ns, name, meta.get("creationTimestamp", ""), want.config.pod_node_selector)
+    me = plan.Peer(
+        ns, name, meta.get("creationTimestamp", ""), want.config.pod_node_selector, ds is not None
+    )
     found = plan.conflict(me, k.peers(), k.nodes()) or plan.changed_fixed(fixed_of(ds), want.fixed)
     if found is not None:
         _refuse(body, found, ds)
@@ -111,9 +113,19 @@ def reconcile(body: Mapping[str, Any]) -> None:
     new_ds = next((o for o in applied if o.get("kind") == "DaemonSet"), None)
     rolled = ds is not None and new_ds is not None and _generation(new_ds) != _generation(ds)
     if ds is None:
-        kopf.info(_body(body), reason="Created", message=f"node stack DaemonSet {ns}/{ds_name}")
+        kopf.event(
+            _body(body),
+            type="Normal",
+            reason="Created",
+            message=f"node stack DaemonSet {ns}/{ds_name}",
+        )
     elif rolled:
-        kopf.info(_body(body), reason="RollingOut", message=f"DaemonSet {ns}/{ds_name} updated")
+        kopf.event(
+            _body(body),
+            type="Normal",
+            reason="RollingOut",
+            message=f"DaemonSet {ns}/{ds_name} updated",
+        )
     _write_status(body, None, new_ds)
 
 

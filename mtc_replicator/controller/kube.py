@@ -108,6 +108,10 @@ class Kube:
         from mtc_replicator.tools.render_config import DEFAULT_NODE_SELECTOR
 
         items = client.CustomObjectsApi(self.api).list_cluster_custom_object(GROUP, "v1", PLURAL)
+        stacks = client.AppsV1Api(self.api).list_daemon_set_for_all_namespaces(
+            label_selector="app.kubernetes.io/part-of=mtc"
+        )
+        holders = {ref.uid for ds in stacks.items for ref in ds.metadata.owner_references or []}
         out = []
         for cr in items.get("items", []):
             meta = cr["metadata"]
@@ -123,6 +127,7 @@ class Kube:
                     name=meta["name"],
                     created=meta.get("creationTimestamp", ""),
                     selector={"kubernetes.io/os": "linux", **selector},
+                    holding=meta.get("uid") in holders,
                 )
             )
         return out

@@ -8,6 +8,8 @@ the Lease it stops (exit 1) and the Deployment restarts it as a follower.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -110,6 +112,28 @@ def _serve(listen: str, state: _State) -> ThreadingHTTPServer:
     return server
 
 
+async def _operate(lost: threading.Event, ready: threading.Event) -> None:
+    """kopf's operator until SIGTERM or the Lease is lost. Its stop flag is an asyncio.Event:
+    a threading one would be waited on in an executor thread that the loop's shutdown then
+    joins forever (a SIGTERM'd replica never exited)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def _on_lost() -> None:
+        lost.wait()
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to stop
+            loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=_on_lost, name="lost", daemon=True).start()
+    await kopf.operator(
+        registry=handlers.REGISTRY,
+        clusterwide=True,
+        standalone=True,
+        stop_flag=stop,
+        ready_flag=ready,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -140,21 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=elector.keep, args=(stop, lost), name="lease", daemon=True).start()
     LEADER.set(1)
     log.info("leading: reconciling CheckpointConfigurations")
-    kopf_stop = threading.Event()
-
-    def _watch_lost() -> None:
-        lost.wait()
-        kopf_stop.set()
-
-    threading.Thread(target=_watch_lost, name="lost", daemon=True).start()
     try:
-        kopf.run(
-            registry=handlers.REGISTRY,
-            clusterwide=True,
-            standalone=True,
-            stop_flag=kopf_stop,
-            ready_flag=state.kopf_ready,
-        )
+        asyncio.run(_operate(lost, state.kopf_ready))
     finally:
         stop.set()
         LEADER.set(0)

@@ -148,21 +148,29 @@ class Peer:
     namespace: str
     name: str
     created: str
-    """Its creationTimestamp (RFC 3339 sorts as text): the older one keeps its nodes."""
+    """Its creationTimestamp (RFC 3339 sorts as text, to the second)."""
     selector: dict[str, str]
+    holding: bool = False
+    """Whether its node stack exists: it keeps its nodes against one that has none yet."""
+
+
+def _precedence(p: Peer) -> tuple[bool, str, str, str]:
+    # The one whose node stack exists, then the older, then by name: one order for all.
+    return (not p.holding, p.created, p.namespace, p.name)
 
 
 def conflict(
     me: Peer, others: Sequence[Peer], nodes: Sequence[tuple[str, Mapping[str, str]]]
 ) -> Refusal | None:
-    """A refusal when an older configuration selects a node ``me`` selects: a node has one
-    RAM disk and one plugin socket. Overlap is certain when a node exists that both select,
-    or when the other's selector is part of mine (every node mine selects, it selects too)."""
-    for other in sorted(others, key=lambda p: (p.created, p.namespace, p.name)):
+    """A refusal when a configuration that comes first (its node stack exists, or it is
+    older) selects a node ``me`` selects: a node has one RAM disk and one plugin socket.
+    Overlap is certain when a node exists that both select, or when the other's selector is
+    part of mine (every node mine selects, it selects too)."""
+    for other in sorted(others, key=_precedence):
         if (other.namespace, other.name) == (me.namespace, me.name):
             continue
-        if (other.created, other.namespace, other.name) > (me.created, me.namespace, me.name):
-            continue  # the newer one yields
+        if _precedence(other) > _precedence(me):
+            continue  # the later one yields
         shared = [n for n, labels in nodes if _selects(me.selector, labels)]
         shared = [n for n in shared if _selects(other.selector, dict(nodes)[n])]
         subset = all(me.selector.get(k) == v for k, v in other.selector.items())

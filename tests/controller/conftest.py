@@ -95,6 +95,8 @@ class Controller:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "PYTHONPATH": str(REPO),
+            # The test server's certificate is self-signed (insecure-skip-tls-verify).
+            "PYTHONWARNINGS": "ignore:Unverified HTTPS request",
             **(env_extra or {}),
         }
         with log.open("ab") as out:
@@ -102,7 +104,7 @@ class Controller:
                 [
                     sys.executable,
                     "-m",
-                    "mtc_replicator.controller.main",
+                    "tests.controller.compat_main",  # the 1.20 server's one difference
                     "--health-listen",
                     self.health,
                     *args,

@@ -59,10 +59,11 @@ def test_rbac_is_least_privilege(built: list[Obj]) -> None:
         for resource in rule["resources"]
         for verb in rule["verbs"]
     }
-    # Never Secrets (the node stack's keys), never pods/exec, never RBAC or CRDs themselves.
+    # Never Secrets (the node stack's keys), never pods/exec, never RBAC; CRDs read only.
     resources = {r for _, r, _ in granted}
-    assert not resources & {"secrets", "pods", "pods/exec", "roles", "clusterroles",
-                            "customresourcedefinitions"}  # fmt: skip
+    assert not resources & {"secrets", "pods", "pods/exec", "roles", "clusterroles"}
+    crds = {v for _, r, v in granted if r == "customresourcedefinitions"}
+    assert crds == {"get", "list", "watch"}
     # Shared objects are only made, never changed or deleted.
     for shared in ("priorityclasses", "csidrivers", "issuers", "certificates"):
         assert {v for _, r, v in granted if r == shared} == {"get", "create"}, shared

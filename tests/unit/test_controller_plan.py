@@ -188,3 +188,13 @@ def test_counts_read_a_daemonsets_status() -> None:
     }
     assert plan.counts(ds) == plan.Counts(5, 4, 2, 4, current=False)
     assert plan.counts(None) == plan.Counts()
+
+
+def test_a_configuration_whose_stack_exists_keeps_its_nodes_against_one_of_the_same_second() -> None:
+    # creationTimestamp has whole seconds: two made at once tie, and the running one wins.
+    running = plan.Peer("ns", "zeta", "2026-01-01T00:00:00Z", {"pool": "gpu"}, holding=True)
+    fresh = plan.Peer("ns", "alpha", "2026-01-01T00:00:00Z", {"pool": "gpu"})
+    refusal = plan.conflict(fresh, [running, fresh], [])
+    assert refusal is not None
+    assert "ns/zeta" in refusal.message
+    assert plan.conflict(running, [running, fresh], []) is None
