@@ -190,7 +190,7 @@ def test_counts_read_a_daemonsets_status() -> None:
     assert plan.counts(None) == plan.Counts()
 
 
-def test_a_configuration_whose_stack_exists_keeps_its_nodes_against_one_of_the_same_second() -> None:
+def test_a_running_stack_keeps_its_nodes_against_one_made_in_the_same_second() -> None:
     # creationTimestamp has whole seconds: two made at once tie, and the running one wins.
     running = plan.Peer("ns", "zeta", "2026-01-01T00:00:00Z", {"pool": "gpu"}, holding=True)
     fresh = plan.Peer("ns", "alpha", "2026-01-01T00:00:00Z", {"pool": "gpu"})
