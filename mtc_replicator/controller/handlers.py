@@ -193,6 +193,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
         prefix=GROUP, key="last-handled-configuration"
     )
     settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = "mtc-controller"  # kubectl describe's "From"
+    settings.posting.reporting_instance = os.environ.get("POD_NAME", "mtc-controller")
     settings.peering.standalone = True
     settings.watching.server_timeout = 300
 

@@ -18,7 +18,7 @@ import yaml
 
 from mtc_replicator.controller.plan import FINALIZER
 from mtc_replicator.tools.render import render
-from tests.controller.apiserver import ApiServer
+from tests.controller.apiserver import REPO, ApiServer
 from tests.controller.compat_main import downgrade
 from tests.controller.conftest import NAMESPACE, Controller, wait_for
 
@@ -498,3 +498,33 @@ def test_status_follows_the_daemonset_and_reads_back_with_kubectl(
         "AllNodesReady",
         "3",
     ]
+
+
+def test_the_first_command_of_deploy_md_makes_the_node_stack(
+    cluster: Cluster, apiserver: ApiServer
+) -> None:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed")
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    first = docs.split("```sh\n", 1)[1].splitlines()[0].split("#")[0].split()
+    assert first == ["kubectl", "apply", "-f", "deploy/examples/checkpointconfiguration.yaml"]
+    kubectl = ["kubectl", "--kubeconfig", str(apiserver.kubeconfig)]
+    subprocess.run([*kubectl, *first[1:]], cwd=REPO, check=True, capture_output=True, timeout=30)
+    ds = wait_for("the example's DaemonSet", lambda: cluster.daemonset("default"))
+    assert ds["spec"]["template"]["spec"]["nodeSelector"] == {
+        "kubernetes.io/os": "linux",
+        "cloud.google.com/gke-nodepool": "training",
+    }
+    events = wait_for(
+        "a Created Event", lambda: [e for e in cluster.events("default") if e.reason == "Created"]
+    )
+    assert events[0].source.component == "mtc-controller"
+    subprocess.run(
+        [*kubectl, "delete", "-f", first[-1], "--timeout=30s"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    assert cluster.get("default") is None  # kubectl delete waited for the finalizer
+    assert cluster.daemonset("default") is None
