@@ -28,6 +28,9 @@ CONFLICT_RETRY_SECONDS = float(os.environ.get("MTC_CONTROLLER_RETRY_SECONDS", "1
 """A configuration refused for a conflict, or whose apply failed, is tried again this often
 (the other configuration may go, the API may answer again)."""
 
+RESYNC_SECONDS = float(os.environ.get("MTC_CONTROLLER_RESYNC_SECONDS", "300"))
+"""How often each configuration is applied again, whatever happened (drift)."""
+
 _kube: Kube | None = None
 
 
@@ -164,7 +167,8 @@ def on_delete(body: kopf.Body, **_: Any) -> None:
     "apps", "v1", "daemonsets", registry=REGISTRY, labels={"app.kubernetes.io/part-of": "mtc"}
 )
 def on_daemonset(body: kopf.Body, type: str | None, **_: Any) -> None:
-    """A DaemonSet's counts changed: its configuration's status follows."""
+    """A DaemonSet's counts changed: its configuration's status follows. Deleted while its
+    configuration stays (by hand, by mistake): it is made again."""
     owner = next(
         (
             o
@@ -173,15 +177,34 @@ def on_daemonset(body: kopf.Body, type: str | None, **_: Any) -> None:
         ),
         None,
     )
-    if owner is None or type == "DELETED":
+    if owner is None:
         return
     cr = kube().configuration(body["metadata"]["namespace"], owner["name"])
     if cr is None or cr["metadata"].get("uid") != owner.get("uid"):
         return
     if cr["metadata"].get("deletionTimestamp"):
         return
+    if type == "DELETED":
+        _reconcile_quietly(cr)
+        return
     generation = int(cr["metadata"].get("generation", 1))
     _write_status(cr, plan.refusal_in(cr.get("status"), generation), dict(body))
+
+
+@kopf.timer(*RESOURCE, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, registry=REGISTRY)
+def resync(body: kopf.Body, **_: Any) -> None:
+    """Every few minutes, the spec applied again: a hand edit of an owned object is undone
+    (server-side apply restores our fields), and nothing changes when nothing drifted."""
+    _reconcile_quietly(body)
+
+
+def _reconcile_quietly(cr: Mapping[str, Any]) -> None:
+    # Outside the configuration's own handlers, a refusal is already in its status: log it.
+    try:
+        reconcile(cr)
+    except (kopf.PermanentError, kopf.TemporaryError) as exc:
+        meta = cr["metadata"]
+        log.info("%s/%s not reconciled: %s", meta["namespace"], meta["name"], exc)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

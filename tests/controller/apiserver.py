@@ -217,7 +217,8 @@ class ApiServer:
                 proc.terminate()
         for proc in reversed(self.procs):
             try:
-                proc.wait(timeout=10)
+                # Throwaway servers: no reason to wait out kube-apiserver's graceful drain.
+                proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -528,3 +528,18 @@ def test_the_first_command_of_deploy_md_makes_the_node_stack(
     )
     assert cluster.get("default") is None  # kubectl delete waited for the finalizer
     assert cluster.daemonset("default") is None
+
+
+def test_a_daemonset_deleted_by_hand_is_made_again(cluster: Cluster) -> None:
+    cluster.create(config("again"))
+    first = wait_for("the DaemonSet", lambda: cluster.daemonset("again"))
+    cluster.apps.delete_namespaced_daemon_set("mtc-node-again", NAMESPACE)
+    again = wait_for(
+        "a new DaemonSet",
+        lambda: (
+            (ds := cluster.daemonset("again"))
+            and ds["metadata"]["uid"] != first["metadata"]["uid"]
+            and ds
+        ),
+    )
+    assert again["spec"]["template"] == first["spec"]["template"]
