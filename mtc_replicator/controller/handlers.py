@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import kopf
 from kubernetes.client.exceptions import ApiException
+from prometheus_client import Counter
 
 from mtc_replicator.controller import plan
 from mtc_replicator.controller.kube import Kube, MissingKind, fixed_of, owned_by
@@ -30,6 +31,12 @@ CONFLICT_RETRY_SECONDS = float(os.environ.get("MTC_CONTROLLER_RETRY_SECONDS", "1
 
 RESYNC_SECONDS = float(os.environ.get("MTC_CONTROLLER_RESYNC_SECONDS", "300"))
 """How often each configuration is applied again, whatever happened (drift)."""
+
+RECONCILES = Counter(
+    "mtc_controller_reconciles_total",
+    "Configurations reconciled, by outcome: Applied, or the refusal's reason",
+    ["outcome"],
+)
 
 _kube: Kube | None = None
 
@@ -63,6 +70,7 @@ def _same_conditions(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 
 def _refuse(body: Mapping[str, Any], refusal: plan.Refusal, ds: Mapping[str, Any] | None) -> None:
     meta = body["metadata"]
+    RECONCILES.labels(refusal.reason).inc()
     already = plan.refusal_in(body.get("status"), int(meta.get("generation", 1)))
     if already != refusal:  # one Event per refused generation, not one per retry
         kopf.warn(_body(body), reason=refusal.reason, message=refusal.message)
@@ -129,6 +137,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
             reason="RollingOut",
             message=f"DaemonSet {ns}/{ds_name} updated",
         )
+    RECONCILES.labels("Applied").inc()
     _write_status(body, None, new_ds)
 
 

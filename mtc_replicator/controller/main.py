@@ -71,7 +71,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="0.0.0.0:8080",
         help="HOST:PORT of /healthz, /readyz and /metrics (default 0.0.0.0:8080)",
     )
-    p.add_argument("--log-level", default=os.environ.get("MTC_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        default=os.environ.get("MTC_LOG_LEVEL", "INFO").upper(),
+        help="DEBUG, INFO (default, or $MTC_LOG_LEVEL), WARNING or ERROR",
+    )
     return p.parse_args(argv)
 
 
@@ -137,7 +143,7 @@ async def _operate(lost: threading.Event, ready: threading.Event) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     load_config()
     state = _State()

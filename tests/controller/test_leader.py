@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,11 @@ def _holder(api: Any) -> str | None:
 
     lease = client.CoordinationV1Api(api).read_namespaced_lease("mtc-controller", NAMESPACE)
     return str(lease.spec.holder_identity) if lease.spec.holder_identity else None
+
+
+def _metrics(c: Controller) -> str:
+    with urllib.request.urlopen(f"http://{c.health}/metrics", timeout=5) as r:
+        return str(r.read().decode())
 
 
 def test_one_leader_reconciles_and_the_other_takes_over_when_it_is_killed(
@@ -44,6 +50,9 @@ def test_one_leader_reconciles_and_the_other_takes_over_when_it_is_killed(
         time.sleep(1)
         assert _holder(api) == "first"
         assert "Handler 'on_change'" not in second.text()  # the follower did nothing
+        assert "mtc_controller_leader 1.0" in _metrics(first)
+        assert "mtc_controller_leader 0.0" in _metrics(second)
+        assert 'mtc_controller_reconciles_total{outcome="Applied"}' in _metrics(first)
         first.proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         wait_for("the second one leads", lambda: _holder(api) == "second", timeout=TAKEOVER_BOUND)
