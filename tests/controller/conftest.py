@@ -95,8 +95,6 @@ class Controller:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "PYTHONPATH": str(REPO),
-            # The test server's certificate is self-signed (insecure-skip-tls-verify).
-            "PYTHONWARNINGS": "ignore:Unverified HTTPS request",
             **(env_extra or {}),
         }
         with log.open("ab") as out:
