@@ -57,7 +57,9 @@ def _write_status(
 ) -> None:
     meta = cr["metadata"]
     previous = (cr.get("status") or {}).get("conditions") or []
-    st = plan.status(int(meta.get("generation", 1)), refusal, plan.counts(ds), previous, _now())
+    pods = kube().pods(meta["namespace"], meta["name"]) if ds is not None else []
+    generation = int(meta.get("generation", 1))
+    st = plan.status(generation, refusal, plan.counts(ds), previous, _now(), pods=pods)
     old = cr.get("status") or {}
     if all(old.get(k) == v for k, v in st.items()) and _same_conditions(old, st):
         return

@@ -164,6 +164,18 @@ class Kube:
                     pass
         return deleted
 
+    def pods(self, namespace: str, name: str) -> list[Manifest]:
+        """The node-stack pods of configuration ``name`` (its DaemonSet's selector)."""
+        items = (
+            client.CoreV1Api(self.api)
+            .list_namespaced_pod(
+                namespace,
+                label_selector=f"app.kubernetes.io/name=mtc-node,{INSTANCE_LABEL}={name}",
+            )
+            .items
+        )
+        return [self.api.sanitize_for_serialization(p) for p in items]
+
     def patch_status(self, namespace: str, name: str, st: Mapping[str, Any]) -> None:
         client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(
             GROUP, "v1", namespace, PLURAL, name, {"status": dict(st)}

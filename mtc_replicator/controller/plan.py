@@ -260,12 +260,71 @@ def conditions(refusal: Refusal | None, n: Counts) -> list[Condition]:
     ]
 
 
+MAX_NOT_READY = 20
+"""Nodes listed in ``status.nodes.notReady``: enough to act on, small enough to read."""
+
+
+def _pod_node(pod: Mapping[str, Any]) -> str:
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName"):
+        return str(spec["nodeName"])
+    # Not bound yet: the DaemonSet controller names the node in the pod's affinity.
+    terms = (
+        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        or {}
+    ).get("nodeSelectorTerms") or []
+    for term in terms:
+        for field in term.get("matchFields") or []:
+            if field.get("key") == "metadata.name" and field.get("values"):
+                return str(field["values"][0])
+    return str((pod.get("metadata") or {}).get("name", "?"))
+
+
+def _pod_reason(pod: Mapping[str, Any]) -> str:
+    """Why a pod is not ready, as kubelet reports it: a container's waiting or terminated
+    reason, a failing readiness probe, or why it is not scheduled."""
+    st = pod.get("status") or {}
+    containers = [*(st.get("initContainerStatuses") or []), *(st.get("containerStatuses") or [])]
+    for c in containers:
+        if c.get("ready"):
+            continue
+        state = c.get("state") or {}
+        for key in ("waiting", "terminated"):
+            if state.get(key):
+                detail = state[key].get("message") or ""
+                reason = state[key].get("reason") or key
+                return f"{c.get('name')}: {reason}" + (f": {detail[:200]}" if detail else "")
+        if "running" in state:
+            return f"{c.get('name')}: running, readiness probe not passing"
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"not scheduled: {cond.get('message') or cond.get('reason', '')}"[:250]
+    return f"pod {st.get('phase', 'Pending')}"
+
+
+def not_ready(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """The nodes whose node-stack pod is not ready, and why (at most ``MAX_NOT_READY``)."""
+    out = []
+    for pod in pods:
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions):
+            continue
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        out.append({"node": _pod_node(pod), "reason": _pod_reason(pod)})
+    return sorted(out, key=lambda e: e["node"])[:MAX_NOT_READY]
+
+
 def status(
     generation: int,
     refusal: Refusal | None,
     n: Counts,
     previous: Sequence[Condition],
     now: str,
+    *,
+    pods: Sequence[Mapping[str, Any]] = (),
 ) -> Manifest:
     """The status subresource: a condition keeps its lastTransitionTime while its status
     does not change."""
@@ -285,6 +344,7 @@ def status(
             "ready": n.ready,
             "updated": n.updated,
             "available": n.available,
+            "notReady": not_ready(pods),
         },
     }
 

@@ -447,6 +447,11 @@ def test_status_follows_the_daemonset_and_reads_back_with_kubectl(
         ),
     )
     assert (ready["status"], ready["reason"]) == ("False", "NodesNotReady")
+    if apiserver.controller_manager:  # the two pods not ready, named by their nodes
+        not_ready = (cluster.get("status") or {})["status"]["nodes"]["notReady"]
+        assert len(not_ready) == 2
+        assert {e["node"] for e in not_ready} < {f"status-node-{i}" for i in range(3)}
+        assert {e["reason"] for e in not_ready} == {"pod Pending"}  # no kubelet here
     degraded = cluster.condition("status", "Degraded")
     assert degraded is not None
     assert (degraded["status"], degraded["reason"]) == ("True", "NodesNotReady")
@@ -457,7 +462,13 @@ def test_status_follows_the_daemonset_and_reads_back_with_kubectl(
     )
     assert ready["reason"] == "AllNodesReady"
     st = (cluster.get("status") or {})["status"]
-    assert st["nodes"] == {"desired": 3, "ready": 3, "updated": 3, "available": 3}
+    assert st["nodes"] == {
+        "desired": 3,
+        "ready": 3,
+        "updated": 3,
+        "available": 3,
+        "notReady": [],
+    }
     if shutil.which("kubectl") is None:
         return
     kubectl = ["kubectl", "--kubeconfig", str(apiserver.kubeconfig), "-n", NAMESPACE]

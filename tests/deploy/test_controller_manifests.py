@@ -61,7 +61,8 @@ def test_rbac_is_least_privilege(built: list[Obj]) -> None:
     }
     # Never Secrets (the node stack's keys), never pods/exec, never RBAC; CRDs read only.
     resources = {r for _, r, _ in granted}
-    assert not resources & {"secrets", "pods", "pods/exec", "roles", "clusterroles"}
+    assert not resources & {"secrets", "pods/exec", "roles", "clusterroles"}
+    assert {v for _, r, v in granted if r == "pods"} == {"list"}  # read, never patched
     crds = {v for _, r, v in granted if r == "customresourcedefinitions"}
     assert crds == {"get", "list", "watch"}
     # Shared objects are only made, never changed or deleted.

@@ -161,7 +161,13 @@ def test_a_refusal_wins_over_the_counts_and_is_remembered_per_generation() -> No
     assert _by_type(st["conditions"])["Degraded"] == ("True", plan.INVALID)
     assert _by_type(st["conditions"])["Ready"] == ("False", plan.INVALID)
     assert st["observedGeneration"] == 4
-    assert st["nodes"] == {"desired": 2, "ready": 2, "updated": 2, "available": 2}
+    assert st["nodes"] == {
+        "desired": 2,
+        "ready": 2,
+        "updated": 2,
+        "available": 2,
+        "notReady": [],
+    }
     assert plan.refusal_in(st, 4) == refusal
     assert plan.refusal_in(st, 5) is None  # a new spec is judged anew
 
@@ -198,3 +204,53 @@ def test_a_running_stack_keeps_its_nodes_against_one_made_in_the_same_second() -
     assert refusal is not None
     assert "ns/zeta" in refusal.message
     assert plan.conflict(running, [running, fresh], []) is None
+
+
+def _pod(node: str | None, *, ready: bool, **status: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = (
+        {"nodeName": node}
+        if node
+        else {
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchFields": [
+                                    {"key": "metadata.name", "operator": "In", "values": ["n9"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            }
+        }
+    )
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    return {
+        "metadata": {"name": f"pod-{node}"},
+        "spec": spec,
+        "status": {"conditions": conditions, **status},
+    }
+
+
+def test_not_ready_names_each_node_and_kubelets_reason() -> None:
+    waiting = {
+        "name": "replicator",
+        "ready": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}},
+    }
+    running = {"name": "replicator", "ready": False, "state": {"running": {}}}
+    pods = [
+        _pod("n1", ready=True),
+        _pod("n2", ready=False, containerStatuses=[waiting]),
+        _pod("n3", ready=False, containerStatuses=[running]),
+        _pod(None, ready=False, phase="Pending"),
+    ]
+    assert plan.not_ready(pods) == [
+        {"node": "n2", "reason": "replicator: CrashLoopBackOff: back-off 5m0s"},
+        {"node": "n3", "reason": "replicator: running, readiness probe not passing"},
+        {"node": "n9", "reason": "pod Pending"},
+    ]
+    many = [_pod(f"n{i:02d}", ready=False) for i in range(30)]
+    assert len(plan.not_ready(many)) == plan.MAX_NOT_READY
