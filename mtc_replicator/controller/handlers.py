@@ -29,8 +29,11 @@ CONFLICT_RETRY_SECONDS = float(os.environ.get("MTC_CONTROLLER_RETRY_SECONDS", "1
 """A configuration refused for a conflict, or whose apply failed, is tried again this often
 (the other configuration may go, the API may answer again)."""
 
-RESYNC_SECONDS = float(os.environ.get("MTC_CONTROLLER_RESYNC_SECONDS", "300"))
-"""How often each configuration is applied again, whatever happened (drift)."""
+RESYNC_SECONDS = float(os.environ.get("MTC_CONTROLLER_RESYNC_SECONDS", "120"))
+"""How often each configuration is applied again, whatever happened (drift), and its
+status written (a node not ready long enough gets its Event then)."""
+NOT_READY_SECONDS = float(os.environ.get("MTC_CONTROLLER_NOT_READY_SECONDS", "300"))
+"""A node whose pod stays not ready this long gets one Warning Event (NodeNotReady)."""
 
 RECONCILES = Counter(
     "mtc_controller_reconciles_total",
@@ -59,8 +62,23 @@ def _write_status(
     previous = (cr.get("status") or {}).get("conditions") or []
     pods = kube().pods(meta["namespace"], meta["name"]) if ds is not None else []
     generation = int(meta.get("generation", 1))
-    st = plan.status(generation, refusal, plan.counts(ds), previous, _now(), pods=pods)
     old = cr.get("status") or {}
+    now = _now()
+    st = plan.status(
+        generation,
+        refusal,
+        plan.counts(ds),
+        previous,
+        now,
+        pods=pods,
+        not_ready_before=(old.get("nodes") or {}).get("notReady") or [],
+    )
+    for entry in plan.overdue(st["nodes"]["notReady"], now, NOT_READY_SECONDS):
+        kopf.warn(
+            _body(cr),
+            reason="NodeNotReady",
+            message=f"node {entry['node']} not ready since {entry['since']}: {entry['reason']}",
+        )
     if all(old.get(k) == v for k, v in st.items()) and _same_conditions(old, st):
         return
     kube().patch_status(meta["namespace"], meta["name"], st)

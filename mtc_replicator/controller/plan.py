@@ -15,6 +15,7 @@ counts.
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -304,8 +305,12 @@ def _pod_reason(pod: Mapping[str, Any]) -> str:
     return f"pod {st.get('phase', 'Pending')}"
 
 
-def not_ready(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """The nodes whose node-stack pod is not ready, and why (at most ``MAX_NOT_READY``)."""
+def not_ready(
+    pods: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]] = (), now: str = ""
+) -> list[dict[str, Any]]:
+    """The nodes whose node-stack pod is not ready, and why (at most ``MAX_NOT_READY``);
+    ``since`` (and ``reported``) carried over from ``before`` while a node stays on the list."""
+    earlier = {e.get("node"): e for e in before}
     out = []
     for pod in pods:
         conditions = (pod.get("status") or {}).get("conditions") or []
@@ -313,8 +318,34 @@ def not_ready(pods: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
             continue
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
-        out.append({"node": _pod_node(pod), "reason": _pod_reason(pod)})
-    return sorted(out, key=lambda e: e["node"])[:MAX_NOT_READY]
+        node = _pod_node(pod)
+        old = earlier.get(node) or {}
+        entry: dict[str, Any] = {
+            "node": node,
+            "reason": _pod_reason(pod),
+            "since": old.get("since") or now,
+        }
+        if old.get("reported"):
+            entry["reported"] = True
+        out.append(entry)
+    return sorted(out, key=lambda e: str(e["node"]))[:MAX_NOT_READY]
+
+
+def _time(text: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+def overdue(entries: Sequence[dict[str, Any]], now: str, seconds: float) -> list[dict[str, Any]]:
+    """The entries not ready for ``seconds`` and not reported yet, now marked reported: one
+    Event per node per spell of not being ready, however long it lasts."""
+    due = []
+    for e in entries:
+        if e.get("reported") or not e.get("since"):
+            continue
+        if (_time(now) - _time(e["since"])).total_seconds() >= seconds:
+            e["reported"] = True
+            due.append(e)
+    return due
 
 
 def status(
@@ -325,6 +356,7 @@ def status(
     now: str,
     *,
     pods: Sequence[Mapping[str, Any]] = (),
+    not_ready_before: Sequence[Mapping[str, Any]] = (),
 ) -> Manifest:
     """The status subresource: a condition keeps its lastTransitionTime while its status
     does not change."""
@@ -344,7 +376,7 @@ def status(
             "ready": n.ready,
             "updated": n.updated,
             "available": n.available,
-            "notReady": not_ready(pods),
+            "notReady": not_ready(pods, not_ready_before, now),
         },
     }
 

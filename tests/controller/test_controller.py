@@ -31,7 +31,14 @@ def controller(
 ) -> Iterator[Controller]:
     log = tmp_path_factory.mktemp("controller") / "controller.log"
     c = Controller(
-        apiserver, log, "--no-leader-elect", env_extra={"MTC_CONTROLLER_RETRY_SECONDS": "1"}
+        apiserver,
+        log,
+        "--no-leader-elect",
+        env_extra={
+            "MTC_CONTROLLER_RETRY_SECONDS": "1",
+            "MTC_CONTROLLER_RESYNC_SECONDS": "3",
+            "MTC_CONTROLLER_NOT_READY_SECONDS": "2",
+        },
     )
     wait_for("the controller is ready", lambda: _ready(c), timeout=60)
     yield c
@@ -452,6 +459,17 @@ def test_status_follows_the_daemonset_and_reads_back_with_kubectl(
         assert len(not_ready) == 2
         assert {e["node"] for e in not_ready} < {f"status-node-{i}" for i in range(3)}
         assert {e["reason"] for e in not_ready} == {"pod Pending"}  # no kubelet here
+        # Not ready past MTC_CONTROLLER_NOT_READY_SECONDS (2 s here, 5 minutes by default):
+        # one Warning Event per node.
+        events = wait_for(
+            "NodeNotReady Events",
+            lambda: (
+                len(e := [x for x in cluster.events("status") if x.reason == "NodeNotReady"]) == 2
+                and e
+            ),
+            timeout=20,
+        )
+        assert all(e.type == "Warning" and "pod Pending" in e.message for e in events)
     degraded = cluster.condition("status", "Degraded")
     assert degraded is not None
     assert (degraded["status"], degraded["reason"]) == ("True", "NodesNotReady")

@@ -247,10 +247,25 @@ def test_not_ready_names_each_node_and_kubelets_reason() -> None:
         _pod("n3", ready=False, containerStatuses=[running]),
         _pod(None, ready=False, phase="Pending"),
     ]
-    assert plan.not_ready(pods) == [
-        {"node": "n2", "reason": "replicator: CrashLoopBackOff: back-off 5m0s"},
-        {"node": "n3", "reason": "replicator: running, readiness probe not passing"},
-        {"node": "n9", "reason": "pod Pending"},
+    assert plan.not_ready(pods, now="T0") == [
+        {"node": "n2", "reason": "replicator: CrashLoopBackOff: back-off 5m0s", "since": "T0"},
+        {"node": "n3", "reason": "replicator: running, readiness probe not passing", "since": "T0"},
+        {"node": "n9", "reason": "pod Pending", "since": "T0"},
     ]
     many = [_pod(f"n{i:02d}", ready=False) for i in range(30)]
     assert len(plan.not_ready(many)) == plan.MAX_NOT_READY
+
+
+def test_a_node_not_ready_long_enough_is_reported_once_per_spell() -> None:
+    pods = [_pod("n1", ready=False), _pod("n2", ready=False)]
+    first = plan.not_ready(pods, [], "2026-01-01T00:00:00Z")
+    assert plan.overdue(first, "2026-01-01T00:04:59Z", 300) == []
+    # n1 has been on the list since 00:00; n2 came back after being ready a while.
+    later = plan.not_ready(pods, first[:1], "2026-01-01T00:05:00Z")
+    assert [e["since"] for e in later] == ["2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"]
+    due = plan.overdue(later, "2026-01-01T00:05:00Z", 300)
+    assert [e["node"] for e in due] == ["n1"]
+    assert later[0]["reported"] is True
+    # Still not ready an hour on: not reported again.
+    again = plan.not_ready(pods, later, "2026-01-01T01:05:00Z")
+    assert [e["node"] for e in plan.overdue(again, "2026-01-01T01:05:00Z", 300)] == ["n2"]
