@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -32,6 +34,9 @@ CONFLICT_RETRY_SECONDS = float(os.environ.get("MTC_CONTROLLER_RETRY_SECONDS", "1
 RESYNC_SECONDS = float(os.environ.get("MTC_CONTROLLER_RESYNC_SECONDS", "120"))
 """How often each configuration is applied again, whatever happened (drift), and its
 status written (a node not ready long enough gets its Event then)."""
+RELEASE_WAIT_SECONDS = float(os.environ.get("MTC_CONTROLLER_RELEASE_SECONDS", "5"))
+"""On a delete, how long kubelets get to write the release annotation into the plugins'
+files before the DaemonSet goes."""
 NOT_READY_SECONDS = float(os.environ.get("MTC_CONTROLLER_NOT_READY_SECONDS", "300"))
 """A node whose pod stays not ready this long gets one Warning Event (NodeNotReady)."""
 
@@ -55,33 +60,45 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+_status_locks: dict[tuple[str, str], threading.Lock] = {}
+_status_locks_guard = threading.Lock()
+
+
+def _status_lock(namespace: str, name: str) -> threading.Lock:
+    with _status_locks_guard:
+        return _status_locks.setdefault((namespace, name), threading.Lock())
+
+
 def _write_status(
     cr: Mapping[str, Any], refusal: plan.Refusal | None, ds: Mapping[str, Any] | None
 ) -> None:
+    """Status from the refusal and the DaemonSet. One writer per configuration at a time
+    (the DaemonSet's events and the resync run in different threads), each starting from
+    the status as it is now, so a NodeNotReady Event is posted once."""
     meta = cr["metadata"]
-    previous = (cr.get("status") or {}).get("conditions") or []
-    pods = kube().pods(meta["namespace"], meta["name"]) if ds is not None else []
-    generation = int(meta.get("generation", 1))
-    old = cr.get("status") or {}
-    now = _now()
-    st = plan.status(
-        generation,
-        refusal,
-        plan.counts(ds),
-        previous,
-        now,
-        pods=pods,
-        not_ready_before=(old.get("nodes") or {}).get("notReady") or [],
-    )
-    for entry in plan.overdue(st["nodes"]["notReady"], now, NOT_READY_SECONDS):
-        kopf.warn(
-            _body(cr),
-            reason="NodeNotReady",
-            message=f"node {entry['node']} not ready since {entry['since']}: {entry['reason']}",
+    with _status_lock(meta["namespace"], meta["name"]):
+        fresh = kube().configuration(meta["namespace"], meta["name"]) or cr
+        old = fresh.get("status") or {}
+        pods = kube().pods(meta["namespace"], meta["name"]) if ds is not None else []
+        now = _now()
+        st = plan.status(
+            int(meta.get("generation", 1)),
+            refusal,
+            plan.counts(ds),
+            old.get("conditions") or [],
+            now,
+            pods=pods,
+            not_ready_before=(old.get("nodes") or {}).get("notReady") or [],
         )
-    if all(old.get(k) == v for k, v in st.items()) and _same_conditions(old, st):
-        return
-    kube().patch_status(meta["namespace"], meta["name"], st)
+        for entry in plan.overdue(st["nodes"]["notReady"], now, NOT_READY_SECONDS):
+            kopf.warn(
+                _body(cr),
+                reason="NodeNotReady",
+                message=f"node {entry['node']} not ready since {entry['since']}: {entry['reason']}",
+            )
+        if all(old.get(k) == v for k, v in st.items()) and _same_conditions(old, st):
+            return
+        kube().patch_status(meta["namespace"], meta["name"], st)
 
 
 def _same_conditions(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
@@ -185,9 +202,18 @@ def on_change(body: kopf.Body, **_: Any) -> None:
 
 @kopf.on.delete(*RESOURCE, registry=REGISTRY)
 def on_delete(body: kopf.Body, **_: Any) -> None:
-    """The owned objects go now (not through the garbage collector, so the finalizer is
-    released only once they are gone); shared objects, Secrets and the bucket stay."""
+    """The pods are told to free their RAM disks, then the owned objects go (not through the
+    garbage collector, so the finalizer is released only once they are gone); shared objects,
+    Secrets and the bucket stay."""
     meta = body["metadata"]
+    marked = kube().mark_release(meta["namespace"], meta["name"])
+    if marked:
+        # kubelet writes the annotation into each plugin's downward-API file; a node that
+        # has not by the time its pod stops keeps its RAM disk (freed by hand).
+        log.info(
+            "%s/%s: %d pods asked to free their RAM disk", meta["namespace"], meta["name"], marked
+        )
+        time.sleep(RELEASE_WAIT_SECONDS)
     deleted = kube().delete_owned(meta["namespace"], meta["name"], meta["uid"])
     log.info("%s/%s deleted: %d objects removed", meta["namespace"], meta["name"], deleted)
 

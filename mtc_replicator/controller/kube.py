@@ -14,7 +14,13 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
-from mtc_replicator.controller.plan import FIXED_ANNOTATION, INSTANCE_LABEL, OWNED_KINDS, Peer
+from mtc_replicator.controller.plan import (
+    FIXED_ANNOTATION,
+    INSTANCE_LABEL,
+    OWNED_KINDS,
+    RELEASE_ANNOTATION,
+    Peer,
+)
 from mtc_replicator.tools.render_config import GROUP, Manifest
 
 FIELD_MANAGER = "mtc-controller"
@@ -175,6 +181,21 @@ class Kube:
             .items
         )
         return [self.api.sanitize_for_serialization(p) for p in items]
+
+    def mark_release(self, namespace: str, name: str) -> int:
+        """Annotate configuration ``name``'s pods so that their plugins free the RAM disk as
+        they stop; the number of pods marked."""
+        core = client.CoreV1Api(self.api)
+        marked = 0
+        for pod in self.pods(namespace, name):
+            body = {"metadata": {"annotations": {RELEASE_ANNOTATION: "true"}}}
+            try:
+                core.patch_namespaced_pod(pod["metadata"]["name"], namespace, body)
+                marked += 1
+            except ApiException as exc:
+                if exc.status != 404:  # a pod gone meanwhile has nothing to free
+                    raise
+        return marked
 
     def patch_status(self, namespace: str, name: str, st: Mapping[str, Any]) -> None:
         client.CustomObjectsApi(self.api).patch_namespaced_custom_object_status(

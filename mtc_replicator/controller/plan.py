@@ -28,6 +28,9 @@ FINALIZER = "checkpointing.mtc.dev/node-stack"
 """Held while the node stack exists: the configuration goes once its objects are deleted."""
 FIXED_ANNOTATION = "checkpointing.mtc.dev/fixed-fields"
 """On the DaemonSet: the values of ``FIXED_FIELDS`` it was made with (JSON)."""
+RELEASE_ANNOTATION = "checkpointing.mtc.dev/release-ram-disk"
+"""Set on the node-stack pods before a delete: their plugin frees the RAM disk as it stops
+(``csi.release``, which reads it from a downward-API file; a test keeps the two equal)."""
 OWNED_KINDS = ("ServiceAccount", "ConfigMap", "NetworkPolicy", "DaemonSet")
 SHARED_KINDS = ("PriorityClass", "CSIDriver", "Issuer", "Certificate")
 INSTANCE_LABEL = "app.kubernetes.io/instance"

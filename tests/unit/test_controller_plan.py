@@ -269,3 +269,9 @@ def test_a_node_not_ready_long_enough_is_reported_once_per_spell() -> None:
     # Still not ready an hour on: not reported again.
     again = plan.not_ready(pods, later, "2026-01-01T01:05:00Z")
     assert [e["node"] for e in plan.overdue(again, "2026-01-01T01:05:00Z", 300)] == ["n2"]
+
+
+def test_the_release_annotation_is_the_one_the_plugin_reads() -> None:
+    from mtc_replicator.csi.release import RELEASE_ANNOTATION
+
+    assert plan.RELEASE_ANNOTATION == RELEASE_ANNOTATION
