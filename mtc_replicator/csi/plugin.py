@@ -98,6 +98,7 @@ def deprecated_variables(env: Mapping[str, str]) -> list[tuple[str, str]]:
     ]
 
 
+# Long: one add_argument per flag, each naming its environment variable, in one place.
 def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
