@@ -1,9 +1,10 @@
-# One image, two entry points: mtc-csi (the CSI node plugin, run as root by the DaemonSet)
-# and mtc-replicator (the per-node daemon, run as the non-root user below).
+# One image, three entry points: mtc-csi (the CSI node plugin, run as root by the DaemonSet),
+# mtc-replicator (the per-node daemon, run as the non-root user below) and mtc-controller
+# (the CheckpointConfiguration controller's Deployment, non-root too).
 #   docker build -t REGISTRY/mtc-replicator:0.1.0 .
 ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
 
-# --- builder: a self-contained virtualenv with the package, the daemon and s3/gcs extras --
+# --- builder: a self-contained virtualenv: the package, its daemon, s3/gcs, controller extras
 FROM ${PYTHON_IMAGE} AS builder
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -11,7 +12,7 @@ RUN python -m venv /opt/mtc
 COPY . /src
 # Every dependency ships manylinux wheels, so no compiler is needed even here. A regular
 # (non-editable) install: the final stage copies /opt/mtc alone, not /src.
-RUN /opt/mtc/bin/pip install "/src[daemon,s3,gcs]"
+RUN /opt/mtc/bin/pip install "/src[daemon,s3,gcs,controller]"
 
 # --- final: the venv, util-linux for mounts, nothing to build with ------------------------
 FROM ${PYTHON_IMAGE}

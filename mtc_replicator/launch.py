@@ -19,16 +19,16 @@ _OWN = frozenset({"mtc_replicator"})
 EXTRA_HINT = "pip install 'mtc-replicator[daemon]'"
 
 
-def missing_dependency_message(command: str, missing: str) -> str:
-    """The one line a script prints when the ``daemon`` extra is not installed."""
+def missing_dependency_message(command: str, missing: str, hint: str = EXTRA_HINT) -> str:
+    """The one line a script prints when its extra (``daemon``, ``controller``) is missing."""
     return (
         f"{command}: this command needs the daemon's dependencies, which are not installed "
         f"(no module named {missing!r}); the base package is the training client only. "
-        f"Install them with: {EXTRA_HINT}"
+        f"Install them with: {hint}"
     )
 
 
-def _run(command: str, target: str) -> NoReturn:
+def _run(command: str, target: str, hint: str = EXTRA_HINT) -> NoReturn:
     module_name, _, func = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -36,7 +36,7 @@ def _run(command: str, target: str) -> NoReturn:
         missing = exc.name or ""
         if not missing or missing.partition(".")[0] in _OWN:
             raise
-        print(missing_dependency_message(command, missing), file=sys.stderr)
+        print(missing_dependency_message(command, missing, hint), file=sys.stderr)
         raise SystemExit(2) from None
     sys.exit(getattr(module, func)())
 
@@ -49,6 +49,15 @@ def daemon() -> NoReturn:
 def cli() -> NoReturn:
     """`mtc`: the operator's CLI."""
     _run("mtc", "mtc_replicator.tools.cli:main")
+
+
+def controller() -> NoReturn:
+    """`mtc-controller`: the CheckpointConfiguration controller (the `controller` extra)."""
+    _run(
+        "mtc-controller",
+        "mtc_replicator.controller.main:main",
+        "pip install 'mtc-replicator[controller]'",
+    )
 
 
 def csi() -> NoReturn:

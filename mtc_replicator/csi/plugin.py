@@ -3,7 +3,8 @@
 Start: parse flags (each also from the environment, the DaemonSet's way), make sure the RAM
 disk is mounted, serve Identity and Node on the unix socket kubelet dials. SIGTERM or SIGINT:
 stop taking calls, give calls in flight a grace period, exit 0. The RAM disk stays mounted:
-it holds the node's checkpoints, and the next plugin reuses it.
+it holds the node's checkpoints, and the next plugin reuses it; unless the pod's
+annotations (``--release-file``) say its configuration was deleted (``csi.release``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mtc_replicator.csi.mounter import Mounter, SystemMounter
 from mtc_replicator.csi.plugin_server import CsiServer, EndpointError, parse_endpoint
 from mtc_replicator.csi.quantity import SizeError, format_size, parse_size
 from mtc_replicator.csi.ramdisk import ensure_ram_disk
+from mtc_replicator.csi.release import release_ram_disk, release_requested
 from mtc_replicator.csi.tenancy import (
     OPEN_POLICY,
     MountPolicy,
@@ -71,6 +73,9 @@ class PluginOptions:
     fs_group: int | None = None
     """The group of the RAM disk and CHECKPOINT_DIR: the replicator's and the pods'
     (``--fs-group``, default ``DEFAULT_FS_GROUP``); None: the plugin's own group."""
+    release_file: Path | None = None
+    """The pod's annotations (a downward-API file), read at SIGTERM: the RAM disk is freed
+    when they carry ``csi.release.RELEASE_ANNOTATION``; None: it is always kept."""
 
 
 VARIABLES = {"endpoint": "MTC_CSI_ENDPOINT", "node_id": "MTC_CSI_NODE_ID"}
@@ -93,6 +98,7 @@ def deprecated_variables(env: Mapping[str, str]) -> list[tuple[str, str]]:
     ]
 
 
+# Long: one add_argument per flag, each naming its environment variable, in one place.
 def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
     """Every flag, its default from ``env`` (the process environment by default)."""
     env = os.environ if env is None else env
@@ -166,6 +172,14 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
         "[MTC_CSI_METRICS]",
     )
     p.add_argument(
+        "--release-file",
+        type=Path,
+        default=env.get("MTC_CSI_RELEASE_FILE") or None,
+        help="the pod's annotations (a downward-API file), read when the plugin stops: it "
+        "frees the RAM disk when they say its configuration was deleted; off by default "
+        "[MTC_CSI_RELEASE_FILE]",
+    )
+    p.add_argument(
         "--version", action="version", version=__version__, help="print the version and exit"
     )
     return p
@@ -212,6 +226,7 @@ def parse_args(
         metrics=a.metrics,
         policy=policy,
         fs_group=fs_group,
+        release_file=a.release_file,
     )
 
 
@@ -290,6 +305,8 @@ def run(opts: PluginOptions, mounter: Mounter, stop: threading.Event) -> int:
         server.stop(GRACE_SECONDS)
         if metrics_server is not None:
             metrics_server.close()
+        if release_requested(opts.release_file):
+            release_ram_disk(mounter, opts.ram_dir)
         log.info("stopped")
     return 0
 

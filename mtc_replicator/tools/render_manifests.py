@@ -65,6 +65,8 @@ CA_NAME = "mtc-ca"
 """The CA's Certificate, its Secret and the Issuer that signs with it."""
 
 _BUILTIN_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
+PODINFO_DIR = "/etc/mtc/podinfo"
+"""The plugin's downward-API volume: its pod's annotations (``--release-file``)."""
 SCRATCH_DIR = "/tmp"  # noqa: S108 (a private emptyDir: the root filesystem is read-only)
 
 
@@ -156,6 +158,9 @@ def _plugin(c: NodeConfig, config_map: str) -> Manifest:
             # The RAM disk's group (mode 1770, checkpoint/ 2770): the replicator's, which
             # training pods join with fsGroup or runAsGroup.
             {"name": "MTC_CSI_FS_GROUP", "value": str(c.run_as_group)},
+            # The pod's annotations: the controller sets one on a delete that frees the RAM
+            # disk (csi.release); every other stop keeps it.
+            {"name": "MTC_CSI_RELEASE_FILE", "value": f"{PODINFO_DIR}/annotations"},
         ],
         "envFrom": [{"configMapRef": {"name": config_map}}],
         "ports": [{"name": "healthz", "containerPort": PLUGIN_HEALTH_PORT, "protocol": "TCP"}],
@@ -181,6 +186,7 @@ def _plugin(c: NodeConfig, config_map: str) -> Manifest:
                 "mountPropagation": "Bidirectional",
             },
             {"name": "mtc-dir", "mountPath": HOST_DIR, "mountPropagation": "Bidirectional"},
+            {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
         ],
     }
 
@@ -338,6 +344,11 @@ def daemonset(c: NodeConfig, config_map: str) -> Manifest:
                 "secret": {"secretName": c.tls_secret, "defaultMode": TLS_SECRET_MODE},
             }
         )
+    # Last, so the volumes before keep their places (the components patch them by index).
+    field = {"fieldRef": {"fieldPath": "metadata.annotations"}}
+    volumes.append(
+        {"name": "podinfo", "downwardAPI": {"items": [{"path": "annotations", **field}]}}
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",

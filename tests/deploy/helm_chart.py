@@ -34,6 +34,7 @@ MIRRORS: dict[str, tuple[str, ...]] = {
     "overlays/cert-manager-per-node": ("cert-manager-per-node.yaml",),
     "overlays/gke": ("gke.yaml",),
     "overlays/s3": ("s3.yaml",),
+    "overlays/controller": ("controller.yaml",),
 }
 """Each kustomization of deploy/ and the values files that make the chart render the same."""
 

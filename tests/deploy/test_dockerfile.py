@@ -56,9 +56,9 @@ def test_final_stage_runs_unprivileged_with_mount_tools_and_no_build_tools() -> 
         assert tool not in final, tool
 
 
-def test_install_has_the_daemon_and_object_store_extras_only() -> None:
+def test_install_has_the_daemon_object_store_and_controller_extras_only() -> None:
     (install,) = [line for line in _stages()[0] if "pip install" in line]
-    assert "[daemon,s3,gcs]" in install
+    assert "[daemon,s3,gcs,controller]" in install
     for extra in ("torch", "interop", "dev"):
         assert extra not in install
 

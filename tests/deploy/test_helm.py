@@ -288,6 +288,11 @@ def test_every_variant_is_valid(variant: str) -> None:
     for obj in objs:
         if obj["kind"] not in MONITORING_KINDS:
             validate_once(obj)
+    if not VARIANTS[variant].get("nodeStack", {"enabled": True})["enabled"]:
+        # The controller makes each configuration's node stack (tests/controller).
+        assert only(objs, "Deployment")["metadata"]["name"] == "mtc-controller"
+        assert "DaemonSet" not in {o["kind"] for o in objs}
+        return
     # The ConfigMap is what mtc-csi and mtc-replicator read; both containers take it.
     data = only(objs, "ConfigMap")["data"]
     assert all(isinstance(v, str) for v in data.values())
@@ -462,8 +467,10 @@ def test_each_cloud_s_gpu_pool_gets_the_stack_and_no_other_node_does(values_file
 
 def test_every_kustomization_has_its_values() -> None:
     # A new overlay needs its values file here, or the chart would lag behind it unseen.
-    from tests.deploy.test_manifests import KUSTOMIZATIONS
+    from tests.deploy.test_manifests import CONTROLLER_OVERLAY, KUSTOMIZATIONS
 
-    assert sorted(MIRRORS) == sorted(str(p.relative_to(DEPLOY)) for p in KUSTOMIZATIONS)
+    assert sorted(MIRRORS) == sorted(
+        str(p.relative_to(DEPLOY)) for p in [*KUSTOMIZATIONS, CONTROLLER_OVERLAY]
+    )
     for files in MIRRORS.values():
         assert all((VALUES_DIR / f).is_file() for f in files)

@@ -43,7 +43,13 @@ KUSTOMIZATION_FILES = sorted(DEPLOY.rglob("kustomization.yaml"))
 COMPONENTS = [
     p.parent for p in KUSTOMIZATION_FILES if yaml.safe_load(p.read_text())["kind"] == "Component"
 ]
-KUSTOMIZATIONS = [p.parent for p in KUSTOMIZATION_FILES if p.parent not in COMPONENTS]
+CONTROLLER_OVERLAY = DEPLOY / "overlays" / "controller"
+"""The controller's install: no static node stack (test_controller_manifests.py checks it)."""
+KUSTOMIZATIONS = [
+    p.parent
+    for p in KUSTOMIZATION_FILES
+    if p.parent not in COMPONENTS and p.parent != CONTROLLER_OVERLAY
+]
 CERT_MANAGER_OVERLAY = DEPLOY / "overlays" / "cert-manager"
 CERT_MANAGER_COMPONENT = DEPLOY / "components" / "cert-manager"
 RBAC_KINDS = {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
@@ -75,12 +81,13 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
     assert [_id(p) for p in COMPONENTS] == [
         "components/cert-manager",
         "components/cert-manager-per-node",
+        "components/controller",
         "components/monitoring",
         "components/root-training",
     ]
 
 
-HELM_RENDERS = [f"helm:{name}" for name in helm_chart.MIRRORS]
+HELM_RENDERS = [f"helm:{name}" for name in helm_chart.MIRRORS if name != _id(CONTROLLER_OVERLAY)]
 """The Helm chart with the values of each kustomization: every property below holds for it."""
 
 

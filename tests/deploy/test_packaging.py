@@ -172,7 +172,7 @@ def _metadata(wheel: Path) -> list[Requirement]:
 def _extra(req: Requirement) -> str | None:
     if req.marker is None:
         return None
-    for extra in ("daemon", "gcs", "s3", "torch", "demo", "interop", "ray", "dev"):
+    for extra in ("daemon", "gcs", "s3", "torch", "demo", "interop", "ray", "controller", "dev"):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": ""}):
             return extra
     return None
@@ -183,7 +183,7 @@ def test_wheel_requires_only_pyyaml_and_no_user_facing_extra_pins(wheel: Path) -
     base = [r for r in requirements if _extra(r) is None]
     assert [canonicalize_name(r.name) for r in base] == ["pyyaml"]
     extras = {_extra(r) for r in requirements} - {None}
-    assert {"daemon", "torch", "demo", "s3", "gcs", "ray"} <= extras
+    assert {"daemon", "torch", "demo", "s3", "gcs", "ray", "controller"} <= extras
     for req in requirements:
         extra = _extra(req)
         if extra == "dev":  # the dev tools, never installed by a user: exact where needed

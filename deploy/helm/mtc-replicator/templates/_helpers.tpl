@@ -86,3 +86,10 @@ AWS_ENDPOINT_URL_S3: {{ . | quote }}
 {{- fail "backup.s3 is only for s3:// backup or registry URLs" }}
 {{- end }}
 {{- end }}
+
+{{/* The controller's objects (deploy/components/controller). */}}
+{{- define "mtc.controllerLabels" -}}
+app.kubernetes.io/name: mtc-controller
+app.kubernetes.io/part-of: mtc
+{{ include "mtc.helmLabels" . }}
+{{- end }}
