@@ -527,13 +527,17 @@ class Run:
         """The real ranks' items as their stores hold them (their peers report these)."""
         found: dict[ItemId, str] = {}
         for node in self.nodes.values():
-            # Read-only, beside the running daemon: committed items never change.
-            for path in (default_store_dir(node.ckpt) / "items" / JOB).glob("*/*/MANIFEST.json"):
-                try:
-                    manifest = Manifest.from_json(path.read_bytes())
-                except FileNotFoundError:
-                    continue  # retention took it meanwhile
-                found[manifest.item] = manifest.digest
+            # Read-only, beside the running daemon: committed items never change, but
+            # retention may remove a step (its directory, or a manifest) while we look.
+            items = default_store_dir(node.ckpt) / "items" / JOB
+            for step in _listdir(items):
+                for item in _listdir(items / step):
+                    try:
+                        raw = (items / step / item / "MANIFEST.json").read_bytes()
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue
+                    manifest = Manifest.from_json(raw)
+                    found[manifest.item] = manifest.digest
         return found
 
     async def round(self, members: list[Member], lost: set[int], wipe_real: bool) -> dict[str, Any]:
@@ -711,6 +715,14 @@ def table(results: list[dict[str, Any]]) -> str:
     for label, get in rows:
         lines.append(f"{label:<{width}}  " + "  ".join(f"{get(r)!s:>8}" for r in results))
     return "\n".join(lines)
+
+
+def _listdir(path: Path) -> list[str]:
+    """The names in ``path``; none when retention removed it meanwhile."""
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def main() -> None:
