@@ -117,6 +117,10 @@ def _calls(setup: Setup, channel: grpc.Channel) -> dict[str, Callable[[], Any]]:
             timeout=5,
         ),
         "Node.Status": lambda: node.Status(node_pb2.NodeStatusRequest(), timeout=5),
+        "Node.Drop": lambda: node.Drop(
+            node_pb2.DropRequest(job=JOB, even_if_only_copy=True), timeout=5
+        ),
+        "Node.Upload": lambda: node.Upload(node_pb2.UploadRequest(job=JOB), timeout=5),
     }
 
 
