@@ -167,12 +167,8 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.DropResponse:
         job = request.job
-        if not is_job_name(job):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
-        if self.drop is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon drops nothing")
+        await _admit("Drop", job, self.drop is not None, context)
         assert self.drop is not None
-        log.warning("Drop of job %s asked by %s", job, context.peer(), extra={"job": job})
         try:
             gone = await self.drop(job, request.even_if_only_copy)
         except DropRefused as exc:
@@ -190,13 +186,9 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> pb.UploadResponse:
         job = request.job
-        if not is_job_name(job):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
-        if self.upload is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon uploads nothing")
+        await _admit("Upload", job, self.upload is not None, context)
         assert self.upload is not None
         step = request.step if request.HasField("step") else None
-        log.warning("Upload of job %s asked by %s", job, context.peer(), extra={"job": job})
         try:
             done = await self.upload(job, step)
         except UploadRefused as exc:
@@ -233,3 +225,15 @@ async def probe_peers(
                 if isinstance(result, Exception):
                     log.debug("probe of %s failed: %s", address, result)
         await asyncio.sleep(every)
+
+
+async def _admit(
+    what: str, job: str, served: bool, context: grpc.aio.ServicerContext[Any, Any]
+) -> None:
+    """An operator's call on one job's items (``Drop``, ``Upload``): a job name, a daemon
+    that does it, and a warning line naming the caller, before anything is touched."""
+    if not is_job_name(job):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a job name: {job!r:.80}")
+    if not served:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"this daemon does no {what}")
+    log.warning("%s of job %s asked by %s", what, job, context.peer(), extra={"job": job})
