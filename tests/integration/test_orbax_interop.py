@@ -79,14 +79,19 @@ def top_level_steps(ckpt: Path) -> dict[str, Path]:
 
 def stored_steps(ckpt: Path) -> set[int]:
     """Steps the daemon's store holds, whatever its layout: Orbax writes into every step's
-    ``commit_success.txt`` "Checkpoint commit was successful to <dir>/<N>"."""
+    ``commit_success.txt`` "Checkpoint commit was successful to <dir>/<N>". A step in
+    ``ingest/`` may move while this walks; the caller polls, so it is seen next time."""
     steps: set[int] = set()
     store = store_root(ckpt)
     if not store.is_dir():
         return steps
     for dirpath, _dirs, files in os.walk(store):
         if "commit_success.txt" in files and "_CHECKPOINT_METADATA" in files:
-            text = (Path(dirpath) / "commit_success.txt").read_text(errors="replace").strip()
+            try:
+                text = (Path(dirpath) / "commit_success.txt").read_text(errors="replace")
+            except FileNotFoundError:  # ingest moved the step on while we walked: look again
+                continue
+            text = text.strip()
             m = re.search(r"/([0-9]+)$", text)
             if m:
                 steps.add(int(m.group(1)))

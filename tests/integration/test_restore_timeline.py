@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.core.timeline import RestorePhase
+from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import Cluster, assert_restored
 from tests.integration.conftest import StartDaemon
 from tests.integration.helpers import (
@@ -22,6 +23,7 @@ from tests.integration.helpers import (
     store_root,
     wait_ingested,
     wait_markers,
+    wait_until,
     write_yaml_atomic,
 )
 from tests.integration.test_metrics import METRICS, sample, scrape_until
@@ -48,6 +50,19 @@ def summaries(log: str, step: int | None) -> list[dict[str, float]]:
     return found
 
 
+def summary_of(daemon: DaemonProcess, step: int | None) -> dict[str, float]:
+    """The one INFO line of ``step``'s restore, once the round's last line is logged: the
+    daemon logs the timeline after it writes the markers, so a test that saw the markers
+    can read the log before the lines (and its DEBUG spans) are there."""
+    wait_until(
+        lambda: f"restore round done: step={step} " in daemon.log(),
+        f"the restore round of step {step} logged",
+        daemon=daemon,
+    )
+    (found,) = summaries(daemon.log(), step)
+    return found
+
+
 def spans(log: str, step: int | None) -> list[tuple[float, float, str, str]]:
     """The DEBUG spans of the restores of ``step``: (start, seconds, phase, detail)."""
     return [
@@ -70,8 +85,8 @@ def test_a_peer_restore_logs_and_exports_its_timeline(cluster: Cluster) -> None:
 
     # Rank 2: one INFO line naming every phase; the time went to settling, the round, the
     # pull from its holder and the markers; the phases add up to the total.
+    summary = summary_of(cluster.daemon(lost), 5)
     log = cluster.daemon(lost).log()
-    (summary,) = summaries(log, 5)
     assert list(summary) == ["total", *(p.value for p in RestorePhase)]
     assert summary["peer"] > 0
     assert (summary["local"], summary["backup"]) == (0, 0)
@@ -90,7 +105,7 @@ def test_a_peer_restore_logs_and_exports_its_timeline(cluster: Cluster) -> None:
     assert [s[0] for s in restored] == sorted(s[0] for s in restored)
 
     # A surviving rank verified its own copy: the local phase, no pull.
-    (kept,) = summaries(cluster.daemon(0).log(), 5)
+    kept = summary_of(cluster.daemon(0), 5)
     assert kept["peer"] == 0
     verified = [s[3] for s in spans(cluster.daemon(0).log(), 5) if s[2] == "local"]
     assert verified == [f"{cluster.job}/s5/n0-w0"]
@@ -134,7 +149,7 @@ def test_a_backup_restore_logs_and_exports_the_download(
         "step 7 backed up",
         lambda s: sample(s, "mtc_newest_step", mtc_job=job, tier="backup") == 7,
     )
-    (fresh,) = summaries(daemon.log(), None)  # the first incarnation's: nothing to fetch
+    fresh = summary_of(daemon, None)  # the first incarnation's: nothing to fetch
     assert (fresh["local"], fresh["peer"], fresh["backup"]) == (0, 0, 0)
 
     # The node loses its RAM disk and its daemon; the job restarts on a new daemon.
@@ -147,7 +162,7 @@ def test_a_backup_restore_logs_and_exports_the_download(
     marker = wait_markers(ckpt, job, 7, daemon)
     assert read_tree(marker[0]) == files
 
-    (summary,) = summaries(daemon.log(), 7)
+    summary = summary_of(daemon, 7)
     assert summary["backup"] > 0
     assert (summary["local"], summary["peer"]) == (0, 0)
     downloads = [s for s in spans(daemon.log(), 7) if s[2] == "backup"]
