@@ -3,7 +3,10 @@
 create, resume (at the controller's start) and update all reconcile: the same function
 renders the spec, refuses it (a condition and an Event naming the field or the conflict,
 nothing applied) or applies it. delete removes the owned objects, then kopf releases the
-finalizer. A change of an owned DaemonSet's status updates its configuration's status.
+finalizer. A change of an owned DaemonSet's status updates its configuration's status. Every
+``MTC_CONTROLLER_SCRAPE_SECONDS`` each configuration's replicators are asked how they are
+(``controller.scrape``): their own readiness reasons and their jobs' newest steps go into
+its status, and what an operator must act on into Events (``controller.report``).
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import Counter
 
-from mtc_replicator.controller import plan
+from mtc_replicator.controller import plan, report, scrape
 from mtc_replicator.controller.kube import Kube, MissingKind, fixed_of, owned_by
 from mtc_replicator.tools.render_config import GROUP, RenderError
 
@@ -40,13 +43,30 @@ files before the DaemonSet goes."""
 NOT_READY_SECONDS = float(os.environ.get("MTC_CONTROLLER_NOT_READY_SECONDS", "300"))
 """A node whose pod stays not ready this long gets one Warning Event (NodeNotReady)."""
 
+SCRAPE_SECONDS = float(os.environ.get("MTC_CONTROLLER_SCRAPE_SECONDS", "30"))
+"""How often each configuration's replicators are asked how they are."""
+EVENT_SECONDS = float(os.environ.get("MTC_CONTROLLER_EVENT_SECONDS", "600"))
+"""At most one BackupFailing or RestoreBlocked Event per node (and job) this often."""
+
 RECONCILES = Counter(
     "mtc_controller_reconciles_total",
     "Configurations reconciled, by outcome: Applied, or the refusal's reason",
     ["outcome"],
 )
 
+LOOKS = Counter(
+    "mtc_controller_replicator_looks_total",
+    "Answers read from the node stacks' replicators (/readyz and /metrics), by outcome",
+    ["outcome"],
+)
+
 _kube: Kube | None = None
+_reports: dict[tuple[str, str], dict[str, report.NodeReport]] = {}
+"""Each configuration's replicators as they last answered, by node: the status written
+between two looks (a DaemonSet's event) keeps what they said."""
+_baselines: dict[tuple[str, str], dict[str, report.NodeReport]] = {}
+"""Each node's last answer, which the next one is compared with for Events."""
+_limiter = report.Limiter(EVENT_SECONDS)
 
 
 def kube() -> Kube:
@@ -70,16 +90,22 @@ def _status_lock(namespace: str, name: str) -> threading.Lock:
 
 
 def _write_status(
-    cr: Mapping[str, Any], refusal: plan.Refusal | None, ds: Mapping[str, Any] | None
+    cr: Mapping[str, Any],
+    refusal: plan.Refusal | None,
+    ds: Mapping[str, Any] | None,
+    pods: Sequence[Mapping[str, Any]] | None = None,
 ) -> None:
-    """Status from the refusal and the DaemonSet. One writer per configuration at a time
-    (the DaemonSet's events and the resync run in different threads), each starting from
-    the status as it is now, so a NodeNotReady Event is posted once."""
+    """Status from the refusal, the DaemonSet, its pods and the replicators' last answers.
+    One writer per configuration at a time (the DaemonSet's events, the looks and the
+    resync run in different threads), each starting from the status as it is now, so a
+    NodeNotReady Event is posted once."""
     meta = cr["metadata"]
-    with _status_lock(meta["namespace"], meta["name"]):
-        fresh = kube().configuration(meta["namespace"], meta["name"]) or cr
+    key = (meta["namespace"], meta["name"])
+    with _status_lock(*key):
+        fresh = kube().configuration(*key) or cr
         old = fresh.get("status") or {}
-        pods = kube().pods(meta["namespace"], meta["name"]) if ds is not None else []
+        if pods is None:
+            pods = kube().pods(*key) if ds is not None else ()
         now = _now()
         st = plan.status(
             int(meta.get("generation", 1)),
@@ -89,12 +115,16 @@ def _write_status(
             now,
             pods=pods,
             not_ready_before=(old.get("nodes") or {}).get("notReady") or [],
+            reports=_reports.get(key),
+            jobs_before=old.get("jobs") or [],
         )
         for entry in plan.overdue(st["nodes"]["notReady"], now, NOT_READY_SECONDS):
+            said = entry.get("replicator")
+            why = entry["reason"] + (f" (the replicator: {said})" if said else "")
             kopf.warn(
                 _body(cr),
                 reason="NodeNotReady",
-                message=f"node {entry['node']} not ready since {entry['since']}: {entry['reason']}",
+                message=f"node {entry['node']} not ready since {entry['since']}: {why}",
             )
         if all(old.get(k) == v for k, v in st.items()) and _same_conditions(old, st):
             return
@@ -123,7 +153,7 @@ def reconcile(body: Mapping[str, Any]) -> None:
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
     try:
-        want = plan.desired(body)
+        want = plan.desired(body, os.environ.get("POD_NAMESPACE"))
     except RenderError as exc:
         ds = k.daemonset(ns, f"mtc-node-{name}")
         _refuse(body, plan.Refusal(plan.INVALID, str(exc)), ds if owned_by(ds, uid) else None)
@@ -215,6 +245,8 @@ def on_delete(body: kopf.Body, **_: Any) -> None:
         )
         time.sleep(RELEASE_WAIT_SECONDS)
     deleted = kube().delete_owned(meta["namespace"], meta["name"], meta["uid"])
+    for memory in (_reports, _baselines):
+        memory.pop((meta["namespace"], meta["name"]), None)
     log.info("%s/%s deleted: %d objects removed", meta["namespace"], meta["name"], deleted)
 
 
@@ -253,6 +285,34 @@ def resync(body: kopf.Body, **_: Any) -> None:
     _reconcile_quietly(body)
 
 
+@kopf.timer(*RESOURCE, interval=SCRAPE_SECONDS, initial_delay=1.0, registry=REGISTRY)
+def look(body: kopf.Body, **_: Any) -> None:
+    """Ask every node's replicator how it is; its status and Events follow."""
+    meta = body["metadata"]
+    if meta.get("deletionTimestamp"):
+        return
+    key = (meta["namespace"], meta["name"])
+    ds = kube().daemonset(key[0], f"mtc-node-{key[1]}")
+    if not owned_by(ds, meta["uid"]):
+        return  # refused, or not made yet: nothing of ours to ask
+    pods = kube().pods(*key)
+    answers = scrape.look_all(pods)
+    baseline = _baselines.setdefault(key, {})
+    clock = time.monotonic()
+    for node, r in sorted(answers.items()):
+        LOOKS.labels("answered" if r.answered and r.error is None else "failed").inc()
+        for alert in report.alerts(baseline.get(node), r):
+            if _limiter.allow(f"{key[0]}/{key[1]}/{alert.key}", clock):
+                kopf.warn(_body(body), reason=alert.reason, message=alert.message)
+        if r.answered:
+            baseline[node] = r
+    for gone in set(baseline) - {plan.pod_node(p) for p in pods}:
+        del baseline[gone]
+    _reports[key] = answers
+    generation = int(meta.get("generation", 1))
+    _write_status(body, plan.refusal_in(body.get("status"), generation), ds, pods)
+
+
 def _reconcile_quietly(cr: Mapping[str, Any]) -> None:
     # Outside the configuration's own handlers, a refusal is already in its status: log it.
     try:
@@ -275,6 +335,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_instance = os.environ.get("POD_NAME", "mtc-controller")
     settings.peering.standalone = True
     settings.watching.server_timeout = 300
+    # A delete waits for the object's timers (``look``, ``resync``) to end; one in flight
+    # is checked again after this many seconds (kopf's 60 held a finalizer for a minute).
+    settings.background.cancellation_polling = 1.0
 
 
 @kopf.on.startup(registry=REGISTRY)

@@ -9,18 +9,20 @@ configuration's own, so it exists already and is not touched.
 
 A spec is refused, with nothing applied, when it does not parse (the field is named), when it
 changes a field that cannot change in place (``FIXED_FIELDS``), or when its nodes are
-another configuration's. Status is computed from the refusal, if any, and the DaemonSet's
-counts.
+another configuration's. Status is computed from the refusal, if any, the DaemonSet's
+counts, its pods, and what each node's replicator says of itself (``controller.report``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mtc_replicator.controller.report import NodeReport, jobs_status, with_reasons
 from mtc_replicator.tools.render_config import API_VERSION, KIND, Manifest, NodeConfig, parse
 from mtc_replicator.tools.render_manifests import manifests
 
@@ -105,9 +107,12 @@ def fixed_values(config: NodeConfig) -> dict[str, object]:
     }
 
 
-def desired(cr: Mapping[str, Any]) -> Desired:
-    """The objects for ``cr``; ``RenderError`` (naming the field) when its spec is invalid."""
+def desired(cr: Mapping[str, Any], controller_namespace: str | None = None) -> Desired:
+    """The objects for ``cr``; ``RenderError`` (naming the field) when its spec is invalid.
+    ``controller_namespace``: where this controller runs (its NetworkPolicy rule)."""
     config = parse(_scrubbed(cr))
+    if controller_namespace:
+        config = dataclasses.replace(config, controller_namespace=controller_namespace)
     owner = owner_reference(cr)
     fixed = fixed_values(config)
     owned: list[Manifest] = []
@@ -268,7 +273,8 @@ MAX_NOT_READY = 20
 """Nodes listed in ``status.nodes.notReady``: enough to act on, small enough to read."""
 
 
-def _pod_node(pod: Mapping[str, Any]) -> str:
+def pod_node(pod: Mapping[str, Any]) -> str:
+    """The node a node-stack pod runs on, or is made for."""
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         return str(spec["nodeName"])
@@ -321,7 +327,7 @@ def not_ready(
             continue
         if (pod.get("metadata") or {}).get("deletionTimestamp"):
             continue
-        node = _pod_node(pod)
+        node = pod_node(pod)
         old = earlier.get(node) or {}
         entry: dict[str, Any] = {
             "node": node,
@@ -360,9 +366,13 @@ def status(
     *,
     pods: Sequence[Mapping[str, Any]] = (),
     not_ready_before: Sequence[Mapping[str, Any]] = (),
+    reports: Mapping[str, NodeReport] | None = None,
+    jobs_before: Sequence[Mapping[str, Any]] = (),
 ) -> Manifest:
     """The status subresource: a condition keeps its lastTransitionTime while its status
-    does not change."""
+    does not change. ``reports``: each node's replicator as it last answered, by node
+    (None: not asked yet since this controller started, so what ``not_ready_before`` and
+    ``jobs_before`` say of them stays)."""
     before = {c.get("type"): c for c in previous}
     out = []
     for c in conditions(refusal, n):
@@ -371,17 +381,26 @@ def status(
         c["lastTransitionTime"] = old.get("lastTransitionTime", now) if same and old else now
         c["observedGeneration"] = generation
         out.append(c)
-    return {
-        "observedGeneration": generation,
-        "conditions": out,
-        "nodes": {
-            "desired": n.desired,
-            "ready": n.ready,
-            "updated": n.updated,
-            "available": n.available,
-            "notReady": not_ready(pods, not_ready_before, now),
-        },
+    entries = not_ready(pods, not_ready_before, now)
+    if reports is None:
+        said = {e.get("node"): e.get("replicator") for e in not_ready_before}
+        for e in entries:
+            if said.get(e["node"]):
+                e["replicator"] = said[e["node"]]
+        jobs = [dict(j) for j in jobs_before]
+    else:
+        entries = with_reasons(entries, reports)
+        jobs = jobs_status(reports.values())
+    nodes: dict[str, Any] = {
+        "desired": n.desired,
+        "ready": n.ready,
+        "updated": n.updated,
+        "available": n.available,
+        "notReady": entries,
     }
+    if reports is not None:
+        nodes["reporting"] = sum(1 for r in reports.values() if r.answered)
+    return {"observedGeneration": generation, "conditions": out, "nodes": nodes, "jobs": jobs}
 
 
 def refusal_in(st: Mapping[str, Any] | None, generation: int) -> Refusal | None:

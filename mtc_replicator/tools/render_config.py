@@ -151,6 +151,9 @@ class NodeConfig:
     (``deploy/overlays/cert-manager-per-node``)."""
     metrics_namespace: str = DEFAULT_METRICS_NAMESPACE
     """The one namespace the NetworkPolicy lets scrape the metrics port."""
+    controller_namespace: str = DEFAULT_NAMESPACE
+    """Where mtc-controller runs: its pods may read the metrics port too (the replicators'
+    own readiness reasons and jobs, for the configuration's status)."""
     max_transfer_rate: str | None = None
     """``--max-transfer-rate`` as written (validated); None: unlimited."""
     yield_to_saves_seconds: float | None = None

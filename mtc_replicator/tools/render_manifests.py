@@ -47,6 +47,8 @@ PLUGIN_HEALTH_PORT = 9808
 REGISTRAR_HEALTH_PORT = 9809
 PROBE_PORTS = (HEALTH_PORT, PLUGIN_HEALTH_PORT, REGISTRAR_HEALTH_PORT)
 """kubelet's probes; the NetworkPolicy admits them from any source (see ``network_policy``)."""
+CONTROLLER = "mtc-controller"
+"""The controller's pods' ``app.kubernetes.io/name`` (deploy/components/controller)."""
 TLS_DIR = "/etc/mtc/tls"
 TLS_SERVER_NAME = "mtc-replicator"
 """The one DNS name in every node certificate, the daemon's ``--tls-server-name`` default
@@ -395,9 +397,10 @@ def _tcp(*ports: int) -> list[Manifest]:
 
 
 def network_policy(c: NodeConfig) -> Manifest:
-    """Ingress to the node stack's pods: peers on gRPC and data, one namespace on metrics,
-    kubelet's probes from anywhere (their source differs by CNI; they say only healthy or
-    not), nothing else. Egress stays open (peers, coordinator, object store)."""
+    """Ingress to the node stack's pods: peers on gRPC and data, one namespace and the
+    controller's pods on metrics, kubelet's probes from anywhere (their source differs by
+    CNI; they say only healthy or not), nothing else. Egress stays open (peers,
+    coordinator, object store)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -416,7 +419,15 @@ def network_policy(c: NodeConfig) -> Manifest:
                             "namespaceSelector": {
                                 "matchLabels": {"kubernetes.io/metadata.name": c.metrics_namespace}
                             }
-                        }
+                        },
+                        {
+                            "namespaceSelector": {
+                                "matchLabels": {
+                                    "kubernetes.io/metadata.name": c.controller_namespace
+                                }
+                            },
+                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": CONTROLLER}},
+                        },
                     ],
                     "ports": _tcp(METRICS_PORT),
                 },

@@ -315,26 +315,27 @@ def network_probe_ports(pod_spec: Obj) -> dict[str, int]:
 
 def ingress_rules(policy: Obj) -> set[tuple[str, int]]:
     """A NetworkPolicy's ingress as (peer, port) pairs; peer ``*`` is any source. Rules with
-    anything this reduction cannot express (port ranges, named ports, UDP, ipBlocks, both
-    selectors in one peer) fail the test."""
+    anything this reduction cannot express (port ranges, named ports, UDP, ipBlocks,
+    matchExpressions) fail the test."""
     out: set[tuple[str, int]] = set()
     for rule in policy["spec"].get("ingress", []):
         assert set(rule) <= {"from", "ports"}, rule
         peers = []
         for peer in rule.get("from") or [{}]:
-            assert len(peer) <= 1, f"one selector per peer here: {peer}"
+            assert set(peer) <= {"namespaceSelector", "podSelector"}, f"unexpected peer {peer}"
             if not peer:
                 peers.append("*")
-            elif "podSelector" in peer:
-                assert set(peer["podSelector"]) == {"matchLabels"}, peer
-                labels = peer["podSelector"]["matchLabels"]
-                peers.append("pods:" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
-            elif "namespaceSelector" in peer:
-                assert set(peer["namespaceSelector"]) == {"matchLabels"}, peer
-                labels = peer["namespaceSelector"]["matchLabels"]
-                peers.append("namespace:" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
-            else:
-                raise AssertionError(f"unexpected peer {peer}")
+                continue
+            # Both selectors in one peer: those pods in those namespaces ("namespace:..&pods:..").
+            parts = []
+            for key, word in (("namespaceSelector", "namespace"), ("podSelector", "pods")):
+                if key in peer:
+                    assert set(peer[key]) == {"matchLabels"}, peer
+                    labels = peer[key]["matchLabels"]
+                    parts.append(
+                        f"{word}:" + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+                    )
+            peers.append("&".join(parts))
         assert "ports" in rule, f"a rule without ports admits every port: {rule}"
         for port in rule["ports"]:
             assert set(port) == {"protocol", "port"}, port

@@ -366,6 +366,11 @@ def _expected_ingress(
             f"namespace:kubernetes.io/metadata.name={metrics_namespace}",
             render_manifests.METRICS_PORT,
         ),
+        # The controller's pods only, in its namespace, for the configuration's status.
+        (
+            "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
+            render_manifests.METRICS_PORT,
+        ),
         ("*", render_manifests.HEALTH_PORT),
         ("*", render_manifests.PLUGIN_HEALTH_PORT),
         ("*", render_manifests.REGISTRAR_HEALTH_PORT),

@@ -200,6 +200,10 @@ def test_network_policy_follows_the_configuration() -> None:
         (f"pods:{selector}", 7070),
         (f"pods:{selector}", 7071),
         ("namespace:kubernetes.io/metadata.name=prometheus", 9464),
+        (
+            "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
+            9464,
+        ),
         ("*", 7072),
         ("*", 9808),
         ("*", 9809),

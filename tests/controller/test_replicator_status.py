@@ -1,0 +1,303 @@
+"""Status as the replicators report it, on a real API server with real daemons.
+
+Two real daemons serve /readyz and /metrics at two loopback addresses (127.0.0.2 and
+127.0.0.3, port 9464 as in the DaemonSet), standing for two nodes' pods: their pods get
+those IPs the way kubelet would report them. The controller (its own process, as its
+ServiceAccount) asks each replicator every second here (30 s by default) and writes what
+they say into the configuration's status: a node's own reason for not being ready (its
+RAM disk missing, then unreachable), each job's newest step per tier with its time, read
+back with ``kubectl get -o yaml``; and Events for a backup that starts failing and a node
+not ready for long, its replicator's reason in the message.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.controller.apiserver import ApiServer
+from tests.controller.conftest import NAMESPACE, Controller, wait_for
+from tests.controller.test_controller import Cluster, _ready, _register_nodes, config
+from tests.daemon_process import DaemonProcess
+from tests.integration.helpers import (
+    FAST_ARGS,
+    config_text,
+    make_step,
+    payload,
+    wait_ingested,
+    wait_markers,
+    write_yaml_atomic,
+)
+
+NAME = "reports"
+JOB = "rep-job"
+ADDRESSES = ("127.0.0.2", "127.0.0.3")
+METRICS_PORT = 9464
+
+
+@pytest.fixture(scope="module")
+def controller(
+    apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Controller]:
+    log = tmp_path_factory.mktemp("controller") / "controller.log"
+    c = Controller(
+        apiserver,
+        log,
+        "--no-leader-elect",
+        env_extra={
+            "MTC_CONTROLLER_SCRAPE_SECONDS": "1",
+            "MTC_CONTROLLER_NOT_READY_SECONDS": "5",
+            "MTC_CONTROLLER_RETRY_SECONDS": "1",
+        },
+    )
+    wait_for("the controller is ready", lambda: _ready(c), timeout=60)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
+    """Node a: a job backed up to file://; node b: no backup. Their metrics at the pods' IPs."""
+    started = []
+    for i, ip in enumerate(ADDRESSES):
+        backup = tmp_path / "backup" if i == 0 else None
+        if backup is not None:
+            backup.mkdir()
+        d = DaemonProcess(
+            tmp_path / f"node{i}" / "ckpt",
+            backup=backup.as_uri() if backup else None,
+            extra_args=(*FAST_ARGS, "--metrics", f"{ip}:{METRICS_PORT}"),
+        )
+        started.append(d)
+        d.start()
+    yield started
+    for d in started:
+        if d.running:
+            d.stop(timeout=10)
+
+
+def _pods(cluster: Cluster, apiserver: ApiServer) -> list[Any]:
+    """The node stack's two pods, one per node: the DaemonSet's own where a
+    kube-controller-manager runs (on two registered Nodes), else made as it would."""
+    selector = f"app.kubernetes.io/instance={NAME}"
+    if apiserver.controller_manager:
+        _register_nodes(cluster, NAME, 2)
+        pods = wait_for(
+            "a pod per node",
+            lambda: (
+                (p := cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items)
+                and len(p) == 2
+                and p
+            ),
+        )
+        return sorted(pods, key=_node_of)
+    ds = cluster.daemonset(NAME)
+    assert ds is not None
+    template = ds["spec"]["template"]
+    for i in range(2):
+        body = {
+            "metadata": {"name": f"mtc-node-{NAME}-{i}", "labels": template["metadata"]["labels"]},
+            "spec": {**template["spec"], "nodeName": f"{NAME}-node-{i}"},
+        }
+        cluster.core.create_namespaced_pod(NAMESPACE, body)
+    return sorted(
+        cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items,
+        key=_node_of,
+    )
+
+
+def _node_of(pod: Any) -> str:
+    if pod.spec.node_name:
+        return str(pod.spec.node_name)
+    terms = pod.spec.affinity.node_affinity.required_during_scheduling_ignored_during_execution
+    return str(terms.node_selector_terms[0].match_fields[0].values[0])
+
+
+def _running(cluster: Cluster, pod: Any, ip: str, ready: bool) -> None:
+    """What kubelet reports of a running pod at ``ip``."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    flag = "True" if ready else "False"
+    cluster.core.patch_namespaced_pod_status(
+        pod.metadata.name,
+        NAMESPACE,
+        {
+            "status": {
+                "phase": "Running",
+                "podIP": ip,
+                "podIPs": [{"ip": ip}],
+                "conditions": [
+                    {"type": "Ready", "status": flag, "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": "replicator",
+                        "ready": ready,
+                        "restartCount": 0,
+                        "image": "mtc-replicator",
+                        "imageID": "",
+                        "state": {"running": {"startedAt": now}},
+                    }
+                ],
+            }
+        },
+    )
+
+
+def _status(cluster: Cluster) -> dict[str, Any]:
+    return dict((cluster.get(NAME) or {}).get("status") or {})
+
+
+def _entry(st: dict[str, Any], node: str) -> dict[str, Any] | None:
+    return next((e for e in st.get("nodes", {}).get("notReady", []) if e["node"] == node), None)
+
+
+def _events(cluster: Cluster, reason: str) -> list[Any]:
+    return [e for e in cluster.events(NAME) if e.reason == reason]
+
+
+def _not_ready_events(cluster: Cluster, node: str) -> list[Any]:
+    return [e for e in _events(cluster, "NodeNotReady") if f"node {node} " in e.message]
+
+
+def test_status_says_what_each_replicator_reports(
+    api: Any,
+    controller: Controller,
+    apiserver: ApiServer,
+    daemons: list[DaemonProcess],
+    tmp_path: Path,
+) -> None:
+    for ip in ADDRESSES:  # the daemons answer where the pods' IPs say
+        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/readyz", timeout=5) as r:
+            assert r.status == 200
+    cluster = Cluster(api)
+    cluster.create(config(NAME))
+    try:
+        _check(cluster, apiserver, daemons, tmp_path)
+    finally:
+        cluster.delete(NAME)
+        wait_for("the configuration gone", lambda: cluster.get(NAME) is None)
+
+
+def _check(
+    cluster: Cluster, apiserver: ApiServer, daemons: list[DaemonProcess], tmp_path: Path
+) -> None:
+    a, b = daemons
+    wait_for("the DaemonSet", lambda: cluster.daemonset(NAME))
+    pod_a, pod_b = _pods(cluster, apiserver)
+    node_a, node_b = _node_of(pod_a), _node_of(pod_b)
+    # Node b has lost its RAM disk: kubelet sees only a readiness probe not passing.
+    b.checkpoint_dir.rmdir()
+    _running(cluster, pod_a, ADDRESSES[0], ready=True)
+    _running(cluster, pod_b, ADDRESSES[1], ready=False)
+
+    # Node a runs a job that saves step 5 and backs it up.
+    ckpt = a.checkpoint_dir
+    write_yaml_atomic(ckpt, config_text(JOB, backup_interval_steps=1))
+    wait_markers(ckpt, JOB, 0, a)
+    make_step(ckpt, 5, payload(5, seed=JOB))
+    wait_ingested(ckpt, JOB, 5, a)
+
+    def reported() -> dict[str, Any] | None:
+        st = _status(cluster)
+        jobs = {j["job"]: j for j in st.get("jobs", [])}
+        entry = _entry(st, node_b)
+        job = jobs.get(JOB)
+        if (
+            entry is None
+            or "replicator" not in entry
+            or job is None
+            or job.get("backup", {}).get("step") != 5
+        ):
+            return None
+        return st
+
+    st = wait_for("the replicators' word in the status", reported, timeout=60)
+    assert st["nodes"]["reporting"] == 2
+    entry = _entry(st, node_b)
+    assert entry is not None
+    assert entry["reason"] == "replicator: running, readiness probe not passing"  # kubelet's
+    assert entry["replicator"] == (  # the daemon's own
+        f"CHECKPOINT_DIR {b.checkpoint_dir} is missing or not a directory"
+    )
+    assert _entry(st, node_a) is None
+    (job,) = [j for j in st["jobs"] if j["job"] == JOB]
+    assert job["nodes"] == 1
+    assert job["local"]["step"] == 5
+    assert job.get("replicated", job["local"])["step"] <= 5
+    for tier in ("local", "backup"):
+        at = calendar.timegm(time.strptime(job[tier]["at"], "%Y-%m-%dT%H:%M:%SZ"))
+        assert abs(time.time() - at) < 120, job
+
+    # Not ready past MTC_CONTROLLER_NOT_READY_SECONDS: one Event, the replicator's reason in it.
+    (late,) = wait_for("a NodeNotReady Event", lambda: _not_ready_events(cluster, node_b))
+    assert "CHECKPOINT_DIR" in late.message, late.message
+
+    # The backup starts failing on node a: one BackupFailing Event naming the node.
+    backup = tmp_path / "backup"
+    shutil.rmtree(backup)
+    backup.write_text("not a directory any more")
+    make_step(ckpt, 6, payload(6, seed=JOB))
+    wait_ingested(ckpt, JOB, 6, a)
+    (failing,) = wait_for("a BackupFailing Event", lambda: _events(cluster, "BackupFailing"))
+    assert failing.type == "Warning"
+    assert node_a in failing.message
+    newer = wait_for(
+        "step 6 local",
+        lambda: (
+            (j := {x["job"]: x for x in _status(cluster).get("jobs", [])}.get(JOB))
+            and j["local"]["step"] == 6
+            and j
+        ),
+    )
+    assert newer["backup"]["step"] == 5  # the backup did not move
+
+    # Read back as an operator does.
+    if shutil.which("kubectl") is not None:
+        kubectl = ["kubectl", "--kubeconfig", str(apiserver.kubeconfig), "-n", NAMESPACE]
+        out = subprocess.run(
+            [*kubectl, "get", "ckptconfig", NAME, "-o", "yaml"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        read = yaml.safe_load(out)["status"]
+        assert {j["job"]: j["local"]["step"] for j in read["jobs"]}[JOB] == 6
+        assert _entry(read, node_b) is not None
+        described = subprocess.run(
+            [*kubectl, "describe", "ckptconfig", NAME],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        print(f"$ kubectl describe ckptconfig {NAME}\n{described}")  # docs/deploy.md's sample
+        assert re.search(r"Replicator: +CHECKPOINT_DIR", described), described
+        assert "BackupFailing" in described
+
+    # Node b's replicator stops: the status says it cannot be asked.
+    b.stop(timeout=10)
+    gone = wait_for(
+        "node b unreachable",
+        lambda: (
+            (e := _entry(_status(cluster), node_b))
+            and "unreachable" in e.get("replicator", "")
+            and e
+        ),
+    )
+    assert gone["replicator"].startswith("unreachable: cannot connect")
+    # Still one Event of each: not one per look.
+    time.sleep(3)
+    assert len(_events(cluster, "BackupFailing")) == 1
+    assert len(_not_ready_events(cluster, node_b)) == 1
