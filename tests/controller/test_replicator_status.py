@@ -6,13 +6,14 @@ those IPs the way kubelet would report them. The controller (its own process, as
 ServiceAccount) asks each replicator every second here (30 s by default) and writes what
 they say into the configuration's status: a node's own reason for not being ready (its
 RAM disk missing, then unreachable), each job's newest step per tier with its time, read
-back with ``kubectl get -o yaml``; and Events for a backup that starts failing and a node
-not ready for long, its replicator's reason in the message.
+back with ``kubectl get -o yaml``; and Events for a backup that starts failing, a node not
+ready for long (its replicator's reason in the message) and a job whose restore is blocked.
 """
 
 from __future__ import annotations
 
 import calendar
+import os
 import re
 import shutil
 import subprocess
@@ -25,6 +26,10 @@ from typing import Any
 import pytest
 import yaml
 
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.storage.objectstore import FileObjectStore
 from tests.controller.apiserver import ApiServer
 from tests.controller.conftest import NAMESPACE, Controller, wait_for
 from tests.controller.test_controller import Cluster, _ready, _register_nodes, config
@@ -33,9 +38,12 @@ from tests.integration.helpers import (
     FAST_ARGS,
     config_text,
     make_step,
+    mount_tmpfs,
     payload,
+    unmount,
     wait_ingested,
     wait_markers,
+    wait_until,
     write_yaml_atomic,
 )
 
@@ -86,28 +94,28 @@ def daemons(tmp_path: Path) -> Iterator[list[DaemonProcess]]:
             d.stop(timeout=10)
 
 
-def _pods(cluster: Cluster, apiserver: ApiServer) -> list[Any]:
-    """The node stack's two pods, one per node: the DaemonSet's own where a
-    kube-controller-manager runs (on two registered Nodes), else made as it would."""
-    selector = f"app.kubernetes.io/instance={NAME}"
+def _pods(cluster: Cluster, apiserver: ApiServer, name: str = NAME, count: int = 2) -> list[Any]:
+    """The node stack's pods, one per node: the DaemonSet's own where a
+    kube-controller-manager runs (on registered Nodes), else made as it would."""
+    selector = f"app.kubernetes.io/instance={name}"
     if apiserver.controller_manager:
-        _register_nodes(cluster, NAME, 2)
+        _register_nodes(cluster, name, count)
         pods = wait_for(
             "a pod per node",
             lambda: (
                 (p := cluster.core.list_namespaced_pod(NAMESPACE, label_selector=selector).items)
-                and len(p) == 2
+                and len(p) == count
                 and p
             ),
         )
         return sorted(pods, key=_node_of)
-    ds = cluster.daemonset(NAME)
+    ds = cluster.daemonset(name)
     assert ds is not None
     template = ds["spec"]["template"]
-    for i in range(2):
+    for i in range(count):
         body = {
-            "metadata": {"name": f"mtc-node-{NAME}-{i}", "labels": template["metadata"]["labels"]},
-            "spec": {**template["spec"], "nodeName": f"{NAME}-node-{i}"},
+            "metadata": {"name": f"mtc-node-{name}-{i}", "labels": template["metadata"]["labels"]},
+            "spec": {**template["spec"], "nodeName": f"{name}-node-{i}"},
         }
         cluster.core.create_namespaced_pod(NAMESPACE, body)
     return sorted(
@@ -154,16 +162,16 @@ def _running(cluster: Cluster, pod: Any, ip: str, ready: bool) -> None:
     )
 
 
-def _status(cluster: Cluster) -> dict[str, Any]:
-    return dict((cluster.get(NAME) or {}).get("status") or {})
+def _status(cluster: Cluster, name: str = NAME) -> dict[str, Any]:
+    return dict((cluster.get(name) or {}).get("status") or {})
 
 
 def _entry(st: dict[str, Any], node: str) -> dict[str, Any] | None:
     return next((e for e in st.get("nodes", {}).get("notReady", []) if e["node"] == node), None)
 
 
-def _events(cluster: Cluster, reason: str) -> list[Any]:
-    return [e for e in cluster.events(NAME) if e.reason == reason]
+def _events(cluster: Cluster, reason: str, name: str = NAME) -> list[Any]:
+    return [e for e in cluster.events(name) if e.reason == reason]
 
 
 def _not_ready_events(cluster: Cluster, node: str) -> list[Any]:
@@ -301,3 +309,58 @@ def _check(
     time.sleep(3)
     assert len(_events(cluster, "BackupFailing")) == 1
     assert len(_not_ready_events(cluster, node_b)) == 1
+
+
+def test_a_blocked_restore_posts_one_event(
+    api: Any, controller: Controller, apiserver: ApiServer, tmp_path: Path
+) -> None:
+    """A node whose RAM disk (a 2 MiB tmpfs) cannot hold the job's committed 3 MiB step: the
+    restore stops with ``replicator.failed``, and a RestoreBlocked Event names job and node."""
+    ram = tmp_path / "ram"
+    ram.mkdir()
+    if not mount_tmpfs(ram, "2m"):
+        pytest.skip("a RAM disk smaller than the step needs root (mount -t tmpfs)")
+    name, job = "blocked", "blocked-job"
+    try:
+        data = tmp_path / "step"
+        data.mkdir()
+        (data / "state.bin").write_bytes(os.urandom(3 << 20))
+        backup = tmp_path / "backup"
+        store = BackupStore(FileObjectStore(backup))
+        item = ItemId(job, 7, 0, 0)
+        store.upload_item(build_manifest(item, data), data)
+        assert store.try_commit(job, 7, [item.key]) is not None
+        daemon = DaemonProcess(
+            ram / "ckpt",
+            backup=backup.as_uri(),
+            extra_args=(*FAST_ARGS, "--metrics", f"{ADDRESSES[0]}:{METRICS_PORT}"),
+        ).start()
+        cluster = Cluster(api)
+        cluster.create(config(name))
+        try:
+            wait_for("the DaemonSet", lambda: cluster.daemonset(name))
+            (pod,) = _pods(cluster, apiserver, name, 1)
+            _running(cluster, pod, ADDRESSES[0], ready=True)
+            # The controller's first answer from the node is the baseline: no job yet.
+            wait_for(
+                "the replicator asked",
+                lambda: (
+                    (cluster.get(name) or {}).get("status", {}).get("nodes", {}).get("reporting")
+                ),
+            )
+            write_yaml_atomic(daemon.checkpoint_dir, config_text(job, backup_interval_steps=1))
+            failed = daemon.checkpoint_dir / "replicator.failed"
+            wait_until(failed.exists, "replicator.failed", daemon=daemon)
+            assert "could not be restored" in failed.read_text()
+            (blocked,) = wait_for(
+                "a RestoreBlocked Event", lambda: _events(cluster, "RestoreBlocked", name)
+            )
+            assert blocked.type == "Warning"
+            assert f"job {job}" in blocked.message
+            assert f"node {_node_of(pod)}" in blocked.message
+        finally:
+            daemon.stop(timeout=10)
+            cluster.delete(name)
+            wait_for("the configuration gone", lambda: cluster.get(name) is None)
+    finally:
+        unmount(ram)
