@@ -379,3 +379,77 @@ class UploadResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UploadResponse: _TypeAlias = UploadResponse  # noqa: Y015
+
+@_typing.final
+class AssignRankRequest(_message.Message):
+    """The rank a job's pod on this node takes, from mtc-controller (docs/architecture.md,
+    "Sticky ranks"): the node stack writes it into CHECKPOINT_DIR for the workload to read.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    POD_UID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    COORDINATOR_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    job: _builtins.str
+    """The job, as its pods name it (their replicator.yaml's job-name)."""
+    pod_uid: _builtins.str
+    """The pod on this node the rank is for: its uid, as the CSI plugin recorded it when it
+    mounted the RAM disk into the pod (owner.json).
+    """
+    rank: _builtins.int
+    nodes: _builtins.int
+    coordinator: _builtins.str
+    """The workload's own coordinator: the pod that got rank 0, HOST:PORT (JAX's coordinator;
+    torchrun's MASTER_ADDR:MASTER_PORT).
+    """
+    assignment: _builtins.str
+    """The whole assignment's id: the same on every node of one assignment."""
+    source: _builtins.str
+    """How the rank was chosen: "holdings" (where the job's bytes are) or "index" (the pod's
+    own index: a fresh job, or the fallback).
+    """
+    def __init__(
+        self,
+        *,
+        job: _builtins.str = ...,
+        pod_uid: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        nodes: _builtins.int = ...,
+        coordinator: _builtins.str = ...,
+        assignment: _builtins.str = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "coordinator", b"coordinator", "job", b"job", "nodes", b"nodes", "pod_uid", b"pod_uid", "rank", b"rank", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AssignRankRequest: _TypeAlias = AssignRankRequest  # noqa: Y015
+
+@_typing.final
+class AssignRankResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WRITTEN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def written(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The files written into CHECKPOINT_DIR, by name."""
+
+    def __init__(
+        self,
+        *,
+        written: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["written", b"written"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AssignRankResponse: _TypeAlias = AssignRankResponse  # noqa: Y015

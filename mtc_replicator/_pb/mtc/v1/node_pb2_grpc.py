@@ -50,6 +50,11 @@ class NodeStub:
                 request_serializer=mtc_dot_v1_dot_node__pb2.UploadRequest.SerializeToString,
                 response_deserializer=mtc_dot_v1_dot_node__pb2.UploadResponse.FromString,
                 _registered_method=True)
+        self.AssignRank = channel.unary_unary(
+                '/mtc.v1.Node/AssignRank',
+                request_serializer=mtc_dot_v1_dot_node__pb2.AssignRankRequest.SerializeToString,
+                response_deserializer=mtc_dot_v1_dot_node__pb2.AssignRankResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -80,6 +85,14 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AssignRank(self, request, context):
+        """Write a pod's rank into CHECKPOINT_DIR (jax-init-info.txt, mtc-rank.json). Only the
+        controller's certificate may call it; a node's is refused before anything is written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -97,6 +110,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Upload,
                     request_deserializer=mtc_dot_v1_dot_node__pb2.UploadRequest.FromString,
                     response_serializer=mtc_dot_v1_dot_node__pb2.UploadResponse.SerializeToString,
+            ),
+            'AssignRank': grpc.unary_unary_rpc_method_handler(
+                    servicer.AssignRank,
+                    request_deserializer=mtc_dot_v1_dot_node__pb2.AssignRankRequest.FromString,
+                    response_serializer=mtc_dot_v1_dot_node__pb2.AssignRankResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +198,33 @@ class Node:
             '/mtc.v1.Node/Upload',
             mtc_dot_v1_dot_node__pb2.UploadRequest.SerializeToString,
             mtc_dot_v1_dot_node__pb2.UploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignRank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mtc.v1.Node/AssignRank',
+            mtc_dot_v1_dot_node__pb2.AssignRankRequest.SerializeToString,
+            mtc_dot_v1_dot_node__pb2.AssignRankResponse.FromString,
             options,
             channel_credentials,
             insecure,

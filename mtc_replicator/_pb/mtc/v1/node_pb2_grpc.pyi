@@ -51,6 +51,10 @@ class NodeStub:
     backup then holds every item its COMMIT lists (`mtc upload`); refused for the running
     job. Returns when done; an upload outlives a caller that gives up.
     """
+    AssignRank: _grpc.UnaryUnaryMultiCallable[_node_pb2.AssignRankRequest, _node_pb2.AssignRankResponse]
+    """Write a pod's rank into CHECKPOINT_DIR (jax-init-info.txt, mtc-rank.json). Only the
+    controller's certificate may call it; a node's is refused before anything is written.
+    """
 
 @_typing.type_check_only
 class NodeAsyncStub(NodeStub):
@@ -67,6 +71,10 @@ class NodeAsyncStub(NodeStub):
     """Upload a step of a job that does not run here to the backup, and commit it when the
     backup then holds every item its COMMIT lists (`mtc upload`); refused for the running
     job. Returns when done; an upload outlives a caller that gives up.
+    """
+    AssignRank: _aio.UnaryUnaryMultiCallable[_node_pb2.AssignRankRequest, _node_pb2.AssignRankResponse]  # type: ignore[assignment]
+    """Write a pod's rank into CHECKPOINT_DIR (jax-init-info.txt, mtc-rank.json). Only the
+    controller's certificate may call it; a node's is refused before anything is written.
     """
 
 class NodeServicer(metaclass=_abc_1.ABCMeta):
@@ -99,6 +107,16 @@ class NodeServicer(metaclass=_abc_1.ABCMeta):
         """Upload a step of a job that does not run here to the backup, and commit it when the
         backup then holds every item its COMMIT lists (`mtc upload`); refused for the running
         job. Returns when done; an upload outlives a caller that gives up.
+        """
+
+    @_abc_1.abstractmethod
+    def AssignRank(
+        self,
+        request: _node_pb2.AssignRankRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_node_pb2.AssignRankResponse, _abc.Awaitable[_node_pb2.AssignRankResponse]]:
+        """Write a pod's rank into CHECKPOINT_DIR (jax-init-info.txt, mtc-rank.json). Only the
+        controller's certificate may call it; a node's is refused before anything is written.
         """
 
 def add_NodeServicer_to_server(servicer: NodeServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
