@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_backup.py --size-mib 1024 --cluster
 	$(PY) scripts/bench_fanout.py --size-mib 256
 	$(PY) scripts/bench_scale.py
+	$(PY) scripts/bench_ranks.py
 	$(PY) scripts/bench_interference.py --size-mib 1024
 	$(PY) scripts/bench_async_save.py --size-mib 1024 --threads 1
 	$(PY) scripts/bench_ray.py --state-mib 256

@@ -182,6 +182,20 @@ class Kube:
         )
         return [self.api.sanitize_for_serialization(p) for p in items]
 
+    def node_stack_pods(self) -> list[Manifest]:
+        """Every node-stack pod, in every namespace: where each node's replicator listens."""
+        items = (
+            client.CoreV1Api(self.api)
+            .list_pod_for_all_namespaces(label_selector="app.kubernetes.io/name=mtc-node")
+            .items
+        )
+        return [self.api.sanitize_for_serialization(p) for p in items]
+
+    def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
+        client.CoreV1Api(self.api).patch_namespaced_pod(
+            name, namespace, {"metadata": {"annotations": dict(annotations)}}
+        )
+
     def mark_release(self, namespace: str, name: str) -> int:
         """Annotate configuration ``name``'s pods so that their plugins free the RAM disk as
         they stop; the number of pods marked."""

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -21,9 +22,10 @@ import kopf
 from kubernetes import client
 from prometheus_client import CONTENT_TYPE_LATEST, Gauge, generate_latest
 
-from mtc_replicator.controller import handlers
+from mtc_replicator.controller import handlers, rank_handlers
 from mtc_replicator.controller.kube import load_config
 from mtc_replicator.controller.leader import LeaseElector, Timing
+from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsError, open_material
 
 log = logging.getLogger("mtc_replicator.controller")
 LEADER = Gauge("mtc_controller_leader", "1 while this replica holds the Lease and reconciles")
@@ -65,6 +67,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-leader-elect",
         action="store_true",
         help="reconcile at once, without a Lease (one replica only)",
+    )
+    for flag, env, what in (
+        (
+            "--tls-cert",
+            "MTC_TLS_CERT",
+            "the controller's certificate (URI SAN "
+            "spiffe://mtc-replicator/controller: `mtc certs controller`)",
+        ),
+        ("--tls-key", "MTC_TLS_KEY", "its key"),
+        ("--tls-ca", "MTC_TLS_CA", "the node stack's CA"),
+    ):
+        p.add_argument(
+            flag,
+            default=os.environ.get(env),
+            help=f"{what}, for the calls to the replicators (sticky ranks) [{env}]",
+        )
+    p.add_argument(
+        "--tls-server-name",
+        default=os.environ.get("MTC_TLS_SERVER_NAME", DEFAULT_SERVER_NAME),
+        help="the DNS name in node certificates [MTC_TLS_SERVER_NAME] (default: %(default)s)",
     )
     p.add_argument(
         "--health-listen",
@@ -145,6 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        tls = open_material(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    except TlsError as exc:
+        print(f"mtc-controller: error: {exc}", file=sys.stderr)
+        return 2
+    rank_handlers.use_tls(tls)
+    if tls is None:
+        log.warning(
+            "no --tls-cert/--tls-key/--tls-ca: sticky ranks call the replicators in plaintext, "
+            "which a node stack with TLS refuses (the jobs then keep their pods' indexes)"
+        )
     load_config()
     state = _State()
     server = _serve(args.health_listen, state)

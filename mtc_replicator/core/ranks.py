@@ -92,17 +92,31 @@ def target_step(pods: Sequence[Pod], holdings: Holdings, ranks: int) -> int | No
     return max(covered, key=lambda s: (len(covered[s]), s))
 
 
-def assign(pods: Sequence[Pod], holdings: Holdings, ranks: int) -> Assignment:
-    """Each pod's rank; ``NoAssignment`` unless the pods are one per index."""
+def assign(
+    pods: Sequence[Pod], holdings: Holdings, ranks: int, fixed: Mapping[str, int] | None = None
+) -> Assignment:
+    """Each pod's rank; ``NoAssignment`` unless the pods are one per index. ``fixed``: pods
+    that run already with a rank they keep (one pod of a StatefulSet replaced): the others
+    share the rest."""
     check_pods(pods, ranks)
     step = target_step(pods, holdings, ranks)
     order = sorted(pods, key=lambda p: p.index)
-    held = {p.name: _held_at(holdings.get(p.node, {}), step, ranks) for p in order}
     owner: dict[int, str] = {}  # rank -> pod
     of: dict[str, int] = {}  # pod -> rank
+    for name, r in sorted((fixed or {}).items()):
+        if 0 <= r < ranks and r not in owner and any(p.name == name for p in order):
+            owner[r], of[name] = name, r
+    held = {
+        p.name: _held_at(holdings.get(p.node, {}), step, ranks) - set(owner)
+        if p.name not in of
+        else {of[p.name]}
+        for p in order
+    }
     # Greedy first (a pod's own index, then the others it holds), then augmenting paths for
     # the pods left over: most restarts are settled by the greedy pass alone.
     for p in order:
+        if p.name in of:
+            continue
         for r in _preferred(held[p.name], p.index):
             if r not in owner:
                 owner[r], of[p.name] = p.name, r
@@ -120,8 +134,9 @@ def assign(pods: Sequence[Pod], holdings: Holdings, ranks: int) -> Assignment:
     for p in order:
         if p.name not in of:
             of[p.name] = rest.pop(0)
-    local = sum(1 for p in order if of[p.name] in held[p.name])
-    by_index = sum(1 for p in order if p.index in held[p.name])
+    held_any = {p.name: _held_at(holdings.get(p.node, {}), step, ranks) for p in order}
+    local = sum(1 for p in order if of[p.name] in held_any[p.name])
+    by_index = sum(1 for p in order if p.index in held_any[p.name])
     return Assignment(dict(of), {p.name: p.index for p in order}, step, local, by_index)
 
 

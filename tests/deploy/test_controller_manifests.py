@@ -63,7 +63,7 @@ def test_rbac_is_least_privilege(built: list[Obj]) -> None:
     resources = {r for _, r, _ in granted}
     assert not resources & {"secrets", "pods/exec", "roles", "clusterroles"}
     # Pods: listed (status) and annotated on a delete (the RAM disk's release), no more.
-    assert {v for _, r, v in granted if r == "pods"} == {"list", "patch"}
+    assert {v for _, r, v in granted if r == "pods"} == {"list", "watch", "patch"}
     crds = {v for _, r, v in granted if r == "customresourcedefinitions"}
     assert crds == {"get", "list", "watch"}
     # Shared objects are only made, never changed or deleted.

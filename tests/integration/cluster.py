@@ -49,8 +49,10 @@ class Cluster:
         *,
         backup: bool = True,
         tls: bool = True,
+        nodes: int = NODES,
     ) -> None:
         self.root = root
+        self.nodes = nodes
         self.job = job
         self.extra = extra
         self.keys: dict[str, object] = {"peers_per_node": 1, "backup_interval_steps": 100}
@@ -64,17 +66,17 @@ class Cluster:
         """Extra environment of the daemons (a bucket's endpoint and credentials)."""
         self.node_env: dict[int, dict[str, str]] = {}
         """Extra environment of one node's daemon (its ``MTC_OWNER_FILE``)."""
-        self.dirs = [root / f"node{r}" for r in range(NODES)]
+        self.dirs = [root / f"node{r}" for r in range(self.nodes)]
         for d in self.dirs:
             d.mkdir()
-        self.daemons: list[DaemonProcess | None] = [None] * NODES
+        self.daemons: list[DaemonProcess | None] = [None] * nodes
         self.ca = certs.new_ca() if tls else None
         """Every node's certificate is its own, signed by this throwaway CA (TLS on)."""
         self.tls = [
             node_tls(root / "tls" / f"node{r}", self.ca, node=f"node{r}")
             if self.ca is not None
             else None
-            for r in range(NODES)
+            for r in range(self.nodes)
         ]
 
     def start(self, rank: int) -> DaemonProcess:
@@ -102,14 +104,14 @@ class Cluster:
         for i, r in enumerate(ranks):
             if max_delay and i:
                 time.sleep(random.uniform(0, max_delay))
-            text = config_text(self.job, rank=r, nodes=NODES, **self.keys)
+            text = config_text(self.job, rank=r, nodes=self.nodes, **self.keys)
             write_yaml_atomic(self.dirs[r], text)
 
     def markers(self, rank: int) -> list[str]:
         return sorted(p.name for p in self.dirs[rank].iterdir() if p.name.endswith(".restore"))
 
     def wait_markers(self, step: int) -> None:
-        for r in range(NODES):
+        for r in range(self.nodes):
             want = [f"{self.job}-s{step}-n{r}-w0.restore"]
             wait_until(
                 lambda r=r, want=want: self.markers(r) == want,
@@ -134,7 +136,9 @@ class Cluster:
 
     def holder(self, rank: int, step: int) -> int:
         """The one other rank holding a peer copy of ``rank``'s item of ``step``."""
-        holders = [h for h in range(NODES) if h != rank and (step, f"{rank}-0") in self.held(h)]
+        holders = [
+            h for h in range(self.nodes) if h != rank and (step, f"{rank}-0") in self.held(h)
+        ]
         assert len(holders) == 1, f"rank {rank}'s step {step} held by {holders}"
         return holders[0]
 
@@ -147,9 +151,9 @@ class Cluster:
     def wipe_all(self) -> None:
         """Every node loses its RAM disk: all daemons stopped, directories emptied, restarted."""
         self.stop_all()
-        for r in range(NODES):
+        for r in range(self.nodes):
             self.clear(r)
-        for r in range(NODES):
+        for r in range(self.nodes):
             self.start(r)
 
     def clear(self, rank: int) -> None:
@@ -160,9 +164,9 @@ class Cluster:
 
     def fresh_start(self) -> None:
         """The job's first incarnation: every rank gets step 0 (nothing), markers removed."""
-        self.handshake([3, 1, 2, 0])
+        self.handshake([3, 1, 2, 0] if self.nodes == 4 else list(reversed(range(self.nodes))))
         self.wait_markers(0)
-        for r in range(NODES):
+        for r in range(self.nodes):
             assert read_prerestore(self.dirs[r]) == {}
             os.unlink(self.dirs[r] / f"{self.job}-s0-n{r}-w0.restore")
 
@@ -171,8 +175,10 @@ class Cluster:
     ) -> dict[int, dict[str, bytes]]:
         """Every rank's trainer publishes ``step`` (``sizes``: a rank's big array)."""
         sizes = sizes or {}
-        files = {r: payload(step, seed=f"rank{r}", size=sizes.get(r, 4096)) for r in range(NODES)}
-        for r in range(NODES):
+        files = {
+            r: payload(step, seed=f"rank{r}", size=sizes.get(r, 4096)) for r in range(self.nodes)
+        }
+        for r in range(self.nodes):
             make_step(self.dirs[r], step, files[r])
         return files
 
@@ -183,10 +189,10 @@ class Cluster:
         return files
 
     def wait_saved(
-        self, step: int, *, copies: bool = True, ranks: Sequence[int] = tuple(range(NODES))
+        self, step: int, *, copies: bool = True, ranks: Sequence[int] | None = None
     ) -> None:
         """``ranks`` committed ``step`` at home; with ``copies``, every rank's is at a peer."""
-        for r in ranks:
+        for r in range(self.nodes) if ranks is None else ranks:
             wait_until(
                 lambda r=r: (step, f"{r}-0") in self.held(r),
                 f"rank {r} committed step {step}",
@@ -195,8 +201,8 @@ class Cluster:
         if copies:
             wait_until(
                 lambda: all(
-                    any((step, f"{r}-0") in self.held(h) for h in range(NODES) if h != r)
-                    for r in range(NODES)
+                    any((step, f"{r}-0") in self.held(h) for h in range(self.nodes) if h != r)
+                    for r in range(self.nodes)
                 ),
                 f"a peer copy of every rank's step {step}",
                 daemon=self.daemon(0),
@@ -260,7 +266,7 @@ class Cluster:
 
 
 def assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, bytes]]) -> None:
-    for r in range(NODES):
+    for r in range(cluster.nodes):
         marker = cluster.restored(r, step)
         assert os.path.islink(marker)
         assert not os.path.isabs(os.readlink(marker))
@@ -271,13 +277,13 @@ def assert_restored(cluster: Cluster, step: int, files: dict[int, dict[str, byte
 @contextlib.contextmanager
 def running(cluster: Cluster) -> Iterator[Cluster]:
     """Every node's daemon started; at the end stopped, and each node's log tail printed."""
-    for r in range(NODES):
+    for r in range(cluster.nodes):
         cluster.start(r)
     try:
         yield cluster
     finally:
         cluster.stop_all()
-        for r in range(NODES):
+        for r in range(cluster.nodes):
             log = cluster.root / f"node{r}.log"
             if log.exists():
                 print(f"--- node {r} ---\n{log.read_text()[-6000:]}")

@@ -131,3 +131,17 @@ def test_a_large_job_is_assigned_quickly() -> None:
     took = time.perf_counter() - t0
     assert a.local == nodes
     assert took < 5, took
+
+
+def test_running_pods_keep_their_ranks_and_a_replacement_takes_the_rest() -> None:
+    # A StatefulSet's pod 2 was replaced and landed on node-5, which holds rank 5 (kept by
+    # the running pod there) and rank 4's copy: it takes the rank left free, whatever it holds.
+    nodes = 8
+    pods = [Pod(f"pod-{i}", i, f"node-{i}") for i in range(nodes)]
+    pods[2] = Pod("pod-2b", 2, "node-9")
+    fixed = {p.name: p.index for p in pods if p.name != "pod-2b"}
+    held = holdings(nodes)
+    a = assign(pods, held, nodes, fixed=fixed)
+    assert {n: a.ranks[n] for n in fixed} == fixed
+    assert a.ranks["pod-2b"] == 2
+    assert a.local == nodes - 1
