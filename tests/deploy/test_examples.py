@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import yaml
 
+from mtc_replicator.controller import jobpods
 from mtc_replicator.tools import render_config
 from tests.deploy.k8s import (
     DEPLOY,
@@ -66,7 +67,8 @@ def test_jobset_gives_the_client_what_replicator_yaml_needs() -> None:
         "fieldRef": {"fieldPath": "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"}
     }
     command = " ".join(container(_pod_spec(), "trainer")["command"])
-    assert "NODE_RANK=$((SLICE_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX))" in command
+    # The rank as the node stack assigns it; the pod's index in the whole job if none comes.
+    assert "--index $((SLICE_INDEX * NODES_PER_SLICE + JOB_COMPLETION_INDEX))" in command
     # The replicator moves what the trainer writes: same uid as the default configuration.
     assert _pod_spec()["securityContext"]["runAsUser"] == render_config.WORKLOAD_UID
 
@@ -223,6 +225,83 @@ def test_pytorchjob_and_statefulset_count_their_nodes() -> None:
     ]
     e = env(_pod_specs()["StatefulSet"]["containers"][0])
     assert int(e["NNODES"]) == statefulset["spec"]["replicas"]
-    assert e["NODE_RANK"] == {
+    assert e["POD_INDEX"] == {
         "fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}
     }
+
+
+def _templates() -> dict[str, tuple[Obj, Obj]]:
+    """Each example's pod template (metadata, spec) and the workload object."""
+    jobset = yaml.safe_load(JOBSET.read_text())
+    pt = yaml.safe_load(PYTORCHJOB.read_text())
+    (ss,) = [o for o in yaml.safe_load_all(STATEFULSET.read_text()) if o["kind"] == "StatefulSet"]
+    return {
+        "JobSet": (jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"], jobset),
+        "PyTorchJob": (pt["spec"]["pytorchReplicaSpecs"]["Worker"]["template"], pt),
+        "StatefulSet": (ss["spec"]["template"], ss),
+    }
+
+
+def _as_created(kind: str, template: Obj, workload: Obj) -> Obj:
+    """One pod as the workload's controller makes it: index 1's labels and annotations."""
+    meta = template.get("metadata") or {}
+    labels, annotations = dict(meta.get("labels") or {}), dict(meta.get("annotations") or {})
+    name = workload["metadata"]["name"]
+    owners: list[Obj] = []
+    if kind == "JobSet":
+        labels["jobset.sigs.k8s.io/jobset-name"] = name
+        annotations.update(
+            {
+                "jobset.sigs.k8s.io/job-index": "0",
+                "jobset.sigs.k8s.io/replicatedjob-replicas": str(
+                    workload["spec"]["replicatedJobs"][0]["replicas"]
+                ),
+                "batch.kubernetes.io/job-completion-index": "1",
+            }
+        )
+    elif kind == "PyTorchJob":
+        labels.update(
+            {
+                "training.kubeflow.org/job-name": name,
+                "training.kubeflow.org/replica-type": "worker",
+                "training.kubeflow.org/replica-index": "0",
+            }
+        )
+    else:
+        labels["apps.kubernetes.io/pod-index"] = "1"
+        owners = [{"kind": "StatefulSet", "name": name}]
+    return {
+        "metadata": {
+            "name": f"{name}-1",
+            "namespace": "ml",
+            "uid": "u1",
+            "labels": labels,
+            "annotations": annotations,
+            "ownerReferences": owners,
+        },
+        "spec": {**template["spec"], "nodeName": "n1"},
+        "status": {"phase": "Running", "podIP": "10.0.0.2"},
+    }
+
+
+@pytest.mark.parametrize("kind", ["JobSet", "PyTorchJob", "StatefulSet"])
+def test_every_example_takes_its_rank_from_the_node_stack(kind: str) -> None:
+    """Sticky ranks: the pod opts in with the job's node count, the controller reads its
+    job and index from what the workload's controller sets, and the container asks
+    ``mtc_replicator.client.rank`` for its rank (its own index the fallback)."""
+    template, workload = _templates()[kind]
+    trainer = template["spec"]["containers"][0]
+    e = env(trainer)
+    member = jobpods.job_pod(_as_created(kind, template, workload))
+    assert member is not None
+    assert member.nodes == int(e["NNODES"])
+    # JobSet: slice 0, index 1; PyTorchJob: worker 0 (the master is 0) resolved by the
+    # group; StatefulSet: ordinal 1.
+    assert member.index == (0 if kind == "PyTorchJob" else 1)
+    assert member.mtc_job == workload["metadata"]["name"]
+    command = " ".join(trainer["command"])
+    assert 'eval "$(python -m mtc_replicator.client.rank' in command
+    assert "--index" in command
+    assert e["POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
+    port = template["metadata"]["annotations"][jobpods.PORT_ANNOTATION]
+    assert port == str(e.get("MASTER_PORT", "23456"))

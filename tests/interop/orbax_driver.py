@@ -94,6 +94,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="do not (re)write jax-init-info.txt when it already exists",
     )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="JAX processes in the job (each its own node and CHECKPOINT_DIR); above 1 the "
+        "process index and coordinator come from the jax-init-info.txt the node stack wrote "
+        "(--keep-jax-init-info is implied) and CPU collectives run over gloo",
+    )
     p.add_argument("--verbose", action="store_true", help="Orbax/JAX INFO logs on stderr")
     args = p.parse_args(argv)
     args.dir = args.dir.absolute()  # Orbax's OCDBT layer rejects relative paths
@@ -101,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.backup_interval_minutes = 30  # Orbax's own default
     if args.steps < 1 or args.save_every < 1:
         p.error("--steps and --save-every must be >= 1")
+    if args.processes > 1:
+        args.keep_jax_init_info = True
     return args
 
 
@@ -132,8 +142,10 @@ def _prepare_environment(args: argparse.Namespace) -> None:
         )
     if args.jax_init == "env":
         # Overwrite (a test run inside a real Slurm allocation must still be ONE process) and
-        # drop Open MPI's marker: JAX tries its OmpiCluster before SlurmCluster.
+        # drop Open MPI's marker: JAX tries its OmpiCluster before SlurmCluster. With several
+        # processes only their count matters: Orbax passes the process index itself.
         os.environ.update(SINGLE_PROCESS_ENV)
+        os.environ["SLURM_NTASKS"] = str(args.processes)
         os.environ.pop("OMPI_MCA_orte_hnp_uri", None)
 
 
@@ -150,6 +162,10 @@ def _configure_libraries(args: argparse.Namespace) -> None:
 
     flags.FLAGS([sys.argv[0]])
     flags.FLAGS.experimental_orbax_use_distributed_process_id = True
+    if args.processes > 1:
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     level = logging.INFO if args.verbose else logging.WARNING
     absl_logging.set_verbosity(absl_logging.INFO if args.verbose else absl_logging.WARNING)
     logging.getLogger().setLevel(level)
