@@ -10,7 +10,8 @@ names out of certificates (``cryptography``) and applies the rule at the two doo
 
 Only the health service is exempt: it says nothing about checkpoints, and kubelet's probes
 read it in plaintext on ``--health-listen`` anyway. ``CONTROLLER_METHODS`` (``AssignRank``)
-take the controller's certificate instead, and refuse every node's.
+take the controller's certificate instead, and refuse every node's; ``CONTROLLER_READS``
+(``Node/Status``) take either.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
 CONTROLLER_METHODS = frozenset({"/mtc.v1.Node/AssignRank"})
 """What only mtc-controller's certificate may call: a node's is refused (``where="assign"``)."""
+CONTROLLER_READS = frozenset({"/mtc.v1.Node/Status"})
+"""What mtc-controller's certificate may call besides a node's: what a node holds (read-only),
+for the rank assignment. Everything else (pulls, joins, drops) stays the nodes'."""
 
 _caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtc_caller", default=None)
 
@@ -151,6 +155,9 @@ async def _admit(
 ) -> None:
     if method in CONTROLLER_METHODS:
         await _admit_controller(context, method, on_refused)
+        return
+    if method in CONTROLLER_READS and _context_controller(context):
+        _caller.set(None)
         return
     try:
         node = _context_node(context, rule)

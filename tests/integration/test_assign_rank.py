@@ -24,7 +24,7 @@ import grpc
 import pytest
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc
+from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc, peer_pb2, peer_pb2_grpc
 from mtc_replicator.csi.checkpoint import CheckpointDir
 from mtc_replicator.csi.mounter import MemoryMounter
 from mtc_replicator.csi.owner import PodInfo
@@ -130,6 +130,7 @@ def rank_cli(ckpt: Path, *args: str, **env: str) -> subprocess.CompletedProcess[
     return subprocess.run(
         [sys.executable, "-m", "mtc_replicator.client.rank", "--checkpoint-dir", str(ckpt), *args],
         env={**environ, **env},
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -149,6 +150,26 @@ def test_only_the_controllers_certificate_may_assign(node: Node, kind: str) -> N
         (sample(before, counted, where="assign") or 0) + 1
     )
     assert "its certificate is not the controller's" in node.daemon.log()
+
+
+def test_the_controllers_certificate_reads_status_and_nothing_else(node: Node) -> None:
+    """It asks each node what it holds (``Node/Status``); it is no node for the rest."""
+    pair = _pair(node, "controller")
+    creds = grpc.ssl_channel_credentials(node.ca.cert, pair.key, pair.cert)
+    options = [("grpc.ssl_target_name_override", certs.DEFAULT_SERVER_NAME)]
+    with grpc.secure_channel(node.daemon.address, creds, options=options) as channel:
+        stub = node_pb2_grpc.NodeStub(channel)
+        assert stub.Status(node_pb2.NodeStatusRequest(), timeout=10).address
+        for call in (
+            lambda: stub.Drop(node_pb2.DropRequest(job="train"), timeout=10),
+            lambda: peer_pb2_grpc.PeerStub(channel).ListItems(
+                peer_pb2.ListItemsRequest(), timeout=10
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "not a node's" in (info.value.details() or "")
 
 
 @pytest.mark.parametrize(
@@ -205,6 +226,7 @@ def test_the_controller_assigns_then_the_next_pod_never_sees_it(node: Node) -> N
     evaluated = subprocess.run(
         ["bash", "-c", shell],
         env={**os.environ, "MTC_CHECKPOINT_DIR": str(node.ckpt)},
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -216,7 +238,8 @@ def test_the_controller_assigns_then_the_next_pod_never_sees_it(node: Node) -> N
     assert not (node.ckpt / JAX).exists()
     assert not (node.ckpt / RANK).exists()
     details = refused(node, grpc.StatusCode.FAILED_PRECONDITION)
-    assert f"the pod on this node is {UID_B}" in details and f"not {UID_A}" in details
+    assert f"the pod on this node is {UID_B}" in details
+    assert f"not {UID_A}" in details
     assert not (node.ckpt / JAX).exists()
 
     assign(node, pod_uid=UID_B, rank=1, assignment="a-2")
