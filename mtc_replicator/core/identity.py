@@ -12,6 +12,10 @@ A certificate the CA signed but that names no node (a client-only certificate, o
 another service of the same CA) or names one outside ``--tls-node-name-pattern`` is not a
 node: ``caller_node`` refuses it. ``LEGACY`` is the identity of a shared certificate (every
 node one certificate, no node name), accepted only under ``--tls-shared-certificate``.
+
+The controller's certificate carries ``CONTROLLER_URI`` and no node name: it is no node (it
+serves no peer, joins no job) and may call one method only, ``Node/AssignRank``, which a
+node's certificate may not (``is_controller``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from dataclasses import dataclass
 
 NODE_URI_PREFIX = "spiffe://mtc-replicator/node/"
 """A node certificate's URI subjectAltName is this followed by the node's name."""
+
+CONTROLLER_URI = "spiffe://mtc-replicator/controller"
+"""The URI subjectAltName of mtc-controller's certificate (``mtc certs controller``)."""
 
 DEFAULT_NODE_NAME_PATTERN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
 """A Kubernetes node name (a DNS-1123 subdomain): what ``--tls-node-name-pattern`` defaults to."""
@@ -56,6 +63,13 @@ def node_uri(node: str) -> str:
 def named_nodes(uris: Iterable[str]) -> list[str]:
     """The node names among a certificate's URI subjectAltNames."""
     return [u[len(NODE_URI_PREFIX) :] for u in uris if u.startswith(NODE_URI_PREFIX)]
+
+
+def is_controller(uris: Iterable[str]) -> bool:
+    """Whether a certificate with these URI subjectAltNames is the controller's: it carries
+    ``CONTROLLER_URI`` and names no node (one naming both could act as either)."""
+    names = list(uris)
+    return CONTROLLER_URI in names and not named_nodes(names)
 
 
 def certificate_node(uris: Iterable[str], dns_names: Iterable[str], rule: IdentityRule) -> str:

@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from mtc_replicator.csi.errors import CheckpointDirError
-from mtc_replicator.csi.owner import PodInfo, owner_record, recorded_namespace
+from mtc_replicator.csi.owner import (
+    RANK_FILE,
+    RANK_FILES,
+    PodInfo,
+    owner_record,
+    rank_file_pod,
+    rank_files_stale,
+    recorded_namespace,
+    recorded_pod_uid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,25 +124,62 @@ class CheckpointDir:
 
     def recorded_owner(self) -> str | None:
         """The namespace ``owner.json`` names; None when there is none we can trust."""
+        data = self._owner_bytes()
+        if data is None:
+            return None
+        namespace = recorded_namespace(data)
+        if namespace is None:
+            log.warning("ignoring %s: not an owner record", self.owner_path)
+        return namespace
+
+    def _owner_bytes(self, quiet: bool = False) -> bytes | None:
         try:
             fd = os.open(self.owner_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            log.warning("ignoring %s: %s", self.owner_path, exc)
+            if not quiet:
+                log.warning("ignoring %s: %s", self.owner_path, exc)
             return None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-                log.warning("ignoring %s: not a regular file of ours", self.owner_path)
+                if not quiet:
+                    log.warning("ignoring %s: not a regular file of ours", self.owner_path)
                 return None
             data = os.read(fd, MAX_OWNER_BYTES + 1)
         finally:
             os.close(fd)
-        namespace = recorded_namespace(data) if len(data) <= MAX_OWNER_BYTES else None
-        if namespace is None:
-            log.warning("ignoring %s: not an owner record", self.owner_path)
-        return namespace
+        return data if len(data) <= MAX_OWNER_BYTES else None
+
+    def drop_stale_rank_files(self, pod_uid: str) -> list[str]:
+        """Before pod ``pod_uid`` sees CHECKPOINT_DIR: remove a rank assigned to another pod
+        (``jax-init-info.txt``, ``mtc-rank.json``; ``owner.rank_files_stale``), so that it
+        never starts from a previous pod's rank. The names removed."""
+        owner = self._owner_bytes(quiet=True)
+        removed: list[str] = []
+        with self._open() as fd:
+            written_for = rank_file_pod(_read_quietly(fd, RANK_FILE))
+            owner_uid = recorded_pod_uid(owner) if owner is not None else None
+            if not rank_files_stale(written_for, owner_uid, pod_uid):
+                return removed
+            for name in RANK_FILES:
+                try:
+                    os.unlink(name, dir_fd=fd)  # never follows: a pod's symlink goes itself
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    raise CheckpointDirError(f"cannot remove {self.path / name}: {exc}") from None
+                removed.append(name)
+        if removed:
+            log.info(
+                "removed %s from %s: written for pod %s, not %s",
+                ", ".join(removed),
+                self.path,
+                written_for or owner_uid or "(unknown)",
+                pod_uid,
+            )
+        return removed
 
     def record_owner(self, pod: PodInfo, published_at: float) -> None:
         """Write ``owner.json`` by temp + rename: the daemon never reads half a record."""
@@ -166,6 +212,18 @@ class CheckpointDir:
             yield fd
         finally:
             os.close(fd)
+
+
+def _read_quietly(dir_fd: int, name: str, limit: int = 4096) -> bytes:
+    """A small regular file in the directory, or b"" (missing, a symlink, a FIFO...)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, limit + 1) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
 
 
 def _ignore_vanished(function: Callable[..., Any], path: str, exc_info: Any) -> None:

@@ -64,11 +64,44 @@ def owner_record(pod: PodInfo, published_at: float) -> bytes:
 
 def recorded_namespace(data: bytes) -> str | None:
     """The namespace an ``owner.json`` names; None when it is not one we wrote."""
+    return _recorded(data, "namespace")
+
+
+def recorded_pod_uid(data: bytes) -> str | None:
+    """The pod uid an ``owner.json`` names; None when it is not one we wrote."""
+    return _recorded(data, "pod_uid")
+
+
+def _recorded(data: bytes, key: str) -> str | None:
     try:
         record = json.loads(data)
     except ValueError:
         return None
     if not isinstance(record, dict) or set(record) != set(OWNER_KEYS):
         return None
-    namespace = record["namespace"]
-    return namespace if isinstance(namespace, str) and namespace else None
+    value = record[key]
+    return value if isinstance(value, str) and value else None
+
+
+RANK_FILE = "mtc-rank.json"
+"""``core.rank_file.RANK_FILE`` (the plugin imports nothing of the replicator's)."""
+RANK_FILES = ("jax-init-info.txt", RANK_FILE)
+"""A pod's assigned rank, written by its node's replicator (``Node/AssignRank``)."""
+
+
+def rank_file_pod(data: bytes) -> str | None:
+    """The pod uid an ``mtc-rank.json`` names; None when it names none."""
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    uid = record.get("pod_uid") if isinstance(record, dict) else None
+    return uid if isinstance(uid, str) and uid else None
+
+
+def rank_files_stale(rank_file_uid: str | None, owner_uid: str | None, publishing: str) -> bool:
+    """Whether a publish for pod ``publishing`` removes ``jax-init-info.txt`` and
+    ``mtc-rank.json`` before the pod starts: unless they were written for it. Who they were
+    written for is the pod ``mtc-rank.json`` names, or, without a readable one (a
+    ``jax-init-info.txt`` a pod wrote itself), the pod ``owner.json`` recorded last."""
+    return (rank_file_uid or owner_uid) != publishing

@@ -230,6 +230,8 @@ class NodeVolumes:
                 pod.namespace,
                 removed,
             )
+        else:
+            self.checkpoint.drop_stale_rank_files(pod.pod_uid)
         self.checkpoint.record_owner(pod, self.clock())
 
     @contextlib.contextmanager

@@ -26,6 +26,7 @@ from mtc_replicator.core.contract import (
 )
 from mtc_replicator.core.manifest import ItemId, ItemKind
 from mtc_replicator.core.policy import Entry, marker_item
+from mtc_replicator.core.rank_file import RANK_FILE
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.store import LocalStore, view_path
 
@@ -54,9 +55,19 @@ def list_top(checkpoint_dir: Path) -> list[Entry]:
     return entries
 
 
+_OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE, RANK_FILE})
+
+
+def is_own_output(name: str) -> bool:
+    """Files only the daemon writes: its reports, its markers, a pod's assigned rank
+    (``node.rank_files``) and their temp files. Their events never wake it."""
+    return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
+
+
 def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
     """Handshake step 3: remove stale files we published, and the temps our client leaves
-    when it is killed mid-save; never data, never jax-init-info."""
+    when it is killed mid-save; never data, never jax-init-info.txt nor mtc-rank.json
+    (the pod's assigned rank: a handshake comes after it was read)."""
     removed = []
     with os.scandir(checkpoint_dir) as it:
         for e in it:

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from mtc_replicator import __version__
-from mtc_replicator.local import fsutil
 from mtc_replicator.local.holders_file import HoldersFile
 
 try:
@@ -36,13 +35,7 @@ from mtc_replicator.cluster.hosting import CoordinatorHost
 from mtc_replicator.cluster.messages import SERVICE as COORDINATOR_SERVICE
 from mtc_replicator.cluster.registry import open_registry
 from mtc_replicator.core.admission import Served
-from mtc_replicator.core.contract import (
-    CONFIG_FILE,
-    ERRORS_FILE,
-    FAILED_FILE,
-    PRERESTORE_FILE,
-    parse_save_name,
-)
+from mtc_replicator.core.contract import CONFIG_FILE, parse_save_name
 from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import (
@@ -60,10 +53,12 @@ from mtc_replicator.node.agent import (
     restore_saved,
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
+from mtc_replicator.node.checkpoint_dir import is_own_output
 from mtc_replicator.node.kept_upload import KeptUploads
 from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settings
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
+from mtc_replicator.node.rank_files import RankFiles
 from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.node.startup import (
     CheckpointDirMissing,
@@ -115,14 +110,6 @@ SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
 RECLAIM_EVERY = 30.0
 """Seconds between two looks at the items of jobs that no longer run here (the TTL)."""
-
-
-_OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE})
-
-
-def _is_own_output(name: str) -> bool:
-    """Files only the daemon writes: its reports, its markers and their temp files."""
-    return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
 
 
 class Daemon:
@@ -251,7 +238,7 @@ class Daemon:
         return Served(config, max(own, default=None), self.incarnation.owner, holders)
 
     def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
-        if name is not None and _is_own_output(name):
+        if name is not None and is_own_output(name):
             # Our own writes (an error line, a marker) must not wake us: an error written
             # on every wake-up would otherwise become a busy loop.
             return
@@ -409,7 +396,7 @@ class Daemon:
         """Bind the gRPC server (peer, coordinator and node services) and the data channel,
         then start them; None, with the store closed and the exit code set, when a port
         cannot be had."""
-        refused = functools.partial(self.metrics.identity_refused, "rpc")
+        refused = self.metrics.identity_refused  # "rpc", or "assign": not the controller
         rpc = RpcServer(
             NodeIdentityInterceptor(self.tls.rule, refused) if self.tls is not None else None
         )
@@ -426,7 +413,8 @@ class Daemon:
         rpc.add_service(PEER_SERVICE, self._peer_servicer(channel).register)
         self.ctx.coordinators = self._coordinators(loop)
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
-        node = NodeServicer(self._status, self._drop, self.kept_uploads.upload)
+        ranks = RankFiles(self.opts.checkpoint_dir, self.opts.owner_file, self.executor)
+        node = NodeServicer(self._status, self._drop, self.kept_uploads.upload, ranks.assign)
         rpc.add_service(NODE_SERVICE, node.register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None

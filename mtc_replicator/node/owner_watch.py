@@ -13,7 +13,13 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from mtc_replicator.core.handoff import StoreHandoff, decide_handoff
-from mtc_replicator.core.ownership import MAX_OWNER_FILE_BYTES, UNOWNED, BadOwner, parse_owner
+from mtc_replicator.core.ownership import (
+    MAX_OWNER_FILE_BYTES,
+    UNOWNED,
+    BadOwner,
+    Owner,
+    parse_owner,
+)
 from mtc_replicator.local.store_owner import read_store_owner
 
 CHECK_EVERY = 1.0
@@ -25,15 +31,18 @@ itself)."""
 def read_owner(path: Path | None) -> str:
     """The namespace this node's pod belongs to now (UNOWNED without an owner file); raises
     ``BadOwner`` when the file is missing or malformed."""
-    if path is None:
-        return UNOWNED
+    return UNOWNED if path is None else read_owner_record(path).namespace
+
+
+def read_owner_record(path: Path) -> Owner:
+    """The whole ``owner.json`` (the pod too); ``BadOwner`` when missing or malformed."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_OWNER_FILE_BYTES + 1)
     except OSError as exc:
         raise BadOwner(f"cannot read the owner file {path}: {exc.strerror or exc}") from None
     try:
-        return parse_owner(raw).namespace
+        return parse_owner(raw)
     except BadOwner as exc:
         raise BadOwner(f"the owner file {path} is malformed: {exc}") from None
 

@@ -7,7 +7,9 @@ network I/O in the handler. The probe asks every peer of the running job's healt
 now and then, so a peer that died between two checkpoints shows as unreachable within
 ``PROBE_EVERY`` plus the probe's own timeout, not at the next push. ``Drop`` removes a
 job's items through the daemon (``node.reclaim``), which owns the store; ``Upload`` uploads
-a kept job's step to the backup (``node.kept_upload``).
+a kept job's step to the backup (``node.kept_upload``); ``AssignRank`` writes a pod's rank
+into CHECKPOINT_DIR (``node.rank_files``; only the controller's certificate reaches it:
+``transport.identity``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from mtc_replicator.core.contacts import Contact
 from mtc_replicator.core.foreign import DropRefused, HeldJob, UploadRefused
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.layout import off_node_copies
+from mtc_replicator.core.rank_file import BadRankRecord, RankRecord
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.agent import Incarnation
 from mtc_replicator.node.kept_upload import KeptUpload, UploadFailed
+from mtc_replicator.node.rank_files import AssignRefused
 from mtc_replicator.node.reclaim import Dropped
 from mtc_replicator.transport.peer_client import PeerClient
 
@@ -135,21 +139,27 @@ Drop = Callable[[str, bool], Awaitable[Dropped]]
 Upload = Callable[[str, int | None], Awaitable[KeptUpload]]
 """``upload(job, step)``: upload a kept job's step (``node.kept_upload``); raises
 ``UploadRefused`` or ``UploadFailed``."""
+Assign = Callable[[RankRecord], Awaitable[list[str]]]
+"""``assign(record)``: write a pod's rank files (``node.rank_files``); the names written;
+raises ``AssignRefused`` when the pod is not the one on this node."""
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
     """``mtc.v1.Node``; ``status(job)`` assembles the answer (``node_status``), ``drop``
-    performs ``Drop`` and ``upload`` ``Upload`` (None: UNIMPLEMENTED)."""
+    performs ``Drop``, ``upload`` ``Upload`` and ``assign`` ``AssignRank`` (None:
+    UNIMPLEMENTED)."""
 
     def __init__(
         self,
         status: Callable[[str | None], pb.NodeStatusResponse],
         drop: Drop | None = None,
         upload: Upload | None = None,
+        assign: Assign | None = None,
     ) -> None:
         self.status = status
         self.drop = drop
         self.upload = upload
+        self.assign = assign
 
     async def Status(
         self,
@@ -206,6 +216,33 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
             backup=done.backup,
             seconds=done.seconds,
         )
+
+    async def AssignRank(
+        self,
+        request: pb.AssignRankRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.AssignRankResponse:
+        if self.assign is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this daemon assigns no ranks")
+        assert self.assign is not None
+        try:
+            record = RankRecord(
+                job=request.job,
+                rank=request.rank,
+                nodes=request.nodes,
+                coordinator=request.coordinator,
+                pod_uid=request.pod_uid,
+                assignment=request.assignment,
+                source=request.source,
+            )
+        except BadRankRecord as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad assignment: {exc}")
+        try:
+            written = await self.assign(record)
+        except AssignRefused as exc:
+            log.warning("refused an assignment: %s", exc, extra={"job": record.job})
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.AssignRankResponse(written=written)
 
     def register(self, server: grpc.aio.Server) -> None:
         node_pb2_grpc.add_NodeServicer_to_server(self, server)

@@ -149,7 +149,8 @@ class Metrics:
 
     def identity_refused(self, where: str) -> None:
         """A caller was refused for who its certificate says it is: ``rpc`` (it names no
-        node) or ``rank`` (another node holds the rank it acts as)."""
+        node), ``rank`` (another node holds the rank it acts as) or ``assign`` (an
+        ``AssignRank`` not from the controller's certificate)."""
 
     def serving(self, job: str) -> None:
         """The daemon serves ``job`` now: the series of any other job go."""
@@ -204,15 +205,15 @@ NO_METRICS = Metrics()
 """The default everywhere: records nothing."""
 
 
-IDENTITY_REFUSALS = ("rpc", "rank")
+IDENTITY_REFUSALS = ("rpc", "rank", "assign")
 """Where a caller is refused for its certificate (``Metrics.identity_refused``)."""
 
 
 def _identity_refusals(registry: CollectorRegistry) -> Counter:
     counter = Counter(
         "mtc_identity_refusals",
-        "Calls refused for the caller's certificate: names no node (rpc), or another node "
-        "holds the rank it acts as (rank).",
+        "Calls refused for the caller's certificate: names no node (rpc), another node "
+        "holds the rank it acts as (rank), or an AssignRank not from the controller (assign).",
         ["where"],
         registry=registry,
     )

@@ -6,8 +6,10 @@ certificate shared by every node (``tls.crt``, ``tls.key``, ``ca.crt``: the name
 ``--tls-shared-certificate``. ``mtc certs node NAME DIR`` issues a certificate that also
 names its node (``core.identity``) into ``DIR/nodes/NAME``: what daemons need by default.
 ``mtc certs secret DIR`` prints the Secret of DIR's certificate for ``kubectl apply -f -``.
-``mtc certs operator DIR --name NAME`` issues an operator certificate from DIR's CA
-(``operator.crt``, ``operator.key``): what signs restore pins
+``mtc certs controller DIR`` issues mtc-controller's client certificate into
+``DIR/controller`` (``CONTROLLER_URI``, no node name): the one that may call
+``Node/AssignRank``. ``mtc certs operator DIR --name NAME`` issues an operator certificate
+from DIR's CA (``operator.crt``, ``operator.key``): what signs restore pins
 (``transport.operator_signing``), never a node's and never mounted in the cluster. Keys are
 ECDSA P-256 (cheap handshakes); node certificates carry the shared DNS name
 (``mtc-replicator`` unless told otherwise), which clients check instead of the address they
@@ -36,7 +38,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from mtc_replicator.core import argtypes
-from mtc_replicator.core.identity import DEFAULT_NODE_NAME_PATTERN, node_uri
+from mtc_replicator.core.identity import CONTROLLER_URI, DEFAULT_NODE_NAME_PATTERN, node_uri
 from mtc_replicator.local import fsutil
 from mtc_replicator.transport.operator_signing import OPERATOR_PURPOSE
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME, TlsFiles
@@ -141,6 +143,14 @@ def issue_operator(
     return _leaf(ca, name, names, [OPERATOR_PURPOSE], days=days, not_before=not_before)
 
 
+def issue_controller(ca: Pair, *, days: int = 365) -> Pair:
+    """mtc-controller's certificate: a TLS client named ``CONTROLLER_URI`` and no node, so
+    it may hand ranks out (``Node/AssignRank``) and is refused on every node's RPC."""
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(CONTROLLER_URI)]
+    usages = [ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _leaf(ca, "mtc-controller", names, usages, days=days, not_before=None)
+
+
 def _leaf(
     ca: Pair,
     common_name: str,
@@ -237,6 +247,15 @@ def issue_node(directory: Path, node: str, server_name: str, days: int) -> tuple
     return out, made
 
 
+def issue_controller_files(directory: Path, days: int) -> tuple[Path, bool]:
+    """The controller's certificate in ``directory/controller/`` (``tls.crt``, ``tls.key``,
+    ``ca.crt``), from the CA in ``directory`` (made if absent); that folder, whether made."""
+    ca, made = _ca(directory)
+    out = directory / "controller"
+    write_node_files(out, ca, issue_controller(ca, days=days))
+    return out, made
+
+
 def _node_name(value: str) -> str:
     if re.fullmatch(DEFAULT_NODE_NAME_PATTERN, value) is None:
         raise argparse.ArgumentTypeError(
@@ -313,6 +332,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=365,
         help="node certificate lifetime (default: %(default)s)",
     )
+    about = "issue mtc-controller's certificate (it assigns ranks), from the CA in DIR"
+    ctl = verbs.add_parser("controller", help=about, description=about)
+    ctl.add_argument(
+        "dir", type=argtypes.path, help="the CA's directory; the files go to DIR/controller"
+    )
+    ctl.add_argument(
+        "--days",
+        type=argtypes.positive,
+        default=365,
+        help="controller certificate lifetime (default: %(default)s)",
+    )
     about = "print the kubernetes.io/tls Secret of DIR's node certificate"
     secret_p = verbs.add_parser("secret", help=about, description=about)
     secret_p.add_argument("dir", type=argtypes.path, help="a directory made by 'mtc certs init'")
@@ -342,6 +372,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.certs_command == "operator":
         return _operator(args)
+    if args.certs_command == "controller":
+        out, made = issue_controller_files(args.dir, args.days)
+        print(
+            f"{'made a CA and' if made else 'kept the CA and made'} the controller's "
+            f"certificate in {out} ({NODE_CERT}, {NODE_KEY}, {CA_CERT}: mtc-controller's TLS "
+            f"Secret; keep {args.dir / CA_KEY} off the cluster)"
+        )
+        return 0
     missing = [f for f in (NODE_CERT, NODE_KEY, CA_CERT) if not (args.dir / f).is_file()]
     if missing:
         print(

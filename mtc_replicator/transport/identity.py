@@ -9,7 +9,9 @@ names out of certificates (``cryptography``) and applies the rule at the two doo
 - ``peer_node`` for the data channel's accept side, on the TLS object's peer certificate.
 
 Only the health service is exempt: it says nothing about checkpoints, and kubelet's probes
-read it in plaintext on ``--health-listen`` anyway.
+read it in plaintext on ``--health-listen`` anyway. ``CONTROLLER_METHODS`` (``AssignRank``)
+take the controller's certificate instead, and refuse every node's; ``CONTROLLER_READS``
+(``Node/Status``) take either.
 """
 
 from __future__ import annotations
@@ -25,13 +27,24 @@ import grpc
 import grpc.aio
 from cryptography import x509
 
-from mtc_replicator.core.identity import IdentityRule, NotANode, certificate_node
+from mtc_replicator.core.identity import (
+    CONTROLLER_URI,
+    IdentityRule,
+    NotANode,
+    certificate_node,
+    is_controller,
+)
 from mtc_replicator.transport.signing import check_identity
 from mtc_replicator.transport.tls import TlsError, TlsMaterial
 
 log = logging.getLogger(__name__)
 
 EXEMPT_PREFIX = "/grpc.health.v1.Health/"
+CONTROLLER_METHODS = frozenset({"/mtc.v1.Node/AssignRank"})
+"""What only mtc-controller's certificate may call: a node's is refused (``where="assign"``)."""
+CONTROLLER_READS = frozenset({"/mtc.v1.Node/Status"})
+"""What mtc-controller's certificate may call besides a node's: what a node holds (read-only),
+for the rank assignment. Everything else (pulls, joins, drops) stays the nodes'."""
 
 _caller: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtc_caller", default=None)
 
@@ -91,16 +104,34 @@ def _context_node(context: grpc.aio.ServicerContext[Any, Any], rule: IdentityRul
     return _node_of_pem(bytes(pems[0]), rule)
 
 
+@functools.lru_cache(maxsize=64)
+def _controller_pem(pem: bytes) -> bool:
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return False
+    return is_controller(san.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def _context_controller(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    pems = list(context.auth_context().get("x509_pem_cert") or ())
+    return bool(pems) and _controller_pem(bytes(pems[0]))
+
+
 Behavior = Callable[..., Any]
 
 
 class NodeIdentityInterceptor(grpc.aio.ServerInterceptor):
     """Refuses, before the handler, every call whose certificate names no node."""
 
-    def __init__(self, rule: IdentityRule, on_refused: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, rule: IdentityRule, on_refused: Callable[[str], None] = lambda where: None
+    ) -> None:
         self.rule = rule
         self.on_refused = on_refused
-        """Counts a refusal (``Metrics.identity_refused``)."""
+        """Counts a refusal (``Metrics.identity_refused``): ``rpc`` names no node, ``assign``
+        is not the controller on a ``CONTROLLER_METHODS`` call."""
 
     async def intercept_service(
         self,
@@ -120,12 +151,18 @@ async def _admit(
     context: grpc.aio.ServicerContext[Any, Any],
     method: str,
     rule: IdentityRule,
-    on_refused: Callable[[], None],
+    on_refused: Callable[[str], None],
 ) -> None:
+    if method in CONTROLLER_METHODS:
+        await _admit_controller(context, method, on_refused)
+        return
+    if method in CONTROLLER_READS and _context_controller(context):
+        _caller.set(None)
+        return
     try:
         node = _context_node(context, rule)
     except NotANode as exc:
-        on_refused()
+        on_refused("rpc")
         log.warning(
             "refused %s from %s: its certificate is not a node's: %s", method, context.peer(), exc
         )
@@ -135,11 +172,31 @@ async def _admit(
     _caller.set(node)
 
 
+async def _admit_controller(
+    context: grpc.aio.ServicerContext[Any, Any], method: str, on_refused: Callable[[str], None]
+) -> None:
+    """Only a certificate carrying ``CONTROLLER_URI`` and no node name: a node must not
+    hand ranks out (it could send another node's pod its own rank's bytes)."""
+    if not _context_controller(context):
+        on_refused("assign")
+        log.warning(
+            "refused %s from %s: its certificate is not the controller's (%s)",
+            method,
+            context.peer(),
+            CONTROLLER_URI,
+        )
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"only the controller's certificate ({CONTROLLER_URI}) may call {method}",
+        )
+    _caller.set(None)
+
+
 def _guarded(
     handler: grpc.RpcMethodHandler[Any, Any],
     method: str,
     rule: IdentityRule,
-    on_refused: Callable[[], None],
+    on_refused: Callable[[str], None],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with the identity check in front of its behavior."""
 
