@@ -167,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.tls_cert and not os.path.exists(args.tls_cert):
+        # The Deployment mounts Secret mtc-controller-tls optionally: not made (yet).
+        log.warning("no controller certificate at %s", args.tls_cert)
+        args.tls_cert = args.tls_key = args.tls_ca = None
     try:
         tls = open_material(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
     except TlsError as exc:

@@ -5,8 +5,12 @@ controller under this very RBAC against a real API server)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
+from mtc_replicator.core.identity import CONTROLLER_URI
 from tests.deploy import helm_chart
 from tests.deploy.k8s import DEPLOY, Obj, kustomize, only, validate
 
@@ -82,3 +86,59 @@ def test_rbac_is_least_privilege(built: list[Obj]) -> None:
             "verbs": ["get", "update"],
         }
     ]
+
+
+def _controller_certificate(objs: list[Obj]) -> Obj:
+    (cert,) = [
+        o
+        for o in objs
+        if o["kind"] == "Certificate" and o["metadata"]["name"] == "mtc-controller-tls"
+    ]
+    return cert
+
+
+@pytest.mark.parametrize("how", ["kustomize", "helm"])
+def test_the_controller_gets_a_certificate_the_replicators_take_assignrank_from(
+    how: str, tmp_path: Path
+) -> None:
+    """Sticky ranks: with cert-manager, a certificate from the node stack's CA naming the
+    controller (the identity the replicators admit on AssignRank), mounted where the
+    controller's MTC_TLS_* point; the Secret optional (without it: plaintext, indexes)."""
+    if how == "helm":
+        objs = helm_chart.render_files("controller.yaml", "cert-manager.yaml")
+        assert not [
+            o
+            for o in helm_chart.render_files("controller.yaml")
+            if o["kind"] == "Certificate" and o["metadata"]["name"] == "mtc-controller-tls"
+        ]
+    else:
+        overlay = tmp_path / "overlay"
+        overlay.mkdir()
+        there = os.path.relpath(DEPLOY, overlay)
+        (overlay / "kustomization.yaml").write_text(
+            "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+            f"resources: [{there}/overlays/controller]\n"
+            f"components: [{there}/components/cert-manager, "
+            f"{there}/components/controller-certificate]\n"
+        )
+        objs = kustomize(overlay)
+    cert = _controller_certificate(objs)
+    spec = cert["spec"]
+    assert spec["uris"] == [CONTROLLER_URI]
+    assert "client auth" in spec["usages"]
+    assert "server auth" not in spec["usages"]
+    issuer = spec["issuerRef"]["name"]
+    assert any(o["kind"] == "Issuer" and o["metadata"]["name"] == issuer for o in objs)
+    pod = only(objs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("secret")]
+    assert volume["secret"]["secretName"] == spec["secretName"]
+    assert volume["secret"]["optional"] is True
+    (c,) = pod["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == volume["name"]]
+    envs = {e["name"]: e.get("value") for e in c["env"]}
+    for name, file in (
+        ("MTC_TLS_CERT", "tls.crt"),
+        ("MTC_TLS_KEY", "tls.key"),
+        ("MTC_TLS_CA", "ca.crt"),
+    ):
+        assert envs[name] == f"{mount['mountPath']}/{file}"

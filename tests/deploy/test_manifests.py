@@ -82,6 +82,7 @@ def test_the_kustomizations_are_the_expected_ones() -> None:
         "components/cert-manager",
         "components/cert-manager-per-node",
         "components/controller",
+        "components/controller-certificate",
         "components/monitoring",
         "components/root-training",
     ]

@@ -240,6 +240,29 @@ def checksum(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def local_checksums(restored: dict[str, Any], host: dict[str, Any]) -> tuple[str, str]:
+    """With several processes an array is not whole in any one: sha256 over this process's
+    shards of the restored state, and over the same slices of ``host`` (what was saved)."""
+    import jax
+    import numpy as np
+
+    got, want = hashlib.sha256(), hashlib.sha256()
+    pairs = zip(
+        jax.tree_util.tree_flatten_with_path(restored)[0],
+        jax.tree_util.tree_leaves(host),
+        strict=True,
+    )
+    for (path, leaf), expected in sorted(pairs, key=lambda p: jax.tree_util.keystr(p[0][0])):
+        for shard in sorted(leaf.addressable_shards, key=lambda s: str(s.index)):
+            for h, arr in (
+                (got, np.asarray(shard.data)),
+                (want, np.asarray(expected)[shard.index]),
+            ):
+                h.update(jax.tree_util.keystr(path).encode() + str(shard.index).encode())
+                h.update(np.ascontiguousarray(arr).tobytes())
+    return got.hexdigest(), want.hexdigest()
+
+
 # --- Orbax -----------------------------------------------------------------------------------
 
 
@@ -323,11 +346,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 step_link = os.readlink(step_dir)
             template = make_state(args.seed, latest, args.size_kib)
             state = restore(manager, mesh, latest, template)
+            if args.processes > 1:
+                got, want = local_checksums(state, template)
+            else:
+                got, want = checksum(state), checksum(template)
             result.update(
                 restored_step=int(latest),
-                checksum=checksum(state),
-                expected_checksum=checksum(template),
+                checksum=got,
+                expected_checksum=want,
                 step_dir_symlink=step_link,
+                process_index=jax.process_index(),
             )
         if args.mode == "train":
             start = 0 if latest is None else latest + 1
