@@ -41,14 +41,16 @@ def nodes(tmp_path: Path) -> Iterator[Cluster]:
         yield c
 
 
-def _controller(apiserver: ApiServer, root: Path, cluster: Cluster) -> Controller:
+def _controller(
+    apiserver: ApiServer, root: Path, cluster: Cluster, log: str = "controller.log"
+) -> Controller:
     assert cluster.ca is not None
     tls = root / "controller-tls"
     certs.write_node_files(tls, cluster.ca, certs.issue_controller(cluster.ca))
     files = certs.node_files(tls)
     c = Controller(
         apiserver,
-        root / "controller.log",
+        root / log,
         "--no-leader-elect",
         env_extra={
             "MTC_TLS_CERT": str(files.cert),
@@ -191,6 +193,14 @@ def test_the_controller_gives_each_pod_the_rank_its_node_holds(
         assert any(ranks[placed[i]] != i for i in range(NODES))
         outcome = restart(cluster, ranks, 5)
         assert outcome.local == NODES, outcome.sources
+
+        # A new controller (a restart, a new leader) reads the assignment off the pods and
+        # keeps it, though every node now holds more (the restores wrote into the stores).
+        controller.stop()
+        controller = _controller(apiserver, tmp_path, cluster, "controller-2.log")
+        time.sleep(3)  # a few events and retries later
+        assert {n: _annotations(k8s, n) for n in names} == marks
+        assert "ranks assigned" not in controller.text()
     finally:
         controller.stop()
         k8s.core.delete_collection_namespaced_pod(
