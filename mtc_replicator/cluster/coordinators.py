@@ -34,6 +34,7 @@ from mtc_replicator.core.coordination import (
     COMMIT_RETRY_SECONDS,
     JobCoordinator,
     Join,
+    JoinRejected,
     Phase,
     ProgressAnswer,
     RankStatus,
@@ -104,6 +105,10 @@ Listing = tuple[Mapping[int, CommitRecord], int | None]
 """A job's committed backups and its pinned step."""
 
 
+Granted = Callable[[str, int], "Mapping[int, str] | None"]
+"""``grants(job, nodes)``: the ranks' nodes by the controller's grant in force, or None."""
+
+
 class Coordinators:
     """The coordinator calls of every job this daemon hosts, in our own types.
 
@@ -127,9 +132,14 @@ class Coordinators:
         commit: CommitBackup | None = None,
         holders: HolderRecords | None = None,
         on_rank_refused: Callable[[], None] = lambda: None,
+        grants: Granted | None = None,
     ) -> None:
         self.host = host
         self.holders = holders
+        self.grants = grants
+        """The controller's bindings of a job's ranks to nodes, when a grant is in force for
+        the run this node coordinates (``core.grant``): they decide who may be each rank."""
+        self._refusals_logged: set[tuple[str, int, str]] = set()
         self.on_rank_refused = on_rank_refused
         """Counts a call refused for another node's rank (``Metrics.identity_refused``)."""
         self.backups_for = backups_for
@@ -203,7 +213,7 @@ class Coordinators:
         """Admit a join of ``owner``'s from ``node`` (the caller's certificate; None: not
         known); returns who answered and the round it counts for."""
         rank = inventory.rank
-        self._admit(job, rank, owner)  # before listing any backups
+        self._granted_only(self._admit(job, rank, owner), rank, node)  # before any listing
         backups, pinned = await self._committed_backups(job)
         hosted = self._admit(job, rank, owner)  # it may have been replaced meanwhile
         coordinator = hosted.coordinator
@@ -392,10 +402,34 @@ class Coordinators:
         )
         return hosted.identity
 
+    def _granted_only(self, hosted: HostedJob, rank: int, node: str | None) -> None:
+        """With a grant in force, a join of a rank from another node is refused here, before
+        any listing or round state is touched: a flood of them costs a lookup each, and
+        cannot take a rank from the node the controller gave it (logged once per node)."""
+        coordinator = hosted.coordinator
+        config = coordinator.config
+        coordinator.holders.granted = (
+            None if self.grants is None else self.grants(hosted.job, config.nodes)
+        )
+        if coordinator.holders.granted is None:
+            return  # no grant: the round binds ranks as they join (``core.rank_holders``)
+        why = coordinator.holders.check(rank, node)
+        if not why:
+            return
+        self.on_rank_refused()
+        key = (hosted.job, rank, str(node))
+        if key not in self._refusals_logged and len(self._refusals_logged) < 1024:
+            self._refusals_logged.add(key)
+            JobLog(log, hosted.job, rank).warning("join refused: %s", why)
+        raise JoinRejected(why)
+
     def _load_holders(self, hosted: HostedJob) -> None:
         """Before a new coordinator's first join or report: take back the history of the
         job's rank holders the last one left on this node, and, restarted in steady state,
         the released round's holders (it adopts only their reports)."""
+        if self.grants is not None:
+            config = hosted.coordinator.config
+            hosted.coordinator.holders.granted = self.grants(hosted.job, config.nodes)
         if hosted.holders_loaded:
             return
         hosted.holders_loaded = True

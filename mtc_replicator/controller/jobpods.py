@@ -33,6 +33,8 @@ RANK_ANNOTATION = "checkpointing.mtc.dev/rank"
 ASSIGNMENT_ANNOTATION = "checkpointing.mtc.dev/assignment"
 SOURCE_ANNOTATION = "checkpointing.mtc.dev/rank-source"
 DELIVERED_ANNOTATION = "checkpointing.mtc.dev/rank-delivered"
+HOLDER_ANNOTATION = "checkpointing.mtc.dev/rank-holder"
+"""The node (as its certificate names it) the pod's rank is granted to (``core.grant``)."""
 JOB_ANNOTATION = "checkpointing.mtc.dev/job"
 """The job's name in its ``replicator.yaml`` when it is not the workload's own name."""
 DEFAULT_COORDINATOR_PORT = 8476
@@ -67,6 +69,8 @@ class JobPod:
     """The assignment it carries (``ASSIGNMENT_ANNOTATION``); empty: none yet."""
     rank: int | None
     source: str
+    holder: str
+    """``HOLDER_ANNOTATION``: "" when the assignment has no grant."""
     delivered: bool
     mtc_job: str
     """The job's name as its ``replicator.yaml`` says it (``JOB_ANNOTATION``, else the
@@ -158,6 +162,7 @@ def job_pod(pod: Mapping[str, Any]) -> JobPod | None:
         assignment=str(ann.get(ASSIGNMENT_ANNOTATION, "")),
         rank=_int(rank, RANK_ANNOTATION, name) if rank is not None else None,
         source=str(ann.get(SOURCE_ANNOTATION, "")),
+        holder=str(ann.get(HOLDER_ANNOTATION, "")),
         mtc_job=str(ann.get(JOB_ANNOTATION) or job.split("/", 1)[1]),
         delivered=bool(ann.get(DELIVERED_ANNOTATION))
         and ann.get(DELIVERED_ANNOTATION) == ann.get(ASSIGNMENT_ANNOTATION),

@@ -72,7 +72,9 @@ def settle(member: JobPod, indexed: list[JobPod]) -> None:
         members = [m for m in indexed if m.uid != member.uid] + [member]
         g = jobpods.group(members)
         if not g.ready:
-            log.debug("%s/%s: %s", member.namespace, member.job, g.why)
+            log.debug(
+                "%s/%s: %s", member.namespace, member.job, g.why, extra={"job": member.mtc_job}
+            )
             return
         addresses = sticky.replicator_addresses(kube().node_stack_pods())
         if not g.assigned:
@@ -92,9 +94,12 @@ def settle(member: JobPod, indexed: list[JobPod]) -> None:
                 p.assignment,
                 p.local,
                 p.by_index,
+                extra={"job": member.mtc_job},
             )
             return  # the annotations' events deliver
         ranks = {pod.name: pod.rank for pod in g.pods if pod.rank is not None}
+        by_rank = {pod.rank: pod.holder for pod in g.pods if pod.rank is not None}
+        holders = tuple(by_rank.get(r, "") for r in range(len(g.pods)))
         p = sticky.Plan(
             ranks,
             g.pods[0].assignment,
@@ -102,6 +107,7 @@ def settle(member: JobPod, indexed: list[JobPod]) -> None:
             sticky.coordinator(g.pods, ranks),
             0,
             0,
+            holders if all(holders) else (),
         )
         for pod in g.pods:
             if pod.delivered or pod.rank is None:

@@ -61,6 +61,9 @@ class Plan:
     coordinator: str
     local: int
     by_index: int
+    holders: tuple[str, ...] = ()
+    """Each rank's node as its certificate names it, in rank order: the grant the nodes
+    enforce (``core.grant``); empty when a node has no name (TLS off)."""
 
 
 class Replicators:
@@ -78,6 +81,10 @@ class Replicators:
 
     def holdings(self, address: str, job: str) -> dict[int, set[int]]:
         """Rank -> the steps of ``job`` the node at ``address`` holds whole."""
+        return self.status(address, job)[1]
+
+    def status(self, address: str, job: str) -> tuple[str, dict[int, set[int]]]:
+        """The node its certificate names ("" without TLS) and what it holds of ``job``."""
         with self._channel(address) as channel:
             reply = node_pb2_grpc.NodeStub(channel).Status(
                 pb.NodeStatusRequest(job=job), timeout=CALL_SECONDS
@@ -90,7 +97,7 @@ class Replicators:
                 held.setdefault(j.rank, set()).update(j.local_steps)
             for copy in j.peer_copies:
                 held.setdefault(copy.rank, set()).update(copy.steps)
-        return held
+        return reply.node, held
 
     def assign(self, address: str, request: pb.AssignRankRequest) -> list[str]:
         with self._channel(address) as channel:
@@ -120,16 +127,17 @@ def plan(g: Group, mtc_job: str, addresses: Mapping[str, str], replicators: Repl
     nodes = g.pods[0].nodes
     missing = sorted({p.node for p in g.pods if p.node not in addresses})
     held: dict[str, dict[int, set[int]]] = {}
+    names: dict[str, str] = {}
     why = f"no replicator known on nodes {missing}" if missing else ""
     if not missing:
         with ThreadPoolExecutor(min(32, len(g.pods)), thread_name_prefix="mtc-held") as pool:
             node_names = sorted({p.node for p in g.pods})
             futures = {
-                n: pool.submit(replicators.holdings, addresses[n], mtc_job) for n in node_names
+                n: pool.submit(replicators.status, addresses[n], mtc_job) for n in node_names
             }
             for n, f in futures.items():
                 try:
-                    held[n] = f.result()
+                    names[n], held[n] = f.result()
                 except grpc.RpcError as exc:
                     why = f"the replicator on node {n} could not be asked: {exc.code().name}"
                     break
@@ -148,7 +156,24 @@ def plan(g: Group, mtc_job: str, addresses: Mapping[str, str], replicators: Repl
             log.warning("%s/%s: ranks by index: %s", g.pods[0].namespace, g.pods[0].job, why)
     else:
         ranks, source, local, by_index_count = dict(a.ranks), "holdings", a.local, a.by_index
-    return Plan(ranks, g.assignment_id, source, coordinator(g.pods, ranks), local, by_index_count)
+    return Plan(
+        ranks,
+        g.assignment_id,
+        source,
+        coordinator(g.pods, ranks),
+        local,
+        by_index_count,
+        grant_holders(g.pods, ranks, names),
+    )
+
+
+def grant_holders(
+    pods: Sequence[JobPod], ranks: Mapping[str, int], names: Mapping[str, str]
+) -> tuple[str, ...]:
+    """Each rank's node by its certificate's name, in rank order; () when any is unnamed."""
+    by_rank = {ranks[p.name]: names.get(p.node, "") for p in pods}
+    holders = tuple(by_rank.get(r, "") for r in range(len(pods)))
+    return holders if all(holders) and len(set(holders)) == len(holders) else ()
 
 
 def by_index(pods: Sequence[JobPod], fixed: Mapping[str, int]) -> dict[str, int]:
@@ -205,6 +230,7 @@ def deliver(
         coordinator=p.coordinator,
         assignment=p.assignment,
         source=p.source,
+        holders=list(p.holders),
     )
     try:
         replicators.assign(address, request)
@@ -223,11 +249,14 @@ def deliver(
 
 
 def rank_annotations(rank: int, p: Plan) -> dict[str, str]:
-    return {
+    marks = {
         jobpods.RANK_ANNOTATION: str(rank),
         jobpods.ASSIGNMENT_ANNOTATION: p.assignment,
         jobpods.SOURCE_ANNOTATION: p.source,
     }
+    if p.holders:  # the node this rank is granted to, so a new leader can hand the grant on
+        marks[jobpods.HOLDER_ANNOTATION] = p.holders[rank]
+    return marks
 
 
 def count(p: Plan, pods: int) -> None:

@@ -82,6 +82,9 @@ class RankHolders:
     producers are not known, so the history never is (``known``)."""
     changes: int = 0
     """Counts changes of ``history`` and ``known``: the host saves the record when it moves."""
+    granted: Mapping[int, str] | None = None
+    """The controller's grant for the running job (``core.grant``), when one is in force:
+    each rank's node decided before anyone joins, so no first come takes a rank."""
 
     @property
     def known(self) -> bool:
@@ -92,6 +95,15 @@ class RankHolders:
         """Why ``node`` may not act as ``rank`` ("" if it may); a refusal is counted."""
         if node is None or node == LEGACY:
             return ""
+        if self.granted is not None:
+            owner = self.granted.get(rank)
+            if owner == node:
+                return ""
+            self.refused += 1
+            return (
+                f"rank {rank} is granted to node {str(owner)[:100]!r} by mtc-controller's "
+                f"assignment, not {node[:100]!r}"
+            )
         held = self.nodes.get(rank)
         if held is None or held in (node, LEGACY):
             return ""

@@ -43,6 +43,7 @@ from mtc_replicator.core.pacing import (
     format_rate,
 )
 from mtc_replicator.core.timeline import RestorePhase
+from mtc_replicator.local.grants_file import GrantsFile
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError, StorePlacementError
 from mtc_replicator.local.usedpins import UsedPins
@@ -119,7 +120,9 @@ class Daemon:
     def __init__(self, opts: DaemonOptions) -> None:
         self.opts = opts
         self.tls, self.node_name = open_tls(opts)
+        self._own = self.node_name or None  # no identity without TLS, or under a shared one
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
+        self.grants = GrantsFile.opened(self.store.root)  # the controller's rank grants
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(
             PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
@@ -234,7 +237,10 @@ class Daemon:
         config = self.incarnation.config
         own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
         member = self.incarnation.member
-        holders = {} if member is None else member.rank_nodes
+        # The controller's grant, when in force, from the first second; else the
+        # coordinator's word, from its first answer on.
+        granted = self.grants.holders(config.job_name, config.nodes, config.node_rank, self._own)
+        holders = granted or ({} if member is None else member.rank_nodes)
         return Served(config, max(own, default=None), self.incarnation.owner, holders)
 
     def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
@@ -413,7 +419,9 @@ class Daemon:
         rpc.add_service(PEER_SERVICE, self._peer_servicer(channel).register)
         self.ctx.coordinators = self._coordinators(loop)
         rpc.add_service(COORDINATOR_SERVICE, CoordinatorServicer(self.ctx.coordinators).register)
-        ranks = RankFiles(self.opts.checkpoint_dir, self.opts.owner_file, self.executor)
+        ranks = RankFiles(
+            self.opts.checkpoint_dir, self.opts.owner_file, self.executor, self.grants, self._own
+        )
         node = NodeServicer(self._status, self._drop, self.kept_uploads.upload, ranks.assign)
         rpc.add_service(NODE_SERVICE, node.register)
         try:
@@ -460,6 +468,7 @@ class Daemon:
             max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
+            readers=self.grants.readers,
         )
 
     def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:
@@ -470,6 +479,7 @@ class Daemon:
             lambda job: backups.committed_steps(job) if backups else {},
             holders=HoldersFile(self.store.root),
             on_rank_refused=functools.partial(self.metrics.identity_refused, "rank"),
+            grants=lambda job, nodes: self.grants.holders(job, nodes, 0, self._own),
             pins=StorePins(
                 backups.objects,
                 self.trust,
@@ -557,6 +567,7 @@ class Daemon:
             self.advertise or "",
             job,
             foreign=self.foreign.last,
+            node=self.node_name or None,
         )
 
     def _running_job(self) -> str | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 
+from mtc_replicator.core.grant import BadGrant, Grant, check_holders
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.rank_file import (
     MAX_RANK_FILE_BYTES,
@@ -26,6 +28,7 @@ from mtc_replicator.core.rank_file import (
     rank_file_bytes,
 )
 from mtc_replicator.local import fsutil
+from mtc_replicator.local.grants_file import GrantsFile
 from mtc_replicator.node.owner_watch import read_owner_record
 
 log = logging.getLogger(__name__)
@@ -86,19 +89,42 @@ def _current(path: Path) -> bytes | None:
 
 
 class RankFiles:
-    """``AssignRank`` for the daemon: ``assign`` writes on its thread pool."""
+    """``AssignRank`` for the daemon: ``assign`` writes on its thread pool, and keeps the
+    assignment's grant (``core.grant``) when it names every rank's node."""
 
-    def __init__(self, checkpoint_dir: Path, owner_file: Path | None, executor: Executor) -> None:
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        owner_file: Path | None,
+        executor: Executor,
+        grants: GrantsFile | None = None,
+        own_node: str | None = None,
+    ) -> None:
         self.checkpoint_dir = checkpoint_dir
         self.owner_file = owner_file
         self._executor = executor
+        self.grants = grants
+        self.own_node = own_node
 
-    async def assign(self, record: RankRecord) -> list[str]:
-        """The names written for ``record`` (both, also when they were there already)."""
+    async def assign(self, record: RankRecord, holders: Sequence[str] = ()) -> list[str]:
+        """The names written for ``record`` (both, also when they were there already);
+        ``holders``: every rank's node, kept as the job's grant (``AssignRefused`` when it
+        does not name this node at the pod's rank)."""
+        grant = None
+        if holders:
+            try:
+                check_holders(holders, record.nodes, record.rank, self.own_node)
+            except BadGrant as exc:
+                raise AssignRefused(
+                    f"the assignment's bindings are not this node's: {exc}"
+                ) from None
+            grant = Grant(record.job, record.assignment, tuple(holders))
         loop = asyncio.get_running_loop()
         changed = await loop.run_in_executor(
             self._executor, write_rank_files, self.checkpoint_dir, self.owner_file, record
         )
+        if grant is not None and self.grants is not None:
+            await loop.run_in_executor(self._executor, self.grants.save, grant)
         log.info(
             "%s rank %d of %d for pod %s of job %s (assignment %s, by %s, coordinator %s)",
             "assigned" if changed else "already assigned",

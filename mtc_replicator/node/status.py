@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -86,6 +86,7 @@ def node_status(
     job: str | None = None,
     *,
     foreign: Mapping[str, HeldJob] | None = None,
+    node: str | None = None,
 ) -> pb.NodeStatusResponse:
     """Every job this node serves or holds items of (or ``job`` only); ``foreign``: the
     jobs held that do not run here, as last surveyed (``node.reclaim``)."""
@@ -131,7 +132,7 @@ def node_status(
             if rank != own:
                 status.peer_copies.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
         jobs.append(status)
-    return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs)
+    return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs, node=node or "")
 
 
 Drop = Callable[[str, bool], Awaitable[Dropped]]
@@ -139,9 +140,10 @@ Drop = Callable[[str, bool], Awaitable[Dropped]]
 Upload = Callable[[str, int | None], Awaitable[KeptUpload]]
 """``upload(job, step)``: upload a kept job's step (``node.kept_upload``); raises
 ``UploadRefused`` or ``UploadFailed``."""
-Assign = Callable[[RankRecord], Awaitable[list[str]]]
-"""``assign(record)``: write a pod's rank files (``node.rank_files``); the names written;
-raises ``AssignRefused`` when the pod is not the one on this node."""
+Assign = Callable[[RankRecord, Sequence[str]], Awaitable[list[str]]]
+"""``assign(record, holders)``: write a pod's rank files and keep the grant ``holders``
+make (``node.rank_files``); the names written; raises ``AssignRefused`` when the pod is not
+the one on this node, or the holders do not name this node at its rank."""
 
 
 class NodeServicer(node_pb2_grpc.NodeServicer):
@@ -238,7 +240,7 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
         except BadRankRecord as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad assignment: {exc}")
         try:
-            written = await self.assign(record)
+            written = await self.assign(record, tuple(request.holders))
         except AssignRefused as exc:
             log.warning("refused an assignment: %s", exc, extra={"job": record.job})
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -18,7 +18,7 @@ import contextlib
 import errno
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from concurrent.futures import Executor
 from typing import Any, NoReturn
 
@@ -100,7 +100,8 @@ class Refused(Exception):
 
 
 class NotAllowed(Exception):
-    """The caller may not send this item here: not a rank that pushes to this node."""
+    """The caller may not send this item here (not a rank that pushes to this node), or read
+    this job's items (not a node of its grant)."""
 
 
 class Conflict(Exception):
@@ -227,6 +228,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         max_item_files: int = DEFAULT_MAX_ITEM_FILES,
         handed_over: Callable[[], bool] = lambda: False,
         trust: ManifestTrust = OPEN_MANIFESTS,
+        readers: Callable[[str], Collection[str] | None] = lambda job: None,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -264,6 +266,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self._per_peer: dict[str, int] = {}
         self.executor = executor
         self.serving = serving
+        self.readers = readers
+        """The nodes that may list and pull a job's items: its grant's (``core.grant``);
+        None, no grant: any node of the CA."""
         self.max_step_lead = max_step_lead
         self.max_item_bytes = max_item_bytes
         self.reserve_bytes = reserve_bytes
@@ -457,6 +462,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> None:
         t0 = time.monotonic()
         item = item_id(request.item)
+        self._may_read(item.job)
         await self._not_handed_over()
         manifest = self.store.get(item)
         if manifest is None:
@@ -557,7 +563,10 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             job = request.job or None
             if job is not None and not is_job_name(job):
                 raise TransferError(f"unsafe job name {job!r:.80}")
+            if job is not None:
+                self._may_read(job)
             await self._not_handed_over()
+            readable = self._readable()
             return pb.ListItemsResponse(
                 items=[
                     pb.ItemInfo(
@@ -566,10 +575,36 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         total_bytes=m.total_bytes,
                     )
                     for item, m in sorted(self.store.manifests(job).items())
+                    if readable(item.job)
                 ]
             )
         except Exception as exc:
             await _abort(context, "ListItems", exc)
+
+    def _may_read(self, job: str) -> None:
+        """A job with a grant is read by its grant's nodes alone (PERMISSION_DENIED)."""
+        node = caller()
+        allowed = self.readers(job)
+        if allowed is None or node is None or node in allowed:
+            return
+        self.metrics.identity_refused("read")
+        log.warning(
+            "a read of job %s by node %r refused: not a node of its grant",
+            job,
+            node,
+            extra={"job": job},
+        )
+        raise NotAllowed(
+            f"job {job}'s items are read by the nodes mtc-controller gave its ranks to, "
+            f"not {node[:100]!r}"
+        )
+
+    def _readable(self) -> Callable[[str], bool]:
+        """For a listing of every job: the jobs this caller may read (the others left out)."""
+        node = caller()
+        if node is None:
+            return lambda job: True
+        return lambda job: (allowed := self.readers(job)) is None or node in allowed
 
     async def _not_handed_over(self) -> None:
         """Refuse while the node's previous owner's items are still here (a handoff)."""

@@ -222,9 +222,14 @@ class NodeStatusResponse(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """This daemon's advertised address and version."""
     version: _builtins.str
+    node: _builtins.str
+    """The node its certificate names (spiffe://mtc-replicator/node/NAME); empty without TLS
+    or under a shared certificate. mtc-controller binds the ranks it assigns to these names.
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobStatus]: ...
     def __init__(
@@ -233,10 +238,11 @@ class NodeStatusResponse(_message.Message):
         address: _builtins.str = ...,
         version: _builtins.str = ...,
         jobs: _abc.Iterable[Global___JobStatus] | None = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "jobs", b"jobs", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "jobs", b"jobs", "node", b"node", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -395,6 +401,7 @@ class AssignRankRequest(_message.Message):
     COORDINATOR_FIELD_NUMBER: _builtins.int
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
     job: _builtins.str
     """The job, as its pods name it (their replicator.yaml's job-name)."""
     pod_uid: _builtins.str
@@ -413,6 +420,13 @@ class AssignRankRequest(_message.Message):
     """How the rank was chosen: "holdings" (where the job's bytes are) or "index" (the pod's
     own index: a fresh job, or the fallback).
     """
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The whole assignment's bindings: the node (as its certificate names it) of every rank,
+        in rank order; empty when the controller could not name them (TLS off). This node's
+        daemon then admits joins, pushes and reads of the job from these nodes alone.
+        """
+
     def __init__(
         self,
         *,
@@ -423,10 +437,11 @@ class AssignRankRequest(_message.Message):
         coordinator: _builtins.str = ...,
         assignment: _builtins.str = ...,
         source: _builtins.str = ...,
+        holders: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "coordinator", b"coordinator", "job", b"job", "nodes", b"nodes", "pod_uid", b"pod_uid", "rank", b"rank", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "coordinator", b"coordinator", "holders", b"holders", "job", b"job", "nodes", b"nodes", "pod_uid", b"pod_uid", "rank", b"rank", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

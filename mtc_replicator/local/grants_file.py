@@ -1,0 +1,74 @@
+"""The rank grants this node was handed (``core.grant``), kept beside the store. I/O module.
+
+``store_root/grants/<job>.json``, one per job, the newest assignment's: on the RAM disk, so
+a daemon restart keeps it and a node loss forgets it (the controller hands it again with
+the next assignment). Read into memory at start; each ``AssignRank`` with holders replaces
+its job's. The daemon's event loop reads the in-memory map only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from mtc_replicator.core.grant import (
+    MAX_GRANT_BYTES,
+    BadGrant,
+    Grant,
+    grant_from_json,
+    grant_json,
+    granted_holders,
+)
+from mtc_replicator.local import fsutil
+
+log = logging.getLogger(__name__)
+
+DIR_NAME = "grants"
+
+
+class GrantsFile:
+    """Every job's grant, in memory and in ``store_root/grants/``."""
+
+    def __init__(self, store_root: Path) -> None:
+        self.root = store_root / DIR_NAME
+        self.grants: dict[str, Grant] = {}
+
+    @classmethod
+    def opened(cls, store_root: Path) -> GrantsFile:
+        """The grants kept under ``store_root``, read."""
+        grants = cls(store_root)
+        grants.load()
+        return grants
+
+    def load(self) -> None:
+        """Read what a previous run of this daemon kept; an unreadable file is ignored
+        (said in the log): that job's next assignment brings it back."""
+        try:
+            paths = sorted(self.root.iterdir())
+        except FileNotFoundError:
+            return
+        for path in paths:
+            try:
+                grant = grant_from_json(fsutil.read_regular(path, MAX_GRANT_BYTES + 1))
+            except (OSError, BadGrant) as exc:
+                log.warning("ignoring unreadable rank grant %s: %s", path, exc)
+                continue
+            if path.name == f"{grant.job}.json":
+                self.grants[grant.job] = grant
+
+    def save(self, grant: Grant) -> None:
+        """Keep ``grant`` as its job's (raises ``OSError``)."""
+        if self.grants.get(grant.job) == grant:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fsutil.atomic_write_bytes(self.root / f"{grant.job}.json", grant_json(grant))
+        self.grants[grant.job] = grant
+
+    def holders(self, job: str, nodes: int, rank: int, own: str | None) -> dict[int, str] | None:
+        """The ranks' nodes by ``job``'s grant, when it is in force for this node at ``rank``."""
+        return granted_holders(self.grants, job, nodes, rank, own)
+
+    def readers(self, job: str) -> frozenset[str] | None:
+        """The nodes that may read ``job``'s items here: its grant's; None: no grant."""
+        grant = self.grants.get(job)
+        return None if grant is None else frozenset(grant.holders)
