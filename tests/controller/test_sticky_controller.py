@@ -27,6 +27,7 @@ from tests.controller.conftest import Controller, wait_for
 from tests.controller.test_controller import Cluster as Api
 from tests.controller.test_controller import _ready
 from tests.integration.cluster import Cluster, running
+from tests.integration.helpers import store_root
 from tests.integration.permuted import placement, restart
 
 NODES = 4
@@ -181,6 +182,13 @@ def test_the_controller_gives_each_pod_the_rank_its_node_holds(
         assert len(ids) == 1
         assert {a[jobpods.SOURCE_ANNOTATION] for a in marks.values()} == {"holdings"}
         ranks = {placed[i]: int(marks[n][jobpods.RANK_ANNOTATION]) for i, n in enumerate(names)}
+        # The grant: each rank bound to the node its certificate names (issue 39).
+        for i, n in enumerate(names):
+            assert marks[n][jobpods.HOLDER_ANNOTATION] == f"node{placed[i]}"
+            grant = json.loads(
+                (store_root(cluster.dirs[placed[i]]) / "grants" / f"{cluster.job}.json").read_text()
+            )
+            assert grant["holders"][ranks[placed[i]]] == f"node{placed[i]}"
         assert sorted(ranks.values()) == list(range(NODES))
         # Each node's CHECKPOINT_DIR says its pod's rank, and rank 0's pod is the coordinator.
         for node, rank in ranks.items():
