@@ -1,5 +1,5 @@
-"""Signed records in the bucket (COMMITs, registry entries, restore pins): their bytes and who
-is believed. Pure.
+"""Signed records in the bucket (COMMITs, registry entries, restore pins and their used
+records): their bytes and who is believed. Pure.
 
 Whoever can write the bucket could otherwise choose what a job restores (a ``COMMIT``) or
 where its ranks go (a registry entry). So a node signs each record it writes with its TLS
@@ -42,6 +42,8 @@ COMMIT_KIND = "commit"
 REGISTRY_KIND = "registry-entry"
 PIN_KIND = "restore-pin"
 """Signed by an operator, not a node (``transport.operator_signing``)."""
+USED_PIN_KIND = "used-restore-pin"
+"""A coordinator's record that it honoured a pin (``core.pin_use``), signed by its node."""
 
 
 class RecordRefused(ManifestError):

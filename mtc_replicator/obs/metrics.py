@@ -145,7 +145,7 @@ class Metrics:
         """A used restore pin of ``job`` could not be deleted from the bucket."""
 
     def pin_refused(self, job: str) -> None:
-        """A restore pin of ``job`` was not an operator's and was not honoured."""
+        """A restore pin of ``job`` was not honoured: not an operator's, used or expired."""
 
     def identity_refused(self, where: str) -> None:
         """A caller was refused for who its certificate says it is: ``rpc`` (it names no
@@ -268,7 +268,8 @@ class PrometheusMetrics(Metrics):
         )
         self._pins_refused = Counter(
             "mtc_pins_refused",
-            "Restore pins this node's coordinator refused: not signed by an operator.",
+            "Restore pins this node's coordinator refused: not signed by an operator, used "
+            "already or expired.",
             [JOB_LABEL],
             registry=r,
         )

@@ -30,6 +30,7 @@ from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
 from mtc_replicator.core.humanize import count
 from mtc_replicator.core.identity import IdentityRule
 from mtc_replicator.core.manifest import ManifestError
+from mtc_replicator.core.pin_use import utc
 from mtc_replicator.core.signed import OPEN, RecordTrust
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import restore_pins as pins
@@ -85,6 +86,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     restore.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     restore.add_argument(
         "--no-verify", action="store_true", help="pin without re-reading the step first"
+    )
+    restore.add_argument(
+        "--expires-in",
+        type=argtypes.seconds,
+        metavar="SECONDS",
+        help="daemons refuse the pin once this many seconds have passed, used or not "
+        "(daemons from before pin expiries ignore it) (default: no expiry)",
     )
     restore.add_argument(
         "--operator-cert",
@@ -388,13 +396,15 @@ def _pin(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
             return fail(f"step {step} of job {job} is corrupt: nothing pinned")
     signer: OperatorSigner | None = args.signer
     by = _whoami() if signer is None else f"{signer.name()} ({_whoami()})"
-    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), by[:256])
+    expires = None if args.expires_in is None else now + args.expires_in
+    pin = pins.RestorePin(job, step, now, pins.commit_digest(found[1]), by[:256], expires)
     pins.write_restore_pin(objects, pin, RecordTrust(signer=signer))
     checked = "unverified" if args.no_verify else "verified"
     signed = "unsigned" if signer is None else f"signed by operator {signer.name()}"
+    until = "" if expires is None else f", expires {utc(expires)}"
     print(
         f"job {job}: the next restore round will use backup step {step} ({checked}, "
-        f"{signed}){replaces}; pin at {pins.pin_key(job)}"
+        f"{signed}{until}){replaces}; pin at {pins.pin_key(job)}"
     )
     if signer is None:
         print(
