@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,27 @@ def test_pin_signs_a_pin_the_daemons_honour(backup: SignedBackup, tmp_path: Path
     assert out.returncode == 0, out.stderr
     assert not pin_file.exists()
     assert backup.daemon_reads() is None
+
+
+def test_an_expiry_is_signed_into_the_pin_and_refused_after_it(
+    backup: SignedBackup, tmp_path: Path
+) -> None:
+    operator = operator_flags(tmp_path / "alice", backup.ca)
+    pin = ("pin", backup.url, "--job", backup.job, "--step", "10", "--yes", *operator)
+    before = time.time()
+    out = mtc(*pin, "--expires-in", "3600", *backup.ca_flag())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert ", expires 20" in out.stdout, out.stdout
+    expires = json.loads((backup.root / pin_key(backup.job)).read_bytes())["expires_at"]
+    assert before + 3600 <= expires <= time.time() + 3600
+    assert backup.daemon_reads() == 10, "honoured before its expiry"
+    out = mtc(*pin, "--expires-in", "0.001")
+    assert out.returncode == 0, out.stdout + out.stderr
+    time.sleep(0.01)
+    assert backup.daemon_reads() is None, "refused after it"
+    bad = mtc(*pin, "--expires-in", "0")
+    assert bad.returncode == 2
+    assert "--expires-in" in bad.stderr, bad.stderr
 
 
 def test_an_unsigned_pin_is_written_but_not_honoured(backup: SignedBackup) -> None:
