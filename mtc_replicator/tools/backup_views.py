@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtc_replicator.core.humanize import count, human_age, human_bytes
+from mtc_replicator.core.pin_use import utc
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import restore_pins as pins
 
@@ -80,7 +81,10 @@ def print_job(job: dict[str, Any], now: float) -> None:
         who = f" by {pin['requested_by']}" if pin["requested_by"] else ""
         signed = job.get("restore_pin_signature")
         seal = f", signature {signed}" if signed else ""
-        print(f"  next restore pinned to step {pin['step']} (requested {age} ago{who}{seal})")
+        until = f", expires {utc(pin['expires_at'])}" if pin.get("expires_at") else ""
+        print(
+            f"  next restore pinned to step {pin['step']} (requested {age} ago{who}{seal}{until})"
+        )
     if job["restore_pin_error"]:
         print(f"  restore pin unusable: {job['restore_pin_error']}")
     if job["stray_objects"]:

@@ -30,7 +30,7 @@ from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust
 from mtc_replicator.core.humanize import count
 from mtc_replicator.core.identity import IdentityRule
 from mtc_replicator.core.manifest import ManifestError
-from mtc_replicator.core.pin_use import utc
+from mtc_replicator.core.pin_use import pin_refusal, utc
 from mtc_replicator.core.signed import OPEN, RecordTrust
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import restore_pins as pins
@@ -236,6 +236,16 @@ def _operator(args: argparse.Namespace) -> OperatorSigner | None:
 # --- list ----------------------------------------------------------------------------------
 
 
+def _pin_spent(
+    objects: ObjectStore, pin: pins.RestorePin, trust: RecordTrust, now: float
+) -> str | None:
+    """Why daemons will not honour ``pin`` any more (used already, expired), as they judge."""
+    digest = pins.pin_digest(pin)
+    used = pins.read_used_record(objects, pin.job, digest, trust)
+    why = pin_refusal(pin.job, digest, pin.expires_at, now, used)
+    return None if why is None else f"daemons will not honour it: {why}"
+
+
 def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     jobs = [args.job] if args.job else audit.list_jobs(objects)
     out: list[dict[str, Any]] = []
@@ -248,6 +258,7 @@ def _list(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
             if pin is not None:
                 found = pins.read_sealed_pin(objects, job, pin_trust)
                 seal = found[1].value if found is not None and found[1] is not None else None
+                pin_error = _pin_spent(objects, pin, args.trust, now)
         except pins.RefusedPin as exc:
             pin_error, seal = str(exc), "refused"
         except pins.MalformedPin as exc:

@@ -11,6 +11,7 @@ recorded only in rank 0's store, so every rank restored step 10.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_a_used_pin_put_back_after_every_ram_disk_was_lost_rolls_nothing_back(
         tls, ca = cluster.tls[0], cluster.ca
         assert tls is not None
         assert ca is not None
+        ca_file = str(tls.files.ca)
         done = mtc(
             "backups",
             "pin",
@@ -63,7 +65,7 @@ def test_a_used_pin_put_back_after_every_ram_disk_was_lost_rolls_nothing_back(
             "10",
             "--yes",
             "--tls-ca",
-            str(tls.files.ca),
+            ca_file,
             *operator_flags(tmp_path / "alice", ca),
         )
         assert done.returncode == 0, done.stdout + done.stderr
@@ -97,3 +99,10 @@ def test_a_used_pin_put_back_after_every_ram_disk_was_lost_rolls_nothing_back(
             lambda s: sample(s, "mtc_pins_refused_total", mtc_job=job) == 1.0,
         )
         assert pin.read_bytes() == signed, "left for the operator to see"
+        listed = mtc(
+            "backups", "list", cluster.backup_url, "--job", job, "--json", "--tls-ca", ca_file
+        )
+        assert listed.returncode == 0, listed.stderr
+        shown = json.loads(listed.stdout)["jobs"][0]
+        assert shown["restore_pin_signature"] == "verified"
+        assert "used already" in shown["restore_pin_error"], shown
