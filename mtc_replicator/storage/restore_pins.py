@@ -380,24 +380,24 @@ class StorePins:
         one not used on this node: one more, its used record in the bucket."""
         try:
             pin = read_restore_pin(self.objects, job, self.pin_trust)
-            if pin is not None:
-                digest = pin_digest(pin)
-                if self.used is not None and self.used.used(job, digest):
-                    self._stands(job)
-                    self._retry_delete(job, pin)
-                    return None
-                used = read_used_record(self.objects, job, digest, self.trust)
-                refusal = pin_refusal(job, digest, pin.expires_at, self.clock(), used)
-                if refusal is not None:
-                    self._refuse(
-                        job,
-                        f"refused the restore pin {pin_key(job)} (step {pin.step}): {refusal}",
-                        _PIN_AGAIN,
-                    )
-                    return None
-            self._stands(job)
             if pin is None:
+                self._stands(job)
                 return None
+            digest = pin_digest(pin)
+            if self.used is not None and self.used.used(job, digest):
+                self._stands(job)
+                self._retry_delete(job, pin)
+                return None
+            used = read_used_record(self.objects, job, digest, self.trust)
+            refusal = pin_refusal(job, digest, pin.expires_at, self.clock(), used)
+            if refusal is not None:
+                self._refuse(
+                    job,
+                    f"refused the restore pin {pin_key(job)} (step {pin.step}): {refusal}",
+                    _PIN_AGAIN,
+                )
+                return None
+            self._stands(job)
             resolve_restore_pin(self.objects, pin, self.trust)
         except RefusedPin as exc:
             self._refuse(job, str(exc), _SIGN_IT)
