@@ -9,9 +9,12 @@ SAN is an identity only, the SPIFFE form that cert-manager's csi-driver and SPIR
 it needs no suffix to be agreed on.
 
 A certificate the CA signed but that names no node (a client-only certificate, one for
-another service of the same CA) or names one outside ``--tls-node-name-pattern`` is not a
-node: ``caller_node`` refuses it. ``LEGACY`` is the identity of a shared certificate (every
-node one certificate, no node name), accepted only under ``--tls-shared-certificate``.
+another service of the same CA), names one outside ``--tls-node-name-pattern``, or names one
+without the shared DNS name (a certificate the CA issued for another service, which someone
+had a node's URI put in) is not a node: ``certificate_node`` refuses it. Clients check the
+shared name on the servers they call; this is the same check on callers. ``LEGACY`` is
+the identity of a shared certificate (every node one certificate, no node name), accepted
+only under ``--tls-shared-certificate``.
 
 The controller's certificate carries ``CONTROLLER_URI`` and no node name: it is no node (it
 serves no peer, joins no job) and may call one method only, ``Node/AssignRank``, which a
@@ -50,6 +53,9 @@ class IdentityRule:
     shared_name: str | None = None
     """Set (to ``--tls-server-name``) under ``--tls-shared-certificate``: a certificate with
     that DNS name and no node URI is a node too, known as ``LEGACY``."""
+    server_name: str | None = None
+    """``--tls-server-name``: the DNS name every node certificate carries; a certificate
+    naming a node without it is not that node's (None: not checked)."""
 
     def matches(self, name: str) -> bool:
         return re.fullmatch(self.pattern, name) is not None
@@ -85,6 +91,12 @@ def certificate_node(uris: Iterable[str], dns_names: Iterable[str], rule: Identi
             raise NotANode(
                 f"its node name {name[:100]!r} does not match --tls-node-name-pattern "
                 f"{rule.pattern[:100]!r}"
+            )
+        if rule.server_name is not None and rule.server_name not in set(dns_names):
+            raise NotANode(
+                f"it names node {name!r} but lacks the DNS name {rule.server_name!r} every "
+                "node certificate carries (--tls-server-name): issue node certificates with "
+                "`mtc certs node` or as docs/deploy.md shows"
             )
         return name
     if rule.shared_name is not None and rule.shared_name in set(dns_names):

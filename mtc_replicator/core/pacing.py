@@ -268,6 +268,19 @@ def transfer_deadline(
     return grace + (max(nbytes, 0) + ENTRY_BYTES * max(entries, 0)) / floor
 
 
+def earned_seconds(moved: int, floor: float, grace: float) -> float:
+    """Seconds a transfer that has moved ``moved`` (bytes, and ``ENTRY_BYTES`` per file and
+    directory done) may have run so far: ``grace`` plus ``moved`` at the ``floor`` rate.
+
+    A receiver holds a push's whole reservation from its header on, so the floor is kept
+    all along, not only on average at the end (``transfer_deadline``): a sender dripping
+    a byte a second into a 100 MiB item is dropped once the grace is spent, not after the
+    7 minutes its size allows. A sender at or over the floor only ever gains on it; pauses
+    (a save's hold) come out of the grace and of what it gained.
+    """
+    return grace + max(moved, 0) / floor
+
+
 def format_rate(rate: float | None) -> str:
     if rate is None:
         return "unlimited"

@@ -48,7 +48,7 @@ def open_tls(opts: DaemonOptions) -> tuple[TlsMaterial | None, str | None]:
     """The TLS material, checked as peers will check it, and the node its certificate
     names (``core.identity``); neither without TLS. ``TlsError`` when peers would refuse it."""
     shared = opts.tls_server_name if opts.tls_shared_certificate else None
-    rule = IdentityRule(opts.tls_node_name_pattern, shared)
+    rule = IdentityRule(opts.tls_node_name_pattern, shared, opts.tls_server_name)
     tls = open_material(opts.tls_cert, opts.tls_key, opts.tls_ca, opts.tls_server_name, rule)
     if tls is None:
         return None, None

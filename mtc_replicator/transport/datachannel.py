@@ -52,12 +52,18 @@ from typing import TypeVar
 from mtc_replicator.core.identity import NotANode
 from mtc_replicator.core.manifest import Cancelled, Manifest
 from mtc_replicator.core.retry import Backoff
-from mtc_replicator.local import fsutil
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.transport.identity import peer_node
 from mtc_replicator.transport.tls import TlsMaterial, TlsStream
-from mtc_replicator.transport.transfer import MAX_CHUNK, ItemWriter, item_files, short_file
+from mtc_replicator.transport.transfer import (
+    MAX_CHUNK,
+    ItemWriter,
+    Progress,
+    discard_staging,
+    item_files,
+    short_file,
+)
 
 T = TypeVar("T")
 
@@ -578,7 +584,13 @@ class Abort:
 
 
 async def receive_staged(
-    store: LocalStore, manifest: Manifest, sock: Conn, *, idle_timeout: float, pool: TransferPool
+    store: LocalStore,
+    manifest: Manifest,
+    sock: Conn,
+    *,
+    idle_timeout: float,
+    pool: TransferPool,
+    progress: Progress | None = None,
 ) -> int:
     """Stage, verify and commit an item arriving on ``sock``; the bytes written.
 
@@ -591,6 +603,8 @@ async def receive_staged(
 
     def work() -> int:
         writer = ItemWriter(manifest, staged, hash_aside=True)
+        if progress is not None:
+            progress.writer = writer
         try:
             nbytes = receive_into(writer, sock, idle_timeout=idle_timeout, cancelled=abort)
             writer.finish()
@@ -604,7 +618,7 @@ async def receive_staged(
     except OSError as exc:
         raise StoreError(f"{manifest.item}: cannot stage the incoming copy: {exc}") from exc
     finally:
-        fsutil.remove_tree(staged)  # gone already when the commit renamed it
+        await discard_staging(staged)
 
 
 async def send_staged(

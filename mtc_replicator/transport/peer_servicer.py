@@ -46,7 +46,12 @@ from mtc_replicator.core.manifest import (
     Manifest,
     ManifestError,
 )
-from mtc_replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic, transfer_deadline
+from mtc_replicator.core.pacing import (
+    DEFAULT_MIN_TRANSFER_RATE,
+    Traffic,
+    earned_seconds,
+    transfer_deadline,
+)
 from mtc_replicator.local.pacer import Meter, Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.logs import JobLog
@@ -73,6 +78,7 @@ from mtc_replicator.transport.peerwire import (
 )
 from mtc_replicator.transport.transfer import (
     RESERVE_BYTES,
+    Progress,
     StreamIdle,
     TooSlow,
     TransferError,
@@ -378,9 +384,14 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         ticket = self.channel.issue() if slot and self.channel is not None else None
         failed: Exception | None = None
         limit = transfer_deadline(manifest.total_bytes, self.min_rate, idle, manifest.entries)
+        progress = Progress()
+        floor = self.min_rate
+        # Kept up with all along: a sender under the floor holds the reservation no longer
+        # than the grace, however large the item it declared.
+        earned = None if floor is None else lambda: earned_seconds(progress.moved(), floor, idle)
         try:
-            async with deadline(limit, f"push of {item} from {peer}"):
-                nbytes = await self._receive(requests, context, manifest, ticket)
+            async with deadline(limit, f"push of {item} from {peer}", earned):
+                nbytes = await self._receive(requests, context, manifest, ticket, progress)
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
             raise
@@ -423,6 +434,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
         manifest: Manifest,
         ticket: Ticket | None,
+        progress: Progress,
     ) -> int:
         """A push's bytes, staged and committed: in gRPC chunks, or on the data channel."""
         idle = self.idle_timeout
@@ -430,13 +442,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if ticket is None:
             await context.send_initial_metadata((GO_AHEAD,))
             chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
-            return await receive_item(self.store, manifest, chunks, self.executor)
+            return await receive_item(self.store, manifest, chunks, self.executor, progress)
         assert self.channel is not None
         offer = f"{self.channel.port} {ticket.token_hex}"
         await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
         sock = await self.channel.connection(ticket, idle)
         return await receive_staged(
-            self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool
+            self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool, progress=progress
         )
 
     async def PullItem(  # type: ignore[override]  # writes with context.write, below

@@ -38,6 +38,7 @@ from mtc_replicator.core.manifest import (
     ItemKind,
     Manifest,
 )
+from mtc_replicator.core.pacing import ENTRY_BYTES
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
 from mtc_replicator.local.store import DATA, LocalStore, StoreError
@@ -51,6 +52,9 @@ SEND_CHUNK = 1 << 20
 slower, 4 MiB slightly slower)."""
 MAX_CHUNK = 4 << 20
 """The protocol's bound on one chunk's data."""
+SKIP_ON_LOOP = 64
+"""Files one chunk may skip over (empty ones: the manifest alone makes them) that the
+receiving loop creates itself; more are created on a thread (``ItemWriter.skip_to``)."""
 RESERVE_BYTES = 64 << 20
 """Free space an incoming item must leave on the store's filesystem (see ``room_on``)."""
 _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
@@ -343,6 +347,25 @@ class ItemWriter:
         self.bytes_written += size
         return self._fd
 
+    @property
+    def moved(self) -> int:
+        """Bytes written, and ``ENTRY_BYTES`` for each directory made and file done
+        (``core.pacing.earned_seconds``); read from another thread, plain reads."""
+        return self.bytes_written + ENTRY_BYTES * (self._index + len(self.manifest.dirs))
+
+    @property
+    def next_file(self) -> int:
+        """The index of the file being received (or due next)."""
+        return self._index
+
+    def skip_to(self, file_index: int) -> None:
+        """Finish every file before ``file_index`` (a chunk of a later file is next): what
+        ``accept`` would do first, for a caller that runs it on another thread. No write may
+        be in flight."""
+        while self._index < min(file_index, len(self._files)):
+            self._finish_file()
+        self.release()
+
     def write(self, file_index: int, offset: int, data: bytes, crc32c: int) -> None:
         """``accept`` and write one chunk, in the calling thread."""
         write_all(self.accept(file_index, offset, data, crc32c), data)
@@ -435,24 +458,76 @@ async def within(step: Awaitable[T], idle: float, what: str) -> T:
         raise StreamIdle(f"{what}: nothing for {idle:g}s") from None
 
 
+class Progress:
+    """How far an incoming transfer has got (``ItemWriter.moved``), for its deadline: the
+    receiving code hands its writer over once it is made."""
+
+    def __init__(self) -> None:
+        self.writer: ItemWriter | None = None
+
+    def moved(self) -> int:
+        writer = self.writer
+        return 0 if writer is None else writer.moved
+
+
+PROGRESS_TICK = 1.0
+"""Seconds between two looks at a transfer's progress (``deadline`` with ``earned``): one
+timer a second per transfer, nothing per chunk."""
+
+
 @contextlib.asynccontextmanager
-async def deadline(seconds: float | None, what: str) -> AsyncIterator[None]:
+async def deadline(
+    seconds: float | None, what: str, earned: Callable[[], float] | None = None
+) -> AsyncIterator[None]:
     """Run the body within ``seconds`` in all (None: no bound), else ``TooSlow``: cancelling
-    the body's awaits releases what it holds, as any cancellation of a transfer does."""
+    the body's awaits releases what it holds, as any cancellation of a transfer does.
+
+    ``earned``: the seconds the transfer's progress so far allows it
+    (``core.pacing.earned_seconds``), looked at every ``PROGRESS_TICK``: it is dropped as
+    soon as it has run longer (give or take a tick), not only at ``seconds``.
+    """
     if seconds is None:
         yield
         return
-    scope = asyncio.timeout(seconds)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    end = start + seconds
+
+    def due() -> float:
+        return end if earned is None else min(end, start + earned() + PROGRESS_TICK)
+
+    scope = asyncio.timeout_at(due())
+    ticker: asyncio.TimerHandle | None = None
+
+    def tick() -> None:
+        nonlocal ticker
+        if scope.expired():
+            return
+        when = due()
+        scope.reschedule(when)
+        ticker = loop.call_later(PROGRESS_TICK, tick) if when < end else None
+
     try:
         async with scope:
+            if earned is not None:
+                ticker = loop.call_later(PROGRESS_TICK, tick)
             yield
     except TimeoutError:
         if not scope.expired():
             raise
+        took = loop.time() - start
+        if took < seconds - PROGRESS_TICK:
+            raise TooSlow(
+                f"{what}: too little moved in {took:.0f}s (the whole may take {seconds:.0f}s), "
+                "under the minimum rate (--min-transfer-rate of the node that dropped it)"
+            ) from None
         raise TooSlow(
             f"{what}: not done within {seconds:.0f}s, under the minimum rate "
             "(--min-transfer-rate of the node that dropped it)"
         ) from None
+    finally:
+        if ticker is not None:
+            ticker.cancel()
 
 
 async def idle_bounded(messages: AsyncIterator[T], idle: float, what: str) -> AsyncIterator[T]:
@@ -487,7 +562,11 @@ class _Serial:
 
 
 async def receive_item(
-    store: LocalStore, manifest: Manifest, chunks: AsyncIterator[Chunk], executor: Executor
+    store: LocalStore,
+    manifest: Manifest,
+    chunks: AsyncIterator[Chunk],
+    executor: Executor,
+    progress: Progress | None = None,
 ) -> int:
     """Stage, verify and commit an incoming item; the bytes written.
 
@@ -505,8 +584,17 @@ async def receive_item(
             writer = await serial.run(
                 functools.partial(ItemWriter, hash_aside=True), manifest, staged
             )
+            if progress is not None:
+                progress.writer = writer
             pending: asyncio.Future[None] | None = None
             async for file_index, offset, data, crc32c in chunks:
+                if file_index - writer.next_file > SKIP_ON_LOOP:
+                    # Each file skipped is created (and checked) here: a chunk after 100,000
+                    # empty files stalled the loop for a second. A thread makes them.
+                    if pending is not None:
+                        await pending
+                        pending = None
+                    await serial.run(writer.skip_to, file_index)
                 fd = writer.accept(file_index, offset, data, crc32c)
                 if pending is not None:
                     await pending
@@ -523,4 +611,11 @@ async def receive_item(
         serial.drain()
         if writer is not None:
             writer.close()
-        fsutil.remove_tree(staged)  # gone already when the commit renamed it
+        await discard_staging(staged, executor)
+
+
+async def discard_staging(staged: Path, executor: Executor | None = None) -> None:
+    """Remove what a failed transfer staged, on ``executor`` (None: asyncio's): a push of
+    100,000 files leaves as many to unlink, which must not stall the event loop. Nothing is
+    left after a commit (its rename took the directory)."""
+    await asyncio.get_running_loop().run_in_executor(executor, fsutil.remove_tree, staged)

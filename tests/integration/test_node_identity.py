@@ -73,12 +73,15 @@ def _pair(setup: Setup, kind: str) -> certs.Pair:
         return certs.issue(setup.ca)  # the shared DNS name, but no node
     if kind == "not a node name":
         return certs.issue(setup.ca, node="Evil_Node!")  # outside --tls-node-name-pattern
+    if kind == "node URI without the shared name":
+        # One the CA issued for another service, a node's URI put in (issue 39, finding 6).
+        return hand_made_node(setup.ca, dns_names=("other-service.example",), node="node-b")
     if kind == "node":
         return certs.issue(setup.ca, node="node-b")
     raise AssertionError(kind)
 
 
-NOT_NODES = ("client-only", "no node name", "not a node name")
+NOT_NODES = ("client-only", "no node name", "not a node name", "node URI without the shared name")
 
 
 def _material(setup: Setup, kind: str) -> TlsMaterial:

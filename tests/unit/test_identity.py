@@ -60,6 +60,17 @@ def test_a_shared_certificate_is_a_node_only_under_the_legacy_rule() -> None:
         certificate_node([], [SHARED], IdentityRule())
 
 
+def test_a_node_uri_without_the_shared_dns_name_is_not_a_node() -> None:
+    """A certificate the CA issued for another service, with a node's URI in it: not that
+    node (clients check the shared name on servers; servers check it on callers)."""
+    rule = IdentityRule(server_name=SHARED)
+    assert certificate_node([node_uri("n1")], ["x.example", SHARED], rule) == "n1"
+    with pytest.raises(NotANode, match="lacks the DNS name 'mtc-replicator'"):
+        certificate_node([node_uri("n1")], ["other-service.example"], rule)
+    with pytest.raises(NotANode, match="lacks the DNS name"):
+        certificate_node([node_uri("n1")], [], rule)
+
+
 def test_named_nodes_ignores_other_uris() -> None:
     assert named_nodes(["https://x", node_uri("a"), "spiffe://mtc-replicator/other/b"]) == ["a"]
 

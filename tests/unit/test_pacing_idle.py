@@ -11,8 +11,9 @@ import time
 import pytest
 
 from mtc_replicator.core.manifest import Cancelled
-from mtc_replicator.core.pacing import PaceBook, PaceRules, Traffic
+from mtc_replicator.core.pacing import PaceBook, PaceRules, Traffic, earned_seconds
 from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.transport import transfer
 from mtc_replicator.transport.peer_client import PeerClient
 
 KiB = 1 << 10
@@ -83,3 +84,47 @@ def test_a_paced_push_gets_a_deadline_its_limit_can_meet() -> None:
     finally:
         for client in (unpaced, paced):
             asyncio.run(client.close())
+
+
+def test_a_transfer_earns_its_time_by_what_it_moved() -> None:
+    assert earned_seconds(0, 4 * MiB, 30.0) == 30.0  # the grace alone, before a byte
+    assert earned_seconds(8 * MiB, 4 * MiB, 30.0) == 32.0
+    assert earned_seconds(-1, 4 * MiB, 30.0) == 30.0
+
+
+def _run_with_progress(rate: float, total: float, monkeypatch: pytest.MonkeyPatch) -> float:
+    """Move ``total`` bytes at ``rate`` under a 1 KiB/s floor with a 0.2 s grace and a
+    whole deadline of 10 s; the seconds it ran (``TooSlow`` when dropped)."""
+    monkeypatch.setattr(transfer, "PROGRESS_TICK", 0.05)
+    moved = 0.0
+
+    async def go() -> float:
+        nonlocal moved
+        start = time.monotonic()
+
+        def earned() -> float:
+            return earned_seconds(int(moved), KiB, 0.2)
+
+        async with transfer.deadline(10.0, "a test transfer", earned):
+            while moved < total:
+                await asyncio.sleep(0.02)
+                moved += rate * 0.02
+        return time.monotonic() - start
+
+    return asyncio.run(go())
+
+
+def test_a_transfer_under_the_floor_is_dropped_once_its_grace_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A byte a second under a 1 KiB/s floor: dropped after the grace and a tick or two, not
+    at the whole deadline (10 s here); the error says it moved too little."""
+    start = time.monotonic()
+    with pytest.raises(transfer.TooSlow, match=r"too little moved .* under the minimum rate"):
+        _run_with_progress(1.0, 1e9, monkeypatch)
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_transfer_at_the_floor_is_never_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twice the floor for 1 s: it only gains on what it must have moved; done."""
+    assert _run_with_progress(2 * KiB, 2 * KiB, monkeypatch) >= 0.9

@@ -323,3 +323,33 @@ def test_a_format_1_manifest_is_received_on_its_crc32c(tmp_path: Path) -> None:
     writer = ItemWriter(old, staging(tmp_path))
     writer.write(0, 0, b"older node", google_crc32c.value(b"older node"))
     writer.finish()
+
+
+def test_skipping_to_a_later_file_makes_the_ones_before_and_counts_them(tmp_path: Path) -> None:
+    """``skip_to`` (what the receiving loop hands a thread when a chunk skips many files)
+    makes every file before the one named, as ``accept`` would; ``moved`` counts a page for
+    each (``core.pacing.ENTRY_BYTES``) beside the bytes; a partly received file it would
+    pass over is corrupt."""
+    empty = blake3.blake3().hexdigest()
+    files = (
+        *(FileEntry(f"e{i:03d}", 0, 0, empty) for i in range(100)),
+        FileEntry("last", 1, google_crc32c.value(b"x"), blake3.blake3(b"x").hexdigest()),
+    )
+    manifest = Manifest(ITEM, ItemKind.DIR, files)
+    writer = ItemWriter(manifest, tmp_path)
+    assert writer.moved == 0
+    writer.skip_to(100)
+    assert writer.next_file == 100
+    assert writer.moved == 100 * 4096
+    writer.write(100, 0, b"x", google_crc32c.value(b"x"))
+    writer.finish()
+    assert writer.moved == 101 * 4096 + 1
+    assert len(os.listdir(tmp_path / "data")) == 101
+
+    two = Manifest(ITEM, ItemKind.DIR, (files[-1], dataclasses.replace(files[-1], path="z")))
+    again = tmp_path / "again"
+    again.mkdir()
+    writer = ItemWriter(two, again)
+    with pytest.raises(CorruptItem, match="received 0 bytes"):
+        writer.skip_to(1)
+    writer.close()
