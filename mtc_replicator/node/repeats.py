@@ -71,9 +71,17 @@ class Repeats:
 
     def publish(self, outcome: RoundOutcome) -> None:
         """Handshake steps 6-7 (``checkpoint_dir.publish_markers``), kept to serve again.
-        Blocking."""
-        publish_markers(self.checkpoint_dir, self.store, self.config, self.incarnation_id, outcome)
+        Blocking. Known as published before the markers can be seen: a workload that takes
+        them and restarts at once (the same ``replicator.yaml``) is a restart, never a
+        repeat of the start whose markers it took."""
         self.outcome = outcome
+        try:
+            publish_markers(
+                self.checkpoint_dir, self.store, self.config, self.incarnation_id, outcome
+            )
+        except BaseException:
+            self.outcome = None
+            raise
 
     def serve_again(self) -> None:
         """One more process of the same start waits: a marker once the current one is taken."""

@@ -204,7 +204,10 @@ class Supervisor:
             serving = Serving(
                 running.config,
                 alive=running.repeats.alive,
-                restoring=running.phase is IncarnationPhase.RESTORING,
+                # Its markers out (published, though the round's last steps may still
+                # run): a same handshake now is the workload's restart.
+                restoring=running.phase is IncarnationPhase.RESTORING
+                and running.repeats.outcome is None,
                 accepted_for=time.monotonic() - running.repeats.since,
             )
         verdict = judge_repeat(serving, config)

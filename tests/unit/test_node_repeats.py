@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from mtc_replicator.cluster.rounds import RoundOutcome
 from mtc_replicator.core.contract import Framework, JobConfig, marker_name, save_file_name
 from mtc_replicator.core.manifest import ItemId
@@ -62,3 +64,26 @@ def test_a_second_save_of_a_taken_item_is_removed_and_said(tmp_path: Path) -> No
     assert (step, kind) == (30, ErrorKind.INGEST)
     assert f"step 30 of job job rank 1 worker 2 was saved again ({name})" in message
     assert not r.refuse(ItemId("job", 30, 1, 3), save_file_name("job", 30, 1, 3))
+
+
+def test_the_outcome_is_known_before_a_marker_can_be_seen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A workload that takes its markers and writes the same ``replicator.yaml`` at once is a
+    restart: the daemon must already know its markers are out (the supervisor judges a
+    repeat by it), or the restart is taken for a repeat of the start (a job of several nodes
+    then waits forever for its rank 0: it happened in the scale benchmark)."""
+    ckpt, store = store_with_item(tmp_path)
+    r = repeats(ckpt, store, [])
+    outcome = RoundOutcome(20, "local", {}, {}, "127.0.0.1:1")
+    seen: list[RoundOutcome | None] = []
+
+    def publish(*args: object) -> None:
+        seen.append(r.outcome)
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mtc_replicator.node.repeats.publish_markers", publish)
+    with pytest.raises(OSError, match="disk full"):
+        r.publish(outcome)
+    assert seen == [outcome]
+    assert r.outcome is None, "not published after all"
