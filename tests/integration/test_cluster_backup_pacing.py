@@ -92,7 +92,14 @@ def test_a_throttled_backup_is_finished_not_restarted_while_newer_steps_replicat
     written = writes(recorded, s3_bucket, cluster.job, 3)
     data = {k: n for k, n in written.items() if not k.endswith((".manifest.json", "COMMIT"))}
     assert len(data) == 5 * NODES, sorted(written)  # the five files of every rank's item
-    assert set(data.values()) == {1}, f"objects of step 3 written again: {data}"
+    # Never restarted: a restart writes every object of an item again. A single request the
+    # SDK sent twice (a read timed out on a loaded box, and botocore retried the PUT) is not
+    # a restart: at most a couple of those, never a whole item's worth.
+    by_item: dict[str, list[int]] = {}
+    for key, n in data.items():
+        by_item.setdefault("/".join(key.split("/")[:2]), []).append(n)  # <hh>/<rank>-<worker>
+    assert all(min(counts) == 1 for counts in by_item.values()), f"step 3 written again: {data}"
+    assert sum(data.values()) <= len(data) + 2, f"objects of step 3 written again: {data}"
     manifests = [k for k in written if k.endswith(".manifest.json")]
     assert len(manifests) == NODES
     assert all(written[k] == 1 for k in manifests), written
