@@ -4,6 +4,8 @@ daemon, a real peer daemon and simulated members over mutual TLS, every phase.""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +19,22 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_scale.py"
 
 def test_the_scale_bench_measures_every_phase() -> None:
     args = ["--nodes", "16", "--steady-seconds", "3", "--save-every", "1", "--json"]
-    done = subprocess.run(
+    # Its own session: on a timeout the whole group goes, the daemons it started included
+    # (a killed script left 16 of them running under the rest of the suite).
+    proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), *args],
-        check=False,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the scale bench did not end within 180 s:\n{stderr[-5000:]}")
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.splitlines()[-1])
