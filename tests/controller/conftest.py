@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,23 @@ class Controller:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def ready(c: Controller) -> bool:
+    """Whether the controller answers ``/readyz`` (it fails the test if it exited)."""
+    assert c.proc.poll() is None, c.text()
+    try:
+        with urllib.request.urlopen(f"http://{c.health}/readyz", timeout=2) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+def running_controller(server: ApiServer, log: Path, env: dict[str, str]) -> Controller:
+    """One controller process without leader election, with ``env``, once it is ready."""
+    c = Controller(server, log, "--no-leader-elect", env_extra=env)
+    wait_for("the controller is ready", lambda: ready(c), timeout=60)
+    return c
 
 
 @pytest.fixture

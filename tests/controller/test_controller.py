@@ -9,7 +9,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ from mtc_replicator.controller.plan import FINALIZER
 from mtc_replicator.tools.render import render
 from tests.controller.apiserver import REPO, ApiServer
 from tests.controller.compat_main import downgrade
-from tests.controller.conftest import NAMESPACE, Controller, wait_for
+from tests.controller.conftest import NAMESPACE, Controller, ready, running_controller, wait_for
 
 GROUP, PLURAL = "checkpointing.mtc.dev", "checkpointconfigurations"
 
@@ -30,29 +29,17 @@ def controller(
     apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Controller]:
     log = tmp_path_factory.mktemp("controller") / "controller.log"
-    c = Controller(
-        apiserver,
-        log,
-        "--no-leader-elect",
-        env_extra={
-            "MTC_CONTROLLER_RETRY_SECONDS": "1",
-            "MTC_CONTROLLER_RESYNC_SECONDS": "3",
-            "MTC_CONTROLLER_NOT_READY_SECONDS": "2",
-            "MTC_CONTROLLER_RELEASE_SECONDS": "0.5",
-        },
-    )
-    wait_for("the controller is ready", lambda: _ready(c), timeout=60)
+    env = {
+        "MTC_CONTROLLER_RETRY_SECONDS": "1",
+        "MTC_CONTROLLER_RESYNC_SECONDS": "3",
+        "MTC_CONTROLLER_NOT_READY_SECONDS": "2",
+        "MTC_CONTROLLER_RELEASE_SECONDS": "0.5",
+    }
+    c = running_controller(apiserver, log, env)
     yield c
     c.stop()
 
 
-def _ready(c: Controller) -> bool:
-    assert c.proc.poll() is None, c.text()
-    try:
-        with urllib.request.urlopen(f"http://{c.health}/readyz", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def config(name: str, **spec: Any) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
 from tests.controller.apiserver import ApiServer
-from tests.controller.conftest import NAMESPACE, Controller, wait_for
-from tests.controller.test_controller import Cluster, _ready, _register_nodes, config
+from tests.controller.conftest import NAMESPACE, Controller, running_controller, wait_for
+from tests.controller.test_controller import Cluster, _register_nodes, config
 from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import (
     FAST_ARGS,
@@ -58,17 +58,12 @@ def controller(
     apiserver: ApiServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Controller]:
     log = tmp_path_factory.mktemp("controller") / "controller.log"
-    c = Controller(
-        apiserver,
-        log,
-        "--no-leader-elect",
-        env_extra={
-            "MTC_CONTROLLER_SCRAPE_SECONDS": "1",
-            "MTC_CONTROLLER_NOT_READY_SECONDS": "5",
-            "MTC_CONTROLLER_RETRY_SECONDS": "1",
-        },
-    )
-    wait_for("the controller is ready", lambda: _ready(c), timeout=60)
+    env = {
+        "MTC_CONTROLLER_SCRAPE_SECONDS": "1",
+        "MTC_CONTROLLER_NOT_READY_SECONDS": "5",
+        "MTC_CONTROLLER_RETRY_SECONDS": "1",
+    }
+    c = running_controller(apiserver, log, env)
     yield c
     c.stop()
 

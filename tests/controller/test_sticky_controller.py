@@ -23,9 +23,8 @@ import pytest
 from mtc_replicator.controller import jobpods
 from mtc_replicator.tools import certs
 from tests.controller.apiserver import ApiServer
-from tests.controller.conftest import Controller, wait_for
+from tests.controller.conftest import Controller, running_controller, wait_for
 from tests.controller.test_controller import Cluster as Api
-from tests.controller.test_controller import _ready
 from tests.integration.cluster import Cluster, running
 from tests.integration.helpers import store_root
 from tests.integration.permuted import placement, restart
@@ -49,19 +48,13 @@ def _controller(
     tls = root / "controller-tls"
     certs.write_node_files(tls, cluster.ca, certs.issue_controller(cluster.ca))
     files = certs.node_files(tls)
-    c = Controller(
-        apiserver,
-        root / log,
-        "--no-leader-elect",
-        env_extra={
-            "MTC_TLS_CERT": str(files.cert),
-            "MTC_TLS_KEY": str(files.key),
-            "MTC_TLS_CA": str(files.ca),
-            "MTC_CONTROLLER_RANK_RETRY_SECONDS": "1",
-        },
-    )
-    wait_for("the controller is ready", lambda: _ready(c), timeout=60)
-    return c
+    env = {
+        "MTC_TLS_CERT": str(files.cert),
+        "MTC_TLS_KEY": str(files.key),
+        "MTC_TLS_CA": str(files.ca),
+        "MTC_CONTROLLER_RANK_RETRY_SECONDS": "1",
+    }
+    return running_controller(apiserver, root / log, env)
 
 
 def _running(api: Api, namespace: str, name: str) -> None:
