@@ -282,8 +282,13 @@ class ClusterMember:
         )
         self.rank_nodes.update(answer.nodes)
         step = answer.backup_step
+        # An order of the step this rank finished uploading after it sent the report the
+        # answer was computed from is stale: the next report says it is done. Uploaded
+        # again, it raced retention (the step dropped midway) and wrote objects twice.
+        stale = step is not None and step == self.uploaded and progress[1] != step
         if (
             step is not None
+            and not stale
             and self.ctx.backups is not None
             and self.uploading is None
             and time.monotonic() >= self._upload_retry_at

@@ -787,3 +787,36 @@ def test_stop_cancels_the_upload_and_closes_the_link(world: World) -> None:
     asyncio.run(body())
     assert world.finder.links[0].closed
     assert m.uploaded is None
+
+
+def test_an_order_answered_to_a_report_sent_before_the_upload_ended_is_not_taken_again(
+    world: World,
+) -> None:
+    """The coordinator's answer to a report sent while step 10 uploaded still orders 10;
+    taken once the upload is done, it uploaded the step again, racing retention (a loaded
+    box's cluster test saw objects of one item written twice)."""
+    world.commit(10)
+    m = world.member()
+    released(m, 10)
+    world.finder.answer_with(answer(10, backup=10))
+
+    async def body() -> None:
+        world.gate = asyncio.Event()
+        await m.tick(10, force=True)
+        assert m.uploading == 10  # held at the gate
+        link = world.finder.links[-1]
+        link.gate = asyncio.Event()
+        late = asyncio.create_task(m.tick(10, force=True))  # reports uploaded_step None
+        await asyncio.sleep(0)
+        world.gate.set()
+        assert await m.settle_upload(10)
+        threads = world.threads
+        link.gate.set()
+        await late
+        assert link.reports[-1]["uploaded_step"] is None
+        assert m.uploading is None, "the stale order started an upload again"
+        assert world.threads == threads
+        await m.tick(10, force=True)  # the next report says it is done
+        assert link.reports[-1]["uploaded_step"] == 10
+
+    asyncio.run(body())
