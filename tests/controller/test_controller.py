@@ -19,7 +19,7 @@ from mtc_replicator.controller.plan import FINALIZER
 from mtc_replicator.tools.render import render
 from tests.controller.apiserver import REPO, ApiServer
 from tests.controller.compat_main import downgrade
-from tests.controller.conftest import NAMESPACE, Controller, ready, running_controller, wait_for
+from tests.controller.conftest import NAMESPACE, Controller, running_controller, wait_for
 
 GROUP, PLURAL = "checkpointing.mtc.dev", "checkpointconfigurations"
 
@@ -38,8 +38,6 @@ def controller(
     c = running_controller(apiserver, log, env)
     yield c
     c.stop()
-
-
 
 
 def config(name: str, **spec: Any) -> dict[str, Any]:
