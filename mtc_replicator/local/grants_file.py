@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.grant import (
     MAX_GRANT_BYTES,
     BadGrant,
@@ -68,7 +69,17 @@ class GrantsFile:
         """The ranks' nodes by ``job``'s grant, when it is in force for this node at ``rank``."""
         return granted_holders(self.grants, job, nodes, rank, own)
 
-    def readers(self, job: str) -> frozenset[str] | None:
-        """The nodes that may read ``job``'s items here: its grant's; None: no grant."""
+    def readers(
+        self, job: str, serving: JobConfig | None, own: str | None
+    ) -> frozenset[str] | None:
+        """The nodes that may read ``job``'s items here: its grant's, while this node serves
+        the granted run (``serving``); None: anyone of the CA (no grant, or one of another
+        run, which must not keep a later run's nodes out)."""
         grant = self.grants.get(job)
-        return None if grant is None else frozenset(grant.holders)
+        if grant is None or serving is None or serving.job_name != job:
+            return None
+        return (
+            frozenset(grant.holders)
+            if grant.in_force(serving.nodes, serving.node_rank, own)
+            else None
+        )

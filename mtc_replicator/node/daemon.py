@@ -468,7 +468,9 @@ class Daemon:
             max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
-            readers=self.grants.readers,
+            readers=lambda job: self.grants.readers(
+                job, getattr(self.incarnation, "config", None), self._own
+            ),
         )
 
     def _coordinators(self, loop: asyncio.AbstractEventLoop) -> Coordinators:
