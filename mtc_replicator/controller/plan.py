@@ -273,6 +273,27 @@ MAX_NOT_READY = 20
 """Nodes listed in ``status.nodes.notReady``: enough to act on, small enough to read."""
 
 
+def host_port(ip: str, port: int) -> str:
+    """``IP:PORT``, an IPv6 address in brackets."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def replicator_address(pod: Mapping[str, Any], port_name: str) -> str | None:
+    """``IP:PORT`` of a running node-stack pod's replicator port ``port_name`` (``grpc``,
+    ``metrics``); None while the pod has no IP or is not running."""
+    status = pod.get("status") or {}
+    ip = status.get("podIP")
+    if not ip or status.get("phase") != "Running":
+        return None
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") != "replicator":
+            continue
+        for p in c.get("ports") or []:
+            if p.get("name") == port_name and p.get("containerPort"):
+                return host_port(str(ip), int(p["containerPort"]))
+    return None
+
+
 def pod_node(pod: Mapping[str, Any]) -> str:
     """The node a node-stack pod runs on, or is made for."""
     spec = pod.get("spec") or {}

@@ -15,7 +15,7 @@ from typing import Any
 
 import urllib3
 
-from mtc_replicator.controller.plan import pod_node
+from mtc_replicator.controller.plan import pod_node, replicator_address
 from mtc_replicator.controller.report import BadReport, NodeReport, parse_metrics, readiness_lines
 
 CONNECT_SECONDS = 2.0
@@ -24,7 +24,6 @@ MAX_BODY = 4 << 20
 """Bytes read of one answer: a node's /metrics is tens of KiB; a hostile one gets cut."""
 WORKERS = 32
 METRICS_PORT_NAME = "metrics"
-REPLICATOR = "replicator"
 
 _http = urllib3.PoolManager(
     num_pools=WORKERS,
@@ -40,18 +39,7 @@ class _TooBig(Exception):
 
 def target(pod: Mapping[str, Any]) -> str | None:
     """``IP:PORT`` of a pod's replicator metrics, or None while it has no IP or no port."""
-    status = pod.get("status") or {}
-    ip = status.get("podIP")
-    if not ip or status.get("phase") != "Running":
-        return None
-    for c in (pod.get("spec") or {}).get("containers") or []:
-        if c.get("name") != REPLICATOR:
-            continue
-        for p in c.get("ports") or []:
-            if p.get("name") == METRICS_PORT_NAME and p.get("containerPort"):
-                host = f"[{ip}]" if ":" in str(ip) else str(ip)
-                return f"{host}:{int(p['containerPort'])}"
-    return None
+    return replicator_address(pod, METRICS_PORT_NAME)
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -29,6 +29,7 @@ from mtc_replicator._pb.mtc.v1 import node_pb2 as pb
 from mtc_replicator._pb.mtc.v1 import node_pb2_grpc
 from mtc_replicator.controller import jobpods
 from mtc_replicator.controller.jobpods import Group, JobPod
+from mtc_replicator.controller.plan import host_port, replicator_address
 from mtc_replicator.core.ranks import Assignment, NoAssignment, Pod, assign
 from mtc_replicator.transport.tls import TlsMaterial
 
@@ -109,15 +110,10 @@ def replicator_addresses(pods: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Node -> ``IP:PORT`` of the replicator's gRPC port, from the node stack's pods."""
     out: dict[str, str] = {}
     for pod in pods:
-        spec, status = pod.get("spec") or {}, pod.get("status") or {}
-        node, ip = spec.get("nodeName"), status.get("podIP")
-        if not node or not ip or status.get("phase") != "Running":
-            continue
-        for c in spec.get("containers") or []:
-            for p in c.get("ports") or []:
-                if p.get("name") == GRPC_PORT_NAME and c.get("name") == "replicator":
-                    host = f"[{ip}]" if ":" in str(ip) else str(ip)
-                    out[str(node)] = f"{host}:{int(p['containerPort'])}"
+        node = (pod.get("spec") or {}).get("nodeName")
+        address = replicator_address(pod, GRPC_PORT_NAME)
+        if node and address:
+            out[str(node)] = address
     return out
 
 
@@ -195,8 +191,7 @@ def by_index(pods: Sequence[JobPod], fixed: Mapping[str, int]) -> dict[str, int]
 def coordinator(pods: Sequence[JobPod], ranks: Mapping[str, int]) -> str:
     """The workload's coordinator: the pod that got rank 0, at its port."""
     first = next(p for p in pods if ranks[p.name] == 0)
-    host = f"[{first.ip}]" if ":" in first.ip else first.ip
-    return f"{host}:{first.port}"
+    return host_port(first.ip, first.port)
 
 
 _locks: dict[tuple[str, str], threading.Lock] = {}
