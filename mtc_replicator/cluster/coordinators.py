@@ -16,6 +16,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 from mtc_replicator.cluster.hosting import CoordinatorHost, HostedJob, NotHosted
@@ -440,15 +441,25 @@ class Coordinators:
             else self.holders.load(hosted.job, coordinator.config.nodes)
         )
         if saved is not None:
-            coordinator.holders.restore(saved, bindings=coordinator.adopting)
+            if saved.released is not None and not coordinator.adopting:
+                coordinator.resume_released(saved.released)
+            resumed = coordinator.resumed is not None
+            coordinator.holders.restore(saved, bindings=coordinator.adopting or resumed)
+            if resumed:
+                why = "rank 0's agent restarted before its markers"
+                JobLog(log, hosted.job, 0).info(
+                    "serving released round %d again (%s)", coordinator.round, why
+                )
 
     def _save_holders(self, job: str, coordinator: JobCoordinator) -> None:
-        """Keep the holders and their history for a restart of this daemon."""
+        """Keep the holders, their history and the released round for a restart of this
+        daemon; written before any rank can hear of the release."""
         holders = coordinator.holders
-        if self.holders is None or not (holders.nodes or holders.history):
+        released = coordinator.released_record()
+        if self.holders is None or not (holders.nodes or holders.history or released):
             return
         try:
-            self.holders.save(job, holders.saved())
+            self.holders.save(job, replace(holders.saved(), released=released))
         except OSError as exc:
             log.warning(
                 "cannot record the rank holders of job %s: a restart of this daemon adopts "

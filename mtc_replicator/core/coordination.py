@@ -32,9 +32,9 @@ from mtc_replicator.core.backup_layout import CommitRecord
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.layout import backup_uploaders, missing_ranks, waiting_message
 from mtc_replicator.core.manifest import ItemId
-from mtc_replicator.core.policy import LastBackup, backup_due
+from mtc_replicator.core.policy import LastBackup, Source, backup_due, worker_slots
 from mtc_replicator.core.progress import ProgressBook
-from mtc_replicator.core.rank_holders import RankHolders
+from mtc_replicator.core.rank_holders import RankHolders, Released
 from mtc_replicator.core.restore_plan import (
     Fetch,
     NodeInventory,
@@ -185,6 +185,58 @@ class JobCoordinator:
         self.pin_consumed: int | None = None
         """The pin a released round was planned under: it has served, whatever was restored
         (kept, it would roll a much later restart back to this step)."""
+        self.resumed: Released | None = None
+        """A released round served again after this daemon restarted (``resume_released``),
+        until rank 0's agent has come back for its part."""
+
+    def released_record(self) -> Released | None:
+        """The released round, to keep for a restart of this daemon; None when rank 0's
+        incarnation is not known (nothing could tell a later one from it)."""
+        if self.phase is not Phase.RELEASED or self.rank0_incarnation is None or self.adopting:
+            return None
+        step = None if self.plan is None else self.plan.step
+        if self.resumed is not None:
+            step = self.resumed.step
+        return Released(self.round, self.rank0_incarnation, step, self.released_incarnations)
+
+    def resume_released(self, released: Released) -> None:
+        """Rank 0's daemon restarted after it released ``released`` but before its own
+        agent published the markers (its incarnation resumes restoring): the other ranks
+        may have taken theirs and run on, so the same round is served again, not a new
+        one they would never join. Rank 0's join of the same incarnation is answered with
+        the round's step, from the items its own store holds (``join``); the others'
+        progress reports count as after any release."""
+        if released.rank0 != self.rank0_incarnation or len(released.incarnations) != (
+            self.config.nodes
+        ):
+            return
+        self.resumed = released
+        self.round = released.round
+        self.phase = Phase.RELEASED
+        self.released_incarnations = dict(released.incarnations)
+        self.restorable = released.step
+        self.progress.reset(released.step)
+
+    def _rejoined(self, join: Join) -> bool:
+        """Rank 0's agent back for the part of a resumed released round it never took: a
+        plan of its own items of the step, held here (all of them, or no plan)."""
+        resumed = self.resumed
+        if resumed is None or join.rank != 0 or resumed.incarnations.get(0) != join.incarnation_id:
+            return False
+        sources: dict[ItemId, tuple[Fetch, ...]] = {}
+        if resumed.step is not None:
+            for worker in worker_slots(self.config):
+                item = ItemId(self.config.job_name, resumed.step, 0, worker)
+                digest = join.inventory.items.get(item)
+                if digest is None:
+                    # Released as ready, so held; gone since (a node's store was lost):
+                    # nothing to serve again, and a new round is the way out.
+                    self.resumed = None
+                    return False
+                sources[item] = (Fetch(Source.LOCAL, item, 0, digest),)
+            self.plan = RoundPlan(resumed.step, sources, (resumed.step,))
+        self.members[0] = join
+        return True
 
     def resume_steady(self) -> None:
         """Rank 0's daemon restarted while the job ran: take the running ranks back.
@@ -231,6 +283,8 @@ class JobCoordinator:
         current = self.members.get(join.rank)
         self.refused_why = self.holders.check(join.rank, join.node)
         if self.refused_why:
+            return self.round
+        if self.phase is Phase.RELEASED and self._rejoined(join):
             return self.round
         if current is not None and current.incarnation_id == join.incarnation_id:
             if self.phase is Phase.WAITING:

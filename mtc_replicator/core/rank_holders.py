@@ -52,6 +52,25 @@ Tenures = Mapping[str, int | None]
 (None: bound in a round not released yet, so nothing)."""
 
 
+MAX_INCARNATION_CHARS = 64
+
+
+@dataclass(frozen=True)
+class Released:
+    """The round rank 0's incarnation ``rank0`` released: a restart of the coordinator's
+    daemon before rank 0's own agent published its markers serves the same round again
+    (``core.coordination.JobCoordinator.resume_released``), so the ranks that took theirs
+    are never asked into another one."""
+
+    round: int
+    rank0: str
+    """The incarnation of rank 0 that released it: only that one is served again."""
+    step: int | None
+    """The restored step; None: a fresh start."""
+    incarnations: Mapping[int, str]
+    """Each rank's incarnation in the round."""
+
+
 @dataclass(frozen=True)
 class SavedHolders:
     """What a released round leaves for a restart of the coordinator's daemon."""
@@ -62,6 +81,8 @@ class SavedHolders:
     """Each rank's nodes ever bound (``RankHolders.history``)."""
     complete: bool = False
     """The history names every node that can have produced an item of the job."""
+    released: Released | None = None
+    """The round released last, when this node's rank 0 released it."""
 
 
 @dataclass
@@ -205,7 +226,40 @@ def holders_json(saved: SavedHolders) -> dict[str, Any]:
             str(r): [[n, s] for n, s in t.items()] for r, t in sorted(saved.history.items())
         },
         "complete": saved.complete,
+    } | ({} if saved.released is None else {"released": _released_json(saved.released)})
+
+
+def _released_json(released: Released) -> dict[str, Any]:
+    return {
+        "round": released.round,
+        "rank0": released.rank0,
+        "step": released.step,
+        "incarnations": {str(r): i for r, i in sorted(released.incarnations.items())},
     }
+
+
+def _incarnation(value: Any) -> str:
+    if not (isinstance(value, str) and 0 < len(value) <= MAX_INCARNATION_CHARS):
+        raise ValueError(f"bad entry {value!r:.40}: not an incarnation id")
+    return value
+
+
+def _released(body: Any, ranks: int) -> Released | None:
+    """The ``released`` entry of a saved body; ``ValueError`` unless it names one round of
+    every rank of the job."""
+    if body is None:
+        return None
+    if not isinstance(body, dict):
+        raise ValueError("bad 'released'")  # noqa: TRY004 (a bad file, one error type)
+    round_, step, incarnations = body.get("round"), body.get("step"), body.get("incarnations")
+    if not (type(round_) is int and round_ > 0):
+        raise ValueError("bad 'released' round")
+    if not (step is None or (type(step) is int and step >= 0)):
+        raise ValueError("bad 'released' step")
+    if not (isinstance(incarnations, dict) and len(incarnations) == ranks):
+        raise ValueError("bad 'released' incarnations: one per rank of the job")
+    by_rank = {_rank(k, ranks): _incarnation(v) for k, v in incarnations.items()}
+    return Released(round_, _incarnation(body.get("rank0")), step, by_rank)
 
 
 def _rank(key: Any, ranks: int) -> int:
@@ -251,4 +305,4 @@ def holders_from_json(body: Any, ranks: int) -> SavedHolders:
         if not isinstance(entries, list) or len(entries) > MAX_HISTORY:
             raise ValueError(f"bad history of rank {key!r:.40}")
         history[_rank(key, ranks)] = dict(_tenure(e) for e in entries)
-    return SavedHolders(nodes, history, complete)
+    return SavedHolders(nodes, history, complete, _released(body.get("released"), ranks))

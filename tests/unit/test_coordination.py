@@ -567,3 +567,52 @@ def test_a_members_own_failures_may_cost_the_step_but_the_operator_sees_who() ->
     assert c.plan is None
     assert c.passed_over is not None
     assert (c.passed_over.step, c.passed_over.reporters) == (10, (2,))
+
+
+def test_a_restart_before_rank_0s_markers_serves_the_released_round_again() -> None:
+    """Rank 0's daemon killed between the release and its own markers (chaos seed 4112):
+    the restarted coordinator serves the same round from the record the release left,
+    rank 0's agent gets its own items of the step, and the ranks that ran on keep
+    reporting; before, it opened a new round the others never joined, and rank 0 waited
+    forever for them."""
+    c = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    everyone_joins(c, "a", steps=(3, 5))
+    release(c, "a")
+    record = c.released_record()
+    assert record is not None
+    assert record.step == 5
+    assert record.rank0 == "a0"
+
+    again = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    again.resume_released(record)
+    answer = again.report_progress(2, "a2", replicated_step=5, uploaded_step=None, now=1.0)
+    assert answer is not None
+    assert answer.restorable_step == 5
+    again.join(join(0, "a0", own(0, 3, 5)), {})
+    status = again.status(0, "a0")
+    assert status.phase is Phase.RELEASED
+    assert status.step == 5
+    assert [(i.step, f[0].source) for i, f in status.assignments.items()] == [(5, Source.LOCAL)]
+    # A stray incarnation of another rank still waits for rank 0's next one.
+    assert again.status(1, "zz").phase is None
+    # Kept again, the record still names the round and its step.
+    assert again.released_record() == record
+
+
+def test_a_released_round_is_served_again_only_to_its_own_rank_0() -> None:
+    c = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    everyone_joins(c, "a")
+    release(c, "a")
+    record = c.released_record()
+    assert record is not None
+    # The job restarted meanwhile (rank 0's new incarnation): a new round, as ever.
+    newer = JobCoordinator(config(), VIEW, rank0_incarnation="b0")
+    newer.resume_released(record)
+    assert newer.phase is Phase.WAITING
+    assert newer.resumed is None
+    # Rank 0's store lost the step since: never a plan made of nothing.
+    lost = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
+    lost.resume_released(record)
+    lost.join(join(0, "a0", own(0, 4)), {})
+    assert lost.resumed is None
+    assert lost.status(0, "a0").phase is not Phase.RELEASED

@@ -19,6 +19,7 @@ from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.rank_holders import (
     MAX_HISTORY,
     RankHolders,
+    Released,
     SavedHolders,
     holders_from_json,
     holders_json,
@@ -105,6 +106,28 @@ def test_the_saved_holders_round_trip_and_bad_ones_are_refused() -> None:
     ):
         with pytest.raises(ValueError, match=r"holders|bad entry|out of range|bad history|bad '"):
             holders_from_json(bad, 3)
+
+
+def test_the_released_round_round_trips_and_bad_ones_are_refused() -> None:
+    released = Released(4, "r0", 30, {0: "r0", 1: "r1", 2: "r2"})
+    saved = SavedHolders({0: "n0"}, {}, False, released)
+    assert holders_from_json(json.loads(json.dumps(holders_json(saved))), 3) == saved
+    fresh = SavedHolders({}, {}, False, Released(1, "r0", None, {0: "r0", 1: "r1", 2: "r2"}))
+    assert holders_from_json(json.loads(json.dumps(holders_json(fresh))), 3) == fresh
+    good = holders_json(saved)["released"]
+    for bad in (
+        [],
+        good | {"round": 0},
+        good | {"round": True},
+        good | {"step": -1},
+        good | {"rank0": ""},
+        good | {"rank0": "x" * 65},
+        good | {"incarnations": {"0": "r0", "1": "r1"}},  # every rank's, or nothing
+        good | {"incarnations": {"0": "r0", "1": "r1", "7": "r7"}},
+        good | {"incarnations": {"0": "r0", "1": "r1", "2": 2}},
+    ):
+        with pytest.raises(ValueError, match=r"released|bad entry|out of range"):
+            holders_from_json({"holders": {}, "released": bad}, 3)
 
 
 def test_an_older_record_without_history_reads_as_incomplete() -> None:
