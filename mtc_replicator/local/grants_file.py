@@ -28,18 +28,38 @@ DIR_NAME = "grants"
 
 
 class GrantsFile:
-    """Every job's grant, in memory and in ``store_root/grants/``."""
+    """Every job's grant, in memory and in ``store_root/grants/``; ``required``
+    (``--require-rank-grant``): a job without one is served to nobody."""
 
-    def __init__(self, store_root: Path) -> None:
+    def __init__(self, store_root: Path, *, required: bool = False) -> None:
         self.root = store_root / DIR_NAME
         self.grants: dict[str, Grant] = {}
+        self.required = required
 
     @classmethod
-    def opened(cls, store_root: Path) -> GrantsFile:
+    def opened(cls, store_root: Path, *, required: bool = False) -> GrantsFile:
         """The grants kept under ``store_root``, read."""
-        grants = cls(store_root)
+        grants = cls(store_root, required=required)
         grants.load()
         return grants
+
+    def missing(self, config: JobConfig, own: str | None) -> str | None:
+        """Why this node may not run ``config`` (a grant is required and none in force for
+        it names this node at its rank); None: it may."""
+        job, nodes, rank = config.job_name, config.nodes, config.node_rank
+        if not self.required or self.holders(job, nodes, rank, own) is not None:
+            return None
+        grant = self.grants.get(job)
+        held = (
+            "none"
+            if grant is None
+            else f"one of assignment {grant.assignment!r} for {len(grant.holders)} ranks"
+        )
+        return (
+            f"this node serves only jobs whose ranks mtc-controller assigned "
+            f"(--require-rank-grant), and holds no grant of job {job} with {nodes} ranks that "
+            f"gives it rank {rank} ({held})"
+        )
 
     def load(self) -> None:
         """Read what a previous run of this daemon kept; an unreadable file is ignored
@@ -74,8 +94,11 @@ class GrantsFile:
     ) -> frozenset[str] | None:
         """The nodes that may read ``job``'s items here: its grant's, while this node serves
         the granted run (``serving``); None: anyone of the CA (no grant, or one of another
-        run, which must not keep a later run's nodes out)."""
+        run, which must not keep a later run's nodes out). Where a grant is ``required``:
+        the newest grant's nodes whatever this node serves, and nobody without one."""
         grant = self.grants.get(job)
+        if self.required:
+            return frozenset() if grant is None else frozenset(grant.holders)
         if grant is None or serving is None or serving.job_name != job:
             return None
         return (

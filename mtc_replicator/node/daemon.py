@@ -122,7 +122,7 @@ class Daemon:
         self.tls, self.node_name = open_tls(opts)
         self._own = self.node_name or None  # no identity without TLS, or under a shared one
         self.store = LocalStore(opts.checkpoint_dir, opts.store_dir)
-        self.grants = GrantsFile.opened(self.store.root)  # the controller's rank grants
+        self.grants = GrantsFile.opened(self.store.root, required=opts.require_rank_grant)
         self.trust = record_trust(self.tls, accept_unsigned=opts.accept_unsigned_records)
         self.pacer = Pacer(
             PaceRules(rate=opts.max_transfer_rate, yield_to_saves=opts.yield_to_saves_seconds)
@@ -195,6 +195,7 @@ class Daemon:
             registry=self.registry,
             advertise=lambda: self.advertise,
             stop=self._stop,
+            ungranted=lambda config: self.grants.missing(config, self._own),
         )
         """The handshakes and the incarnations they start."""
 

@@ -85,6 +85,9 @@ class DaemonOptions:
     tls_shared_certificate: bool = False
     """Migration: every node presents one shared certificate that names no node; callers
     with the shared DNS name count as nodes (of no known name)."""
+    require_rank_grant: bool = False
+    """Serve only jobs mtc-controller assigned ranks for (``core.grant``): a handshake, a
+    join, a push or a read of a job without its grant on this node is refused."""
     accept_unsigned_records: bool = False
     """Believe unsigned COMMITs, registry entries and restore pins (written before records
     and pins were signed); those whose signature fails are refused all the same. Only
@@ -301,6 +304,15 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         "('mtc certs node'), see docs/deploy.md [MTC_TLS_SHARED_CERTIFICATE]",
     )
     p.add_argument(
+        "--require-rank-grant",
+        action="store_true",
+        default=_flag(env.get("MTC_REQUIRE_RANK_GRANT", "")),
+        help="serve only jobs whose ranks mtc-controller assigned (sticky ranks): refuse the "
+        "handshake, joins, pushes and reads of any job without its grant on this node, so "
+        "no node takes a rank by coming first (needs per-node certificates) "
+        "[MTC_REQUIRE_RANK_GRANT]",
+    )
+    p.add_argument(
         "--accept-unsigned-records",
         action="store_true",
         default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
@@ -445,6 +457,11 @@ def parse_args(
         p.error("--tls-cert, --tls-key and --tls-ca go together: give all three or none")
     if a.checkpoint_dir is None:
         p.error("--checkpoint-dir (or MTC_CHECKPOINT_DIR) is required")
+    if a.require_rank_grant and (not a.tls_cert or a.tls_shared_certificate):
+        p.error(
+            "--require-rank-grant needs each node's own certificate (--tls-cert, "
+            "'mtc certs node'): a grant names nodes, and only a certificate tells them apart"
+        )
     try:
         re.compile(a.tls_node_name_pattern)
     except re.error as exc:
@@ -485,6 +502,7 @@ def parse_args(
         tls_server_name=a.tls_server_name,
         tls_node_name_pattern=a.tls_node_name_pattern,
         tls_shared_certificate=a.tls_shared_certificate,
+        require_rank_grant=a.require_rank_grant,
         accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,

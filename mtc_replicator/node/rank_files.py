@@ -120,11 +120,13 @@ class RankFiles:
                 ) from None
             grant = Grant(record.job, record.assignment, tuple(holders))
         loop = asyncio.get_running_loop()
+        if grant is not None and self.grants is not None:
+            # Before the rank files: a pod that read them writes its handshake at once, and
+            # a node that requires grants refuses one that comes before its grant.
+            await loop.run_in_executor(self._executor, self.grants.save, grant)
         changed = await loop.run_in_executor(
             self._executor, write_rank_files, self.checkpoint_dir, self.owner_file, record
         )
-        if grant is not None and self.grants is not None:
-            await loop.run_in_executor(self._executor, self.grants.save, grant)
         log.info(
             "%s rank %d of %d for pod %s of job %s (assignment %s, by %s, coordinator %s)",
             "assigned" if changed else "already assigned",

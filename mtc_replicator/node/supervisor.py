@@ -71,8 +71,11 @@ class Supervisor:
         registry: Registry | None,
         advertise: Callable[[], str | None],
         stop: asyncio.Event,
+        ungranted: Callable[[JobConfig], str | None] = lambda config: None,
     ) -> None:
         self.opts = opts
+        self.ungranted = ungranted
+        """Why a job may not run here for want of mtc-controller's rank grant (None: it may)."""
         self.ctx = ctx
         self.store = ctx.store
         self.executor = ctx.executor
@@ -461,6 +464,16 @@ class Supervisor:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
+        missing = self.ungranted(config)
+        if missing is not None:
+            await self._refuse(
+                text,
+                missing,
+                "Label the job's pods checkpointing.mtc.dev/nodes and start them with "
+                '`python -m mtc_replicator.client.rank` (docs/deploy.md, "Ranks that follow '
+                'the bytes"), which waits for the grant, then restart the job',
+            )
+            return
         refused = await self.buckets.verdict(config)
         if refused is not None:
             await self._refuse(

@@ -126,6 +126,7 @@ _CERTIFICATE_FIELDS = {
     "secretName": str,
     "commonName": str,
     "dnsNames": list,
+    "uris": list,  # cert-manager.io/v1 CertificateSpec.uris: URI SANs (the controller's SPIFFE ID)
     "duration": str,
     "renewBefore": str,
     "isCA": bool,

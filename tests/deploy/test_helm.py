@@ -22,7 +22,7 @@ from helm_python.errors import HelmRenderError, HelmValuesError
 
 from mtc_replicator.tools import render_manifests
 from tests.deploy import helm_chart
-from tests.deploy.helm_chart import CHART_DIR, MIRRORS, VALUES_DIR, render, values_of
+from tests.deploy.helm_chart import CHART_DIR, MIRRORS, VALUES_DIR, merge, render, values_of
 from tests.deploy.k8s import (
     DEPLOY,
     REPO,
@@ -474,3 +474,24 @@ def test_every_kustomization_has_its_values() -> None:
     )
     for files in MIRRORS.values():
         assert all((VALUES_DIR / f).is_file() for f in files)
+
+
+def test_requiring_rank_grants_is_for_the_controller_and_per_node_certificates() -> None:
+    def env_of(objs: list[Obj]) -> dict[str, str]:
+        replicator = pod_of(objs)["containers"][0]
+        return {e["name"]: e.get("value", "") for e in replicator["env"]}
+
+    values = values_of("cert-manager-per-node.yaml", controller={"enabled": True})
+    assert "MTC_REQUIRE_RANK_GRANT" not in env_of(render(values))
+    required = merge(values, {"controller": {"requireRankGrant": True}})
+    objs = render(required)
+    assert env_of(objs)["MTC_REQUIRE_RANK_GRANT"] == "true"
+    for obj in objs:
+        validate_once(obj)
+    for bad in (
+        merge(required, {"controller": {"enabled": False}}),
+        merge(required, {"tls": {"acceptSharedCertificate": True}}),
+        values_of("cert-manager.yaml", controller={"enabled": True, "requireRankGrant": True}),
+    ):
+        with pytest.raises(HelmRenderError, match=re.escape("controller.requireRankGrant needs")):
+            render(bad)

@@ -164,6 +164,20 @@ def test_the_transfer_floor_defaults_under_the_rate_limit(
     assert options.parse_args(["--max-item-files", "7"], DAEMON_ENV).max_item_files == 7
 
 
+def test_requiring_rank_grants_needs_each_nodes_own_certificate(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    tls = ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"]
+    env = {**DAEMON_ENV, "MTC_REQUIRE_RANK_GRANT": "true"}
+    assert options.parse_args(tls, env).require_rank_grant
+    assert not options.parse_args(tls, DAEMON_ENV).require_rank_grant
+    for argv in ([], [*tls, "--tls-shared-certificate"]):
+        with pytest.raises(SystemExit) as exited:
+            options.parse_args(argv, env)
+        assert exited.value.code == 2
+        assert "--require-rank-grant needs each node's own certificate" in capsys.readouterr().err
+
+
 def test_unsafe_settings_are_named_at_start() -> None:
     """What the daemon warns of when it starts: no owner file, no TLS, unsigned records."""
     plain = options.parse_args([], DAEMON_ENV)

@@ -82,6 +82,9 @@ AWS_ENDPOINT_URL_S3: {{ . | quote }}
 {{- if and .Values.tls.acceptSharedCertificate (ne .Values.tls.mode "cert-manager-per-node") }}
 {{- fail "tls.acceptSharedCertificate is the middle step of the move to cert-manager-per-node: set tls.mode cert-manager-per-node with it" }}
 {{- end }}
+{{- if and .Values.controller.requireRankGrant (not (and .Values.controller.enabled (eq .Values.tls.mode "cert-manager-per-node") (not .Values.tls.acceptSharedCertificate))) }}
+{{- fail "controller.requireRankGrant needs the controller (controller.enabled) and a certificate per node (tls.mode cert-manager-per-node, tls.acceptSharedCertificate false): grants name nodes" }}
+{{- end }}
 {{- if and (or .Values.backup.s3.region .Values.backup.s3.endpointUrl) (not (or (hasPrefix "s3://" .Values.backup.url) (hasPrefix "s3://" .Values.backup.registryUrl))) }}
 {{- fail "backup.s3 is only for s3:// backup or registry URLs" }}
 {{- end }}
