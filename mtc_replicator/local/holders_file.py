@@ -5,10 +5,11 @@ reports (``core.coordination.JobCoordinator.resume_steady``); without a record, 
 report naming a rank would be believed, whoever sent it. The record is one JSON file per
 job in the store (``rank-holders/<job>.json``, beside CHECKPOINT_DIR, out of the pods'
 reach; the RAM disk survives a daemon restart), written when a round is released and when a
-restarted coordinator binds a rank. It keeps the released round too, so that rank 0's daemon
-killed before its own markers serves that round again (``core.rank_holders.Released``). It also keeps each rank's history of nodes (the
-producers a restore accepts, ``core.rank_holders``), which any later coordinator of the job on
-this node reads back, as long as this node kept running rank 0: once a handshake makes it
+restarted coordinator binds a rank. It keeps the released round too, so that rank 0's
+daemon killed before its own markers serves that round again
+(``core.rank_holders.Released``). It also keeps each rank's history of nodes (the producers
+a restore accepts, ``core.rank_holders``), which any later coordinator of the job on this
+node reads back, as long as this node kept running rank 0: once a handshake makes it
 another rank (Ray Train renumbers nodes at every restart), another node coordinates and
 records the job, so the record here stops following it and is removed (``keep_only``).
 """
