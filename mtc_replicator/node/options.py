@@ -304,15 +304,6 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
         "('mtc certs node'), see docs/deploy.md [MTC_TLS_SHARED_CERTIFICATE]",
     )
     p.add_argument(
-        "--require-rank-grant",
-        action="store_true",
-        default=_flag(env.get("MTC_REQUIRE_RANK_GRANT", "")),
-        help="serve only jobs whose ranks mtc-controller assigned (sticky ranks): refuse the "
-        "handshake, joins, pushes and reads of any job without its grant on this node, so "
-        "no node takes a rank by coming first (needs per-node certificates) "
-        "[MTC_REQUIRE_RANK_GRANT]",
-    )
-    p.add_argument(
         "--accept-unsigned-records",
         action="store_true",
         default=_flag(env.get("MTC_ACCEPT_UNSIGNED_RECORDS", "")),
@@ -332,6 +323,15 @@ def _add_ports_and_tls(p: argparse.ArgumentParser, env: Mapping[str, str]) -> No
 
 def _add_workload_rules(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """What a handshake may name and what a peer's push may be."""
+    p.add_argument(
+        "--require-rank-grant",
+        action="store_true",
+        default=_flag(env.get("MTC_REQUIRE_RANK_GRANT", "")),
+        help="serve only jobs whose ranks mtc-controller assigned (sticky ranks): refuse the "
+        "handshake, joins, pushes and reads of any job without its grant on this node, so "
+        "no node takes a rank by coming first (needs per-node certificates) "
+        "[MTC_REQUIRE_RANK_GRANT]",
+    )
     p.add_argument(
         "--expand-vars",
         type=_var_names,
