@@ -151,8 +151,7 @@ class Daemon:
         self.exit_code = 0
         self.health_address: str | None = None
         """The plaintext health-only address, when ``--health-listen`` asks for one."""
-        self.listen_address: str | None = None
-        """The address the gRPC server is bound to (port 0 resolved), once it is."""
+        self.listen_address: str | None = None  # the gRPC server's, port 0 resolved, once bound
         self.advertise: str | None = opts.advertise
         """The address other nodes use to reach this one (defaults to the bound address)."""
         self.registry = (
