@@ -100,10 +100,12 @@ class DropRefused(ValueError):
     """An operator's drop that would lose data or hit the running job; the text says why."""
 
 
-def check_drop(job: str, running: str | None, held: HeldJob | None, *, only_copy: bool) -> HeldJob:
-    """What ``mtc drop --job`` may drop: never the running job's items, and items not in
+def check_drop(
+    job: str, running: Collection[str], held: HeldJob | None, *, only_copy: bool
+) -> HeldJob:
+    """What ``mtc drop --job`` may drop: never a running job's items, and items not in
     the backup only when the operator says they may be the only copy."""
-    if job == running:
+    if job in running:
         raise DropRefused(f"job {job} runs on this node now: its items are never dropped")
     if held is None:
         raise DropRefused(f"this node holds no items of job {job}")

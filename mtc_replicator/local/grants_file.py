@@ -25,6 +25,11 @@ from mtc_replicator.local import fsutil
 log = logging.getLogger(__name__)
 
 DIR_NAME = "grants"
+GRANT_REMEDY = (
+    "Label the job's pods checkpointing.mtc.dev/nodes and start them with `python -m "
+    'mtc_replicator.client.rank` (docs/deploy.md, "Ranks that follow the bytes"), which waits '
+    "for the grant, then restart the job"
+)
 
 
 class GrantsFile:
@@ -43,9 +48,9 @@ class GrantsFile:
         grants.load()
         return grants
 
-    def missing(self, config: JobConfig, own: str | None) -> str | None:
+    def missing(self, config: JobConfig, own: str | None) -> tuple[str, str] | None:
         """Why this node may not run ``config`` (a grant is required and none in force for
-        it names this node at its rank); None: it may."""
+        it names this node at its rank), and the remedy; None: it may."""
         job, nodes, rank = config.job_name, config.nodes, config.node_rank
         if not self.required or self.holders(job, nodes, rank, own) is not None:
             return None
@@ -55,11 +60,12 @@ class GrantsFile:
             if grant is None
             else f"one of assignment {grant.assignment!r} for {len(grant.holders)} ranks"
         )
-        return (
+        why = (
             f"this node serves only jobs whose ranks mtc-controller assigned "
             f"(--require-rank-grant), and holds no grant of job {job} with {nodes} ranks that "
             f"gives it rank {rank} ({held})"
         )
+        return why, GRANT_REMEDY
 
     def load(self) -> None:
         """Read what a previous run of this daemon kept; an unreadable file is ignored

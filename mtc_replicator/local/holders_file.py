@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 from mtc_replicator.core.rank_holders import SavedHolders, holders_from_json, holders_json
@@ -44,8 +45,9 @@ class HoldersFile:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fsutil.atomic_write_bytes(self._path(job), json.dumps(holders_json(saved)).encode())
 
-    def keep_only(self, job: str | None) -> None:
-        """Remove every job's record but ``job``'s: this node no longer coordinates them.
+    def keep_only(self, jobs: Collection[str]) -> None:
+        """Remove every job's record but those of ``jobs``: this node no longer coordinates
+        them.
         Come back to rank 0 later, it must not take its old record for the whole history
         (it would refuse the items the nodes that held ranks meanwhile made)."""
         try:
@@ -53,7 +55,7 @@ class HoldersFile:
         except FileNotFoundError:
             return
         for name in names:
-            if name != f"{job}.json":
+            if name.removesuffix(".json") not in jobs:
                 try:
                     (self.root / name).unlink()
                 except FileNotFoundError:

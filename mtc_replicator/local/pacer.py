@@ -42,6 +42,8 @@ class Pacer:
         self.rules = rules or PaceRules()
         self._book = PaceBook(self.rules)
         self._lock = threading.Lock()
+        self._savers: set[str] = set()
+        """The jobs writing a checkpoint now, as their agents last looked."""
         self._clock = clock
         self._sleep = sleep
         self.sent: Counter[Traffic] = Counter()
@@ -76,10 +78,15 @@ class Pacer:
                 {t.name.lower(): self.waited[t] for t in Traffic},
             )
 
-    def saving(self, in_progress: bool) -> None:
-        """The agent's latest look at CHECKPOINT_DIR: is the job writing a checkpoint?"""
+    def saving(self, in_progress: bool, job: str = "") -> None:
+        """An agent's latest look at its job directory: is ``job`` writing a checkpoint?
+        The node's transfers hold while any job it serves is."""
         with self._lock:
-            self._book.saving(self._clock(), in_progress)
+            if in_progress:
+                self._savers.add(job)
+            else:
+                self._savers.discard(job)
+            self._book.saving(self._clock(), bool(self._savers))
 
     def active(self, traffic: Traffic) -> int:
         with self._lock:

@@ -36,7 +36,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -370,8 +370,9 @@ class LocalStore:
         finally:
             os.close(top)
 
-    def drop_views(self, item: ItemId | None = None) -> None:
-        """Remove every view (a new incarnation), or only the views of ``item``."""
+    def drop_views(self, item: ItemId | None = None, *, keep: Collection[str] = ()) -> None:
+        """Remove every view but those of the incarnations in ``keep`` (a new incarnation;
+        other job directories' run on), or only the views of ``item``."""
         try:
             views = self._open_views(create=False)
         except FileNotFoundError:
@@ -379,7 +380,8 @@ class LocalStore:
         try:
             for name in os.listdir(views):
                 if item is None:
-                    self._discard_at(views, name)
+                    if name not in keep:
+                        self._discard_at(views, name)
                     continue
                 try:
                     step = fsutil.open_dir_beneath(

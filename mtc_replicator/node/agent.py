@@ -11,15 +11,12 @@ committed data intact.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 from mtc_replicator.cluster.coordinators import Coordinators
@@ -59,6 +56,14 @@ from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.node.checkpoint_dir import list_top, unlink_links_to
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.node.repeats import Repeats
+from mtc_replicator.node.saved_incarnation import (
+    IncarnationPhase,
+    SavedIncarnation,
+    load_state,
+    new_incarnation_id,
+    save_state,
+    state_file,
+)
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
@@ -70,18 +75,9 @@ from mtc_replicator.transport.tls import TlsMaterial
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "incarnation.json"
-
 
 class RestoreBlocked(Exception):
     """No step could be restored although one exists: fatal, the job must not start fresh."""
-
-
-class IncarnationPhase(StrEnum):
-    RESTORING = "restoring"
-    """The workload waits for markers: a restarted daemon must (re)do the restore."""
-    STEADY = "steady"
-    """Markers were published: a restarted daemon resumes ingesting."""
 
 
 @dataclass
@@ -123,42 +119,13 @@ class AgentContext:
     rules' (``core.policy.newest_kept``)."""
     manifests: ManifestTrust = OPEN_MANIFESTS
     """How this node attests the items it ingests and which items it restores."""
+    job_dir: str | None = None
+    """The job directory ``CHECKPOINT_DIR/jobs/<job_dir>/`` this context serves (its
+    ``checkpoint_dir``); None: CHECKPOINT_DIR's root."""
 
-
-@dataclass(frozen=True)
-class SavedIncarnation:
-    """What survives a daemon restart: the accepted config and how far the handshake got."""
-
-    config_text: str
-    incarnation_id: str
-    phase: IncarnationPhase
-
-
-def save_state(store: LocalStore, state: SavedIncarnation | None) -> None:
-    path = store.root / STATE_FILE
-    if state is None:
-        path.unlink(missing_ok=True)
-        return
-    body = {"config": state.config_text, "id": state.incarnation_id, "phase": state.phase.value}
-    fsutil.atomic_write_bytes(path, json.dumps(body).encode())
-
-
-def load_state(store: LocalStore) -> SavedIncarnation | None:
-    try:
-        body = json.loads((store.root / STATE_FILE).read_bytes())
-        return SavedIncarnation(
-            str(body["config"]), str(body["id"]), IncarnationPhase(body["phase"])
-        )
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring unreadable %s: %s", STATE_FILE, exc)
-        return None
-
-
-def new_incarnation_id() -> str:
-    """A fresh incarnation id: 16 hex digits, unique per accepted handshake."""
-    return uuid.uuid4().hex[:16]
+    @property
+    def state_name(self) -> str:
+        return state_file(self.job_dir)
 
 
 class Incarnation:
@@ -224,7 +191,7 @@ class Incarnation:
     async def stop(self, timeout: float = 10.0) -> None:
         """Cancel in-flight work; committed data stays. Waits for worker threads to finish."""
         self._stopping.set()
-        self.ctx.pacer.saving(False)  # a save this incarnation saw holds nobody after it
+        self.ctx.pacer.saving(False, self.config.job_name)  # held by nobody after it
         if self._task is not None and not self._task.done():
             self._task.cancel()
             await asyncio.wait([self._task], timeout=timeout)
@@ -247,7 +214,7 @@ class Incarnation:
             await asyncio.wait([self._task])
         await self._ingest_ready(member)  # a step renamed in since that pass
         # A save in progress no longer holds the upload: the node may be gone before it ends.
-        self.ctx.pacer.saving(False)
+        self.ctx.pacer.saving(False, self.config.job_name)
         job = self.config.job_name
         steps = complete_steps(self.config, self.ctx.store.manifests(job).keys())
         newest = steps[-1] if steps else None
@@ -471,7 +438,8 @@ class Incarnation:
             self.error(f"{why}; never restored", step, kind=ErrorKind.RESTORE)
 
     def persist(self) -> None:
-        save_state(self.ctx.store, SavedIncarnation(self.config_text, self.id, self.phase))
+        saved = SavedIncarnation(self.config_text, self.id, self.phase)
+        save_state(self.ctx.store, saved, self.ctx.state_name)
 
     # --- steady state ----------------------------------------------------------------------
 
@@ -491,7 +459,7 @@ class Incarnation:
             self._saving = saving is not None
             self.log.debug("save in progress: %s", saving or "none")
         # Replication and backups hold while the job writes (bounded): ``core.pacing``.
-        self.ctx.pacer.saving(self._saving)
+        self.ctx.pacer.saving(self._saving, self.config.job_name)
         handoffs = find_handoffs(self.config, entries, closed, now, self.ctx.settle_seconds)
         for pending in await self._thread(self._pending_ingest):
             handoffs.append(Handoff(pending.step, {pending: ""}))
@@ -628,7 +596,7 @@ class Incarnation:
 
 def restore_saved(ctx: AgentContext) -> Incarnation | None:
     """The incarnation a restarted daemon resumes, if it had one."""
-    saved = load_state(ctx.store)
+    saved = load_state(ctx.store, ctx.state_name)
     if saved is None:
         return None
     try:

@@ -31,6 +31,23 @@ from mtc_replicator.local import fsutil
 from mtc_replicator.local.store import LocalStore, view_path
 
 _RESULT_TMP = RESULT_FILE + ".tmp"
+_JOB_DIR_UP = "../.."
+"""From a job directory (``CHECKPOINT_DIR/jobs/<job>/``) up to CHECKPOINT_DIR, where the
+views are: a marker there links through it, as the pod sees the tree."""
+
+
+def _up(checkpoint_dir: Path, store: LocalStore) -> str:
+    """ "" in CHECKPOINT_DIR's root; the way up from a job directory (the daemon reaches one
+    through a descriptor's path, so the depth is the protocol's, not a path's)."""
+    return "" if checkpoint_dir == store.checkpoint_dir else _JOB_DIR_UP
+
+
+def _rooted(target: str, up: str) -> str:
+    """A link target read in a directory ``up`` below CHECKPOINT_DIR, as from the root ("":
+    one that does not climb exactly there, never ours)."""
+    if not up:
+        return target
+    return target[len(up) + 1 :] if target.startswith(up + "/") else ""
 
 
 def list_top(checkpoint_dir: Path) -> list[Entry]:
@@ -64,11 +81,15 @@ def is_own_output(name: str) -> bool:
     return name in _OWN_FILES or name.endswith(".restore") or name.startswith(fsutil.TMP_PREFIX)
 
 
-def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]:
+def cleanup_workload_files(
+    checkpoint_dir: Path, store: LocalStore, keep_views: Collection[str] = ()
+) -> list[str]:
     """Handshake step 3: remove stale files we published, and the temps our client leaves
     when it is killed mid-save; never data, never jax-init-info.txt nor mtc-rank.json
-    (the pod's assigned rank: a handshake comes after it was read)."""
+    (the pod's assigned rank: a handshake comes after it was read). ``keep_views``: the
+    incarnations other job directories run, whose views stay."""
     removed = []
+    up = _up(checkpoint_dir, store)
     with os.scandir(checkpoint_dir) as it:
         for e in it:
             path = Path(e.path)
@@ -90,12 +111,12 @@ def cleanup_workload_files(checkpoint_dir: Path, store: LocalStore) -> list[str]
             )
             if not stale and e.is_symlink():
                 # `<N>` / `step=<N>` links that clients made of our markers.
-                stale = store.owns_link_target(os.readlink(path))
+                stale = store.owns_link_target(_rooted(os.readlink(path), up))
             if stale and not e.is_dir(follow_symlinks=False):
                 path.unlink(missing_ok=True)
                 removed.append(e.name)
     # No link into a view is left, so the previous incarnations' views are garbage.
-    store.drop_views()
+    store.drop_views(keep=keep_views)
     return removed
 
 
@@ -115,6 +136,7 @@ def publish_markers(
     intact, so that a process still reading it never sees it rebuilt."""
     step, source = outcome.step, outcome.source
     d = checkpoint_dir
+    up = _up(checkpoint_dir, store)
     body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
     fsutil.atomic_write_bytes(d / PRERESTORE_FILE, body.encode())
     for w in range(config.workers_per_node):
@@ -126,8 +148,9 @@ def publish_markers(
         else:
             wanted = marker_item(config, step, w)
             held = outcome.stored_as.get(wanted, wanted)
-            view = _intact_view(d, store, held, incarnation_id) if again else None
-            os.symlink(view or store.expose(held, incarnation_id), name)
+            view = _intact_view(store, held, incarnation_id) if again else None
+            target = view or store.expose(held, incarnation_id)
+            os.symlink(f"{up}/{target}" if up else target, name)
 
 
 def markers_out(checkpoint_dir: Path, config: JobConfig) -> bool:
@@ -140,7 +163,7 @@ def markers_out(checkpoint_dir: Path, config: JobConfig) -> bool:
     return False
 
 
-def _intact_view(checkpoint_dir: Path, store: LocalStore, item: ItemId, view: str) -> str | None:
+def _intact_view(store: LocalStore, item: ItemId, view: str) -> str | None:
     """The view of ``item`` published for ``view``, when every file of the item is in it as
     a hard link of the store's own (nothing was deleted or replaced through a marker); its
     path for a marker, else None. Only ``lstat``: a pod's symlink there is never read."""
@@ -151,7 +174,8 @@ def _intact_view(checkpoint_dir: Path, store: LocalStore, item: ItemId, view: st
     names = [""] if manifest.kind is ItemKind.FILE else [f.path for f in manifest.files]
     try:
         for name in names:
-            got = os.lstat(checkpoint_dir / rel / name if name else checkpoint_dir / rel)
+            root = store.checkpoint_dir
+            got = os.lstat(root / rel / name if name else root / rel)
             own = os.lstat(store.data_path(item) / name if name else store.data_path(item))
             if not stat.S_ISREG(got.st_mode) or (got.st_ino, got.st_dev) != (
                 own.st_ino,
@@ -166,6 +190,7 @@ def _intact_view(checkpoint_dir: Path, store: LocalStore, item: ItemId, view: st
 def unlink_links_to(checkpoint_dir: Path, store: LocalStore, items: Collection[ItemId]) -> None:
     """Remove the workload's links (`<N>`, markers) to ``items``, which are being deleted:
     they would dangle."""
+    up = _up(checkpoint_dir, store)
     for e in os.scandir(checkpoint_dir):
-        if e.is_symlink() and store.item_of_link(os.readlink(e.path)) in items:
+        if e.is_symlink() and store.item_of_link(_rooted(os.readlink(e.path), up)) in items:
             Path(e.path).unlink(missing_ok=True)

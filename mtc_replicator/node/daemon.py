@@ -20,6 +20,8 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
 
 from mtc_replicator import __version__
 from mtc_replicator.local.holders_file import HoldersFile
@@ -47,10 +49,9 @@ from mtc_replicator.local.grants_file import GrantsFile
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError, StorePlacementError
 from mtc_replicator.local.usedpins import UsedPins
-from mtc_replicator.local.watcher import DirectoryWatcher
+from mtc_replicator.local.watcher import DirectoryWatcher, OnEvent
 from mtc_replicator.node.agent import (
     AgentContext,
-    Incarnation,
     restore_saved,
 )
 from mtc_replicator.node.bucket_probes import BucketProbes
@@ -60,7 +61,7 @@ from mtc_replicator.node.options import DaemonOptions, parse_args, unsafe_settin
 from mtc_replicator.node.owner_watch import handed_over
 from mtc_replicator.node.pin_reports import PinRefusals
 from mtc_replicator.node.rank_files import RankFiles
-from mtc_replicator.node.reclaim import Dropped, ForeignItems
+from mtc_replicator.node.reclaim import ForeignItems, Reclaim
 from mtc_replicator.node.startup import (
     CheckpointDirMissing,
     CheckpointFilesystem,
@@ -70,13 +71,13 @@ from mtc_replicator.node.startup import (
     tune_malloc,
 )
 from mtc_replicator.node.status import SERVICE as NODE_SERVICE
-from mtc_replicator.node.status import NodeServicer, node_status, peer_addresses, probe_peers
-from mtc_replicator.node.supervisor import Supervisor
+from mtc_replicator.node.status import NodeServicer, node_status, peer_targets, probe_peers
+from mtc_replicator.node.supervisor import Neighbours, Supervisor
+from mtc_replicator.node.tenancy import JobDir, Tenancy
 from mtc_replicator.obs.health import Health, Heartbeat, Readiness, directory_check
 from mtc_replicator.obs.logs import configure as configure_logging
 from mtc_replicator.obs.metrics import (
     NO_METRICS,
-    ErrorKind,
     FilesystemCollector,
     Metrics,
     PrometheusMetrics,
@@ -109,7 +110,6 @@ STARTED_LINE = "daemon started"
 "ready" or "not ready: REASONS"."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
-RECLAIM_EVERY = 30.0
 """Seconds between two looks at the items of jobs that no longer run here (the TTL)."""
 
 
@@ -160,18 +160,22 @@ class Daemon:
             else None
         )
         self.coordinators = CoordinatorHost()
+        self.tenancy = Tenancy(opts.checkpoint_dir, lambda c: self.grants.missing(c, self._own))
+        """The job directories served: the root's and those in ``jobs/``."""
+        self.metrics.jobs_from(self.tenancy.running_jobs)
         self.foreign = ForeignItems(
             self.store,
             backups,
             ttl=opts.foreign_job_ttl,
             metrics=self.metrics,
-            current=self._running_job,
+            current=self.tenancy.running_jobs,
         )
         """Items of jobs that no longer run here: given back when backed up."""
         self.ctx.foreign = self.foreign
-        self.kept_uploads = KeptUploads(self.ctx, self.foreign, current=self._running_job)
+        self.kept_uploads = KeptUploads(self.ctx, self.foreign, current=self.tenancy.running_jobs)
         """``mtc upload``: a kept job's step to the backup, on demand."""
-        self._reclaimed_at = 0.0
+        self.reclaim = Reclaim(self.foreign, self.executor, self.tenancy.running_jobs)
+        """Drops of jobs that no longer run here: on request, for room, by TTL."""
         self.buckets = BucketProbes(backups, self.registry)
         self.health = Health(
             live=[self.heartbeat.check],
@@ -185,18 +189,28 @@ class Daemon:
         self.ctx.report_after = opts.report_after_seconds
         self.ctx.keep_steps = opts.keep_steps
         self.ctx.tls = self.tls
-        self.supervisor = Supervisor(
+        self.supervisor = self._supervisor(opts, self.ctx, self.tenancy.beside(None))
+        """The root's handshakes and the incarnations they start."""
+        self.tenancy.root = self.supervisor
+        self.pin_refusals.running = self.tenancy.incarnation_of
+
+    def _supervisor(self, opts: DaemonOptions, ctx: AgentContext, beside: Neighbours) -> Supervisor:
+        return Supervisor(
             opts,
-            self.ctx,
+            ctx,
             foreign=self.foreign,
             buckets=self.buckets,
             coordinators=self.coordinators,
             registry=self.registry,
             advertise=lambda: self.advertise,
             stop=self._stop,
-            ungranted=lambda config: self.grants.missing(config, self._own),
+            neighbours=beside,
         )
-        """The handshakes and the incarnations they start."""
+
+    def _job_dir(self, name: str, path: Path, beside: Neighbours) -> Supervisor:
+        """The supervisor of ``jobs/<name>/``, reached at ``path`` (``node.tenancy``)."""
+        ctx = replace(self.ctx, checkpoint_dir=path, closed_files=set(), job_dir=name)
+        return self._supervisor(replace(self.opts, checkpoint_dir=path), ctx, beside)
 
     def _observe(self, opts: DaemonOptions) -> None:
         """The metrics (Prometheus when ``--metrics`` asks for it), the heartbeat and the
@@ -225,41 +239,46 @@ class Daemon:
     def _fs_kind(self) -> tuple[str | None, bool]:
         return self.checkpoint_fs.fs_type, self.checkpoint_fs.in_memory
 
-    @property
-    def incarnation(self) -> Incarnation | None:
-        """The running job's incarnation on this node, if any."""
-        return self.supervisor.incarnation
-
-    def serving(self) -> Served | None:
-        """What peers may push here: the job this node serves now, and its newest own step."""
-        if self.incarnation is None:
+    def serving(self, job: str) -> Served | None:
+        """What peers may push here of ``job``: the incarnation that runs it (None: none
+        does), and its newest own step."""
+        running = self.tenancy.incarnation_of(job)
+        if running is None:
             return None
-        config = self.incarnation.config
+        config = running.config
         own = [i.step for i in self.store.manifests(config.job_name) if i.rank == config.node_rank]
-        member = self.incarnation.member
+        member = running.member
         # The controller's grant, when in force, from the first second; else the
         # coordinator's word, from its first answer on.
         granted = self.grants.holders(config.job_name, config.nodes, config.node_rank, self._own)
         holders = granted or ({} if member is None else member.rank_nodes)
-        return Served(config, max(own, default=None), self.incarnation.owner, holders)
+        return Served(config, max(own, default=None), running.owner, holders)
 
-    def _on_event(self, name: str | None, finished: bool, renamed: bool = False) -> None:
+    def _on_event(
+        self,
+        name: str | None,
+        finished: bool,
+        renamed: bool = False,
+        supervisor: Supervisor | None = None,
+    ) -> None:
+        """A file event in the root (``supervisor`` None) or in a job directory."""
         if name is not None and is_own_output(name):
             # Our own writes (an error line, a marker) must not wake us: an error written
             # on every wake-up would otherwise become a busy loop.
             return
+        supervisor = supervisor or self.supervisor
         if name == CONFIG_FILE:
-            self.supervisor.handshake.event(finished, renamed)
+            supervisor.handshake.event(finished, renamed)
         elif name and parse_save_name(name) is not None:
             # Only `.save` files need "closed after writing"; other names (our unique temp
             # files among them) would make the set grow for the daemon's whole life.
             if finished:
-                self.ctx.closed_files.add(name)
+                supervisor.ctx.closed_files.add(name)
             else:
-                self.ctx.closed_files.discard(name)  # written again after its close
+                supervisor.ctx.closed_files.discard(name)  # written again after its close
         self._wake.set()
-        if self.incarnation is not None:
-            self.incarnation.wake()
+        if supervisor.incarnation is not None:
+            supervisor.incarnation.wake()
 
     def _request_stop(self) -> None:
         # Not ready from the signal on, not once the shutdown is over: Services stop sending
@@ -329,7 +348,8 @@ class Daemon:
         peers = self.ctx.peers
         assert peers is not None
         probe = asyncio.create_task(
-            probe_peers(peers, lambda: peer_addresses(self.incarnation)), name="peer-probe"
+            probe_peers(peers, lambda: peer_targets(self.tenancy.incarnations())),
+            name="peer-probe",
         )
         # A yaml written while we were down has no events left to tell: trust it.
         self.supervisor.handshake.trust_existing()
@@ -422,7 +442,7 @@ class Daemon:
         ranks = RankFiles(
             self.opts.checkpoint_dir, self.opts.owner_file, self.executor, self.grants, self._own
         )
-        node = NodeServicer(self._status, self._drop, self.kept_uploads.upload, ranks.assign)
+        node = NodeServicer(self._status, self.reclaim.drop, self.kept_uploads.upload, ranks.assign)
         rpc.add_service(NODE_SERVICE, node.register)
         try:
             credentials = self.tls.server_credentials() if self.tls is not None else None
@@ -447,7 +467,7 @@ class Daemon:
         contacts = self.ctx.peers.contacts
         self.metrics.peer_contacts(
             lambda: contacts.snapshot(time.time()),
-            lambda: peer_addresses(self.incarnation).values(),
+            lambda: peer_targets(self.tenancy.incarnations()),
         )
         return rpc, channel
 
@@ -463,13 +483,13 @@ class Daemon:
             idle_timeout=self.opts.idle_timeout_seconds,
             obtaining=self.ctx.obtaining,
             pacer=self.pacer,
-            make_room=self._room_for_push,
+            make_room=self.reclaim.room_for_push,
             min_rate=self.opts.min_transfer_rate,
             max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
             readers=lambda job: self.grants.readers(
-                job, getattr(self.incarnation, "config", None), self._own
+                job, getattr(self.tenancy.incarnation_of(job), "config", None), self._own
             ),
         )
 
@@ -488,9 +508,11 @@ class Daemon:
                 pin_trust=pin_trust(self.tls, accept_unsigned=self.opts.accept_unsigned_records),
                 used=UsedPins(self.store.root),
                 on_failure=lambda *failed: loop.call_soon_threadsafe(
-                    self._pin_not_removed, *failed
+                    self.pin_refusals.not_removed, *failed
                 ),
-                on_refused=lambda *refused: loop.call_soon_threadsafe(self._pin_refused, *refused),
+                on_refused=lambda *refused: loop.call_soon_threadsafe(
+                    self.pin_refusals.refused, *refused
+                ),
             )
             if backups
             else None,
@@ -521,14 +543,34 @@ class Daemon:
         """Until SIGTERM: the handshake, the owner and the reclaim, at each file event or
         tick."""
         while not self._stop.is_set():
-            tick = self.supervisor.next_check_in()
+            tick = self.tenancy.next_check_in()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=tick)
             self._wake.clear()
-            await self.supervisor.check_config()
-            self.pin_refusals.tell(self.incarnation)
-            await self.supervisor.check_owner()
-            await self._reclaim()
+            await self._serve_job_dirs()
+            for supervisor in self.tenancy.supervisors():
+                await supervisor.check_config()
+                self.pin_refusals.tell(supervisor.incarnation)
+                await supervisor.check_owner()
+            await self.reclaim.now_and_then()
+
+    async def _serve_job_dirs(self) -> None:
+        """New job directories: watched, their handshake trusted, a saved incarnation
+        resumed (``node.tenancy``)."""
+        loop = asyncio.get_running_loop()
+        for job_dir in self.tenancy.scan(self._job_dir, self._job_dir_events):
+            assert job_dir.watcher is not None
+            job_dir.watcher.start(loop)
+            job_dir.supervisor.handshake.trust_existing()
+            resumed = restore_saved(job_dir.supervisor.ctx)
+            if resumed is not None:
+                await job_dir.supervisor.resume(resumed)
+
+    def _job_dir_events(self, job_dir: JobDir) -> OnEvent:
+        def on_event(name: str | None, finished: bool, renamed: bool = False) -> None:
+            self._on_event(name, finished, renamed, job_dir.supervisor)
+
+        return on_event
 
     async def _shutdown(
         self,
@@ -543,9 +585,11 @@ class Daemon:
         log.info("stopping")
         for task in tasks:
             task.cancel()
-        self.supervisor.rank0.cancel()
+        for supervisor in self.tenancy.supervisors():
+            supervisor.rank0.cancel()
         if self._stop.is_set():
-            await self.supervisor.drain()
+            # At once, each within --drain-seconds: the pod's grace period bounds them all.
+            await asyncio.gather(*(s.drain() for s in self.tenancy.supervisors()))
         self.coordinators.close()  # long polls answer at once instead of being cut off
         await rpc.stop(SERVER_GRACE_SECONDS)
         # Uploads and pushes still in worker threads end at their next paced slice, so
@@ -553,9 +597,10 @@ class Daemon:
         self.pacer.halt()
         if channel is not None:
             await channel.close()
-        if self.incarnation is not None:
-            await self.incarnation.stop()
+        for running in self.tenancy.incarnations():
+            await running.stop()
         watcher.stop()
+        self.tenancy.close()
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.store.close()
         log.info("stopped")
@@ -564,7 +609,7 @@ class Daemon:
         """What ``mtc status`` shows of this node (``mtc.v1.Node``)."""
         return node_status(
             self.store,
-            self.incarnation,
+            self.tenancy.incarnations(),
             self.ctx.peers,
             self.advertise or "",
             job,
@@ -572,61 +617,11 @@ class Daemon:
             node=self.node_name or None,
         )
 
-    def _running_job(self) -> str | None:
-        return self.incarnation.config.job_name if self.incarnation is not None else None
-
-    async def _drop(self, job: str, only_copy: bool) -> Dropped:
-        """``mtc drop``: a job's items, never the running job's (``DropRefused``)."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self.executor,
-            functools.partial(self.foreign.drop, job, self._running_job(), only_copy=only_copy),
-        )
-
-    async def _room_for_push(self, short: int) -> None:
-        """A push lacks ``short`` bytes of room: drop backed-up items of other jobs."""
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.foreign.make_room, self._running_job(), short
-            )
-        except Exception as exc:
-            # The push is then refused for room, as it would have been.
-            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
-
-    async def _reclaim(self) -> None:
-        """Now and then: drop the items of jobs past ``--foreign-job-ttl`` (and for room)."""
-        now = time.monotonic()
-        if now - self._reclaimed_at < RECLAIM_EVERY:
-            return
-        self._reclaimed_at = now
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.foreign.reclaim, self._running_job()
-            )
-        except Exception as exc:
-            # Housekeeping: the daemon's loop goes on whatever it meets.
-            log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401
-
     def _serve_metrics(self) -> None:
         """Serve ``/metrics``, ``/healthz`` and ``/readyz`` from a thread when ``--metrics``
         asks for it."""
         if self._prometheus is not None and self.opts.metrics is not None:
             self._metrics_server = serve(self._prometheus.registry, self.opts.metrics, self.health)
-
-    # --- the handshake file ----------------------------------------------------------------
-
-    def _pin_not_removed(self, job: str, step: int, message: str) -> None:
-        """A used restore pin stayed in the bucket: the metric, and the job's errors file
-        when this node runs one of its ranks (the coordinator's node runs rank 0)."""
-        self.metrics.pin_delete_failed(job)
-        running = self.incarnation
-        if running is not None and running.config.job_name == job:
-            running.error(message, step, kind=ErrorKind.RESTORE)
-
-    def _pin_refused(self, job: str, message: str | None) -> None:
-        """A restore pin not signed by an operator (None: none stands now): the metric, and
-        the job's errors file (the coordinator's node runs rank 0)."""
-        self.pin_refusals.refused(job, message)
-        self.pin_refusals.tell(self.incarnation)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from mtc_replicator.core.contract import ConfigError, parse_config
@@ -60,11 +60,11 @@ class KeptUploads:
     """The daemon's ``mtc upload``s, one per job at a time."""
 
     def __init__(
-        self, ctx: AgentContext, foreign: ForeignItems, *, current: Callable[[], str | None]
+        self, ctx: AgentContext, foreign: ForeignItems, *, current: Callable[[], Collection[str]]
     ) -> None:
         """``ctx``: the daemon's store, bucket, thread pool, ``$VAR`` values (a recorded
         config expands as at its handshake) and pacer (halted: the daemon stops);
-        ``current``: the job running here now, never uploaded this way."""
+        ``current``: the jobs running here now, never uploaded this way."""
         self.store = ctx.store
         self.backups = ctx.backups
         self.executor = ctx.executor
@@ -131,7 +131,7 @@ class KeptUploads:
         )
 
     def _plan(self, job: str, step: int | None) -> KeptUploadPlan:
-        if job == self.current():
+        if job in self.current():
             raise UploadRefused(
                 f"job {job} runs on this node now: its backups follow its interval, and its "
                 "newest step is uploaded when it ends (client.finish_job) or on SIGTERM"

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from mtc_replicator.cluster.hosting import CoordinatorHost
 from mtc_replicator.cluster.messages import cluster_view_json
@@ -37,12 +37,15 @@ class Rank0Coordinator:
         advertise: Callable[[], str | None],
         stop: asyncio.Event,
         on_refused: Callable[[str, OwnedByAnother], Awaitable[None]],
-        forget_holders: Callable[[str | None], None] = lambda keep: None,
+        forget_holders: Callable[[Collection[str]], None] = lambda keep: None,
+        others: Callable[[], Collection[str]] = frozenset,
     ) -> None:
         self.coordinators = coordinators
         self._forget_holders = forget_holders
-        """Remove the rank holders recorded here of every job but the one given
+        """Remove the rank holders recorded here of every job but those given
         (``local.holders_file.HoldersFile.keep_only``)."""
+        self._others = others
+        """The jobs this node's other job directories run: their coordinators stay."""
         self.registry = registry
         self._advertise = advertise
         """The address other nodes reach this one at, once the daemon's server is bound."""
@@ -86,14 +89,16 @@ class Rank0Coordinator:
             self._registering.cancel()  # superseded by what is decided now
             self._registering = None
         keep = config.job_name if config is not None and config.node_rank == 0 else None
+        others = frozenset(self._others())
         for job in self.coordinators.jobs():
             hosted = self.coordinators.get(job)
-            if job != keep and hosted is not None:
+            if job != keep and job not in others and hosted is not None:
                 self.coordinators.drop(job)
         if config is not None:
-            # A handshake says which rank this node runs now: any other job's coordinator,
-            # or this job's when the rank is not 0, runs elsewhere from now on.
-            self._forget_holders(keep)
+            # A handshake says which rank this node runs now: any other job's coordinator
+            # (but those of jobs beside it), or this job's when the rank is not 0, runs
+            # elsewhere from now on.
+            self._forget_holders(others if keep is None else others | {keep})
         if config is None or keep is None:
             return
         view = cluster_view_json(config)

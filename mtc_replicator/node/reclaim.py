@@ -9,11 +9,14 @@ running job's room), and by the peer service before it refuses a push for room.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from mtc_replicator.core.foreign import (
@@ -65,10 +68,10 @@ class ForeignItems:
         ttl: float = DEFAULT_TTL,
         clock: Callable[[], float] = time.time,
         metrics: Metrics = NO_METRICS,
-        current: Callable[[], str | None] = lambda: None,
+        current: Callable[[], Collection[str]] = frozenset,
     ) -> None:
-        """``current``: the job the daemon runs at the moment, read again before each drop
-        (one may have been accepted since the caller named the running job)."""
+        """``current``: the jobs the daemon runs at the moment, read again before each drop
+        (one may have been accepted since the caller named the running ones)."""
         self.current = current
         self.store = store
         self.backups = backups
@@ -104,12 +107,12 @@ class ForeignItems:
 
     # --- looking ---------------------------------------------------------------------------
 
-    def held(self, running: str | None) -> list[HeldJob]:
-        """Every job held here but ``running``, with what the bucket says of it."""
+    def held(self, running: Collection[str]) -> list[HeldJob]:
+        """Every job held here but the ``running`` ones, with what the bucket says of it."""
         by_job: dict[str, list[ItemId]] = {}
         manifests = self.store.manifests()
         for item in manifests:
-            if item.job != running:
+            if item.job not in running:
                 by_job.setdefault(item.job, []).append(item)
         found = []
         for job, items in sorted(by_job.items()):
@@ -162,15 +165,16 @@ class ForeignItems:
             self._committed[job] = (newest_held, committed, now)
         return committed
 
-    def running_step_bytes(self, running: str | None) -> int | None:
-        """Bytes of the running job's newest step held here (None: it holds none)."""
-        if running is None:
-            return None
-        manifests = self.store.manifests(running)
-        if not manifests:
-            return None
-        newest = max(i.step for i in manifests)
-        return sum(m.total_bytes for i, m in manifests.items() if i.step == newest)
+    def running_step_bytes(self, running: Collection[str]) -> int | None:
+        """Bytes of the running jobs' newest steps held here (None: they hold none)."""
+        total = None
+        for job in running:
+            manifests = self.store.manifests(job)
+            if manifests:
+                newest = max(i.step for i in manifests)
+                size = sum(m.total_bytes for i, m in manifests.items() if i.step == newest)
+                total = (total or 0) + size
+        return total
 
     def free_bytes(self) -> int:
         st = os.statvfs(self.store.root)
@@ -178,33 +182,33 @@ class ForeignItems:
 
     # --- giving back -----------------------------------------------------------------------
 
-    def make_room(self, running: str | None, short: int) -> list[Dropped]:
-        """A push of the running job lacks ``short`` bytes: drop what may give them."""
+    def make_room(self, running: Collection[str], short: int) -> list[Dropped]:
+        """A push of a running job lacks ``short`` bytes: drop what may give them."""
         return self.reclaim(running, need=self.free_bytes() + short)
 
-    def reclaim(self, running: str | None, need: int | None = None) -> list[Dropped]:
-        """Drop the backed-up jobs the TTL or the running job's room calls for.
+    def reclaim(self, running: Collection[str], need: int | None = None) -> list[Dropped]:
+        """Drop the backed-up jobs the TTL or the running jobs' room calls for.
 
-        ``need``: bytes the running job needs now (a push); None: its next step's size.
+        ``need``: bytes a running job needs now (a push); None: their next steps' size.
         With no job running, only the TTL applies.
         """
         with self._dropping:
             return self._reclaim(running, need)
 
-    def _reclaim(self, running: str | None, need: int | None) -> list[Dropped]:
+    def _reclaim(self, running: Collection[str], need: int | None) -> list[Dropped]:
         held = self.held(running)
         if not held:
             self._report(held)
             return []
         free: int | None = None
-        if running is not None:
+        if running:
             free = self.free_bytes()
             if need is None:
                 need = next_save_bytes(self.running_step_bytes(running), held)
         plan = plan_eviction(held, now=self.clock(), ttl=self.ttl, free=free, need=need or 0)
         dropped = []
         for h in held:
-            if h.job in plan.jobs and h.job != self.current():
+            if h.job in plan.jobs and h.job not in self.current():
                 gone = self._drop(h)
                 log.info(
                     "dropped job %s from this node (%s): %d items, %d bytes, steps %s; its "
@@ -222,12 +226,11 @@ class ForeignItems:
         self._report([h for h in held if h.job not in plan.jobs])
         return dropped
 
-    def drop(self, job: str, running: str | None, *, only_copy: bool) -> Dropped:
+    def drop(self, job: str, running: Collection[str], *, only_copy: bool) -> Dropped:
         """An operator's drop (``mtc drop``); raises ``DropRefused``."""
         with self._dropping:
-            if job == self.current():
-                running = job
-            found = [h for h in self.held(running) if h.job == job] if job != running else []
+            running = frozenset(running) | (frozenset({job}) & frozenset(self.current()))
+            found = [h for h in self.held(running) if h.job == job] if job not in running else []
             held = check_drop(job, running, found[0] if found else None, only_copy=only_copy)
             gone = self._drop(held)
         log.warning(
@@ -309,3 +312,52 @@ class ForeignItems:
 
 
 __all__ = ["DropRefused", "Dropped", "ForeignItems"]
+
+
+RECLAIM_EVERY = 30.0
+"""Seconds between two looks at the jobs that no longer run here (TTL and room)."""
+
+
+class Reclaim:
+    """The daemon's face of ``ForeignItems``: each drop on the thread pool, against the jobs
+    running on the node at that moment."""
+
+    def __init__(
+        self, foreign: ForeignItems, executor: Executor, running: Callable[[], Collection[str]]
+    ) -> None:
+        self.foreign = foreign
+        self.executor = executor
+        self.running = running
+        self._at = 0.0
+
+    async def drop(self, job: str, only_copy: bool) -> Dropped:
+        """``mtc drop``: a job's items, never a running job's (``DropRefused``)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor,
+            functools.partial(self.foreign.drop, job, self.running(), only_copy=only_copy),
+        )
+
+    async def room_for_push(self, short: int) -> None:
+        """A push lacks ``short`` bytes of room: drop backed-up items of other jobs."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.make_room, self.running(), short
+            )
+        except Exception as exc:
+            # The push is then refused for room, as it would have been.
+            log.warning("cannot give back the room of jobs that no longer run here: %s", exc)
+
+    async def now_and_then(self) -> None:
+        """Every ``RECLAIM_EVERY``: drop the items of jobs past ``--foreign-job-ttl`` (and
+        for room)."""
+        now = time.monotonic()
+        if now - self._at < RECLAIM_EVERY:
+            return
+        self._at = now
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.foreign.reclaim, self.running()
+            )
+        except Exception as exc:
+            # Housekeeping: the daemon's loop goes on whatever it meets.
+            log.exception("cannot give back the room of jobs that no longer run here: %s", exc)  # noqa: TRY401

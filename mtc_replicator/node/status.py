@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -54,6 +54,11 @@ def peer_addresses(incarnation: Incarnation | None) -> dict[int, str]:
     return {r: a for r, a in sorted(addresses.items()) if r != own}
 
 
+def peer_targets(incarnations: Sequence[Incarnation]) -> set[str]:
+    """Where the running jobs' other ranks are: every peer this node may contact."""
+    return {a for i in incarnations for a in peer_addresses(i).values()}
+
+
 def _contact(rank: int, address: str, contact: Contact | None) -> pb.PeerContact:
     if contact is None:
         return pb.PeerContact(rank=rank, address=address)
@@ -80,7 +85,7 @@ def incarnation_tag(incarnation_id: str) -> str:
 
 def node_status(
     store: LocalStore,
-    incarnation: Incarnation | None,
+    incarnations: Sequence[Incarnation],
     peers: PeerClient | None,
     address: str,
     job: str | None = None,
@@ -88,19 +93,20 @@ def node_status(
     foreign: Mapping[str, HeldJob] | None = None,
     node: str | None = None,
 ) -> pb.NodeStatusResponse:
-    """Every job this node serves or holds items of (or ``job`` only); ``foreign``: the
-    jobs held that do not run here, as last surveyed (``node.reclaim``)."""
+    """Every job this node serves (its ``incarnations``: the root's and its job
+    directories') or holds items of (or ``job`` only); ``foreign``: the jobs held that do
+    not run here, as last surveyed (``node.reclaim``)."""
     held: dict[str, dict[int, set[int]]] = {}
     for item in store.manifests(job):
         held.setdefault(item.job, {}).setdefault(item.rank, set()).add(item.step)
-    active = incarnation.config.job_name if incarnation is not None else None
-    names = set(held) | ({active} if active is not None and job in (None, active) else set())
+    running = {i.config.job_name: i for i in incarnations if job in (None, i.config.job_name)}
     jobs = []
-    for name in sorted(names):
+    for name in sorted(set(held) | set(running)):
         by_rank = held.get(name, {})
         status = pb.JobStatus(job=name)
         own: int | None = None
-        if incarnation is not None and name == active:
+        incarnation = running.get(name)
+        if incarnation is not None:
             own = incarnation.config.node_rank
             status.active = True
             status.incarnation = incarnation_tag(incarnation.id)
@@ -123,7 +129,7 @@ def node_status(
                 seen = peers.contacts.get(peer) if peers is not None else None
                 status.peers.append(_contact(rank, peer, seen))
         gone = (foreign or {}).get(name)
-        if name != active and gone is not None:
+        if incarnation is None and gone is not None:
             if gone.committed is not None:
                 status.committed_backup_step = gone.committed
             status.kept_without_backup = not gone.backed_up
@@ -251,11 +257,11 @@ class NodeServicer(node_pb2_grpc.NodeServicer):
 
 
 async def probe_peers(
-    peers: PeerClient, addresses: Callable[[], dict[int, str]], every: float = PROBE_EVERY
+    peers: PeerClient, addresses: Callable[[], Collection[str]], every: float = PROBE_EVERY
 ) -> None:
-    """Health-probe the running job's peers every ``every`` seconds, until cancelled."""
+    """Health-probe the running jobs' peers every ``every`` seconds, until cancelled."""
     while True:
-        targets = sorted(set(addresses().values()))
+        targets = sorted(set(addresses()))
         if targets:
             results = await asyncio.gather(
                 *(peers.probe(a) for a in targets), return_exceptions=True

@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from mtc_replicator.cluster.hosting import CoordinatorHost
 from mtc_replicator.cluster.registry import BlockedName, OwnedByAnother, Registry
@@ -33,14 +34,7 @@ from mtc_replicator.core.settle import Act, Reading, SettleRules, judge
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.holders_file import HoldersFile
 from mtc_replicator.local.store_owner import read_store_owner, write_store_owner
-from mtc_replicator.node.agent import (
-    AgentContext,
-    Incarnation,
-    IncarnationPhase,
-    load_state,
-    new_incarnation_id,
-    save_state,
-)
+from mtc_replicator.node.agent import AgentContext, Incarnation
 from mtc_replicator.node.bucket_probes import BucketProbes
 from mtc_replicator.node.checkpoint_dir import cleanup_workload_files
 from mtc_replicator.node.handshake_file import HandshakeFile
@@ -48,6 +42,12 @@ from mtc_replicator.node.options import DaemonOptions
 from mtc_replicator.node.owner_watch import OwnerWatch
 from mtc_replicator.node.rank0_coordinator import Rank0Coordinator, Stopping
 from mtc_replicator.node.reclaim import ForeignItems
+from mtc_replicator.node.saved_incarnation import (
+    IncarnationPhase,
+    load_state,
+    new_incarnation_id,
+    save_state,
+)
 from mtc_replicator.obs.metrics import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,42 @@ SURVEY_WAIT = 5.0
 """Seconds a job's end waits for the bucket's word on the ended job (for ``mtc status``)."""
 
 
+class Neighbours(Protocol):
+    """What a supervisor must know of the job directories beside its own
+    (``node.tenancy``): the node's rules for a handshake, and what the others run."""
+
+    def refusal(self, config: JobConfig) -> tuple[str, str] | None:
+        """Why ``config`` may not run in this directory, and the remedy; None: it may."""
+
+    def views(self) -> Collection[str]:
+        """The incarnations the others run: their views stay when this one starts."""
+
+    def jobs(self) -> Collection[str]:
+        """The jobs the others run: their coordinators and records stay."""
+
+    async def end(self) -> None:
+        """A node handoff: end the others' incarnations too, before the store is purged."""
+
+
+class Alone:
+    """No job directory beside this one, and no rule of the node's for a handshake."""
+
+    def refusal(self, config: JobConfig) -> tuple[str, str] | None:
+        return None
+
+    def views(self) -> Collection[str]:
+        return ()
+
+    def jobs(self) -> Collection[str]:
+        return ()
+
+    async def end(self) -> None:
+        return None
+
+
 class Supervisor:
-    """One incarnation at a time on one CHECKPOINT_DIR, from the handshakes written there."""
+    """One incarnation at a time on one job directory (CHECKPOINT_DIR's root, or a
+    ``jobs/<job>/`` below it), from the handshakes written there."""
 
     def __init__(
         self,
@@ -71,11 +105,10 @@ class Supervisor:
         registry: Registry | None,
         advertise: Callable[[], str | None],
         stop: asyncio.Event,
-        ungranted: Callable[[JobConfig], str | None] = lambda config: None,
+        neighbours: Neighbours | None = None,
     ) -> None:
         self.opts = opts
-        self.ungranted = ungranted
-        """Why a job may not run here for want of mtc-controller's rank grant (None: it may)."""
+        self.neighbours: Neighbours = neighbours or Alone()
         self.ctx = ctx
         self.store = ctx.store
         self.executor = ctx.executor
@@ -94,6 +127,7 @@ class Supervisor:
             stop=stop,
             on_refused=self._registration_refused,
             forget_holders=HoldersFile(self.store.root).keep_only,
+            others=self.neighbours.jobs,
         )
 
     def next_check_in(self) -> float:
@@ -294,6 +328,7 @@ class Supervisor:
         if decision is StoreHandoff.KEEP:
             return owner
         if decision is StoreHandoff.PURGE:
+            await self.neighbours.end()
             log.warning(
                 "this node changed hands (CHECKPOINT_DIR was published to another namespace's "
                 "pod): ending the job here and removing every item of the previous owner's "
@@ -301,7 +336,9 @@ class Supervisor:
             )
             await self._end_and_clean()
             gone = await loop.run_in_executor(self.executor, self.foreign.purge)
-            await loop.run_in_executor(self.executor, save_state, self.store, None)
+            await loop.run_in_executor(
+                self.executor, save_state, self.store, None, self.ctx.state_name
+            )
             for job, nbytes in gone.items():
                 log.warning(
                     "node handoff: removed job %s from this node: %d bytes",
@@ -316,7 +353,11 @@ class Supervisor:
     async def _end_and_clean(self) -> None:
         await self.end_incarnation()
         await asyncio.get_running_loop().run_in_executor(
-            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+            self.executor,
+            cleanup_workload_files,
+            self.opts.checkpoint_dir,
+            self.store,
+            self.neighbours.views(),
         )
 
     async def _reject_not_regular(self, kind: str) -> None:
@@ -346,7 +387,7 @@ class Supervisor:
         job = resumed.config.job_name
         try:
             resumed.owner = await self.owner_now()
-            if load_state(self.store) is None:
+            if load_state(self.store, self.ctx.state_name) is None:
                 log.warning(
                     "not resuming incarnation %s of job %s: %s",
                     resumed.id,
@@ -379,7 +420,7 @@ class Supervisor:
                 exc,
                 extra={"job": job},
             )
-            save_state(self.store, None)
+            save_state(self.store, None, self.ctx.state_name)
             text = f"mtc-replicator: not resuming job {job}: {exc}.\n{_restart(exc)}.\n"
             fsutil.atomic_write_bytes(self.opts.checkpoint_dir / FAILED_FILE, text.encode())
             return
@@ -410,14 +451,14 @@ class Supervisor:
         await running.stop()
         self.foreign.ended(job, running.config_text if remember else None)
         self.incarnation = None
-        save_state(self.store, None)
+        save_state(self.store, None, self.ctx.state_name)
         if drain is not None:
             # What the bucket holds of it now, for mtc status at once (not at the next
             # reclaim): the drain may just have committed it. Waited for a little only: a
             # slow bucket must not hold the next job's handshake (it lands when it lands).
             self.foreign.recheck(job)
             survey = asyncio.get_running_loop().run_in_executor(
-                self.executor, self.foreign.held, None
+                self.executor, self.foreign.held, frozenset(self.neighbours.jobs())
             )
             await asyncio.wait([survey], timeout=SURVEY_WAIT)
 
@@ -464,15 +505,9 @@ class Supervisor:
             log.warning(
                 "ignoring unknown keys in %s: %s", CONFIG_FILE, ", ".join(config.unknown_keys)
             )
-        missing = self.ungranted(config)
-        if missing is not None:
-            await self._refuse(
-                text,
-                missing,
-                "Label the job's pods checkpointing.mtc.dev/nodes and start them with "
-                '`python -m mtc_replicator.client.rank` (docs/deploy.md, "Ranks that follow '
-                'the bytes"), which waits for the grant, then restart the job',
-            )
+        refusal = self.neighbours.refusal(config)
+        if refusal is not None:
+            await self._refuse(text, *refusal)
             return
         refused = await self.buckets.verdict(config)
         if refused is not None:
@@ -495,7 +530,11 @@ class Supervisor:
             return
         await self.end_incarnation(drain=self._switching_from(config.job_name))
         removed = await loop.run_in_executor(
-            self.executor, cleanup_workload_files, self.opts.checkpoint_dir, self.store
+            self.executor,
+            cleanup_workload_files,
+            self.opts.checkpoint_dir,
+            self.store,
+            self.neighbours.views(),
         )
         incarnation_id = new_incarnation_id()
         try:

@@ -132,6 +132,10 @@ class PeerContact(Protocol):
 class Metrics:
     """What the daemon reports; this base class records nothing (no ``--metrics``)."""
 
+    def jobs_from(self, running: Callable[[], Collection[str]]) -> None:
+        """Where the jobs this node runs now are read (every job directory's): a job's
+        series stay while it runs; those of a job that ended go when another starts."""
+
     def transfer(self, kind: TransferKind, nbytes: int, seconds: float) -> None:
         """One item (or a step's items) moved: ``nbytes`` in ``seconds``."""
 
@@ -237,7 +241,9 @@ class PrometheusMetrics(Metrics):
         r = self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
         self._lock = threading.Lock()
-        self._job: str | None = None
+        self._jobs: set[str] = set()
+        """The jobs whose series are exported."""
+        self._running: Callable[[], Collection[str]] = frozenset
         self._steps: NewestSteps = {}
         self._restorable: Restorable = {}
         self._bytes = Counter(
@@ -360,22 +366,27 @@ class PrometheusMetrics(Metrics):
             self._adopt(job)
             self._off_node.labels(job).set(count)
 
+    def jobs_from(self, running: Callable[[], Collection[str]]) -> None:
+        self._running = running
+
     def _adopt(self, job: str) -> None:
-        """Forget another job's series (under the lock); bounded: one job at a time."""
-        if self._job == job:
+        """Export ``job``'s series (under the lock); a job new here forgets those of every
+        job that no longer runs: bounded by the jobs a node runs at once."""
+        if job in self._jobs:
             return
-        if self._job is not None:
+        keep = {job, *self._running()}
+        for gone in self._jobs - keep:
             for outcome in RoundOutcome:
-                self._rounds.remove(self._job, outcome.value)
+                self._rounds.remove(gone, outcome.value)
             with contextlib.suppress(KeyError):
-                self._pin_delete_failures.remove(self._job)
+                self._pin_delete_failures.remove(gone)
             with contextlib.suppress(KeyError):
-                self._pins_refused.remove(self._job)
+                self._pins_refused.remove(gone)
             with contextlib.suppress(KeyError):
-                self._off_node.remove(self._job)
-        self._job = job
-        self._steps = {k: v for k, v in self._steps.items() if k[0] == job}
-        self._restorable = {k: v for k, v in self._restorable.items() if k[0] == job}
+                self._off_node.remove(gone)
+        self._jobs = (self._jobs & keep) | {job}
+        self._steps = {k: v for k, v in self._steps.items() if k[0] in self._jobs}
+        self._restorable = {k: v for k, v in self._restorable.items() if k[0] in self._jobs}
         for outcome in RoundOutcome:
             self._rounds.labels(job, outcome.value)
 

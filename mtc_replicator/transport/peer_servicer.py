@@ -218,7 +218,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         self,
         store: LocalStore,
         executor: Executor,
-        serving: Callable[[], Served | None],
+        serving: Callable[[str], Served | None],
         *,
         max_step_lead: int = MAX_STEP_LEAD,
         max_item_bytes: int | None = None,
@@ -240,8 +240,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         margin (``room_on``) and minus what pushes in flight will still write. With a
         ``channel``, transfers that ask for it move their bytes there while it has a free
         slot for the peer. ``idle_timeout`` bounds every wait on the other side: a header,
-        the next chunk, room to send one, the data connection, a stall on it. ``serving``
-        says what this node serves now (None: no job), read for every push;
+        the next chunk, room to send one, the data connection, a stall on it. ``serving(job)``
+        says how this node serves ``job`` now (None: it runs no incarnation of it), read
+        for every push;
         ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
         be. ``obtaining`` says which items this node's restore round is still fetching, so a
         pull of one is told to try again (ABORTED) or, once the round gave it up, to go
@@ -310,7 +311,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
         """The pushed manifest, checked, and whether the same copy is held already."""
         item = item_id(header.item)
-        served = self.serving()
+        served = self.serving(item.job)
         # Admission first: a push this node must not take costs no manifest parsing.
         _refuse_unless(admit_push(served, item, max_lead=self.max_step_lead, pusher=caller()))
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,

@@ -236,7 +236,7 @@ def staged_bytes(ckpt: Path) -> int:
 async def serving_node(store: LocalStore, pacer: Pacer) -> AsyncIterator[str]:
     """``PeerServicer`` over ``store`` with ``pacer`` on a real loopback gRPC port."""
     with ThreadPoolExecutor(max_workers=2) as executor:
-        servicer = PeerServicer(store, executor, lambda: None, pacer=pacer)
+        servicer = PeerServicer(store, executor, lambda job: None, pacer=pacer)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         servicer.register(server)
         port = server.add_insecure_port("127.0.0.1:0")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc_replicator.node.agent import STATE_FILE
+from mtc_replicator.node.saved_incarnation import STATE_FILE
 from tests.integration.cluster import Cluster, assert_restored, running
 from tests.integration.helpers import store_root, wait_until
 

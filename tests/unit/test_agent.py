@@ -29,15 +29,13 @@ from mtc_replicator.core.drain import Drained
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.store import LocalStore
-from mtc_replicator.node.agent import (
+from mtc_replicator.node.agent import AgentContext, Incarnation, restore_saved
+from mtc_replicator.node.saved_incarnation import (
     STATE_FILE,
-    AgentContext,
-    Incarnation,
     IncarnationPhase,
     SavedIncarnation,
     load_state,
     new_incarnation_id,
-    restore_saved,
     save_state,
 )
 from mtc_replicator.obs.metrics import ErrorKind, Metrics, TransferKind

@@ -124,3 +124,41 @@ def test_links_to_deleted_items_go(tmp_path: Path) -> None:
     unlink_links_to(ckpt, store, {ITEM})
     assert not (ckpt / "20").exists()
     assert not (ckpt / marker_name("job", 20, 1, 0)).exists()
+
+
+def test_a_job_directorys_markers_climb_to_the_views_and_its_links_are_known(
+    tmp_path: Path,
+) -> None:
+    """A job directory (``jobs/<job>/``, issue 36), reached as the daemon reaches it, by a
+    descriptor's path: its markers link through ``../..``, which resolves as the pod sees
+    the tree; its clean-up and retention recognise those links, and only those."""
+    ckpt, store = store_with_item(tmp_path)
+    real = ckpt / "jobs" / "job"
+    real.mkdir(parents=True)
+    fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        here = Path(f"/proc/self/fd/{fd}")
+        publish_markers(here, store, CONFIG, "inc1", RoundOutcome(20, "local", {}, {}, "c:1"))
+        marker = real / marker_name("job", 20, 1, 0)
+        assert os.readlink(marker).startswith("../../.mtc/views/inc1/")
+        assert (marker / "shard").read_bytes() == b"x" * 100  # resolves from the real tree
+        (real / "20").symlink_to(os.readlink(marker))  # Orbax's <N> link of the marker
+        (real / "elsewhere").symlink_to("../.mtc/views/inc1")  # not from here: not ours
+        unlink_links_to(here, store, {ITEM})
+        assert sorted(p.name for p in real.iterdir()) == ["elsewhere", PRERESTORE_FILE]
+        publish_markers(here, store, CONFIG, "inc1", RoundOutcome(20, "local", {}, {}, "c:1"))
+        removed = cleanup_workload_files(here, store)
+        assert marker_name("job", 20, 1, 0) in removed
+        assert "elsewhere" not in removed
+    finally:
+        os.close(fd)
+
+
+def test_a_new_incarnation_keeps_the_views_other_directories_run_on(tmp_path: Path) -> None:
+    ckpt, store = store_with_item(tmp_path)
+    publish_markers(ckpt, store, CONFIG, "theirs", RoundOutcome(20, "local", {}, {}, "c:1"))
+    publish_markers(ckpt, store, CONFIG, "old", RoundOutcome(20, "local", {}, {}, "c:1"))
+    cleanup_workload_files(ckpt, store, keep_views={"theirs"})
+    assert sorted(os.listdir(ckpt / ".mtc" / "views")) == ["theirs"]
+    cleanup_workload_files(ckpt, store)
+    assert os.listdir(ckpt / ".mtc" / "views") == []

@@ -65,16 +65,16 @@ def test_room_is_the_running_jobs_step_or_before_its_first_the_largest_held() ->
 
 def test_a_drop_refuses_the_running_job_an_unknown_one_and_an_only_copy() -> None:
     with pytest.raises(DropRefused, match="runs on this node now"):
-        check_drop("a", "a", held("a"), only_copy=True)
+        check_drop("a", {"a"}, held("a"), only_copy=True)
     with pytest.raises(DropRefused, match="holds no items of job z"):
-        check_drop("z", "a", None, only_copy=True)
+        check_drop("z", {"a"}, None, only_copy=True)
     only = held("b", newest=30, committed=20)
     with pytest.raises(DropRefused, match=r"30, is not committed .* \(newest committed: 20\)"):
-        check_drop("b", "a", only, only_copy=False)
+        check_drop("b", {"a"}, only, only_copy=False)
     with pytest.raises(DropRefused, match="`mtc upload --job b` uploads that step"):
-        check_drop("b", "a", only, only_copy=False)
-    assert check_drop("b", "a", only, only_copy=True) is only
-    assert check_drop("c", None, held("c"), only_copy=False).job == "c"
+        check_drop("b", {"a"}, only, only_copy=False)
+    assert check_drop("b", {"a"}, only, only_copy=True) is only
+    assert check_drop("c", frozenset(), held("c"), only_copy=False).job == "c"
 
 
 def config(rank: int = 0, nodes: int = 1, **kw: object) -> JobConfig:

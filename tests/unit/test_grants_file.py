@@ -42,16 +42,18 @@ def test_requiring_grants_refuses_a_job_without_one_and_reads_follow_the_newest(
     tmp_path: Path,
 ) -> None:
     grants = GrantsFile.opened(tmp_path, required=True)
-    why = grants.missing(_config(1), "n1")
-    assert why is not None
+    refused = grants.missing(_config(1), "n1")
+    assert refused is not None
+    why, remedy = refused
     assert "--require-rank-grant" in why
     assert "(none)" in why
+    assert "mtc_replicator.client.rank" in remedy
     assert grants.readers("job", None, "n1") == frozenset()  # nobody
     grants.save(Grant("job", "a1", ("n0", "n1")))
     assert grants.missing(_config(1), "n1") is None
     wrong = grants.missing(_config(0), "n1")  # the pod says rank 0: the grant says rank 1
     assert wrong is not None
-    assert "assignment 'a1' for 2 ranks" in wrong
+    assert "assignment 'a1' for 2 ranks" in wrong[0]
     assert grants.missing(_config(1, nodes=3), "n1") is not None  # resized since
     assert grants.readers("job", None, "n1") == {"n0", "n1"}  # whatever this node serves
     assert grants.readers("job", _config(0, job="other"), "n1") == {"n0", "n1"}

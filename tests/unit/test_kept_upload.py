@@ -46,7 +46,11 @@ def uploads(
     running: str | None = None,
 ) -> KeptUploads:
     ctx = AgentContext(store.checkpoint_dir, store, backups, executor)
-    return KeptUploads(ctx, ForeignItems(store, backups), current=lambda: running)
+    return KeptUploads(
+        ctx,
+        ForeignItems(store, backups),
+        current=lambda: frozenset() if running is None else {running},
+    )
 
 
 def test_a_one_node_jobs_newest_step_is_uploaded_and_committed(
@@ -141,7 +145,7 @@ def test_an_older_step_than_the_backups_newest_is_uploaded_only_when_named(
     store.delete(ItemId("job", 30, 0, 0))
     kept = uploads(store, backups, executor)
     kept.foreign.ended("job", render_config(config()))
-    kept.foreign.held(None)  # the daemon's last look at the bucket
+    kept.foreign.held(frozenset())  # the daemon's last look at the bucket
     with pytest.raises(UploadRefused, match=r"holds a newer step of job job, 30, .* held here, 10"):
         asyncio.run(kept.upload("job"))
     assert asyncio.run(kept.upload("job", 10)).committed

@@ -199,6 +199,24 @@ def test_a_new_job_drops_the_series_of_the_previous_one(metrics: PrometheusMetri
     assert value(r, "mtc_transfer_bytes_total", kind="ingest") == 3
 
 
+def test_jobs_side_by_side_keep_their_series_until_they_end(metrics: PrometheusMetrics) -> None:
+    """Job directories (issue 36): every running job's series stay; an ended job's go when
+    another starts."""
+    running = {"a", "b"}
+    metrics.jobs_from(lambda: running)
+    for job in ("a", "b"):
+        metrics.serving(job)
+        metrics.committed(job, 5)
+        metrics.off_node_copies(job, 1)
+    assert value(metrics.registry, "mtc_off_node_copies", mtc_job="a") == 1
+    assert value(metrics.registry, "mtc_off_node_copies", mtc_job="b") == 1
+    running.discard("a")  # a ended; c starts in its directory
+    running.add("c")
+    metrics.serving("c")
+    jobs = {dict(labels).get("mtc_job") for _, labels in samples(metrics.registry)} - {None}
+    assert jobs == {"b", "c"}
+
+
 def test_registries_are_independent() -> None:
     a, b = PrometheusMetrics(), PrometheusMetrics()
     a.transfer(TransferKind.SERVE_PULL, 10, 0.1)

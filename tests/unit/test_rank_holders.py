@@ -239,13 +239,13 @@ def test_the_holders_file_forgets_every_job_but_the_one_whose_rank0_runs_here(
 ) -> None:
     """Rank 0 moved to another node: what this node recorded no longer follows the job."""
     records = HoldersFile(tmp_path)
-    records.keep_only(None)  # nothing recorded yet: nothing to do
+    records.keep_only(())  # nothing recorded yet: nothing to do
     saved = SavedHolders({0: "n0"}, {0: {"n0": 0}}, complete=True)
     for job in ("a", "b", "c"):
         records.save(job, saved)
-    records.keep_only("b")
+    records.keep_only({"b"})
     assert [records.load(job, 1) for job in ("a", "b", "c")] == [None, saved, None]
-    records.keep_only(None)
+    records.keep_only(())
     assert records.load("b", 1) is None
 
 

@@ -75,17 +75,17 @@ def test_only_backed_up_jobs_go_after_the_ttl_and_the_rest_is_reported(
     metrics, clock = Recorded(), Clock()
     foreign = ForeignItems(store, backups, ttl=600.0, clock=clock, metrics=metrics)
 
-    assert foreign.reclaim("run") == []  # nothing needs room (the disk is large), no TTL yet
+    assert foreign.reclaim({"run"}) == []  # nothing needs room (the disk is large), no TTL yet
     assert foreign.last["a"].backed_up
     assert not foreign.last["b"].backed_up
     assert metrics.unbacked == {"b": 1000}
 
     clock.offset = 601.0
-    (dropped,) = foreign.reclaim("run")
+    (dropped,) = foreign.reclaim({"run"})
     assert (dropped.job, dropped.steps, dropped.bytes) == ("a", {0: [10, 20]}, 2000)
     assert metrics.dropped == 2000
     assert {i.job for i in store.manifests()} == {"b", "run"}  # an only copy stays
-    assert foreign.reclaim(None) == []
+    assert foreign.reclaim(frozenset()) == []
 
 
 def test_a_job_that_just_stopped_here_counts_from_then(store: LocalStore, tmp_path: Path) -> None:
@@ -96,9 +96,9 @@ def test_a_job_that_just_stopped_here_counts_from_then(store: LocalStore, tmp_pa
     foreign = ForeignItems(store, backups, ttl=600.0, clock=clock)
     clock.offset = 1000.0
     foreign.ended("a")  # it ran here until now, though its last save is older
-    assert foreign.reclaim("b") == []
+    assert foreign.reclaim({"b"}) == []
     clock.offset = 1601.0
-    assert [d.job for d in foreign.reclaim("b")] == ["a"]
+    assert [d.job for d in foreign.reclaim({"b"})] == ["a"]
 
 
 def test_room_for_a_push_drops_what_it_needs(store: LocalStore, tmp_path: Path) -> None:
@@ -106,7 +106,7 @@ def test_room_for_a_push_drops_what_it_needs(store: LocalStore, tmp_path: Path) 
     save(store, tmp_path, ItemId("a", 10, 0, 0))
     back_up(store, backups, ItemId("a", 10, 0, 0))
     foreign = ForeignItems(store, backups)
-    assert [d.job for d in foreign.make_room("b", 1)] == ["a"]
+    assert [d.job for d in foreign.make_room({"b"}, 1)] == ["a"]
 
 
 def test_the_operators_drop_refuses_what_it_must(store: LocalStore, tmp_path: Path) -> None:
@@ -114,12 +114,12 @@ def test_the_operators_drop_refuses_what_it_must(store: LocalStore, tmp_path: Pa
     save(store, tmp_path, ItemId("run", 1, 0, 0))
     foreign = ForeignItems(store, None)  # no backup: nothing is backed up
     with pytest.raises(DropRefused, match="runs on this node now"):
-        foreign.drop("run", "run", only_copy=True)
+        foreign.drop("run", {"run"}, only_copy=True)
     with pytest.raises(DropRefused, match="may be its only copy"):
-        foreign.drop("a", "run", only_copy=False)
-    assert foreign.drop("a", "run", only_copy=True).steps == {0: [10]}
+        foreign.drop("a", {"run"}, only_copy=False)
+    assert foreign.drop("a", {"run"}, only_copy=True).steps == {0: [10]}
     with pytest.raises(DropRefused, match="holds no items of job a"):
-        foreign.drop("a", "run", only_copy=True)
+        foreign.drop("a", {"run"}, only_copy=True)
     assert {i.job for i in store.manifests()} == {"run"}
 
 
@@ -129,10 +129,10 @@ def test_a_job_accepted_meanwhile_is_never_dropped(store: LocalStore, tmp_path: 
     backups = BackupStore(FileObjectStore(tmp_path / "backup"))
     save(store, tmp_path, ItemId("a", 10, 0, 0))
     back_up(store, backups, ItemId("a", 10, 0, 0))
-    foreign = ForeignItems(store, backups, ttl=0.0, current=lambda: "a")
-    assert foreign.reclaim(None) == []
+    foreign = ForeignItems(store, backups, ttl=0.0, current=lambda: {"a"})
+    assert foreign.reclaim(frozenset()) == []
     with pytest.raises(DropRefused, match="runs on this node now"):
-        foreign.drop("a", None, only_copy=True)
+        foreign.drop("a", frozenset(), only_copy=True)
     assert {i.job for i in store.manifests()} == {"a"}
 
 
@@ -148,7 +148,7 @@ def test_the_config_a_job_ended_with_is_kept_while_its_items_are(
     assert (foreign.configs.load("a"), foreign.configs.load("c")) == ("job-name: a\n", None)
     # In the store, so a restarted daemon has it too.
     assert ForeignItems(store, None).configs.load("b") == "job-name: b\n"
-    foreign.drop("a", None, only_copy=True)
+    foreign.drop("a", frozenset(), only_copy=True)
     assert foreign.configs.load("a") is None
     foreign.purge()
     assert foreign.configs.load("b") is None
