@@ -264,3 +264,24 @@ def test_a_ray_checkpoint_without_a_copy_of_the_newest_save_is_refused(
     with pytest.raises(RuntimeError, match=r"report before close\(\)"):
         late.report({"step": 1})
     assert reports.seen == [({"step": 0}, None)]
+
+
+@pytest.mark.parametrize("mode", ["files", "dcp"])
+def test_a_synchronous_saves_host_copy_keeps_the_state_at_the_save(mode: str) -> None:
+    """What Ray's checkpoint of a synchronous save is written from (``dcp``: DCP's stager)."""
+    torch = pytest.importorskip("torch")
+    from mtc_replicator.client.ray_checkpoint import HostCopy
+
+    copy = HostCopy(mode)
+    live = {"w": torch.arange(10.0), "opt": {"lr": 0.1, "m": torch.ones(3)}}
+    for step in (1, 2):
+        staged = copy.take(step, live)
+        live["w"].add_(100)
+        live["opt"]["m"].zero_()
+        live["opt"]["lr"] = 0.5
+        staged.ready()
+        assert staged.step == step
+        assert torch.equal(staged.tree["w"], live["w"] - 100)
+        assert torch.equal(staged.tree["opt"]["m"], torch.ones(3) if step == 1 else torch.zeros(3))
+        assert staged.tree["opt"]["lr"] == (0.1 if step == 1 else 0.5)
+    copy.release()
