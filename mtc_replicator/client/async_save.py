@@ -4,7 +4,8 @@ Owns: ``AsyncSaver``, which snapshots a state dict into staging buffers it reuse
 (``client.staging``; for DCP, torch's own ``async_save`` and stager) and then serializes,
 writes and publishes the step in a background thread with the same temp names and the same
 ONE publishing rename as ``client.torch_io``'s synchronous saves; at most one save in
-flight; errors of the background surfacing on the next call and on ``wait()``; and the
+flight; the newest save's staged state (``staged``: what a second copy of it is written
+from); errors of the background surfacing on the next call and on ``wait()``; and the
 opt-in SIGTERM handler that finishes the save in flight before the process goes. Does file
 I/O in CHECKPOINT_DIR (in the background thread). torch is imported when a saver is made.
 
