@@ -3,7 +3,7 @@ the time from a worker's failure to its first step after the restore.
 
 One local Ray cluster (``ray.cluster_utils.Cluster``: a head on 127.0.0.10 with no CPUs, two
 one-CPU nodes on 127.0.0.2 and 127.0.0.3) runs the same ``TorchTrainer`` (2 workers, gloo on
-CPU, ``STRICT_SPREAD``) three times, one run per mode:
+CPU, ``STRICT_SPREAD``) once per mode (``--modes``; the first three by default):
 
 - ``ray-sync``: each checkpoint is ``torch.save`` of the worker's state to a temp directory
   and ``ray.train.report(metrics, checkpoint=..., checkpoint_upload_mode=SYNC)`` (Ray's
@@ -12,7 +12,10 @@ CPU, ``STRICT_SPREAD``) three times, one run per mode:
   pool; the loop waits only for the ``torch.save`` and the report's barrier);
 - ``mtc``: ``RayCheckpointer.save(step, state)`` + ``report(metrics)`` (no Ray checkpoint),
   with one real ``mtc-replicator`` daemon per simulated node (mutual TLS, a ``file://``
-  backup on disk every second checkpoint), started for this run only.
+  backup on disk every second checkpoint), started for this run only;
+- ``mtc-save``: the same without any ``report``: ``save`` alone, all the replicator needs;
+- ``mtc-report10``: ``save`` every step from step ``--every`` on (the steps before are the
+  plain ones), ``report(metrics)`` after every 10th save (the cadence of a job's metrics).
 
 ``storage_path`` and the temp directories are on ``/dev/shm`` (tmpfs; ``--storage-dir`` moves
 them), as are the daemons' RAM disks: the fastest storage Ray can be given here, so Ray's
@@ -29,29 +32,36 @@ all-reduce: the period between two stamps is the job's step time, both workers i
 
 - stall per checkpoint: the period of a checkpoint step minus the median period of the steps
   without one (same run, same mode), the larger of the two workers; median over
-  ``--checkpoints``. Also printed: the seconds the loop sat in save + report.
+  ``--checkpoints`` (``mtc-report10``: x 10 saves); beside it the mean, which spreads a
+  report every 10th save over the saves. Also: the seconds the loop sat in save + report.
 - recovery: world rank 1 calls ``os._exit(1)`` ``--every``/2 steps after the last checkpoint
   (after waiting, outside the clock, until that checkpoint is durable for its mode: registered
   by Ray's controller, or replicated to the peer node); the clock runs from that moment to the
   end of the first all-reduce after the restore on the last worker (Ray restarts the whole
   group). ``--failures`` times per mode (each restart is killed again at the same step),
-  median. In parts: Ray's restart (to the first ``train_func`` entry), setup (to the last
-  worker's model and tensors built: the user's own code, the same in every mode), restore
-  (to the last worker's state loaded) and the first step.
+  median (none with ``--failures 0``). In parts: Ray's restart (to the first ``train_func``
+  entry), setup (to the last worker's model and tensors built: the user's own code, the same
+  in every mode), restore (to the last worker's state loaded) and the first step.
 
 Targets: our stall at most 0.2x of Ray's SYNC report, our recovery at most 0.5x of Ray's.
 Numbers are only comparable within one run: this box has 2 shared, noisy cores.
 
     .venv/bin/python scripts/bench_ray.py [--state-mib 256] [--checkpoints 5] [--every 16]
-        [--failures 2] [--storage-dir /dev/shm] [--keep DIR] [--json]
+        [--failures 2] [--modes ray-sync,ray-async,mtc] [--storage-dir /dev/shm] [--keep DIR]
+        [--json]
 
-About 5 minutes with the defaults here.
+About 5 minutes with the defaults here. The stall of each way of calling RayCheckpointer,
+against Ray's own checkpoint, in about 2 minutes (docs/performance.md):
+
+    .venv/bin/python scripts/bench_ray.py --state-mib 32 --every 10 --failures 0 \
+        --modes ray-sync,mtc-save,mtc,mtc-report10
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -75,7 +85,10 @@ SHM = Path("/dev/shm")  # noqa: S108 (tmpfs: the RAM disks and Ray's storage_pat
 HEAD_IP = "127.0.0.10"
 """Not 127.0.0.1: Ray rewrites a bootstrap address on 127.0.0.1 to the host's own IP."""
 NODE_IPS = ("127.0.0.2", "127.0.0.3")
-MODES = ("ray-sync", "ray-async", "mtc")
+MODES = ("ray-sync", "ray-async", "mtc", "mtc-save", "mtc-report10")
+DEFAULT_MODES = MODES[:3]
+REPORT_EVERY = 10
+"""``mtc-report10``: saves per report."""
 TENSORS = 8
 STALL_TARGET = 0.2
 RECOVERY_TARGET = 0.5
@@ -205,6 +218,17 @@ def _resume(
     return step
 
 
+def _saves_at(config: dict[str, Any], step: int) -> bool:
+    every, mode = config["every"], config["mode"]
+    return step >= every if mode == "mtc-report10" else step % every == 0
+
+
+def _reports_at(config: dict[str, Any], step: int) -> bool:
+    """Whether the save of ``step`` is followed by ``RayCheckpointer.report``."""
+    every, mode = config["every"], config["mode"]
+    return (step - every + 1) % REPORT_EVERY == 0 if mode == "mtc-report10" else mode == "mtc"
+
+
 def _checkpoint(
     config: dict[str, Any], ckpt: RayCheckpointer | None, state: dict[str, Any], rank: int
 ) -> None:
@@ -213,7 +237,8 @@ def _checkpoint(
     if ckpt is not None:
         ckpt.save(step, state)
         saved = time.monotonic()
-        ckpt.report({"step": step})
+        if _reports_at(config, step):
+            ckpt.report({"step": step})
     else:
         saved = _ray_save(config, state, rank, step)
     end = time.monotonic()
@@ -232,14 +257,14 @@ def train_func(config: dict[str, Any]) -> None:
     model, opt, big = _build(config, rank)
     _emit(config, event="built", rank=rank, attempt=attempt)
     ckpt = None
-    if config["mode"] == "mtc":
+    if config["mode"].startswith("mtc"):
         ckpt = RayCheckpointer(backup_interval_steps=2 * config["every"], timeout=120)
     restored = last = _resume(config, ckpt, rank, model, big)
     for step in range(restored + 1, config["steps"] + 1):
         _step(model, opt, big, step, rank)
         _emit(config, event="sync", rank=rank, step=step, attempt=attempt)
         time.sleep(config["step_seconds"])
-        if step % config["every"] == 0:
+        if _saves_at(config, step):
             _checkpoint(config, ckpt, _state(model, big, step), rank)
             last = step
         if step == config["kill_step"] and attempt <= config["failures"]:
@@ -249,6 +274,8 @@ def train_func(config: dict[str, Any]) -> None:
                 (events / f"killed-{attempt}").touch()
                 _emit(config, event="killed", rank=rank, step=step, attempt=attempt)
                 os._exit(1)
+    if ckpt is not None:
+        ckpt.close()  # the nodes go to the next mode's job at once
     _emit(config, event="done", rank=rank)
 
 
@@ -262,14 +289,19 @@ class Figures:
     mode: str
     blocked: float
     """In save + report per checkpoint, the slower worker, median."""
+    blocked_mean: float
+    """The same, mean: reports every few saves included."""
     report: float
     """Of which in ``ray.train.report`` (for Ray's modes: after the ``torch.save``), median."""
     stall: float
     """Checkpoint step's period minus a plain step's, the larger worker, median."""
+    stall_mean: float
+    """The same, mean: a save's cost on average, reports every few saves included."""
     plain: float
     """A step without a checkpoint: the slower worker's median period."""
     recovery: float
-    """The failure to the first all-reduce after the restore, median over the failures."""
+    """The failure to the first all-reduce after the restore, median over the failures (NaN
+    without failures, as every recovery figure)."""
     recoveries: list[float]
     """Each failure's."""
     restart: float
@@ -293,10 +325,12 @@ def _events(directory: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["t"])
 
 
-def _step_figures(events: list[dict[str, Any]], every: int) -> tuple[float, ...]:
-    """(blocked, report, stall, plain) of the first attempt, from its all-reduce stamps."""
+def _step_figures(events: list[dict[str, Any]]) -> tuple[float, ...]:
+    """(blocked, its mean, report, stall, its mean, plain) of the first attempt, from its
+    all-reduce stamps; a checkpoint step is one that saved."""
     stalls: dict[int, float] = {}
     plains: list[float] = []
+    saving = {e["step"] for e in events if e["event"] == "saved"}
     for rank in (0, 1):
         syncs = {
             e["step"]: e["t"]
@@ -304,10 +338,10 @@ def _step_figures(events: list[dict[str, Any]], every: int) -> tuple[float, ...]
             if e["event"] == "sync" and e["rank"] == rank and e["attempt"] == 1
         }
         periods = {k: syncs[k + 1] - syncs[k] for k in syncs if k + 1 in syncs and k > 1}
-        plain = statistics.median(p for k, p in periods.items() if k % every)
+        plain = statistics.median(p for k, p in periods.items() if k not in saving)
         plains.append(plain)
         for k, p in periods.items():
-            if k % every == 0:
+            if k in saving:
                 stalls[k] = max(stalls.get(k, float("-inf")), p - plain)
     blocked: dict[int, float] = {}
     reports: dict[int, float] = {}
@@ -317,8 +351,10 @@ def _step_figures(events: list[dict[str, Any]], every: int) -> tuple[float, ...]
             reports[e["step"]] = max(reports.get(e["step"], 0.0), e["report"])
     return (
         statistics.median(blocked.values()),
+        statistics.fmean(blocked.values()),
         statistics.median(reports.values()),
         statistics.median(stalls.values()),
+        statistics.fmean(stalls.values()),
         max(plains),
     )
 
@@ -350,18 +386,20 @@ def _recovery(events: list[dict[str, Any]], attempt: int) -> dict[str, Any]:
     }
 
 
-def _figures(mode: str, events: list[dict[str, Any]], every: int, failures: int) -> Figures:
-    blocked, report, stall, plain = _step_figures(events, every)
+def _figures(mode: str, events: list[dict[str, Any]], failures: int) -> Figures:
+    blocked, blocked_mean, report, stall, stall_mean, plain = _step_figures(events)
     runs = [_recovery(events, k) for k in range(1, failures + 1)]
 
     def median(key: str) -> float:
-        return statistics.median(r[key] for r in runs)
+        return statistics.median(r[key] for r in runs) if runs else math.nan
 
     return Figures(
         mode=mode,
         blocked=blocked,
+        blocked_mean=blocked_mean,
         report=report,
         stall=stall,
+        stall_mean=stall_mean,
         plain=plain,
         recovery=median("recovery"),
         recoveries=[round(r["recovery"], 2) for r in runs],
@@ -369,8 +407,8 @@ def _figures(mode: str, events: list[dict[str, Any]], every: int, failures: int)
         setup=median("setup"),
         restore=median("restore"),
         first_step=median("first_step"),
-        restored=min(r["restored"] for r in runs),
-        failed=max(r["failed"] for r in runs),
+        restored=min((r["restored"] for r in runs), default=0),
+        failed=max((r["failed"] for r in runs), default=0),
         source="/".join(sorted(set().union(*(r["sources"] for r in runs)))),
         checked=all(r["checked"] for r in runs),
     )
@@ -451,6 +489,8 @@ class Bench:
         events.mkdir()
         a = self.args
         last = a.checkpoints * a.every
+        if mode == "mtc-report10":
+            last = a.every - 1 + a.checkpoints * REPORT_EVERY
         config = {
             "mode": mode,
             "events": str(events),
@@ -475,11 +515,11 @@ class Bench:
             ),
         )
         trainer.fit()
-        return _figures(mode, _events(events), a.every, a.failures)
+        return _figures(mode, _events(events), a.failures)
 
 
 def _run_mode(bench: Bench, mode: str) -> Figures:
-    if mode != "mtc":
+    if not mode.startswith("mtc"):
         return bench.fit(mode)
     daemons = bench.daemons()
     try:
@@ -508,32 +548,41 @@ def _print(figures: dict[str, Figures], args: argparse.Namespace, seconds: float
         f"2 shared, noisy cores: compare within this run. Whole run {seconds:.0f} s."
     )
     head = (
-        "mode", "in save+report", "of which report", "stall", "plain step", "recovery",
-        "= restart", "+ setup", "+ restore", "+ 1st step", "restored/failed", "source",
+        "mode", "in save+report", "(mean)", "of which report", "stall", "(mean)", "plain step",
+        "recovery", "= restart", "+ setup", "+ restore", "+ 1st step", "restored/failed",
+        "source",
     )  # fmt: skip
     print("| " + " | ".join(head) + " |")
     print("|---" * len(head) + "|")
     for f in figures.values():
         row = (
-            f.mode, f"{f.blocked:.3f}", f"{f.report:.3f}", f"{f.stall:.3f}", f"{f.plain:.3f}",
-            f"{f.recovery:.2f}", f"{f.restart:.2f}", f"{f.setup:.2f}", f"{f.restore:.2f}",
-            f"{f.first_step:.2f}",
+            f.mode, f"{f.blocked:.3f}", f"{f.blocked_mean:.3f}", f"{f.report:.3f}",
+            f"{f.stall:.3f}", f"{f.stall_mean:.3f}", f"{f.plain:.3f}", *(
+                "-" if math.isnan(x) else f"{x:.2f}"
+                for x in (f.recovery, f.restart, f.setup, f.restore, f.first_step)
+            ),
             f"{f.restored}/{f.failed}{'' if f.checked else ' WRONG STATE'}", f.source,
         )  # fmt: skip
         print("| " + " | ".join(row) + " |")
     print(
         f"(seconds; medians over the {args.checkpoints} checkpoints and the "
-        f"{args.failures} failures of each mode)"
+        f"{args.failures} failures of each mode; (mean): over the checkpoints)"
     )
+    sync = figures.get("ray-sync")
+    for f in (f for m, f in figures.items() if m.startswith("mtc") and sync is not None):
+        keys = ("blocked", "blocked_mean", "stall", "stall_mean")
+        x = {k: f"{getattr(f, k) / getattr(sync, k):.2f}x" for k in keys}
+        print(f"{f.mode} of ray-sync's: in save+report {x['blocked']} ({x['blocked_mean']} mean),"
+              f" stall {x['stall']} ({x['stall_mean']} mean)")  # fmt: skip
     ours = figures.get("mtc")
     if ours is None:
         return
-    if (sync := figures.get("ray-sync")) is not None:
+    if sync is not None:
         print(f"target: stall vs ray-sync's: {_verdict(ours.stall, sync.stall, STALL_TARGET)}")
     if (other := figures.get("ray-async")) is not None:
         print(f"stall vs ray-async's (no target): {ours.stall / other.stall:.2f}x")
     for base in ("ray-sync", "ray-async"):
-        if (theirs := figures.get(base)) is not None:
+        if (theirs := figures.get(base)) is not None and args.failures > 0:
             verdict = _verdict(ours.recovery, theirs.recovery, RECOVERY_TARGET)
             part = ours.restore / theirs.restore
             print(f"target: recovery vs {base}'s: {verdict}; its restore part alone {part:.2f}x")
@@ -548,7 +597,11 @@ def main() -> int:
     parser.add_argument(
         "--step-seconds", type=float, default=0.25, help="sleep per step (accelerator stand-in)"
     )
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset")
+    parser.add_argument(
+        "--modes",
+        default=",".join(DEFAULT_MODES),
+        help=f"comma-separated, of {', '.join(MODES)}",
+    )
     parser.add_argument(
         "--storage-dir",
         type=Path,
@@ -560,8 +613,8 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args()
-    if args.every < 4 or min(args.checkpoints, args.failures, args.state_mib) < 1:
-        parser.error("--every must be >= 4; --checkpoints, --failures, --state-mib >= 1")
+    if args.every < 4 or min(args.checkpoints, args.state_mib) < 1 or args.failures < 0:
+        parser.error("--every must be >= 4; --checkpoints, --state-mib >= 1; --failures >= 0")
     modes = [m for m in args.modes.split(",") if m]
     if unknown := set(modes) - set(MODES):
         parser.error(f"unknown modes {sorted(unknown)}; known: {', '.join(MODES)}")

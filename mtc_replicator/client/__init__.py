@@ -6,7 +6,13 @@ when they are called, and the Ray checkpointer (``RayCheckpointer``, docs/ray.md
 and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
 """
 
-from mtc_replicator.client.async_save import AsyncSaveError, AsyncSaver, PendingSave, WhenBusy
+from mtc_replicator.client.async_save import (
+    AsyncSaveError,
+    AsyncSaver,
+    PendingSave,
+    Staged,
+    WhenBusy,
+)
 from mtc_replicator.client.election import NotLocalRankZero
 from mtc_replicator.client.finish import finish_job
 from mtc_replicator.client.handshake import (
@@ -61,6 +67,7 @@ __all__ = [
     "RestorePlan",
     "RestoreResult",
     "Restored",
+    "Staged",
     "WhenBusy",
     "await_restore",
     "finish_job",

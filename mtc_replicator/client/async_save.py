@@ -4,7 +4,8 @@ Owns: ``AsyncSaver``, which snapshots a state dict into staging buffers it reuse
 (``client.staging``; for DCP, torch's own ``async_save`` and stager) and then serializes,
 writes and publishes the step in a background thread with the same temp names and the same
 ONE publishing rename as ``client.torch_io``'s synchronous saves; at most one save in
-flight; errors of the background surfacing on the next call and on ``wait()``; and the
+flight; the newest save's staged state (``staged``: what a second copy of it is written
+from); errors of the background surfacing on the next call and on ``wait()``; and the
 opt-in SIGTERM handler that finishes the save in flight before the process goes. Does file
 I/O in CHECKPOINT_DIR (in the background thread). torch is imported when a saver is made.
 
@@ -15,6 +16,7 @@ removes at the next handshake (``core.contract.is_client_temp_name``), or the co
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, BinaryIO, Literal
@@ -73,6 +76,18 @@ class _Job:
         return self.final
 
 
+@dataclass(frozen=True)
+class Staged:
+    """The newest save as it was staged, which is what it writes: its step, and its state
+    with every tensor replaced by a staging buffer (the saver's own, or the DCP stager's).
+    The next save reuses the buffers: read it before that, from the loop's thread."""
+
+    step: int
+    tree: Any
+    ready: Callable[[], None]
+    """Block until the device copies have landed (nothing to wait for on the CPU path)."""
+
+
 class PendingSave:
     """A save returned to the loop before it was written."""
 
@@ -121,6 +136,8 @@ class AsyncSaver:
         self._hook = phase_hook
         self._job: _Job | None = None
         self._dcp_stager: Any = None
+        self._dcp_staged: Any = None
+        self._staged: Staged | None = None
         self._sigterm: tuple[Callable[..., Any], Any] | None = None
         self.last_stall = 0.0
         """Seconds the last save blocked its caller (waiting for the previous one included)."""
@@ -225,6 +242,7 @@ class AsyncSaver:
             raise
         # Staging is synchronous with this stager: a plain Future of the upload comes back.
         upload = response if isinstance(response, Future) else response.upload_completion
+        self._staged = Staged(step, self._dcp_staged, _staged_already)
         self._phase("snapshot")
 
         def write() -> None:
@@ -245,6 +263,13 @@ class AsyncSaver:
                 publish()
 
         return self._start(step, final, None, write, started)
+
+    @property
+    def staged(self) -> Staged | None:
+        """The newest save's state as staged (None before the first save and after
+        ``close()``): what a copy of that save elsewhere is written from, though the loop
+        changed its tensors since, until the next save reuses the buffers."""
+        return self._staged
 
     # --- waiting ------------------------------------------------------------------------------
 
@@ -269,6 +294,7 @@ class AsyncSaver:
         try:
             self.wait()
         finally:
+            self._staged = self._dcp_staged = None
             self.staging.release()
             if self._dcp_stager is not None:
                 self._dcp_stager.close()
@@ -356,6 +382,7 @@ class AsyncSaver:
 
     def _snapshot(self, step: int, state_dict: Mapping[str, Any]) -> Snapshot:
         snap = self.staging.snapshot(state_dict)
+        self._staged = Staged(step, snap.tree, functools.partial(_staged_ready, snap))
         self._phase("snapshot")
         return snap
 
@@ -424,8 +451,17 @@ class AsyncSaver:
                     "newer torch"
                 ) from exc
 
+            saver = self
+
+            class KeepingStager(DefaultStager):
+                """Remembers what it staged last: the saver's ``staged`` for DCP."""
+
+                def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+                    saver._dcp_staged = super().stage(state_dict, **kwargs)
+                    return saver._dcp_staged
+
             cuda = bool(torch.cuda.is_available())
-            self._dcp_stager = DefaultStager(
+            self._dcp_stager = KeepingStager(
                 StagingOptions(
                     use_pinned_memory=cuda,
                     use_shared_memory=False,
@@ -434,6 +470,18 @@ class AsyncSaver:
                 )
             )
         return self._dcp_stager
+
+
+def _staged_ready(snap: Snapshot) -> None:
+    """``snap.ready()`` beside the writer's own: the writer empties ``snap.waits`` once it
+    waited, so this waits on a copy of the list (a device event may be waited on again, from
+    any thread)."""
+    for wait in list(snap.waits):
+        wait()
+
+
+def _staged_already() -> None:
+    """DCP's stager returns once its copies are done."""
 
 
 class _Watched:

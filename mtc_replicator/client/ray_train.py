@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any, Literal
 
 from mtc_replicator.client import torch_io
-from mtc_replicator.client.async_save import AsyncSaver, PendingSave, WhenBusy
+from mtc_replicator.client.async_save import AsyncSaver, PendingSave, Staged, WhenBusy
 from mtc_replicator.client.handshake import (
     DEFAULT_POLL_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -38,6 +38,7 @@ from mtc_replicator.client.handshake import (
     publish_config,
     wait_config_consumed,
 )
+from mtc_replicator.client.ray_checkpoint import RAY_META_FILE, HostCopy, rank_file, write_part
 from mtc_replicator.core import raytrain
 from mtc_replicator.core.contract import Framework
 from mtc_replicator.core.raytrain import (
@@ -54,6 +55,7 @@ from mtc_replicator.core.raytrain import (
 
 __all__ = [
     "CLAIM_FILE",
+    "RAY_META_FILE",
     "DatedRunName",
     "ElasticWorkers",
     "ForeignCheckpoint",
@@ -70,8 +72,6 @@ log = logging.getLogger(__name__)
 
 CLAIM_FILE = "ray-train.claim"
 """In CHECKPOINT_DIR: which job uses this node's replicator (a name the daemon ignores)."""
-RAY_META_FILE = "mtc-ray.json"
-"""In a Ray checkpoint written by ``report``: its step, world size and mode."""
 Mode = Literal["files", "dcp"]
 
 
@@ -91,13 +91,15 @@ class RayCheckpointer:
     """Checkpoints a Ray Train ``train_func`` through the node's replicator.
 
     Create one at the top of ``train_func`` and call ``restore()`` once, on every worker,
-    before training; then ``save(step, state)`` and ``report(metrics)`` on every worker.
+    before training; then ``save(step, state)`` on every worker (all the replicator needs),
+    and ``report(metrics)`` on every worker as often as Ray should hear of the metrics.
     ``mode="files"``: each worker saves its own state dict (one ``.save`` file each);
     ``mode="dcp"``: torch.distributed.checkpoint over each node's ranks (FSDP-style sharded
     state, one ``<N>/`` per node). ``checkpoint_dir``: the node's CHECKPOINT_DIR (default
     ``$MTC_CHECKPOINT_DIR``), or a function returning it (run on the worker).
-    ``ray_checkpoint_every=K``: every K-th save also goes to Ray's ``storage_path`` at the next
-    ``report``. ``job_name``: default the stable ``RunConfig(name=...)``.
+    ``ray_checkpoint_every=K``: once K saves were made since the last Ray checkpoint, the next
+    ``report`` also writes the newest save, as it was saved, to Ray's ``storage_path``.
+    ``job_name``: default the stable ``RunConfig(name=...)``.
     ``asynchronous`` (default): a save returns once the state is snapshotted and is written
     in the background (``client.async_save.AsyncSaver``: one save in flight, ``when_busy``
     says whether the next waits or is skipped); ``close()`` at the end of ``train_func``
@@ -140,7 +142,10 @@ class RayCheckpointer:
         self.when_busy: WhenBusy = when_busy
         self._saver: AsyncSaver | None = None
         self._session: _Session | None = None
-        self._last: tuple[int, Mapping[str, Any]] | None = None
+        self._last: Staged | None = None
+        """The newest save as it was saved: what the next Ray checkpoint holds."""
+        self._copy = HostCopy(mode)
+        self._closed = False
         self._saves_since_ray = 0
 
     @property
@@ -202,13 +207,17 @@ class RayCheckpointer:
         """Publish this worker's ``state`` as step ``step`` to the RAM disk; collective in
         ``dcp`` mode. Asynchronous: returns once the state is snapshotted (the save being
         written, or None when skipped); otherwise once the step is on the RAM disk (None).
-        The daemon replicates it."""
+        The daemon replicates it and backs it up; no ``report`` is needed for that."""
         session = self._started()
+        if session.place.local_rank == 0:
+            session.write_claim()  # renewed by every save (a skipped one too), not by report
         pending = None
         if self.asynchronous:
             pending = self._save_async(session, step, state)
             if pending is None:
                 return None
+            assert self._saver is not None
+            self._last = self._saver.staged
         elif self.mode == "files":
             torch_io.save_file(
                 session.directory,
@@ -222,9 +231,8 @@ class RayCheckpointer:
             torch_io.save_distributed(
                 session.directory, step, dict(state), process_group=session.node_group
             )
-        if session.place.local_rank == 0:
-            session.write_claim()
-        self._last = (step, state)
+        if not self.asynchronous and self.ray_checkpoint_every > 0:
+            self._last = self._copy.take(step, state)
         self._saves_since_ray += 1
         return pending
 
@@ -255,6 +263,8 @@ class RayCheckpointer:
         the end of ``train_func``, not on an error: a worker that returns while a save is
         written may be stopped, and a job that failed keeps its nodes for the claim's lease,
         so that Ray's restart finds them free of other jobs."""
+        self._last, self._closed = None, True
+        self._copy.release()
         if self._saver is not None:
             saver, self._saver = self._saver, None
             saver.close()
@@ -276,10 +286,10 @@ class RayCheckpointer:
             self.close()
 
     def report(self, metrics: Mapping[str, Any], *, ray_checkpoint: bool | None = None) -> None:
-        """``ray.train.report(metrics)``; with a Ray checkpoint of the last save when
-        ``ray_checkpoint`` is True, or (None) when ``ray_checkpoint_every`` saves were made
-        since the last one. Call it right after ``save``, on every worker (a collective):
-        the Ray checkpoint holds the tensors of the last save as they are now."""
+        """``ray.train.report(metrics)``, on every worker alike (a collective), as often as
+        the metrics need; with a Ray checkpoint of the newest save, as it was saved though
+        the loop changed the tensors since, when ``ray_checkpoint`` is True, or (None) when
+        ``ray_checkpoint_every`` saves were made since the last one. Before ``close()``."""
         import ray.train
 
         due = (
@@ -288,13 +298,21 @@ class RayCheckpointer:
             else self.ray_checkpoint_every > 0
             and self._saves_since_ray >= self.ray_checkpoint_every
         )
+        if due and self._last is None and self._saves_since_ray > 0:
+            raise RuntimeError(
+                "report: a Ray checkpoint is due, but close() freed the copy of the newest save "
+                "it is written from: report before close()"
+                if self._closed
+                else "report(ray_checkpoint=True): asynchronous=False keeps a copy of the newest "
+                "save for Ray's checkpoint only with ray_checkpoint_every > 0: set it, or save "
+                "asynchronously"
+            )
         if not due or self._last is None:
             ray.train.report(dict(metrics))
             return
         session = self._started()
-        step, state = self._last
         with tempfile.TemporaryDirectory(prefix="mtc-ray-") as tmp:
-            session.write_ray_checkpoint(Path(tmp), step, state)
+            session.write_ray_checkpoint(Path(tmp), self._last)
             ray.train.report(dict(metrics), checkpoint=ray.train.Checkpoint.from_directory(tmp))
         self._saves_since_ray = 0
 
@@ -505,29 +523,16 @@ class _Session:
         with checkpoint.as_directory() as local:
             directory = Path(local)
             if self.owner.mode == "files":
-                return torch_io.load_state_dict(directory / _rank_file(self.place.world_rank))
+                return torch_io.load_state_dict(directory / rank_file(self.place.world_rank))
             assert state is not None
             torch_io.load_distributed(directory, state)
             return state
 
-    def write_ray_checkpoint(self, directory: Path, step: int, state: Mapping[str, Any]) -> None:
-        """This worker's part of a Ray checkpoint; Ray merges every worker's files into one
-        directory of its storage. Collective in ``dcp`` mode (over all workers)."""
-        if self.owner.mode == "files":
-            import torch
-
-            torch.save(dict(state), directory / _rank_file(self.place.world_rank))
-        else:
-            from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-            dcp_save(dict(state), checkpoint_id=directory)
-        if self.place.world_rank == 0:
-            meta = raytrain.RayMeta(step, self.layout.world_size, self.owner.mode, self.job)
-            (directory / RAY_META_FILE).write_text(json.dumps(meta.to_json()), encoding="utf-8")
-
-
-def _rank_file(world_rank: int) -> str:
-    return f"rank-{world_rank}.pt"
+    def write_ray_checkpoint(self, directory: Path, staged: Staged) -> None:
+        """This worker's part of a Ray checkpoint of ``staged``; collective in ``dcp`` mode."""
+        rank, mode = self.place.world_rank, self.owner.mode
+        meta = raytrain.RayMeta(staged.step, self.layout.world_size, mode, self.job)
+        write_part(directory, staged, mode, rank, meta if rank == 0 else None)
 
 
 def _resolve_dir(arg: str | os.PathLike[str] | Callable[[], Any] | None) -> Path:

@@ -408,3 +408,30 @@ def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayN
     ]
     assert (ray_checkpoints[0] / ".metadata").is_file()
     _check_end(events, 8)
+
+
+@pytest.mark.parametrize("mode", ["files", "dcp"])
+def test_a_later_report_checkpoints_the_newest_save_as_it_was_saved(
+    nodes: RayNodes, mode: str
+) -> None:
+    """``report`` need not follow ``save`` (docs/ray.md): saves at steps 1 and 3, step 4
+    trained, then a report whose Ray checkpoint (``ray_every=1``) holds step 3 as it was
+    saved, not the weights of step 4. Every RAM disk then lost (daemons killed: no drain;
+    the backup holds at most step 1): a new ``fit()`` restores Ray's checkpoint, step 3
+    with step 3's weights, and ends as an uninterrupted run does."""
+    name = f"ray-mtc-late-{mode}"
+    common: dict[str, Any] = {"name": name, "mode": mode, "claim_lease_seconds": 0}
+    _fit(nodes, 5, save_at=[1, 3], report_at=[4], ray_every=1, backup_every=100, **common)
+    run_dir = nodes.root / "ray-storage" / name
+    checkpoints = sorted(c for c in run_dir.glob("checkpoint_*") if c.is_dir())
+    assert [json.loads((c / "mtc-ray.json").read_text())["step"] for c in checkpoints] == [3]
+    for d in nodes.daemons:
+        d.kill()
+    for i in range(len(nodes.dirs)):
+        nodes.wipe(i)
+    for d in nodes.daemons:
+        d.start()
+    events = _fit(nodes, 6, save_at=[], report_at=[], **common)
+    restored = [(e["step"], e["source"], e["digest"]) for e in events if e["event"] == "restored"]
+    assert restored == [(3, "ray", train_loop.reference_digest(3))] * 2, events
+    _check_end(events, 6)

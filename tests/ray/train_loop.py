@@ -7,8 +7,10 @@ uninterrupted one. Each worker appends JSON events to ``<events>/<pid>.jsonl``; 
 reads them. ``kill_rank_at`` and ``hold_at`` act once per fit (a flag file each), after the
 step was replicated to every node, so that the restart finds it on a peer too;
 ``ray_every`` makes every K-th save also a Ray checkpoint (at the next report, every 3
-steps); ``backup_every`` is the job's ``backup-interval-steps``; ``fail_at`` raises at that
-step (the job never closes); ``exploit_from``: once trained, the job is asked to continue
+steps); ``save_at`` and ``report_at`` list the steps that save and report (default: every
+step saves, every third reports); ``backup_every`` is the job's ``backup-interval-steps``;
+``fail_at`` raises at that step (the job never closes); ``exploit_from``: once trained, the
+job is asked to continue
 from that Ray checkpoint, as PopulationBasedTraining's exploit asks a trial (expected to be
 refused). ``tune_trial`` is a Ray Tune trial that runs this ``train_func`` in a
 ``TorchTrainer`` of its own name, as docs/ray.md shows.
@@ -133,7 +135,8 @@ def train_func(config: dict[str, Any]) -> None:
         if step == config.get("fail_at"):
             raise RuntimeError(f"failed at step {step}, as the test asked")
         train_step(model, opt, step, rank, world)
-        ckpt.save(step, _state(ckpt, model, opt))
+        if step in config.get("save_at", [step]):
+            ckpt.save(step, _state(ckpt, model, opt))
         if step == config.get("hold_at") and not flag.exists():
             wait_replicated(config, ckpt.job, step)
             emit(event="holding", step=step)
@@ -145,7 +148,7 @@ def train_func(config: dict[str, Any]) -> None:
             emit(event="killed", step=step)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(config.get("step_seconds", 0.15))
-        if step % 3 == 0:
+        if step in config.get("report_at", [step] if step % 3 == 0 else []):
             ckpt.report({"step": step})
     ckpt.close()  # the last save, written in the background, is published
     emit(event="done", step=config["steps"], digest=digest(model))

@@ -249,3 +249,58 @@ def test_sigterm_finishes_the_save_then_calls_the_previous_handler(ckpt: Path) -
         saver.close()
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("offload", [("cuda",), ("cpu",)])
+def test_staged_is_the_newest_save_as_saved_until_the_next_one(
+    ckpt: Path, offload: tuple[str, ...]
+) -> None:
+    """What a copy of the newest save elsewhere (Ray's checkpoint) is written from: the
+    state at the save, though the loop changed it and the write is still going on; the
+    next save's, once it is made; a skipped save leaves it; nothing after close()."""
+    gate = Gate("write")
+    live = state()
+    expected = clone(live)
+    saver = AsyncSaver(ckpt, when_busy="skip", offload=offload, phase_hook=gate)
+    assert saver.staged is None
+    saver.save_file(3, live, job="j", rank=0, worker=0)
+    assert gate.reached.wait(30)
+    for t in tensors(live):
+        t.add_(1)
+    live["optim"][1]["lr"] = 0.5  # not a tensor: copied at the save, too
+    assert saver.save_file(4, live, job="j", rank=0, worker=0) is None  # skipped
+    staged = saver.staged
+    assert staged is not None
+    staged.ready()  # beside the writer, which has not waited yet
+    assert staged.step == 3
+    assert_equal(staged.tree, expected)
+    gate.release.set()
+    saver.wait(30)
+    assert_equal(saver.staged.tree if saver.staged else None, expected)
+    saver.save_file(5, live, job="j", rank=0, worker=0)
+    assert saver.staged is not None
+    assert saver.staged.step == 5
+    assert_equal(saver.staged.tree, live)
+    saver.close()
+    assert saver.staged is None
+    assert_equal(load(ckpt, "save-file", 3), expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_saves_staged_state_is_the_state_at_the_call(ckpt: Path) -> None:
+    live = {"w": torch.arange(100.0), "b": torch.ones(3, 3), "step": 4}
+    expected = clone(live)
+    with AsyncSaver(ckpt) as saver:
+        saver.save_distributed(4, live)
+        for t in tensors(live):
+            t.mul_(-1)
+        staged = saver.staged
+        assert staged is not None
+        staged.ready()
+        assert staged.step == 4
+        assert_equal(staged.tree, expected)
+        saver.wait(30)
+        saver.save_distributed(5, live)
+        assert saver.staged is not None
+        assert saver.staged.step == 5
+        assert_equal(saver.staged.tree, live)

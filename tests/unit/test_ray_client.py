@@ -5,11 +5,13 @@ temporary CHECKPOINT_DIR) and the checkpoint a restore is asked to continue from
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import pytest
 
+from mtc_replicator.client import load_state_dict
 from mtc_replicator.client.handshake import HandshakeError
 from mtc_replicator.client.ray_train import (
     CLAIM_FILE,
@@ -76,11 +78,13 @@ def test_arguments_are_checked_and_save_needs_a_restore_first() -> None:
         RayCheckpointer().save(1, {})
 
 
-def _session(tmp_path: Path, job: str = "trial-a") -> tuple[RayCheckpointer, _Session]:
+def _session(
+    tmp_path: Path, job: str = "trial-a", **options: Any
+) -> tuple[RayCheckpointer, _Session]:
     """A checkpointer past its handshake on a one-worker node (local rank 0, which writes
     the node's claim), with no Ray: what restore() leaves behind."""
     place = WorkerPlace(world_rank=0, local_rank=0, local_world_size=1, node_rank=0)
-    ckpt = RayCheckpointer(tmp_path)
+    ckpt = RayCheckpointer(tmp_path, **options)
     session = _Session(ckpt, tmp_path, place, layout_of([place], 1), job, None, None)
     ckpt._session = session
     session.write_claim()
@@ -160,3 +164,124 @@ def test_a_restore_asked_to_continue_from_another_jobs_checkpoint_is_refused(
 def test_a_checkpoint_to_continue_from_must_be_a_ray_checkpoint() -> None:
     with pytest.raises(TypeError, match=r"wrap a path as ray.train.Checkpoint\(path\)"):
         RayCheckpointer().restore(checkpoint="/s/sweep-a/checkpoint_000001")
+
+
+def test_every_save_renews_the_claim_a_skipped_one_too(tmp_path: Path) -> None:
+    """``save`` alone keeps the node's claim (no ``report`` needed): also when the save is
+    skipped because the previous one is still being written."""
+    torch = pytest.importorskip("torch")
+    from mtc_replicator.client.async_save import AsyncSaver
+
+    release = threading.Event()
+
+    def hold(phase: str) -> None:
+        if phase == "write" and threading.current_thread() is not threading.main_thread():
+            assert release.wait(30)
+
+    ckpt, session = _session(tmp_path, when_busy="skip")
+    ckpt._saver = AsyncSaver(tmp_path, when_busy="skip", phase_hook=hold)
+    try:
+        assert ckpt.save(1, {"w": torch.zeros(4)}) is not None
+        stale = Claim("trial-a", 1, 1234.0, holder=session.holder)
+        (tmp_path / CLAIM_FILE).write_text(json.dumps(stale.to_json()))
+        assert ckpt.save(2, {"w": torch.ones(4)}) is None  # skipped: step 1 is being written
+        claim = _read_claim(tmp_path)
+        assert claim is not None
+        assert claim.at > stale.at
+    finally:
+        release.set()
+        ckpt.close()
+
+
+class _Reports:
+    """Stands in for ``ray.train.report``: what each report handed Ray, the checkpoint's
+    files read before ``report`` deletes its temporary directory."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[dict[str, Any], dict[str, Any] | None]] = []
+
+    def __call__(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        files = None
+        if checkpoint is not None:
+            path = Path(checkpoint.path)
+            files = {
+                "meta": json.loads((path / RAY_META_FILE).read_text()),
+                "state": load_state_dict(path / "rank-0.pt"),
+            }
+        self.seen.append((metrics, files))
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_later_report_writes_the_newest_save_as_it_was_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asynchronous: bool
+) -> None:
+    """Saves at steps 1 and 2, a step trained without a save, then a report: its Ray
+    checkpoint holds step 2's tensors (and the values beside them), not the live ones."""
+    torch = pytest.importorskip("torch")
+    import ray.train
+
+    reports = _Reports()
+    monkeypatch.setattr(ray.train, "report", reports)
+    ckpt, _ = _session(tmp_path, ray_checkpoint_every=2, asynchronous=asynchronous)
+    live: dict[str, Any] = {"w": torch.zeros(1000), "lr": 0.1}
+    for step in (1, 2, 3):
+        live["w"].add_(1)
+        live["lr"] /= 2
+        if step < 3:
+            ckpt.save(step, live)
+    ckpt.report({"step": 3})
+    ckpt.report({"step": 4})  # no save since: metrics only
+    ckpt.close()
+    assert [m for m, _ in reports.seen] == [{"step": 3}, {"step": 4}]
+    files = reports.seen[0][1]
+    assert files is not None
+    assert files["meta"]["step"] == 2
+    assert torch.equal(files["state"]["w"], torch.full((1000,), 2.0))
+    assert files["state"]["lr"] == 0.025
+    assert reports.seen[1][1] is None
+
+
+def test_a_ray_checkpoint_without_a_copy_of_the_newest_save_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Synchronous saves keep a copy only with ``ray_checkpoint_every`` set, and
+    ``close()`` frees it: a Ray checkpoint asked for without it says so."""
+    torch = pytest.importorskip("torch")
+    import ray.train
+
+    reports = _Reports()
+    monkeypatch.setattr(ray.train, "report", reports)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    ckpt, _ = _session(tmp_path / "a", asynchronous=False)
+    ckpt.report({"step": 0}, ray_checkpoint=True)  # nothing saved yet: metrics only
+    ckpt.save(1, {"w": torch.zeros(4)})
+    with pytest.raises(RuntimeError, match="only with ray_checkpoint_every > 0"):
+        ckpt.report({"step": 1}, ray_checkpoint=True)
+    late, _ = _session(tmp_path / "b", ray_checkpoint_every=1)
+    late.save(1, {"w": torch.zeros(4)})
+    late.close()
+    with pytest.raises(RuntimeError, match=r"report before close\(\)"):
+        late.report({"step": 1})
+    assert reports.seen == [({"step": 0}, None)]
+
+
+@pytest.mark.parametrize("mode", ["files", "dcp"])
+def test_a_synchronous_saves_host_copy_keeps_the_state_at_the_save(mode: str) -> None:
+    """What Ray's checkpoint of a synchronous save is written from (``dcp``: DCP's stager)."""
+    torch = pytest.importorskip("torch")
+    from mtc_replicator.client.ray_checkpoint import HostCopy
+
+    copy = HostCopy(mode)
+    live = {"w": torch.arange(10.0), "opt": {"lr": 0.1, "m": torch.ones(3)}}
+    for step in (1, 2):
+        staged = copy.take(step, live)
+        live["w"].add_(100)
+        live["opt"]["m"].zero_()
+        live["opt"]["lr"] = 0.5
+        staged.ready()
+        assert staged.step == step
+        assert torch.equal(staged.tree["w"], live["w"] - 100)
+        assert torch.equal(staged.tree["opt"]["m"], torch.ones(3) if step == 1 else torch.zeros(3))
+        assert staged.tree["opt"]["lr"] == (0.1 if step == 1 else 0.5)
+    copy.release()
