@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 import uuid
@@ -31,7 +30,6 @@ from mtc_replicator.client.handshake import (
     DEFAULT_POLL_INTERVAL,
     DEFAULT_TIMEOUT,
     ConfigFields,
-    HandshakeError,
     RestoreResult,
     await_restore,
     job_config,
@@ -39,8 +37,16 @@ from mtc_replicator.client.handshake import (
     wait_config_consumed,
 )
 from mtc_replicator.client.ray_checkpoint import RAY_META_FILE, HostCopy, rank_file, write_part
+from mtc_replicator.client.ray_collectives import (
+    all_or_none,
+    collective_group,
+    decode_place,
+    encode_place,
+    gather,
+    node_group,
+)
 from mtc_replicator.core import raytrain
-from mtc_replicator.core.contract import Framework
+from mtc_replicator.core.contract import JOB_DIRS, Framework
 from mtc_replicator.core.raytrain import (
     DatedRunName,
     ElasticWorkers,
@@ -99,7 +105,10 @@ class RayCheckpointer:
     ``$MTC_CHECKPOINT_DIR``), or a function returning it (run on the worker).
     ``ray_checkpoint_every=K``: once K saves were made since the last Ray checkpoint, the next
     ``report`` also writes the newest save, as it was saved, to Ray's ``storage_path``.
-    ``job_name``: default the stable ``RunConfig(name=...)``.
+    ``job_name``: default the stable ``RunConfig(name=...)``. ``job_directory``: hand the
+    job's files to its own job directory, ``CHECKPOINT_DIR/jobs/<job>/`` (docs/protocol.md),
+    so that several jobs (Ray Tune's concurrent trials) share the nodes, each with its own
+    handshake, claim and steps; default the node's root, one job at a time.
     ``asynchronous`` (default): a save returns once the state is snapshotted and is written
     in the background (``client.async_save.AsyncSaver``: one save in flight, ``when_busy``
     says whether the next waits or is skipped); ``close()`` at the end of ``train_func``
@@ -123,6 +132,7 @@ class RayCheckpointer:
         poll_interval: float = DEFAULT_POLL_INTERVAL,
         asynchronous: bool = True,
         when_busy: WhenBusy = "wait",
+        job_directory: bool = False,
     ) -> None:
         if mode not in ("files", "dcp"):
             raise ValueError(f"mode must be 'files' or 'dcp', not {mode!r}")
@@ -140,6 +150,7 @@ class RayCheckpointer:
         self.poll_interval = poll_interval
         self.asynchronous = asynchronous
         self.when_busy: WhenBusy = when_busy
+        self.job_directory = job_directory
         self._saver: AsyncSaver | None = None
         self._session: _Session | None = None
         self._last: Staged | None = None
@@ -400,18 +411,21 @@ class _Session:
             local_world_size=ctx.get_local_world_size(),
             node_rank=ctx.get_node_rank(),
         )
-        group = _collective_group()
-        places = [_place(p) for p in _gather(group, _encode_place(place))]
+        group = collective_group()
+        places = [decode_place(p) for p in gather(group, encode_place(place))]
         layout = raytrain.layout_of(places, ctx.get_world_size())
         raytrain.check_fixed_workers(_elastic(), layout.world_size, None)
         job = owner._job_arg or raytrain.job_name_of(ctx.get_experiment_name())
-        node_group = (
-            _node_group(layout, place, cpu=owner.asynchronous) if owner.mode == "dcp" else None
-        )
-        session = cls(owner, _resolve_dir(owner._dir_arg), place, layout, job, group, node_group)
+        nodes = node_group(layout, place, cpu=owner.asynchronous) if owner.mode == "dcp" else None
+        directory = _resolve_dir(owner._dir_arg)
+        if owner.job_directory:
+            # Its own job directory (docs/protocol.md): jobs side by side on one node.
+            directory = directory / JOB_DIRS / job
+            directory.mkdir(parents=True, exist_ok=True)
+        session = cls(owner, directory, place, layout, job, group, nodes)
         if handed is not None:
             # Before the handshake: a refused restore leaves the node's replicator untouched.
-            steps = _all_or_none(group, lambda: _handed_step(handed, job, layout.world_size))
+            steps = all_or_none(group, lambda: _handed_step(handed, job, layout.world_size))
             session.handed_step = steps[place.world_rank]
         session.handshake()
         return session
@@ -421,7 +435,7 @@ class _Session:
         node's local rank 0 (``dcp``) waits for its marker. Failures reach every worker."""
         leader = self.place.local_rank == 0
         config = self._config()
-        _all_or_none(self.group, lambda: self._publish(config) if leader else None)
+        all_or_none(self.group, lambda: self._publish(config) if leader else None)
         waits = leader or self.owner.mode == "files"
         worker = self.place.local_rank if self.owner.mode == "files" else 0
 
@@ -440,7 +454,7 @@ class _Session:
                 rename="step",
             )
 
-        results = _all_or_none(self.group, wait)
+        results = all_or_none(self.group, wait)
         leader_rank = self.layout.node_members[self.node_rank][0]
         own = results[self.place.world_rank] if waits else results[leader_rank]
         assert isinstance(own, RestoreResult)
@@ -564,82 +578,3 @@ def _elastic() -> bool:
     except (ImportError, AttributeError, RuntimeError):
         return False
     return bool(getattr(scaling, "elasticity_enabled", False))
-
-
-# --- Collectives ---------------------------------------------------------------------------
-
-
-def _collective_group() -> Any:
-    """A gloo group over all workers for our small object collectives (the default group
-    may be NCCL); None when torch.distributed is not initialized (a single worker)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
-
-
-def _gather(group: Any, value: object) -> list[Any]:
-    if group is None:
-        return [value]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def _all_or_none(group: Any, action: Callable[[], object]) -> list[Any]:
-    """Run ``action`` on every worker and gather the results; if it failed anywhere, raise
-    on every worker (a refusal's own class where it is one), so that none waits forever."""
-    try:
-        mine: tuple[str, object] = ("ok", action())
-    except RayTrainRefused as exc:
-        log.error("refused: %s: %s", type(exc).__name__, exc)
-        mine = ("refused", f"{type(exc).__name__}: {exc}")
-    except Exception as exc:
-        log.error("failed: %s: %s", type(exc).__name__, exc)
-        mine = ("error", f"{type(exc).__name__}: {exc}")
-    gathered = _gather(group, mine)
-    for rank, (kind, value) in enumerate(gathered):
-        if kind == "ok":
-            continue
-        name, _, text = str(value).partition(": ")
-        refusal = getattr(raytrain, name, None)
-        if kind == "refused" and isinstance(refusal, type) and issubclass(refusal, Exception):
-            raise refusal(f"worker {rank}: {text}")
-        raise HandshakeError(f"worker {rank}: {value}")
-    return [value for _, value in gathered]
-
-
-def _node_group(layout: RayLayout, place: WorkerPlace, *, cpu: bool = False) -> Any:
-    """This node's ranks as a process group; every worker creates every node's group.
-    ``cpu``: on gloo whatever the job's backend, as an asynchronous DCP save needs (its
-    background thread runs the collectives of the plan and the rename on it)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mine = None
-    for members in layout.node_members:
-        group = dist.new_group(ranks=list(members), backend="gloo" if cpu else None)
-        if place.world_rank in members:
-            mine = group
-    return mine
-
-
-_PLACE = re.compile(r"(\d+),(\d+),(\d+),(\d+)")
-
-
-def _encode_place(place: WorkerPlace) -> str:
-    return f"{place.world_rank},{place.local_rank},{place.local_world_size},{place.node_rank}"
-
-
-def _place(text: str) -> WorkerPlace:
-    match = _PLACE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"not a worker place: {text!r}")
-    w, lr, lws, nr = (int(g) for g in match.groups())
-    return WorkerPlace(w, lr, lws, nr)

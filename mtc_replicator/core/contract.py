@@ -24,6 +24,9 @@ CONFIG_TMP_FILE = "replicator.yaml.tmp"
 PRERESTORE_FILE = "replicator.prerestore"
 ERRORS_FILE = "replicator.errors"
 FAILED_FILE = "replicator.failed"
+JOB_DIRS = "jobs"
+"""CHECKPOINT_DIR's directory of job directories, ``jobs/<job>/``: a further job on the node
+hands its files there, with the root's whole contract (docs/protocol.md)."""
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 RESULT_FILE = "replicator.result"
 """Our client's extension: the handshake's outcome, written by the node's local rank 0 for

@@ -25,7 +25,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from mtc_replicator.core.contract import JobConfig
+from mtc_replicator.core.contract import JOB_DIRS, JobConfig
 from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.local.watcher import DirectoryWatcher, OnEvent
 from mtc_replicator.node.agent import Incarnation
@@ -33,8 +33,6 @@ from mtc_replicator.node.supervisor import Neighbours, Supervisor
 
 log = logging.getLogger(__name__)
 
-JOB_DIRS = "jobs"
-"""CHECKPOINT_DIR's directory of job directories."""
 MAX_JOB_DIRS = 256
 """Job directories served at once; more are left alone (said once) until some go."""
 

@@ -354,6 +354,55 @@ def test_tune_trials_one_after_the_other_share_the_nodes(nodes: RayNodes) -> Non
     assert not [d for d in nodes.dirs if (d / CLAIM_FILE).exists()]
 
 
+def test_tune_trials_side_by_side_each_in_its_job_directory(nodes: RayNodes) -> None:
+    """Two Ray Tune trials at once on the same two nodes (issue 36), each a ``TorchTrainer``
+    whose ``RayCheckpointer(job_directory=True)`` hands its files to
+    ``CHECKPOINT_DIR/jobs/tune-<trial>/``: neither is refused ``SharedNodes``, they overlap,
+    both train to the end, each node's replicator holds both trials' saves, and each trial's
+    ``close()`` released only its own directory's claim. (In CHECKPOINT_DIR's root the second
+    trial would be refused: ``test_another_job_on_the_same_nodes_is_refused``.)"""
+    from ray import tune
+
+    events = nodes.root / "tune-side-events"
+    events.mkdir()
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 0.5}),
+        param_space={
+            "trial": tune.grid_search(["c", "d"]),
+            "loop": {
+                "steps": 3,
+                "events": str(events),
+                "dirs": [str(d) for d in nodes.dirs],
+                "job_directory": True,
+                "step_seconds": 1.0,
+            },
+            "storage": str(nodes.root / "ray-storage"),
+            "worker_cpus": 0.5,
+        },
+        tune_config=tune.TuneConfig(max_concurrent_trials=2),
+        run_config=tune.RunConfig(name="side", storage_path=str(nodes.root / "tune-storage")),
+    )
+    errors = {r.config["trial"]: r.error for r in tuner.fit() if r.error is not None}
+    assert not errors, errors
+    trials = {trial: _read_events(events / trial) for trial in ("c", "d")}
+    for trial, run in trials.items():
+        assert sorted(e["rank"] for e in run if e["event"] == "fresh") == [0, 1], (trial, run)
+        _check_end(run, 3)
+    spans = {
+        trial: (min(e["t"] for e in run), max(e["t"] for e in run)) for trial, run in trials.items()
+    }
+    assert spans["c"][0] < spans["d"][1], spans  # they overlapped
+    assert spans["d"][0] < spans["c"][1], spans
+    for d in nodes.dirs:
+        for trial in ("c", "d"):
+            job_dir = d / "jobs" / f"tune-{trial}"
+            assert job_dir.is_dir(), job_dir
+            assert not (job_dir / CLAIM_FILE).exists()
+            held = default_store_dir(PurePosixPath(d))
+            assert (Path(held) / "items" / f"tune-{trial}" / "3").is_dir(), (d, trial)
+        assert not (d / CLAIM_FILE).exists()
+
+
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     """A second run (or a concurrent Tune trial) on nodes where job ``ray-mtc`` failed
     moments ago: Ray could restart ``ray-mtc``'s workers there, so it keeps its nodes for

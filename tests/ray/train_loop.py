@@ -110,7 +110,9 @@ def train_func(config: dict[str, Any]) -> None:
     events = Path(config["events"]) / f"{os.getpid()}.jsonl"
 
     def emit(**event: object) -> None:
-        event.update(rank=rank, pid=os.getpid(), dir=os.environ["MTC_CHECKPOINT_DIR"])
+        event.update(
+            rank=rank, pid=os.getpid(), dir=os.environ["MTC_CHECKPOINT_DIR"], t=time.time()
+        )
         with events.open("a") as f:
             f.write(json.dumps(event) + "\n")
 
@@ -120,6 +122,7 @@ def train_func(config: dict[str, Any]) -> None:
         ray_checkpoint_every=config.get("ray_every", 0),
         claim_lease_seconds=config.get("claim_lease_seconds", 120.0),
         timeout=90,
+        job_directory=config.get("job_directory", False),
     )
     model, opt = build()
     restored = _restore(ckpt, model, opt)
@@ -222,7 +225,11 @@ def tune_trial(config: dict[str, Any]) -> None:
     result = TorchTrainer(
         train_func,
         train_loop_config=loop,
-        scaling_config=ScalingConfig(num_workers=WORLD, placement_strategy="STRICT_SPREAD"),
+        scaling_config=ScalingConfig(
+            num_workers=WORLD,
+            placement_strategy="STRICT_SPREAD",
+            resources_per_worker={"CPU": config.get("worker_cpus", 1)},
+        ),
         run_config=RunConfig(
             name=f"tune-{trial}",
             storage_path=config["storage"],

@@ -13,6 +13,7 @@ import pytest
 
 from mtc_replicator.client import load_state_dict
 from mtc_replicator.client.handshake import HandshakeError
+from mtc_replicator.client.ray_collectives import all_or_none, decode_place, encode_place
 from mtc_replicator.client.ray_train import (
     CLAIM_FILE,
     RAY_META_FILE,
@@ -20,10 +21,7 @@ from mtc_replicator.client.ray_train import (
     ForeignCheckpoint,
     RayCheckpointer,
     SharedNodes,
-    _all_or_none,
-    _encode_place,
     _handed_step,
-    _place,
     _read_claim,
     _resolve_dir,
     _Session,
@@ -36,7 +34,7 @@ def test_a_refusal_reaches_the_caller_as_its_own_class_naming_the_worker() -> No
         raise SharedNodes("the replicator at /ckpt serves job 'a'")
 
     with pytest.raises(SharedNodes, match=r"^worker 0: the replicator at /ckpt serves job 'a'$"):
-        _all_or_none(None, refuse)
+        all_or_none(None, refuse)
 
 
 def test_any_other_failure_becomes_a_handshake_error_with_its_type() -> None:
@@ -44,18 +42,18 @@ def test_any_other_failure_becomes_a_handshake_error_with_its_type() -> None:
         raise TimeoutError("no restore marker")
 
     with pytest.raises(HandshakeError, match=r"worker 0: TimeoutError: no restore marker"):
-        _all_or_none(None, fail)
+        all_or_none(None, fail)
 
 
 def test_results_come_back_in_rank_order() -> None:
-    assert _all_or_none(None, lambda: 7) == [7]
+    assert all_or_none(None, lambda: 7) == [7]
 
 
 def test_places_travel_as_text_and_bad_text_is_refused() -> None:
     place = WorkerPlace(world_rank=5, local_rank=1, local_world_size=2, node_rank=2)
-    assert _place(_encode_place(place)) == place
+    assert decode_place(encode_place(place)) == place
     with pytest.raises(ValueError, match="not a worker place"):
-        _place("5,1,2")
+        decode_place("5,1,2")
 
 
 def test_the_checkpoint_dir_comes_from_the_argument_or_the_environment(

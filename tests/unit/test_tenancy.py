@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mtc_replicator.core.contract import JobConfig, parse_config
+from mtc_replicator.core.contract import JOB_DIRS, JobConfig, parse_config
 from mtc_replicator.node import tenancy
-from mtc_replicator.node.tenancy import JOB_DIRS, Tenancy
+from mtc_replicator.node.tenancy import Tenancy
 
 
 @dataclass
