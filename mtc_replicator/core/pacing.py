@@ -12,8 +12,11 @@ Three rules, in this order:
    daemon's reads of the previous step do not slow the job's writes. Restores are not held.
 3. **The rate limit** (``PaceRules.rate``): replication and backups together send at most
    that many bytes per second, with bursts of at most ``burst_seconds`` worth: a token
-   bucket of that capacity, booked in equal slices so that concurrent transfers share it
-   fairly (each books one slice at a time, first come first served). Restores never book.
+   bucket of that capacity, booked in slices so that concurrent transfers share it fairly
+   (each books one slice at a time, first come first served). Where several jobs send at
+   once (job directories), each job's transfers book slices divided by how many it has in
+   flight, so every job gets an even share whatever its number of transfers. Restores
+   never book.
 
 ``PaceBook`` is the bookkeeping; ``mtc_replicator.local.pacer`` makes it thread- and
 asyncio-safe and does the waiting.
@@ -114,18 +117,26 @@ class PaceBook:
         self._tokens = self._capacity
         self._stamp: float | None = None
         self._active: Counter[Traffic] = Counter()
+        self._jobs: Counter[str] = Counter()
+        """Paced transfers in flight per job."""
         self._trickle_at: dict[Traffic, float] = {}
         self._save_since: float | None = None
 
     # --- what is going on -----------------------------------------------------------------
 
-    def begin(self, traffic: Traffic) -> None:
+    def begin(self, traffic: Traffic, job: str = "") -> None:
         self._active[traffic] += 1
+        if traffic in PACED:
+            self._jobs[job] += 1
 
-    def end(self, traffic: Traffic) -> None:
+    def end(self, traffic: Traffic, job: str = "") -> None:
         self._active[traffic] -= 1
         if self._active[traffic] <= 0:
             del self._active[traffic]
+        if traffic in PACED:
+            self._jobs[job] -= 1
+            if self._jobs[job] <= 0:
+                del self._jobs[job]
 
     def active(self, traffic: Traffic) -> int:
         return self._active[traffic]
@@ -149,12 +160,15 @@ class PaceBook:
 
     # --- asking for bytes -----------------------------------------------------------------
 
-    def slice(self, traffic: Traffic, now: float) -> int:
-        """The most bytes ``traffic`` should ask for at once now."""
+    def slice(self, traffic: Traffic, now: float, job: str = "") -> int:
+        """The most bytes ``traffic`` of ``job`` should ask for at once now."""
         if traffic not in PACED:
             return MAX_SLICE
         if self.held_by(traffic) is not None:
             return min(HELD_SLICE, max(1, int(self._held_rate)))
+        if len(self._jobs) > 1:
+            # Jobs side by side: a job's share is one slice a turn, however many it sends.
+            return max(1, self.rules.slice // max(1, self._jobs[job]))
         return self.rules.slice
 
     def book(self, traffic: Traffic, nbytes: int, now: float) -> Booking:

@@ -59,16 +59,19 @@ class Pacer:
         self.halted.set()
 
     @contextmanager
-    def transfer(self, traffic: Traffic, cancelled: CancelCheck | None = None) -> Iterator[Meter]:
-        """One transfer of ``traffic`` in flight for the ``with`` block (it holds lower
-        classes while it lasts); ``cancelled``: it ends at its next slice once true."""
+    def transfer(
+        self, traffic: Traffic, cancelled: CancelCheck | None = None, job: str = ""
+    ) -> Iterator[Meter]:
+        """One transfer of ``traffic`` for ``job`` in flight for the ``with`` block (it holds
+        lower classes while it lasts; jobs side by side share the rate evenly);
+        ``cancelled``: it ends at its next slice once true."""
         with self._lock:
-            self._book.begin(traffic)
+            self._book.begin(traffic, job)
         try:
-            yield Meter(self, traffic, cancelled)
+            yield Meter(self, traffic, cancelled, job)
         finally:
             with self._lock:
-                self._book.end(traffic)
+                self._book.end(traffic, job)
 
     def counts(self) -> tuple[dict[str, int], dict[str, float]]:
         """Bytes booked and seconds waited per class, by name (for metrics)."""
@@ -92,9 +95,9 @@ class Pacer:
         with self._lock:
             return self._book.active(traffic)
 
-    def _slice(self, traffic: Traffic) -> int:
+    def _slice(self, traffic: Traffic, job: str = "") -> int:
         with self._lock:
-            return self._book.slice(traffic, self._clock())
+            return self._book.slice(traffic, self._clock(), job)
 
     def _book_bytes(self, traffic: Traffic, nbytes: int) -> Booking:
         with self._lock:
@@ -110,17 +113,18 @@ class Meter:
     transfers share the link slice by slice, and spends what it booked before booking again."""
 
     def __init__(
-        self, pacer: Pacer, traffic: Traffic, cancelled: CancelCheck | None = None
+        self, pacer: Pacer, traffic: Traffic, cancelled: CancelCheck | None = None, job: str = ""
     ) -> None:
         self.pacer = pacer
         self.traffic = traffic
+        self.job = job
         self.cancelled = cancelled
         """The transfer's own cancellation (its job stopped), checked like ``halt``."""
         self._credit = 0
 
     def slice(self) -> int:
         """The most bytes worth sending at once now (smaller while the transfer is held)."""
-        return max(1, self._credit) if self._credit else self.pacer._slice(self.traffic)
+        return max(1, self._credit) if self._credit else self.pacer._slice(self.traffic, self.job)
 
     def take(self, nbytes: int, stop: threading.Event | None = None) -> None:
         """Block until ``nbytes`` may be sent. With ``stop``, a wait ends as soon as it is set
@@ -164,7 +168,7 @@ class Meter:
                 or (self.cancelled is not None and self.cancelled())
             ):
                 raise Cancelled(f"{self.traffic.name.lower()} transfer")
-            size = self.pacer._slice(self.traffic)
+            size = self.pacer._slice(self.traffic, self.job)
             booking = self.pacer._book_bytes(self.traffic, size)
             if booking.wait > 0:
                 if stop is None:
@@ -178,7 +182,7 @@ class Meter:
         while True:
             if self.pacer.halted.is_set():
                 raise Cancelled(f"{self.traffic.name.lower()} transfer")
-            size = self.pacer._slice(self.traffic)
+            size = self.pacer._slice(self.traffic, self.job)
             booking = self.pacer._book_bytes(self.traffic, size)
             if booking.wait > 0:
                 await asyncio.sleep(booking.wait)
@@ -191,7 +195,7 @@ class SharedMeter(Meter):
     still one transfer, booking one slice at a time, so it gets no more than its share."""
 
     def __init__(self, meter: Meter) -> None:
-        super().__init__(meter.pacer, meter.traffic, meter.cancelled)
+        super().__init__(meter.pacer, meter.traffic, meter.cancelled, meter.job)
         self._taking = threading.Lock()
 
     def take(self, nbytes: int, *args: Any, **kwargs: Any) -> None:

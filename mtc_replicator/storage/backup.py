@@ -99,7 +99,7 @@ class BackupStore:
             raise PreconditionFailed(f"{manifest.item}: step is already committed")
         # One transfer for the whole item: it shares the link with the job and the peer
         # plane, behind restores and replication (``core.pacing``).
-        with self.pacer.transfer(Traffic.BACKUP, cancelled) as meter:
+        with self.pacer.transfer(Traffic.BACKUP, cancelled, manifest.item.job) as meter:
             for entry in manifest.files:
                 if cancelled():
                     raise Cancelled(str(manifest.item))

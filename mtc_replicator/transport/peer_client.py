@@ -352,7 +352,7 @@ class PeerClient:
         """
         # Replication: every byte sent is booked with the node's pacer (the rate limit,
         # restores first, saves), on the data channel and in chunks alike.
-        with self.pacer.transfer(Traffic.REPLICATION) as meter:
+        with self.pacer.transfer(Traffic.REPLICATION, job=manifest.item.job) as meter:
             send = _Send(manifest, data_path, root, meter)
             try:
                 with self._channel_slot(address) as channel:

@@ -138,6 +138,27 @@ def test_concurrent_transfers_share_the_limit_fairly() -> None:
         assert shares[0] == shares[1]
 
 
+def test_jobs_side_by_side_share_the_limit_evenly_whatever_their_transfers() -> None:
+    """Job directories (issue 36): job a sends through three transfers, job b through one,
+    each booking slice by slice in turn: each job gets half. Alone, a job's transfers book
+    whole slices as before."""
+    p, _ = pacer(rate=50 * MiB)
+    with (
+        p.transfer(Traffic.REPLICATION, job="a") as a1,
+        p.transfer(Traffic.REPLICATION, job="a") as a2,
+        p.transfer(Traffic.REPLICATION, job="a") as a3,
+    ):
+        assert a1.slice() == PaceRules(rate=50 * MiB).slice  # a alone
+        with p.transfer(Traffic.REPLICATION, job="b") as b:
+            shares = {"a": 0, "b": 0}
+            for _ in range(300):
+                for m in (a1, a2, a3, b):
+                    n = m.slice()
+                    m.take(n)
+                    shares[m.job] += n
+            assert shares["a"] == pytest.approx(shares["b"], rel=0.01)
+
+
 def test_a_higher_class_in_flight_holds_lower_ones_to_a_trickle() -> None:
     p, clock = pacer()
     with p.transfer(Traffic.RESTORE):
