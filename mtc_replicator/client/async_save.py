@@ -443,7 +443,7 @@ class AsyncSaver:
             import torch
 
             try:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+                from torch.distributed.checkpoint.staging import DefaultStager
             except ImportError as exc:
                 raise RuntimeError(
                     f"torch {torch.__version__} has no DCP DefaultStager, which the "
@@ -460,16 +460,23 @@ class AsyncSaver:
                     saver._dcp_staged = super().stage(state_dict, **kwargs)
                     return saver._dcp_staged
 
-            cuda = bool(torch.cuda.is_available())
-            self._dcp_stager = KeepingStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
+            self._dcp_stager = KeepingStager(dcp_staging_options())
         return self._dcp_stager
+
+
+def dcp_staging_options() -> Any:
+    """How a DCP stager copies a state dict to host memory here, before the call returns:
+    into pinned buffers, without blocking each copy, when CUDA is there."""
+    import torch
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    cuda = bool(torch.cuda.is_available())
+    return StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=cuda,
+    )
 
 
 def _staged_ready(snap: Snapshot) -> None:

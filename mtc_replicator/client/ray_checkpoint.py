@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mtc_replicator.client.async_save import Staged
+from mtc_replicator.client.async_save import Staged, dcp_staging_options
 from mtc_replicator.client.staging import Staging
 from mtc_replicator.core.raytrain import RayMeta
 
@@ -47,18 +47,9 @@ class HostCopy:
             snap = self._staging.snapshot(state)
             return Staged(step, snap.tree, snap.ready)
         if self._stager is None:
-            import torch
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import DefaultStager
 
-            cuda = bool(torch.cuda.is_available())
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda,
-                    use_shared_memory=False,
-                    use_async_staging=False,
-                    use_non_blocking_copy=cuda,
-                )
-            )
+            self._stager = DefaultStager(dcp_staging_options())
         return Staged(step, self._stager.stage(dict(state)), _nothing)
 
     def release(self) -> None:

@@ -308,6 +308,45 @@ def test_wiped_ram_disks_resume_from_the_backup(nodes: RayNodes) -> None:
     _check_end(events, steps)
 
 
+def _tune(
+    nodes: RayNodes,
+    name: str,
+    names: list[str],
+    concurrent: int,
+    loop: dict[str, object],
+    **config: object,
+) -> tuple[dict[str, object], dict[str, list[dict[str, Any]]]]:
+    """A Tune run of ``train_loop.tune_trial`` (3 steps each, ``concurrent`` at once, the
+    driver's resource split among them): the errors by trial, and each trial's events, each
+    trial checked to have started fresh and ended as an uninterrupted run would."""
+    from ray import tune
+
+    events = nodes.root / f"{name}-events"
+    events.mkdir()
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 1 / concurrent}),
+        param_space={
+            "trial": tune.grid_search(names),
+            "loop": {
+                "steps": 3,
+                "events": str(events),
+                "dirs": [str(d) for d in nodes.dirs],
+                **loop,
+            },
+            "storage": str(nodes.root / "ray-storage"),
+            **config,
+        },
+        tune_config=tune.TuneConfig(max_concurrent_trials=concurrent),
+        run_config=tune.RunConfig(name=name, storage_path=str(nodes.root / "tune-storage")),
+    )
+    errors = {r.config["trial"]: r.error for r in tuner.fit() if r.error is not None}
+    trials = {trial: _read_events(events / trial) for trial in names}
+    for trial, run in trials.items():
+        assert sorted(e["rank"] for e in run if e["event"] == "fresh") == [0, 1], (trial, run)
+        _check_end(run, 3)
+    return errors, trials
+
+
 def test_tune_trials_one_after_the_other_share_the_nodes(nodes: RayNodes) -> None:
     """Ray Tune trials one at a time on the same nodes (``max_concurrent_trials=1``, as
     docs/ray.md advises), each a ``TorchTrainer`` of its own run name: a trial's ``close()``
@@ -315,31 +354,7 @@ def test_tune_trials_one_after_the_other_share_the_nodes(nodes: RayNodes) -> Non
     claim's 120 s lease. Trial b, once trained, is asked to continue from trial a's
     checkpoint, as PopulationBasedTraining's exploit asks: refused before any handshake,
     naming both jobs, instead of answered with b's own newest step."""
-    from ray import tune
-
-    events = nodes.root / "tune-events"
-    events.mkdir()
-    tuner = tune.Tuner(
-        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 1}),
-        param_space={
-            "trial": tune.grid_search(["a", "b"]),
-            "loop": {
-                "steps": 3,
-                "events": str(events),
-                "dirs": [str(d) for d in nodes.dirs],
-                "ray_every": 1,
-            },
-            "storage": str(nodes.root / "ray-storage"),
-            "exploits": {"b": "a"},
-        },
-        tune_config=tune.TuneConfig(max_concurrent_trials=1),
-        run_config=tune.RunConfig(name="sweep", storage_path=str(nodes.root / "tune-storage")),
-    )
-    errors = {r.config["trial"]: r.error for r in tuner.fit() if r.error is not None}
-    trials = {trial: _read_events(events / trial) for trial in ("a", "b")}
-    for trial, run in trials.items():
-        assert sorted(e["rank"] for e in run if e["event"] == "fresh") == [0, 1], (trial, run)
-        _check_end(run, 3)
+    errors, trials = _tune(nodes, "sweep", ["a", "b"], 1, {"ray_every": 1}, exploits={"b": "a"})
     assert list(errors) == ["b"], errors
     refused = [e for e in trials["b"] if e["event"] in ("refused", "exploited")]
     assert sorted(e["rank"] for e in refused) == [0, 1], trials["b"]
@@ -361,33 +376,9 @@ def test_tune_trials_side_by_side_each_in_its_job_directory(nodes: RayNodes) -> 
     both train to the end, each node's replicator holds both trials' saves, and each trial's
     ``close()`` released only its own directory's claim. (In CHECKPOINT_DIR's root the second
     trial would be refused: ``test_another_job_on_the_same_nodes_is_refused``.)"""
-    from ray import tune
-
-    events = nodes.root / "tune-side-events"
-    events.mkdir()
-    tuner = tune.Tuner(
-        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 0.5}),
-        param_space={
-            "trial": tune.grid_search(["c", "d"]),
-            "loop": {
-                "steps": 3,
-                "events": str(events),
-                "dirs": [str(d) for d in nodes.dirs],
-                "job_directory": True,
-                "step_seconds": 1.0,
-            },
-            "storage": str(nodes.root / "ray-storage"),
-            "worker_cpus": 0.5,
-        },
-        tune_config=tune.TuneConfig(max_concurrent_trials=2),
-        run_config=tune.RunConfig(name="side", storage_path=str(nodes.root / "tune-storage")),
-    )
-    errors = {r.config["trial"]: r.error for r in tuner.fit() if r.error is not None}
+    loop = {"job_directory": True, "step_seconds": 1.0}
+    errors, trials = _tune(nodes, "side", ["c", "d"], 2, loop, worker_cpus=0.5)
     assert not errors, errors
-    trials = {trial: _read_events(events / trial) for trial in ("c", "d")}
-    for trial, run in trials.items():
-        assert sorted(e["rank"] for e in run if e["event"] == "fresh") == [0, 1], (trial, run)
-        _check_end(run, 3)
     spans = {
         trial: (min(e["t"] for e in run), max(e["t"] for e in run)) for trial, run in trials.items()
     }
