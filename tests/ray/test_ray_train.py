@@ -82,6 +82,16 @@ class RayNodes:
     def add_ray_node(self, index: int, ip: str) -> Any:
         return self.cluster.add_node(**self.node_args(index, ip))
 
+    def lose_every_ram_disk(self) -> None:
+        """Every node loses its RAM disk: daemons killed, directories and stores emptied,
+        daemons started again."""
+        for d in self.daemons:
+            d.kill()
+        for i in range(len(self.dirs)):
+            self.wipe(i)
+        for d in self.daemons:
+            d.start()
+
     def wipe(self, index: int) -> None:
         shutil.rmtree(self.dirs[index])
         shutil.rmtree(default_store_dir(PurePosixPath(self.dirs[index])), ignore_errors=True)
@@ -427,12 +437,7 @@ def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayN
         nodes, 8, name="ray-mtc-dcp", max_failures=2, mode="dcp", kill_rank_at=[0, 4],
         hold_at=7, ray_every=1, backup_every=100, claim_lease_seconds=0,
     )  # fmt: skip
-    for d in nodes.daemons:
-        d.kill()
-    for i in range(len(nodes.dirs)):
-        nodes.wipe(i)
-    for d in nodes.daemons:
-        d.start()
+    nodes.lose_every_ram_disk()
     held = [e for e in _read_events(events_dir) if e["event"] == "holding"]
     os.kill(held[0]["pid"], signal.SIGKILL)
     events = _joined(runner, result)
@@ -465,12 +470,7 @@ def test_a_later_report_checkpoints_the_newest_save_as_it_was_saved(
     run_dir = nodes.root / "ray-storage" / name
     checkpoints = sorted(c for c in run_dir.glob("checkpoint_*") if c.is_dir())
     assert [json.loads((c / "mtc-ray.json").read_text())["step"] for c in checkpoints] == [3]
-    for d in nodes.daemons:
-        d.kill()
-    for i in range(len(nodes.dirs)):
-        nodes.wipe(i)
-    for d in nodes.daemons:
-        d.start()
+    nodes.lose_every_ram_disk()
     events = _fit(nodes, 6, save_at=[], report_at=[], **common)
     restored = [(e["step"], e["source"], e["digest"]) for e in events if e["event"] == "restored"]
     assert restored == [(3, "ray", train_loop.reference_digest(3))] * 2, events
