@@ -110,7 +110,6 @@ STARTED_LINE = "daemon started"
 "ready" or "not ready: REASONS"."""
 SERVER_GRACE_SECONDS = 5.0
 """How long transfers in flight may finish after SIGTERM before they are cancelled."""
-"""Seconds between two looks at the items of jobs that no longer run here (the TTL)."""
 
 
 class Daemon:

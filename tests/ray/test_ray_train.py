@@ -386,7 +386,9 @@ def test_tune_trials_side_by_side_each_in_its_job_directory(nodes: RayNodes) -> 
     both train to the end, each node's replicator holds both trials' saves, and each trial's
     ``close()`` released only its own directory's claim. (In CHECKPOINT_DIR's root the second
     trial would be refused: ``test_another_job_on_the_same_nodes_is_refused``.)"""
-    loop = {"job_directory": True, "step_seconds": 1.0}
+    # Each trial's workers wait, once restored, until the other trial's are: side by side
+    # by construction, not by luck of the scheduling (a slot freed late runs them in turn).
+    loop = {"job_directory": True, "meet": ["c", "d"]}
     errors, trials = _tune(nodes, "side", ["c", "d"], 2, loop, worker_cpus=0.5)
     assert not errors, errors
     spans = {

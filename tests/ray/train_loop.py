@@ -133,6 +133,8 @@ def train_func(config: dict[str, Any]) -> None:
     else:
         start = restored.step + 1
         emit(event="restored", step=restored.step, source=restored.source, digest=digest(model))
+    if config.get("meet"):
+        _meet(Path(config["events"]), config["meet"], rank)
     flag, killed = Path(config["events"]) / "acted", Path(config["events"]) / "killed"
     for step in range(start, config["steps"] + 1):
         if step == config.get("fail_at"):
@@ -157,6 +159,18 @@ def train_func(config: dict[str, Any]) -> None:
     emit(event="done", step=config["steps"], digest=digest(model))
     if config.get("exploit_from"):
         _exploit(config["exploit_from"], emit)
+
+
+def _meet(events: Path, trials: list[str], rank: int, timeout: float = 90.0) -> None:
+    """Wait until the rank ``rank`` of every trial in ``trials`` has restored: the trials
+    then run side by side on the same nodes (each Tune trial's events are ``<shared>/<trial>``)."""
+    shared = events.parent
+    (shared / f"met-{events.name}-{rank}").touch()
+    deadline = time.monotonic() + timeout
+    while not all((shared / f"met-{t}-{rank}").exists() for t in trials):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"trials {trials} never ran side by side within {timeout:g} s")
+        time.sleep(0.1)
 
 
 def _exploit(path: str, emit: Any) -> None:
