@@ -229,6 +229,16 @@ def released(
     m.adopt(RoundOutcome(step, "local", {}, addresses or {}, "coord:1"))
 
 
+def ordered(world: World) -> ClusterMember:
+    """A member whose rank committed step 10, released at it, and whose coordinator's next
+    answer orders the backup of step 10."""
+    world.commit(10)
+    m = world.member()
+    released(m, 10)
+    world.finder.answer_with(answer(10, backup=10))
+    return m
+
+
 def answer(
     restorable: int | None = None,
     backup: int | None = None,
@@ -534,10 +544,7 @@ def test_one_node_keeps_only_its_newest_step_unconfirmed(world: World) -> None:
 
 
 def test_an_ordered_backup_is_uploaded_and_reported(world: World) -> None:
-    world.commit(10)
-    m = world.member()
-    released(m, 10)
-    world.finder.answer_with(answer(10, backup=10))
+    m = ordered(world)
 
     async def body() -> None:
         await m.tick(10, force=True)
@@ -724,10 +731,7 @@ def test_an_order_for_a_step_committed_already_counts_as_done(world: World) -> N
 
 
 def test_settle_upload_cancels_an_upload_of_another_step(world: World) -> None:
-    world.commit(10)
-    m = world.member()
-    released(m, 10)
-    world.finder.answer_with(answer(10, backup=10))
+    m = ordered(world)
 
     async def body() -> None:
         world.gate = asyncio.Event()  # never set: the upload hangs
@@ -746,10 +750,7 @@ def test_an_upload_cancelled_before_it_began_frees_the_next_order(world: World) 
     """Cancelled before its first step (a drain's settle for another step right after the
     order), the upload's own ``finally`` never runs: the order must still end, or no backup
     is ever ordered on this rank again."""
-    world.commit(10)
-    m = world.member()
-    released(m, 10)
-    world.finder.answer_with(answer(10, backup=10))
+    m = ordered(world)
 
     async def body() -> None:
         world.gate = asyncio.Event()
@@ -772,10 +773,7 @@ def test_settle_upload_without_an_upload_says_whether_the_step_is_up(world: Worl
 
 
 def test_stop_cancels_the_upload_and_closes_the_link(world: World) -> None:
-    world.commit(10)
-    m = world.member()
-    released(m, 10)
-    world.finder.answer_with(answer(10, backup=10))
+    m = ordered(world)
 
     async def body() -> None:
         world.gate = asyncio.Event()
@@ -795,10 +793,7 @@ def test_an_order_answered_to_a_report_sent_before_the_upload_ended_is_not_taken
     """The coordinator's answer to a report sent while step 10 uploaded still orders 10;
     taken once the upload is done, it uploaded the step again, racing retention (a loaded
     box's cluster test saw objects of one item written twice)."""
-    world.commit(10)
-    m = world.member()
-    released(m, 10)
-    world.finder.answer_with(answer(10, backup=10))
+    m = ordered(world)
 
     async def body() -> None:
         world.gate = asyncio.Event()
