@@ -566,10 +566,7 @@ class Daemon:
                 await job_dir.supervisor.resume(resumed)
 
     def _job_dir_events(self, job_dir: JobDir) -> OnEvent:
-        def on_event(name: str | None, finished: bool, renamed: bool = False) -> None:
-            self._on_event(name, finished, renamed, job_dir.supervisor)
-
-        return on_event
+        return functools.partial(self._on_event, supervisor=job_dir.supervisor)
 
     async def _shutdown(
         self,
