@@ -229,8 +229,9 @@ class JobCoordinator:
                 item = ItemId(self.config.job_name, resumed.step, 0, worker)
                 digest = join.inventory.items.get(item)
                 if digest is None:
-                    # Released as ready, so held; gone since (a node's store was lost):
-                    # nothing to serve again, and a new round is the way out.
+                    # Released as ready, so held; gone since: nothing to serve again. The
+                    # join is judged as any of a released incarnation's (refused: only a
+                    # restart of the job, rank 0's new incarnation, opens a round).
                     self.resumed = None
                     return False
                 sources[item] = (Fetch(Source.LOCAL, item, 0, digest),)
