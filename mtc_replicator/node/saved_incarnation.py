@@ -50,6 +50,14 @@ def save_state(store: LocalStore, state: SavedIncarnation | None, name: str = ST
     fsutil.atomic_write_bytes(path, json.dumps(body).encode())
 
 
+def forget_every_state(store: LocalStore) -> None:
+    """Remove every directory's record (a node handoff): no incarnation of the previous
+    owner's is resumed, whichever directory its next owner's pods use."""
+    for path in store.root.glob("incarnation*.json"):
+        if path.name == STATE_FILE or path.name.startswith("incarnation-"):
+            path.unlink(missing_ok=True)
+
+
 def load_state(store: LocalStore, name: str = STATE_FILE) -> SavedIncarnation | None:
     try:
         body = json.loads((store.root / name).read_bytes())

@@ -44,6 +44,7 @@ from mtc_replicator.node.rank0_coordinator import Rank0Coordinator, Stopping
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.node.saved_incarnation import (
     IncarnationPhase,
+    forget_every_state,
     load_state,
     new_incarnation_id,
     save_state,
@@ -336,9 +337,7 @@ class Supervisor:
             )
             await self._end_and_clean()
             gone = await loop.run_in_executor(self.executor, self.foreign.purge)
-            await loop.run_in_executor(
-                self.executor, save_state, self.store, None, self.ctx.state_name
-            )
+            await loop.run_in_executor(self.executor, forget_every_state, self.store)
             for job, nbytes in gone.items():
                 log.warning(
                     "node handoff: removed job %s from this node: %d bytes",

@@ -34,9 +34,11 @@ from mtc_replicator.node.saved_incarnation import (
     STATE_FILE,
     IncarnationPhase,
     SavedIncarnation,
+    forget_every_state,
     load_state,
     new_incarnation_id,
     save_state,
+    state_file,
 )
 from mtc_replicator.obs.metrics import ErrorKind, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
@@ -396,3 +398,16 @@ def test_what_the_config_assumed_is_told_to_the_workload(node: Node) -> None:
         assert assumption in told
     assert "job=job rank=0" in told
     assert ErrorKind.CONFIG in metrics.errors
+
+
+def test_a_handoff_forgets_every_directorys_incarnation(node: Node) -> None:
+    """The root's record and each job directory's (``jobs/<job>/``) go at a node handoff;
+    nothing else in the store does."""
+    saved = SavedIncarnation("job-name: j\n", "inc", IncarnationPhase.STEADY)
+    for name in (STATE_FILE, state_file("trial-a"), state_file("trial-b")):
+        save_state(node.store, saved, name)
+    (node.store.root / "incarnations.txt").write_text("not ours")
+    forget_every_state(node.store)
+    for name in (STATE_FILE, state_file("trial-a"), state_file("trial-b")):
+        assert load_state(node.store, name) is None
+    assert (node.store.root / "incarnations.txt").exists()
