@@ -617,5 +617,10 @@ async def receive_item(
 async def discard_staging(staged: Path, executor: Executor | None = None) -> None:
     """Remove what a failed transfer staged, on ``executor`` (None: asyncio's): a push of
     100,000 files leaves as many to unlink, which must not stall the event loop. Nothing is
-    left after a commit (its rename took the directory)."""
-    await asyncio.get_running_loop().run_in_executor(executor, fsutil.remove_tree, staged)
+    left after a commit (its rename took the directory).
+
+    Shielded: a push cancelled while its removal waits in the executor's queue would
+    otherwise cancel the queued call too, and leave the staged bytes until a restart.
+    """
+    removal = asyncio.get_running_loop().run_in_executor(executor, fsutil.remove_tree, staged)
+    await asyncio.shield(removal)

@@ -7,11 +7,14 @@ processes in ``tests/integration/test_peer*.py``.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import os
 import resource
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -36,6 +39,7 @@ from mtc_replicator.transport.transfer import (
     ItemWriter,
     TransferError,
     check_manifest,
+    discard_staging,
     iter_chunks,
     room_on,
 )
@@ -353,3 +357,27 @@ def test_skipping_to_a_later_file_makes_the_ones_before_and_counts_them(tmp_path
     with pytest.raises(CorruptItem, match="received 0 bytes"):
         writer.skip_to(1)
     writer.close()
+
+
+def test_a_staged_copy_is_removed_even_when_its_push_is_cancelled_while_the_removal_waits(
+    tmp_path: Path,
+) -> None:
+    """The removal is queued behind a busy pool when the push's task is cancelled (the
+    puller hung up during the cleanup): it still runs, and nothing staged is left."""
+    staged = tmp_path / "staging" / "0-abc"
+    (staged / "data").mkdir(parents=True)
+    (staged / "data" / "state").write_bytes(b"x" * 4096)
+    busy = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pool.submit(busy.wait, 10.0)  # the removal queues behind this
+
+        async def scenario() -> None:
+            task = asyncio.create_task(discard_staging(staged, pool))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            busy.set()
+
+        asyncio.run(scenario())
+    assert not staged.exists()
