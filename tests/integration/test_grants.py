@@ -19,6 +19,7 @@ Each fails on the code before grants (``git show`` it into a scratch worktree to
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -182,6 +183,48 @@ def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_
     outcome = asyncio.run(push())
     assert "node 'node1', not 'mallory'" in outcome, outcome
     assert (20, "1-0") not in cluster.held(target)
+
+
+def test_without_a_grant_no_push_is_taken_before_the_ranks_nodes_are_known(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """No controller: a rank's node is known once the job's coordinator answered. Before
+    that (node 3's pod not up, so no round is released and nobody answered), the insider's
+    push of rank 1's forged item is refused (before: taken on the layout's word, and once
+    in an inventory before the first plan, the job's record of who produced what was never
+    complete, so a later restart could restore it). The job then starts and replicates."""
+    mallory = _mallory(cluster)
+    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
+    (target,) = holders(config, 1).copies
+    handshake(cluster, [r for r in range(NODES) if r != 3])
+    wait_until(
+        lambda: not (cluster.dirs[target] / "replicator.yaml").exists(),
+        "the handshake accepted",
+        daemon=cluster.daemon(target),
+    )
+    data = tmp_path / "forged"
+    data.mkdir()
+    (data / "state.bin").write_bytes(b"forged step 20 of rank 1")
+    manifest = mallory.attest(build_manifest(ItemId(cluster.job, 20, 1, 0), data))
+
+    async def push() -> str:
+        client = PeerClient(tls=mallory.material())
+        try:
+            await client.push_item(cluster.daemon(target).address, manifest, data)
+        except Exception as exc:
+            return str(exc)
+        finally:
+            await client.close()
+        return "accepted"
+
+    outcome = asyncio.run(push())
+    assert "does not know yet which node holds rank 1" in outcome, outcome
+    assert (20, "1-0") not in cluster.held(target)
+    handshake(cluster, [3])
+    cluster.wait_markers(0)
+    for r in range(NODES):
+        os.unlink(cluster.dirs[r] / f"{cluster.job}-s0-n{r}-w0.restore")
+    cluster.save(5)  # every rank's copy taken at its holder once the nodes are known
 
 
 def test_only_the_grants_nodes_read_the_jobs_items(cluster: Cluster) -> None:
