@@ -189,14 +189,15 @@ def test_without_a_grant_no_push_is_taken_before_the_ranks_nodes_are_known(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     """No controller: a rank's node is known once the job's coordinator answered. Before
-    that (node 3's pod not up, so no round is released and nobody answered), the insider's
+    that (one node's pod not up, so no round is released and nobody answered), the insider's
     push of rank 1's forged item is refused (before: taken on the layout's word, and once
     in an inventory before the first plan, the job's record of who produced what was never
     complete, so a later restart could restore it). The job then starts and replicates."""
     mallory = _mallory(cluster)
     config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
     (target,) = holders(config, 1).copies
-    handshake(cluster, [r for r in range(NODES) if r != 3])
+    late = next(r for r in range(NODES) if r not in (1, target))  # its pod is not up yet
+    handshake(cluster, [r for r in range(NODES) if r != late])
     wait_until(
         lambda: not (cluster.dirs[target] / "replicator.yaml").exists(),
         "the handshake accepted",
@@ -220,7 +221,7 @@ def test_without_a_grant_no_push_is_taken_before_the_ranks_nodes_are_known(
     outcome = asyncio.run(push())
     assert "does not know yet which node holds rank 1" in outcome, outcome
     assert (20, "1-0") not in cluster.held(target)
-    handshake(cluster, [3])
+    handshake(cluster, [late])
     cluster.wait_markers(0)
     for r in range(NODES):
         os.unlink(cluster.dirs[r] / f"{cluster.job}-s0-n{r}-w0.restore")
