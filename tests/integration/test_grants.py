@@ -152,14 +152,9 @@ def test_a_flood_of_joins_never_locks_the_granted_node_out(cluster: Cluster) -> 
     assert log.count(refused) == 1
 
 
-def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_path: Path) -> None:
-    grant(cluster)
-    mallory = _mallory(cluster)
-    # Rank 1's copies go to the node that holds its peer copy: the insider poses as rank 1,
-    # the moment that node accepted its handshake (before any word from the coordinator).
-    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
-    (target,) = holders(config, 1).copies
-    handshake(cluster, list(range(NODES)))
+def _forged_push(cluster: Cluster, mallory: NodeTls, target: int, tmp_path: Path) -> str:
+    """Once ``target`` accepted its handshake, the insider pushes it a forged step 20 of
+    rank 1, attested by its own key: "accepted" or the refusal."""
     wait_until(
         lambda: not (cluster.dirs[target] / "replicator.yaml").exists(),
         "the handshake accepted",
@@ -180,7 +175,18 @@ def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_
             await client.close()
         return "accepted"
 
-    outcome = asyncio.run(push())
+    return asyncio.run(push())
+
+
+def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    grant(cluster)
+    mallory = _mallory(cluster)
+    # Rank 1's copies go to the node that holds its peer copy: the insider poses as rank 1,
+    # the moment that node accepted its handshake (before any word from the coordinator).
+    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
+    (target,) = holders(config, 1).copies
+    handshake(cluster, list(range(NODES)))
+    outcome = _forged_push(cluster, mallory, target, tmp_path)
     assert "node 'node1', not 'mallory'" in outcome, outcome
     assert (20, "1-0") not in cluster.held(target)
 
@@ -198,27 +204,7 @@ def test_without_a_grant_no_push_is_taken_before_the_ranks_nodes_are_known(
     (target,) = holders(config, 1).copies
     late = next(r for r in range(NODES) if r not in (1, target))  # its pod is not up yet
     handshake(cluster, [r for r in range(NODES) if r != late])
-    wait_until(
-        lambda: not (cluster.dirs[target] / "replicator.yaml").exists(),
-        "the handshake accepted",
-        daemon=cluster.daemon(target),
-    )
-    data = tmp_path / "forged"
-    data.mkdir()
-    (data / "state.bin").write_bytes(b"forged step 20 of rank 1")
-    manifest = mallory.attest(build_manifest(ItemId(cluster.job, 20, 1, 0), data))
-
-    async def push() -> str:
-        client = PeerClient(tls=mallory.material())
-        try:
-            await client.push_item(cluster.daemon(target).address, manifest, data)
-        except Exception as exc:
-            return str(exc)
-        finally:
-            await client.close()
-        return "accepted"
-
-    outcome = asyncio.run(push())
+    outcome = _forged_push(cluster, mallory, target, tmp_path)
     assert "does not know yet which node holds rank 1" in outcome, outcome
     assert (20, "1-0") not in cluster.held(target)
     handshake(cluster, [late])
