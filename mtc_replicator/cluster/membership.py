@@ -131,6 +131,8 @@ class ClusterMember:
         ranks that push here, whose holders the peer service admits pushes from."""
         self.rank_nodes: dict[int, str] = {}
         """The node each of those ranks is bound to, as the coordinator last said."""
+        self.answered = False
+        """A progress report was answered: ``rank_nodes`` is the coordinator's word."""
         self._log = JobLog(log, self.config.job_name, self.config.node_rank)
 
     async def restore(self, timeline: RestoreTimeline | None = None) -> RoundOutcome:
@@ -281,6 +283,7 @@ class ClusterMember:
             {r: a for r, a in answer.addresses.items() if r in self._targets}
         )
         self.rank_nodes.update(answer.nodes)
+        self.answered = True
         step = answer.backup_step
         # An order of the step this rank finished uploading after it sent the report the
         # answer was computed from is stale: the next report says it is done. Uploaded

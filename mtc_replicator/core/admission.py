@@ -91,6 +91,9 @@ class Served:
     holders: Mapping[int, str] = field(default_factory=dict)
     """The node each pushing rank is bound to, as the coordinator last said
     (``core.rank_holders``); a rank not in it is admitted by the layout alone."""
+    bound: bool = True
+    """Whether those nodes are known here: a grant in force, or the coordinator answered
+    once. False in a run's first seconds, when a push from a node is not taken yet."""
 
 
 def expected_pushers(config: JobConfig) -> frozenset[int]:
@@ -146,6 +149,15 @@ def admit_push(
             Verdict.NOT_A_PUSHER,
             f"{item}: rank {item.rank} does not replicate to rank {config.node_rank} in the "
             "job's layout",
+        )
+    if pusher not in (None, LEGACY) and not served.bound:
+        # No rank's items before its node is known: a node's plant in a run's first
+        # seconds would otherwise count as a copy, and its step as held by every rank.
+        return Admission(
+            Verdict.NOT_SERVED,
+            f"{item}: this node does not know yet which node holds rank {item.rank} (the "
+            "job's coordinator has not answered it since the job started here); try again "
+            "in a moment",
         )
     held_by = served.holders.get(item.rank)
     if pusher not in (None, LEGACY) and held_by not in (None, LEGACY, pusher):

@@ -251,7 +251,8 @@ class Daemon:
         # coordinator's word, from its first answer on.
         granted = self.grants.holders(config.job_name, config.nodes, config.node_rank, self._own)
         holders = granted or ({} if member is None else member.rank_nodes)
-        return Served(config, max(own, default=None), running.owner, holders)
+        bound = granted is not None or (member is not None and member.answered)
+        return Served(config, max(own, default=None), running.owner, holders, bound)
 
     def _on_event(
         self,

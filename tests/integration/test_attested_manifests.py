@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import grpc
 import pytest
 
+from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc
 from mtc_replicator.core.attestation import statement
 from mtc_replicator.core.manifest import Attestation, ItemId, Manifest
 from mtc_replicator.local.hashing import build_manifest
@@ -28,6 +30,7 @@ from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from mtc_replicator.transport.signing import NodeSigner
+from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster, assert_restored
 from tests.integration.helpers import (
@@ -114,7 +117,9 @@ def test_another_namespace_naming_a_one_node_job_restores_nothing_of_it(tmp_path
 @pytest.fixture(scope="module")
 def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProcess, NodeTls]]:
     """A daemon (owner VICTIM) that takes pushes of rank 0's items, and a node certificate
-    of its CA (``mallory``) to push with."""
+    of its CA (``mallory``) to push with: mtc-controller's grant puts rank 0 on mallory's
+    node (no rank 0 ever runs, and a push from a named node is taken only once its rank's
+    node is known), so what is refused below is refused for its attestation alone."""
     root = tmp_path_factory.mktemp("attested")
     ca = certs.new_ca()
     ckpt = root / "ckpt"
@@ -125,8 +130,39 @@ def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonP
     with running_daemon(
         ckpt, extra=(*tls.args(), *receiver_args(ckpt)), env={"MTC_OWNER_FILE": str(owner)}
     ) as daemon:
+        pod = json.loads(owner.read_text())["pod_uid"]
+        _grant(daemon, ca, root, ("shared-job", pod), holders=("mallory", "node-1"))
         accept_job(ckpt, daemon, "shared-job", **RECEIVER)
         yield daemon, node_tls(root / "mallory", ca, node="mallory")
+
+
+def _grant(
+    daemon: DaemonProcess,
+    ca: certs.Pair,
+    root: Path,
+    to: tuple[str, str],
+    holders: tuple[str, ...],
+) -> None:
+    """mtc-controller's assignment of ``daemon``'s rank (``RECEIVER``'s) in a job, to its
+    pod: ``to`` is (job, pod UID)."""
+    job, pod = to
+    out = root / "controller"
+    certs.write_node_files(out, ca, certs.issue_controller(ca))
+    controller = TlsMaterial(certs.node_files(out))
+    request = node_pb2.AssignRankRequest(
+        job=job,
+        pod_uid=pod,
+        rank=RECEIVER["rank"],
+        nodes=RECEIVER["nodes"],
+        coordinator="127.0.0.1:8476",
+        assignment="a1",
+        source="index",
+        holders=list(holders),
+    )
+    with grpc.secure_channel(
+        daemon.address, controller.channel_credentials(), options=controller.channel_options()
+    ) as channel:
+        node_pb2_grpc.NodeStub(channel).AssignRank(request, timeout=10)
 
 
 def _attested_as(manifest: Manifest, signer: NodeTls, owner: str, producer: str) -> Manifest:

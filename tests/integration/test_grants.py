@@ -19,6 +19,7 @@ Each fails on the code before grants (``git show`` it into a scratch worktree to
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -151,14 +152,9 @@ def test_a_flood_of_joins_never_locks_the_granted_node_out(cluster: Cluster) -> 
     assert log.count(refused) == 1
 
 
-def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_path: Path) -> None:
-    grant(cluster)
-    mallory = _mallory(cluster)
-    # Rank 1's copies go to the node that holds its peer copy: the insider poses as rank 1,
-    # the moment that node accepted its handshake (before any word from the coordinator).
-    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
-    (target,) = holders(config, 1).copies
-    handshake(cluster, list(range(NODES)))
+def _forged_push(cluster: Cluster, mallory: NodeTls, target: int, tmp_path: Path) -> str:
+    """Once ``target`` accepted its handshake, the insider pushes it a forged step 20 of
+    rank 1, attested by its own key: "accepted" or the refusal."""
     wait_until(
         lambda: not (cluster.dirs[target] / "replicator.yaml").exists(),
         "the handshake accepted",
@@ -179,9 +175,43 @@ def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_
             await client.close()
         return "accepted"
 
-    outcome = asyncio.run(push())
+    return asyncio.run(push())
+
+
+def test_an_insiders_push_in_the_first_seconds_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    grant(cluster)
+    mallory = _mallory(cluster)
+    # Rank 1's copies go to the node that holds its peer copy: the insider poses as rank 1,
+    # the moment that node accepted its handshake (before any word from the coordinator).
+    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
+    (target,) = holders(config, 1).copies
+    handshake(cluster, list(range(NODES)))
+    outcome = _forged_push(cluster, mallory, target, tmp_path)
     assert "node 'node1', not 'mallory'" in outcome, outcome
     assert (20, "1-0") not in cluster.held(target)
+
+
+def test_without_a_grant_no_push_is_taken_before_the_ranks_nodes_are_known(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """No controller: a rank's node is known once the job's coordinator answered. Before
+    that (one node's pod not up, so no round is released and nobody answered), the insider's
+    push of rank 1's forged item is refused (before: taken on the layout's word, and once
+    in an inventory before the first plan, the job's record of who produced what was never
+    complete, so a later restart could restore it). The job then starts and replicates."""
+    mallory = _mallory(cluster)
+    config = parse_config(config_text(cluster.job, rank=1, nodes=NODES, **cluster.keys))
+    (target,) = holders(config, 1).copies
+    late = next(r for r in range(NODES) if r not in (1, target))  # its pod is not up yet
+    handshake(cluster, [r for r in range(NODES) if r != late])
+    outcome = _forged_push(cluster, mallory, target, tmp_path)
+    assert "does not know yet which node holds rank 1" in outcome, outcome
+    assert (20, "1-0") not in cluster.held(target)
+    handshake(cluster, [late])
+    cluster.wait_markers(0)
+    for r in range(NODES):
+        os.unlink(cluster.dirs[r] / f"{cluster.job}-s0-n{r}-w0.restore")
+    cluster.save(5)  # every rank's copy taken at its holder once the nodes are known
 
 
 def test_only_the_grants_nodes_read_the_jobs_items(cluster: Cluster) -> None:

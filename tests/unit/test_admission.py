@@ -155,3 +155,15 @@ def test_a_rank_bound_to_a_node_is_pushed_only_by_that_node() -> None:
     assert admit_push(bound, item, pusher=None).accepted
     assert admit_push(bound, item, pusher=LEGACY).accepted
     assert admit_push(Served(CONFIG, 100, holders={pushing: LEGACY}), item, pusher="x").accepted
+
+
+def test_no_push_from_a_node_before_the_ranks_nodes_are_known() -> None:
+    """A run's first seconds, no grant: the coordinator has not answered yet, so no node's
+    push is taken (without TLS, or under a shared certificate, the layout alone admits)."""
+    early = Served(CONFIG, 100, bound=False)
+    item = ItemId("job", 101, min(expected_pushers(CONFIG)), 0)
+    refused = admit_push(early, item, pusher="node-a")
+    assert refused.verdict is Verdict.NOT_SERVED
+    assert "does not know yet which node holds rank" in refused.reason
+    assert admit_push(early, item, pusher=None).verdict is Verdict.ACCEPT
+    assert admit_push(Served(CONFIG, 100), item, pusher="node-a").verdict is Verdict.ACCEPT
