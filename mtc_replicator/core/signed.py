@@ -42,6 +42,8 @@ COMMIT_KIND = "commit"
 REGISTRY_KIND = "registry-entry"
 PIN_KIND = "restore-pin"
 """Signed by an operator, not a node (``transport.operator_signing``)."""
+POOL_KIND = "pool-member"
+"""A node's entry in the pool (``cluster.pool``), signed by that node."""
 USED_PIN_KIND = "used-restore-pin"
 """A coordinator's record that it honoured a pin (``core.pin_use``), signed by its node."""
 

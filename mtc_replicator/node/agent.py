@@ -22,6 +22,7 @@ from pathlib import Path
 from mtc_replicator.cluster.coordinators import Coordinators
 from mtc_replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
 from mtc_replicator.cluster.membership import ClusterMember, MemberContext
+from mtc_replicator.cluster.pool import PoolCopies
 from mtc_replicator.cluster.registry import Registry
 from mtc_replicator.cluster.rounds import JobRank, RoundFailed
 from mtc_replicator.cluster.sources import ItemSources
@@ -54,6 +55,7 @@ from mtc_replicator.local.offload import Offload
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.node.checkpoint_dir import list_top, unlink_links_to
+from mtc_replicator.node.pool_node import PoolNode
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.node.repeats import Repeats
 from mtc_replicator.node.saved_incarnation import (
@@ -122,6 +124,9 @@ class AgentContext:
     job_dir: str | None = None
     """The job directory ``CHECKPOINT_DIR/jobs/<job_dir>/`` this context serves (its
     ``checkpoint_dir``); None: CHECKPOINT_DIR's root."""
+    pool: PoolNode | None = None
+    """This node in the pool: a one-node job in a job directory copies its steps to
+    another node of it (``core.pool``); None: no registry, or ``--no-pool-copies``."""
 
     @property
     def state_name(self) -> str:
@@ -175,6 +180,7 @@ class Incarnation:
             opening=None if handshake_at is None else RestorePhase.SETTLE,
         )
         """How long each phase of this incarnation's restore took (``core.timeline``)."""
+        self.pool_copies = self._pool_copies()
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -184,6 +190,22 @@ class Incarnation:
             self.ctx.metrics.off_node_copies(self.config.job_name, off_node_copies(self.config))
         self._task = asyncio.create_task(self._run(), name=f"incarnation-{self.config.job_name}")
         self.repeats.task = self._task
+
+    def _pool_copies(self) -> PoolCopies | None:
+        ctx = self.ctx
+        if ctx.pool is None or ctx.peers is None or ctx.job_dir is None or self.config.nodes > 1:
+            return None
+        return PoolCopies(
+            ctx.pool.pool,
+            ctx.peers,
+            ctx.store,
+            self.config,
+            me=ctx.pool.name,
+            owner=self.owner,
+            run_thread=self._thread,
+            trust=ctx.manifests,
+            metrics=ctx.metrics,
+        )
 
     def wake(self) -> None:
         self._wake.set()
@@ -197,6 +219,8 @@ class Incarnation:
             await asyncio.wait([self._task], timeout=timeout)
         if self.member is not None:
             await self.member.stop()
+        if self.pool_copies is not None:
+            await self.pool_copies.close()
         await self._offload.wait(timeout)
 
     async def drain(self) -> Drained | None:
@@ -305,6 +329,7 @@ class Incarnation:
                 self.persist()
                 await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk
+                await self._pool_first()
                 self.timeline.enter(RestorePhase.INGEST)
                 await self._ingest_ready(member)
                 await self._restore(member)
@@ -371,6 +396,15 @@ class Incarnation:
                 metrics=ctx.metrics,
             )
         )
+
+    async def _pool_first(self) -> None:
+        """Pool copies held here become the job's own or go (``local.pool_held``); a
+        one-node job's newest step on another node of the pool comes here, when newer."""
+        if self.ctx.pool is not None:
+            job, nodes = self.config.job_name, self.config.nodes
+            await self._thread(self.ctx.pool.held.settle, job, nodes)
+        if self.pool_copies is not None:
+            await self.pool_copies.fetch_newest()
 
     def _since_start(self) -> float:
         return time.monotonic() - self._started_at
@@ -514,6 +548,8 @@ class Incarnation:
                 step=item.step,
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)
+            if self.pool_copies is not None:
+                self.pool_copies.push_later(manifest)
         await self._collect_garbage(member)
         await self._make_room()  # for the next save, before the job starts writing it
         # Replicate the new step at once, and report it: the promise the garbage collection

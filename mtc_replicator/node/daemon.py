@@ -67,6 +67,7 @@ from mtc_replicator.node.startup import (
     CheckpointFilesystem,
     check_checkpoint_dir,
     open_backups,
+    open_pool,
     open_tls,
     tune_malloc,
 )
@@ -158,6 +159,8 @@ class Daemon:
             if opts.registry
             else None
         )
+        ctx = self.ctx
+        ctx.pool = open_pool(opts, self.registry, ctx.manifests, self.store, self.executor)
         self.coordinators = CoordinatorHost()
         self.tenancy = Tenancy(opts.checkpoint_dir, lambda c: self.grants.missing(c, self._own))
         """The job directories served: the root's and those in ``jobs/``."""
@@ -351,6 +354,9 @@ class Daemon:
             probe_peers(peers, lambda: peer_targets(self.tenancy.incarnations())),
             name="peer-probe",
         )
+        tasks = (
+            [probe] if self.ctx.pool is None else [probe, self.ctx.pool.start(self.ctx.advertise)]
+        )
         # A yaml written while we were down has no events left to tell: trust it.
         self.supervisor.handshake.trust_existing()
         watcher = DirectoryWatcher(self.opts.checkpoint_dir, self._on_event)
@@ -369,7 +375,7 @@ class Daemon:
         try:
             await self._serve()
         finally:
-            await self._shutdown(rpc, channel, watcher, [readiness, probe])
+            await self._shutdown(rpc, channel, watcher, [readiness, *tasks])
 
     async def _open_store(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Open (and recover) the store; False, with the exit code set, when it cannot be."""
@@ -488,6 +494,7 @@ class Daemon:
             max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
+            pool=None if self.ctx.pool is None else self.ctx.pool.holding,
             readers=lambda job: self.grants.readers(
                 job, getattr(self.tenancy.incarnation_of(job), "config", None), self._own
             ),

@@ -88,6 +88,9 @@ class DaemonOptions:
     require_rank_grant: bool = False
     """Serve only jobs mtc-controller assigned ranks for (``core.grant``): a handshake, a
     join, a push or a read of a job without its grant on this node is refused."""
+    pool_copies: bool = True
+    """One-node jobs in job directories copy their steps to another node of the pool, and
+    this node keeps others' (``core.pool``); needs a registry."""
     accept_unsigned_records: bool = False
     """Believe unsigned COMMITs, registry entries and restore pins (written before records
     and pins were signed); those whose signature fails are refused all the same. Only
@@ -333,6 +336,15 @@ def _add_workload_rules(p: argparse.ArgumentParser, env: Mapping[str, str]) -> N
         "[MTC_REQUIRE_RANK_GRANT]",
     )
     p.add_argument(
+        "--no-pool-copies",
+        dest="pool_copies",
+        action="store_false",
+        default=not _flag(env.get("MTC_NO_POOL_COPIES", "")),
+        help="neither push the steps of one-node jobs in job directories (Ray Tune trials) to "
+        "another node of the pool nor keep other nodes' (default: both, where the daemon has "
+        "a registry; docs/architecture.md, Pool copies) [MTC_NO_POOL_COPIES]",
+    )
+    p.add_argument(
         "--expand-vars",
         type=_var_names,
         default=env.get("MTC_EXPAND_VARS", ",".join(DEFAULT_EXPAND_VARS)),
@@ -503,6 +515,7 @@ def parse_args(
         tls_node_name_pattern=a.tls_node_name_pattern,
         tls_shared_certificate=a.tls_shared_certificate,
         require_rank_grant=a.require_rank_grant,
+        pool_copies=a.pool_copies,
         accept_unsigned_records=a.accept_unsigned_records,
         health_listen=a.health_listen,
         expand_vars=a.expand_vars,

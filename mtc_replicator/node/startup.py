@@ -10,13 +10,19 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
+from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.identity import IdentityRule
 from mtc_replicator.core.signed import RecordTrust
 from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.options import DaemonOptions
+from mtc_replicator.node.owner_watch import read_owner
+from mtc_replicator.node.pool_node import PoolNode
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.stores import open_object_store
 from mtc_replicator.transport.identity import keeps_node, own_node
@@ -130,3 +136,25 @@ def _fs_type(device: int, mountinfo: Path) -> str | None:
             if after < len(fields):
                 return fields[after]
     return None
+
+
+def open_pool(
+    opts: DaemonOptions,
+    registry: Registry | None,
+    trust: ManifestTrust,
+    store: LocalStore,
+    executor: Executor,
+) -> PoolNode | None:
+    """This node in the pool of its registry (``core.pool``); None without a registry, or
+    with ``--no-pool-copies``."""
+    if registry is None or not opts.pool_copies:
+        return None
+    owner_file = opts.owner_file
+    return PoolNode(
+        registry,
+        trust,
+        store,
+        executor,
+        lambda: read_owner(owner_file),
+        max_lead=opts.max_step_lead,
+    )

@@ -160,6 +160,7 @@ class _Send:
     data: Path
     root: Path | None
     meter: Meter
+    pool_copy: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,10 +340,17 @@ class PeerClient:
 
     @_noting_contact
     async def push_item(
-        self, address: str, manifest: Manifest, data_path: Path, root: Path | None = None
+        self,
+        address: str,
+        manifest: Manifest,
+        data_path: Path,
+        root: Path | None = None,
+        *,
+        pool_copy: bool = False,
     ) -> bool:
         """Send a committed item; True when the peer already held it (nothing was sent).
-        Its files are read from ``root`` (the store) down through no symlink.
+        Its files are read from ``root`` (the store) down through no symlink. ``pool_copy``:
+        a one-node job's item for a node that does not run the job (``core.pool``).
 
         Raises ``CorruptItem`` when the bytes sent do not match the manifest (the peer
         answered DATA_LOSS, or the local copy is short), ``PeerUnavailable`` when trying
@@ -353,7 +361,7 @@ class PeerClient:
         # Replication: every byte sent is booked with the node's pacer (the rate limit,
         # restores first, saves), on the data channel and in chunks alike.
         with self.pacer.transfer(Traffic.REPLICATION, job=manifest.item.job) as meter:
-            send = _Send(manifest, data_path, root, meter)
+            send = _Send(manifest, data_path, root, meter, pool_copy)
             try:
                 with self._channel_slot(address) as channel:
                     return await self._push(address, send, channel)
@@ -398,6 +406,7 @@ class PeerClient:
             manifest=raw,
             manifest_digest=manifest.digest,
             data_channel=channel,
+            pool_copy=send.pool_copy,
         )
         t0 = time.monotonic()
         call = self._stub(address).PushItem(timeout=self._push_deadline(manifest.total_bytes))

@@ -76,6 +76,7 @@ from mtc_replicator.transport.peerwire import (
     paced_chunk,
     rate,
 )
+from mtc_replicator.transport.pool_holding import NO_POOL, PoolHolding
 from mtc_replicator.transport.transfer import (
     RESERVE_BYTES,
     Progress,
@@ -235,6 +236,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         handed_over: Callable[[], bool] = lambda: False,
         trust: ManifestTrust = OPEN_MANIFESTS,
         readers: Callable[[str], Collection[str] | None] = lambda job: None,
+        pool: PoolHolding | None = None,
     ) -> None:
         """``max_item_bytes`` caps one push; by default, the store's free space minus a
         margin (``room_on``) and minus what pushes in flight will still write. With a
@@ -258,7 +260,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         ``handed_over``: whether the node changed hands and its store is not emptied yet
         (``core.handoff``; blocking, run on ``executor``): no pull is served nor item listed
         meanwhile. ``trust``: which pushed items are attested for the job served
-        (``core.attestation``), checked before a byte is staged."""
+        (``core.attestation``), checked before a byte is staged. ``pool``: how pool copies
+        are taken (``core.pool``); None: refused."""
+        self.pool = pool
         self.trust = trust
         self.handed_over = handed_over
         self.make_room = make_room
@@ -312,8 +316,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         """The pushed manifest, checked, and whether the same copy is held already."""
         item = item_id(header.item)
         served = self.serving(item.job)
+        owner, producers = (None if served is None else served.owner), None
         # Admission first: a push this node must not take costs no manifest parsing.
-        _refuse_unless(admit_push(served, item, max_lead=self.max_step_lead, pusher=caller()))
+        if not header.pool_copy:
+            admission = admit_push(served, item, max_lead=self.max_step_lead, pusher=caller())
+        elif self.pool is None:
+            admission = NO_POOL
+        else:
+            admission, owner, producers = await self.pool.admit(item, caller(), bool(served))
+        _refuse_unless(admission)
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,
         # which must keep answering health checks and other transfers meanwhile.
         manifest = await asyncio.get_running_loop().run_in_executor(
@@ -324,8 +335,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             item,
             self.max_item_files,
         )
-        if served is not None:
-            self.trust.check(manifest, served.owner)
+        if owner is not None:
+            self.trust.check(manifest, owner, producers)
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
         if admission.verdict is Verdict.ALREADY_HELD:
@@ -427,6 +438,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             step=item.step,
         )
         self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
+        if first.header.pool_copy and self.pool is not None:
+            await self.pool.committed(item)
         return pb.PushItemResponse(bytes_received=nbytes)
 
     async def _receive(

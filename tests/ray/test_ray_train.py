@@ -406,6 +406,72 @@ def test_tune_trials_side_by_side_each_in_its_job_directory(nodes: RayNodes) -> 
         assert not (d / CLAIM_FILE).exists()
 
 
+def test_a_one_worker_trial_resumes_on_the_other_node_from_its_pool_copy(
+    nodes: RayNodes,
+) -> None:
+    """A Tune trial of one worker (a one-node job in its job directory) has no peer rank;
+    its saves still reach the other node as pool copies (issue 36). The trial's node is
+    lost at step 4 (daemon killed, RAM disk and store wiped, Ray node removed): Ray Train
+    restarts the worker on the other node, which restores step 4 from the pool copy in its
+    own RAM disk, the weights exactly those of 4 uninterrupted steps, and ends as an
+    uninterrupted run does."""
+    from ray import tune
+
+    events = nodes.root / "pool-events"
+    events.mkdir()
+    loop = {
+        "steps": 6,
+        "events": str(events),
+        "dirs": [str(d) for d in nodes.dirs],
+        "workers": 1,
+        "job_directory": True,
+        "hold_at": 4,
+        "backup_every": 100,
+        "claim_lease_seconds": 0,
+    }
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.tune_trial, {"cpu": 0, TUNE_DRIVER: 1}),
+        param_space={
+            "trial": "p",
+            "loop": loop,
+            "storage": str(nodes.root / "ray-storage"),
+            "max_failures": 1,
+        },
+        run_config=tune.RunConfig(name="pool", storage_path=str(nodes.root / "tune-storage")),
+    )
+    result: list[object] = []
+    runner = threading.Thread(target=lambda: result.append(tuner.fit()), name="tune")
+    runner.start()
+    trial_events = events / "p"
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "holding" for e in _read_events(trial_events)):
+        assert runner.is_alive(), result
+        assert time.monotonic() < deadline, "the trial never reached the held step"
+        time.sleep(0.2)
+    held = next(e for e in _read_events(trial_events) if e["event"] == "holding")
+    victim = nodes.dirs.index(Path(held["dir"]))
+    survivor = 1 - victim
+    nodes.daemons[victim].kill()
+    nodes.wipe(victim)
+    nodes.cluster.remove_node(nodes.ray_nodes[victim], allow_graceful=False)
+    (trial_events / "acted").touch()
+    try:
+        runner.join(timeout=180)
+        assert not runner.is_alive(), "the Tune run did not finish"
+    finally:  # the next tests want both nodes again
+        nodes.daemons[victim].start()
+        nodes.ray_nodes[victim] = nodes.add_ray_node(victim, f"127.0.0.{nodes.next_ip}")
+        nodes.next_ip += 1
+    errors = [r.error for r in result[0] if r.error is not None]  # type: ignore[attr-defined]
+    assert not errors, errors
+    run = _read_events(trial_events)
+    restored = [e for e in run if e["event"] == "restored"]
+    assert [(e["step"], e["dir"]) for e in restored] == [(4, str(nodes.dirs[survivor]))], run
+    assert restored[0]["digest"] == train_loop.reference_digest(4, world=1)
+    done = [e for e in run if e["event"] == "done"]
+    assert [e["digest"] for e in done] == [train_loop.reference_digest(6, world=1)], run
+
+
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     """A second run (or a concurrent Tune trial) on nodes where job ``ray-mtc`` failed
     moments ago: Ray could restart ``ray-mtc``'s workers there, so it keeps its nodes for

@@ -9,7 +9,8 @@ step was replicated to every node, so that the restart finds it on a peer too;
 ``ray_every`` makes every K-th save also a Ray checkpoint (at the next report, every 3
 steps); ``save_at`` and ``report_at`` list the steps that save and report (default: every
 step saves, every third reports); ``backup_every`` is the job's ``backup-interval-steps``;
-``fail_at`` raises at that step (the job never closes); ``exploit_from``: once trained, the
+``fail_at`` raises at that step (the job never closes); ``workers``: the job's worker
+count (2; 1 for a one-node trial); ``exploit_from``: once trained, the
 job is asked to continue
 from that Ray checkpoint, as PopulationBasedTraining's exploit asks a trial (expected to be
 refused). ``tune_trial`` is a Ray Tune trial that runs this ``train_func`` in a
@@ -95,8 +96,10 @@ def replicated(dirs: list[str], job: str, step: int, nodes: int) -> bool:
 
 
 def wait_replicated(config: dict[str, Any], job: str, step: int) -> None:
+    """Until every node holds every node rank's item of ``step`` (a one-worker job's one
+    item: at home and as the pool copy on the other node)."""
     deadline = time.monotonic() + 60
-    while not replicated(config["dirs"], job, step, WORLD):
+    while not replicated(config["dirs"], job, step, config.get("workers", WORLD)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"step {step} was not replicated to every node in 60 s")
         time.sleep(0.1)
@@ -240,14 +243,14 @@ def tune_trial(config: dict[str, Any]) -> None:
         train_func,
         train_loop_config=loop,
         scaling_config=ScalingConfig(
-            num_workers=WORLD,
+            num_workers=loop.get("workers", WORLD),
             placement_strategy="STRICT_SPREAD",
             resources_per_worker={"CPU": config.get("worker_cpus", 1)},
         ),
         run_config=RunConfig(
             name=f"tune-{trial}",
             storage_path=config["storage"],
-            failure_config=FailureConfig(max_failures=0),
+            failure_config=FailureConfig(max_failures=config.get("max_failures", 0)),
         ),
     ).fit()
     if result.checkpoint is not None:

@@ -104,6 +104,7 @@ class PushHeader(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     DATA_CHANNEL_FIELD_NUMBER: _builtins.int
+    POOL_COPY_FIELD_NUMBER: _builtins.int
     manifest: _builtins.bytes
     """Canonical manifest JSON; its sha256 must equal `manifest_digest`."""
     manifest_digest: _builtins.str
@@ -111,6 +112,11 @@ class PushHeader(_message.Message):
     data_channel: _builtins.bool
     """The sender can send the bytes over the receiver's data channel instead of chunks
     (see PushItem).
+    """
+    pool_copy: _builtins.bool
+    """A pool copy: rank 0's item of a one-node job that does not run on the receiver, kept
+    there so that the job, restarted on any node, finds its newest step on a RAM disk
+    (the receiver keeps the job's newest two steps; docs/architecture.md, "Pool copies").
     """
     @_builtins.property
     def item(self) -> Global___ItemRef: ...
@@ -121,10 +127,11 @@ class PushHeader(_message.Message):
         manifest: _builtins.bytes = ...,
         manifest_digest: _builtins.str = ...,
         data_channel: _builtins.bool = ...,
+        pool_copy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "item", b"item", "manifest", b"manifest", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "item", b"item", "manifest", b"manifest", "manifest_digest", b"manifest_digest", "pool_copy", b"pool_copy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

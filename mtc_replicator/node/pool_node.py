@@ -1,0 +1,70 @@
+"""This node in the pool (``core.pool``): its entry renewed, the copies it holds for others.
+I/O: the registry's object store, the owner file, the store.
+
+Built by the daemon when it has a registry and ``--pool-copies`` is on. Without a registry
+there is no pool to find: one-node jobs keep their steps on their node and in the bucket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from mtc_replicator.cluster.pool import Pool
+from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.core.attestation import ManifestTrust
+from mtc_replicator.core.ownership import BadOwner
+from mtc_replicator.core.pool import ANNOUNCE_SECONDS
+from mtc_replicator.local.pool_held import PoolHeld
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.objectstore import ObjectStoreError
+from mtc_replicator.transport.pool_holding import PoolHolding
+
+log = logging.getLogger(__name__)
+
+
+class PoolNode:
+    """The pool, this node's entry in it, and the copies held here."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        trust: ManifestTrust,
+        store: LocalStore,
+        executor: Executor,
+        node_owner: Callable[[], str],
+        *,
+        max_lead: int,
+    ) -> None:
+        self.pool = Pool(registry.objects, registry.trust, trust.verifier)
+        self.held = PoolHeld(store)
+        self.holding = PoolHolding(self.held, node_owner, executor, max_lead)
+        self._node_owner = node_owner
+        self._executor = executor
+        self.name = trust.producer
+        """This node in the pool: its certificate's name; its address without one."""
+
+    def start(self, advertise: str) -> asyncio.Task[None]:
+        """Renew this node's entry every ``ANNOUNCE_SECONDS`` until cancelled."""
+        self.name = self.name or advertise
+        return asyncio.create_task(self._announce_forever(advertise), name="pool-announce")
+
+    async def _announce_forever(self, advertise: str) -> None:
+        loop = asyncio.get_running_loop()
+        failing = False
+        while True:
+            try:
+                await loop.run_in_executor(self._executor, self._announce, advertise)
+                if failing:
+                    log.info("pool: this node's entry is renewed again")
+                failing = False
+            except (ObjectStoreError, BadOwner, OSError) as exc:
+                if not failing:
+                    log.warning("pool: cannot renew this node's entry (retrying): %s", exc)
+                failing = True
+            await asyncio.sleep(ANNOUNCE_SECONDS)
+
+    def _announce(self, advertise: str) -> None:
+        self.pool.announce(self.name, advertise, self._node_owner())

@@ -1,0 +1,169 @@
+"""Pool copies: the holder's choice, the admission of a pool copy, what a holder keeps
+(``core.pool``), the pool's signed entries on a real file store (``cluster.pool``) and the
+notes of held copies on a real store (``local.pool_held``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from mtc_replicator.cluster.pool import PREFIX, Pool
+from mtc_replicator.core.admission import Verdict
+from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.pool import (
+    MEMBER_TTL_SECONDS,
+    PoolMember,
+    admit_pool_copy,
+    candidates,
+    holder_for,
+    newest_complete,
+    ranking,
+    steps_past_keep,
+)
+from mtc_replicator.core.signed import OPEN
+from mtc_replicator.local.hashing import build_manifest
+from mtc_replicator.local.pool_held import PoolHeld
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.storage.objectstore import FileObjectStore
+from mtc_replicator.tools import certs
+from mtc_replicator.transport.attesting import manifest_trust
+from mtc_replicator.transport.identity import own_node
+from mtc_replicator.transport.signing import record_trust
+from tests.tls import node_tls
+
+
+def _members(n: int, owner: str = "") -> list[PoolMember]:
+    return [PoolMember(f"node-{i}", f"10.0.0.{i}:8470", owner, 0.0) for i in range(n)]
+
+
+def test_jobs_spread_evenly_over_the_pool_and_a_new_node_moves_only_what_it_wins() -> None:
+    pool = _members(8)
+    jobs = [f"trial-{i:05d}" for i in range(4000)]
+    chosen = {job: holder_for(job, "node-0", "", pool) for job in jobs}
+    counts = Counter(m.node for m in chosen.values() if m is not None)
+    assert set(counts) == {f"node-{i}" for i in range(1, 8)}  # never the producer
+    assert max(counts.values()) < 1.25 * min(counts.values()), counts
+    grown = [*pool, PoolMember("node-8", "10.0.0.8:8470", "", 0.0)]
+    moved = [j for j in jobs if holder_for(j, "node-0", "", grown) != chosen[j]]
+    assert all(holder_for(j, "node-0", "", grown).node == "node-8" for j in moved)  # type: ignore[union-attr]
+    assert 0.08 < len(moved) / len(jobs) < 0.17  # about 1/8
+
+
+def test_a_restart_asks_the_holder_whichever_node_produced_the_steps() -> None:
+    pool = _members(6)
+    for job in (f"trial-{i}" for i in range(200)):
+        for producer in pool:
+            holder = holder_for(job, producer.node, "", pool)
+            assert holder is not None
+            for me in pool:
+                asked = candidates(job, me.node, "", pool)
+                assert holder in asked or holder.node == me.node
+        assert ranking(job, pool) == ranking(job, list(reversed(pool)))
+
+
+def test_copies_stay_within_the_jobs_owner() -> None:
+    pool = [*_members(3, "team-a"), PoolMember("b-node", "10.1.0.1:8470", "team-b", 0.0)]
+    for job in (f"trial-{i}" for i in range(100)):
+        held = holder_for(job, "node-0", "team-a", pool)
+        assert held is not None
+        assert held.owner == "team-a"
+        assert all(m.owner == "team-a" for m in candidates(job, "node-0", "team-a", pool))
+    assert holder_for("trial-1", "b-node", "team-b", pool) is None  # alone in its namespace
+
+
+def test_the_admission_of_a_pool_copy() -> None:
+    item = ItemId("trial", 10, 0, 0)
+    assert admit_pool_copy(item, runs_here=False, newest_held=None).accepted
+    here = admit_pool_copy(item, runs_here=True, newest_held=None)
+    assert here.verdict is Verdict.NOT_SERVED
+    assert "runs on this node" in here.reason
+    rank = admit_pool_copy(ItemId("trial", 10, 1, 0), runs_here=False, newest_held=None)
+    assert rank.verdict is Verdict.NOT_IN_JOB
+    far = admit_pool_copy(ItemId("trial", 10**7, 0, 0), runs_here=False, newest_held=5)
+    assert far.verdict is Verdict.TOO_FAR_AHEAD
+    assert admit_pool_copy(item, runs_here=False, newest_held=5, max_lead=5).accepted
+
+
+def test_what_a_holder_keeps_and_which_step_is_whole() -> None:
+    assert steps_past_keep({9, 3, 7, 5}) == [3, 5]
+    assert steps_past_keep({9}) == []
+    items = [ItemId("t", 4, 0, 0), ItemId("t", 4, 0, 1), ItemId("t", 6, 0, 0), ItemId("t", 8, 1, 0)]
+    assert newest_complete(items, [0, 1]) == 4  # step 6 lacks worker 1; rank 1 is no copy
+    assert newest_complete(items, [0]) == 6
+    assert newest_complete([], [0]) is None
+
+
+def test_the_pool_lists_fresh_entries_each_signed_by_the_node_it_names(tmp_path: Path) -> None:
+    ca = certs.new_ca()
+    tls = {n: node_tls(tmp_path / n, ca, node=n).material() for n in ("node-a", "node-b")}
+    objects = FileObjectStore(tmp_path / "registry")
+    now = [time.time()]
+
+    def pool_of(node: str) -> Pool:
+        material = tls[node]
+        verifier = manifest_trust(material, own_node(material)).verifier
+        return Pool(objects, record_trust(material), verifier, clock=lambda: now[0])
+
+    pool_of("node-a").announce("node-a", "10.0.0.1:8470", "team-a")
+    pool_of("node-b").announce("node-b", "10.0.0.2:8470", "team-a")
+    # node-b signs an entry naming node-c: it could send node-c's jobs' copies anywhere.
+    pool_of("node-b").announce("node-c", "10.0.0.3:8470", "team-a")
+    objects.put_bytes(f"{PREFIX}junk.json", b"{not json")
+    unsigned = {"node": "node-d", "address": "10.0.0.4:8470", "owner": "", "announced_at": now[0]}
+    objects.put_bytes(f"{PREFIX}node-d.json", json.dumps(unsigned).encode())
+    members = pool_of("node-a").members()
+    assert sorted((m.node, m.address, m.owner) for m in members) == [
+        ("node-a", "10.0.0.1:8470", "team-a"),
+        ("node-b", "10.0.0.2:8470", "team-a"),
+    ]
+    now[0] += MEMBER_TTL_SECONDS + 1  # nobody renewed: the pool is empty
+    assert pool_of("node-a").members() == []
+    # Without TLS nothing is signed nor checked, but the entries still say who is where.
+    open_pool = Pool(objects, OPEN, None, clock=lambda: now[0])
+    open_pool.announce("10.0.0.9:8470", "10.0.0.9:8470", "")
+    assert [m.node for m in open_pool.members()] == ["10.0.0.9:8470"]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalStore:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    s = LocalStore(ckpt)
+    s.open()
+    return s
+
+
+def _commit(store: LocalStore, item: ItemId, tmp_path: Path) -> None:
+    src = tmp_path / f"src-{item.step}-{item.worker}"
+    src.mkdir()
+    (src / "state").write_bytes(f"{item}".encode())
+    manifest = build_manifest(item, src)
+    staged = store.new_staging()
+    (staged / "data").mkdir()
+    (staged / "data" / "state").write_bytes(f"{item}".encode())
+    store.commit_staged(staged, manifest)
+
+
+def test_held_copies_keep_the_newest_two_steps_and_settle_when_the_job_comes(
+    store: LocalStore, tmp_path: Path
+) -> None:
+    held = PoolHeld(store)
+    for step in (1, 2, 3):
+        _commit(store, ItemId("trial", step, 0, 0), tmp_path)
+        held.committed(ItemId("trial", step, 0, 0))
+    assert {i.step for i in store.manifests("trial")} == {2, 3}
+    assert held.newest("trial") == 3
+    assert held.held("trial")
+    assert held.settle("trial", nodes=1) == []  # its own now: kept, the note goes
+    assert {i.step for i in store.manifests("trial")} == {2, 3}
+    assert not held.held("trial")
+
+    _commit(store, ItemId("reused", 7, 0, 0), tmp_path)
+    held.committed(ItemId("reused", 7, 0, 0))
+    assert held.settle("reused", nodes=4) == [ItemId("reused", 7, 0, 0)]  # a cluster job's
+    assert store.manifests("reused") == {}
+    assert held.settle("never-held", nodes=4) == []
