@@ -98,6 +98,16 @@ class BackupInterval:
 
 
 @dataclass(frozen=True)
+class ContinueFrom:
+    """Another job's step this job continues from (``continue-from-job`` and
+    ``continue-from-step``: our Ray Tune client's keys for PopulationBasedTraining's
+    exploit; no other client writes them)."""
+
+    job: str
+    step: int
+
+
+@dataclass(frozen=True)
 class JobConfig:
     """One accepted ``replicator.yaml``: the job as this node sees it for one incarnation."""
 
@@ -116,6 +126,9 @@ class JobConfig:
     """``D`` identical replicas of ``nodes // D`` nodes each, or None when not declared."""
     workers_per_node: int = 1
     backup_interval: BackupInterval = field(default_factory=BackupInterval)
+    continue_from: ContinueFrom | None = None
+    """Before its first round, each node brings the donor's step here as this job's own
+    (``cluster.donor``), when it holds no step of this job as new."""
     unknown_keys: tuple[str, ...] = ()
     """Keys we ignored; the daemon logs them at warning level."""
     assumed: tuple[str, ...] = ()
@@ -143,6 +156,8 @@ class JobConfig:
             "workers-per-node": self.workers_per_node,
             "backup-interval-minutes": self.backup_interval.minutes,
             "backup-interval-steps": self.backup_interval.steps,
+            "continue-from-job": None if self.continue_from is None else self.continue_from.job,
+            "continue-from-step": None if self.continue_from is None else self.continue_from.step,
         }
 
 
@@ -196,6 +211,8 @@ _KNOWN = {
     "workers-per-node",
     "backup-interval-minutes",
     "backup-interval-steps",
+    "continue-from-job",
+    "continue-from-step",
 }
 _INT_RE = re.compile(r"[+-]?[0-9]+")
 _INT_LIMIT = 2**63 - 1
@@ -413,6 +430,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
         )
 
     interval = _backup_interval(data)
+    continue_from = _continue_from(data, job)
 
     unknown = tuple(sorted(str(k) for k in data if k not in _KNOWN))
     return JobConfig(
@@ -425,6 +443,7 @@ def _validated(data: Mapping[str, Any]) -> JobConfig:
         data_parallelism=dp,
         workers_per_node=workers,
         backup_interval=interval,
+        continue_from=continue_from,
         unknown_keys=unknown,
         assumed=(*assumed, *(unknown_key_note(k) for k in unknown)),
     )
@@ -474,6 +493,23 @@ def _backup_interval(data: Mapping[str, Any]) -> BackupInterval:
     return BackupInterval(minutes=minutes, steps=steps)
 
 
+def _continue_from(data: Mapping[str, Any], job: str) -> ContinueFrom | None:
+    """Both keys or neither; another job's valid name, a step >= 0."""
+    donor, step = data.get("continue-from-job"), _opt_int(data, "continue-from-step")
+    if donor in (None, "") and step is None:
+        return None
+    if donor in (None, "") or step is None:
+        missing = "continue-from-job" if step is not None else "continue-from-step"
+        raise ConfigError(missing, None, "give continue-from-job and continue-from-step together")
+    if not isinstance(donor, str) or not is_job_name(donor):
+        raise ConfigError("continue-from-job", donor, JOB_NAME_RULE)
+    if donor == job:
+        raise ConfigError("continue-from-job", donor, "must name another job than job-name")
+    if step < 0:
+        raise ConfigError("continue-from-step", step, "must be >= 0")
+    return ContinueFrom(donor, step)
+
+
 def unknown_key_note(key: str) -> str:
     """What the job is told about a key the replicator ignores: a hand-written typo
     (``backup-interval-minute``) otherwise silently leaves the default in force."""
@@ -499,6 +535,9 @@ def render_config(config: JobConfig) -> str:
         data["backup-interval-steps"] = config.backup_interval.steps
     else:
         data["backup-interval-minutes"] = config.backup_interval.minutes
+    if config.continue_from is not None:
+        data["continue-from-job"] = config.continue_from.job
+        data["continue-from-step"] = config.continue_from.step
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=None)
 
 

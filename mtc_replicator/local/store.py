@@ -536,6 +536,24 @@ class LocalStore:
             fsutil.discard_tree(final, self.trash)
             raise StoreError(f"cannot commit {manifest.item}: the store was purged meanwhile")
 
+    def adopt(self, src: ItemId, manifest: Manifest) -> None:
+        """Commit ``manifest``'s item with the very files of committed item ``src``
+        (hard-linked, nothing copied or re-read): another job's step continued under this
+        job's name (``cluster.donor``). The two manifests must list the same files."""
+        held = self.get(src)
+        if held is None:
+            raise StoreError(f"{src}: not in the local store")
+        if (held.kind, held.files, held.dirs) != (manifest.kind, manifest.files, manifest.dirs):
+            raise StoreError(f"{manifest.item}: its manifest lists other files than {src}'s")
+        staged = self.new_staging()
+        try:
+            self._link_copy(held, staged / DATA)
+            self.commit_staged(staged, manifest)
+        except OSError as exc:
+            raise StoreError(f"cannot adopt {src} as {manifest.item}: {exc}") from exc
+        finally:
+            fsutil.remove_tree(staged)  # gone with the commit's rename, unless it failed
+
     def verify(self, item: ItemId, cancelled: CancelCheck | None = None) -> Manifest:
         """Re-read every byte of a committed item; raise ``CorruptItem`` on any mismatch."""
         manifest = self.get(item)

@@ -55,6 +55,7 @@ from mtc_replicator.local.offload import Offload
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.node.checkpoint_dir import list_top, unlink_links_to
+from mtc_replicator.node.first_round import CannotContinue, bring_first
 from mtc_replicator.node.pool_node import PoolNode
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.node.repeats import Repeats
@@ -329,7 +330,14 @@ class Incarnation:
                 self.persist()
                 await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk
-                await self._pool_first()
+                await bring_first(
+                    self.ctx,
+                    self.config,
+                    self.owner,
+                    self._thread,
+                    log=self.log,
+                    pool_copies=self.pool_copies,
+                )
                 self.timeline.enter(RestorePhase.INGEST)
                 await self._ingest_ready(member)
                 await self._restore(member)
@@ -343,7 +351,7 @@ class Incarnation:
                 # Work cut short by stop() (Cancelled); the next incarnation owns the files.
                 self.log.info("incarnation stopped: %s", exc)
                 return
-            if isinstance(exc, RestoreBlocked | RoundFailed):
+            if isinstance(exc, RestoreBlocked | RoundFailed | CannotContinue):
                 self.log.error("incarnation failed: %s", exc)  # a refusal: its reason is all
             else:
                 self.log.exception("incarnation failed: %s", exc)  # noqa: TRY401
@@ -396,15 +404,6 @@ class Incarnation:
                 metrics=ctx.metrics,
             )
         )
-
-    async def _pool_first(self) -> None:
-        """Pool copies held here become the job's own or go (``local.pool_held``); a
-        one-node job's newest step on another node of the pool comes here, when newer."""
-        if self.ctx.pool is not None:
-            job, nodes = self.config.job_name, self.config.nodes
-            await self._thread(self.ctx.pool.held.settle, job, nodes)
-        if self.pool_copies is not None:
-            await self.pool_copies.fetch_newest()
 
     def _since_start(self) -> float:
         return time.monotonic() - self._started_at

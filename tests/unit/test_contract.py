@@ -22,6 +22,7 @@ from mtc_replicator.core.contract import (
     NO_PEERS_ASSUMED,
     BackupInterval,
     ConfigError,
+    ContinueFrom,
     Framework,
     IncompleteConfigError,
     JobConfig,
@@ -1239,6 +1240,27 @@ def test_an_unknown_key_is_told_to_the_job_with_the_nearest_known_key() -> None:
         "ignored: did you mean 'backup-interval-minutes'?",
         "replicator.yaml key 'zzz-unrelated' is not one the replicator knows and was ignored "
         "(known keys: assume-data-parallelism, backup-interval-minutes, backup-interval-steps, "
-        "framework, job-name, node-rank, nodes, peer-ranks, peers-per-node, workers-per-node)",
+        "continue-from-job, continue-from-step, framework, job-name, node-rank, nodes, "
+        "peer-ranks, peers-per-node, workers-per-node)",
     )
     assert cfg.backup_interval == parse_config(doc()).backup_interval  # still non-fatal
+
+
+def test_a_job_continues_from_another_jobs_step_only_as_both_keys_say() -> None:
+    """Our Ray Tune client's keys for PopulationBasedTraining's exploit (docs/protocol.md)."""
+    cfg = parse_config(doc(continue_from_job="tune-b", continue_from_step="6"))
+    assert cfg.continue_from == ContinueFrom("tune-b", 6)
+    assert cfg.cluster_view()["continue-from-job"] == "tune-b"
+    assert parse_config(render_config(cfg)).continue_from == ContinueFrom("tune-b", 6)
+    assert parse_config(doc()).continue_from is None
+    for job, step, key, rule in [
+        ("tune-b", None, "continue-from-step", "together"),
+        (None, "6", "continue-from-job", "together"),
+        ("../x", "6", "continue-from-job", "job"),
+        ("tune-b", "-1", "continue-from-step", ">= 0"),
+        (BASE["job-name"], "1", "continue-from-job", "another job"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            parse_config(doc(continue_from_job=job, continue_from_step=step))
+        assert err.value.key == key, (job, step, err.value)
+        assert rule in str(err.value), (job, step, err.value)

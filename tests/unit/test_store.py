@@ -365,3 +365,26 @@ def test_an_aside_item_is_deleted_only_when_asked(store: LocalStore) -> None:
         assert store.manifests() == {}
     finally:
         store.close()
+
+
+def test_an_item_adopted_under_another_jobs_name_shares_its_files(store: LocalStore) -> None:
+    """PopulationBasedTraining's exploit (``cluster.donor``): trial-b's step continued as
+    trial-a's, by hard links; a manifest listing other files is refused."""
+    donor = ItemId("trial-b", 6, 0, 0)
+    ingest(store, donor, b"trial-b's weights")
+    held = store.commit_ingested(donor)
+    own = Manifest(ItemId("trial-a.x1", 6, 0, 0), held.kind, held.files, held.dirs)
+    store.adopt(donor, own)
+    assert store.get(own.item) == own
+    adopted, original = store.data_path(own.item), store.data_path(donor)
+    assert sorted(p.name for p in adopted.rglob("*")) == sorted(p.name for p in original.rglob("*"))
+    first = next(p for p in adopted.rglob("*") if p.is_file())
+    assert first.stat().st_nlink >= 2  # the same inode, not a copy
+    store.verify(own.item)
+    other = Manifest(ItemId("trial-c.x1", 6, 0, 0), held.kind, held.files[:0], held.dirs)
+    with pytest.raises(StoreError, match="other files"):
+        store.adopt(donor, other)
+    with pytest.raises(StoreError, match="not in the local store"):
+        store.adopt(ItemId("gone", 1, 0, 0), own)
+    assert store.get(other.item) is None
+    assert list(store.staging_root.iterdir()) == []

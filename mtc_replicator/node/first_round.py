@@ -1,0 +1,69 @@
+"""What a new incarnation brings into the store before its first round plans: pool copies
+settled, a one-node job's newest pool copy, the donor's step of an exploit. I/O: through
+``cluster.pool`` and ``cluster.donor``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mtc_replicator.cluster.donor import Donor, DonorMissing, RunThread
+from mtc_replicator.cluster.pool import PoolCopies
+from mtc_replicator.core.contract import JobConfig
+from mtc_replicator.core.manifest import CorruptItem, ManifestError
+from mtc_replicator.core.pool import PoolMember
+from mtc_replicator.obs.logs import JobLog
+
+if TYPE_CHECKING:
+    from mtc_replicator.node.agent import AgentContext
+
+
+class CannotContinue(Exception):
+    """The donor's step of ``continue-from-job`` cannot be had here (the reason says why)."""
+
+
+async def bring_first(
+    ctx: AgentContext,
+    config: JobConfig,
+    owner: str,
+    run_thread: RunThread,
+    *,
+    log: JobLog,
+    pool_copies: PoolCopies | None,
+) -> None:
+    """Before the round: the pool copies held here of this job become its own or go
+    (``local.pool_held``); a one-node job's newest step on another node of the pool comes
+    here when newer than its own; a job continued from another one's step brings that
+    step (``cluster.donor``), or raises ``CannotContinue``."""
+    pool = ctx.pool
+    if pool is not None:
+        await run_thread(pool.held.settle, config.job_name, config.nodes)
+    if pool_copies is not None:
+        await pool_copies.fetch_newest()
+
+    async def members() -> list[PoolMember]:
+        assert pool is not None
+        return list(await run_thread(pool.pool.members))
+
+    donor = Donor(
+        ctx.store,
+        config,
+        owner,
+        ctx.manifests,
+        run_thread,
+        log,
+        peers=ctx.peers,
+        members=None if pool is None else members,
+        me="" if pool is None else pool.name,
+        backups=ctx.backups,
+    )
+    if not await run_thread(donor.needed):
+        return
+    try:
+        await donor.bring()
+    except DonorMissing as exc:
+        raise CannotContinue(str(exc)) from None
+    except (ManifestError, CorruptItem) as exc:  # the copy on this node is not the job's
+        cf = config.continue_from
+        assert cf is not None
+        raise CannotContinue(f"cannot continue from job {cf.job}'s step {cf.step}: {exc}") from None
