@@ -34,6 +34,7 @@ from mtc_replicator.client.handshake import (
     wait_config_consumed,
 )
 from mtc_replicator.client.ray_train import RayCheckpointer, RayTrainRefused, Restored
+from mtc_replicator.client.ray_tune import TuneCheckpointer, TuneRestored
 from mtc_replicator.client.torch_io import (
     CheckpointDirFull,
     load_distributed,
@@ -68,6 +69,8 @@ __all__ = [
     "RestoreResult",
     "Restored",
     "Staged",
+    "TuneCheckpointer",
+    "TuneRestored",
     "WhenBusy",
     "await_restore",
     "finish_job",

@@ -81,3 +81,13 @@ def write_part(
         dcp_save(dict(staged.tree), checkpoint_id=directory)
     if meta is not None:
         (directory / RAY_META_FILE).write_text(json.dumps(meta.to_json()), encoding="utf-8")
+
+
+def read_meta(checkpoint: Any) -> RayMeta | None:
+    """A Ray checkpoint's ``mtc-ray.json`` (None: absent or not ours); read through the
+    checkpoint's own filesystem, so also from remote storage."""
+    try:
+        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
+            return RayMeta.from_json(json.loads(f.read().decode("utf-8")))
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -36,7 +36,13 @@ from mtc_replicator.client.handshake import (
     publish_config,
     wait_config_consumed,
 )
-from mtc_replicator.client.ray_checkpoint import RAY_META_FILE, HostCopy, rank_file, write_part
+from mtc_replicator.client.ray_checkpoint import (
+    RAY_META_FILE,
+    HostCopy,
+    rank_file,
+    read_meta,
+    write_part,
+)
 from mtc_replicator.client.ray_collectives import (
     all_or_none,
     collective_group,
@@ -341,7 +347,7 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return None, None
-    meta = _read_meta(checkpoint)
+    meta = read_meta(checkpoint)
     if meta is None:
         log.warning(
             "job %s rank %s: Ray's checkpoint %s was not written by RayCheckpointer.report; "
@@ -356,20 +362,10 @@ def _ray_checkpoint(session: _Session) -> tuple[int | None, Any]:
     return meta.step, checkpoint
 
 
-def _read_meta(checkpoint: Any) -> raytrain.RayMeta | None:
-    """A Ray checkpoint's ``mtc-ray.json`` (None: absent or not ours); read through the
-    checkpoint's own filesystem, so also from remote storage."""
-    try:
-        with checkpoint.filesystem.open_input_stream(f"{checkpoint.path}/{RAY_META_FILE}") as f:
-            return raytrain.RayMeta.from_json(json.loads(f.read().decode("utf-8")))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _handed_step(checkpoint: Any, job: str, world_size: int) -> int:
     """The step of the checkpoint ``restore`` was asked to continue from, if it is this
     job's own; ``ForeignCheckpoint`` otherwise (nothing loaded, the replicator untouched)."""
-    meta = _read_meta(checkpoint)
+    meta = read_meta(checkpoint)
     raytrain.check_handed(job, meta, str(getattr(checkpoint, "path", checkpoint)))
     assert meta is not None
     raytrain.check_fixed_workers(False, world_size, meta.world_size)

@@ -29,6 +29,10 @@ JOB_DIRS = "jobs"
 hands its files there, with the root's whole contract (docs/protocol.md)."""
 JAX_INIT_INFO_FILE = "jax-init-info.txt"
 RESULT_FILE = "replicator.result"
+KEEP_FILE = "replicator.keep"
+"""Steps the job asks the daemon to keep however old (our Tune client: the step of the
+checkpoint Tune may hand a trial next), one per line, at most ``MAX_KEPT_STEPS``."""
+MAX_KEPT_STEPS = 16
 """Our client's extension: the handshake's outcome, written by the node's local rank 0 for
 the node's other processes (``client.election``); removed at the next accepted handshake."""
 STORE_DIR = ".mtc"

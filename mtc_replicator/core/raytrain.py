@@ -15,6 +15,7 @@ from is this job's own (Ray Tune's PopulationBasedTraining hands a trial another
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -252,6 +253,8 @@ class RayMeta:
     mode: str
     job: str | None
     """The job that wrote it; None in a checkpoint written before the job was recorded."""
+    experiment: str | None = None
+    """The Tune experiment of the trial that wrote it (``TuneCheckpointer``); None else."""
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -261,6 +264,8 @@ class RayMeta:
         }
         if self.job is not None:
             out["job"] = self.job
+        if self.experiment is not None:
+            out["experiment"] = self.experiment
         return out
 
     @staticmethod
@@ -273,12 +278,44 @@ class RayMeta:
             return None
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             return None
+        experiment = data.get("experiment")
         return RayMeta(
             step,
             world,
             mode if isinstance(mode, str) else "",
             job if isinstance(job, str) else None,
+            experiment if isinstance(experiment, str) else None,
         )
+
+
+# --- Ray Tune trials (``client.ray_tune``) ------------------------------------------------------
+
+_NOT_IN_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+CONTINUED = ".x"
+"""Between a trial's name and the hash of the step it continued from (an exploit)."""
+
+
+def tune_job_name(experiment: str, trial_id: str) -> str:
+    """A trial's job: its experiment's name and its id, as characters a job name allows;
+    the same after ``Tuner.restore`` (Tune keeps both)."""
+    base = _NOT_IN_NAME.sub("-", f"{experiment}-{trial_id}").strip("-.") or "tune"
+    base = base if base[0].isalnum() else f"t{base}"
+    return base.replace("..", "-")[:100]
+
+
+def continued_name(base: str, donor: str, step: int) -> str:
+    """The job a trial runs as once it continues from ``donor``'s ``step`` (the same on
+    every try, so a trial restarted before its next report finds its own steps)."""
+    digest = hashlib.blake2b(f"{donor}@{step}".encode(), digest_size=4).hexdigest()
+    return f"{base}{CONTINUED}{digest}"
+
+
+def own_lineage(base: str, job: str) -> bool:
+    """Whether ``job`` is the trial's own: its name, or its name continued from a step."""
+    if job == base:
+        return True
+    tail = job.removeprefix(base + CONTINUED)
+    return tail != job and re.fullmatch(r"[0-9a-f]{8}", tail) is not None
 
 
 def check_handed(job: str, handed: RayMeta | None, where: str) -> None:

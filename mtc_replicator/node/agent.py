@@ -54,7 +54,7 @@ from mtc_replicator.local import fsutil
 from mtc_replicator.local.offload import Offload
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import LocalStore, StoreError
-from mtc_replicator.node.checkpoint_dir import list_top, unlink_links_to
+from mtc_replicator.node.checkpoint_dir import kept_steps, list_top, unlink_links_to
 from mtc_replicator.node.first_round import CannotContinue, bring_first
 from mtc_replicator.node.pool_node import PoolNode
 from mtc_replicator.node.reclaim import ForeignItems
@@ -574,7 +574,8 @@ class Incarnation:
         # what our progress reports promised the coordinator (see ClusterMember.retained);
         # then the newest --keep-steps, whose copies of other ranks stay with them.
         complete = complete_steps(self.config, have)
-        protected = member.retained(complete) | newest_kept(complete, self.ctx.keep_steps)
+        kept = await self._thread(kept_steps, self.ctx.checkpoint_dir)  # replicator.keep
+        protected = member.retained(complete) | newest_kept(complete, self.ctx.keep_steps) | kept
         doomed = retention(self.config, have, protected)
         aside = self.ctx.store.aside(self.config.job_name)
         free = released(

@@ -17,6 +17,8 @@ from mtc_replicator.cluster.rounds import RoundOutcome
 from mtc_replicator.core.contract import (
     ERRORS_FILE,
     FAILED_FILE,
+    KEEP_FILE,
+    MAX_KEPT_STEPS,
     PRERESTORE_FILE,
     RESULT_FILE,
     JobConfig,
@@ -70,6 +72,25 @@ def list_top(checkpoint_dir: Path) -> list[Entry]:
                 )
             )
     return entries
+
+
+def kept_steps(checkpoint_dir: Path) -> set[int]:
+    """The steps ``replicator.keep`` asks to keep: read through no symlink, at most
+    ``MAX_KEPT_STEPS`` decimal lines of a small file; anything else keeps nothing."""
+    try:
+        fd = os.open(checkpoint_dir / KEEP_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return set()
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return set()
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    lines = raw.decode("ascii", "replace").split()
+    if len(lines) > MAX_KEPT_STEPS or not all(line.isdecimal() for line in lines):
+        return set()
+    return {int(line) for line in lines if len(line) <= 18}
 
 
 _OWN_FILES = frozenset({ERRORS_FILE, PRERESTORE_FILE, FAILED_FILE, RANK_FILE})

@@ -149,6 +149,32 @@ def test_keep_steps_keeps_the_newest_n_steps_on_the_ram_disk(
     wait_until(lambda: stored_steps(ckpt, job) == {6}, "only step 6 kept", daemon=again)
 
 
+def test_steps_the_job_asks_to_keep_outlive_retention(
+    ckpt: Path, job: str, start_daemon: StartDaemon
+) -> None:
+    """``replicator.keep`` (our Tune client names the steps of checkpoints Tune may still
+    hand out: PopulationBasedTraining clones an older one): those steps stay however many
+    saves follow; once the file no longer names one, the next ingest drops it. A symlink
+    at that name, or a file of junk, keeps nothing."""
+    daemon = start_daemon()
+    write_yaml_atomic(ckpt, config_text(job))
+    wait_markers(ckpt, job, 0, daemon)
+    make_step(ckpt, 1, payload(1, seed=job))
+    wait_ingested(ckpt, job, 1, daemon)
+    (ckpt / "replicator.keep").write_text("1\n")
+    for step in (2, 3):
+        make_step(ckpt, step, payload(step, seed=job))
+        wait_ingested(ckpt, job, step, daemon)
+    wait_until(lambda: stored_steps(ckpt, job) == {1, 3}, "steps 1 and 3 kept", daemon=daemon)
+    elsewhere = ckpt.parent / "keep-elsewhere"
+    elsewhere.write_text("1\n")
+    (ckpt / "replicator.keep").unlink()
+    (ckpt / "replicator.keep").symlink_to(elsewhere)
+    make_step(ckpt, 4, payload(4, seed=job))
+    wait_ingested(ckpt, job, 4, daemon)
+    wait_until(lambda: stored_steps(ckpt, job) == {4}, "step 1 let go", daemon=daemon)
+
+
 def test_retention_drops_a_step_once_its_upload_is_done(
     ckpt: Path, backup_dir: Path, job: str, start_daemon: StartDaemon
 ) -> None:

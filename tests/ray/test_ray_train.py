@@ -472,6 +472,51 @@ def test_a_one_worker_trial_resumes_on_the_other_node_from_its_pool_copy(
     assert [e["digest"] for e in done] == [train_loop.reference_digest(6, world=1)], run
 
 
+def test_population_based_training_exploits_load_the_donors_exact_state(
+    nodes: RayNodes,
+) -> None:
+    """PopulationBasedTraining over 3 trials of the function API on ``TuneCheckpointer``
+    (issue 36): each saves every step to the RAM tier and reports a checkpoint of a few
+    bytes naming its step. Every exploit Tune makes (at least one) loads the donor trial's
+    step exactly as the donor saved it, brought by the replicator from whichever node held
+    it, and the trial then runs on under its own continued name."""
+    from ray import tune
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    events = nodes.root / "pbt-events"
+    events.mkdir()
+    pbt = PopulationBasedTraining(
+        time_attr="training_iteration",
+        perturbation_interval=2,
+        hyperparam_mutations={"lr": [1e-4, 3e-2, 1e-1]},
+        quantile_fraction=0.34,
+        resample_probability=0.0,
+    )
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.pbt_trial, {"cpu": 0.5}),
+        param_space={"lr": tune.grid_search([1e-4, 3e-2, 1e-1]), "steps": 8,
+                     "events": str(events)},
+        tune_config=tune.TuneConfig(scheduler=pbt, metric="score", mode="max"),
+        run_config=tune.RunConfig(name="pbt", storage_path=str(nodes.root / "tune-storage")),
+    )  # fmt: skip
+    results = tuner.fit()
+    assert not [r.error for r in results if r.error is not None]
+    run = _read_events(events)
+    saved = {(e["job"], e["step"]): e["digest"] for e in run if e["event"] == "saved"}
+    exploits = [e for e in run if e["event"] == "restored" and e["continued_from"]]
+    assert exploits, "PopulationBasedTraining exploited no trial"
+    print(f"{len(exploits)} exploits: {[(e['continued_from'], e['step']) for e in exploits]}")
+    for e in exploits:
+        assert e["digest"] == saved[(e["continued_from"], e["step"])], e
+        assert e["job"].startswith("pbt-"), e
+        assert e["source"] == "local", e  # adopted here before the round, then restored
+        if e["step"] < 8:
+            assert (e["job"], e["step"] + 1) in saved, e  # it trained on as its new job
+    # The replicator held every trial's steps: nothing of the state went to storage_path.
+    stored = [p for p in (nodes.root / "tune-storage" / "pbt").rglob("*") if p.is_file()]
+    assert all(p.stat().st_size < 64 * 1024 for p in stored), stored
+
+
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     """A second run (or a concurrent Tune trial) on nodes where job ``ray-mtc`` failed
     moments ago: Ray could restart ``ray-mtc``'s workers there, so it keeps its nodes for

@@ -256,3 +256,58 @@ def tune_trial(config: dict[str, Any]) -> None:
     if result.checkpoint is not None:
         (shared / f"{trial}.checkpoint").write_text(result.checkpoint.path)
     tune.report({"trained": 1})
+
+
+def _score(model: Any) -> float:
+    """Higher is better: the negative loss on a fixed batch (PopulationBasedTraining's metric)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 8, generator=gen)
+    with torch.no_grad():
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+    return -float(loss)
+
+
+def pbt_trial(config: dict[str, Any]) -> None:
+    """A Ray Tune trial of the function API on ``TuneCheckpointer``: one process, saves every
+    step to the RAM tier and reports every step with a pointer checkpoint. Events, per
+    process in ``<events>/<pid>.jsonl``: ``saved`` (job, step, digest of the state) and
+    ``restored`` (job, step, source, the donor's job under an exploit, digest)."""
+    from ray import tune
+
+    from mtc_replicator.client.ray_tune import TuneCheckpointer
+
+    events = Path(config["events"]) / f"{os.getpid()}.jsonl"
+
+    def emit(**event: object) -> None:
+        event.update(pid=os.getpid(), dir=os.environ["MTC_CHECKPOINT_DIR"], t=time.time())
+        with events.open("a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    ckpt = TuneCheckpointer(backup_interval_steps=100, timeout=90)
+    restored = ckpt.restore(tune.get_checkpoint())
+    model, opt = build()
+    start = 1
+    if restored is not None:
+        model.load_state_dict(restored.state["model"])
+        opt.load_state_dict(restored.state["optimizer"])
+        start = restored.step + 1
+        emit(
+            event="restored",
+            job=ckpt.job,
+            step=restored.step,
+            source=restored.source,
+            continued_from=restored.continued_from,
+            digest=digest(model),
+        )
+    for group in opt.param_groups:
+        group["lr"] = config["lr"]
+    for step in range(start, config["steps"] + 1):
+        train_step(model, opt, step, 0, 1)
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        ckpt.save(step, state)
+        emit(event="saved", job=ckpt.job, step=step, digest=digest(model))
+        time.sleep(config.get("step_seconds", 0.2))
+        ckpt.report({"score": _score(model), "step": step})
+    ckpt.close()

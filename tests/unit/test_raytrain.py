@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.raytrain import (
     Claim,
     DatedRunName,
@@ -22,10 +23,13 @@ from mtc_replicator.core.raytrain import (
     check_claim,
     check_fixed_workers,
     check_handed,
+    continued_name,
     job_name_of,
     layout_of,
     may_release,
+    own_lineage,
     pick_source,
+    tune_job_name,
 )
 
 
@@ -193,3 +197,19 @@ def test_importing_the_client_imports_neither_ray_nor_torch() -> None:
         "assert 'ray' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_tune_trials_job_names_and_its_continued_names() -> None:
+    base = tune_job_name("pbt/sweep one", "2151e_00003")
+    assert base == "pbt-sweep-one-2151e_00003"
+    assert is_job_name(tune_job_name("..", "x"))
+    assert is_job_name(tune_job_name("-a", "_b"))
+    continued = continued_name(base, "pbt-sweep-one-2151e_00001", 6)
+    assert continued == continued_name(base, "pbt-sweep-one-2151e_00001", 6)  # every try
+    assert continued != continued_name(base, "pbt-sweep-one-2151e_00001", 8)
+    assert is_job_name(continued)
+    assert own_lineage(base, base)
+    assert own_lineage(base, continued)
+    assert not own_lineage(base, "pbt-sweep-one-2151e_00001")
+    assert not own_lineage(base, base + ".xnothex!")
+    assert not own_lineage(base + "3", continued)
