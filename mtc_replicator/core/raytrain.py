@@ -341,10 +341,9 @@ def check_handed(job: str, handed: RayMeta | None, where: str) -> None:
     raise ForeignCheckpoint(
         f"job {job!r} was asked to continue from {owner}'s checkpoint of step {handed.step} at "
         f"{where}, as Ray Tune's PopulationBasedTraining does when it exploits another trial. "
-        f"RayCheckpointer restores a job only from its own steps and cannot serve another "
-        f"job's yet; loading {job!r}'s own newest step instead would silently undo the "
-        "exploit. Nothing was loaded and the replicator was not touched. Under "
-        "PopulationBasedTraining, checkpoint the trials with Ray alone for now (ray.train.report "
-        "with a checkpoint to storage_path, loaded from the checkpoint Tune hands the trial), "
-        "or tune without PopulationBasedTraining"
+        f"RayCheckpointer restores a TorchTrainer job only from its own steps; loading "
+        f"{job!r}'s own newest step instead would silently undo the exploit. Nothing was "
+        "loaded and the replicator was not touched. Under PopulationBasedTraining, run the "
+        "trials as Tune functions on TuneCheckpointer, whose exploit brings the other trial's "
+        "step through the replicator's tiers (docs/ray.md, Ray Tune)"
     )

@@ -163,7 +163,7 @@ def test_another_jobs_checkpoint_is_refused_naming_both_jobs_and_what_to_do() ->
     assert "/s/sweep-a/checkpoint_1" in text
     assert "PopulationBasedTraining" in text
     assert "Nothing was loaded" in text
-    assert "checkpoint the trials with Ray alone" in text
+    assert "run the trials as Tune functions on TuneCheckpointer" in text
     assert isinstance(err.value, RayTrainRefused)
 
 
