@@ -19,10 +19,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import pytest
 
-from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc
 from mtc_replicator.core.attestation import statement
 from mtc_replicator.core.manifest import Attestation, ItemId, Manifest
 from mtc_replicator.local.hashing import build_manifest
@@ -30,9 +28,9 @@ from mtc_replicator.local.store import MANIFEST_FILE, LocalStore
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from mtc_replicator.transport.signing import NodeSigner
-from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.cluster import NODES, Cluster, assert_restored
+from tests.integration.grants import grant_receiver
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
@@ -131,38 +129,9 @@ def receiver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonP
         ckpt, extra=(*tls.args(), *receiver_args(ckpt)), env={"MTC_OWNER_FILE": str(owner)}
     ) as daemon:
         pod = json.loads(owner.read_text())["pod_uid"]
-        _grant(daemon, ca, root, ("shared-job", pod), holders=("mallory", "node-1"))
+        grant_receiver(daemon, ca, root, "shared-job", holders=("mallory", "node-1"), pod_uid=pod)
         accept_job(ckpt, daemon, "shared-job", **RECEIVER)
         yield daemon, node_tls(root / "mallory", ca, node="mallory")
-
-
-def _grant(
-    daemon: DaemonProcess,
-    ca: certs.Pair,
-    root: Path,
-    to: tuple[str, str],
-    holders: tuple[str, ...],
-) -> None:
-    """mtc-controller's assignment of ``daemon``'s rank (``RECEIVER``'s) in a job, to its
-    pod: ``to`` is (job, pod UID)."""
-    job, pod = to
-    out = root / "controller"
-    certs.write_node_files(out, ca, certs.issue_controller(ca))
-    controller = TlsMaterial(certs.node_files(out))
-    request = node_pb2.AssignRankRequest(
-        job=job,
-        pod_uid=pod,
-        rank=RECEIVER["rank"],
-        nodes=RECEIVER["nodes"],
-        coordinator="127.0.0.1:8476",
-        assignment="a1",
-        source="index",
-        holders=list(holders),
-    )
-    with grpc.secure_channel(
-        daemon.address, controller.channel_credentials(), options=controller.channel_options()
-    ) as channel:
-        node_pb2_grpc.NodeStub(channel).AssignRank(request, timeout=10)
 
 
 def _attested_as(manifest: Manifest, signer: NodeTls, owner: str, producer: str) -> Manifest:

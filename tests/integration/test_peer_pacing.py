@@ -41,6 +41,7 @@ from mtc_replicator.transport.peer_servicer import PeerServicer
 from mtc_replicator.transport.peerwire import SERVER_OPTIONS, item_ref
 from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
+from tests.integration.grants import grant_receiver
 from tests.integration.helpers import (
     RECEIVER,
     item_dir,
@@ -52,7 +53,7 @@ from tests.integration.helpers import (
     write_big_step_tmp,
 )
 from tests.integration.test_peer import accept_job
-from tests.tls import NodeTls, node_tls
+from tests.tls import TEST_NODE, NodeTls, node_tls
 
 pytestmark = pytest.mark.integration
 
@@ -109,11 +110,12 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
             )
         )
         tls_ckpt = stack.enter_context(ram_disk(root / "tls", "700m"))
-        tls = node_tls(root / "tls-daemon", ca)
+        tls = node_tls(root / "tls-daemon", ca, node="node-b")
         secure = stack.enter_context(
             running_daemon(tls_ckpt, extra=(*tls.args(), *receiver_args(tls_ckpt)))
         )
         accept_job(plain_ckpt, plain, job, **RECEIVER)
+        grant_receiver(secure, ca, root, job, holders=(TEST_NODE, "node-b"))  # pushes from me
         accept_job(tls_ckpt, secure, job, **RECEIVER)
         me = node_tls(root / "tls-me", ca)
         yield Nodes(

@@ -45,6 +45,7 @@ from mtc_replicator.tools import certs
 from mtc_replicator.transport.grpc_server import RpcServer
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from tests.daemon_process import DaemonProcess
+from tests.integration.grants import grant_receiver
 from tests.integration.helpers import (
     CONFIG,
     ERRORS,
@@ -102,7 +103,7 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
     root = tmp_path_factory.mktemp("tls")
     ca = certs.new_ca()
     a_tls = node_tls(root / "tls-a", ca)
-    b_tls = node_tls(root / "tls-b", ca)
+    b_tls = node_tls(root / "tls-b", ca, node="node-b")
     with contextlib.ExitStack() as stack:
         a_ckpt = stack.enter_context(ram_disk(root / "a", "64m"))
         b_ckpt = stack.enter_context(ram_disk(root / "b", "1400m"))
@@ -111,7 +112,9 @@ def secure(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secure]:
             running_daemon(b_ckpt, extra=(*b_tls.args(), *receiver_args(b_ckpt)))
         )
         accept_job(a_ckpt, a)
-        accept_job(b_ckpt, b, **RECEIVER)  # B takes pushes of rank 0's items
+        # B takes pushes of rank 0's items, from the node the grant names (no rank 0 runs).
+        grant_receiver(b, ca, root, JOB, holders=(TEST_NODE, "node-b"))
+        accept_job(b_ckpt, b, **RECEIVER)
         publish_step(a_ckpt, STEP)
         data = wait_ingested(a_ckpt, JOB, STEP, a)
         manifest = Manifest.from_json((item_dir(a_ckpt, JOB, STEP) / MANIFEST_FILE).read_bytes())
@@ -348,7 +351,7 @@ def test_rotation_during_a_1_gib_push_keeps_the_push_and_takes_the_new_certifica
             push = asyncio.create_task(client.push_item(secure.b.address, manifest, big))
             # Rotate once the bytes are flowing: a renewed leaf from the same CA.
             await asyncio.sleep(0.3)
-            renewed = certs.issue(secure.ca, node=TEST_NODE)
+            renewed = certs.issue(secure.ca, node="node-b")
             certs.write_pair(secure.b_tls.root, renewed, certs.NODE_CERT, certs.NODE_KEY)
             assert await push is False  # done, not "already held"
 

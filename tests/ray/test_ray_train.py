@@ -503,7 +503,7 @@ def test_population_based_training_exploits_load_the_donors_exact_state(
     assert not [r.error for r in results if r.error is not None]
     run = _read_events(events)
     saved = {(e["job"], e["step"]): e["digest"] for e in run if e["event"] == "saved"}
-    exploits = [e for e in run if e["event"] == "restored" and e["continued_from"]]
+    exploits = [e for e in _check_restores(run) if e["continued_from"]]
     assert exploits, "PopulationBasedTraining exploited no trial"
     print(f"{len(exploits)} exploits: {[(e['continued_from'], e['step']) for e in exploits]}")
     for e in exploits:
@@ -514,6 +514,58 @@ def test_population_based_training_exploits_load_the_donors_exact_state(
             assert (e["job"], e["step"] + 1) in saved, e  # it trained on as its new job
     # The replicator held every trial's steps: nothing of the state went to storage_path.
     stored = [p for p in (nodes.root / "tune-storage" / "pbt").rglob("*") if p.is_file()]
+    assert all(p.stat().st_size < 64 * 1024 for p in stored), stored
+
+
+def _check_restores(run: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every restore of a ``pbt_trial`` loaded exactly the state saved at its step (the
+    donor's under an exploit); the restores."""
+    saved = {(e["job"], e["step"]): e["digest"] for e in run if e["event"] == "saved"}
+    restored = [e for e in run if e["event"] == "restored"]
+    for e in restored:
+        assert e["digest"] == saved[(e["continued_from"] or e["job"], e["step"])], e
+    return restored
+
+
+def test_hyperband_pauses_four_trials_and_resumes_them_from_the_ram_tier(
+    nodes: RayNodes,
+) -> None:
+    """HyperBand (synchronous) pauses trials at its milestones and resumes the promising
+    ones later, each from its checkpoint: four trials of the function API on
+    ``TuneCheckpointer`` at once on two nodes, every resume loading the trial's own step
+    exactly as saved, from the RAM tier, with nothing of the state in ``storage_path``."""
+    from ray import tune
+    from ray.tune.schedulers import HyperBandScheduler
+
+    events = nodes.root / "hyperband-events"
+    events.mkdir()
+    tuner = tune.Tuner(
+        tune.with_resources(train_loop.pbt_trial, {"cpu": 0.5}),
+        param_space={"lr": tune.grid_search([1e-4, 1e-3, 3e-2, 1e-1]), "steps": 3,
+                     "events": str(events), "step_seconds": 0.05},
+        tune_config=tune.TuneConfig(
+            # Brackets of 3 and 2 trials: each pauses its trials at the first milestone and
+            # resumes the best ones.
+            scheduler=HyperBandScheduler(time_attr="training_iteration", max_t=3,
+                                         reduction_factor=3),
+            metric="score", mode="max",
+        ),
+        run_config=tune.RunConfig(name="hb", storage_path=str(nodes.root / "tune-storage")),
+    )  # fmt: skip
+    results = tuner.fit()
+    assert not [r.error for r in results if r.error is not None]
+    run = _read_events(events)
+    restored = _check_restores(run)
+    assert restored, "HyperBand paused and resumed no trial"
+    print("resumed:", [(e["job"], e["step"], e["source"]) for e in restored])
+    assert {e["source"] for e in restored} <= {"local", "peer"}, restored
+    spans = {}
+    for e in run:
+        first, last = spans.get(e["job"], (e["t"], e["t"]))
+        spans[e["job"]] = (min(first, e["t"]), max(last, e["t"]))
+    overlapping = [j for j in spans if sum(spans[k][0] < spans[j][1] for k in spans) >= 4]
+    assert overlapping, f"the four trials never ran at once: {spans}"
+    stored = [p for p in (nodes.root / "tune-storage" / "hb").rglob("*") if p.is_file()]
     assert all(p.stat().st_size < 64 * 1024 for p in stored), stored
 
 
