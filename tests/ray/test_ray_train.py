@@ -571,6 +571,61 @@ def test_hyperband_pauses_four_trials_and_resumes_them_from_the_ram_tier(
     assert {p.name for p in stored} == {"mtc-ray.json"}, stored
 
 
+def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_tier(
+    nodes: RayNodes,
+) -> None:
+    """The Tune driver is killed (SIGKILL) with two trials on ``TuneCheckpointer`` past
+    their third step; ``Tuner.restore`` of the experiment in another process resumes each
+    from its own newest step on the RAM tier, exactly as it was saved, and runs it to the
+    end."""
+    import subprocess
+    import sys
+
+    from ray import tune
+
+    from tests.ray import tune_driver
+
+    storage, events = nodes.root / "tune-storage", nodes.root / "restore-events"
+    events.mkdir()
+    env = {**os.environ, **RAY_ENV, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "tests.ray.tune_driver", nodes.cluster.address,
+         str(storage), str(events)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            saved = [e for e in _read_events(events) if e["event"] == "saved"]
+            if len({e["job"] for e in saved if e["step"] >= 4}) == 2:
+                break
+            assert driver.poll() is None, "the driver ended before the kill"
+            assert time.monotonic() < deadline, f"the trials never reached step 4: {saved}"
+            time.sleep(0.2)
+        time.sleep(1.5)  # the experiment's state saved past the trials' checkpoints
+    finally:
+        driver.kill()
+        driver.wait()
+    killed_at = time.time()
+    time.sleep(2)  # Ray ends the dead driver's trials
+    tuner = tune.Tuner.restore(
+        str(storage / "restored"),
+        trainable=tune.with_resources(train_loop.pbt_trial, {"cpu": 0.5}),
+    )
+    results = tuner.fit()
+    assert not [r.error for r in results if r.error is not None]
+    run = _read_events(events)
+    restored = [e for e in _check_restores(run) if e["t"] > killed_at]
+    assert sorted(e["job"] for e in restored) == sorted({e["job"] for e in run}), run
+    assert all(e["step"] >= 4 for e in restored), restored
+    assert {e["source"] for e in restored} <= {"local", "peer"}, restored
+    done = {e["job"] for e in run if e["event"] == "saved" and e["step"] == 40}
+    assert done == {e["job"] for e in restored}
+    assert tune_driver.HEAD_IP == HEAD_IP
+
+
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     """A second run (or a concurrent Tune trial) on nodes where job ``ray-mtc`` failed
     moments ago: Ray could restart ``ray-mtc``'s workers there, so it keeps its nodes for
