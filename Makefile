@@ -62,6 +62,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_interference.py --size-mib 1024
 	$(PY) scripts/bench_async_save.py --size-mib 1024 --threads 1
 	$(PY) scripts/bench_ray.py --state-mib 256
+	$(PY) scripts/bench_tune.py --state-mib 128 --checkpoints 20
 	$(PY) scripts/bench_footprint.py --step-mib 256 --saves 4 --idle-seconds 30
 
 # Seeded chaos trials against real daemons (root: a tmpfs and a network namespace per node).

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mtc_replicator.client import torch_io
+from mtc_replicator.client.async_save import AsyncSaver, PendingSave
 from mtc_replicator.client.finish import finish_job
 from mtc_replicator.client.handshake import DEFAULT_TIMEOUT, handshake
 from mtc_replicator.client.ray_checkpoint import RAY_META_FILE, read_meta
@@ -79,6 +80,7 @@ class TuneCheckpointer:
         job_name: str | None = None,
         experiment: str | None = None,
         keep_reported: int = 4,
+        asynchronous: bool = True,
     ) -> None:
         """``checkpoint_dir``: the node's CHECKPOINT_DIR (default ``$MTC_CHECKPOINT_DIR``).
         ``job_name`` and ``experiment``: default the trial's experiment and id, as
@@ -86,10 +88,15 @@ class TuneCheckpointer:
         ``keep_reported``: the steps of this many latest reports stay on the RAM disk
         whatever the daemon's ``--keep-steps`` (1-16): Tune may hand any of them out, and
         PopulationBasedTraining clones the checkpoint of a trial's last perturbation, so
-        keep at least ``perturbation_interval + 1``."""
+        keep at least ``perturbation_interval + 1``. ``asynchronous``: ``save`` returns once
+        the state is copied to host staging buffers (``AsyncSaver``) and the file is written
+        meanwhile; a report then names the newest step already on the RAM disk."""
         if not 1 <= keep_reported <= MAX_KEPT_STEPS:
             raise ValueError(f"keep_reported must be 1-{MAX_KEPT_STEPS}, not {keep_reported}")
         self.keep_reported = keep_reported
+        self.asynchronous = asynchronous
+        self._saver: AsyncSaver | None = None
+        self._pending: PendingSave | None = None
         self.root = _checkpoint_dir(checkpoint_dir)
         self.timeout = timeout
         self.interval = (
@@ -175,9 +182,26 @@ class TuneCheckpointer:
         return ContinueFrom(meta.job, meta.step)
 
     def save(self, step: int, state: Mapping[str, Any]) -> None:
-        """Publish ``state`` as step ``step`` on the node's RAM disk (``torch.save``)."""
-        torch_io.save_file(self.directory, step, state, job=self.job, rank=0, worker=0)
-        self._newest = step
+        """Publish ``state`` as step ``step`` on the node's RAM disk (``torch.save``); in the
+        background once snapshotted, unless ``asynchronous`` is False."""
+        if not self.asynchronous:
+            torch_io.save_file(self.directory, step, state, job=self.job, rank=0, worker=0)
+            self._newest = step
+            return
+        if self._saver is None:
+            self._saver = AsyncSaver(self.directory)
+        previous = self._pending
+        # The saver waits for the save in flight first (raising its failure): published.
+        self._pending = self._saver.save_file(step, state, job=self.job, rank=0, worker=0)
+        if previous is not None and previous.done():
+            self._newest = previous.step
+
+    def _published(self) -> int | None:
+        """The newest step on the RAM disk (a background save counts once written)."""
+        if self._pending is not None and self._pending.done():
+            self._pending.wait(0)  # raises the background save's failure
+            self._newest, self._pending = self._pending.step, None
+        return self._newest
 
     def report(self, metrics: Mapping[str, Any], *, checkpoint: bool = True) -> None:
         """``tune.report(metrics)``, with a checkpoint naming the newest step saved (a few
@@ -185,9 +209,10 @@ class TuneCheckpointer:
         was saved yet. Schedulers that pause or exploit trials need the checkpoint."""
         from ray import tune
 
-        if not checkpoint or self._newest is None:
+        if not checkpoint or self._published() is None:
             tune.report(dict(metrics))
             return
+        assert self._newest is not None
         # The step stays on the RAM disk however many saves follow, while Tune may hand
         # this checkpoint out (a restart, a pause, an exploit): kept before Tune knows it.
         self._reported = [*(s for s in self._reported if s != self._newest), self._newest]
@@ -202,7 +227,11 @@ class TuneCheckpointer:
             tune.report(dict(metrics), checkpoint=tune.Checkpoint.from_directory(tmp))
 
     def close(self) -> None:
-        """The trial is over: the daemon drains its newest step and stops serving it."""
+        """The trial is over: the save in flight is written, then the daemon drains the
+        newest step and stops serving the trial."""
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
         if self.directory.is_dir():
             finish_job(self.directory, timeout=self.timeout)
 

@@ -118,7 +118,11 @@ class Supervisor:
         self.buckets = buckets
         self.incarnation: Incarnation | None = None
         self.handshake = HandshakeFile(opts.checkpoint_dir)
-        self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds)
+        # A job directory's handshake comes from our clients, renamed into place; one found
+        # by the rescan of a directory just created (its rename came before the watch) is
+        # taken at its first read once closed, not after a second read 0.1 s later.
+        settle = 0.0 if ctx.job_dir is not None else SettleRules.valid_settle
+        self.settle_rules = SettleRules(opts.settle_seconds, opts.config_wait_seconds, settle)
         self._recheck_in = self.settle_rules.poll
         self.owner = OwnerWatch(opts.owner_file, self.executor)
         self.rank0 = Rank0Coordinator(
