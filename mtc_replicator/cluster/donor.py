@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+from mtc_replicator.cluster.pool import PoolView
 from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.contract import ContinueFrom, JobConfig
 from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
@@ -49,8 +50,8 @@ class Donor:
     run_thread: RunThread
     log: JobLog
     peers: PeerClient | None = None
-    members: Callable[[], Awaitable[list[PoolMember]]] | None = None
-    """The pool's nodes (``cluster.pool``); None without a pool."""
+    view: PoolView | None = None
+    """The pool (``cluster.pool``); None without one."""
     me: str = ""
     backups: BackupStore | None = None
     clock: Callable[[], float] = time.time
@@ -100,10 +101,10 @@ class Donor:
 
     async def _fetch(self, item: ItemId, cf: ContinueFrom) -> tuple[Manifest, str]:
         tried: list[str] = []
-        if self.peers is not None and self.members is not None:
-            members = [m for m in await self.members() if m.owner == self.owner]
-            for member in ranking(cf.job, members):
-                if member.node == self.me:
+        if self.peers is not None and self.view is not None:
+            for name in ranking(cf.job, await self.view.names(self.owner)):
+                member = None if name == self.me else await self.view.member(self.owner, name)
+                if member is None:
                     continue
                 got = await self._pull(member, item, tried)
                 if got is not None:

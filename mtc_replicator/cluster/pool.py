@@ -1,14 +1,17 @@
 """The pool: which nodes can hold one-node jobs' copies, and the copies' two moves. I/O:
 the registry's object store and the peer plane.
 
-Every daemon with a registry keeps a signed entry there, ``_pool/nodes/<node>.json``
-(``Pool.announce``, every ``core.pool.ANNOUNCE_SECONDS``): its name, peer address, owner
-and the time. ``Pool.members`` reads the fresh ones a node signed for itself (with TLS, an
-entry signed by another node than it names, or not signed, is skipped: it could send a
-job's copies anywhere). ``PoolCopies`` is one job's side: after each ingest the item goes
-to the holder ``core.pool`` picks (one push at a time, the newest step first: an older
-step still queued is skipped), and before the restore round the newest whole step the
-candidates hold, if newer than this node's own, is pulled and verified here.
+Every daemon with a registry keeps a signed entry there,
+``_pool/nodes/<owner>/<node>.json`` (``Pool.announce``, every
+``core.pool.ANNOUNCE_SECONDS``): its name, peer address, owner and the time. A node learns
+its namespace's nodes from one listing of that owner's directory, fresh by the store's own
+object times (``Pool.names``), and reads the entries of the nodes it dials only; an entry
+counts when the node it names signed it (with TLS: else it could send a job's copies
+anywhere). ``PoolView`` caches both for the node's jobs. ``PoolCopies`` is one job's side:
+after each ingest the item goes to the holder ``core.pool`` picks (one push at a time, the
+newest step first: an older step still queued is skipped), and before the restore round
+the newest whole step the candidates hold, if newer than this node's own, is pulled and
+verified here.
 """
 
 from __future__ import annotations
@@ -50,8 +53,20 @@ MEMBERS_CACHE_SECONDS = 30.0
 RunThread = Callable[..., Awaitable[Any]]
 
 
+UNOWNED_DIR = "_unowned"
+"""The entries of nodes of no owner (no ``--owner-file``); no namespace starts with ``_``."""
+
+
+def entry_key(owner: str, node: str) -> str:
+    if not node or "/" in node or node in (".", ".."):
+        raise ValueError(f"not a node name for a pool entry: {node!r:.80}")
+    return f"{PREFIX}{owner or UNOWNED_DIR}/{node}.json"
+
+
 class Pool:
-    """The pool's entries on one object store (the registry's). Blocking."""
+    """The pool's entries on one object store (the registry's), one directory per owner:
+    a node learns its namespace's nodes from one listing, and reads only the entries of the
+    nodes it dials. Blocking."""
 
     def __init__(
         self,
@@ -67,20 +82,32 @@ class Pool:
 
     def announce(self, node: str, address: str, owner: str) -> None:
         body = {"node": node, "address": address, "owner": owner, "announced_at": self.clock()}
-        self.objects.put_bytes(f"{PREFIX}{node}.json", self.trust.seal(POOL_KIND, body))
+        self.objects.put_bytes(entry_key(owner, node), self.trust.seal(POOL_KIND, body))
 
-    def members(self) -> list[PoolMember]:
-        """The nodes whose entries are fresh and signed by themselves."""
+    def names(self, owner: str) -> list[str]:
+        """The nodes of ``owner``'s namespace whose entry was renewed within the TTL (by
+        the store's own time of the object: one listing, no read)."""
+        base = f"{PREFIX}{owner or UNOWNED_DIR}/"
+        now = self.clock()
         found = []
-        for info in self.objects.list(PREFIX):
-            try:
-                raw = self.objects.get_bytes(info.key)
-            except ObjectNotFound:
-                continue  # gone since the listing
-            member = self._member(info.key, raw)
-            if member is not None and self.clock() - member.announced_at < MEMBER_TTL_SECONDS:
-                found.append(member)
+        for info in self.objects.list(base):
+            name = info.key[len(base) :]
+            if name.endswith(".json") and "/" not in name and now - info.mtime < MEMBER_TTL_SECONDS:
+                found.append(name.removesuffix(".json"))
         return found
+
+    def member(self, owner: str, node: str) -> PoolMember | None:
+        """``node``'s entry in ``owner``'s namespace, when it is fresh and that node signed
+        it for itself (with TLS); None otherwise (logged: it could send copies anywhere)."""
+        key = entry_key(owner, node)
+        try:
+            raw = self.objects.get_bytes(key)
+        except ObjectNotFound:
+            return None
+        member = self._member(key, raw)
+        if member is None or (member.node, member.owner) != (node, owner):
+            return None
+        return member if self.clock() - member.announced_at < MEMBER_TTL_SECONDS else None
 
     def _member(self, key: str, raw: bytes) -> PoolMember | None:
         try:
@@ -106,12 +133,38 @@ class Pool:
         return member
 
 
+class PoolView:
+    """The pool as one node reads it, cached ``MEMBERS_CACHE_SECONDS``: its namespaces'
+    node names, and the entries of the nodes it dials. Shared by the node's jobs."""
+
+    def __init__(self, pool: Pool, run_thread: RunThread) -> None:
+        self.pool = pool
+        self._thread = run_thread
+        self._names: dict[str, tuple[float, list[str]]] = {}
+        self._members: dict[tuple[str, str], tuple[float, PoolMember | None]] = {}
+
+    async def names(self, owner: str) -> list[str]:
+        now = time.monotonic()
+        cached = self._names.get(owner)
+        if cached is None or now - cached[0] > MEMBERS_CACHE_SECONDS:
+            cached = self._names[owner] = (now, await self._thread(self.pool.names, owner))
+        return cached[1]
+
+    async def member(self, owner: str, node: str) -> PoolMember | None:
+        now = time.monotonic()
+        cached = self._members.get((owner, node))
+        if cached is None or now - cached[0] > MEMBERS_CACHE_SECONDS:
+            found = await self._thread(self.pool.member, owner, node)
+            cached = self._members[(owner, node)] = (now, found)
+        return cached[1]
+
+
 class PoolCopies:
     """One one-node job's copies on another node of the pool."""
 
     def __init__(  # one job's context, passed once
         self,
-        pool: Pool,
+        view: PoolView,
         peers: PeerClient,
         store: LocalStore,
         config: JobConfig,
@@ -122,11 +175,10 @@ class PoolCopies:
         trust: ManifestTrust,
         metrics: Metrics = NO_METRICS,
     ) -> None:
-        self.pool, self.peers, self.store, self.config = pool, peers, store, config
+        self.view, self.peers, self.store, self.config = view, peers, store, config
         self.me, self.owner, self.trust, self.metrics = me, owner, trust, metrics
         self._thread = run_thread
         self._log = JobLog(log, config.job_name, config.node_rank)
-        self._members: tuple[float, list[PoolMember]] | None = None
         self._queue: dict[ItemId, Manifest] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -134,12 +186,6 @@ class PoolCopies:
         self._failing: str | None = None
         self._current: int | None = None
         """The step whose items are being pushed."""
-
-    async def members(self) -> list[PoolMember]:
-        now = time.monotonic()
-        if self._members is None or now - self._members[0] > MEMBERS_CACHE_SECONDS:
-            self._members = (now, await self._thread(self.pool.members))
-        return self._members[1]
 
     def push_later(self, manifest: Manifest) -> None:
         """Queue an ingested item for the holder; an older step still queued is dropped,
@@ -173,9 +219,13 @@ class PoolCopies:
 
     async def _push(self, manifest: Manifest) -> None:
         job = self.config.job_name
-        holder = holder_for(job, self.me, self.owner, await self.members())
-        if holder is None:
+        name = holder_for(job, self.me, await self.view.names(self.owner))
+        if name is None:
             self._failed(f"no other node of owner {self.owner or '(unowned)'!r} in the pool")
+            return
+        holder = await self.view.member(self.owner, name)
+        if holder is None:
+            self._failed(f"node {name}'s pool entry is gone, stale or not signed by it")
             return
         if holder.node != self._holder:
             self._holder = holder.node
@@ -205,7 +255,10 @@ class PoolCopies:
         job, workers = self.config.job_name, list(worker_slots(self.config))
         own = newest_complete(self.store.manifests(job), workers)
         best: tuple[int, PoolMember, list[ItemInfo]] | None = None
-        for member in candidates(job, self.me, self.owner, await self.members()):
+        for name in candidates(job, self.me, await self.view.names(self.owner)):
+            member = await self.view.member(self.owner, name)
+            if member is None:
+                continue
             try:
                 infos = await self.peers.list_items(member.address, job)
             except PeerError as exc:

@@ -62,32 +62,23 @@ def _weight(job: str, node: str) -> bytes:
     return hashlib.blake2b(f"{job}\0{node}".encode(), digest_size=16).digest()
 
 
-def ranking(job: str, members: Iterable[PoolMember]) -> list[PoolMember]:
-    """``members`` in ``job``'s rendezvous order: highest weight first, the same on every
-    node that sees the same members."""
-    return sorted(members, key=lambda m: _weight(job, m.node), reverse=True)
+def ranking(job: str, nodes: Iterable[str]) -> list[str]:
+    """``nodes`` in ``job``'s rendezvous order: highest weight first, the same on every
+    node that sees the same nodes."""
+    return sorted(set(nodes), key=lambda n: _weight(job, n), reverse=True)
 
 
-def _same_owner(members: Iterable[PoolMember], owner: str) -> list[PoolMember]:
-    return [m for m in members if m.owner == owner]
-
-
-def holder_for(
-    job: str, producer: str, owner: str, members: Iterable[PoolMember]
-) -> PoolMember | None:
-    """The node that holds ``job``'s pool copies while ``producer`` runs it: the first
-    of the ranking of ``owner``'s nodes other than ``producer``; None when there is none."""
-    others = [m for m in _same_owner(members, owner) if m.node != producer]
-    ranked = ranking(job, others)
+def holder_for(job: str, producer: str, nodes: Iterable[str]) -> str | None:
+    """The node that holds ``job``'s pool copies while ``producer`` runs it: the first of
+    the ranking of the job's owner's ``nodes`` other than the producer; None: none."""
+    ranked = ranking(job, (n for n in nodes if n != producer))
     return ranked[0] if ranked else None
 
 
-def candidates(
-    job: str, me: str, owner: str, members: Iterable[PoolMember], count: int = CANDIDATES
-) -> list[PoolMember]:
-    """The nodes to ask for ``job``'s pool copies from ``me``: the first ``count`` of
-    ``owner``'s ranking, less this node (which holds what it holds locally)."""
-    return [m for m in ranking(job, _same_owner(members, owner))[:count] if m.node != me]
+def candidates(job: str, me: str, nodes: Iterable[str], count: int = CANDIDATES) -> list[str]:
+    """The nodes to ask for ``job``'s pool copies from ``me``: the first ``count`` of the
+    ranking of the owner's ``nodes``, less this node (which holds what it holds locally)."""
+    return [n for n in ranking(job, nodes)[:count] if n != me]
 
 
 def admit_pool_copy(

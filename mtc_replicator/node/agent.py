@@ -197,7 +197,7 @@ class Incarnation:
         if ctx.pool is None or ctx.peers is None or ctx.job_dir is None or self.config.nodes > 1:
             return None
         return PoolCopies(
-            ctx.pool.pool,
+            ctx.pool.view,
             ctx.peers,
             ctx.store,
             self.config,

@@ -11,7 +11,6 @@ from mtc_replicator.cluster.donor import Donor, DonorMissing, RunThread
 from mtc_replicator.cluster.pool import PoolCopies
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.manifest import CorruptItem, ManifestError
-from mtc_replicator.core.pool import PoolMember
 from mtc_replicator.obs.logs import JobLog
 
 if TYPE_CHECKING:
@@ -41,10 +40,6 @@ async def bring_first(
     if pool_copies is not None:
         await pool_copies.fetch_newest()
 
-    async def members() -> list[PoolMember]:
-        assert pool is not None
-        return list(await run_thread(pool.pool.members))
-
     donor = Donor(
         ctx.store,
         config,
@@ -53,7 +48,7 @@ async def bring_first(
         run_thread,
         log,
         peers=ctx.peers,
-        members=None if pool is None else members,
+        view=None if pool is None else pool.view,
         me="" if pool is None else pool.name,
         backups=ctx.backups,
     )

@@ -11,8 +11,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any, TypeVar
 
-from mtc_replicator.cluster.pool import Pool
+from mtc_replicator.cluster.pool import Pool, PoolView
 from mtc_replicator.cluster.registry import Registry
 from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.ownership import BadOwner
@@ -23,6 +24,7 @@ from mtc_replicator.storage.objectstore import ObjectStoreError
 from mtc_replicator.transport.pool_holding import PoolHolding
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PoolNode:
@@ -39,12 +41,17 @@ class PoolNode:
         max_lead: int,
     ) -> None:
         self.pool = Pool(registry.objects, registry.trust, trust.verifier)
+        self.view = PoolView(self.pool, self._run)
+        """The pool as this node's jobs read it (cached)."""
         self.held = PoolHeld(store)
         self.holding = PoolHolding(self.held, node_owner, executor, max_lead)
         self._node_owner = node_owner
         self._executor = executor
         self.name = trust.producer
         """This node in the pool: its certificate's name; its address without one."""
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def start(self, advertise: str) -> asyncio.Task[None]:
         """Renew this node's entry every ``ANNOUNCE_SECONDS`` until cancelled."""

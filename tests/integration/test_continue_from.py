@@ -90,19 +90,14 @@ def test_an_exploit_continues_from_the_donors_step_from_the_fastest_tier(tmp_pat
             daemon=cluster.daemon(0),
         )
 
-        marker = _continue(cluster, 0, "trial-a.x1")
-        assert read_tree(marker) == saved[6], read_text(marker.parent / FAILED_FILE)
-        assert "continues from trial-b/s6/n0-w0 (from this node)" in cluster.daemon(0).log()
-        attestation = _adopted(cluster, 0, "trial-a.x1").attestation
-        assert attestation is not None
-        assert attestation.producer == "node0"
-
-        marker = _continue(cluster, 1, "trial-c.x1")
-        assert read_tree(marker) == saved[6], read_text(marker.parent / FAILED_FILE)
-        assert "continues from trial-b/s6/n0-w0 (from node node" in cluster.daemon(1).log()
-        attestation = _adopted(cluster, 1, "trial-c.x1").attestation
-        assert attestation is not None
-        assert attestation.producer == "node1"
+        for node, job, tier in ((0, "trial-a.x1", "this node"), (1, "trial-c.x1", "node node")):
+            marker = _continue(cluster, node, job)
+            assert read_tree(marker) == saved[6], read_text(marker.parent / FAILED_FILE)
+            said = f"continues from trial-b/s6/n0-w0 (from {tier}"
+            assert said in cluster.daemon(node).log()
+            attestation = _adopted(cluster, node, job).attestation
+            assert attestation is not None
+            assert attestation.producer == f"node{node}"  # adopted as this node's own
 
         # Every RAM disk that held trial-b's step 6 is lost: the bucket still has it.
         lost = {0, 1} | {n for n in range(3) if 6 in stored_steps(cluster.dirs[n], DONOR)}

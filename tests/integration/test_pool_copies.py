@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.core.manifest import ItemId
-from mtc_replicator.core.pool import PoolMember, holder_for
+from mtc_replicator.core.pool import holder_for
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.transport.peer_client import PeerClient, PeerError
 from tests.integration.cluster import Cluster, running
@@ -73,10 +73,9 @@ def _wait_marker(cluster: Cluster, node: int, step: int) -> Path:
 
 
 def _expected_holder() -> int:
-    members = [PoolMember(f"node{n}", "unused:1", "", 0.0) for n in range(NODES)]
-    chosen = holder_for(TRIAL, "node0", "", members)
+    chosen = holder_for(TRIAL, "node0", [f"node{n}" for n in range(NODES)])
     assert chosen is not None
-    return int(chosen.node.removeprefix("node"))
+    return int(chosen.removeprefix("node"))
 
 
 def test_a_one_node_trial_restores_on_another_node_from_its_pool_copy(tmp_path: Path) -> None:

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from mtc_replicator.cluster.pool import PREFIX, Pool
+from mtc_replicator.cluster.pool import Pool, entry_key
 from mtc_replicator.core.admission import Verdict
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.pool import (
     MEMBER_TTL_SECONDS,
-    PoolMember,
     admit_pool_copy,
     candidates,
     holder_for,
@@ -36,43 +35,34 @@ from mtc_replicator.transport.signing import record_trust
 from tests.tls import node_tls
 
 
-def _members(n: int, owner: str = "") -> list[PoolMember]:
-    return [PoolMember(f"node-{i}", f"10.0.0.{i}:8470", owner, 0.0) for i in range(n)]
+def _nodes(n: int) -> list[str]:
+    return [f"node-{i}" for i in range(n)]
 
 
 def test_jobs_spread_evenly_over_the_pool_and_a_new_node_moves_only_what_it_wins() -> None:
-    pool = _members(8)
+    pool = _nodes(8)
     jobs = [f"trial-{i:05d}" for i in range(4000)]
-    chosen = {job: holder_for(job, "node-0", "", pool) for job in jobs}
-    counts = Counter(m.node for m in chosen.values() if m is not None)
+    chosen = {job: holder_for(job, "node-0", pool) for job in jobs}
+    counts = Counter(chosen.values())
     assert set(counts) == {f"node-{i}" for i in range(1, 8)}  # never the producer
     assert max(counts.values()) < 1.25 * min(counts.values()), counts
-    grown = [*pool, PoolMember("node-8", "10.0.0.8:8470", "", 0.0)]
-    moved = [j for j in jobs if holder_for(j, "node-0", "", grown) != chosen[j]]
-    assert all(holder_for(j, "node-0", "", grown).node == "node-8" for j in moved)  # type: ignore[union-attr]
+    grown = [*pool, "node-8"]
+    moved = [j for j in jobs if holder_for(j, "node-0", grown) != chosen[j]]
+    assert all(holder_for(j, "node-0", grown) == "node-8" for j in moved)
     assert 0.08 < len(moved) / len(jobs) < 0.17  # about 1/8
 
 
 def test_a_restart_asks_the_holder_whichever_node_produced_the_steps() -> None:
-    pool = _members(6)
+    pool = _nodes(6)
     for job in (f"trial-{i}" for i in range(200)):
         for producer in pool:
-            holder = holder_for(job, producer.node, "", pool)
+            holder = holder_for(job, producer, pool)
             assert holder is not None
             for me in pool:
-                asked = candidates(job, me.node, "", pool)
-                assert holder in asked or holder.node == me.node
+                asked = candidates(job, me, pool)
+                assert holder in asked or holder == me
         assert ranking(job, pool) == ranking(job, list(reversed(pool)))
-
-
-def test_copies_stay_within_the_jobs_owner() -> None:
-    pool = [*_members(3, "team-a"), PoolMember("b-node", "10.1.0.1:8470", "team-b", 0.0)]
-    for job in (f"trial-{i}" for i in range(100)):
-        held = holder_for(job, "node-0", "team-a", pool)
-        assert held is not None
-        assert held.owner == "team-a"
-        assert all(m.owner == "team-a" for m in candidates(job, "node-0", "team-a", pool))
-    assert holder_for("trial-1", "b-node", "team-b", pool) is None  # alone in its namespace
+    assert holder_for("trial-1", "node-0", ["node-0"]) is None  # alone in its namespace
 
 
 def test_the_admission_of_a_pool_copy() -> None:
@@ -97,7 +87,9 @@ def test_what_a_holder_keeps_and_which_step_is_whole() -> None:
     assert newest_complete([], [0]) is None
 
 
-def test_the_pool_lists_fresh_entries_each_signed_by_the_node_it_names(tmp_path: Path) -> None:
+def test_the_pool_lists_a_namespaces_fresh_nodes_and_believes_self_signed_entries(
+    tmp_path: Path,
+) -> None:
     ca = certs.new_ca()
     tls = {n: node_tls(tmp_path / n, ca, node=n).material() for n in ("node-a", "node-b")}
     objects = FileObjectStore(tmp_path / "registry")
@@ -110,22 +102,32 @@ def test_the_pool_lists_fresh_entries_each_signed_by_the_node_it_names(tmp_path:
 
     pool_of("node-a").announce("node-a", "10.0.0.1:8470", "team-a")
     pool_of("node-b").announce("node-b", "10.0.0.2:8470", "team-a")
+    pool_of("node-b").announce("node-b", "10.0.0.2:8470", "team-b")  # a handoff: both
     # node-b signs an entry naming node-c: it could send node-c's jobs' copies anywhere.
     pool_of("node-b").announce("node-c", "10.0.0.3:8470", "team-a")
-    objects.put_bytes(f"{PREFIX}junk.json", b"{not json")
-    unsigned = {"node": "node-d", "address": "10.0.0.4:8470", "owner": "", "announced_at": now[0]}
-    objects.put_bytes(f"{PREFIX}node-d.json", json.dumps(unsigned).encode())
-    members = pool_of("node-a").members()
-    assert sorted((m.node, m.address, m.owner) for m in members) == [
-        ("node-a", "10.0.0.1:8470", "team-a"),
-        ("node-b", "10.0.0.2:8470", "team-a"),
-    ]
-    now[0] += MEMBER_TTL_SECONDS + 1  # nobody renewed: the pool is empty
-    assert pool_of("node-a").members() == []
+    objects.put_bytes(entry_key("team-a", "junk"), b"{not json")
+    unsigned = {"node": "node-d", "address": "10.0.0.4:8470", "owner": "team-a"}
+    unsigned["announced_at"] = now[0]  # type: ignore[assignment]
+    objects.put_bytes(entry_key("team-a", "node-d"), json.dumps(unsigned).encode())
+    reader = pool_of("node-a")
+    assert sorted(reader.names("team-a")) == ["junk", "node-a", "node-b", "node-c", "node-d"]
+    assert reader.names("team-b") == ["node-b"]
+    assert reader.names("") == []
+    got = {n: reader.member("team-a", n) for n in reader.names("team-a")}
+    assert {n for n, m in got.items() if m is not None} == {"node-a", "node-b"}
+    member = got["node-b"]
+    assert member is not None
+    assert (member.address, member.owner) == ("10.0.0.2:8470", "team-a")
+    assert reader.member("team-b", "node-a") is None  # no entry there
+    now[0] += MEMBER_TTL_SECONDS + 1  # nobody renewed: by the store's time, and the entry's
+    assert reader.names("team-a") == []
+    assert reader.member("team-a", "node-a") is None
     # Without TLS nothing is signed nor checked, but the entries still say who is where.
-    open_pool = Pool(objects, OPEN, None, clock=lambda: now[0])
+    open_pool = Pool(objects, OPEN, None, clock=time.time)
     open_pool.announce("10.0.0.9:8470", "10.0.0.9:8470", "")
-    assert [m.node for m in open_pool.members()] == ["10.0.0.9:8470"]
+    assert open_pool.names("") == ["10.0.0.9:8470"]
+    with pytest.raises(ValueError, match="not a node name"):
+        open_pool.announce("a/b", "10.0.0.9:8470", "")
 
 
 @pytest.fixture
