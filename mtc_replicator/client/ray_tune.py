@@ -126,9 +126,8 @@ class TuneCheckpointer:
         start. ``checkpoint``: ``tune.get_checkpoint()``, the trial's own or (an exploit)
         another trial's; a checkpoint ``report`` did not write raises ``ForeignCheckpoint``."""
         meta = None if checkpoint is None else read_meta(checkpoint)
-        continued = None
-        if meta is not None:
-            continued = self._job_for(meta, str(getattr(checkpoint, "path", checkpoint)))
+        where = str(getattr(checkpoint, "path", checkpoint))
+        continued = None if checkpoint is None else self._job_for(meta, where)
         config = JobConfig(
             job_name=self.job,
             framework=Framework.PYTORCH,
@@ -148,15 +147,27 @@ class TuneCheckpointer:
                     "(its RAM disks, its pool copy and the bucket lost it): nothing was loaded"
                 )
             return None
+        if meta is not None and continued is None and result.step < meta.step:
+            log.warning(
+                "trial %s: Tune's checkpoint names step %d, but the replicator holds step %d "
+                "of job %s at the newest (the newer one was lost with every copy): training "
+                "goes on from step %d",
+                self.base,
+                meta.step,
+                result.step,
+                self.job,
+                result.step,
+                extra={"job": self.job},
+            )
         self._newest = result.step
         state = torch_io.load_state_dict(result.path)
         donor = None if continued is None else continued.job
         return TuneRestored(result.step, state, result.source or "unknown", donor)
 
-    def _job_for(self, meta: RayMeta, where: str) -> ContinueFrom | None:
+    def _job_for(self, meta: RayMeta | None, where: str) -> ContinueFrom | None:
         """The job this trial runs as, given the checkpoint Tune handed it; the donor's step
         when that checkpoint is another trial's."""
-        if meta.job is None or meta.mode != POINTER_MODE:
+        if meta is None or meta.job is None or meta.mode != POINTER_MODE:
             raise ForeignCheckpoint(
                 f"trial {self.base!r} was handed the checkpoint at {where}, which "
                 "TuneCheckpointer.report did not write: nothing was loaded"

@@ -272,7 +272,7 @@ def _score(model: Any) -> float:
 def pbt_trial(config: dict[str, Any]) -> None:
     """A Ray Tune trial of the function API on ``TuneCheckpointer``: one process, saves every
     step to the RAM tier and reports every step with a pointer checkpoint. Events, per
-    process in ``<events>/<pid>.jsonl``: ``saved`` (job, step, digest of the state) and
+    process in ``<events>/<pid>.jsonl``: ``entry``, ``saved`` (job, step, digest of the state) and
     ``restored`` (job, step, source, the donor's job under an exploit, digest)."""
     from ray import tune
 
@@ -286,6 +286,7 @@ def pbt_trial(config: dict[str, Any]) -> None:
             f.write(json.dumps(event) + "\n")
 
     ckpt = TuneCheckpointer(backup_interval_steps=100, timeout=90)
+    emit(event="entry", job=ckpt.job, step=None)
     restored = ckpt.restore(tune.get_checkpoint())
     model, opt = build()
     start = 1
