@@ -19,7 +19,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -572,13 +572,11 @@ def test_hyperband_pauses_four_trials_and_resumes_them_from_the_ram_tier(
     assert {p.name for p in stored} == {"mtc-ray.json"}, stored
 
 
-def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_tier(
-    nodes: RayNodes,
-) -> None:
-    """The Tune driver is killed (SIGKILL) with two trials on ``TuneCheckpointer`` past
-    their third step; ``Tuner.restore`` of the experiment in another process resumes each
-    from its own newest step on the RAM tier, exactly as it was saved, and runs it to the
-    end."""
+def _kill_driver_then_restore(
+    nodes: RayNodes, kind: str, events: Path, started: Callable[[], bool]
+) -> float:
+    """Run ``tune_driver`` of ``kind`` in a process, SIGKILL it once ``started()``,
+    then ``Tuner.restore`` the experiment here and fit it to the end; the kill's time."""
     import subprocess
     import sys
 
@@ -586,24 +584,25 @@ def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_t
 
     from tests.ray import tune_driver
 
-    storage, events = nodes.root / "tune-storage", nodes.root / "restore-events"
-    events.mkdir()
-    env = {**os.environ, **RAY_ENV, "TUNE_GLOBAL_CHECKPOINT_S": "1"}
+    storage = nodes.root / "tune-storage"
+    env = {
+        **os.environ,
+        **RAY_ENV,
+        "TUNE_GLOBAL_CHECKPOINT_S": "1",
+        "MTC_TEST_DIRS": os.pathsep.join(str(d) for d in nodes.dirs),
+    }
+    argv = [sys.executable, "-m", "tests.ray.tune_driver", nodes.cluster.address]
     driver = subprocess.Popen(
-        [sys.executable, "-m", "tests.ray.tune_driver", nodes.cluster.address,
-         str(storage), str(events)],
+        [*argv, str(storage), str(events), kind],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            saved = [e for e in _read_events(events) if e["event"] == "saved"]
-            if len({e["job"] for e in saved if e["step"] >= 4}) == 2:
-                break
+        deadline = time.monotonic() + 180
+        while not started():
             assert driver.poll() is None, "the driver ended before the kill"
-            assert time.monotonic() < deadline, f"the trials never reached step 4: {saved}"
+            assert time.monotonic() < deadline, "the trials never got far enough"
             time.sleep(0.2)
         time.sleep(1.5)  # the experiment's state saved past the trials' checkpoints
     finally:
@@ -611,12 +610,28 @@ def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_t
         driver.wait()
     killed_at = time.time()
     time.sleep(2)  # Ray ends the dead driver's trials
-    tuner = tune.Tuner.restore(
-        str(storage / "restored"),
-        trainable=tune.with_resources(train_loop.pbt_trial, {"cpu": 0.5}),
-    )
+    name = tune_driver.EXPERIMENTS[kind]
+    tuner = tune.Tuner.restore(str(storage / name), trainable=tune_driver.trainable(kind))
     results = tuner.fit()
     assert not [r.error for r in results if r.error is not None]
+    return killed_at
+
+
+def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_tier(
+    nodes: RayNodes,
+) -> None:
+    """The Tune driver is killed (SIGKILL) with two trials on ``TuneCheckpointer`` past
+    their fourth step; ``Tuner.restore`` of the experiment in another process resumes each
+    from its own newest step on the RAM tier, exactly as it was saved, and runs it to the
+    end."""
+    events = nodes.root / "restore-events"
+    events.mkdir()
+
+    def started() -> bool:
+        run = _read_events(events)
+        return len({e["job"] for e in run if e["event"] == "saved" and e["step"] >= 4}) == 2
+
+    killed_at = _kill_driver_then_restore(nodes, "function", events, started)
     run = _read_events(events)
     restored = [e for e in _check_restores(run) if e["t"] > killed_at]
     assert sorted(e["job"] for e in restored) == sorted({e["job"] for e in run}), run
@@ -624,7 +639,32 @@ def test_tuner_restore_after_the_driver_was_killed_resumes_trials_from_the_ram_t
     assert {e["source"] for e in restored} <= {"local", "peer"}, restored
     done = {e["job"] for e in run if e["event"] == "saved" and e["step"] == 40}
     assert done == {e["job"] for e in restored}
-    assert tune_driver.HEAD_IP == HEAD_IP
+
+
+def test_tuner_restore_resumes_a_torchtrainer_trial_from_the_ram_tier(nodes: RayNodes) -> None:
+    """The same for a trial that runs a ``TorchTrainer`` of two workers on
+    ``RayCheckpointer(job_directory=True)``: the driver killed at step 6 or later, the
+    restored experiment's trial starts its trainer again under its run name, and both
+    workers restore the newest step from the RAM tier, the weights those of as many
+    uninterrupted steps, and end as an uninterrupted run does."""
+    events = nodes.root / "restore-torch-events"
+    events.mkdir()
+
+    def started() -> bool:
+        return any(
+            e["event"] == "saved-step" and e["step"] >= 6 for e in _read_events(events / "r")
+        )
+
+    killed_at = _kill_driver_then_restore(nodes, "torch", events, started)
+    run = _read_events(events / "r")
+    restored = [e for e in run if e["event"] == "restored" and e["t"] > killed_at]
+    assert sorted(e["rank"] for e in restored) == [0, 1], run
+    assert len({e["step"] for e in restored}) == 1
+    step = restored[0]["step"]
+    assert step >= 6
+    assert {e["source"] for e in restored} <= {"local", "peer"}, restored
+    assert {e["digest"] for e in restored} == {train_loop.reference_digest(step)}
+    _check_end([e for e in run if e["t"] > killed_at], 30)
 
 
 def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:

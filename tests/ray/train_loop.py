@@ -145,6 +145,7 @@ def train_func(config: dict[str, Any]) -> None:
         train_step(model, opt, step, rank, world)
         if step in config.get("save_at", [step]):
             ckpt.save(step, _state(ckpt, model, opt))
+            emit(event="saved-step", step=step)
         if step == config.get("hold_at") and not flag.exists():
             wait_replicated(config, ckpt.job, step)
             emit(event="holding", step=step)
@@ -235,7 +236,7 @@ def tune_trial(config: dict[str, Any]) -> None:
 
     trial, shared = config["trial"], Path(config["loop"]["events"])
     loop = {**config["loop"], "events": str(shared / trial)}
-    (shared / trial).mkdir()
+    (shared / trial).mkdir(exist_ok=True)  # a restored experiment runs the trial again
     donor = config.get("exploits", {}).get(trial)
     if donor:
         loop["exploit_from"] = (shared / f"{donor}.checkpoint").read_text()
