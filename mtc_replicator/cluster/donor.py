@@ -103,12 +103,15 @@ class Donor:
         tried: list[str] = []
         if self.peers is not None and self.view is not None:
             for name in ranking(cf.job, await self.view.names(self.owner)):
-                member = None if name == self.me else await self.view.member(self.owner, name)
-                if member is None:
+                if name == self.me:
                     continue
-                got = await self._pull(member, item, tried)
+                try:
+                    got = await self.view.dial(self.owner, name, lambda m: self._pull(m, item))
+                except (PeerError, ManifestError, CorruptItem, StoreError) as exc:
+                    tried.append(f"node {name}: {exc}")
+                    continue
                 if got is not None:
-                    return got, f"node {member.node}"
+                    return got, f"node {name}"
         if self.backups is not None:
             try:
                 return await self.run_thread(self._download, self.backups, item), "the backup"
@@ -119,24 +122,21 @@ class Donor:
             f"on this node nor {_where(tried)}"
         )
 
-    async def _pull(self, member: PoolMember, item: ItemId, tried: list[str]) -> Manifest | None:
+    async def _pull(self, member: PoolMember, item: ItemId) -> Manifest | None:
+        """``item`` from ``member`` when it lists it; None when it does not."""
         assert self.peers is not None
-        try:
-            infos = {i.item: i for i in await self.peers.list_items(member.address, item.job)}
-            info = infos.get(item)
-            if info is None:
-                return None
-            return await self.peers.pull_item(
-                member.address,
-                item,
-                self.store,
-                info.digest,
-                total_bytes=info.total_bytes,
-                vet=lambda m: self.trust.check(m, self.owner),
-            )
-        except (PeerError, ManifestError, CorruptItem, StoreError) as exc:
-            tried.append(f"node {member.node}: {exc}")
+        infos = {i.item: i for i in await self.peers.list_items(member.address, item.job)}
+        info = infos.get(item)
+        if info is None:
             return None
+        return await self.peers.pull_item(
+            member.address,
+            item,
+            self.store,
+            info.digest,
+            total_bytes=info.total_bytes,
+            vet=lambda m: self.trust.check(m, self.owner),
+        )
 
     def _download(self, backups: BackupStore, item: ItemId) -> Manifest:
         commit = backups.read_commit(item.job, item.step)

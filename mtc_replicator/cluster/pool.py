@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from mtc_replicator.core.attestation import ManifestTrust, NodeVerifier
 from mtc_replicator.core.contract import JobConfig
@@ -40,7 +40,7 @@ from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
 from mtc_replicator.storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError
-from mtc_replicator.transport.peer_client import ItemInfo, PeerClient, PeerError
+from mtc_replicator.transport.peer_client import ItemInfo, PeerClient, PeerError, PeerUnavailable
 from mtc_replicator.transport.peerwire import rate
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ MEMBERS_CACHE_SECONDS = 30.0
 """How long a read of the pool serves the pushes that follow it."""
 
 RunThread = Callable[..., Awaitable[Any]]
+R = TypeVar("R")
 
 
 UNOWNED_DIR = "_unowned"
@@ -150,13 +151,30 @@ class PoolView:
             cached = self._names[owner] = (now, await self._thread(self.pool.names, owner))
         return cached[1]
 
-    async def member(self, owner: str, node: str) -> PoolMember | None:
+    async def member(self, owner: str, node: str, *, fresh: bool = False) -> PoolMember | None:
         now = time.monotonic()
         cached = self._members.get((owner, node))
-        if cached is None or now - cached[0] > MEMBERS_CACHE_SECONDS:
+        if fresh or cached is None or now - cached[0] > MEMBERS_CACHE_SECONDS:
             found = await self._thread(self.pool.member, owner, node)
             cached = self._members[(owner, node)] = (now, found)
         return cached[1]
+
+    async def dial(
+        self, owner: str, node: str, call: Callable[[PoolMember], Awaitable[R]]
+    ) -> R | None:
+        """``call`` with ``node``'s entry (None: it has none); once more with its entry
+        read afresh when the cached address cannot be reached and the entry now names
+        another (its daemon restarted on another port)."""
+        member = await self.member(owner, node)
+        if member is None:
+            return None
+        try:
+            return await call(member)
+        except PeerUnavailable:
+            again = await self.member(owner, node, fresh=True)
+            if again is None or again.address == member.address:
+                raise
+            return await call(again)
 
 
 class PoolCopies:
@@ -223,22 +241,23 @@ class PoolCopies:
         if name is None:
             self._failed(f"no other node of owner {self.owner or '(unowned)'!r} in the pool")
             return
-        holder = await self.view.member(self.owner, name)
-        if holder is None:
-            self._failed(f"node {name}'s pool entry is gone, stale or not signed by it")
-            return
-        if holder.node != self._holder:
-            self._holder = holder.node
-            self._log.info(
-                "pool copies of this job go to node %s (%s)", holder.node, holder.address
-            )
         item = manifest.item
         if self.store.get(item) is None:
             return  # dropped by retention meanwhile
         t0 = time.monotonic()
-        await self.peers.push_item(
-            holder.address, manifest, self.store.data_path(item), self.store.root, pool_copy=True
-        )
+
+        async def push(holder: PoolMember) -> bool:
+            if holder.node != self._holder:
+                self._holder = holder.node
+                self._log.info("pool copies go to node %s (%s)", holder.node, holder.address)
+            data = self.store.data_path(item)
+            return await self.peers.push_item(
+                holder.address, manifest, data, self.store.root, pool_copy=True
+            )
+
+        if await self.view.dial(self.owner, name, push) is None:
+            self._failed(f"node {name}'s pool entry is gone, stale or not signed by it")
+            return
         self.metrics.transfer(
             TransferKind.REPLICATE_OUT, manifest.total_bytes, time.monotonic() - t0
         )
@@ -256,14 +275,18 @@ class PoolCopies:
         own = newest_complete(self.store.manifests(job), workers)
         best: tuple[int, PoolMember, list[ItemInfo]] | None = None
         for name in candidates(job, self.me, await self.view.names(self.owner)):
-            member = await self.view.member(self.owner, name)
-            if member is None:
-                continue
+
+            async def listing(m: PoolMember) -> tuple[PoolMember, list[ItemInfo]]:
+                return m, await self.peers.list_items(m.address, job)
+
             try:
-                infos = await self.peers.list_items(member.address, job)
+                found = await self.view.dial(self.owner, name, listing)
             except PeerError as exc:
-                self._log.info("pool copies: cannot ask node %s: %s", member.node, exc)
+                self._log.info("pool copies: cannot ask node %s: %s", name, exc)
                 continue
+            if found is None:
+                continue
+            member, infos = found
             step = newest_complete((i.item for i in infos), workers)
             if (
                 step is not None

@@ -4,6 +4,7 @@ notes of held copies on a real store (``local.pool_held``)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import Counter
@@ -11,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from mtc_replicator.cluster.pool import Pool, entry_key
+from mtc_replicator.cluster.pool import Pool, PoolView, entry_key
 from mtc_replicator.core.admission import Verdict
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.pool import (
     MEMBER_TTL_SECONDS,
+    PoolMember,
     admit_pool_copy,
     candidates,
     holder_for,
@@ -31,6 +33,7 @@ from mtc_replicator.storage.objectstore import FileObjectStore
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.attesting import manifest_trust
 from mtc_replicator.transport.identity import own_node
+from mtc_replicator.transport.peer_client import PeerUnavailable
 from mtc_replicator.transport.signing import record_trust
 from tests.tls import node_tls
 
@@ -169,3 +172,41 @@ def test_held_copies_keep_the_newest_two_steps_and_settle_when_the_job_comes(
     assert held.settle("reused", nodes=4) == [ItemId("reused", 7, 0, 0)]  # a cluster job's
     assert store.manifests("reused") == {}
     assert held.settle("never-held", nodes=4) == []
+
+
+def test_a_node_dialled_at_a_stale_address_is_dialled_again_at_its_new_one(
+    tmp_path: Path,
+) -> None:
+    """A daemon restarted on another port: the cached entry's address refuses, the entry
+    is read afresh and the call goes to the new address; an address that did not change
+    is not tried twice."""
+    objects = FileObjectStore(tmp_path / "registry")
+    pool = Pool(objects, OPEN, None)
+    pool.announce("node-b", "127.0.0.1:1111", "")
+
+    async def run_thread(fn: object, *args: object) -> object:
+        return fn(*args)  # type: ignore[operator]
+
+    view = PoolView(pool, run_thread)
+    dialled: list[str] = []
+
+    async def call(member: PoolMember) -> str:
+        dialled.append(member.address)
+        if member.address == "127.0.0.1:1111":
+            raise PeerUnavailable(member.address, "connection refused")
+        return member.address
+
+    async def scenario() -> None:
+        assert await view.member("", "node-b") is not None  # cached at the old address
+        pool.announce("node-b", "127.0.0.1:2222", "")
+        assert await view.dial("", "node-b", call) == "127.0.0.1:2222"
+        assert dialled == ["127.0.0.1:1111", "127.0.0.1:2222"]
+        pool.announce("node-b", "127.0.0.1:1111", "")
+        await view.member("", "node-b", fresh=True)
+        dialled.clear()
+        with pytest.raises(PeerUnavailable):
+            await view.dial("", "node-b", call)
+        assert dialled == ["127.0.0.1:1111"]
+        assert await view.dial("", "node-x", call) is None  # no entry: nothing dialled
+
+    asyncio.run(scenario())
