@@ -311,5 +311,5 @@ def pbt_trial(config: dict[str, Any]) -> None:
         ckpt.save(step, state)
         emit(event="saved", job=ckpt.job, step=step, digest=digest(model))
         time.sleep(config.get("step_seconds", 0.2))
-        ckpt.report({"score": _score(model), "step": step})
+        ckpt.report({"score": _score(model) + config.get("score_bias", 0.0), "step": step})
     ckpt.close()
