@@ -323,7 +323,8 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         elif self.pool is None:
             admission = NO_POOL
         else:
-            admission, owner, producers = await self.pool.admit(item, caller(), bool(served))
+            runs_here = served is not None
+            admission, owner, producers = await self.pool.admit(item, caller(), runs_here)
         _refuse_unless(admission)
         # A header may carry 16 MiB of manifest: parse and check it off the event loop,
         # which must keep answering health checks and other transfers meanwhile.
