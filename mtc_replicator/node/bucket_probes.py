@@ -13,6 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from mtc_replicator.cluster.registry import Registry
 from mtc_replicator.core.bucketcheck import BucketCheck, Verdict, may_heal, refused_reason
@@ -23,6 +24,7 @@ from mtc_replicator.storage.probe import ProbeFailed
 from mtc_replicator.storage.probe import probe as probe_store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FIRST_PROBE_WAIT = 10.0
 """How long a handshake waits for the first probe of the backup and registry."""
@@ -47,7 +49,7 @@ class BucketProbes:
                     continue
                 was = (check.verdict, check.reason)
                 try:
-                    await _in_daemon_thread(probe_store, store)
+                    await in_daemon_thread(probe_store, store, name="mtc-bucket-probe")
                 except ProbeFailed as exc:
                     reason = refused_reason(
                         check.url,
@@ -100,31 +102,31 @@ def _bucket_checks(
     return found
 
 
-async def _in_daemon_thread(fn: Callable[[ObjectStore], None], store: ObjectStore) -> None:
-    """``fn(store)`` in a thread of its own that never holds up the process's exit: a probe
-    of an unreachable bucket may take the whole storage timeout, and the default executor
+async def in_daemon_thread(fn: Callable[..., T], *args: Any, name: str = "mtc-bucket") -> T:
+    """``fn(*args)`` in a thread of its own that never holds up the process's exit: a call
+    to an unreachable bucket may take the whole storage timeout, and the default executor
     (``asyncio.to_thread``) is joined at shutdown, so SIGTERM would wait for it."""
     loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
-    def settle(error: BaseException | None) -> None:
+    def settle(result: T | None, error: BaseException | None) -> None:
         if not done.done():
             if error is None:
-                done.set_result(None)
+                done.set_result(result)  # type: ignore[arg-type]
             else:
                 done.set_exception(error)
 
     def run() -> None:
-        error: BaseException | None = None
+        result, error = None, None
         try:
-            fn(store)
+            result = fn(*args)
         except BaseException as exc:  # handed to the awaiting task, not lost in the thread
             error = exc
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(settle, error)
+            loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=run, name="mtc-bucket-probe", daemon=True).start()
-    await done
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await done
 
 
 def _log_bucket(check: BucketCheck, was: tuple[Verdict, str], wait: float | None) -> None:

@@ -20,6 +20,7 @@ from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pool import ANNOUNCE_SECONDS
 from mtc_replicator.local.pool_held import PoolHeld
 from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.bucket_probes import in_daemon_thread
 from mtc_replicator.storage.objectstore import ObjectStoreError
 from mtc_replicator.transport.pool_holding import PoolHolding
 
@@ -46,12 +47,13 @@ class PoolNode:
         self.held = PoolHeld(store)
         self.holding = PoolHolding(self.held, node_owner, executor, max_lead)
         self._node_owner = node_owner
-        self._executor = executor
         self.name = trust.producer
         """This node in the pool: its certificate's name; its address without one."""
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """On a thread of its own: a silent registry must not hold up SIGTERM (the daemon's
+        pool is joined at shutdown)."""
+        return await in_daemon_thread(fn, *args, name="mtc-pool")
 
     def start(self, advertise: str) -> asyncio.Task[None]:
         """Renew this node's entry every ``ANNOUNCE_SECONDS`` until cancelled."""
@@ -59,11 +61,10 @@ class PoolNode:
         return asyncio.create_task(self._announce_forever(advertise), name="pool-announce")
 
     async def _announce_forever(self, advertise: str) -> None:
-        loop = asyncio.get_running_loop()
         failing = False
         while True:
             try:
-                await loop.run_in_executor(self._executor, self._announce, advertise)
+                await self._run(self._announce, advertise)
                 if failing:
                     log.info("pool: this node's entry is renewed again")
                 failing = False
