@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from mtc_replicator.core.attestation import ManifestTrust, NodeVerifier
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.jsonobj import NotAnObject, load_object
-from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
+from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from mtc_replicator.core.policy import worker_slots
 from mtc_replicator.core.pool import (
     MEMBER_TTL_SECONDS,
@@ -232,7 +232,8 @@ class PoolCopies:
                 self._current = item.step
                 try:
                     await self._push(manifest)
-                except (PeerError, ObjectStoreError, ManifestError, OSError) as exc:
+                except (PeerError, ObjectStoreError, ManifestError, CorruptItem, StoreError,
+                        OSError) as exc:  # fmt: skip
                     self._failed(f"{type(exc).__name__}: {exc}")
 
     async def _push(self, manifest: Manifest) -> None:
