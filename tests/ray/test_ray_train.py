@@ -318,6 +318,16 @@ def test_wiped_ram_disks_resume_from_the_backup(nodes: RayNodes) -> None:
     _check_end(events, steps)
 
 
+def test_an_elastic_worker_count_is_refused(nodes: RayNodes) -> None:
+    """Ray tells an elastic ScalingConfig only through an internal module: this checks that
+    the checkpointer still reads it in the Ray under test. Placed before the Tune tests: an
+    elastic trainer starts only on resources Ray's autoscaling coordinator reports free,
+    and the trainer of a Tune driver killed below keeps its request there for 180 s."""
+    with pytest.raises(Exception, match="ElasticWorkers") as err:
+        _fit(nodes, 3, name="ray-elastic", max_failures=0, num_workers=(1, 2))
+    assert "Use a fixed ScalingConfig(num_workers=N)" in str(err.value)
+
+
 def _tune(
     nodes: RayNodes,
     name: str,
@@ -683,14 +693,6 @@ def test_another_job_on_the_same_nodes_is_refused(nodes: RayNodes) -> None:
     assert f"serves job '{JOB}'" in str(err.value)
     assert "max_concurrent_trials" in str(err.value)
     assert not (nodes.dirs[0] / "replicator.yaml").exists()
-
-
-def test_an_elastic_worker_count_is_refused(nodes: RayNodes) -> None:
-    """Ray tells an elastic ScalingConfig only through an internal module: this checks that
-    the checkpointer still reads it in the Ray under test."""
-    with pytest.raises(Exception, match="ElasticWorkers") as err:
-        _fit(nodes, 3, name="ray-elastic", max_failures=0, num_workers=(1, 2))
-    assert "Use a fixed ScalingConfig(num_workers=N)" in str(err.value)
 
 
 def test_dcp_state_resumes_from_ram_then_from_a_newer_ray_checkpoint(nodes: RayNodes) -> None:
