@@ -1,20 +1,15 @@
-"""The job coordinator's client side: calling it and finding it. I/O module (gRPC, registry).
+"""The job coordinator's client side: calling it over gRPC and finding it. I/O module (gRPC,
+registry).
 
-``CoordinatorClient`` is what an agent uses to join, poll the round, report its restore
-and its progress, in our own types. It checks the coordinator's identity in every answer,
-so a stale registry entry or a restarted coordinator is noticed at the next call, and it
-turns gRPC statuses into our exceptions in one place (``_call_error``). What an agent does
-about each:
-
-- ``NoCoordinator`` (and ``WrongCoordinator``): look the registry up again, with backoff;
-  ``UntrustedCoordinator`` (the address failed mutual TLS) also goes to
-  ``replicator.errors`` at once: the registry is not an identity;
-- ``MustRejoin`` (``CoordinatorChanged``, ``NotAMember``): join again, then poll;
-- ``JoinRejected``: this rank's ``replicator.yaml`` can never join; say so, do not retry;
-- ``CoordinatorError``: anything else; retry with backoff.
+``CoordinatorClient`` is a ``cluster.link.CoordinatorLink`` over gRPC: an agent joins, polls
+the round, reports its restore and its progress through it, in our own types. It checks the
+coordinator's identity in every answer, so a stale registry entry or a restarted
+coordinator is noticed at the next call, and it turns gRPC statuses into the link's
+exceptions (``cluster.link``, which says what an agent does about each) in one place
+(``_call_error``).
 
 ``find_coordinator`` reads the registry with jittered backoff (docs/architecture.md,
-"Rounds and incarnations").
+"Rounds and incarnations"); ``RegistryFinder`` is a cluster job's ``CoordinatorFinder``.
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import grpc
@@ -31,11 +26,19 @@ import grpc.aio
 
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc
+from mtc_replicator.cluster.link import (
+    CoordinatorError,
+    CoordinatorLink,
+    IdentityChecked,
+    NoCoordinator,
+    NotAMember,
+    UntrustedCoordinator,
+)
 from mtc_replicator.cluster.messages import (
     MAX_HELD_STEPS,
     BadMessage,
-    FailedFetch,
     Joined,
+    RestoreReport,
     RoundState,
     address_map,
     failure_message,
@@ -44,7 +47,7 @@ from mtc_replicator.cluster.messages import (
     node_map,
     round_state,
 )
-from mtc_replicator.cluster.registry import COORDINATOR_ID_RE, RefusedEntry, Registry, RegistryEntry
+from mtc_replicator.cluster.registry import RefusedEntry, Registry, RegistryEntry
 from mtc_replicator.core.coordination import (
     MAX_REPORT_EVERY,
     MIN_REPORT_EVERY,
@@ -54,6 +57,7 @@ from mtc_replicator.core.coordination import (
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import LastBackup
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.retry import Backoff
 from mtc_replicator.storage.objectstore import ObjectStoreError
 from mtc_replicator.transport.tls import TlsMaterial, open_channel, refused_certificate
@@ -75,81 +79,7 @@ CALL_TIMEOUT = 10.0
 """Deadline of every call, on top of a long poll's wait."""
 
 
-# --- errors ----------------------------------------------------------------------------------
-
-
-class CoordinatorError(Exception):
-    """A call to the coordinator failed (the client side)."""
-
-
-class NoCoordinator(CoordinatorError):
-    """No coordinator of the job answers there: look the registry up again (with backoff)."""
-
-
-class WrongCoordinator(NoCoordinator):
-    """The address answers for another job: the registry entry is stale."""
-
-
-class UntrustedCoordinator(NoCoordinator):
-    """The address failed the TLS handshake (its certificate does not chain to our CA, or
-    it does not speak TLS): the registry is not an identity, so it is never joined."""
-
-
-class MustRejoin(CoordinatorError):
-    """This incarnation is not (or no longer) a member of the coordinator's round: join again."""
-
-
-class NotAMember(MustRejoin):
-    """Progress from an incarnation that is not of the released round."""
-
-
-class CoordinatorChanged(MustRejoin):
-    """The coordinator restarted (another id answers) and lost the joins: join again.
-
-    Raised once per change; the client expects the new id afterwards.
-    """
-
-    def __init__(self, message: str, old_id: str, new_id: str) -> None:
-        super().__init__(message)
-        self.old_id = old_id
-        self.new_id = new_id
-
-
 # --- the client ------------------------------------------------------------------------------
-
-
-class IdentityChecked:
-    """What every link to a coordinator shares: the checks on who answered.
-
-    An answer must name ``job``; the first one fixes the coordinator's id, and a later
-    answer with another id raises ``CoordinatorChanged`` once (its state is gone: join
-    again), the new id expected from then on.
-    """
-
-    job: str
-    address: str
-    """Where the coordinator answers (for messages)."""
-    coordinator_id: str | None
-    """The id that answered first; None before any answer."""
-
-    def _check_answer(self, answered_job: str, answered_id: str, method: str) -> None:
-        if answered_job != self.job:
-            raise WrongCoordinator(
-                f"{method} at {self.address}: a coordinator of job {answered_job!r:.80} "
-                f"answered, not one of job {self.job}"
-            )
-        if not COORDINATOR_ID_RE.fullmatch(answered_id):
-            raise CoordinatorError(
-                f"{method} at {self.address}: bad coordinator id {answered_id!r:.80}"
-            )
-        old, self.coordinator_id = self.coordinator_id, answered_id
-        if old is not None and old != answered_id:
-            raise CoordinatorChanged(
-                f"the coordinator of job {self.job} at {self.address} restarted "
-                f"(id {old} -> {answered_id}); join again",
-                old,
-                answered_id,
-            )
 
 
 class CoordinatorClient(IdentityChecked):
@@ -305,29 +235,25 @@ class CoordinatorClient(IdentityChecked):
         self,
         rank: int,
         incarnation_id: str,
-        round_: int,
-        plan_version: int,
+        report: RestoreReport,
         *,
-        ready: bool,
-        failures: Sequence[FailedFetch] = (),
-        addresses: Mapping[int, str] | None = None,
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState | None:
         """``CoordinatorLink.report_restore`` over gRPC: each failure carries its PEER
-        holder's address from ``addresses``."""
-        known = addresses or {}
+        holder's address from ``report.addresses``."""
+        known = report.addresses
         wait = long_poll_wait(wait_seconds)
         request = pb.ReportRestoreRequest(
             job=self.job,
             rank=rank,
             incarnation_id=incarnation_id,
-            round=round_,
-            plan_version=plan_version,
-            ready=ready,
+            round=report.round,
+            plan_version=report.plan_version,
+            ready=report.ready,
             failures=[
                 failure_message(f, "" if f.fetch.holder is None else known.get(f.fetch.holder, ""))
-                for f in failures
+                for f in report.failures
             ],
             wait_seconds=wait,
             address_ranks=sorted(address_ranks or ()),
@@ -341,31 +267,23 @@ class CoordinatorClient(IdentityChecked):
         return self._status(response, "ReportRestore", rank) if wait else None
 
     async def report_progress(
-        self,
-        rank: int,
-        incarnation_id: str,
-        *,
-        replicated_step: int | None,
-        uploaded_step: int | None = None,
-        address: str = "",
-        held: Collection[int] | None = None,
-        replicating_step: int | None = None,
-        address_ranks: Collection[int] | None = None,
+        self, rank: int, incarnation_id: str, progress: Progress
     ) -> ProgressAnswer:
         """``CoordinatorLink.report_progress`` over gRPC: the answer's report interval is
         bounded, so a coordinator cannot silence a rank's reports for long."""
+        held, asked = progress.held, progress.address_ranks
         request = pb.ReportProgressRequest(
             job=self.job,
             rank=rank,
             incarnation_id=incarnation_id,
-            replicated_step=replicated_step,
-            uploaded_step=uploaded_step,
-            address=address,
+            replicated_step=progress.replicated_step,
+            uploaded_step=progress.uploaded_step,
+            address=progress.address,
             held_steps=sorted(held or ()),
             reports_holdings=held is not None,
-            replicating_step=replicating_step,
-            address_ranks=sorted(address_ranks or ()),
-            address_ranks_given=address_ranks is not None,
+            replicating_step=progress.replicating_step,
+            address_ranks=sorted(asked or ()),
+            address_ranks_given=asked is not None,
         )
         try:
             response = await self._stub.ReportProgress(request, timeout=self.timeout)
@@ -450,3 +368,23 @@ async def find_coordinator(
                 raise NoCoordinator(f"the registry {registry.url} is unreachable: {failure}")
             raise NoCoordinator(f"no coordinator for job {job} yet")
         await sleep(min(remaining, delays.next()))
+
+
+class RegistryFinder:
+    """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC
+    (mutual TLS with ``tls``: an entry whose address fails the handshake is never joined)."""
+
+    def __init__(
+        self, registry: Registry, tls: TlsMaterial | None = None, *, owner: str = UNOWNED
+    ) -> None:
+        self.registry = registry
+        self.tls = tls
+        self.owner = owner
+        """This node's owner, which every join carries."""
+
+    async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
+        entry = await find_coordinator(self.registry, job, timeout=timeout)
+        return CoordinatorClient.for_entry(entry, tls=self.tls, owner=self.owner)
+
+    def open(self, job: str, address: str) -> CoordinatorLink:
+        return CoordinatorClient(job, address, tls=self.tls, owner=self.owner)

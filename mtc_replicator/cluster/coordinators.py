@@ -24,7 +24,6 @@ from mtc_replicator.cluster.messages import (
     MAX_WAIT_SECONDS,
     BadMessage,
     Identity,
-    Progress,
     State,
     StatusKey,
     join_item_limit,
@@ -43,6 +42,7 @@ from mtc_replicator.core.coordination import (
 )
 from mtc_replicator.core.layout import backup_items
 from mtc_replicator.core.ownership import UNOWNED, may_join
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import SavedHolders
 from mtc_replicator.core.restore_plan import NodeInventory, SourceKey
 from mtc_replicator.obs.logs import JobLog
@@ -526,16 +526,7 @@ class Coordinators:
                 newest = max(backups)
                 coordinator.note_committed_backup(newest, backups[newest].created)
         answer = coordinator.report_progress(
-            rank,
-            incarnation,
-            replicated_step=progress.replicated_step,
-            uploaded_step=progress.uploaded_step,
-            now=self.clock(),
-            address=progress.address,
-            held=progress.held,
-            replicating=progress.replicating_step,
-            address_ranks=progress.address_ranks,
-            node=node,
+            rank, incarnation, progress, now=self.clock(), node=node
         )
         if answer is None:
             raise NotInReleasedRound(

@@ -1,31 +1,34 @@
-"""How an agent reaches its job's coordinator: over gRPC, or in process. I/O module.
+"""How an agent reaches its job's coordinator: the calls, their types and their exceptions,
+over gRPC or in process. I/O module (the in-process link calls ``cluster.coordinators``).
 
 Every job restores through the same round (``cluster.rounds``) and reports progress the
 same way (``cluster.membership``); only the link to the coordinator differs:
 
 - a cluster job (``nodes > 1``) finds rank 0's coordinator in the registry and calls it
-  over gRPC (``RegistryFinder`` → ``cluster.coordinator_client.CoordinatorClient``);
+  over gRPC (``cluster.coordinator_client``: ``RegistryFinder`` → ``CoordinatorClient``);
 - a one-node job calls the coordinator its own daemon hosts, in process, with no registry
   and no port (``LocalFinder`` → ``LocalCoordinator``).
 
-Both links answer in our own types and raise the same exceptions (see
-``cluster.coordinator_client``), and both check who answers, so a replaced coordinator is noticed
-the same way.
+Both take and answer in the types of ``cluster.messages`` and ``core``, raise the
+exceptions below and check who answers (``IdentityChecked``), so a replaced coordinator is
+noticed the same way. What an agent does about each exception:
+
+- ``NoCoordinator`` (and ``WrongCoordinator``): look the registry up again, with backoff;
+  ``UntrustedCoordinator`` (the address failed mutual TLS) also goes to
+  ``replicator.errors`` at once: the registry is not an identity;
+- ``MustRejoin`` (``CoordinatorChanged``, ``NotAMember``): join again, then poll;
+- ``JoinRejected``: this rank's ``replicator.yaml`` can never join; say so, do not retry;
+- ``CoordinatorError``: anything else; retry with backoff.
+
+The round, the membership and this module never import the gRPC client (a contract in
+pyproject.toml): they name its exceptions here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
-from mtc_replicator.cluster.coordinator_client import (
-    CoordinatorClient,
-    CoordinatorError,
-    IdentityChecked,
-    NoCoordinator,
-    NotAMember,
-    find_coordinator,
-)
 from mtc_replicator.cluster.coordinators import (
     BackupsUnavailable,
     Coordinators,
@@ -35,14 +38,13 @@ from mtc_replicator.cluster.coordinators import (
 from mtc_replicator.cluster.hosting import NotHosted
 from mtc_replicator.cluster.messages import (
     BadMessage,
-    FailedFetch,
     Identity,
     Joined,
-    Progress,
+    RestoreReport,
     RoundState,
     long_poll_wait,
 )
-from mtc_replicator.cluster.registry import Registry
+from mtc_replicator.cluster.registry import COORDINATOR_ID_RE
 from mtc_replicator.core.coordination import (
     JoinRejected,
     Phase,
@@ -52,18 +54,95 @@ from mtc_replicator.core.coordination import (
 )
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import UNOWNED
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.restore_plan import NodeInventory
-from mtc_replicator.transport.tls import TlsMaterial
 
 LOCAL_ADDRESS = "in-process"
 """What a one-node job's link calls its coordinator's address (in logs)."""
 
 
+# --- errors ----------------------------------------------------------------------------------
+
+
+class CoordinatorError(Exception):
+    """A call to the coordinator failed (the agent's side)."""
+
+
+class NoCoordinator(CoordinatorError):
+    """No coordinator of the job answers there: look the registry up again (with backoff)."""
+
+
+class WrongCoordinator(NoCoordinator):
+    """The address answers for another job: the registry entry is stale."""
+
+
+class UntrustedCoordinator(NoCoordinator):
+    """The address failed the TLS handshake (its certificate does not chain to our CA, or
+    it does not speak TLS): the registry is not an identity, so it is never joined."""
+
+
+class MustRejoin(CoordinatorError):
+    """This incarnation is not (or no longer) a member of the coordinator's round: join again."""
+
+
+class NotAMember(MustRejoin):
+    """Progress from an incarnation that is not of the released round."""
+
+
+class CoordinatorChanged(MustRejoin):
+    """The coordinator restarted (another id answers) and lost the joins: join again.
+
+    Raised once per change; the link expects the new id afterwards.
+    """
+
+    def __init__(self, message: str, old_id: str, new_id: str) -> None:
+        super().__init__(message)
+        self.old_id = old_id
+        self.new_id = new_id
+
+
+class IdentityChecked:
+    """What every link to a coordinator shares: the checks on who answered.
+
+    An answer must name ``job``; the first one fixes the coordinator's id, and a later
+    answer with another id raises ``CoordinatorChanged`` once (its state is gone: join
+    again), the new id expected from then on.
+    """
+
+    job: str
+    address: str
+    """Where the coordinator answers (for messages)."""
+    coordinator_id: str | None
+    """The id that answered first; None before any answer."""
+
+    def _check_answer(self, answered_job: str, answered_id: str, method: str) -> None:
+        if answered_job != self.job:
+            raise WrongCoordinator(
+                f"{method} at {self.address}: a coordinator of job {answered_job!r:.80} "
+                f"answered, not one of job {self.job}"
+            )
+        if not COORDINATOR_ID_RE.fullmatch(answered_id):
+            raise CoordinatorError(
+                f"{method} at {self.address}: bad coordinator id {answered_id!r:.80}"
+            )
+        old, self.coordinator_id = self.coordinator_id, answered_id
+        if old is not None and old != answered_id:
+            raise CoordinatorChanged(
+                f"the coordinator of job {self.job} at {self.address} restarted "
+                f"(id {old} -> {answered_id}); join again",
+                old,
+                answered_id,
+            )
+
+
+# --- the link --------------------------------------------------------------------------------
+
+
 class CoordinatorLink(Protocol):
     """What an agent calls its coordinator through: ``CoordinatorClient`` over gRPC or
-    ``LocalCoordinator`` in process, with the same calls, answers and exceptions
-    (``cluster.coordinator_client``'s docstring says what an agent does about each). Both check who
-    answers (``IdentityChecked``): a replaced coordinator raises ``CoordinatorChanged``.
+    ``LocalCoordinator`` in process, with the same calls, answers and exceptions (the
+    module docstring says what an agent does about each). Both check who answers
+    (``IdentityChecked``): a replaced coordinator raises ``CoordinatorChanged``.
     """
 
     address: str
@@ -110,18 +189,12 @@ class CoordinatorLink(Protocol):
         self,
         rank: int,
         incarnation_id: str,
-        round_: int,
-        plan_version: int,
+        report: RestoreReport,
         *,
-        ready: bool,
-        failures: Sequence[FailedFetch] = (),
-        addresses: Mapping[int, str] | None = None,
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState | None:
-        """Report the outcome of plan ``plan_version`` of ``round_``: ``ready`` when every
-        assigned item is present and verified; ``failures`` are the sources that failed
-        (``addresses``, the status's, names PEER holders in the coordinator's log).
+        """Report the outcome of plan ``report.plan_version`` of ``report.round``.
 
         With ``wait_seconds`` (at most 30) the answer waits until the round moved past
         this report (released, re-planned, a new round) or the wait is over, and returns
@@ -130,21 +203,10 @@ class CoordinatorLink(Protocol):
         ...
 
     async def report_progress(
-        self,
-        rank: int,
-        incarnation_id: str,
-        *,
-        replicated_step: int | None,
-        uploaded_step: int | None = None,
-        address: str = "",
-        held: Collection[int] | None = None,
-        replicating_step: int | None = None,
-        address_ranks: Collection[int] | None = None,
+        self, rank: int, incarnation_id: str, progress: Progress
     ) -> ProgressAnswer:
         """Steady state: fold in this rank's progress; the answer may order a backup.
 
-        ``held`` promises the steps this rank keeps until the answer (None: all of them);
-        the answer carries the addresses of ``address_ranks`` (None: of every rank).
         Raises ``NotAMember`` when this incarnation is not of the released round.
         """
         ...
@@ -164,26 +226,6 @@ class CoordinatorFinder(Protocol):
     def open(self, job: str, address: str) -> CoordinatorLink:
         """A link to the coordinator that released this agent's round, at ``address``."""
         ...
-
-
-class RegistryFinder:
-    """A cluster job's coordinator: rank 0's daemon, found in the registry, over gRPC
-    (mutual TLS with ``tls``: an entry whose address fails the handshake is never joined)."""
-
-    def __init__(
-        self, registry: Registry, tls: TlsMaterial | None = None, *, owner: str = UNOWNED
-    ) -> None:
-        self.registry = registry
-        self.tls = tls
-        self.owner = owner
-        """This node's owner, which every join carries."""
-
-    async def find(self, job: str, *, timeout: float) -> CoordinatorLink:
-        entry = await find_coordinator(self.registry, job, timeout=timeout)
-        return CoordinatorClient.for_entry(entry, tls=self.tls, owner=self.owner)
-
-    def open(self, job: str, address: str) -> CoordinatorLink:
-        return CoordinatorClient(job, address, tls=self.tls, owner=self.owner)
 
 
 class LocalFinder:
@@ -284,58 +326,37 @@ class LocalCoordinator(IdentityChecked):
         self,
         rank: int,
         incarnation_id: str,
-        round_: int,
-        plan_version: int,
+        report: RestoreReport,
         *,
-        ready: bool,
-        failures: Sequence[FailedFetch] = (),
-        addresses: Mapping[int, str] | None = None,
         wait_seconds: float = 0.0,
         address_ranks: Collection[int] | None = None,
     ) -> RoundState | None:
+        reported = (report.round, report.plan_version)
         try:
             identity = self.coordinators.report_restore(
                 self.job,
                 rank,
                 incarnation_id,
-                round_,
-                plan_version,
-                ready=ready,
-                failed=[f.fetch.key for f in failures],
+                report.round,
+                report.plan_version,
+                ready=report.ready,
+                failed=[f.fetch.key for f in report.failures],
             )
             self._check(identity, "ReportRestore")
             wait = long_poll_wait(wait_seconds)
             if not wait:
                 return None
             identity, status, found = await self.coordinators.after_report(
-                self.job, rank, incarnation_id, (round_, plan_version), wait,
-                address_ranks=address_ranks,
-            )  # fmt: skip
+                self.job, rank, incarnation_id, reported, wait, address_ranks=address_ranks
+            )
         except (NotHosted, BadMessage, ReportRefused) as exc:
             raise self._error(exc, "ReportRestore") from None
         self._check(identity, "ReportRestore")
         return round_state_of(status, found)
 
     async def report_progress(
-        self,
-        rank: int,
-        incarnation_id: str,
-        *,
-        replicated_step: int | None,
-        uploaded_step: int | None = None,
-        address: str = "",
-        held: Collection[int] | None = None,
-        replicating_step: int | None = None,
-        address_ranks: Collection[int] | None = None,
+        self, rank: int, incarnation_id: str, progress: Progress
     ) -> ProgressAnswer:
-        progress = Progress(
-            replicated_step,
-            uploaded_step,
-            address,
-            None if held is None else frozenset(held),
-            replicating_step,
-            None if address_ranks is None else frozenset(address_ranks),
-        )
         try:
             identity, answer = await self.coordinators.report_progress(
                 self.job, rank, incarnation_id, progress

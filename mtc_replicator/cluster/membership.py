@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mtc_replicator.cluster.coordinator_client import CoordinatorError, NoCoordinator
-from mtc_replicator.cluster.link import CoordinatorLink
+from mtc_replicator.cluster.link import CoordinatorError, CoordinatorLink, NoCoordinator
 from mtc_replicator.cluster.replication import Replication
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources, RunThread
@@ -30,6 +29,7 @@ from mtc_replicator.core.admission import expected_pushers
 from mtc_replicator.core.coordination import MAX_REPORT_EVERY
 from mtc_replicator.core.layout import replication_targets
 from mtc_replicator.core.manifest import Cancelled, ManifestError
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.retry import Backoff
 from mtc_replicator.core.timeline import RestoreTimeline
 from mtc_replicator.obs.logs import JobLog
@@ -123,8 +123,8 @@ class ClusterMember:
         """The replicated and uploaded steps of the last answered report."""
         self._targets = replication_targets(self.config)
         pushers = expected_pushers(self.config)
-        self._asked = tuple(
-            sorted({*self._targets, *(pushers if len(pushers) <= MAX_PUSHERS_ASKED else ())})
+        self._asked = frozenset(
+            {*self._targets, *(pushers if len(pushers) <= MAX_PUSHERS_ASKED else ())}
         )
         """The ranks whose addresses and nodes each report asks for: the targets this
         rank pushes to, and (unless there are very many: explicit ``peer-ranks``) the
@@ -247,12 +247,14 @@ class ClusterMember:
             answer = await self._client.report_progress(
                 self.config.node_rank,
                 self.ctx.rank.incarnation_id,
-                replicated_step=self.replication.newest_replicated,
-                uploaded_step=self.uploaded,
-                address=self.ctx.rank.advertise,
-                held=offer,
-                replicating_step=self.replication.pushing,
-                address_ranks=self._asked,
+                Progress(
+                    replicated_step=self.replication.newest_replicated,
+                    uploaded_step=self.uploaded,
+                    address=self.ctx.rank.advertise,
+                    held=offer,
+                    replicating_step=self.replication.pushing,
+                    address_ranks=self._asked,
+                ),
             )
         except CoordinatorError as exc:
             # The coordinator moved or restarted: look it up again on the next report. It

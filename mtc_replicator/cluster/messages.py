@@ -27,6 +27,7 @@ from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import check_owner
 from mtc_replicator.core.policy import Source
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import MAX_NODE_CHARS
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
 
@@ -313,6 +314,20 @@ class FailedFetch:
     detail: str = ""
 
 
+@dataclass(frozen=True)
+class RestoreReport:
+    """A rank's ReportRestore, in our types: its outcome for one plan of a round."""
+
+    round: int
+    plan_version: int
+    ready: bool
+    """Every assigned item is present and verified."""
+    failures: tuple[FailedFetch, ...] = ()
+    """The sources that failed, in the order they were tried."""
+    addresses: Mapping[int, str] = field(default_factory=dict)
+    """The round's addresses by rank: a PEER failure names its holder's (for the logs)."""
+
+
 def failure_message(failure: FailedFetch, address: str = "") -> pb.FailedSource:
     """``failure`` for ReportRestore; ``address`` is the PEER holder's, for the logs."""
     # The coordinator keys a failure by holder and item: the producers would be ballast.
@@ -453,20 +468,6 @@ class Identity:
 
     job: str
     coordinator_id: str
-
-
-@dataclass(frozen=True)
-class Progress:
-    """A rank's ReportProgress, in our types."""
-
-    replicated_step: int | None
-    uploaded_step: int | None = None
-    address: str = ""
-    held: frozenset[int] | None = None
-    """The rank's promise (None: it keeps every step)."""
-    replicating_step: int | None = None
-    address_ranks: frozenset[int] | None = None
-    """The ranks whose addresses the answer carries (None: every rank's)."""
 
 
 def identity_message(identity: Identity) -> pb.CoordinatorIdentity:

@@ -17,14 +17,20 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from mtc_replicator.cluster.coordinator_client import (
+from mtc_replicator.cluster.link import (
     CoordinatorError,
+    CoordinatorFinder,
+    CoordinatorLink,
     MustRejoin,
     NoCoordinator,
     UntrustedCoordinator,
 )
-from mtc_replicator.cluster.link import CoordinatorFinder, CoordinatorLink
-from mtc_replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from mtc_replicator.cluster.messages import (
+    FailedFetch,
+    RestoreReport,
+    RoundState,
+    cluster_view_json,
+)
 from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.coordination import JoinRejected, Phase
@@ -223,11 +229,12 @@ class RoundParticipant:
             elif state.phase is Phase.FETCH and state.plan_version != done_version:
                 ready, failures = await self._obtain(state)
                 self._mark(RestorePhase.RELEASE)
+                report = RestoreReport(
+                    state.round, state.plan_version, ready, tuple(failures), state.addresses
+                )
                 news = await client.report_restore(
-                    rank, inc, state.round, state.plan_version,
-                    ready=ready, failures=failures, addresses=state.addresses,
-                    wait_seconds=self._wait(), address_ranks=targets,
-                )  # fmt: skip
+                    rank, inc, report, wait_seconds=self._wait(), address_ranks=targets
+                )
                 done_version = state.plan_version
             elif state.phase is Phase.RELEASED:
                 return self._outcome(state, client.address)

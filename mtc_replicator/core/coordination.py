@@ -33,7 +33,7 @@ from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.layout import backup_uploaders, missing_ranks, waiting_message
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import LastBackup, Source, backup_due, worker_slots
-from mtc_replicator.core.progress import ProgressBook
+from mtc_replicator.core.progress import Progress, ProgressBook
 from mtc_replicator.core.rank_holders import RankHolders, Released
 from mtc_replicator.core.restore_plan import (
     Fetch,
@@ -523,22 +523,12 @@ class JobCoordinator:
         self,
         rank: int,
         incarnation_id: str,
+        progress: Progress,
         *,
-        replicated_step: int | None,
-        uploaded_step: int | None,
         now: float,
-        address: str = "",
-        held: frozenset[int] | None = None,
-        replicating: int | None = None,
-        address_ranks: Collection[int] | None = None,
         node: str | None = None,
     ) -> ProgressAnswer | None:
-        """Fold in a rank's progress; None when the rank is not of the released round.
-
-        ``held`` is the rank's new promise (None: it keeps every step), ``replicating`` the
-        step it is pushing now, ``address_ranks`` the ranks whose addresses the answer
-        carries (None: every rank's).
-        """
+        """Fold in a rank's progress; None when the rank is not of the released round."""
         if self.phase is not Phase.RELEASED or not 0 <= rank < self.config.nodes:
             return None
         if self.holders.check(rank, node):
@@ -556,15 +546,15 @@ class JobCoordinator:
             # naming its node (its daemon moved to per-node certificates): that node holds
             # the rank, and its steps are produced under that name from now on.
             self.holders.bind(rank, node, running=True)
-        if address:
-            self.addresses[rank] = address
+        if progress.address:
+            self.addresses[rank] = progress.address
         book = self.progress
         book.report(
             rank,
-            replicated=replicated_step,
-            uploaded=uploaded_step,
-            held=held,
-            replicating=replicating,
+            replicated=progress.replicated_step,
+            uploaded=progress.uploaded_step,
+            held=progress.held,
+            replicating=progress.replicating_step,
         )
         newest = book.restorable()
         if newest is not None and (self.restorable is None or newest > self.restorable):
@@ -582,7 +572,7 @@ class JobCoordinator:
         if order is not None and book.has_uploaded(rank, order):
             order = None  # this rank is done with it; the others are still uploading
         keep = frozenset(s for s in book.wanted() if restorable is None or s > restorable)
-        addresses = pick_addresses(self.addresses, address_ranks)
+        addresses = pick_addresses(self.addresses, progress.address_ranks)
         bound = self.holders.nodes
         return ProgressAnswer(
             restorable,

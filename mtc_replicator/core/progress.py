@@ -1,4 +1,5 @@
-"""Steady-state progress of every rank of a job, folded in one report at a time. Pure.
+"""Steady-state progress of every rank of a job, folded in one report (``Progress``) at a
+time. Pure.
 
 The coordinator answers every progress report with the cluster's restorable step, the steps
 every rank must keep and whether a backup is done. Recomputed from all ranks, each answer
@@ -16,6 +17,26 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One rank's progress report, in the one shape it has from the agent, over either link
+    (``cluster.link``; ``cluster.messages.progress_call`` checks it off the wire), to the
+    coordinator's state machine (``core.coordination.JobCoordinator.report_progress``)."""
+
+    replicated_step: int | None
+    """The rank's newest step committed locally and on its targets."""
+    uploaded_step: int | None = None
+    address: str = ""
+    """The rank's peer address now (empty: unchanged)."""
+    held: frozenset[int] | None = None
+    """The rank's promise: the steps it keeps until the answer (None: every step)."""
+    replicating_step: int | None = None
+    """The step the rank is pushing to its targets now."""
+    address_ranks: frozenset[int] | None = None
+    """The ranks whose addresses the answer carries (None: every rank's)."""
 
 
 class ProgressBook:

@@ -19,8 +19,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtc_replicator.cluster.coordinator_client import RegistryFinder
 from mtc_replicator.cluster.coordinators import Coordinators
-from mtc_replicator.cluster.link import CoordinatorFinder, LocalFinder, RegistryFinder
+from mtc_replicator.cluster.link import CoordinatorFinder, LocalFinder
 from mtc_replicator.cluster.membership import ClusterMember, MemberContext
 from mtc_replicator.cluster.pool import PoolCopies
 from mtc_replicator.cluster.registry import Registry

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc_replicator.cluster.link import RegistryFinder
+from mtc_replicator.cluster.coordinator_client import RegistryFinder
 from mtc_replicator.cluster.registry import Registry
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources

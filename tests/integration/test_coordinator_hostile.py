@@ -18,8 +18,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as cpb
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc, peer_pb2
-from mtc_replicator.cluster.coordinator_client import CoordinatorClient, CoordinatorError
-from mtc_replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient
+from mtc_replicator.cluster.link import CoordinatorError
+from mtc_replicator.cluster.messages import (
+    FailedFetch,
+    RestoreReport,
+    RoundState,
+    cluster_view_json,
+)
 from mtc_replicator.core.contract import parse_config
 from mtc_replicator.core.coordination import Phase
 from mtc_replicator.core.manifest import ItemId
@@ -103,17 +109,17 @@ def test_a_member_cannot_report_the_survivors_copies_as_failed(cluster: Cluster)
                 await client.report_restore(
                     3,
                     "forged3",
-                    plan.round,
-                    plan.plan_version,
-                    ready=False,
-                    failures=everything,
-                    addresses=addresses,
+                    RestoreReport(
+                        plan.round, plan.plan_version, False, tuple(everything), addresses
+                    ),
                 )
             except CoordinatorError as exc:
                 refusal = str(exc)
             # Then it claims ready for whatever plan stands, so that the round is released.
             plan = await planned(client, plan.round)
-            await client.report_restore(3, "forged3", plan.round, plan.plan_version, ready=True)
+            await client.report_restore(
+                3, "forged3", RestoreReport(plan.round, plan.plan_version, True)
+            )
             return refusal
 
     refusal = asyncio.run(intrude())

@@ -22,25 +22,25 @@ import pytest
 
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2 as pb
 from mtc_replicator._pb.mtc.v1 import coordinator_pb2_grpc
-from mtc_replicator.cluster.coordinator_client import (
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient, find_coordinator
+from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
+from mtc_replicator.cluster.coordinators import Coordinators
+from mtc_replicator.cluster.hosting import CoordinatorHost
+from mtc_replicator.cluster.link import (
     CoordinatorChanged,
-    CoordinatorClient,
     CoordinatorError,
+    LocalCoordinator,
+    LocalFinder,
     MustRejoin,
     NoCoordinator,
     NotAMember,
     WrongCoordinator,
-    find_coordinator,
 )
-from mtc_replicator.cluster.coordinator_servicer import CoordinatorServicer
-from mtc_replicator.cluster.coordinators import Coordinators
-from mtc_replicator.cluster.hosting import CoordinatorHost
-from mtc_replicator.cluster.link import LocalCoordinator, LocalFinder
 from mtc_replicator.cluster.messages import (
     SERVICE,
     FailedFetch,
     Joined,
-    Progress,
+    RestoreReport,
     RoundState,
     cluster_view_json,
 )
@@ -52,6 +52,7 @@ from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
 from mtc_replicator.core.coordination import JoinRejected, Phase
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import Source
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.restore_plan import Fetch
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.storage.objectstore import TransientError
@@ -327,7 +328,7 @@ def test_a_rank_that_joins_before_rank_0_reopens_the_job_waits_in_one_call() -> 
         async with cluster() as (_, client):
             await all_join(client, "old", 5)
             for r in range(NODES):
-                await client.report_restore(r, f"old{r}", 1, 1, ready=True)
+                await client.report_restore(r, f"old{r}", RestoreReport(1, 1, True))
             early = asyncio.ensure_future(
                 client.join(1, "new1", VIEW, peer_address(1), own(1, 5, 10), wait_seconds=20)
             )
@@ -357,13 +358,16 @@ def test_a_long_polled_report_answers_with_the_release() -> None:
             await all_join(client, "a", 5)
             plan = await status(client, 0, "a0")
             no_wait = await client.report_restore(
-                0, "a0", plan.round, plan.plan_version, ready=True
+                0, "a0", RestoreReport(plan.round, plan.plan_version, True)
             )
             assert no_wait is None  # without a wait: the old answer, no state
             early = [
                 asyncio.ensure_future(
                     client.report_restore(
-                        r, f"a{r}", plan.round, plan.plan_version, ready=True, wait_seconds=20
+                        r,
+                        f"a{r}",
+                        RestoreReport(plan.round, plan.plan_version, True),
+                        wait_seconds=20,
                     )
                 )
                 for r in (1, 2)
@@ -371,7 +375,7 @@ def test_a_long_polled_report_answers_with_the_release() -> None:
             await asyncio.sleep(0.3)
             assert not any(e.done() for e in early)
             last = await client.report_restore(
-                3, "a3", plan.round, plan.plan_version, ready=True, wait_seconds=20
+                3, "a3", RestoreReport(plan.round, plan.plan_version, True), wait_seconds=20
             )
             reported = time.monotonic()
             answers = [await e for e in early]
@@ -397,9 +401,11 @@ def test_a_long_polled_report_of_a_failed_source_answers_with_the_new_plan() -> 
             (fetch,) = plan.assignments[ItemId(JOB, 5, 1, 0)]
             failure = FailedFetch(fetch, False, "unreachable")
             answer = await client.report_restore(
-                1, "a1", plan.round, plan.plan_version,
-                ready=False, failures=[failure], addresses=plan.addresses, wait_seconds=20,
-            )  # fmt: skip
+                1,
+                "a1",
+                RestoreReport(plan.round, plan.plan_version, False, (failure,), plan.addresses),
+                wait_seconds=20,
+            )
             return plan, answer
 
     plan, answer = run(scenario())
@@ -430,7 +436,7 @@ def test_a_stale_incarnation_is_told_to_rejoin_after_a_new_round_opened() -> Non
         async with cluster() as (_, client):
             await all_join(client, "old", 5)
             for r in range(NODES):
-                await client.report_restore(r, f"old{r}", 1, 1, ready=True)
+                await client.report_restore(r, f"old{r}", RestoreReport(1, 1, True))
             assert (await status(client, 1, "old1")).phase is Phase.RELEASED
             assert await join(client, 0, "new0", own(0, 5, 10)) == 2  # the job restarted
             stale = await status(client, 1, "old1", round_=1)
@@ -453,13 +459,15 @@ def test_the_round_is_released_when_every_rank_reported_ready() -> None:
             await all_join(client, "a", 5)
             plan = await status(client, 0, "a0")
             for r in range(NODES - 1):
-                await client.report_restore(r, f"a{r}", plan.round, plan.plan_version, ready=True)
+                await client.report_restore(
+                    r, f"a{r}", RestoreReport(plan.round, plan.plan_version, True)
+                )
             waiting = await status(client, 0, "a0", seen=plan, wait=0)
             assert waiting.phase is Phase.FETCH  # rank 3 is not ready yet
             poll = asyncio.ensure_future(status(client, 0, "a0", seen=plan, wait=20))
             await asyncio.sleep(0.2)
             assert not poll.done()
-            await client.report_restore(3, "a3", plan.round, plan.plan_version, ready=True)
+            await client.report_restore(3, "a3", RestoreReport(plan.round, plan.plan_version, True))
             released = await poll
             assert (released.phase, released.step) == (Phase.RELEASED, 5)
             assert released.plan_version == plan.plan_version
@@ -486,11 +494,7 @@ def test_a_failed_source_replans_to_an_older_step() -> None:
             await client.report_restore(
                 2,
                 "a2",
-                plan.round,
-                plan.plan_version,
-                ready=False,
-                failures=[failure],
-                addresses=plan.addresses,
+                RestoreReport(plan.round, plan.plan_version, False, (failure,), plan.addresses),
             )
             others = [await status(client, r, f"a{r}", seen=plan, wait=5) for r in range(NODES)]
             assert {s.plan_version for s in others} == {plan.plan_version + 1}
@@ -545,30 +549,30 @@ def test_progress_reports_give_the_restorable_step_and_backup_orders() -> None:
         async with cluster(commits=commits) as (_, client):
             await all_join(client, "a", 5)
             for r in range(NODES):
-                await client.report_restore(r, f"a{r}", 1, 1, ready=True)
-            first = await client.report_progress(0, "a0", replicated_step=10)
+                await client.report_restore(r, f"a{r}", RestoreReport(1, 1, True))
+            first = await client.report_progress(0, "a0", Progress(10))
             # Step 5 is complete everywhere and nothing is backed up yet: back it up now.
             assert (first.restorable_step, first.backup_step) == (5, 5)
             for r in range(1, NODES):
-                answer = await client.report_progress(r, f"a{r}", replicated_step=10)
+                answer = await client.report_progress(r, f"a{r}", Progress(10))
                 assert answer.backup_step == 5  # the one backup in flight
             assert answer.restorable_step == 10
             for r in range(NODES):
                 assert not commits.written  # not before every uploader is done
-                done = await client.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=5)
+                done = await client.report_progress(r, f"a{r}", Progress(10, 5))
             assert done.backup_step is None  # 10 is not 10 steps after 5
             # The coordinator writes the COMMIT once, naming every uploader's item, and
             # tells the ranks in its answers.
             assert await asyncio.to_thread(commits.done.wait, 10)
             assert commits.written == [(5, [f"{r}-0" for r in range(NODES)])]
-            again = await client.report_progress(1, "a1", replicated_step=10)
+            again = await client.report_progress(1, "a1", Progress(10))
             assert again.last_backup is not None
             assert again.last_backup.step == 5
             for r in range(NODES):
-                later = await client.report_progress(r, f"a{r}", replicated_step=15)
+                later = await client.report_progress(r, f"a{r}", Progress(15))
             assert (later.restorable_step, later.backup_step) == (15, 15)
             with pytest.raises(NotAMember, match="join again"):
-                await client.report_progress(2, "stranger", replicated_step=15)
+                await client.report_progress(2, "stranger", Progress(15))
 
     run(scenario())
 
@@ -578,7 +582,7 @@ def test_progress_before_the_release_is_refused() -> None:
         async with cluster() as (_, client):
             await all_join(client, "a", 5)
             with pytest.raises(NotAMember, match="not a member of the released round"):
-                await client.report_progress(0, "a0", replicated_step=5)
+                await client.report_progress(0, "a0", Progress(5))
 
     run(scenario())
 
@@ -829,9 +833,11 @@ def test_the_in_process_link_answers_as_the_wire_does() -> None:
                     # The last two reports long-poll, one over each link: rank 2's wait
                     # ends before the release, rank 3's report is the release.
                     answer = await links[r].report_restore(
-                        r, f"a{r}", state.round, state.plan_version, ready=True,
+                        r,
+                        f"a{r}",
+                        RestoreReport(state.round, state.plan_version, True),
                         wait_seconds=r // 2,
-                    )  # fmt: skip
+                    )
                     if r == 2:
                         assert answer == over_wire
                 released = await local.round_status(0, "a0", 1)
@@ -844,13 +850,13 @@ def test_the_in_process_link_answers_as_the_wire_does() -> None:
                 assert (await status(wire, 1, "stale")).phase is None
                 for link in (wire, local):
                     with pytest.raises(NotAMember):
-                        await link.report_progress(1, "stale", replicated_step=10)
+                        await link.report_progress(1, "stale", Progress(10))
                 answers = [
-                    await link.report_progress(r, f"a{r}", replicated_step=10, held={10})
+                    await link.report_progress(r, f"a{r}", Progress(10, held=frozenset({10})))
                     for r, link in links.items()
                 ]
                 assert answers[-1] == await wire.report_progress(
-                    3, "a3", replicated_step=10, held={10}
+                    3, "a3", Progress(10, held=frozenset({10}))
                 )
                 assert answers[-1].restorable_step == 10
                 # The coordinator goes: both links say there is none, so agents look again.
@@ -881,7 +887,7 @@ def test_a_one_node_jobs_coordinator_is_not_served_over_the_network() -> None:
             with pytest.raises(NoCoordinator):
                 await client.round_status(0, "intruder", 1)
             with pytest.raises(NoCoordinator):
-                await client.report_progress(0, "intruder", replicated_step=1)
+                await client.report_progress(0, "intruder", Progress(1))
             hosted = host.get(JOB)
             assert hosted is not None
             assert hosted.coordinator.members == {}
@@ -907,8 +913,10 @@ def test_answers_carry_only_the_addresses_a_rank_asked_for_and_its_holders() -> 
             everyone = await client.round_status(0, "a0", 1)
             assert everyone.addresses == {r: peer_address(r) for r in range(NODES)}
             for r in range(NODES):
-                await client.report_restore(r, f"a{r}", 1, 1, ready=True)
-            answer = await client.report_progress(1, "a1", replicated_step=5, address_ranks=[0])
+                await client.report_restore(r, f"a{r}", RestoreReport(1, 1, True))
+            answer = await client.report_progress(
+                1, "a1", Progress(5, address_ranks=frozenset({0}))
+            )
             assert answer.addresses == {0: peer_address(0)}
             assert answer.report_every == 1  # a job of 4 ranks reports every second
 
@@ -936,9 +944,12 @@ def test_asking_for_too_many_addresses_is_refused() -> None:
             plan = await status(client, 0, "a0")
             with pytest.raises(CoordinatorError, match="address_ranks: 1025 entries"):
                 await client.report_restore(
-                    0, "a0", plan.round, plan.plan_version, ready=True, wait_seconds=1,
+                    0,
+                    "a0",
+                    RestoreReport(plan.round, plan.plan_version, True),
+                    wait_seconds=1,
                     address_ranks=too_many,
-                )  # fmt: skip
+                )
             assert 0 not in hosted.coordinator.ready
 
     run(scenario())

@@ -27,7 +27,8 @@ import grpc
 import pytest
 
 from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc, peer_pb2, peer_pb2_grpc
-from mtc_replicator.cluster.coordinator_client import CoordinatorClient, CoordinatorError
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient
+from mtc_replicator.cluster.link import CoordinatorError
 from mtc_replicator.cluster.messages import cluster_view_json
 from mtc_replicator.core.contract import parse_config
 from mtc_replicator.core.coordination import JoinRejected

@@ -18,11 +18,8 @@ import time
 
 import pytest
 
-from mtc_replicator.cluster.coordinator_client import (
-    CoordinatorClient,
-    CoordinatorError,
-    NoCoordinator,
-)
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient
+from mtc_replicator.cluster.link import CoordinatorError, NoCoordinator
 from mtc_replicator.cluster.messages import RoundState, cluster_view_json
 from mtc_replicator.core.contract import parse_config
 from mtc_replicator.core.coordination import Phase

@@ -14,13 +14,11 @@ import time
 
 import pytest
 
-from mtc_replicator.cluster.coordinator_client import (
-    CoordinatorClient,
-    CoordinatorError,
-    NoCoordinator,
-)
+from mtc_replicator.cluster.coordinator_client import CoordinatorClient
+from mtc_replicator.cluster.link import CoordinatorError, NoCoordinator
 from mtc_replicator.cluster.messages import RoundState, cluster_view_json
 from mtc_replicator.core.contract import parse_config
+from mtc_replicator.core.progress import Progress
 from tests.integration.cluster import NODES, Cluster
 from tests.integration.helpers import config_text, store_root, wait_until
 
@@ -56,7 +54,7 @@ def test_after_rank0_restarts_an_impostors_first_report_does_not_take_a_rank(
             async with _intruder(cluster) as client:
                 while True:
                     try:
-                        await client.report_progress(1, "impostor-of-1", replicated_step=5)
+                        await client.report_progress(1, "impostor-of-1", Progress(5))
                     except NoCoordinator:  # not hosted again yet
                         assert time.monotonic() < deadline, "rank 0's coordinator never came"
                         await asyncio.sleep(0.1)

@@ -16,7 +16,12 @@ import asyncio
 import pytest
 
 from mtc_replicator.cluster.coordinator_client import CoordinatorClient
-from mtc_replicator.cluster.messages import FailedFetch, RoundState, cluster_view_json
+from mtc_replicator.cluster.messages import (
+    FailedFetch,
+    RestoreReport,
+    RoundState,
+    cluster_view_json,
+)
 from mtc_replicator.core.contract import parse_config
 from mtc_replicator.core.coordination import Phase
 from tests.integration.cluster import NODES, Cluster, assert_restored
@@ -69,14 +74,12 @@ async def _report_own_sources_failed(
             await client.report_restore(
                 3,
                 FORGED,
-                plan.round,
-                plan.plan_version,
-                ready=False,
-                failures=failures,
-                addresses=plan.addresses,
+                RestoreReport(
+                    plan.round, plan.plan_version, False, tuple(failures), plan.addresses
+                ),
             )
             plan = await planned(plan.round)
-        await client.report_restore(3, FORGED, plan.round, plan.plan_version, ready=True)
+        await client.report_restore(3, FORGED, RestoreReport(plan.round, plan.plan_version, True))
         return plan
 
 

@@ -17,6 +17,7 @@ from mtc_replicator.core.coordination import (
 )
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import LastBackup, Source
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.restore_plan import NodeInventory, SourceKey
 
 JOB = "job"
@@ -189,12 +190,9 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     everyone_joins(c, "a", (0,))
     release(c, "a")
     c.note_committed_backup(0, at=0.0)
-    answers = [
-        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
-        for r in range(3)
-    ]
+    answers = [c.report_progress(r, f"a{r}", Progress(10), now=1.0) for r in range(3)]
     assert all(a is not None and a.backup_step is None for a in answers)  # rank 3 lags
-    last = c.report_progress(3, "a3", replicated_step=10, uploaded_step=None, now=1.0)
+    last = c.report_progress(3, "a3", Progress(10), now=1.0)
     assert last is not None
     assert last.restorable_step == 10
     assert last.backup_step == 10  # 10 - 0 >= 10 steps
@@ -202,7 +200,7 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     # the coordinator writes its COMMIT then, once.
     for r in range(4):
         assert c.take_commit() is None
-        a = c.report_progress(r, f"a{r}", replicated_step=20, uploaded_step=10, now=2.0)
+        a = c.report_progress(r, f"a{r}", Progress(20, 10), now=2.0)
         assert a is not None
         assert a.backup_step is None  # every rank has it now
     assert c.take_commit() == 10
@@ -210,7 +208,7 @@ def test_backup_orders_follow_the_restorable_step_and_the_interval() -> None:
     assert c.backup_in_flight == 10  # no new order while the COMMIT is being written
     c.backup_committed(10, at=2.5)
     assert c.last_backup == LastBackup(10, 2.5)
-    a = c.report_progress(0, "a0", replicated_step=20, uploaded_step=10, now=3.0)
+    a = c.report_progress(0, "a0", Progress(20, 10), now=3.0)
     assert a is not None
     assert a.last_backup == LastBackup(10, 2.5)
     assert c.backup_in_flight == 20
@@ -222,14 +220,14 @@ def test_a_commit_that_cannot_be_written_orders_a_backup_again_later() -> None:
     release(c, "a")
     c.note_committed_backup(0, at=0.0)
     for r in range(4):
-        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=10, now=1.0)
+        c.report_progress(r, f"a{r}", Progress(10, 10), now=1.0)
     assert c.take_commit() == 10
     c.backup_not_committed(10, now=1.0)
     assert c.last_backup == LastBackup(0, 0.0)  # nothing new is backed up
-    a = c.report_progress(0, "a0", replicated_step=10, uploaded_step=10, now=1.0 + 29)
+    a = c.report_progress(0, "a0", Progress(10, 10), now=1.0 + 29)
     assert a is not None
     assert c.backup_in_flight is None  # not before COMMIT_RETRY_SECONDS
-    c.report_progress(0, "a0", replicated_step=10, uploaded_step=10, now=1.0 + 31)
+    c.report_progress(0, "a0", Progress(10, 10), now=1.0 + 31)
     assert c.backup_in_flight == 10
 
 
@@ -238,10 +236,10 @@ def test_a_backup_of_step_0_completes_like_any_other() -> None:
     c = JobCoordinator(config(nodes=1), '{"nodes": 1}')
     c.join(join(0, "a0", view='{"nodes": 1}'), {})
     c.report_restore(0, "a0", c.round, c.plan_version, ready=True)
-    first = c.report_progress(0, "a0", replicated_step=0, uploaded_step=None, now=1.0)
+    first = c.report_progress(0, "a0", Progress(0), now=1.0)
     assert first is not None
     assert first.backup_step == 0  # the first restorable step goes up at once
-    done = c.report_progress(0, "a0", replicated_step=0, uploaded_step=0, now=2.0)
+    done = c.report_progress(0, "a0", Progress(0, 0), now=2.0)
     assert done is not None
     assert done.backup_step is None
     assert c.take_commit() == 0
@@ -260,26 +258,21 @@ def test_promises_bound_the_restorable_step_and_it_never_goes_back() -> None:
         c.report_progress(
             rank,
             f"a{rank}",
-            replicated_step=replicated,
-            uploaded_step=None,
+            Progress(replicated, held=frozenset(held), replicating_step=pushing),
             now=1.0,
-            held=frozenset(held),
-            replicating=pushing,
         )
 
     for r in range(3):
         report(r, 9, {5, 8, 9})
     # Rank 3 stalled at 5 while the others went on: the restored step stays restorable.
-    answer = c.report_progress(3, "a3", replicated_step=5, uploaded_step=None, now=1.0)
+    answer = c.report_progress(3, "a3", Progress(5), now=1.0)
     assert answer is not None
     assert answer.restorable_step == 5
     assert answer.keep_steps == {9}  # what the others replicated may be next
     # Rank 3 comes back pushing 9; the others keep it (it is asked for), and once rank 3
     # replicated it, 9 is restorable.
     report(3, 5, {5, 9}, pushing=9)
-    answer = c.report_progress(
-        0, "a0", replicated_step=9, uploaded_step=None, now=1.0, held=frozenset({5, 9})
-    )
+    answer = c.report_progress(0, "a0", Progress(9, held=frozenset({5, 9})), now=1.0)
     assert answer is not None
     assert answer.restorable_step == 5
     assert answer.keep_steps == {9}
@@ -287,7 +280,7 @@ def test_promises_bound_the_restorable_step_and_it_never_goes_back() -> None:
     assert c.restorable == 9
     # A later promise without 9 does not take it back: ranks that heard 9 keep it.
     report(1, 12, {12})
-    answer = c.report_progress(2, "a2", replicated_step=12, uploaded_step=None, now=1.0)
+    answer = c.report_progress(2, "a2", Progress(12), now=1.0)
     assert answer is not None
     assert answer.restorable_step == 9
 
@@ -298,12 +291,7 @@ def test_a_step_a_rank_no_longer_holds_is_never_named_restorable() -> None:
     release(c, "a")
     for r in range(4):
         c.report_progress(
-            r,
-            f"a{r}",
-            replicated_step=12,
-            uploaded_step=None,
-            now=1.0,
-            held=frozenset({5, 12} if r != 2 else {5, 13}),
+            r, f"a{r}", Progress(12, held=frozenset({5, 12} if r != 2 else {5, 13})), now=1.0
         )
     assert c.restorable == 5  # everyone replicated 12, but rank 2 dropped it
 
@@ -314,21 +302,18 @@ def test_only_replica_zero_uploads_with_data_parallelism() -> None:
     release(c, "a")
     c.note_committed_backup(0, at=0.0)
     for r in range(4):
-        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
-    orders = {
-        r: c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=1.0)
-        for r in range(4)
-    }
+        c.report_progress(r, f"a{r}", Progress(10), now=1.0)
+    orders = {r: c.report_progress(r, f"a{r}", Progress(10), now=1.0) for r in range(4)}
     assert {r for r, a in orders.items() if a is not None and a.backup_step == 10} == {0, 1}
 
 
 def test_progress_of_an_agent_outside_the_released_round_is_refused() -> None:
     c = JobCoordinator(config(), VIEW)
     everyone_joins(c, "a")
-    assert c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=0) is None
+    assert c.report_progress(0, "a0", Progress(5), now=0) is None
     release(c, "a")
-    assert c.report_progress(0, "zz", replicated_step=5, uploaded_step=None, now=0) is None
-    assert c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=0) is not None
+    assert c.report_progress(0, "zz", Progress(5), now=0) is None
+    assert c.report_progress(0, "a0", Progress(5), now=0) is not None
 
 
 def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> None:
@@ -338,15 +323,13 @@ def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> N
     first = []
     unadopted = [(3, [1, 2]), (2, [2, 3]), (1, [3]), (0, [])]
     for r in range(4):
-        first.append(
-            c.report_progress(r, f"s{r}", replicated_step=7 + r, uploaded_step=None, now=1.0)
-        )
+        first.append(c.report_progress(r, f"s{r}", Progress(7 + r), now=1.0))
         assert c.unadopted(2) == unadopted[r]
     assert all(a is not None for a in first)
     # Only once every rank reported is a step restorable: the oldest of their newest.
     assert [a.restorable_step for a in first if a is not None] == [None, None, None, 7]
     # Each rank's first report fixed its incarnation: another one must join instead.
-    assert c.report_progress(2, "other", replicated_step=9, uploaded_step=None, now=1.0) is None
+    assert c.report_progress(2, "other", Progress(9), now=1.0) is None
     # A job restart opens a round as after any release (rank 0's new incarnation opens it;
     # rank 1's waits for it); the adopted agents stay out of it.
     c.join(join(1, "new1", own(1, 7)), {})
@@ -354,7 +337,7 @@ def test_a_restarted_coordinator_takes_steady_ranks_back_by_their_reports() -> N
     c.join(join(0, "new0", own(0, 7)), {})
     assert c.phase is Phase.WAITING
     assert c.members[1].incarnation_id == "new1"
-    assert c.report_progress(1, "s1", replicated_step=9, uploaded_step=None, now=1.0) is None
+    assert c.report_progress(1, "s1", Progress(9), now=1.0) is None
     assert c.status(1, "s1").phase is None
     assert not c.adopting
 
@@ -363,12 +346,12 @@ def test_progress_reports_refresh_the_peer_addresses() -> None:
     c = JobCoordinator(config(), VIEW)
     everyone_joins(c, "a")
     release(c, "a")
-    before = c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=1.0)
+    before = c.report_progress(0, "a0", Progress(5), now=1.0)
     assert before is not None
     assert before.addresses[2] == "127.0.0.1:7002"
     # Rank 2's daemon restarted on another port: its report carries the new address.
-    c.report_progress(2, "a2", replicated_step=5, uploaded_step=None, now=1.0, address="h:9")
-    after = c.report_progress(0, "a0", replicated_step=5, uploaded_step=None, now=1.0)
+    c.report_progress(2, "a2", Progress(5, address="h:9"), now=1.0)
+    after = c.report_progress(0, "a0", Progress(5), now=1.0)
     assert after is not None
     assert after.addresses == {
         0: "127.0.0.1:7000",
@@ -380,7 +363,7 @@ def test_progress_reports_refresh_the_peer_addresses() -> None:
 
 def test_a_coordinator_that_was_not_resumed_refuses_unknown_ranks() -> None:
     c = JobCoordinator(config(), VIEW)
-    assert c.report_progress(0, "s0", replicated_step=5, uploaded_step=None, now=1.0) is None
+    assert c.report_progress(0, "s0", Progress(5), now=1.0) is None
 
 
 def test_a_restore_pin_makes_the_round_use_the_pinned_step_once() -> None:
@@ -470,7 +453,7 @@ def test_a_stray_join_in_steady_state_leaves_the_running_job_alone() -> None:
     everyone_joins(c, "a", (5,))
     release(c, "a")
     for r in range(4):
-        c.report_progress(r, f"a{r}", replicated_step=5, uploaded_step=None, now=1.0)
+        c.report_progress(r, f"a{r}", Progress(5), now=1.0)
     # A leftover or forged joiner of rank 2, and one posing as rank 0.
     c.join(join(2, "stray2", own(2, 5)), {})
     c.join(join(0, "stray0", own(0, 5)), {})
@@ -479,10 +462,7 @@ def test_a_stray_join_in_steady_state_leaves_the_running_job_alone() -> None:
     waiting = c.status(2, "stray2")
     assert (waiting.phase, waiting.missing) == (Phase.WAITING, (0,))
     # The released ranks go on: progress is answered and backups are ordered.
-    answers = [
-        c.report_progress(r, f"a{r}", replicated_step=10, uploaded_step=None, now=2.0)
-        for r in range(4)
-    ]
+    answers = [c.report_progress(r, f"a{r}", Progress(10), now=2.0) for r in range(4)]
     assert all(a is not None for a in answers)
     assert answers[-1] is not None
     assert answers[-1].restorable_step == 10
@@ -539,13 +519,13 @@ def test_a_step_restored_after_a_job_restart_is_ordered_backed_up_at_once() -> N
     c.join(join(0, "a0", own(0, 10, 20)), {})
     release(c, "a")
     c.backup_committed(10, 1.0)
-    order = c.report_progress(0, "a0", replicated_step=20, uploaded_step=None, now=2.0)
+    order = c.report_progress(0, "a0", Progress(20), now=2.0)
     assert order is not None
     assert order.backup_step == 20
     c.rank0_incarnation = "b0"
     c.join(join(0, "b0", own(0, 10, 20, 30)), {})
     release(c, "b")
-    answer = c.report_progress(0, "b0", replicated_step=30, uploaded_step=None, now=3.0)
+    answer = c.report_progress(0, "b0", Progress(30), now=3.0)
     assert answer is not None
     assert answer.backup_step == 30
 
@@ -585,7 +565,7 @@ def test_a_restart_before_rank_0s_markers_serves_the_released_round_again() -> N
 
     again = JobCoordinator(config(), VIEW, rank0_incarnation="a0")
     again.resume_released(record)
-    answer = again.report_progress(2, "a2", replicated_step=5, uploaded_step=None, now=1.0)
+    answer = again.report_progress(2, "a2", Progress(5), now=1.0)
     assert answer is not None
     assert answer.restorable_step == 5
     again.join(join(0, "a0", own(0, 3, 5)), {})

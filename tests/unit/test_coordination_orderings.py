@@ -20,6 +20,7 @@ import pytest
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
 from mtc_replicator.core.coordination import JobCoordinator, Join, Phase
 from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.restore_plan import NodeInventory
 
 JOB = "job"
@@ -75,18 +76,14 @@ class Simulation:
         self.joined = set()  # joined ranks find the new coordinator id and join again
 
     def adoption_report(self, rank: int) -> None:
-        self.coordinator.report_progress(
-            rank, f"a{rank}", replicated_step=20, uploaded_step=None, now=1.0
-        )
+        self.coordinator.report_progress(rank, f"a{rank}", Progress(20), now=1.0)
 
     def accept(self) -> None:
         self.accepted = True
         self.coordinator.rank0_incarnation = "b0"
 
     def early_report(self, rank: int) -> None:
-        self.coordinator.report_progress(
-            rank, f"b{rank}", replicated_step=20, uploaded_step=None, now=1.0
-        )
+        self.coordinator.report_progress(rank, f"b{rank}", Progress(20), now=1.0)
 
     def join(self, rank: int) -> None:
         c = self.coordinator
@@ -105,7 +102,7 @@ class Simulation:
         assert c.round == opened
         assert c.released_incarnations == {r: f"b{r}" for r in range(NODES)}
         for r in range(NODES):
-            answer = c.report_progress(r, f"b{r}", replicated_step=20, uploaded_step=None, now=2)
+            answer = c.report_progress(r, f"b{r}", Progress(20), now=2)
             assert answer is not None
             assert answer.restorable_step == 20
 

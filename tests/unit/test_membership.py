@@ -7,15 +7,16 @@ A real ``LocalStore`` on tmp_path and an in-memory bucket; no sockets, no sleepi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mtc_replicator.cluster import membership as membership_module
-from mtc_replicator.cluster.coordinator_client import CoordinatorError, NoCoordinator
+from mtc_replicator.cluster.link import CoordinatorError, NoCoordinator
 from mtc_replicator.cluster.membership import (
     UNCONFIRMED_KEPT,
     UPLOAD_RETRY_MAX,
@@ -29,6 +30,7 @@ from mtc_replicator.core.coordination import MAX_REPORT_EVERY, ProgressAnswer
 from mtc_replicator.core.layout import replication_targets
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import LastBackup
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.obs.metrics import ErrorKind, Metrics
@@ -67,28 +69,10 @@ class FakeLink:
         self.gate: asyncio.Event | None = None
 
     async def report_progress(
-        self,
-        rank: int,
-        incarnation_id: str,
-        *,
-        replicated_step: int | None,
-        uploaded_step: int | None = None,
-        address: str = "",
-        held: Collection[int] | None = None,
-        replicating_step: int | None = None,
-        address_ranks: Collection[int] | None = None,
+        self, rank: int, incarnation_id: str, progress: Progress
     ) -> ProgressAnswer:
         self.reports.append(
-            {
-                "rank": rank,
-                "incarnation_id": incarnation_id,
-                "replicated_step": replicated_step,
-                "uploaded_step": uploaded_step,
-                "address": address,
-                "held": held,
-                "replicating_step": replicating_step,
-                "address_ranks": address_ranks,
-            }
+            {"rank": rank, "incarnation_id": incarnation_id, **dataclasses.asdict(progress)}
         )
         if self.gate is not None:
             await self.gate.wait()
@@ -309,7 +293,7 @@ def test_a_report_says_who_what_and_where(world: World) -> None:
             "address": ADVERTISE,
             "held": frozenset({9, 10}),
             "replicating_step": None,
-            "address_ranks": replication_targets(FOUR),
+            "address_ranks": frozenset(replication_targets(FOUR)),
         }
     ]
 

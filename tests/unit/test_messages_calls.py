@@ -13,7 +13,6 @@ from mtc_replicator.cluster.messages import (
     BadMessage,
     FailedFetch,
     Identity,
-    Progress,
     failure_message,
     held_items,
     identity_message,
@@ -28,6 +27,7 @@ from mtc_replicator.core.coordination import ProgressAnswer
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.policy import LastBackup, Source
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory, SourceKey
 
 JOB = "train"

@@ -17,7 +17,6 @@ from mtc_replicator.cluster.messages import (
     MAX_PRODUCERS,
     BadMessage,
     FailedFetch,
-    Progress,
     failure_message,
     item_ref,
     item_source,
@@ -29,6 +28,7 @@ from mtc_replicator.core.coordination import JobCoordinator, Join, Phase, RankSt
 from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.core.policy import Source
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import SavedHolders
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory
 from mtc_replicator.local.holders_file import HoldersFile
@@ -257,13 +257,7 @@ def test_a_progress_answer_names_the_node_of_each_rank_asked_for() -> None:
     c = JobCoordinator(config(3), VIEW, "a0")
     _round(c, "a", ["node0", "node1", "node2"])
     answer = c.report_progress(
-        1,
-        "a1",
-        replicated_step=None,
-        uploaded_step=None,
-        now=0.0,
-        address_ranks=[0, 2],
-        node="node1",
+        1, "a1", Progress(None, address_ranks=frozenset([0, 2])), now=0.0, node="node1"
     )
     assert answer is not None
     assert dict(answer.nodes) == {0: "node0", 2: "node2"}

@@ -16,6 +16,7 @@ from mtc_replicator.core.coordination import (
     ReportRefused,
 )
 from mtc_replicator.core.identity import LEGACY
+from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import (
     MAX_HISTORY,
     RankHolders,
@@ -46,7 +47,7 @@ def released(nodes: int = 3) -> JobCoordinator:
 
 
 def _report(c: JobCoordinator, rank: int, inc: str, node: str) -> ProgressAnswer | None:
-    return c.report_progress(rank, inc, replicated_step=5, uploaded_step=None, now=0.0, node=node)
+    return c.report_progress(rank, inc, Progress(5), now=0.0, node=node)
 
 
 def test_a_rank_is_its_first_nodes() -> None:
