@@ -18,7 +18,7 @@ fields are read-only, as they are at run time. Both sets of stubs then come from
 generator and agree, and the .proto comments become docstrings. The price: an enum value's
 type is spelled ``X.ValueType`` (a NewType of int), not ``X``.
 
-The stubs are committed; ``tests/unit/test_protos.py`` regenerates them into a temp dir and
+The stubs are committed; ``tests/unit/project/test_protos.py`` regenerates them into a temp dir and
 fails when they differ, so a .proto edit without regeneration cannot land. ``proto/`` is never
 a Python package (proto-plus owns that top-level name), so each target's imports (in the
 ``.py`` and the ``.pyi`` alike) are rewritten to be absolute inside its own package.

@@ -31,7 +31,7 @@ from mtc_replicator.cluster.messages import (
     RoundState,
     cluster_view_json,
 )
-from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
+from mtc_replicator.cluster.sources import ItemSources, LocalCopyGone, SourceUnavailable
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.coordination import JoinRejected, Phase
 from mtc_replicator.core.layout import replication_targets
@@ -299,6 +299,12 @@ class RoundParticipant:
                     f.item.step,
                 )
                 failures.append(FailedFetch(f, True, str(exc)))
+                continue
+            except LocalCopyGone as exc:
+                # Neither corrupt nor coming back: another source or an older step, and a
+                # fresh start is not held up for it (``RoundOutcome.unavailable``).
+                self.ctx.error(f"step {f.item.step}: {exc}; not used", f.item.step)
+                failures.append(FailedFetch(f, False, str(exc)))
                 continue
             except SourceUnavailable as exc:
                 message = (

@@ -4,11 +4,12 @@ the peer plane and the object store.
 ``ItemSources`` brings the item a restore plan names (``core.restore_plan.Fetch``) into
 the ``LocalStore``, verified against the plan's digest, from the source the plan gives; it
 times and logs every restore transfer (``TransferKind.RESTORE_*``). Each source's own
-failures leave it as one of two types of ours: ``CorruptItem`` (the bytes differ from the
-plan: never used) or ``SourceUnavailable`` (the source cannot give them now: a full disk,
-a bucket or a peer down). Anything else is a bug and propagates. The order of the sources,
-what the peer service is told and what a failure means for the round are
-``cluster.rounds``'s.
+failures leave it as one of three types of ours: ``CorruptItem`` (the bytes differ from the
+plan: never used), ``SourceUnavailable`` (the source cannot give them now: a full disk, a
+bucket or a peer down, no backup set on this node: ``NoBackupSet``) or ``LocalCopyGone``
+(the plan's local copy left the store: there is nothing to judge). Anything else is a bug
+and propagates. The order of the sources, what the peer service is told and what a failure
+means for the round are ``cluster.rounds``'s.
 """
 
 from __future__ import annotations
@@ -70,6 +71,18 @@ its start-up checks, fits."""
 class SourceUnavailable(Exception):
     """A source cannot give the item now (unreachable, full, refused, a failing disk):
     the next source is tried; the bytes were not found corrupt."""
+
+
+class NoBackupSet(SourceUnavailable):
+    """The plan names the backup, but this node has none set (``--backup``), unlike
+    the coordinator's node that listed it: a configuration to fix, not a corrupt copy, and
+    a committed step the job must not restart without."""
+
+
+class LocalCopyGone(Exception):
+    """The plan names this node's copy, and the store no longer holds it (a drop, a
+    reclaim or a node handoff since the join): no bytes to find corrupt, and none to wait
+    for; the next source is tried."""
 
 
 @contextmanager
@@ -136,8 +149,9 @@ class ItemSources:
         """Make ``f.item`` present here with ``f.digest``, verified; ``addresses`` of the
         round's ranks, for a pull; ``last``: no other source of the item is left.
 
-        Raises ``CorruptItem`` (a corrupt local copy of a LOCAL fetch is deleted),
-        ``Unattested`` (a copy this job does not take: refused before its data moves,
+        Raises ``CorruptItem`` (a corrupt local copy of a LOCAL fetch is deleted, as is one
+        that differs from the plan), ``LocalCopyGone`` (a LOCAL fetch of a copy no longer
+        held), ``Unattested`` (a copy this job does not take: refused before its data moves,
         and one held before is kept), ``SourceUnavailable`` or ``Cancelled``."""
         held = self.holds(f)
         try:
@@ -146,7 +160,7 @@ class ItemSources:
                     self._check_attested(f)  # before a byte is read
                     await self._verify_local(f.item)
                 elif f.source is Source.LOCAL:
-                    raise CorruptItem(f"{f.item}: the local copy is gone or differs from the plan")
+                    self._local_gone_or_different(f)
                 elif f.source is Source.PEER:
                     await self._pull(f, addresses, last=last)
                 else:
@@ -194,6 +208,16 @@ class ItemSources:
             )
 
     # --- local -----------------------------------------------------------------------------
+
+    def _local_gone_or_different(self, f: Fetch) -> None:
+        """A LOCAL fetch of a copy this node does not hold with the plan's digest."""
+        held = self.store.get(f.item)
+        if held is None:
+            raise LocalCopyGone(f"{f.item}: the local copy is no longer in this node's store")
+        raise CorruptItem(
+            f"{f.item}: the local copy differs from the plan (digest {held.digest[:12]}, "
+            f"the plan's {f.digest[:12]})"
+        )
 
     async def _verify_local(self, item: ItemId) -> None:
         t0 = time.monotonic()
@@ -290,7 +314,10 @@ class ItemSources:
         # and checked the COMMIT's signature): no listing and no COMMIT read per rank.
         item, digest = f.item, f.digest
         if self.backups is None:
-            raise CorruptItem(f"{item}: no backup is set")
+            raise NoBackupSet(
+                f"{item}: no backup is set on this node; give its daemon the same "
+                "--backup as the other nodes of the job"
+            )
         await self.run_thread(self._download_staged, self.backups, f)
         if not self._holds(item, digest):
             raise CorruptItem(f"{item}: the backup copy differs from the plan")

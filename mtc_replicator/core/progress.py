@@ -9,7 +9,7 @@ O(distinct steps in flight), which is a handful whatever the job's size: ranks s
 same steps, so their reports name the same few numbers.
 
 The answers are exactly ``core.layout.restorable_step`` and the rules of
-``core.coordination``; ``tests/unit/test_progress.py`` checks them against those
+``core.coordination``; ``tests/unit/core/test_progress.py`` checks them against those
 definitions on random histories.
 """
 

@@ -1,7 +1,7 @@
 """``mtc demo``: the local demonstration, with real daemons and a real PyTorch job.
 
-Not part of the product: nothing under ``replicator`` imports this package (an import
-contract in ``pyproject.toml`` holds it). ``mtc`` finds the command through the
+Not part of the product: no other package of ``mtc_replicator`` imports this one (the
+import contracts in ``pyproject.toml`` hold it). ``mtc`` finds the command through the
 ``mtc.commands`` entry point. ``single`` tells the one-node story, ``cluster`` the N-node
 one, and ``trainer`` is the training job both run (it uses ``mtc_replicator/client/``).
 """

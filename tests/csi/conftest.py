@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ import grpc
 import pytest
 
 from mtc_replicator.csi._pb.csi.v1 import csi_pb2_grpc
+from mtc_replicator.csi.errors import MountError
 from mtc_replicator.csi.mounter import SystemMounter
 from mtc_replicator.csi.mountinfo import mounts_below
 from tests.csi.plugin_process import PluginProcess
@@ -26,6 +28,23 @@ requires_root = pytest.mark.skipif(
     reason="mounts a tmpfs and bind mounts, which needs root (CAP_SYS_ADMIN); "
     "the MemoryMounter tests cover the same logic without it",
 )
+
+
+class Failing:
+    """A ``MemoryMounter.before`` hook that fails the named operations."""
+
+    def __init__(self, *operations: str) -> None:
+        self.operations = set(operations)
+
+    def __call__(self, operation: str, target: Path) -> None:
+        if operation in self.operations:
+            raise MountError(f"{operation} {target}: injected failure")
+
+
+def stale_socket(path: Path) -> None:
+    """A socket file whose listener is gone, as a killed plugin leaves it."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))
 
 
 class CsiClient:

@@ -2,7 +2,7 @@
 the gcp-storage-emulator, each server a separate process (fixtures in ``conftest.py``).
 
 ``TestObjectStoreContract`` inherits every assertion of the server-less suite
-(``tests/unit/test_objectstore.py``); the classes below add what only large or remote
+(``tests/unit/storage/test_objectstore.py``); the classes below add what only large or remote
 objects show: parallel part uploads in bounded memory, retries, and faults injected by a
 proxy in front of the real server (``tests/storage_servers.py``).
 
@@ -69,8 +69,8 @@ from tests.storage_servers import (
     start_moto,
     unique_bucket_name,
 )
-from tests.unit.test_objectstore import SMALL_CHUNK
-from tests.unit.test_objectstore import TestObjectStoreContract as ServerlessContract
+from tests.unit.storage.test_objectstore import SMALL_CHUNK
+from tests.unit.storage.test_objectstore import TestObjectStoreContract as ServerlessContract
 
 S3_PART = MIN_PART_SIZE  # S3's smallest part: multipart paths with a few MiB
 GCS_PART = 64 * 1024  # the smallest chunk is 256 KiB: larger files take many chunks

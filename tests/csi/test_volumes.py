@@ -1,8 +1,8 @@
-"""The Node logic and the RAM disk set-up over ``MemoryMounter``: no root, no sockets."""
+"""``csi.volumes``, the Node service's logic (publish, unpublish, one call per target at a
+time, and its pure decisions), over ``MemoryMounter``: no root, no sockets."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -12,14 +12,13 @@ from mtc_replicator.csi.errors import (
     MountError,
     OperationPending,
     PublishConflict,
-    RamDiskError,
     RamDiskMissing,
     TargetCleanupError,
 )
 from mtc_replicator.csi.mounter import MemoryMounter
-from mtc_replicator.csi.mountinfo import MountInfo, mount_at, tmpfs_size
+from mtc_replicator.csi.mountinfo import MountInfo, mount_at
 from mtc_replicator.csi.owner import PodInfo
-from mtc_replicator.csi.ramdisk import Action, ensure_ram_disk, plan_ram_disk
+from mtc_replicator.csi.ramdisk import ensure_ram_disk
 from mtc_replicator.csi.validation import Publish, Unpublish
 from mtc_replicator.csi.volumes import (
     Decision,
@@ -28,20 +27,10 @@ from mtc_replicator.csi.volumes import (
     decide_publish,
     published_targets,
 )
+from tests.csi.conftest import Failing
 
 SIZE = 64 * 2**20
 POD = PodInfo("team-a", "trainer-0", "uid-a0", "default")
-
-
-class Failing:
-    """A ``MemoryMounter.before`` hook that fails the named operations."""
-
-    def __init__(self, *operations: str) -> None:
-        self.operations = set(operations)
-
-    def __call__(self, operation: str, target: Path) -> None:
-        if operation in self.operations:
-            raise MountError(f"{operation} {target}: injected failure")
 
 
 @pytest.fixture
@@ -323,70 +312,3 @@ def test_published_targets_are_every_other_mount_of_the_ram_disk() -> None:
     foreign = _mount(5, "/pods/c/mount", "0:41")
     assert published_targets([disk, mine, legacy, foreign], ram) == [mine, legacy]
     assert published_targets([disk], ram) == []
-
-
-# --- the RAM disk --------------------------------------------------------------------------
-
-
-def test_the_ram_disk_is_mounted_when_absent(mounter: MemoryMounter, tmp_path: Path) -> None:
-    mounted = ensure_ram_disk(mounter, tmp_path / "a" / "ram", SIZE)
-    assert (tmp_path / "a" / "ram").is_dir()
-    assert (mounted.fs_type, tmpfs_size(mounted)) == ("tmpfs", SIZE)
-    assert "mode=1770" in mounted.super_options
-
-
-def test_an_existing_ram_disk_is_reused(
-    mounter: MemoryMounter, ram: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    before = visible(mounter, ram)
-    caplog.set_level(logging.INFO, logger="mtc_replicator.csi.ramdisk")
-    again = ensure_ram_disk(mounter, ram, SIZE)
-    assert again == before
-    assert [op for op, _ in mounter.calls].count("mount_tmpfs") == 1
-    assert "RAM disk reused" in caplog.text
-
-
-def test_a_ram_disk_of_another_size_is_resized_in_place(mounter: MemoryMounter, ram: Path) -> None:
-    before = visible(mounter, ram)
-    assert before is not None
-    resized = ensure_ram_disk(mounter, ram, 2 * SIZE)
-    assert (resized.mount_id, resized.device) == (before.mount_id, before.device)
-    assert tmpfs_size(resized) == 2 * SIZE
-
-
-def test_a_failed_resize_keeps_the_ram_disk(
-    mounter: MemoryMounter, ram: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    mounter.before = Failing("resize_tmpfs")
-    kept = ensure_ram_disk(mounter, ram, SIZE // 2)
-    assert tmpfs_size(kept) == SIZE
-    assert "reused at its old size" in caplog.text
-
-
-def test_a_foreign_mount_at_the_ram_dir_is_refused(mounter: MemoryMounter, tmp_path: Path) -> None:
-    (tmp_path / "data").mkdir()
-    (tmp_path / "ram").mkdir()
-    mounter.bind(tmp_path / "data", tmp_path / "ram")
-    with pytest.raises(RamDiskError, match="ext4 mount"):
-        ensure_ram_disk(mounter, tmp_path / "ram", SIZE)
-
-
-def test_a_failed_mount_is_a_ram_disk_error(mounter: MemoryMounter, tmp_path: Path) -> None:
-    mounter.before = Failing("mount_tmpfs")
-    with pytest.raises(RamDiskError, match="cannot set up"):
-        ensure_ram_disk(mounter, tmp_path / "ram", SIZE)
-
-
-@pytest.mark.parametrize(
-    ("size_option", "wanted", "action"),
-    [
-        ("size=65536k", 64 * 2**20, Action.REUSE),
-        ("size=65536k", 64 * 2**20 - 100, Action.REUSE),  # the kernel rounds up to pages
-        ("size=65536k", 32 * 2**20, Action.RESIZE),
-        ("mode=755", 64 * 2**20, Action.RESIZE),  # no limit shown: the kernel's default
-    ],
-)
-def test_plan_ram_disk(size_option: str, wanted: int, action: Action) -> None:
-    existing = MountInfo(5, 1, "0:50", "/", "/ram", frozenset({"rw"}), "tmpfs", "t", (size_option,))
-    assert plan_ram_disk([existing], Path("/ram"), wanted, page_size=4096).action is action
-    assert plan_ram_disk([], Path("/ram"), wanted).action is Action.MOUNT

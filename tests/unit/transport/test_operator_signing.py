@@ -29,7 +29,7 @@ from mtc_replicator.transport.operator_signing import OperatorSigner, OperatorVe
 from mtc_replicator.transport.signing import CaVerifier
 from mtc_replicator.transport.tls import TlsError
 from tests.tls import node_tls
-from tests.unit.test_backup_audit import JOB, upload_step
+from tests.unit.storage.test_backup_audit import JOB, upload_step
 
 
 @pytest.fixture(scope="module")

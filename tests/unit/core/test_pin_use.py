@@ -34,7 +34,7 @@ from mtc_replicator.storage.restore_pins import (
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.signing import record_trust
 from tests.tls import node_tls
-from tests.unit.test_backup_audit import JOB, upload_step
+from tests.unit.storage.test_backup_audit import JOB, upload_step
 
 D1, D2 = "a" * 64, "b" * 64
 NOW = 1_800_000_000.0

@@ -20,8 +20,8 @@ from mtc_replicator.node.kept_upload import KeptUploads
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import FileObjectStore
-from tests.unit.test_foreign import config
-from tests.unit.test_reclaim import back_up, save
+from tests.unit.core.test_foreign import config
+from tests.unit.node.test_reclaim import back_up, save
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from mtc_replicator.storage.restore_pins import (
     resolve_restore_pin,
     write_restore_pin,
 )
-from tests.unit.test_backup_audit import JOB, upload_step
+from tests.unit.storage.test_backup_audit import JOB, upload_step
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

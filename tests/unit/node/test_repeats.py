@@ -16,7 +16,7 @@ from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.repeats import Repeats
 from mtc_replicator.obs.metrics import ErrorKind
-from tests.unit.test_checkpoint_dir import ITEM, store_with_item
+from tests.unit.node.test_checkpoint_dir import ITEM, store_with_item
 
 CONFIG = JobConfig(job_name="job", framework=Framework.PYTORCH, node_rank=1, nodes=2)
 

@@ -190,7 +190,7 @@ def test_an_earlier_file_after_a_later_one_is_rejected(
 def test_a_format_1_files_whole_crc_is_checked_when_the_file_is_complete(
     tmp_path: Path,
 ) -> None:
-    # A format-2 file's digest decides instead (tests/unit/test_digest_decides.py).
+    # A format-2 file's digest decides instead (tests/unit/local/test_digests_decide.py).
     src = tmp_path / "f"
     src.write_bytes(b"payload")
     good = build_manifest(ITEM, src)

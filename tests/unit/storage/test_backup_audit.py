@@ -261,7 +261,7 @@ def test_verify_decides_a_format_2_file_by_its_digest_as_a_restore_does(
     objects: MemoryObjectStore, backup: BackupStore, tmp_path: Path
 ) -> None:
     """A manifest whose crc32c is wrong but whose digest is right: a restore takes it
-    (``tests/unit/test_digest_decides.py``), so verify reports nothing; a flipped byte of
+    (``tests/unit/local/test_digests_decide.py``), so verify reports nothing; a flipped byte of
     another object is still its digest's mismatch."""
     manifests = upload_step(backup, tmp_path, 100, ranks=3, commit_at=None)
     lying = manifests["1-0"]

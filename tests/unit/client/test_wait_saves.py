@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mtc_replicator.client.wait_saves import main, saves_in_flight
-from tests.unit.test_async_save import SAVES, Gate, state
+from tests.unit.client.test_async_save import SAVES, Gate, state
 
 pytest.importorskip("torch")
 

@@ -16,9 +16,9 @@ from mtc_replicator.storage.backup_audit import ProblemKind, scan_job
 from mtc_replicator.storage.backup_prune import apply_prune, delete_step, prune_facts
 from mtc_replicator.storage.objectstore import MemoryObjectStore
 from mtc_replicator.storage.restore_pins import RestorePin, write_restore_pin
-from tests.unit.test_backup import upload_v1
-from tests.unit.test_backup_audit import JOB, upload_step, verify
-from tests.unit.test_restore_pins import DIGEST
+from tests.unit.storage.test_backup import upload_v1
+from tests.unit.storage.test_backup_audit import JOB, upload_step, verify
+from tests.unit.storage.test_restore_pins import DIGEST
 
 HOUR = 3600.0
 DAY = 24 * HOUR

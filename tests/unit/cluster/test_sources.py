@@ -1,6 +1,7 @@
 """``cluster.sources``: an item fetched by source into a real ``LocalStore``, verified, and
-each source's failures as our own types (``CorruptItem``, ``SourceUnavailable``); what is
-neither (a bug) reaches the round's caller."""
+each source's failures as our own types (``CorruptItem``, ``SourceUnavailable``,
+``LocalCopyGone``) and what the round makes of each; what is none (a bug) reaches the
+round's caller."""
 
 from __future__ import annotations
 
@@ -17,7 +18,12 @@ import pytest
 
 from mtc_replicator.cluster.messages import FailedFetch
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundParticipant
-from mtc_replicator.cluster.sources import ItemSources, SourceUnavailable
+from mtc_replicator.cluster.sources import (
+    ItemSources,
+    LocalCopyGone,
+    NoBackupSet,
+    SourceUnavailable,
+)
 from mtc_replicator.core.attestation import ManifestTrust, Unattested
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig
 from mtc_replicator.core.manifest import LEGACY_VERSION, CorruptItem, ItemId, Manifest
@@ -211,9 +217,12 @@ def test_a_corrupt_local_copy_is_corrupt_and_deleted(world: World) -> None:
     assert world.store.get(ITEM) is None
 
 
-def test_a_local_copy_gone_is_corrupt(world: World) -> None:
-    with pytest.raises(CorruptItem, match="gone or differs from the plan"):
-        world.fetch(world.sources(), local(world))
+def test_a_local_copy_that_differs_from_the_plan_is_corrupt_and_deleted(world: World) -> None:
+    commit_into(world.store, world.source, world.manifest)
+    other = Fetch(Source.LOCAL, ITEM, 1, "f" * 64)
+    with pytest.raises(CorruptItem, match="differs from the plan"):
+        world.fetch(world.sources(), other)
+    assert world.store.get(ITEM) is None
 
 
 def test_a_corrupt_pull_is_corrupt(world: World) -> None:
@@ -234,9 +243,66 @@ def test_a_corrupt_backup_copy_is_corrupt_and_never_lands(world: World) -> None:
     assert list(world.store.staging_root.iterdir()) == []
 
 
-def test_no_backup_set_is_corrupt(world: World) -> None:
-    with pytest.raises(CorruptItem, match="no backup is set"):
+# --- a copy that is not there is not corrupt ---------------------------------------------
+
+
+def test_a_local_copy_gone_is_gone_not_corrupt(world: World) -> None:
+    with pytest.raises(LocalCopyGone, match="no longer in this node's store") as caught:
+        world.fetch(world.sources(), local(world))
+    assert not isinstance(caught.value, CorruptItem | SourceUnavailable)
+
+
+def test_no_backup_set_is_an_unavailable_source_not_corrupt(world: World) -> None:
+    with pytest.raises(NoBackupSet, match="no backup is set on this node") as caught:
         world.fetch(world.sources(backups=None), backup(world))
+    assert isinstance(caught.value, SourceUnavailable)
+    assert not isinstance(caught.value, CorruptItem)
+
+
+def participant(world: World, sources: ItemSources, said: list[str]) -> RoundParticipant:
+    """Rank 1's side of a round, fetching through ``sources``; its errors said to ``said``."""
+    config = JobConfig(
+        job_name="job",
+        framework=Framework.ORBAX,
+        node_rank=1,
+        nodes=2,
+        peers_per_node=1,
+        backup_interval=BackupInterval(minutes=None, steps=10),
+    )
+    return RoundParticipant(
+        RoundContext(
+            JobRank(config, "inc", world.store, None, "127.0.0.1:7001"),  # type: ignore[arg-type]
+            sources,
+            error=lambda message, step: said.append(message),
+        )
+    )
+
+
+def test_the_round_reports_a_copy_gone_as_failed_not_corrupt(world: World) -> None:
+    """Its last source gone: the coordinator hears "not corrupt", and the job is not held
+    from a fresh start for it (nothing of it is left anywhere to wait for)."""
+    said: list[str] = []
+    rank = participant(world, world.sources(), said)
+    failures: list[FailedFetch] = []
+    assert not asyncio.run(rank._obtain_one(ITEM, [local(world)], ADDRESSES, failures))
+    assert [(f.fetch, f.corrupt) for f in failures] == [(local(world), False)]
+    assert len(said) == 1
+    assert "no longer in this node's store" in said[0]
+    assert "corrupt" not in said[0]
+    assert rank._unavailable == []
+
+
+def test_the_round_reports_no_backup_set_as_unavailable(world: World) -> None:
+    """A committed step the coordinator listed that this node cannot fetch: a fresh start
+    must not pass for a restore (``RoundOutcome.unavailable`` blocks it)."""
+    said: list[str] = []
+    rank = participant(world, world.sources(backups=None), said)
+    failures: list[FailedFetch] = []
+    assert not asyncio.run(rank._obtain_one(ITEM, [backup(world)], ADDRESSES, failures))
+    assert [(f.fetch, f.corrupt) for f in failures] == [(backup(world), False)]
+    assert "corrupt" not in said[0]
+    assert len(rank._unavailable) == 1
+    assert "no backup is set on this node" in rank._unavailable[0]
 
 
 # --- an unreachable source is SourceUnavailable -------------------------------------------
@@ -296,28 +362,12 @@ def test_a_key_error_is_a_bug_not_an_unavailable_source(world: World) -> None:
     sources = world.sources(peers=peers)
     with pytest.raises(KeyError):
         world.fetch(sources, peer(world))
-    config = JobConfig(
-        job_name="job",
-        framework=Framework.ORBAX,
-        node_rank=1,
-        nodes=2,
-        peers_per_node=1,
-        backup_interval=BackupInterval(minutes=None, steps=10),
-    )
     said: list[str] = []
-    participant = RoundParticipant(
-        RoundContext(
-            JobRank(config, "inc", world.store, None, "127.0.0.1:7001"),  # type: ignore[arg-type]
-            sources,
-            error=lambda message, step: said.append(message),
-        )
-    )
+    rank = participant(world, sources, said)
     failures: list[FailedFetch] = []
     # The round does not count it as a source lost (and so fall back to an older step).
     with pytest.raises(KeyError):
-        asyncio.run(
-            participant._obtain_one(ITEM, [peer(world), backup(world)], ADDRESSES, failures)
-        )
+        asyncio.run(rank._obtain_one(ITEM, [peer(world), backup(world)], ADDRESSES, failures))
     assert (failures, said) == ([], [])
 
 

@@ -485,7 +485,7 @@ def test_importing_the_client_pulls_in_nothing_heavy() -> None:
         " ('grpc', 'watchdog', 'google', 'boto3', 'botocore', 'numpy')]\n"
         "assert not heavy, heavy\n"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
     )

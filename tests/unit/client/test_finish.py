@@ -12,7 +12,7 @@ import pytest
 
 from mtc_replicator.client import HandshakeTimeout, finish_job
 from mtc_replicator.core import contract
-from tests.unit.test_handshake import FakeClock
+from tests.unit.client.test_handshake import FakeClock
 
 
 def test_it_returns_once_the_daemon_consumed_the_empty_yaml_with_its_errors(

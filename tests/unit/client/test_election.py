@@ -41,7 +41,7 @@ from mtc_replicator.client.election import (
     start_time,
 )
 from mtc_replicator.core import contract
-from tests.unit.test_handshake import (
+from tests.unit.client.test_handshake import (
     FAST,
     FakeClock,
     FakeDaemon,

@@ -32,8 +32,8 @@ from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import SavedHolders
 from mtc_replicator.core.restore_plan import Fetch, NodeInventory
 from mtc_replicator.local.holders_file import HoldersFile
-from tests.unit.test_coordination import VIEW, config, own
-from tests.unit.test_messages import ADDRESSES, IDENTITY, JOB, digest, item, planned
+from tests.unit.cluster.test_messages import ADDRESSES, IDENTITY, JOB, digest, item, planned
+from tests.unit.core.test_coordination import VIEW, config, own
 
 # --- on the wire -----------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from mtc_replicator.core.rank_holders import (
 )
 from mtc_replicator.core.restore_plan import NodeInventory
 from mtc_replicator.local.holders_file import HoldersFile
-from tests.unit.test_coordination import VIEW, config, own
+from tests.unit.core.test_coordination import VIEW, config, own
 
 
 def join(rank: int, inc: str, node: str | None) -> Join:

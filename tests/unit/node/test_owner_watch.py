@@ -13,7 +13,7 @@ import pytest
 from mtc_replicator.core.ownership import UNOWNED, BadOwner
 from mtc_replicator.local.store_owner import write_store_owner
 from mtc_replicator.node.owner_watch import CHECK_EVERY, OwnerWatch, handed_over, read_owner
-from tests.unit.test_ownership import owner_json
+from tests.unit.core.test_ownership import owner_json
 
 
 def _write(path: Path, namespace: str) -> None:
