@@ -98,7 +98,7 @@ from mtc_replicator.transport.identity import NodeIdentityInterceptor
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.peer_client import PeerClient
-from mtc_replicator.transport.peer_servicer import PeerServicer
+from mtc_replicator.transport.peer_servicer import PeerServicer, ServiceRules
 from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
 from mtc_replicator.transport.receiving import Receiving
 from mtc_replicator.transport.signing import record_trust
@@ -495,13 +495,15 @@ class Daemon:
         return PeerServicer(
             self.receiving,
             self.serving,
-            max_step_lead=self.opts.max_step_lead,
+            rules=ServiceRules(
+                self.opts.max_step_lead,
+                self.opts.idle_timeout_seconds,
+                min_rate=self.opts.min_transfer_rate,
+            ),
             metrics=self.metrics,
             channel=channel,
-            idle_timeout=self.opts.idle_timeout_seconds,
             obtaining=self.ctx.obtaining,
             pacer=self.pacer,
-            min_rate=self.opts.min_transfer_rate,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
             pool=None if self.ctx.pool is None else self.ctx.pool.holding,

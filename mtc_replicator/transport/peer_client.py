@@ -429,12 +429,6 @@ class PeerClient:
         offered = False
         broken: ChannelBroken | None = None
         what = f"push of {manifest.item}"
-
-        async def write(index: int, offset: int, buf: bytes, crc: int) -> None:
-            request = pb.PushItemRequest()
-            fill_chunk(request.chunk, index, offset, buf, crc)
-            await within(call.write(request), self.timeout, what)
-
         try:
             try:
                 await call.write(pb.PushItemRequest(header=header))
@@ -444,7 +438,7 @@ class PeerClient:
                         offer = push_offer(metadata)
                     except TransferError as exc:
                         raise PeerError(address, f"{what}: {exc}") from None
-                    sink: sending.Sink = write
+                    sink: sending.Sink = self._chunk_writer(call, what)
                     if offer is not None:
                         offered = True
                         sink = dialled(
@@ -495,6 +489,20 @@ class PeerClient:
                 TransferKind.REPLICATE_OUT, response.bytes_received, watch.seconds()
             )
         return response.already_had
+
+    def _chunk_writer(
+        self,
+        call: grpc.aio.StreamUnaryCall[pb.PushItemRequest, pb.PushItemResponse],
+        what: str,
+    ) -> sending.ChunkWrite:
+        """A push's chunks as the call's next messages, each written within the timeout."""
+
+        async def write(index: int, offset: int, buf: bytes, crc: int) -> None:
+            request = pb.PushItemRequest()
+            fill_chunk(request.chunk, index, offset, buf, crc)
+            await within(call.write(request), self.timeout, what)
+
+        return write
 
     @_noting_contact
     async def pull_item(

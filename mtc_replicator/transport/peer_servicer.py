@@ -19,6 +19,7 @@ import contextlib
 import errno
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -181,6 +182,25 @@ def _refuse_unless(admission: Admission) -> None:
     raise Refused(reason)  # NOT_SERVED, TOO_FAR_AHEAD: FAILED_PRECONDITION
 
 
+@dataclass(frozen=True)
+class ServiceRules:
+    """The bounds every transfer this node serves keeps."""
+
+    max_step_lead: int = MAX_STEP_LEAD
+    """How far ahead of this rank's newest step a pushed step may be."""
+    idle_timeout: float = IDLE_SECONDS
+    """Every wait on the other side: a header, the next chunk, room to send one, the data
+    connection, a stall on it."""
+    max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER
+    min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE
+    """A push or a pull served must move its bytes at this average rate after a grace of
+    ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is dropped, its reservation
+    and staging with it; None: no floor."""
+
+
+DEFAULT_RULES = ServiceRules()
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """``mtc.v1.Peer`` over this node's store; handlers run in the daemon's asyncio loop."""
 
@@ -189,14 +209,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         receiving: Receiving,
         serving: Callable[[str], Served | None],
         *,
-        max_step_lead: int = MAX_STEP_LEAD,
+        rules: ServiceRules = DEFAULT_RULES,
         metrics: Metrics = NO_METRICS,
         channel: DataListener | None = None,
-        idle_timeout: float = IDLE_SECONDS,
-        max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
         obtaining: Obtaining | None = None,
         pacer: Pacer | None = None,
-        min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
         handed_over: Callable[[], bool] = lambda: False,
         trust: ManifestTrust = OPEN_MANIFESTS,
         readers: Callable[[str], Collection[str] | None] = lambda job: None,
@@ -204,48 +221,35 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> None:
         """``receiving``: how an incoming item is checked and taken into the store (the
         node's one, shared with its pulls). ``serving(job)`` says how this node serves
-        ``job`` now (None: it runs no incarnation of it), read for every push;
-        ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
-        be. With a ``channel``, transfers that ask for it move their bytes there while it
-        has a free slot for the peer. ``idle_timeout`` bounds every wait on the other side:
-        a header, the next chunk, room to send one, the data connection, a stall on it.
-        ``obtaining`` says which items this node's restore round is still fetching, so a
-        pull of one is told to try again (ABORTED) or, once the round gave it up, to go
-        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
+        ``job`` now (None: it runs no incarnation of it), read for every push; ``rules``:
+        the bounds every transfer here keeps (``ServiceRules``). With a ``channel``,
+        transfers that ask for it move their bytes there while it has a free slot for the
+        peer. ``obtaining`` says which items this node's restore round is still fetching,
+        so a pull of one is told to try again (ABORTED) or, once the round gave it up, to
+        go elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
         outgoing transfers; a pull served is a restore (first, never throttled).
-        ``min_rate``: a push or a pull served must move its bytes at this average rate
-        after a grace of ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is
-        dropped, its reservation and staging with it; None: no floor. ``handed_over``:
-        whether the node changed hands and its store is not emptied yet (``core.handoff``;
-        blocking, run on the receiving's executor): no pull is served nor item listed
-        meanwhile. ``trust``: which pushed items are attested for the job served
-        (``core.attestation``), checked before a byte is staged. ``pool``: how pool copies
-        are taken (``core.pool``); None: refused."""
-        self.receiving = receiving
-        self.store = receiving.store
-        self.pool = pool
-        self.trust = trust
-        self.handed_over = handed_over
-        self.pacer = pacer or Pacer()
-        self.obtaining = obtaining
-        self.channel = channel
-        self.idle_timeout = idle_timeout
-        self.min_rate = min_rate
-        self.max_transfers_per_peer = max_transfers_per_peer
-        self._per_peer: dict[str, int] = {}
-        self.serving = serving
+        ``handed_over``: whether the node changed hands and its store is not emptied yet
+        (``core.handoff``; blocking, run on the receiving's executor): no pull is served
+        nor item listed meanwhile. ``trust``: which pushed items are attested for the job
+        served (``core.attestation``), checked before a byte is staged. ``pool``: how pool
+        copies are taken (``core.pool``); None: refused."""
+        self.receiving, self.store = receiving, receiving.store
+        self.serving, self.rules = serving, rules
         self.readers = readers
         """The nodes that may list and pull a job's items: its grant's (``core.grant``);
         None, no grant: any node of the CA."""
-        self.max_step_lead = max_step_lead
+        self.channel, self.pool, self.obtaining = channel, pool, obtaining
+        self.trust, self.handed_over = trust, handed_over
+        self.pacer = pacer or Pacer()
         self.metrics = metrics
+        self._per_peer: dict[str, int] = {}
 
     @contextlib.contextmanager
     def _admitted(self, host: str) -> Iterator[None]:
         """Count a transfer against its peer's limit for as long as it runs."""
-        if self._per_peer.get(host, 0) >= self.max_transfers_per_peer:
+        if self._per_peer.get(host, 0) >= self.rules.max_transfers_per_peer:
             raise PeerOverLimit(
-                f"{host} has {self.max_transfers_per_peer} transfers in flight here already"
+                f"{host} has {self.rules.max_transfers_per_peer} transfers in flight here already"
             )
         self._per_peer[host] = self._per_peer.get(host, 0) + 1
         try:
@@ -277,7 +281,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         owner, producers = (None if served is None else served.owner), None
         # Admission first: a push this node must not take costs no manifest parsing.
         if not header.pool_copy:
-            admission = admit_push(served, item, max_lead=self.max_step_lead, pusher=caller())
+            admission = admit_push(served, item, max_lead=self.rules.max_step_lead, pusher=caller())
         elif self.pool is None:
             admission = NO_POOL
         else:
@@ -318,7 +322,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> pb.PushItemResponse:
         watch = Stopwatch()
         peer = context.peer()
-        idle = self.idle_timeout
+        idle = self.rules.idle_timeout
         first = await within(anext(requests, None), idle, "a push's header")
         if first is None or first.WhichOneof("body") != "header":
             raise TransferError("a push starts with its header")
@@ -343,7 +347,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         source,
                         what=f"push of {item} from {peer}",
                         kind=TransferKind.REPLICATE_IN,
-                        floor=self.min_rate,
+                        floor=self.rules.min_rate,
                         grace=idle,
                     )
         except asyncio.CancelledError:
@@ -380,7 +384,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     ) -> Source:
         """Tell the pusher to send (on the data channel, with its ``ticket``); where the
         bytes come from."""
-        idle = self.idle_timeout
+        idle = self.rules.idle_timeout
         if ticket is None:
             await context.send_initial_metadata((GO_AHEAD,))
             return chunks_of(idle_bounded(requests, idle, f"push of {item}"))
@@ -426,7 +430,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if request.manifest_digest and request.manifest_digest != digest:
             raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
         header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
-        idle, what = self.idle_timeout, f"pull of {item}"
+        idle, what = self.rules.idle_timeout, f"pull of {item}"
         sink: sending.Sink
 
         async def write(index: int, offset: int, buf: bytes, crc: int) -> None:
@@ -455,7 +459,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                         meter,
                         root=self.store.root,
                         what=f"{what} by {context.peer()}",
-                        floor=self.min_rate,
+                        floor=self.rules.min_rate,
                         grace=idle,
                     )
         except FileNotFoundError:
