@@ -39,9 +39,9 @@ from mtc_replicator.core.signed import POOL_KIND, RecordRefused, RecordTrust, pa
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from mtc_replicator.obs.stopwatch import Stopwatch
 from mtc_replicator.storage.objectstore import ObjectNotFound, ObjectStore, ObjectStoreError
 from mtc_replicator.transport.peer_client import ItemInfo, PeerClient, PeerError, PeerUnavailable
-from mtc_replicator.transport.peerwire import rate
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class PoolCopies:
         if best is None:
             return None
         step, member, infos = best
-        t0, nbytes = time.monotonic(), 0
+        watch, nbytes = Stopwatch(), 0
         try:
             for info in infos:
                 manifest = await self.peers.pull_item(
@@ -323,15 +323,13 @@ class PoolCopies:
                 step=step,
             )
             return None
-        dt = time.monotonic() - t0
+        dt = watch.seconds()
         self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
         self._log.info(
-            "pool copies: step %d pulled from node %s: %d bytes in %.3fs (%.1f MB/s)",
+            "pool copies: step %d pulled from node %s: %s",
             step,
             member.node,
-            nbytes,
-            dt,
-            rate(nbytes, dt),
+            watch.summary(nbytes, dt),
             step=step,
         )
         return step

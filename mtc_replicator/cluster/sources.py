@@ -39,6 +39,7 @@ from mtc_replicator.local import fsutil
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
+from mtc_replicator.obs.stopwatch import Stopwatch
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStoreError
 from mtc_replicator.transport.peer_client import (
@@ -48,7 +49,6 @@ from mtc_replicator.transport.peer_client import (
     PeerError,
     PeerUnavailable,
 )
-from mtc_replicator.transport.peerwire import rate
 
 log = logging.getLogger(__name__)
 
@@ -239,19 +239,16 @@ class ItemSources:
 
     async def _pull_once(self, peers: PeerClient, address: str, f: Fetch) -> None:
         """One pull, timed alone: the waits between tries are not transfer time."""
-        t0 = time.monotonic()
+        watch = Stopwatch()
         manifest = await peers.pull_item(
             address, f.item, self.store, f.digest, vet=lambda m: self._vet(m, f)
         )
-        dt = time.monotonic() - t0
-        nbytes = manifest.total_bytes
+        nbytes, dt = manifest.total_bytes, watch.seconds()
         JobLog(log, f.item.job, f.item.rank).info(
-            "pulled %s from %s: %d bytes in %.3fs (%.1f MB/s)",
+            "pulled %s from %s: %s",
             f.item,
             address,
-            nbytes,
-            dt,
-            rate(nbytes, dt),
+            watch.summary(nbytes, dt),
             step=f.item.step,
         )
         self.metrics.transfer(TransferKind.RESTORE_PEER, nbytes, dt)
@@ -327,20 +324,15 @@ class ItemSources:
         item = f.item
         staged = self.store.new_staging()
         try:
-            t0 = time.monotonic()
+            watch = Stopwatch()
             manifest = backups.fetch_pinned(
                 item, f.digest, staged, self.cancelled, vet=lambda m: self._vet(m, f)
             )
             self.store.commit_staged(staged, manifest)
-            dt = max(time.monotonic() - t0, 1e-9)
+            nbytes, dt = manifest.total_bytes, watch.seconds()
             JobLog(log, item.job, self.rank).info(
-                "restored %s from backup: %d bytes in %.2fs (%.1f MB/s)",
-                item,
-                manifest.total_bytes,
-                dt,
-                manifest.total_bytes / dt / 1e6,
-                step=item.step,
+                "restored %s from backup: %s", item, watch.summary(nbytes, dt), step=item.step
             )
-            self.metrics.transfer(TransferKind.RESTORE_BACKUP, manifest.total_bytes, dt)
+            self.metrics.transfer(TransferKind.RESTORE_BACKUP, nbytes, dt)
         finally:
             fsutil.remove_tree(staged)

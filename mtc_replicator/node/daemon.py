@@ -98,8 +98,9 @@ from mtc_replicator.transport.identity import NodeIdentityInterceptor
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.operator_signing import pin_trust
 from mtc_replicator.transport.peer_client import PeerClient
-from mtc_replicator.transport.peer_servicer import PeerServicer
+from mtc_replicator.transport.peer_servicer import PeerServicer, ServiceRules
 from mtc_replicator.transport.peerwire import SERVICE as PEER_SERVICE
+from mtc_replicator.transport.receiving import Receiving
 from mtc_replicator.transport.signing import record_trust
 from mtc_replicator.transport.tls import TlsError
 
@@ -178,6 +179,14 @@ class Daemon:
         """``mtc upload``: a kept job's step to the backup, on demand."""
         self.reclaim = Reclaim(self.foreign, self.executor, self.tenancy.running_jobs)
         """Drops of jobs that no longer run here: on request, for room, by TTL."""
+        self.receiving = Receiving(
+            self.store,
+            self.executor,
+            max_item_files=opts.max_item_files,
+            make_room=self.reclaim.room_for_push,
+            metrics=self.metrics,
+        )
+        """Incoming items, checked and taken in: pushes served and pulls made alike."""
         self.buckets = BucketProbes(backups, self.registry)
         self.health = Health(
             live=[self.heartbeat.check],
@@ -465,7 +474,11 @@ class Daemon:
         self.advertise = self.opts.advertise or advertised_address(self.listen_address)
         self.ctx.advertise = self.advertise
         self.ctx.peers = PeerClient(
-            executor=self.executor, metrics=self.metrics, tls=self.tls, pacer=self.pacer
+            executor=self.executor,
+            metrics=self.metrics,
+            tls=self.tls,
+            pacer=self.pacer,
+            receiving=self.receiving,
         )
         await rpc.start()
         if channel is not None:
@@ -480,18 +493,17 @@ class Daemon:
     def _peer_servicer(self, channel: DataListener | None) -> PeerServicer:
         """What peers call here: pushes admitted against the job served, pulls served."""
         return PeerServicer(
-            self.store,
-            self.executor,
+            self.receiving,
             self.serving,
-            max_step_lead=self.opts.max_step_lead,
+            rules=ServiceRules(
+                self.opts.max_step_lead,
+                self.opts.idle_timeout_seconds,
+                min_rate=self.opts.min_transfer_rate,
+            ),
             metrics=self.metrics,
             channel=channel,
-            idle_timeout=self.opts.idle_timeout_seconds,
             obtaining=self.ctx.obtaining,
             pacer=self.pacer,
-            make_room=self.reclaim.room_for_push,
-            min_rate=self.opts.min_transfer_rate,
-            max_item_files=self.opts.max_item_files,
             handed_over=lambda: handed_over(self.opts.owner_file, self.store.root),
             trust=self.ctx.manifests,
             pool=None if self.ctx.pool is None else self.ctx.pool.holding,

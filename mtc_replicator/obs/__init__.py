@@ -1,2 +1,3 @@
-"""Observability shared by both daemons: structured logs (``logs``) and Prometheus
-metrics with their ``/metrics`` endpoint (``metrics``). Imports ``core`` only."""
+"""Observability shared by both daemons: structured logs (``logs``), the figures of the
+transfer log lines (``stopwatch``) and Prometheus metrics with their ``/metrics`` endpoint
+(``metrics``). Imports ``core`` only."""

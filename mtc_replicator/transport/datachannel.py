@@ -55,6 +55,7 @@ from mtc_replicator.core.retry import Backoff
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.transport.identity import peer_node
+from mtc_replicator.transport.streams import ChannelBroken, ChannelProtocolError, ChannelUnreachable
 from mtc_replicator.transport.tls import TlsMaterial, TlsStream
 from mtc_replicator.transport.transfer import (
     MAX_CHUNK,
@@ -96,19 +97,6 @@ Conn = socket.socket | TlsStream
 
 def raw_socket(conn: Conn) -> socket.socket:
     return conn.sock if isinstance(conn, TlsStream) else conn
-
-
-class ChannelBroken(Exception):
-    """The data connection failed (closed early, idle too long, never opened): retryable."""
-
-
-class ChannelUnreachable(ChannelBroken):
-    """The data connection could not be opened at all (a firewall, another network): the
-    caller falls back to gRPC chunks for this peer for a while."""
-
-
-class ChannelProtocolError(ValueError):
-    """The other side broke the data channel's protocol (for example, extra bytes)."""
 
 
 def _never() -> bool:

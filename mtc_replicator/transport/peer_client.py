@@ -1,13 +1,15 @@
 """The peer data plane's client on gRPC, ``PeerClient``. I/O module.
 
-``PeerClient`` pushes a committed item to another daemon, pulls one (staged, verified and
-committed exactly as the receiving daemon does it) and lists what a daemon holds, over one
-grpc.aio channel per address with explicit message limits, keepalives and a deadline on
-every call. A push streams its chunks only after the receiver accepted its header
-(``GO_AHEAD``), so answers never race the chunks. When the other daemon offers its data
-channel (``datachannel``), the bytes go there instead of into chunks, and gRPC carries
-only the header and the verdict. A peer's status code is translated into our exceptions
-in one place, ``_rpc_error``. The service itself is ``transport.peer_servicer``; the wire
+``PeerClient`` pushes a committed item to another daemon, pulls one and lists what a daemon
+holds, over one grpc.aio channel per address with explicit message limits, keepalives and
+a deadline on every call. The bytes themselves go out through ``transport.sending`` and
+come in through ``transport.receiving`` (checked, with room reserved, staged, verified and
+committed as a push taken here is), so this module is RPC plumbing: a push streams its
+chunks only after the receiver accepted its header (``GO_AHEAD``), so answers never race
+the chunks; when the other daemon offers its data channel, the bytes go there instead of
+into chunks, and gRPC carries only the header and the verdict; a data channel that failed
+is tried again in chunks (``_fallback``). A peer's status code is translated into our
+exceptions in one place, ``_rpc_error``. The service itself is ``transport.peer_servicer``; the wire
 conventions both speak are ``transport.peerwire``.
 """
 
@@ -34,16 +36,12 @@ from mtc_replicator.core.contacts import Contacts
 from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.local.pacer import Meter, Pacer
-from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.local.store import LocalStore
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
-from mtc_replicator.transport import datachannel
-from mtc_replicator.transport.datachannel import (
-    ChannelBroken,
-    ChannelProtocolError,
-    ChannelUnreachable,
-    TransferPool,
-)
+from mtc_replicator.obs.stopwatch import Stopwatch
+from mtc_replicator.transport import sending
+from mtc_replicator.transport.dataconn import TransferPool, dialled
 from mtc_replicator.transport.peerwire import (
     CHANNEL_OPTIONS,
     GO_AHEAD,
@@ -52,21 +50,19 @@ from mtc_replicator.transport.peerwire import (
     fill_chunk,
     item_id,
     item_ref,
-    paced_chunk,
     push_offer,
-    rate,
 )
-from mtc_replicator.transport.tls import TlsMaterial, open_channel
-from mtc_replicator.transport.transfer import (
+from mtc_replicator.transport.receiving import Receiving, Source
+from mtc_replicator.transport.streams import (
+    ChannelBroken,
+    ChannelProtocolError,
+    ChannelUnreachable,
     StreamIdle,
     TransferError,
-    check_manifest,
     idle_bounded,
-    iter_chunks,
-    receive_item,
-    room_on,
     within,
 )
+from mtc_replicator.transport.tls import TlsMaterial, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +193,10 @@ class PeerClient:
     (a push: or at its share of the pacer's limit, see ``_push_deadline``); a pull whose
     size is not known in advance gets ``timeout + max_transfer_seconds``. Pushes book their
     bytes with ``pacer`` as replication; pulls are incoming bytes, never paced here.
-    A pull's disk writes run in ``executor`` (the daemon passes its own pool; without one
-    the client makes a small pool and shuts it down in ``close``). With ``data_channel``,
-    transfers ask for the other daemon's data channel and use it when it is offered.
+    A pull's checks and disk writes run in ``executor`` (the daemon passes its own pool;
+    without one the client makes a small pool and shuts it down in ``close``). With
+    ``data_channel``, transfers ask for the other daemon's data channel and use it when it
+    is offered.
     """
 
     def __init__(
@@ -213,8 +210,12 @@ class PeerClient:
         data_channel: bool = True,
         tls: TlsMaterial | None = None,
         pacer: Pacer | None = None,
+        receiving: Receiving | None = None,
     ) -> None:
         self.timeout = timeout
+        self.receiving = receiving
+        """How this node takes incoming items into its store, shared with the pushes its
+        service takes (one room rule for both); a pull into another store gets its own."""
         self.pacer = pacer or Pacer()
         """The node's outgoing transfers: pushes are replication, paced by it."""
         self.tls = tls
@@ -338,6 +339,22 @@ class PeerClient:
             CHUNKS_AFTER_UNREACHABLE,
         )
 
+    async def _fallback(
+        self, address: str, attempt: Callable[[bool], Awaitable[_R]], what: str
+    ) -> _R:
+        """``attempt(channel)`` on the data channel when ``address`` can have it, else (or
+        once the channel failed there) in gRPC chunks: the one verdict on a data channel
+        that failed, for pushes and pulls alike. An unreachable one is not tried again for
+        ``CHUNKS_AFTER_UNREACHABLE`` seconds."""
+        try:
+            with self._channel_slot(address) as channel:
+                return await attempt(channel)
+        except ChannelUnreachable as exc:
+            self._channel_unreachable(address, exc)
+        except ChannelFailed as exc:
+            log.warning("%s: %s again in gRPC chunks", exc, what)
+        return await attempt(False)
+
     @_noting_contact
     async def push_item(
         self,
@@ -362,22 +379,21 @@ class PeerClient:
         # restores first, saves), on the data channel and in chunks alike.
         with self.pacer.transfer(Traffic.REPLICATION, job=manifest.item.job) as meter:
             send = _Send(manifest, data_path, root, meter, pool_copy)
-            try:
-                with self._channel_slot(address) as channel:
-                    return await self._push(address, send, channel)
-            except ChannelUnreachable as exc:
-                self._channel_unreachable(address, exc)
-            except ChannelFailed as exc:
-                log.warning("%s: sending it again in gRPC chunks", exc)
-            for _ in range(BUSY_RETRIES):
-                try:
-                    return await self._push(address, send, False)
-                except PeerUnavailable as exc:
-                    # The failed attempt's cancel may not have reached the other side yet.
-                    if exc.code is not grpc.StatusCode.ABORTED:
-                        raise
-                    await asyncio.sleep(BUSY_SECONDS)
-            return await self._push(address, send, False)
+
+            async def attempt(channel: bool) -> bool:
+                if channel:
+                    return await self._push(address, send, True)
+                for _ in range(BUSY_RETRIES):
+                    try:
+                        return await self._push(address, send, False)
+                    except PeerUnavailable as exc:
+                        # The failed attempt's cancel may not have reached the other side yet.
+                        if exc.code is not grpc.StatusCode.ABORTED:
+                            raise
+                        await asyncio.sleep(BUSY_SECONDS)
+                return await self._push(address, send, False)
+
+            return await self._fallback(address, attempt, "sending it")
 
     def _push_deadline(self, nbytes: int) -> float:
         """The deadline of a push, honest about pacing.
@@ -400,19 +416,19 @@ class PeerClient:
 
     async def _push(self, address: str, send: _Send, channel: bool) -> bool:
         manifest = send.manifest
-        raw = manifest.to_json()
         header = pb.PushHeader(
             item=item_ref(manifest.item),
-            manifest=raw,
+            manifest=manifest.to_json(),
             manifest_digest=manifest.digest,
             data_channel=channel,
             pool_copy=send.pool_copy,
         )
-        t0 = time.monotonic()
+        watch = Stopwatch()
         call = self._stub(address).PushItem(timeout=self._push_deadline(manifest.total_bytes))
         cut_short = False
         offered = False
         broken: ChannelBroken | None = None
+        what = f"push of {manifest.item}"
         try:
             try:
                 await call.write(pb.PushItemRequest(header=header))
@@ -421,17 +437,21 @@ class PeerClient:
                     try:
                         offer = push_offer(metadata)
                     except TransferError as exc:
-                        raise PeerError(address, f"push of {manifest.item}: {exc}") from None
+                        raise PeerError(address, f"{what}: {exc}") from None
+                    sink: sending.Sink = self._chunk_writer(call, what)
                     if offer is not None:
                         offered = True
-                        try:
-                            await self._send_over_channel(address, offer, send)
-                        except ChannelUnreachable:
-                            raise  # push_item tries again in chunks; this call is cancelled
-                        except ChannelBroken as exc:
-                            broken = exc  # the peer's status, if it has one, says more
-                    else:
-                        await self._send_chunks(call, send)
+                        sink = dialled(
+                            address, offer, timeout=self.timeout, tls=self.tls, pool=self.pool
+                        )
+                    try:
+                        await sending.send(
+                            manifest, send.data, sink, send.meter, root=send.root, what=what
+                        )
+                    except ChannelUnreachable:
+                        raise  # _fallback tries again in chunks; this call is cancelled
+                    except ChannelBroken as exc:
+                        broken = exc  # the peer's status, if it has one, says more
                 await call.done_writing()
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
                 cut_short = True  # the peer ended the call mid-stream; its status says why
@@ -441,73 +461,48 @@ class PeerClient:
                 try:
                     response = await asyncio.wait_for(asyncio.shield(call), VERDICT_SECONDS)
                 except TimeoutError:
-                    raise ChannelFailed(
-                        address, f"push of {manifest.item} to {address}: {broken}"
-                    ) from None
+                    raise ChannelFailed(address, f"{what} to {address}: {broken}") from None
         except grpc.aio.AioRpcError as exc:
             if cut_short and exc.code() is grpc.StatusCode.INTERNAL:
                 # A peer drains the stream before it answers, so this is rare: a write was
                 # in flight when the call ended, and grpc.aio replaced the peer's status.
                 raise PeerUnavailable(
                     address,
-                    f"push of {manifest.item} at {address}: the peer ended it mid-stream "
-                    "(its reason is in its log)",
+                    f"{what} at {address}: the peer ended it mid-stream (its reason is in its log)",
                     exc.code(),
                 ) from None
-            error = _rpc_error(exc, address, f"push of {manifest.item}")
+            error = _rpc_error(exc, address, what)
             if offered and exc.code() is grpc.StatusCode.UNAVAILABLE:
                 raise ChannelFailed(address, str(error), exc.code()) from None
             raise error from None
         finally:
             call.cancel()  # a no-op once answered; after a local read error, stop the peer
-        dt = time.monotonic() - t0
         JobLog(log, manifest.item.job, manifest.item.rank).info(
             "pushed %s to %s: %s",
             manifest.item,
             address,
-            "already held"
-            if response.already_had
-            else f"{response.bytes_received} bytes in {dt:.3f}s "
-            f"({rate(response.bytes_received, dt):.1f} MB/s)",
+            "already held" if response.already_had else watch.summary(response.bytes_received),
             step=manifest.item.step,
         )
         if not response.already_had:
-            self.metrics.transfer(TransferKind.REPLICATE_OUT, response.bytes_received, dt)
+            self.metrics.transfer(
+                TransferKind.REPLICATE_OUT, response.bytes_received, watch.seconds()
+            )
         return response.already_had
 
-    async def _send_chunks(
+    def _chunk_writer(
         self,
         call: grpc.aio.StreamUnaryCall[pb.PushItemRequest, pb.PushItemResponse],
-        send: _Send,
-    ) -> None:
-        what = f"push of {send.manifest.item}"
-        meter = send.meter
-        chunks = iter_chunks(send.manifest, send.data, paced_chunk(meter), root=send.root)
-        with contextlib.closing(chunks):
-            for index, offset, buf, crc in chunks:
-                await meter.take_async(len(buf))
-                request = pb.PushItemRequest()
-                fill_chunk(request.chunk, index, offset, buf, crc)
-                await within(call.write(request), self.timeout, what)
+        what: str,
+    ) -> sending.ChunkWrite:
+        """A push's chunks as the call's next messages, each written within the timeout."""
 
-    async def _connect(self, address: str, offer: tuple[int, bytes]) -> datachannel.Conn:
-        """The data connection the other daemon offered, its token presented."""
-        port, token = offer
-        return await asyncio.get_running_loop().run_in_executor(
-            None, datachannel.connect, address, port, token, self.timeout, self.tls
-        )
+        async def write(index: int, offset: int, buf: bytes, crc: int) -> None:
+            request = pb.PushItemRequest()
+            fill_chunk(request.chunk, index, offset, buf, crc)
+            await within(call.write(request), self.timeout, what)
 
-    async def _send_over_channel(self, address: str, offer: tuple[int, bytes], send: _Send) -> None:
-        with await self._connect(address, offer) as sock:
-            await datachannel.send_staged(
-                send.manifest,
-                send.data,
-                sock,
-                idle_timeout=self.timeout,
-                pool=self.pool,
-                root=send.root,
-                meter=send.meter,
-            )
+        return write
 
     @_noting_contact
     async def pull_item(
@@ -528,96 +523,82 @@ class PeerClient:
         Raises ``CorruptItem`` on any checksum or size mismatch (nothing is committed),
         ``ItemNotFound`` when the peer does not hold it, ``PeerError`` for another digest or
         a malformed stream, ``PeerUnavailable`` when trying again later may work, and
-        ``StoreError`` when the local store cannot take it. A data channel that cannot be
-        reached is not an error: the item comes in chunks. The caller logs and counts the
-        transfer (``cluster.sources``, with the restore's other transfers).
+        ``StoreError`` when the local store cannot take it (``receiving.TooLarge`` when it
+        has no room, by the rule a push here meets). A data channel that cannot be reached
+        is not an error: the item comes in chunks. The caller logs and counts the transfer
+        (``cluster.sources``, with the restore's other transfers).
         """
-        args = (address, item, store, expected_digest)
-        try:
-            with self._channel_slot(address) as channel:
-                return await self._pull(*args, total_bytes=total_bytes, channel=channel, vet=vet)
-        except ChannelUnreachable as exc:
-            self._channel_unreachable(address, exc)
-        except ChannelFailed as exc:
-            log.warning("%s: fetching it again in gRPC chunks", exc)
-        return await self._pull(*args, total_bytes=total_bytes, channel=False, vet=vet)
+        receiving = self.receiving
+        if receiving is None or receiving.store is not store:
+            receiving = Receiving(store, self.executor)
+
+        async def attempt(channel: bool) -> Manifest:
+            request = pb.PullItemRequest(
+                item=item_ref(item), manifest_digest=expected_digest or "", data_channel=channel
+            )
+            stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
+            try:
+                return await self._pull(
+                    address, stream, receiving, item, expected_digest=expected_digest, vet=vet
+                )
+            finally:
+                stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
+
+        return await self._fallback(address, attempt, "fetching it")
 
     async def _pull(
         self,
         address: str,
+        stream: grpc.aio.UnaryStreamCall[pb.PullItemRequest, pb.PullItemResponse],
+        receiving: Receiving,
         item: ItemId,
-        store: LocalStore,
-        expected_digest: str | None,
         *,
-        total_bytes: int | None,
-        channel: bool,
-        vet: Callable[[Manifest], object] | None = None,
+        expected_digest: str | None,
+        vet: Callable[[Manifest], object] | None,
     ) -> Manifest:
-        request = pb.PullItemRequest(
-            item=item_ref(item),
-            manifest_digest=expected_digest or "",
-            data_channel=channel,
-        )
-        stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
-        offer: tuple[int, bytes] | None = None
+        what = f"pull of {item} at {address}"
+        offered = False
         try:
-            responses = idle_bounded(aiter(stream), self.timeout, f"pull of {item} at {address}")
+            responses = idle_bounded(aiter(stream), self.timeout, what)
             first = await anext(responses, None)
             if first is None or first.WhichOneof("body") != "header":
-                raise PeerError(address, f"pull of {item} at {address}: no header came first")
+                raise PeerError(address, f"{what}: no header came first")
+            header = first.header
+            if expected_digest and header.manifest_digest != expected_digest:
+                raise PeerError(address, f"{what}: another digest came")
             try:
-                # Off the loop: a manifest may be 16 MiB of JSON to check.
-                manifest = await asyncio.get_running_loop().run_in_executor(
-                    self.executor,
-                    check_manifest,
-                    first.header.manifest,
-                    first.header.manifest_digest,
-                    item,
-                )
+                manifest = await receiving.check(header.manifest, header.manifest_digest, item, vet)
+                offer = channel_offer(header.data_port, header.data_token)
             except (ManifestError, TransferError) as exc:
-                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
-            if expected_digest and first.header.manifest_digest != expected_digest:
-                raise PeerError(address, f"pull of {item} at {address}: another digest came")
-            if vet is not None:
-                vet(manifest)
-            room = room_on(store.root)
-            if manifest.total_bytes > room:
-                raise StoreError(f"{item}: {manifest.total_bytes} bytes do not fit ({room} free)")
+                raise PeerError(address, f"{what}: {exc}") from None
+            source: Source = chunks_of(responses)
+            if offer is not None:
+                offered = True
+                source = dialled(address, offer, timeout=self.timeout, tls=self.tls, pool=self.pool)
             try:
-                offer = channel_offer(first.header.data_port, first.header.data_token)
-                if offer is None:
-                    await receive_item(store, manifest, chunks_of(responses), self.executor)
-                else:
-                    await self._receive_over_channel(address, offer, store, manifest)
-                    if await anext(responses, None) is not None:
-                        raise TransferError("a message came after the data channel's bytes")
+                async with receiving.reserved(manifest):
+                    await receiving.take(
+                        manifest, source, what=what, kind=TransferKind.RESTORE_PEER
+                    )
+                if offered and await anext(responses, None) is not None:
+                    raise TransferError("a message came after the data channel's bytes")
             except (TransferError, ChannelProtocolError) as exc:
-                raise PeerError(address, f"pull of {item} at {address}: {exc}") from None
+                raise PeerError(address, f"{what}: {exc}") from None
             except ChannelUnreachable:
-                raise  # pull_item tries again in chunks; this call is cancelled
+                raise  # _fallback tries again in chunks; this call is cancelled
             except ChannelBroken as exc:
                 # The sender's status, if it failed, says more than the broken connection.
                 with contextlib.suppress(TimeoutError, StopAsyncIteration, StreamIdle):
                     await asyncio.wait_for(anext(responses), VERDICT_SECONDS)
-                raise ChannelFailed(address, f"pull of {item} at {address}: {exc}") from None
+                raise ChannelFailed(address, f"{what}: {exc}") from None
         except StreamIdle as exc:
-            raise PeerUnavailable(address, f"pull of {item} at {address}: {exc}") from None
+            raise PeerUnavailable(address, f"{what}: {exc}") from None
         except grpc.aio.AioRpcError as exc:
             error = _rpc_error(exc, address, f"pull of {item}")
-            if offer is not None and exc.code() is grpc.StatusCode.UNAVAILABLE:
+            if offered and exc.code() is grpc.StatusCode.UNAVAILABLE:
                 raise ChannelFailed(address, str(error), exc.code()) from None
             raise error from None
-        finally:
-            stream.cancel()  # a no-op once the stream ended; stops the sender otherwise
         return manifest
-
-    async def _receive_over_channel(
-        self, address: str, offer: tuple[int, bytes], store: LocalStore, manifest: Manifest
-    ) -> int:
-        with await self._connect(address, offer) as sock:
-            return await datachannel.receive_staged(
-                store, manifest, sock, idle_timeout=self.timeout, pool=self.pool
-            )
 
     @_noting_contact
     async def list_items(self, address: str, job: str | None = None) -> list[ItemInfo]:

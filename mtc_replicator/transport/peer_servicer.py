@@ -3,12 +3,13 @@
 Handlers run in the daemon's asyncio loop (grpc.aio). A push is hostile input: its header is
 checked completely before anything touches the disk or a data-channel token is issued:
 whether this node takes the item at all (``core.admission``: its job, its rank, its step),
-then the manifest's safety, digest and size; its chunks then go through
-``transfer.receive_item`` into a staging directory, and the item is committed with its
-manifest last. A push of an item already held with the same digest is answered at once;
-one with another digest is refused, never committed in its place.
-Our exceptions become status codes in one place, ``status_for``; every transfer is logged
-with its bytes, seconds and MB/s.
+then ``transport.receiving`` checks the manifest, its attestation and room for it, and
+stages, verifies and commits its bytes. A push of an item already held with the same
+digest is answered at once; one with another digest is refused, never committed in its
+place. A pulled item's bytes go out through ``transport.sending``. This module is the RPC
+plumbing around the two: what to tell the other side, and when. Our exceptions become
+status codes in one place, ``status_for``; every transfer is logged with its bytes, seconds
+and MB/s.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import asyncio
 import contextlib
 import errno
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
-from concurrent.futures import Executor
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -34,36 +34,18 @@ from mtc_replicator.core.admission import (
     Verdict,
     admit_copy,
     admit_push,
-    inode_room,
 )
 from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust, Unattested
 from mtc_replicator.core.jobname import is_job_name
-from mtc_replicator.core.manifest import (
-    DEFAULT_MAX_ITEM_FILES,
-    Cancelled,
-    CorruptItem,
-    ItemId,
-    Manifest,
-    ManifestError,
-)
-from mtc_replicator.core.pacing import (
-    DEFAULT_MIN_TRANSFER_RATE,
-    Traffic,
-    earned_seconds,
-    transfer_deadline,
-)
-from mtc_replicator.local.pacer import Meter, Pacer
-from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from mtc_replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic
+from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.store import StoreError
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
-from mtc_replicator.transport.datachannel import (
-    ChannelBroken,
-    ChannelProtocolError,
-    DataListener,
-    Ticket,
-    receive_staged,
-    send_staged,
-)
+from mtc_replicator.obs.stopwatch import Stopwatch
+from mtc_replicator.transport import sending
+from mtc_replicator.transport.dataconn import DataListener, Ticket, accepted
 from mtc_replicator.transport.identity import caller
 from mtc_replicator.transport.obtaining import Obtain, Obtaining
 from mtc_replicator.transport.peerwire import (
@@ -73,23 +55,16 @@ from mtc_replicator.transport.peerwire import (
     fill_chunk,
     item_id,
     item_ref,
-    paced_chunk,
-    rate,
 )
 from mtc_replicator.transport.pool_holding import NO_POOL, PoolHolding
-from mtc_replicator.transport.transfer import (
-    RESERVE_BYTES,
-    Progress,
+from mtc_replicator.transport.receiving import ItemInFlight, Receiving, Source, TooLarge
+from mtc_replicator.transport.streams import (
+    ChannelBroken,
+    ChannelProtocolError,
     StreamIdle,
     TooSlow,
     TransferError,
-    check_manifest,
-    deadline,
     idle_bounded,
-    inodes_on,
-    iter_chunks,
-    receive_item,
-    room_on,
     within,
 )
 
@@ -119,13 +94,8 @@ class NotHeld(Exception):
     """This node holds no such committed item."""
 
 
-class TooLarge(Exception):
-    """The item does not fit in what this node may take."""
-
-
 class Busy(Exception):
-    """Another transfer of the same item is in flight here, or (a pull) this node's restore
-    round is obtaining the item now; try again later."""
+    """This node's restore round is obtaining a pulled item now; try again later."""
 
 
 class PeerOverLimit(Exception):
@@ -158,7 +128,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code = grpc.StatusCode.NOT_FOUND
     elif isinstance(exc, (TooLarge, PeerOverLimit)):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    elif isinstance(exc, Busy):
+    elif isinstance(exc, (Busy, ItemInFlight)):
         code = grpc.StatusCode.ABORTED
     elif isinstance(exc, (Cancelled, ChannelBroken, StreamIdle)):
         code = grpc.StatusCode.UNAVAILABLE
@@ -177,7 +147,7 @@ async def _abort(
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         log.error("%s from %s failed: %s", method, context.peer(), message, exc_info=exc)
-    elif isinstance(exc, Busy):  # "try again shortly": a waiting puller asks every second
+    elif isinstance(exc, (Busy, ItemInFlight)):  # "try again shortly": asked every second
         log.info("%s from %s: %s", method, context.peer(), message)
     else:
         log.warning("%s from %s refused: %s: %s", method, context.peer(), code.name, message)
@@ -212,93 +182,74 @@ def _refuse_unless(admission: Admission) -> None:
     raise Refused(reason)  # NOT_SERVED, TOO_FAR_AHEAD: FAILED_PRECONDITION
 
 
+@dataclass(frozen=True)
+class ServiceRules:
+    """The bounds every transfer this node serves keeps."""
+
+    max_step_lead: int = MAX_STEP_LEAD
+    """How far ahead of this rank's newest step a pushed step may be."""
+    idle_timeout: float = IDLE_SECONDS
+    """Every wait on the other side: a header, the next chunk, room to send one, the data
+    connection, a stall on it."""
+    max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER
+    min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE
+    """A push or a pull served must move its bytes at this average rate after a grace of
+    ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is dropped, its reservation
+    and staging with it; None: no floor."""
+
+
+DEFAULT_RULES = ServiceRules()
+
+
 class PeerServicer(peer_pb2_grpc.PeerServicer):
     """``mtc.v1.Peer`` over this node's store; handlers run in the daemon's asyncio loop."""
 
     def __init__(
         self,
-        store: LocalStore,
-        executor: Executor,
+        receiving: Receiving,
         serving: Callable[[str], Served | None],
         *,
-        max_step_lead: int = MAX_STEP_LEAD,
-        max_item_bytes: int | None = None,
-        reserve_bytes: int = RESERVE_BYTES,
+        rules: ServiceRules = DEFAULT_RULES,
         metrics: Metrics = NO_METRICS,
         channel: DataListener | None = None,
-        idle_timeout: float = IDLE_SECONDS,
-        max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER,
         obtaining: Obtaining | None = None,
         pacer: Pacer | None = None,
-        make_room: Callable[[int], Awaitable[None]] | None = None,
-        min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE,
-        max_item_files: int = DEFAULT_MAX_ITEM_FILES,
         handed_over: Callable[[], bool] = lambda: False,
         trust: ManifestTrust = OPEN_MANIFESTS,
         readers: Callable[[str], Collection[str] | None] = lambda job: None,
         pool: PoolHolding | None = None,
     ) -> None:
-        """``max_item_bytes`` caps one push; by default, the store's free space minus a
-        margin (``room_on``) and minus what pushes in flight will still write. With a
-        ``channel``, transfers that ask for it move their bytes there while it has a free
-        slot for the peer. ``idle_timeout`` bounds every wait on the other side: a header,
-        the next chunk, room to send one, the data connection, a stall on it. ``serving(job)``
-        says how this node serves ``job`` now (None: it runs no incarnation of it), read
-        for every push;
-        ``max_step_lead`` bounds how far ahead of this rank's newest step a pushed step may
-        be. ``obtaining`` says which items this node's restore round is still fetching, so a
-        pull of one is told to try again (ABORTED) or, once the round gave it up, to go
-        elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
+        """``receiving``: how an incoming item is checked and taken into the store (the
+        node's one, shared with its pulls). ``serving(job)`` says how this node serves
+        ``job`` now (None: it runs no incarnation of it), read for every push; ``rules``:
+        the bounds every transfer here keeps (``ServiceRules``). With a ``channel``,
+        transfers that ask for it move their bytes there while it has a free slot for the
+        peer. ``obtaining`` says which items this node's restore round is still fetching,
+        so a pull of one is told to try again (ABORTED) or, once the round gave it up, to
+        go elsewhere (FAILED_PRECONDITION), instead of NOT_FOUND. ``pacer``: the node's
         outgoing transfers; a pull served is a restore (first, never throttled).
-        ``make_room(short)``: asked before a push is refused for lacking ``short`` bytes
-        (the daemon drops backed-up items of jobs that no longer run here).
-        ``min_rate``: a push or a pull served must move its bytes at this average rate
-        after a grace of ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is
-        dropped, its reservation and staging with it; None: no floor. ``max_item_files``:
-        the most files and directories one pushed item may list (refused before any is
-        checked or staged); every push must also leave inodes free (``inode_room``).
         ``handed_over``: whether the node changed hands and its store is not emptied yet
-        (``core.handoff``; blocking, run on ``executor``): no pull is served nor item listed
-        meanwhile. ``trust``: which pushed items are attested for the job served
-        (``core.attestation``), checked before a byte is staged. ``pool``: how pool copies
-        are taken (``core.pool``); None: refused."""
-        self.pool = pool
-        self.trust = trust
-        self.handed_over = handed_over
-        self.make_room = make_room
-        self.store = store
-        self.pacer = pacer or Pacer()
-        self.obtaining = obtaining
-        self.channel = channel
-        self.idle_timeout = idle_timeout
-        self.min_rate = min_rate
-        self.max_item_files = max_item_files
-        self.max_transfers_per_peer = max_transfers_per_peer
-        self._per_peer: dict[str, int] = {}
-        self.executor = executor
-        self.serving = serving
+        (``core.handoff``; blocking, run on the receiving's executor): no pull is served
+        nor item listed meanwhile. ``trust``: which pushed items are attested for the job
+        served (``core.attestation``), checked before a byte is staged. ``pool``: how pool
+        copies are taken (``core.pool``); None: refused."""
+        self.receiving, self.store = receiving, receiving.store
+        self.serving, self.rules = serving, rules
         self.readers = readers
         """The nodes that may list and pull a job's items: its grant's (``core.grant``);
         None, no grant: any node of the CA."""
-        self.max_step_lead = max_step_lead
-        self.max_item_bytes = max_item_bytes
-        self.reserve_bytes = reserve_bytes
+        self.channel, self.pool, self.obtaining = channel, pool, obtaining
+        self.trust, self.handed_over = trust, handed_over
+        self.pacer = pacer or Pacer()
         self.metrics = metrics
-        self._inflight: dict[ItemId, int] = {}
-        self._inflight_inodes: dict[ItemId, int] = {}
-
-    def _room(self) -> int:
-        if self.max_item_bytes is not None:
-            return self.max_item_bytes
-        incoming = sum(self._inflight.values())
-        return room_on(self.store.root, self.reserve_bytes) - incoming
+        self._per_peer: dict[str, int] = {}
 
     @contextlib.contextmanager
     def _admitted(self, host: str) -> Iterator[None]:
         """Count a transfer against its peer's limit for as long as it runs."""
-        if self._per_peer.get(host, 0) >= self.max_transfers_per_peer:
+        if self._per_peer.get(host, 0) >= self.rules.max_transfers_per_peer:
             raise PeerOverLimit(
-                f"{host} has {self.max_transfers_per_peer} transfers in flight here already"
+                f"{host} has {self.rules.max_transfers_per_peer} transfers in flight here already"
             )
         self._per_peer[host] = self._per_peer.get(host, 0) + 1
         try:
@@ -308,9 +259,20 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             if not self._per_peer[host]:
                 del self._per_peer[host]
 
-    def _channel_slot(self, host: str, wanted: bool, nbytes: int) -> bool:
-        """Whether this transfer takes a data-channel slot (release it after)."""
-        return self.channel is not None and wanted and nbytes > 0 and self.channel.pool.claim(host)
+    @contextlib.contextmanager
+    def _channel_slot(self, host: str, wanted: bool, nbytes: int) -> Iterator[Ticket | None]:
+        """A data-channel ticket for this transfer, when the other side asked for the
+        channel and it has a free slot for ``host``; slot and ticket released after."""
+        channel = self.channel
+        if channel is None or not wanted or nbytes <= 0 or not channel.pool.claim(host):
+            yield None
+            return
+        ticket = channel.issue()
+        try:
+            yield ticket
+        finally:
+            channel.withdraw(ticket)  # closes its connection
+            channel.pool.release(host)
 
     async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
         """The pushed manifest, checked, and whether the same copy is held already."""
@@ -319,45 +281,27 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         owner, producers = (None if served is None else served.owner), None
         # Admission first: a push this node must not take costs no manifest parsing.
         if not header.pool_copy:
-            admission = admit_push(served, item, max_lead=self.max_step_lead, pusher=caller())
+            admission = admit_push(served, item, max_lead=self.rules.max_step_lead, pusher=caller())
         elif self.pool is None:
             admission = NO_POOL
         else:
             runs_here = served is not None
             admission, owner, producers = await self.pool.admit(item, caller(), runs_here)
         _refuse_unless(admission)
-        # A header may carry 16 MiB of manifest: parse and check it off the event loop,
-        # which must keep answering health checks and other transfers meanwhile.
-        manifest = await asyncio.get_running_loop().run_in_executor(
-            self.executor,
-            check_manifest,
-            header.manifest,
-            header.manifest_digest,
-            item,
-            self.max_item_files,
+        trust, by = self.trust, owner
+
+        def attested(manifest: Manifest) -> None:
+            if by is not None:
+                trust.check(manifest, by, producers)
+
+        manifest = await self.receiving.check(
+            header.manifest, header.manifest_digest, item, attested
         )
-        if owner is not None:
-            self.trust.check(manifest, owner, producers)
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)
         if admission.verdict is Verdict.ALREADY_HELD:
             return manifest, True
         _refuse_unless(admission)
-        room = self._room()
-        if manifest.total_bytes > room and self.make_room is not None:
-            await self.make_room(manifest.total_bytes - room)
-            room = self._room()
-        if manifest.total_bytes > room:
-            raise TooLarge(
-                f"{item}: {manifest.total_bytes} bytes do not fit, this node can take {room}"
-            )
-        free, total = inodes_on(self.store.root)
-        inodes = inode_room(free, total, sum(self._inflight_inodes.values()))
-        if inodes is not None and manifest.entries > inodes:
-            raise TooLarge(
-                f"{item}: {manifest.entries} files and directories do not fit, this node "
-                f"has inodes for {max(inodes, 0)}"
-            )
         return manifest, False
 
     async def PushItem(
@@ -376,9 +320,9 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         requests: AsyncIterator[pb.PushItemRequest],
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
     ) -> pb.PushItemResponse:
-        t0 = time.monotonic()
+        watch = Stopwatch()
         peer = context.peer()
-        idle = self.idle_timeout
+        idle = self.rules.idle_timeout
         first = await within(anext(requests, None), idle, "a push's header")
         if first is None or first.WhichOneof("body") != "header":
             raise TransferError("a push starts with its header")
@@ -388,83 +332,66 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if held:
             jlog.info("push of %s from %s: already held", item, peer, step=item.step)
             return pb.PushItemResponse(already_had=True)
-        if item in self._inflight:
-            raise Busy(f"{item}: another transfer of this item is in flight")
-        self._inflight[item] = manifest.total_bytes
-        self._inflight_inodes[item] = manifest.entries
-        host = peer_host(peer)
-        slot = self._channel_slot(host, first.header.data_channel, manifest.total_bytes)
-        ticket = self.channel.issue() if slot and self.channel is not None else None
         failed: Exception | None = None
-        limit = transfer_deadline(manifest.total_bytes, self.min_rate, idle, manifest.entries)
-        progress = Progress()
-        floor = self.min_rate
-        # Kept up with all along: a sender under the floor holds the reservation no longer
-        # than the grace, however large the item it declared.
-        earned = None if floor is None else lambda: earned_seconds(progress.moved(), floor, idle)
+        offered = False
         try:
-            async with deadline(limit, f"push of {item} from {peer}", earned):
-                nbytes = await self._receive(requests, context, manifest, ticket, progress)
+            # Released before any draining: a stalled or hostile sender holds nothing.
+            async with self.receiving.reserved(manifest):
+                with self._channel_slot(
+                    peer_host(peer), first.header.data_channel, manifest.total_bytes
+                ) as ticket:
+                    offered = ticket is not None
+                    source = await self._go_ahead(requests, context, item, ticket)
+                    nbytes = await self.receiving.take(
+                        manifest,
+                        source,
+                        what=f"push of {item} from {peer}",
+                        kind=TransferKind.REPLICATE_IN,
+                        floor=self.rules.min_rate,
+                        grace=idle,
+                    )
         except asyncio.CancelledError:
             jlog.warning("push of %s from %s cancelled", item, peer, step=item.step)
             raise
+        except (ItemInFlight, TooLarge):
+            raise  # refused before the go-ahead: nothing was sent yet
         except Exception as exc:
             failed = exc
-            if isinstance(exc, TooSlow):
-                self.metrics.transfer_too_slow(TransferKind.REPLICATE_IN)
-        finally:
-            # Released before any draining: a stalled or hostile sender holds nothing.
-            del self._inflight[item]
-            del self._inflight_inodes[item]
-            if ticket is not None:
-                assert self.channel is not None
-                self.channel.withdraw(ticket)  # closes its connection
-            if slot:
-                assert self.channel is not None
-                self.channel.pool.release(host)
         if failed is not None:
             # On the data channel, no chunks are in flight to race; a stalled sender has none.
-            if ticket is None and not isinstance(failed, StreamIdle):
+            if not offered and not isinstance(failed, StreamIdle):
                 await _drain(idle_bounded(requests, idle, "drain"), manifest.total_bytes)
             raise failed
-        dt = time.monotonic() - t0
         jlog.info(
-            "received %s from %s %s: %d bytes in %.3fs (%.1f MB/s)",
+            "received %s from %s %s: %s",
             item,
             peer,
-            "in gRPC chunks" if ticket is None else "over the data channel",
-            nbytes,
-            dt,
-            rate(nbytes, dt),
+            "over the data channel" if offered else "in gRPC chunks",
+            watch.summary(nbytes),
             step=item.step,
         )
-        self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, dt)
+        self.metrics.transfer(TransferKind.REPLICATE_IN, nbytes, watch.seconds())
         if first.header.pool_copy and self.pool is not None:
             await self.pool.committed(item)
         return pb.PushItemResponse(bytes_received=nbytes)
 
-    async def _receive(
+    async def _go_ahead(
         self,
         requests: AsyncIterator[pb.PushItemRequest],
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
-        manifest: Manifest,
+        item: ItemId,
         ticket: Ticket | None,
-        progress: Progress,
-    ) -> int:
-        """A push's bytes, staged and committed: in gRPC chunks, or on the data channel."""
-        idle = self.idle_timeout
-        item = manifest.item
+    ) -> Source:
+        """Tell the pusher to send (on the data channel, with its ``ticket``); where the
+        bytes come from."""
+        idle = self.rules.idle_timeout
         if ticket is None:
             await context.send_initial_metadata((GO_AHEAD,))
-            chunks = chunks_of(idle_bounded(requests, idle, f"push of {item}"))
-            return await receive_item(self.store, manifest, chunks, self.executor, progress)
+            return chunks_of(idle_bounded(requests, idle, f"push of {item}"))
         assert self.channel is not None
         offer = f"{self.channel.port} {ticket.token_hex}"
         await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
-        sock = await self.channel.connection(ticket, idle)
-        return await receive_staged(
-            self.store, manifest, sock, idle_timeout=idle, pool=self.channel.pool, progress=progress
-        )
+        return accepted(self.channel, ticket, idle)
 
     async def PullItem(  # type: ignore[override]  # writes with context.write, below
         self,
@@ -487,7 +414,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         request: pb.PullItemRequest,
         context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
     ) -> None:
-        t0 = time.monotonic()
+        watch = Stopwatch()
         item = item_id(request.item)
         self._may_read(item.job)
         await self._not_handed_over()
@@ -503,83 +430,52 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         if request.manifest_digest and request.manifest_digest != digest:
             raise Refused(f"{item}: held with digest {digest}, not {request.manifest_digest}")
         header = pb.PullHeader(manifest=manifest.to_json(), manifest_digest=digest)
-        host = peer_host(context.peer())
-        slot = self._channel_slot(host, request.data_channel, manifest.total_bytes)
-        # A restore: never throttled, and while it is served this node's pushes and backup
-        # uploads trickle (the puller's job waits on these bytes with idle accelerators).
-        limit = transfer_deadline(
-            manifest.total_bytes, self.min_rate, self.idle_timeout, manifest.entries
-        )
+        idle, what = self.rules.idle_timeout, f"pull of {item}"
+        sink: sending.Sink
+
+        async def write(index: int, offset: int, buf: bytes, crc: int) -> None:
+            response = pb.PullItemResponse()
+            fill_chunk(response.chunk, index, offset, buf, crc)
+            await within(context.write(response), idle, what)
+
         try:
-            with self.pacer.transfer(Traffic.RESTORE) as meter:
-                async with deadline(limit, f"pull of {item} by {context.peer()}"):
-                    via = await self._send_pulled(context, header, manifest, meter, slot=slot)
+            with self._channel_slot(
+                peer_host(context.peer()), request.data_channel, manifest.total_bytes
+            ) as ticket:
+                sink = write
+                if ticket is not None:
+                    assert self.channel is not None
+                    header.data_port = self.channel.port
+                    header.data_token = ticket.token
+                    sink = accepted(self.channel, ticket, idle)
+                await within(context.write(pb.PullItemResponse(header=header)), idle, what)
+                # A restore: never throttled, and while it is served this node's pushes and
+                # backup uploads trickle (the puller's job waits on these bytes).
+                with self.pacer.transfer(Traffic.RESTORE) as meter:
+                    await sending.send(
+                        manifest,
+                        self.store.data_path(item),
+                        sink,
+                        meter,
+                        root=self.store.root,
+                        what=f"{what} by {context.peer()}",
+                        floor=self.rules.min_rate,
+                        grace=idle,
+                    )
         except FileNotFoundError:
             raise NotHeld(f"{item}: deleted (retention) while being sent") from None
         except TooSlow:
             self.metrics.transfer_too_slow(TransferKind.SERVE_PULL)
             raise
-        finally:
-            if slot:
-                assert self.channel is not None
-                self.channel.pool.release(host)
-        dt = time.monotonic() - t0
         JobLog(log, item.job, item.rank).info(
-            "sent %s to %s %s: %d bytes in %.3fs (%.1f MB/s)",
+            "sent %s to %s %s: %s",
             item,
             context.peer(),
-            via,
-            manifest.total_bytes,
-            dt,
-            rate(manifest.total_bytes, dt),
+            "in gRPC chunks" if ticket is None else "over the data channel",
+            watch.summary(manifest.total_bytes),
             step=item.step,
         )
-        self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, dt)
-
-    async def _send_pulled(
-        self,
-        context: grpc.aio.ServicerContext[pb.PullItemRequest, pb.PullItemResponse],
-        header: pb.PullHeader,
-        manifest: Manifest,
-        meter: Meter,
-        *,
-        slot: bool,
-    ) -> str:
-        """Send a pulled item's header and bytes (over the data channel with ``slot``, else
-        in chunks), booked with ``meter``; how they went, for the log."""
-        idle = self.idle_timeout
-        item = manifest.item
-        what = f"pull of {item}"
-        data = self.store.data_path(item)
-        if not slot:
-            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
-            chunks = iter_chunks(manifest, data, paced_chunk(meter), root=self.store.root)
-            with contextlib.closing(chunks):
-                for index, offset, buf, crc in chunks:
-                    await meter.take_async(len(buf))
-                    response = pb.PullItemResponse()
-                    fill_chunk(response.chunk, index, offset, buf, crc)
-                    await within(context.write(response), idle, what)
-            return "in gRPC chunks"
-        assert self.channel is not None
-        ticket = self.channel.issue()
-        try:
-            header.data_port = self.channel.port
-            header.data_token = ticket.token
-            await within(context.write(pb.PullItemResponse(header=header)), idle, what)
-            sock = await self.channel.connection(ticket, idle)
-            await send_staged(
-                manifest,
-                data,
-                sock,
-                idle_timeout=idle,
-                pool=self.channel.pool,
-                root=self.store.root,
-                meter=meter,
-            )
-        finally:
-            self.channel.withdraw(ticket)  # closes its connection
-        return "over the data channel"
+        self.metrics.transfer(TransferKind.SERVE_PULL, manifest.total_bytes, watch.seconds())
 
     async def ListItems(
         self,
@@ -636,7 +532,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
     async def _not_handed_over(self) -> None:
         """Refuse while the node's previous owner's items are still here (a handoff)."""
         loop = asyncio.get_running_loop()
-        if await loop.run_in_executor(self.executor, self.handed_over):
+        if await loop.run_in_executor(self.receiving.executor, self.handed_over):
             raise Refused("this node changed hands: its items are being removed")
 
     def register(self, server: grpc.aio.Server) -> None:

@@ -2,8 +2,7 @@
 (``transport.peer_client``) and the service (``transport.peer_servicer``) import them from here, so
 neither side imports the other. Constants and functions, no I/O of their own: the service name,
 the metadata of a push's go-ahead and data-channel offer, message limits and channel
-options, ``ItemRef`` <-> ``ItemId`` (a hostile job name refused), chunks in and out, and
-the MB/s of the transfer log lines.
+options, ``ItemRef`` <-> ``ItemId`` (a hostile job name refused), chunks in and out.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from mtc_replicator.core.jobname import is_job_name
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.transport.datachannel import TOKEN_BYTES
-from mtc_replicator.transport.transfer import SEND_CHUNK, Chunk, TransferError
+from mtc_replicator.transport.streams import TransferError
+from mtc_replicator.transport.transfer import SEND_CHUNK, Chunk
 
 SERVICE = "mtc.v1.Peer"
 GO_AHEAD = ("mtc-send-chunks", "1")
@@ -119,8 +119,3 @@ def paced_chunk(meter: Meter) -> Callable[[], int]:
     more than its meter lets it send at once. At a low limit or while held, a 1 MiB chunk
     would be many seconds' worth, longer than the receiver waits for the next one."""
     return lambda: min(SEND_CHUNK, meter.slice())
-
-
-def rate(nbytes: int, seconds: float) -> float:
-    """MB/s, for the transfer log lines."""
-    return nbytes / max(seconds, 1e-9) / 1e6

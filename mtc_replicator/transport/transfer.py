@@ -20,7 +20,7 @@ import errno
 import functools
 import os
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator
 from concurrent.futures import Executor
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ from mtc_replicator.core.pacing import ENTRY_BYTES
 from mtc_replicator.local import fsutil
 from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
 from mtc_replicator.local.store import DATA, LocalStore, StoreError
+from mtc_replicator.transport.streams import TooSlow, TransferError
 
 T = TypeVar("T")
 Chunk = tuple[int, int, bytes, int]
@@ -62,19 +63,6 @@ _DIGEST_RE = re.compile(r"[0-9a-f]{64}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LINKED = (errno.ELOOP, errno.EXDEV, errno.ENOTDIR)
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-class TransferError(ValueError):
-    """A byte stream breaks the protocol: out of order, out of range, or oversize."""
-
-
-class StreamIdle(Exception):
-    """The other side of a transfer sent (or took) nothing for the idle timeout."""
-
-
-class TooSlow(StreamIdle):
-    """The other side of a transfer kept it under the minimum rate: it is dropped as a
-    stalled one is (``core.pacing.transfer_deadline``)."""
 
 
 def _never() -> bool:
@@ -445,19 +433,6 @@ def write_all(fd: int, data: bytes) -> None:
 # --- in an asyncio loop --------------------------------------------------------------------------
 
 
-async def within(step: Awaitable[T], idle: float, what: str) -> T:
-    """``step``, or ``StreamIdle`` when it makes no progress for ``idle`` seconds: whoever
-    is on the other side must not hold a transfer's reservation, staging and descriptors
-    for as long as it likes."""
-    try:
-        # A timeout scope, not wait_for: the step runs in the calling task, so cancelling
-        # that task (a stopping server) still reaches it first, as without a timeout.
-        async with asyncio.timeout(idle):
-            return await step
-    except TimeoutError:
-        raise StreamIdle(f"{what}: nothing for {idle:g}s") from None
-
-
 class Progress:
     """How far an incoming transfer has got (``ItemWriter.moved``), for its deadline: the
     receiving code hands its writer over once it is made."""
@@ -528,16 +503,6 @@ async def deadline(
     finally:
         if ticker is not None:
             ticker.cancel()
-
-
-async def idle_bounded(messages: AsyncIterator[T], idle: float, what: str) -> AsyncIterator[T]:
-    """``messages``, each within ``idle`` seconds of the one before (see ``within``)."""
-    while True:
-        try:
-            message = await within(anext(messages), idle, what)
-        except StopAsyncIteration:
-            return
-        yield message
 
 
 class _Serial:

@@ -39,6 +39,7 @@ from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peer_servicer import PeerServicer
 from mtc_replicator.transport.peerwire import SERVER_OPTIONS, item_ref
+from mtc_replicator.transport.receiving import Receiving
 from mtc_replicator.transport.tls import TlsMaterial
 from tests.daemon_process import DaemonProcess
 from tests.integration.grants import grant_receiver
@@ -238,7 +239,7 @@ def staged_bytes(ckpt: Path) -> int:
 async def serving_node(store: LocalStore, pacer: Pacer) -> AsyncIterator[str]:
     """``PeerServicer`` over ``store`` with ``pacer`` on a real loopback gRPC port."""
     with ThreadPoolExecutor(max_workers=2) as executor:
-        servicer = PeerServicer(store, executor, lambda job: None, pacer=pacer)
+        servicer = PeerServicer(Receiving(store, executor), lambda job: None, pacer=pacer)
         server = grpc.aio.server(options=SERVER_OPTIONS)
         servicer.register(server)
         port = server.add_insecure_port("127.0.0.1:0")

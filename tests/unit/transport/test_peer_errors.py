@@ -18,6 +18,7 @@ from mtc_replicator.transport.peer_client import (
     _rpc_error,
 )
 from mtc_replicator.transport.peer_servicer import Busy, NotHeld, Refused, TooLarge, status_for
+from mtc_replicator.transport.receiving import ItemInFlight
 from mtc_replicator.transport.transfer import TransferError
 
 Code = grpc.StatusCode
@@ -39,7 +40,8 @@ def store_error(err: int) -> StoreError:
         (Refused("job x"), Code.FAILED_PRECONDITION),
         (NotHeld("gone"), Code.NOT_FOUND),
         (TooLarge("1 TiB"), Code.RESOURCE_EXHAUSTED),
-        (Busy("in flight"), Code.ABORTED),
+        (Busy("being obtained"), Code.ABORTED),
+        (ItemInFlight("in flight"), Code.ABORTED),
         (Cancelled("stopping"), Code.UNAVAILABLE),
         (store_error(errno.ENOSPC), Code.RESOURCE_EXHAUSTED),
         (store_error(errno.EIO), Code.INTERNAL),

@@ -21,7 +21,6 @@ from mtc_replicator.transport.peerwire import (
     item_id,
     item_ref,
     push_offer,
-    rate,
 )
 from mtc_replicator.transport.transfer import MAX_CHUNK, TransferError
 
@@ -92,8 +91,3 @@ def test_only_chunks_may_follow_a_header() -> None:
 def test_a_message_holds_the_largest_chunk() -> None:
     assert MAX_MESSAGE_BYTES > MAX_CHUNK
     assert ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES) in SERVER_OPTIONS
-
-
-def test_rate_is_megabytes_per_second_and_survives_zero_seconds() -> None:
-    assert rate(5_000_000, 2.0) == 2.5
-    assert rate(1, 0.0) > 0
