@@ -1,5 +1,5 @@
 """mtc-controller's grant, given by the test as the controller gives it (``Node/AssignRank``
-over TLS with the controller's certificate): a receiver that no rank 0 ever answers (the
+over TLS with the controller's certificate). A receiver that no rank 0 ever answers (the
 ``RECEIVER`` layout) then knows which node holds rank 0, and takes that node's pushes
 (``core.admission``: none from a named node before)."""
 
@@ -16,6 +16,42 @@ from tests.daemon_process import DaemonProcess
 from tests.integration.helpers import RECEIVER
 
 
+def controller(ca: certs.Pair, out: Path) -> TlsMaterial:
+    """The controller's certificate of ``ca``, written below ``out`` the first time."""
+    if not out.exists():
+        certs.write_node_files(out, ca, certs.issue_controller(ca))
+    return TlsMaterial(certs.node_files(out))
+
+
+def assign_rank(
+    address: str,
+    material: TlsMaterial,
+    job: str,
+    *,
+    rank: int,
+    nodes: int,
+    holders: tuple[str, ...],
+    pod_uid: str = "",
+) -> None:
+    """What mtc-controller tells the daemon at ``address`` once the job's pods are placed:
+    it holds ``rank`` of ``job``, every rank's node in ``holders`` (rank 0's first);
+    ``pod_uid``: the pod its owner file names, if it has one."""
+    request = node_pb2.AssignRankRequest(
+        job=job,
+        pod_uid=pod_uid,
+        rank=rank,
+        nodes=nodes,
+        coordinator="127.0.0.1:8476",
+        assignment="a1",
+        source="index",
+        holders=list(holders),
+    )
+    with grpc.secure_channel(
+        address, material.channel_credentials(), options=material.channel_options()
+    ) as channel:
+        node_pb2_grpc.NodeStub(channel).AssignRank(request, timeout=10)
+
+
 def grant_receiver(
     daemon: DaemonProcess,
     ca: certs.Pair,
@@ -25,23 +61,13 @@ def grant_receiver(
     holders: tuple[str, ...],
     pod_uid: str = "",
 ) -> None:
-    """Assign ``daemon``'s rank (``RECEIVER``'s) of ``job``, every rank's node in
-    ``holders`` (rank 0's first); ``pod_uid``: the pod its owner file names, if it has one."""
-    out = root / "controller"
-    if not out.exists():
-        certs.write_node_files(out, ca, certs.issue_controller(ca))
-    controller = TlsMaterial(certs.node_files(out))
-    request = node_pb2.AssignRankRequest(
-        job=job,
-        pod_uid=pod_uid,
+    """Assign ``daemon``'s rank (``RECEIVER``'s) of ``job`` (see ``assign_rank``)."""
+    assign_rank(
+        daemon.address,
+        controller(ca, root / "controller"),
+        job,
         rank=RECEIVER["rank"],
         nodes=RECEIVER["nodes"],
-        coordinator="127.0.0.1:8476",
-        assignment="a1",
-        source="index",
-        holders=list(holders),
+        holders=holders,
+        pod_uid=pod_uid,
     )
-    with grpc.secure_channel(
-        daemon.address, controller.channel_credentials(), options=controller.channel_options()
-    ) as channel:
-        node_pb2_grpc.NodeStub(channel).AssignRank(request, timeout=10)

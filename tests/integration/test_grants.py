@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtc_replicator._pb.mtc.v1 import node_pb2, node_pb2_grpc, peer_pb2, peer_pb2_grpc
+from mtc_replicator._pb.mtc.v1 import peer_pb2, peer_pb2_grpc
 from mtc_replicator.cluster.coordinator_client import CoordinatorClient
 from mtc_replicator.cluster.link import CoordinatorError
 from mtc_replicator.cluster.messages import cluster_view_json
@@ -35,11 +35,11 @@ from mtc_replicator.core.coordination import JoinRejected
 from mtc_replicator.core.layout import holders
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.hashing import build_manifest
-from mtc_replicator.tools import certs
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.peerwire import item_ref
 from mtc_replicator.transport.tls import TlsMaterial
 from tests.integration.cluster import NODES, Cluster
+from tests.integration.grants import assign_rank, controller
 from tests.integration.helpers import config_text, read_prerestore, wait_until, write_yaml_atomic
 from tests.tls import NodeTls, node_tls
 
@@ -50,9 +50,7 @@ NOWHERE = "127.0.0.1:9"
 
 def _controller(cluster: Cluster) -> TlsMaterial:
     assert cluster.ca is not None
-    out = cluster.root / "tls" / "controller"
-    certs.write_node_files(out, cluster.ca, certs.issue_controller(cluster.ca))
-    return TlsMaterial(certs.node_files(out))
+    return controller(cluster.ca, cluster.root / "tls" / "controller")
 
 
 def _mallory(cluster: Cluster) -> NodeTls:
@@ -62,24 +60,17 @@ def _mallory(cluster: Cluster) -> NodeTls:
 
 def grant(cluster: Cluster) -> None:
     """What mtc-controller does once the job's pods are placed: rank r on node r."""
-    controller = _controller(cluster)
+    material = _controller(cluster)
     for node in range(NODES):
-        request = node_pb2.AssignRankRequest(
-            job=cluster.job,
-            pod_uid=f"pod-{node}",
+        assign_rank(
+            cluster.daemon(node).address,
+            material,
+            cluster.job,
             rank=node,
             nodes=NODES,
-            coordinator="127.0.0.1:8476",
-            assignment="a1",
-            source="index",
-            holders=[f"node{n}" for n in range(NODES)],
+            holders=tuple(f"node{n}" for n in range(NODES)),
+            pod_uid=f"pod-{node}",
         )
-        with grpc.secure_channel(
-            cluster.daemon(node).address,
-            controller.channel_credentials(),
-            options=controller.channel_options(),
-        ) as channel:
-            node_pb2_grpc.NodeStub(channel).AssignRank(request, timeout=10)
 
 
 def handshake(cluster: Cluster, ranks: list[int]) -> None:
