@@ -23,6 +23,8 @@ the other node (``FailureConfig(max_failures=1)``). Figures:
 - restore: from the restarted trial's entry to its state loaded (``tune.get_checkpoint()``
   downloaded and ``torch.load``, or ``TuneCheckpointer.restore``); the restart itself is
   Ray's, the same in every mode, and reported apart (from the loss to the trial's entry);
+- floor: a ``torch.load`` of the same state from the node's RAM disk, timed in the trial
+  after its restore: what any restore that hands the trial its tensors spends at the least;
 - bucket bytes per trial-hour: what reached the storage_path (or the daemons' backup) while
   the trial ran, scaled to an hour of it.
 
@@ -100,6 +102,21 @@ def _restore(config: dict[str, Any], ckpt: Any) -> tuple[int, dict[str, Any] | N
     return int(state["step"]), state
 
 
+def _load_floor(state: dict[str, Any] | None) -> float:
+    """Seconds a ``torch.load`` of the restored state takes from this node's RAM disk: what
+    any restore that hands the trial its tensors spends at the least."""
+    import torch
+
+    path = Path(os.environ["MTC_CHECKPOINT_DIR"]) / f"floor-{os.getpid()}.pt"
+    torch.save(state, path)
+    try:
+        t0 = time.perf_counter()
+        torch.load(path, weights_only=True)
+        return time.perf_counter() - t0
+    finally:
+        path.unlink()
+
+
 def trial(config: dict[str, Any]) -> None:
     import torch
     from ray import tune
@@ -116,7 +133,8 @@ def trial(config: dict[str, Any]) -> None:
         k: v for k, v in state.items() if k.startswith("t")
     }  # fmt: skip
     if step:
-        _emit(config, event="restored", step=step, seconds=time.time() - t0)
+        seconds = time.time() - t0
+        _emit(config, event="restored", step=step, seconds=seconds, floor=_load_floor(state))
     checkpoints = 0
     while step < config["steps"]:
         step += 1
@@ -152,6 +170,7 @@ class Figures:
     mode: str
     stall_median_s: float
     restore_s: float
+    load_floor_s: float
     restart_s: float
     restored_step: int
     bucket_bytes_per_trial_hour: float
@@ -349,6 +368,7 @@ def _figures(mode: str, events: list[dict[str, Any]], lost_at: float, bucket: in
         mode=mode,
         stall_median_s=statistics.median(stalls),
         restore_s=restored[-1]["seconds"],
+        load_floor_s=restored[-1]["floor"],
         restart_s=entries[0]["t"] - lost_at,
         restored_step=restored[-1]["step"],
         bucket_bytes_per_trial_hour=bucket / trial_seconds * 3600,
@@ -387,12 +407,13 @@ def main() -> int:
         f"{args.step_seconds}s, its node lost after {args.checkpoints} checkpoints"
     )
     print(
-        f"{'mode':12} {'stall':>9} {'restore':>9} {'restart':>9} {'step':>5} {'MB/trial-h':>11} "
-        f"{'MB/ckpt':>8}"
+        f"{'mode':12} {'stall':>9} {'restore':>9} {'floor':>9} {'restart':>9} {'step':>5} "
+        f"{'MB/trial-h':>11} {'MB/ckpt':>8}"
     )
     for f in figures.values():
         print(
-            f"{f.mode:12} {f.stall_median_s:8.3f}s {f.restore_s:8.3f}s {f.restart_s:8.2f}s "
+            f"{f.mode:12} {f.stall_median_s:8.3f}s {f.restore_s:8.3f}s {f.load_floor_s:8.3f}s "
+            f"{f.restart_s:8.2f}s "
             f"{f.restored_step:5d} {f.bucket_bytes_per_trial_hour / 1e6:11.0f} "
             f"{f.bucket_bytes_per_checkpoint / 1e6:8.1f}"
         )

@@ -15,12 +15,13 @@ def test_the_figures_come_from_the_trials_events() -> None:
           for i, s in enumerate((0.1, 0.3, 0.2), start=1)),
         {"event": "holding", "step": 9, "t": 3.5},
         {"event": "entry", "t": 10.0},
-        {"event": "restored", "step": 9, "seconds": 0.25, "t": 10.25},
+        {"event": "restored", "step": 9, "seconds": 0.25, "floor": 0.1, "t": 10.25},
         {"event": "checkpoint", "step": 12, "seconds": 0.4, "t": 12.0},
     ]  # fmt: skip
     figures = _figures("mtc", events, lost_at=6.0, bucket=400)
     assert figures.stall_median_s == pytest.approx(0.25)
     assert figures.restore_s == pytest.approx(0.25)
+    assert figures.load_floor_s == pytest.approx(0.1)
     assert figures.restart_s == pytest.approx(4.0)  # from the loss to the new entry
     assert figures.restored_step == 9
     assert figures.trial_seconds == pytest.approx(12.0)
