@@ -50,7 +50,7 @@ def peer_addresses(incarnation: Incarnation | None) -> dict[int, str]:
     if incarnation is None or incarnation.member is None:
         return {}
     own = incarnation.config.node_rank
-    addresses = incarnation.member.replication.addresses
+    addresses = incarnation.member.addresses
     return {r: a for r, a in sorted(addresses.items()) if r != own}
 
 
@@ -117,9 +117,8 @@ def node_status(
             member = incarnation.member
             if member is not None:
                 status.coordinator = member.coordinator or ""
-                replicated = member.replication.newest_replicated
-                if member.replication.replicates and replicated is not None:
-                    status.last_replicated = replicated
+                if member.last_replicated is not None:
+                    status.last_replicated = member.last_replicated
                 # The job's newest committed backup, as its coordinator last said (read
                 # from the bucket when it started): the source of
                 # mtc_newest_step{tier="backup"}, and known after a restart too.
