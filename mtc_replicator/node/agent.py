@@ -82,14 +82,23 @@ class RestoreBlocked(Exception):
     """No step could be restored although one exists: fatal, the job must not start fresh."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentContext:
-    """What every incarnation on this daemon shares."""
+    """What every incarnation of one job directory is handed: the node's parts, assembled
+    once the daemon's port is bound (``node.wiring``), and the directory's own (its path,
+    ``job_dir``, ``closed_files``). Never changed after it is made."""
 
     checkpoint_dir: Path
     store: LocalStore
     backups: BackupStore | None
     executor: Executor
+    peers: PeerClient
+    """The peer data plane (replication, restores from peers, pool copies)."""
+    coordinator_calls: Coordinators
+    """The coordinator calls of the jobs this daemon hosts: a one-node job calls its own in
+    process (``cluster.link.LocalFinder``)."""
+    advertise: str
+    """This node's peer address, as other nodes reach it (known once the port is bound)."""
     closed_files: set[str] = field(default_factory=set)
     """Top-level names seen closed after writing (inotify), for ``.save`` hand-offs."""
     settle_seconds: float = 10.0
@@ -97,16 +106,10 @@ class AgentContext:
     env: dict[str, str] = field(default_factory=dict)
     """The variables `$VAR` in a `replicator.yaml` may name (`--expand-vars`); no others."""
     clock: Callable[[], float] = time.time
-    peers: PeerClient | None = None
-    """The peer data plane; needed by jobs with ``nodes > 1``."""
     registry: Registry | None = None
-    """Where coordinators are found; needed by jobs with ``nodes > 1``."""
-    coordinators: Coordinators | None = None
-    """The coordinators this daemon hosts: a one-node job calls its own in process."""
+    """Where other nodes' coordinators are found; needed by jobs with ``nodes > 1``."""
     tls: TlsMaterial | None = None
     """Mutual TLS for calls to other nodes' coordinators; None: plaintext."""
-    advertise: str = ""
-    """This node's peer address, as other nodes reach it."""
     report_after: float = 60.0
     """Seconds a restore round may wait before ``replicator.errors`` says what for."""
     metrics: Metrics = NO_METRICS
@@ -193,7 +196,7 @@ class Incarnation:
 
     def _pool_copies(self) -> PoolCopies | None:
         ctx = self.ctx
-        if ctx.pool is None or ctx.peers is None or ctx.job_dir is None or self.config.nodes > 1:
+        if ctx.pool is None or ctx.job_dir is None or self.config.nodes > 1:
             return None
         return PoolCopies(
             ctx.pool.view,
@@ -260,10 +263,14 @@ class Incarnation:
                 await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk
                 await bring_first(
-                    self.ctx,
                     self.config,
                     self.owner,
                     self._thread,
+                    store=self.ctx.store,
+                    manifests=self.ctx.manifests,
+                    peers=self.ctx.peers,
+                    backups=self.ctx.backups,
+                    pool=self.ctx.pool,
                     log=self.log,
                     pool_copies=self.pool_copies,
                 )
@@ -298,10 +305,8 @@ class Incarnation:
         ctx = self.ctx
         finder: CoordinatorFinder
         if self.config.nodes == 1:
-            if ctx.coordinators is None:
-                raise RestoreBlocked("this daemon hosts no coordinators")
-            finder = LocalFinder(ctx.coordinators, owner=self.owner)
-        elif ctx.peers is None or ctx.registry is None:
+            finder = LocalFinder(ctx.coordinator_calls, owner=self.owner)
+        elif ctx.registry is None:
             raise RestoreBlocked(
                 f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
                 "to find its coordinator"

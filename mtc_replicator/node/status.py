@@ -35,7 +35,7 @@ from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.agent import Incarnation
 from mtc_replicator.node.kept_upload import KeptUpload, UploadFailed
 from mtc_replicator.node.rank_files import AssignRefused
-from mtc_replicator.node.reclaim import Dropped
+from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.transport.peer_client import PeerClient
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,39 @@ def node_status(
                 status.peer_copies.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
         jobs.append(status)
     return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs, node=node or "")
+
+
+class LiveStatus:
+    """``Status``'s answer (``node_status``) from the daemon's parts as they are at the call:
+    the running incarnations, the peers' last contacts, the jobs held that do not run here."""
+
+    def __init__(
+        self,
+        store: LocalStore,
+        incarnations: Callable[[], Sequence[Incarnation]],
+        peers: PeerClient,
+        *,
+        address: str,
+        foreign: ForeignItems,
+        node: str | None,
+    ) -> None:
+        self.store = store
+        self.incarnations = incarnations
+        self.peers = peers
+        self.address = address
+        self.foreign = foreign
+        self.node = node
+
+    def __call__(self, job: str | None) -> pb.NodeStatusResponse:
+        return node_status(
+            self.store,
+            self.incarnations(),
+            self.peers,
+            self.address,
+            job,
+            foreign=self.foreign.last,
+            node=self.node,
+        )
 
 
 Drop = Callable[[str, bool], Awaitable[Dropped]]
