@@ -5,8 +5,9 @@ hosts (``hosting``), their calls in our own types (``coordinators``) and over gR
 (``coordinator_servicer``), the agent's client (``coordinator_client``) and the link that
 reaches a coordinator over gRPC or in process (``link``, its one ``CoordinatorLink``
 Protocol), the registry (``registry``), an agent's side of a restore round (``rounds``) and
-where it fetches an item (``sources``), a rank's membership with replication and ordered
-backups (``membership``, ``replication``). Every job goes through
+where it fetches an item (``sources``), a rank's membership with replication and its
+backups from order to commit (``membership``, ``replication``, ``backup_orders``). Every
+job goes through
 here, a one-node job too (its coordinator is in its own daemon). Imports ``transport``,
 ``storage`` and below.
 """

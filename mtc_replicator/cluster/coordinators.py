@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
+from mtc_replicator.cluster.backup_orders import CommitBackup, commit_ordered
 from mtc_replicator.cluster.hosting import CoordinatorHost, HostedJob, NotHosted
 from mtc_replicator.cluster.messages import (
     MAX_WAIT_SECONDS,
@@ -31,7 +32,6 @@ from mtc_replicator.cluster.messages import (
 )
 from mtc_replicator.core.backup_layout import CommitRecord
 from mtc_replicator.core.coordination import (
-    COMMIT_RETRY_SECONDS,
     JobCoordinator,
     Join,
     JoinRejected,
@@ -40,7 +40,6 @@ from mtc_replicator.core.coordination import (
     RankStatus,
     ReportRefused,
 )
-from mtc_replicator.core.layout import backup_items
 from mtc_replicator.core.ownership import UNOWNED, may_join
 from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.rank_holders import SavedHolders
@@ -76,9 +75,6 @@ class BackupsUnavailable(Exception):
 # --- the service -----------------------------------------------------------------------------
 
 BackupsFor = Callable[[str], Mapping[int, CommitRecord]]
-CommitBackup = Callable[[str, int, Sequence[str]], CommitRecord | None]
-"""Write the COMMIT of ``(job, step)`` naming these item keys (``BackupStore.try_commit``;
-blocking I/O, run in a thread): the record, or None while an item's manifest is missing."""
 
 
 class RestorePins(Protocol):
@@ -537,7 +533,9 @@ class Coordinators:
             self._save_holders(job, coordinator)  # adopted a rank: a node the history lacked
         step = coordinator.take_commit()
         if step is not None:
-            self._start(self._commit(job, coordinator, step), f"commit-{job}-{step}")
+            self._start(
+                commit_ordered(self.commit, coordinator, step, self.clock), f"commit-{job}-{step}"
+            )
         if coordinator.adopting:
             self._say_unadopted(hosted)
         return hosted.identity, answer
@@ -567,33 +565,14 @@ class Coordinators:
     def _start(self, work: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
+        task.add_done_callback(_ended)
         task.add_done_callback(self._tasks.discard)
 
-    async def _commit(self, job: str, coordinator: JobCoordinator, step: int) -> None:
-        """Write the COMMIT of an ordered backup every uploader reported done."""
-        keys = [i.key for i in backup_items(coordinator.config, step)]
-        extra = {"job": job, "step": step}
-        record: CommitRecord | None = None
-        if self.commit is None:
-            why = "this daemon has no backup store"
-        else:
-            why = "an uploaded item's manifest is missing"
-            try:
-                record = await asyncio.to_thread(self.commit, job, step, keys)
-            except Exception as exc:
-                why = str(exc)
-        if record is None:
-            log.warning(
-                "backup of step %d not committed (%s); ordering a backup again in %.0fs",
-                step,
-                why,
-                COMMIT_RETRY_SECONDS,
-                extra=extra,
-            )
-            coordinator.backup_not_committed(step, self.clock())
-            return
-        coordinator.backup_committed(step, record.created)
-        log.info("backup of step %d committed: %d items", step, len(keys), extra=extra)
+
+def _ended(task: asyncio.Task[None]) -> None:
+    """A task ``Coordinators`` started ended: one that raised is a bug, logged as one."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed (a bug): %s", task.get_name(), exc, exc_info=exc)
 
 
 def _with_holders(status: RankStatus, ranks: Collection[int] | None) -> Collection[int] | None:

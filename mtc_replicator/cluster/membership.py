@@ -6,37 +6,38 @@ so there is one restore path and one backup path. Restore goes through the coord
 round (``cluster.rounds``). In steady state each committed
 step is pushed to this rank's replication targets (``replication``), and progress reports
 to the coordinator return the cluster's restorable step (which retention must keep) and
-backup orders (one step at a time, uploaded by one replica per data-parallel class).
-A report goes after each new step and when there is news (a step replicated, an upload
-done), else at the interval the coordinator asks for (longer in larger jobs); a failed one
-is retried with jittered backoff, so a restarted coordinator hears from every rank soon.
+backup orders (one step at a time, uploaded by one replica per data-parallel class:
+``backup_orders``). A report goes after each new step and when there is news (a step
+replicated, an upload done), else at the interval the coordinator asks for (longer in
+larger jobs); a failed one is retried with jittered backoff, so a restarted coordinator
+hears from every rank soon. A drain (``drain``) takes the newest step to the peers and the
+backup. ``ClusterMember`` is the façade: the node asks it, never its parts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from mtc_replicator.cluster.backup_orders import BackupOrders
 from mtc_replicator.cluster.link import CoordinatorError, CoordinatorLink, NoCoordinator
 from mtc_replicator.cluster.replication import Replication
 from mtc_replicator.cluster.rounds import JobRank, RoundContext, RoundOutcome, RoundParticipant
 from mtc_replicator.cluster.sources import ItemSources, RunThread
 from mtc_replicator.core.admission import expected_pushers
 from mtc_replicator.core.coordination import MAX_REPORT_EVERY
+from mtc_replicator.core.drain import Drained, plan_drain
 from mtc_replicator.core.layout import replication_targets
-from mtc_replicator.core.manifest import Cancelled, ManifestError
+from mtc_replicator.core.manifest import CancelCheck
 from mtc_replicator.core.progress import Progress
 from mtc_replicator.core.retry import Backoff
 from mtc_replicator.core.timeline import RestoreTimeline
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics
 from mtc_replicator.storage.backup import BackupStore
-from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
-from mtc_replicator.storage.upload import ItemNotHeld, upload_step
 from mtc_replicator.transport.peer_client import PeerClient
 
 MAX_PUSHERS_ASKED = 64
@@ -46,10 +47,6 @@ layout alone, and their items still checked at restore)."""
 
 log = logging.getLogger(__name__)
 
-UPLOAD_RETRY_MAX = 300.0
-"""Longest wait before a failed upload is tried again: the coordinator repeats its order at
-every report (each second in a small job), and a bucket down for an hour must not write a
-line to ``replicator.errors`` every second."""
 UNCONFIRMED_KEPT = 2
 """Own complete steps newer than the restorable one kept regardless (the newest ones):
 what the ranks are about to report as replicated. Anything else above the restorable step
@@ -83,16 +80,24 @@ class ClusterMember:
     def __init__(self, ctx: MemberContext) -> None:
         self.ctx = ctx
         self.config = ctx.rank.config
-        self.replication = Replication(
+        self._replication = Replication(
             self.config,
             ctx.rank.store,
             ctx.peers,
             lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION),
         )
+        self._orders = BackupOrders(
+            self.config,
+            ctx.rank.store,
+            ctx.backups,
+            run_thread=ctx.run_thread,
+            error=lambda m, s: ctx.error(m, s, ErrorKind.BACKUP),
+            metrics=ctx.metrics,
+            clock=time.monotonic,
+        )
+        """This rank's uploads: the coordinator's orders and the drain's."""
         self.restorable: int | None = None
         """The cluster's restorable step, as the coordinator last said: never deleted."""
-        self.uploading: int | None = None
-        self.uploaded: int | None = None
         self.backed_up: int | None = None
         """The job's newest committed backup step, as the coordinator last said."""
         self.keep_steps: frozenset[int] = frozenset()
@@ -109,16 +114,12 @@ class ClusterMember:
         before: a report would tell a restarted coordinator that a restoring incarnation
         runs, and it would take it for the job's running rank (``JobCoordinator.adopted``)."""
         self._client: CoordinatorLink | None = None
-        self._backup_task: asyncio.Task[None] | None = None
         self._next_report = 0.0
         """When the next report is due without news (``time.monotonic``)."""
         self._failing = False
         self._retry = Backoff(first=1.0, cap=float(MAX_REPORT_EVERY))
         """After a failed report: retry soon (the coordinator may have restarted and needs
         every rank's report to order backups again), jittered so a job's ranks spread out."""
-        self._upload_retry = Backoff(first=2.0, cap=UPLOAD_RETRY_MAX)
-        self._upload_retry_at = 0.0
-        """After a failed upload, the order (repeated at every report) waits this long."""
         self._reported: tuple[int | None, int | None] = (None, None)
         """The replicated and uploaded steps of the last answered report."""
         self._targets = replication_targets(self.config)
@@ -151,16 +152,37 @@ class ClusterMember:
 
     def adopt(self, outcome: RoundOutcome) -> None:
         self.running = True
-        self.replication.set_addresses(outcome.addresses)
+        self._replication.set_addresses(outcome.addresses)
         self._client = self.ctx.rank.finder.open(self.config.job_name, outcome.coordinator)
         if outcome.step is not None:
             self.restorable = outcome.step
-            self.replication.newest_replicated = outcome.step
+            self._replication.newest_replicated = outcome.step
 
     @property
     def coordinator(self) -> str | None:
         """The address of the coordinator this rank follows now (None: none found yet)."""
         return self._client.address if self._client is not None else None
+
+    @property
+    def uploading(self) -> int | None:
+        """The ordered step being uploaded now."""
+        return self._orders.uploading
+
+    @property
+    def uploaded(self) -> int | None:
+        """The newest ordered step this rank's upload is done with."""
+        return self._orders.uploaded
+
+    @property
+    def addresses(self) -> Mapping[int, str]:
+        """Where the ranks this rank pushes to are, as the coordinator last said."""
+        return self._replication.addresses
+
+    @property
+    def last_replicated(self) -> int | None:
+        """The newest own step every replication target holds; None where this rank has no
+        targets (one node, ``peers-per-node: 0``): never shown replicated."""
+        return self._replication.newest_replicated if self._replication.replicates else None
 
     @property
     def protected(self) -> set[int]:
@@ -192,39 +214,54 @@ class ClusterMember:
         return keep
 
     async def stop(self) -> None:
-        await self.replication.stop()
-        if self._backup_task is not None and not self._backup_task.done():
-            self._backup_task.cancel()
-            await asyncio.gather(self._backup_task, return_exceptions=True)
+        await self._replication.stop()
+        await self._orders.stop()
         if self._client is not None:
             await self._client.close()
 
-    async def settle_upload(self, step: int) -> bool:
-        """A drain: let an ordered upload of ``step`` end (True once it did), or cancel an
-        upload of another step, which the drain's own upload of ``step`` would share the
-        link with."""
-        task = self._backup_task
-        if task is None or task.done():
-            return self.uploaded is not None and self.uploaded >= step
-        if self.uploading != step:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            return False
-        await asyncio.wait([task])
-        return self.uploaded == step
+    async def drain(self, newest: int | None, cancelled: CancelCheck) -> Drained:
+        """SIGTERM or the job's end here: the newest complete step held here (``newest``)
+        to the targets that lack it, and into the backup when the bucket is older
+        (``core.drain``); ``cancelled`` ends the upload (past the daemon's deadline)."""
+        committed = await self._orders.is_committed(newest)
+        plan = plan_drain(
+            self.config,
+            newest=newest,
+            replicated=self._replication.newest_replicated,
+            committed=committed,
+            has_backup=self.ctx.backups is not None,
+        )
+        self._log.info("drain: step %s: %s", plan.step, plan.why, step=plan.step)
+        if plan.step is None:
+            return Drained(plan, committed=False)
+        step = plan.step
+        if plan.push:
+            t0 = time.monotonic()
+            held = await self._replication.settle(step)
+            self._log.info(
+                "drain: step %d %s the peers in %.2fs",
+                step,
+                "reached" if held else "did NOT reach every one of",
+                time.monotonic() - t0,
+                step=step,
+            )
+        if plan.upload:
+            outcome = await self._orders.drain(step, cancelled)
+            return Drained(plan, committed=outcome is True, upload_failed=outcome is None)
+        return Drained(plan, committed)
 
     async def tick(self, newest_step: int | None, *, force: bool = False) -> None:
         """After a rescan or a new step: replicate it, and report progress when forced (a
         new step), when there is news (a step replicated or uploaded) or when the
         coordinator's interval passed; after a failure, not before the backoff."""
         if newest_step is not None:
-            self.replication.committed(newest_step)
-        if self.replication.replicates:
-            self.ctx.metrics.replicated(self.config.job_name, self.replication.newest_replicated)
+            self._replication.committed(newest_step)
+        if self._replication.replicates:
+            self.ctx.metrics.replicated(self.config.job_name, self._replication.newest_replicated)
         if not self.running:
             return  # restoring: the round speaks for this rank until it is released
         now = time.monotonic()
-        news = (self.replication.newest_replicated, self.uploaded) != self._reported
+        news = (self._replication.newest_replicated, self.uploaded) != self._reported
         if now < self._next_report and (self._failing or not (news or force)):
             return
         if await self._report():
@@ -242,17 +279,17 @@ class ClusterMember:
             except NoCoordinator:
                 return False
         offer = self._offering = self._offer
-        progress = (self.replication.newest_replicated, self.uploaded)
+        progress = (self._replication.newest_replicated, self.uploaded)
         try:
             answer = await self._client.report_progress(
                 self.config.node_rank,
                 self.ctx.rank.incarnation_id,
                 Progress(
-                    replicated_step=self.replication.newest_replicated,
+                    replicated_step=self._replication.newest_replicated,
                     uploaded_step=self.uploaded,
                     address=self.ctx.rank.advertise,
                     held=offer,
-                    replicating_step=self.replication.pushing,
+                    replicating_step=self._replication.pushing,
                     address_ranks=self._asked,
                 ),
             )
@@ -281,66 +318,10 @@ class ClusterMember:
             self.backed_up = last.step
             self.ctx.metrics.backed_up(self.config.job_name, last.step, last.at)
         # The pushers' addresses came only for their nodes: peers are the targets.
-        self.replication.update_addresses(
+        self._replication.update_addresses(
             {r: a for r, a in answer.addresses.items() if r in self._targets}
         )
         self.rank_nodes.update(answer.nodes)
         self.answered = True
-        step = answer.backup_step
-        # An order of the step this rank finished uploading after it sent the report the
-        # answer was computed from is stale: the next report says it is done. Uploaded
-        # again, it raced retention (the step dropped midway) and wrote objects twice.
-        stale = step is not None and step == self.uploaded and progress[1] != step
-        if (
-            step is not None
-            and not stale
-            and self.ctx.backups is not None
-            and self.uploading is None
-            and time.monotonic() >= self._upload_retry_at
-        ):
-            self.uploading = step
-            self._backup_task = asyncio.create_task(self._upload(step), name=f"backup-{step}")
-            # A task cancelled before its first step never runs ``_upload``'s ``finally``.
-            self._backup_task.add_done_callback(lambda _: self._upload_ended(step))
+        self._orders.take(answer.backup_step, reported=progress[1])
         return True
-
-    def _upload_ended(self, step: int) -> None:
-        if self.uploading == step:
-            self.uploading = None
-
-    async def _upload(self, step: int) -> None:
-        backups = self.ctx.backups
-        assert backups is not None
-        self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
-        try:
-            await upload_step(
-                backups,
-                self.ctx.rank.store,
-                self.config,
-                step,
-                run_thread=self.ctx.run_thread,
-                log=self._log,
-                metrics=self.ctx.metrics,
-            )
-            self.uploaded = step
-            self._upload_retry.reset()
-        except ItemNotHeld as exc:
-            # Retention dropped it before the order arrived (a newer step became restorable
-            # meanwhile): call the order done, so the coordinator's next order names a step
-            # we hold instead of waiting on this one forever.
-            self._log.info("backup of step %d skipped: %s is no longer held", step, exc.item)
-            self.uploaded = step
-        except PreconditionFailed:
-            self.uploaded = step  # committed already
-        except Cancelled:
-            pass
-        except (ObjectStoreError, OSError, ManifestError) as exc:
-            wait = self._upload_retry.next()
-            self._upload_retry_at = time.monotonic() + wait
-            self.ctx.error(
-                f"backup of step {step} to {backups.url} failed, will retry in {wait:.0f}s: {exc}",
-                step,
-                ErrorKind.BACKUP,
-            )
-        finally:
-            self.uploading = None

@@ -36,8 +36,8 @@ from mtc_replicator.core.contract import (
     JobConfig,
     parse_config,
 )
-from mtc_replicator.core.drain import Drained, plan_drain
-from mtc_replicator.core.layout import backup_items, no_copy_note, off_node_copies
+from mtc_replicator.core.drain import Drained
+from mtc_replicator.core.layout import no_copy_note, off_node_copies
 from mtc_replicator.core.manifest import ItemId, Manifest, ManifestError
 from mtc_replicator.core.ownership import UNOWNED
 from mtc_replicator.core.policy import (
@@ -71,8 +71,6 @@ from mtc_replicator.node.saved_incarnation import (
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
-from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
-from mtc_replicator.storage.upload import ItemNotHeld, upload_step
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.tls import TlsMaterial
@@ -84,14 +82,23 @@ class RestoreBlocked(Exception):
     """No step could be restored although one exists: fatal, the job must not start fresh."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class AgentContext:
-    """What every incarnation on this daemon shares."""
+    """What every incarnation of one job directory is handed: the node's parts, assembled
+    once the daemon's port is bound (``node.wiring``), and the directory's own (its path,
+    ``job_dir``, ``closed_files``). Never changed after it is made."""
 
     checkpoint_dir: Path
     store: LocalStore
     backups: BackupStore | None
     executor: Executor
+    peers: PeerClient
+    """The peer data plane (replication, restores from peers, pool copies)."""
+    coordinator_calls: Coordinators
+    """The coordinator calls of the jobs this daemon hosts: a one-node job calls its own in
+    process (``cluster.link.LocalFinder``)."""
+    advertise: str
+    """This node's peer address, as other nodes reach it (known once the port is bound)."""
     closed_files: set[str] = field(default_factory=set)
     """Top-level names seen closed after writing (inotify), for ``.save`` hand-offs."""
     settle_seconds: float = 10.0
@@ -99,16 +106,10 @@ class AgentContext:
     env: dict[str, str] = field(default_factory=dict)
     """The variables `$VAR` in a `replicator.yaml` may name (`--expand-vars`); no others."""
     clock: Callable[[], float] = time.time
-    peers: PeerClient | None = None
-    """The peer data plane; needed by jobs with ``nodes > 1``."""
     registry: Registry | None = None
-    """Where coordinators are found; needed by jobs with ``nodes > 1``."""
-    coordinators: Coordinators | None = None
-    """The coordinators this daemon hosts: a one-node job calls its own in process."""
+    """Where other nodes' coordinators are found; needed by jobs with ``nodes > 1``."""
     tls: TlsMaterial | None = None
     """Mutual TLS for calls to other nodes' coordinators; None: plaintext."""
-    advertise: str = ""
-    """This node's peer address, as other nodes reach it."""
     report_after: float = 60.0
     """Seconds a restore round may wait before ``replicator.errors`` says what for."""
     metrics: Metrics = NO_METRICS
@@ -195,7 +196,7 @@ class Incarnation:
 
     def _pool_copies(self) -> PoolCopies | None:
         ctx = self.ctx
-        if ctx.pool is None or ctx.peers is None or ctx.job_dir is None or self.config.nodes > 1:
+        if ctx.pool is None or ctx.job_dir is None or self.config.nodes > 1:
             return None
         return PoolCopies(
             ctx.pool.view,
@@ -241,82 +242,12 @@ class Incarnation:
         await self._ingest_ready(member)  # a step renamed in since that pass
         # A save in progress no longer holds the upload: the node may be gone before it ends.
         self.ctx.pacer.saving(False, self.config.job_name)
-        job = self.config.job_name
-        steps = complete_steps(self.config, self.ctx.store.manifests(job).keys())
-        newest = steps[-1] if steps else None
-        backups = self.ctx.backups
-        committed = False
-        if backups is not None and newest is not None:
-            try:
-                committed = await self._thread(backups.read_commit, job, newest) is not None
-            except (ObjectStoreError, ManifestError, OSError) as exc:
-                self.log.warning("drain: cannot read the backup's COMMIT: %s", exc, step=newest)
-        plan = plan_drain(
-            self.config,
-            newest=newest,
-            replicated=member.replication.newest_replicated,
-            committed=committed,
-            has_backup=backups is not None,
+        steps = complete_steps(self.config, self.ctx.store.manifests(self.config.job_name).keys())
+        # Past the deadline: SIGTERM halts the pacer, a job switch stops us.
+        return await member.drain(
+            steps[-1] if steps else None,
+            cancelled=lambda: self.ctx.pacer.halted.is_set() or self._stopping.is_set(),
         )
-        self.log.info("drain: step %s: %s", plan.step, plan.why, step=plan.step)
-        if plan.step is None:
-            return Drained(plan, committed=False)
-        step = plan.step
-        if plan.push:
-            t0 = time.monotonic()
-            held = await member.replication.settle(step)
-            self.log.info(
-                "drain: step %d %s the peers in %.2fs",
-                step,
-                "reached" if held else "did NOT reach every one of",
-                time.monotonic() - t0,
-                step=step,
-            )
-        if plan.upload and backups is not None:
-            outcome = await self._drain_upload(member, backups, step)
-            return Drained(plan, committed=outcome is True, upload_failed=outcome is None)
-        return Drained(plan, committed)
-
-    async def _drain_upload(
-        self, member: ClusterMember, backups: BackupStore, step: int
-    ) -> bool | None:
-        """Upload this rank's items of ``step`` and try its COMMIT: True committed, False
-        uploaded (other uploaders' items missing), None failed."""
-        t0 = time.monotonic()
-        job = self.config.job_name
-        try:
-            if not await member.settle_upload(step):
-                await upload_step(
-                    backups,
-                    self.ctx.store,
-                    self.config,
-                    step,
-                    run_thread=self._thread,
-                    log=self.log,
-                    metrics=self.ctx.metrics,
-                    # Past the deadline: SIGTERM halts the pacer, a job switch stops us.
-                    cancelled=lambda: self.ctx.pacer.halted.is_set() or self._stopping.is_set(),
-                )
-            keys = [i.key for i in backup_items(self.config, step)]
-            record = await self._thread(backups.try_commit, job, step, keys)
-        except PreconditionFailed:
-            record = await self._thread(backups.read_commit, job, step)
-        except (ObjectStoreError, ManifestError, ItemNotHeld, OSError) as exc:
-            self.log.warning("drain: backup of step %d failed: %s", step, exc, step=step)
-            return None
-        if record is None:
-            self.log.info(
-                "drain: step %d uploaded; not committed: other uploaders' items are missing "
-                "(the last of them to drain, or the coordinator's next order, commits it)",
-                step,
-                step=step,
-            )
-            return False
-        self.ctx.metrics.backed_up(job, step, record.created)
-        self.log.info(
-            "drain: backup of step %d committed in %.2fs", step, time.monotonic() - t0, step=step
-        )
-        return True
 
     async def _run(self) -> None:
         try:
@@ -332,10 +263,14 @@ class Incarnation:
                 await self._bring_back()
                 await self._make_room()  # the restore may fetch a step into this RAM disk
                 await bring_first(
-                    self.ctx,
                     self.config,
                     self.owner,
                     self._thread,
+                    store=self.ctx.store,
+                    manifests=self.ctx.manifests,
+                    peers=self.ctx.peers,
+                    backups=self.ctx.backups,
+                    pool=self.ctx.pool,
                     log=self.log,
                     pool_copies=self.pool_copies,
                 )
@@ -370,10 +305,8 @@ class Incarnation:
         ctx = self.ctx
         finder: CoordinatorFinder
         if self.config.nodes == 1:
-            if ctx.coordinators is None:
-                raise RestoreBlocked("this daemon hosts no coordinators")
-            finder = LocalFinder(ctx.coordinators, owner=self.owner)
-        elif ctx.peers is None or ctx.registry is None:
+            finder = LocalFinder(ctx.coordinator_calls, owner=self.owner)
+        elif ctx.registry is None:
             raise RestoreBlocked(
                 f"a job of {self.config.nodes} nodes needs the daemon's --registry (or --backup) "
                 "to find its coordinator"

@@ -5,16 +5,16 @@ settled, a one-node job's newest pool copy, the donor's step of an exploit. I/O:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from mtc_replicator.cluster.donor import Donor, DonorMissing, RunThread
 from mtc_replicator.cluster.pool import PoolCopies
+from mtc_replicator.core.attestation import ManifestTrust
 from mtc_replicator.core.contract import JobConfig
 from mtc_replicator.core.manifest import CorruptItem, ManifestError
+from mtc_replicator.local.store import LocalStore
+from mtc_replicator.node.pool_node import PoolNode
 from mtc_replicator.obs.logs import JobLog
-
-if TYPE_CHECKING:
-    from mtc_replicator.node.agent import AgentContext
+from mtc_replicator.storage.backup import BackupStore
+from mtc_replicator.transport.peer_client import PeerClient
 
 
 class CannotContinue(Exception):
@@ -22,11 +22,15 @@ class CannotContinue(Exception):
 
 
 async def bring_first(
-    ctx: AgentContext,
     config: JobConfig,
     owner: str,
     run_thread: RunThread,
     *,
+    store: LocalStore,
+    manifests: ManifestTrust,
+    peers: PeerClient,
+    backups: BackupStore | None,
+    pool: PoolNode | None,
     log: JobLog,
     pool_copies: PoolCopies | None,
 ) -> None:
@@ -34,23 +38,22 @@ async def bring_first(
     (``local.pool_held``); a one-node job's newest step on another node of the pool comes
     here when newer than its own; a job continued from another one's step brings that
     step (``cluster.donor``), or raises ``CannotContinue``."""
-    pool = ctx.pool
     if pool is not None:
         await run_thread(pool.held.settle, config.job_name, config.nodes)
     if pool_copies is not None:
         await pool_copies.fetch_newest()
 
     donor = Donor(
-        ctx.store,
+        store,
         config,
         owner,
-        ctx.manifests,
+        manifests,
         run_thread,
         log,
-        peers=ctx.peers,
+        peers=peers,
         view=None if pool is None else pool.view,
         me="" if pool is None else pool.name,
-        backups=ctx.backups,
+        backups=backups,
     )
     if not await run_thread(donor.needed):
         return

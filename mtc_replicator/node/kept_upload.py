@@ -17,16 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from mtc_replicator.core.contract import ConfigError, parse_config
 from mtc_replicator.core.foreign import KeptUploadPlan, UploadRefused, plan_kept_upload
 from mtc_replicator.core.layout import format_ranks
-from mtc_replicator.core.manifest import Cancelled, ItemId, ManifestError
-from mtc_replicator.node.agent import AgentContext
+from mtc_replicator.core.manifest import CancelCheck, Cancelled, ItemId, ManifestError
+from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.reclaim import ForeignItems
-from mtc_replicator.obs.metrics import TransferKind
+from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import ObjectStoreError, PreconditionFailed
 
@@ -60,17 +61,26 @@ class KeptUploads:
     """The daemon's ``mtc upload``s, one per job at a time."""
 
     def __init__(
-        self, ctx: AgentContext, foreign: ForeignItems, *, current: Callable[[], Collection[str]]
+        self,
+        store: LocalStore,
+        backups: BackupStore | None,
+        executor: Executor,
+        foreign: ForeignItems,
+        *,
+        current: Callable[[], Collection[str]],
+        env: Mapping[str, str],
+        cancelled: CancelCheck,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
-        """``ctx``: the daemon's store, bucket, thread pool, ``$VAR`` values (a recorded
-        config expands as at its handshake) and pacer (halted: the daemon stops);
-        ``current``: the jobs running here now, never uploaded this way."""
-        self.store = ctx.store
-        self.backups = ctx.backups
-        self.executor = ctx.executor
-        self.env = ctx.env
-        self.cancelled = ctx.pacer.halted.is_set
-        self.metrics = ctx.metrics
+        """``env``: the ``$VAR`` values a recorded config expands (as at its handshake);
+        ``cancelled``: the daemon stops (its pacer halted); ``current``: the jobs running
+        here now, never uploaded this way."""
+        self.store = store
+        self.backups = backups
+        self.executor = executor
+        self.env = dict(env)
+        self.cancelled = cancelled
+        self.metrics = metrics
         self.foreign = foreign
         self.current = current
         self._running: dict[str, asyncio.Future[KeptUpload]] = {}

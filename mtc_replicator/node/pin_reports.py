@@ -3,11 +3,14 @@
 The coordinator reads a job's pin when a round lists the backups, often before rank 0's
 new incarnation exists (the other ranks join first) or while its old one still runs, whose
 ``replicator.errors`` the next handshake clears. So the refusal is kept while the pin
-stands, and each incarnation of the job on this node (rank 0's) is told once.
+stands, and each incarnation of the job on this node (rank 0's) is told once. The
+coordinator's pins (``storage.restore_pins.StorePins``) report from worker threads: their
+callbacks (``from_threads``) hand each report to the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from mtc_replicator.node.agent import Incarnation
@@ -30,6 +33,20 @@ class PinRefusals:
         """Per job, why its pin is refused."""
         self._told: dict[str, str] = {}
         """The incarnations told, each with its job (one job each; the newest kept)."""
+
+    def from_threads(
+        self, loop: asyncio.AbstractEventLoop
+    ) -> tuple[Callable[[str, int, str], None], Callable[[str, str | None], None]]:
+        """``StorePins``' ``on_failure`` and ``on_refused``, callable from any thread: each
+        runs ``not_removed`` or ``refused`` in ``loop``."""
+
+        def on_failure(job: str, step: int, message: str) -> None:
+            loop.call_soon_threadsafe(self.not_removed, job, step, message)
+
+        def on_refused(job: str, message: str | None) -> None:
+            loop.call_soon_threadsafe(self.refused, job, message)
+
+        return on_failure, on_refused
 
     def refused(self, job: str, message: str | None) -> None:
         """``job``'s pin was refused (``message``), or no refused pin stands (None); the

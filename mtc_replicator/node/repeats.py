@@ -34,9 +34,14 @@ RunRefuse = Callable[[Callable[[ItemId, str], bool], ItemId, str], Awaitable[boo
 class Where(Protocol):
     """The parts of the agent's context this needs."""
 
-    checkpoint_dir: Path
-    store: LocalStore
-    closed_files: set[str]
+    @property
+    def checkpoint_dir(self) -> Path: ...
+
+    @property
+    def store(self) -> LocalStore: ...
+
+    @property
+    def closed_files(self) -> set[str]: ...
 
 
 class Repeats:

@@ -35,7 +35,7 @@ from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.agent import Incarnation
 from mtc_replicator.node.kept_upload import KeptUpload, UploadFailed
 from mtc_replicator.node.rank_files import AssignRefused
-from mtc_replicator.node.reclaim import Dropped
+from mtc_replicator.node.reclaim import Dropped, ForeignItems
 from mtc_replicator.transport.peer_client import PeerClient
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def peer_addresses(incarnation: Incarnation | None) -> dict[int, str]:
     if incarnation is None or incarnation.member is None:
         return {}
     own = incarnation.config.node_rank
-    addresses = incarnation.member.replication.addresses
+    addresses = incarnation.member.addresses
     return {r: a for r, a in sorted(addresses.items()) if r != own}
 
 
@@ -117,9 +117,8 @@ def node_status(
             member = incarnation.member
             if member is not None:
                 status.coordinator = member.coordinator or ""
-                replicated = member.replication.newest_replicated
-                if member.replication.replicates and replicated is not None:
-                    status.last_replicated = replicated
+                if member.last_replicated is not None:
+                    status.last_replicated = member.last_replicated
                 # The job's newest committed backup, as its coordinator last said (read
                 # from the bucket when it started): the source of
                 # mtc_newest_step{tier="backup"}, and known after a restart too.
@@ -139,6 +138,39 @@ def node_status(
                 status.peer_copies.append(pb.HeldCopies(rank=rank, steps=sorted(steps)))
         jobs.append(status)
     return pb.NodeStatusResponse(address=address, version=__version__, jobs=jobs, node=node or "")
+
+
+class LiveStatus:
+    """``Status``'s answer (``node_status``) from the daemon's parts as they are at the call:
+    the running incarnations, the peers' last contacts, the jobs held that do not run here."""
+
+    def __init__(
+        self,
+        store: LocalStore,
+        incarnations: Callable[[], Sequence[Incarnation]],
+        peers: PeerClient,
+        *,
+        address: str,
+        foreign: ForeignItems,
+        node: str | None,
+    ) -> None:
+        self.store = store
+        self.incarnations = incarnations
+        self.peers = peers
+        self.address = address
+        self.foreign = foreign
+        self.node = node
+
+    def __call__(self, job: str | None) -> pb.NodeStatusResponse:
+        return node_status(
+            self.store,
+            self.incarnations(),
+            self.peers,
+            self.address,
+            job,
+            foreign=self.foreign.last,
+            node=self.node,
+        )
 
 
 Drop = Callable[[str, bool], Awaitable[Dropped]]

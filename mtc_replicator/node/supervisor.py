@@ -102,7 +102,7 @@ class Supervisor:
         *,
         foreign: ForeignItems,
         buckets: BucketProbes,
-        coordinators: CoordinatorHost,
+        host: CoordinatorHost,
         registry: Registry | None,
         advertise: Callable[[], str | None],
         stop: asyncio.Event,
@@ -126,7 +126,7 @@ class Supervisor:
         self._recheck_in = self.settle_rules.poll
         self.owner = OwnerWatch(opts.owner_file, self.executor)
         self.rank0 = Rank0Coordinator(
-            coordinators,
+            host,
             registry,
             advertise=advertise,
             stop=stop,

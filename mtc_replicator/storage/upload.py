@@ -1,7 +1,7 @@
 """One rank's upload of one step to the backup, when the coordinator orders it. I/O.
 
 The rank uploads its own items (files, then each manifest) and reports the step uploaded;
-the coordinator writes the ``COMMIT`` once every uploader has (``cluster.coordinators``), so a
+the coordinator writes the ``COMMIT`` once every uploader has (``cluster.backup_orders``), so a
 backup of N items costs N manifest reads, not one round of checks per uploader.
 """
 

@@ -272,5 +272,5 @@ def test_readyz_says_stopping_as_soon_as_a_stop_is_asked(tmp_path: Path) -> None
         daemon._request_stop()
         assert daemon.health.readiness() == ["stopping"]
     finally:
-        daemon.executor.shutdown()
-        daemon.store.close()
+        daemon.parts.executor.shutdown()
+        daemon.parts.store.close()

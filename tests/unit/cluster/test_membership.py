@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from mtc_replicator.cluster import membership as membership_module
+from mtc_replicator.cluster.backup_orders import UPLOAD_RETRY_MAX
 from mtc_replicator.cluster.link import CoordinatorError, NoCoordinator
 from mtc_replicator.cluster.membership import (
     UNCONFIRMED_KEPT,
-    UPLOAD_RETRY_MAX,
     ClusterMember,
     MemberContext,
 )
@@ -140,13 +140,18 @@ class Recorded(Metrics):
 
 
 class FlakyBucket(MemoryObjectStore):
-    """An in-memory bucket whose writes fail while ``down``."""
+    """An in-memory bucket whose writes fail while ``down``; ``puts``: the files written."""
 
     down = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts: list[str] = []
 
     def put_file(self, key: str, src: Path, **kw: Any) -> None:
         if self.down:
             raise ObjectStoreError("the bucket is down")
+        self.puts.append(key)
         super().put_file(key, src, **kw)
 
 
@@ -248,7 +253,7 @@ def test_a_restoring_rank_replicates_but_reports_nothing(world: World) -> None:
     assert not m.running
     assert world.finder.finds == 0
     assert world.finder.reports == []
-    assert m.replication.newest_replicated == 10  # one node: committed is replicated
+    assert m._replication.newest_replicated == 10  # one node: committed is replicated
     assert world.metrics.replicated_steps == []  # ... but no replication is claimed
 
 
@@ -263,8 +268,22 @@ def test_the_release_opens_the_coordinator_that_released_it_and_takes_its_step(
     assert m.coordinator == "coord:1"
     assert m.restorable == 20
     assert m.protected == {20}
-    assert m.replication.newest_replicated == 20
-    assert m.replication.addresses == {2: "10.0.0.2:7000"}
+    assert m._replication.newest_replicated == 20
+    assert m._replication.addresses == {2: "10.0.0.2:7000"}
+
+
+def test_the_member_answers_for_its_replication(world: World) -> None:
+    """What the node reads of a rank's replication (``mtc status``, the peer probe), asked
+    of the member itself: the targets' addresses, and a step shown replicated only where
+    there are targets to hold it."""
+    one = world.member()
+    released(one, 10)
+    assert one.addresses == {}
+    assert one.last_replicated is None  # one node: nothing is claimed replicated
+    four = world.member(FOUR)
+    released(four, 20, {2: "10.0.0.2:7000"})
+    assert four.addresses == {2: "10.0.0.2:7000"}
+    assert four.last_replicated == 20
 
 
 def test_a_fresh_start_leaves_nothing_restorable(world: World) -> None:
@@ -321,7 +340,7 @@ def test_the_answer_is_taken_in(world: World) -> None:
     asyncio.run(m.tick(None, force=True))
     assert m.restorable == 20
     assert m.keep_steps == frozenset({30})
-    assert m.replication.addresses == {target: "a:1"}  # a pusher's address is no peer's
+    assert m._replication.addresses == {target: "a:1"}  # a pusher's address is no peer's
     assert world.metrics.restorable_steps == [20]
     assert world.metrics.backups == [(20, 123.0)]
 
@@ -535,7 +554,7 @@ def test_an_ordered_backup_is_uploaded_and_reported(world: World) -> None:
         assert m.uploading == 10
         assert 10 in m.protected
         world.finder.answer_with(answer(10))
-        assert await m.settle_upload(10)
+        assert await m._orders.settle(10)
         assert m.uploading is None
         assert m.uploaded == 10
         await m.tick(10)  # news: the upload is done
@@ -563,11 +582,11 @@ def test_one_upload_at_a_time_while_the_order_repeats(world: World) -> None:
         await m.tick(20, force=True)  # a newer order while 10 uploads: not taken now
         assert m.uploading == 10
         world.gate.set()
-        assert await m.settle_upload(10)
+        assert await m._orders.settle(10)
         assert world.threads > threads
         await m.tick(20, force=True)  # repeated: taken now
         assert m.uploading == 20
-        assert await m.settle_upload(20)
+        assert await m._orders.settle(20)
 
     asyncio.run(body())
     assert m.uploaded == 20
@@ -594,7 +613,7 @@ def test_a_failed_upload_is_reported_and_retried_after_a_growing_wait(world: Wor
 
     async def order() -> None:
         await m.tick(10, force=True)
-        await m.settle_upload(10)
+        await m._orders.settle(10)
 
     async def body() -> None:
         await order()
@@ -632,7 +651,7 @@ def test_the_first_upload_retry_comes_within_seconds(world: World) -> None:
 
     async def order() -> None:
         await m.tick(10, force=True)
-        await m.settle_upload(10)
+        await m._orders.settle(10)
 
     async def body() -> None:
         await order()
@@ -654,7 +673,7 @@ def test_a_successful_upload_resets_the_retry_wait(world: World) -> None:
 
     async def order() -> None:
         await m.tick(10, force=True)
-        task = m._backup_task
+        task = m._orders._task
         if task is not None:
             await asyncio.wait([task])
 
@@ -685,7 +704,7 @@ def test_an_order_for_a_step_retention_dropped_counts_as_done(world: World) -> N
 
     async def body() -> None:
         await m.tick(10, force=True)
-        await m.settle_upload(10)
+        await m._orders.settle(10)
 
     asyncio.run(body())
     assert m.uploaded == 10  # so the next order names a step this rank holds
@@ -704,7 +723,7 @@ def test_an_order_for_a_step_committed_already_counts_as_done(world: World) -> N
 
     async def body() -> None:
         await m.tick(10, force=True)
-        await m.settle_upload(10)
+        await m._orders.settle(10)
 
     asyncio.run(body())
     assert m.uploaded == 10
@@ -714,7 +733,7 @@ def test_an_order_for_a_step_committed_already_counts_as_done(world: World) -> N
 # --- drain and stop -----------------------------------------------------------------------
 
 
-def test_settle_upload_cancels_an_upload_of_another_step(world: World) -> None:
+def test_settling_the_upload_cancels_an_upload_of_another_step(world: World) -> None:
     m = ordered(world)
 
     async def body() -> None:
@@ -722,7 +741,7 @@ def test_settle_upload_cancels_an_upload_of_another_step(world: World) -> None:
         await m.tick(10, force=True)
         await asyncio.sleep(0)  # the upload begins
         assert m.uploading == 10
-        assert not await m.settle_upload(20)
+        assert not await m._orders.settle(20)
         assert m.uploading is None
 
     asyncio.run(body())
@@ -740,20 +759,20 @@ def test_an_upload_cancelled_before_it_began_frees_the_next_order(world: World) 
         world.gate = asyncio.Event()
         await m.tick(10, force=True)
         assert m.uploading == 10  # ordered, not begun: no await since
-        assert not await m.settle_upload(20)
+        assert not await m._orders.settle(20)
         assert m.uploading is None
 
     asyncio.run(body())
     assert world.threads == 0  # it never began
 
 
-def test_settle_upload_without_an_upload_says_whether_the_step_is_up(world: World) -> None:
+def test_settling_the_upload_without_an_upload_says_whether_the_step_is_up(world: World) -> None:
     m = world.member()
-    assert not asyncio.run(m.settle_upload(10))
-    m.uploaded = 10
-    assert asyncio.run(m.settle_upload(10))
-    assert asyncio.run(m.settle_upload(5))
-    assert not asyncio.run(m.settle_upload(20))
+    assert not asyncio.run(m._orders.settle(10))
+    m._orders.uploaded = 10
+    assert asyncio.run(m._orders.settle(10))
+    assert asyncio.run(m._orders.settle(5))
+    assert not asyncio.run(m._orders.settle(20))
 
 
 def test_stop_cancels_the_upload_and_closes_the_link(world: World) -> None:
@@ -788,7 +807,7 @@ def test_an_order_answered_to_a_report_sent_before_the_upload_ended_is_not_taken
         late = asyncio.create_task(m.tick(10, force=True))  # reports uploaded_step None
         await asyncio.sleep(0)
         world.gate.set()
-        assert await m.settle_upload(10)
+        assert await m._orders.settle(10)
         threads = world.threads
         link.gate.set()
         await late
@@ -799,3 +818,100 @@ def test_an_order_answered_to_a_report_sent_before_the_upload_ended_is_not_taken
         assert link.reports[-1]["uploaded_step"] == 10
 
     asyncio.run(body())
+
+
+# --- the drain ----------------------------------------------------------------------------
+
+TWO = JobConfig(job_name="job", framework=Framework.ORBAX, node_rank=1, nodes=2)
+"""Two ranks that both upload and push to no one: the COMMIT needs the other's items too."""
+
+
+def never() -> bool:
+    return False
+
+
+def test_a_drain_uploads_the_newest_step_and_commits_it(world: World) -> None:
+    world.commit(10)
+    m = world.member()
+    released(m, 10)
+    drained = asyncio.run(m.drain(10, never))
+    assert (drained.plan.step, drained.plan.push, drained.plan.upload) == (10, False, True)
+    assert (drained.committed, drained.upload_failed) == (True, False)
+    assert world.backups.read_commit("job", 10) is not None
+    assert [s for s, _ in world.metrics.backups] == [10]
+    assert world.errors == []  # the workload hears of a drain from its caller, not here
+
+
+def test_a_drain_with_nothing_held_does_nothing(world: World) -> None:
+    m = world.member()
+    released(m, None)
+    drained = asyncio.run(m.drain(None, never))
+    assert drained.plan.step is None
+    assert (drained.committed, drained.upload_failed) == (False, False)
+    assert world.threads == 0
+
+
+def test_a_drain_of_a_step_the_bucket_holds_uploads_nothing(world: World) -> None:
+    item = world.commit(10)
+    manifest = world.store.get(item)
+    assert manifest is not None
+    world.backups.upload_item(manifest, world.store.data_path(item))
+    assert world.backups.try_commit("job", 10, ["0-0"]) is not None
+    m = world.member()
+    released(m, 10)
+    threads = world.threads
+    drained = asyncio.run(m.drain(10, never))
+    assert not drained.plan.upload
+    assert (drained.committed, drained.upload_failed) == (True, False)
+    assert world.threads == threads + 1  # the COMMIT read, nothing more
+
+
+def test_a_drain_whose_upload_fails_says_so_and_commits_nothing(world: World) -> None:
+    world.commit(10)
+    world.bucket.down = True
+    m = world.member()
+    released(m, 10)
+    drained = asyncio.run(m.drain(10, never))
+    assert (drained.committed, drained.upload_failed) == (False, True)
+    assert world.backups.read_commit("job", 10) is None
+
+
+def test_a_drain_cancelled_past_its_deadline_is_an_upload_failed(world: World) -> None:
+    world.commit(10)
+    m = world.member()
+    released(m, 10)
+    drained = asyncio.run(m.drain(10, lambda: True))
+    assert (drained.committed, drained.upload_failed) == (False, True)
+
+
+def test_a_drain_of_one_uploader_of_two_uploads_and_leaves_the_commit_to_the_last(
+    world: World,
+) -> None:
+    world.commit(10, TWO)
+    m = world.member(TWO)
+    released(m, 10)
+    drained = asyncio.run(m.drain(10, never))
+    assert drained.plan.upload
+    assert (drained.committed, drained.upload_failed) == (False, False)
+    assert world.backups.read_commit("job", 10) is None
+
+
+def test_a_drain_lets_the_ordered_upload_of_its_step_end_and_uploads_it_once(
+    world: World,
+) -> None:
+    m = ordered(world)
+
+    async def body() -> bool:
+        world.gate = asyncio.Event()
+        await m.tick(10, force=True)
+        await asyncio.sleep(0)  # the ordered upload begins, held at the gate
+        assert m.uploading == 10
+        drain = asyncio.create_task(m.drain(10, never))
+        await asyncio.sleep(0)
+        world.gate.set()
+        drained = await drain
+        return drained.committed
+
+    assert asyncio.run(body())
+    assert len(world.bucket.puts) == 1  # the ordered upload's one file, not the drain's too
+    assert m.uploaded == 10

@@ -7,6 +7,7 @@ thread pool; no sockets, and each wait ends on an event of the incarnation's own
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ from mtc_replicator.node.saved_incarnation import (
 from mtc_replicator.obs.metrics import ErrorKind, Metrics, TransferKind
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import MemoryObjectStore
+from mtc_replicator.transport.peer_client import PeerClient
 
 ONE_NODE = "job-name: job\nframework: orbax\nnode-rank: 0\nnodes: 1\nbackup-interval-steps: 10\n"
 TWO_NODES = ONE_NODE.replace("nodes: 1", "nodes: 2")
@@ -92,16 +94,16 @@ class Node:
         self.host = CoordinatorHost()
         self.executor = executor
 
-    def context(
-        self, metrics: Metrics, *, coordinators: bool = True, backups: BackupStore | None = None
-    ) -> AgentContext:
+    def context(self, metrics: Metrics, *, backups: BackupStore | None = None) -> AgentContext:
         return AgentContext(
             checkpoint_dir=self.dir,
             store=self.store,
             backups=backups,
             executor=self.executor,
+            peers=PeerClient(executor=self.executor),  # no job here has peers: never dialled
+            coordinator_calls=Coordinators(self.host, lambda job: {}),
+            advertise="127.0.0.1:7070",
             rescan_seconds=0.05,
-            coordinators=Coordinators(self.host, lambda job: {}) if coordinators else None,
             metrics=metrics,
         )
 
@@ -199,8 +201,7 @@ def test_a_saved_config_expands_only_the_allowed_variables(node: Node) -> None:
     save_state(node.store, SavedIncarnation(text, "0123456789abcdef", IncarnationPhase.STEADY))
     ctx = node.context(Metrics())
     assert restore_saved(ctx) is None  # $JOB is not among ctx.env
-    ctx.env = {"JOB": "job"}
-    resumed = restore_saved(ctx)
+    resumed = restore_saved(dataclasses.replace(ctx, env={"JOB": "job"}))
     assert resumed is not None
     assert resumed.config.job_name == "job"
 
@@ -361,21 +362,6 @@ def test_a_job_of_many_nodes_without_a_registry_fails_and_says_why(node: Node) -
     assert "--registry" in failed
     assert "restart the job" in failed
     assert not (node.dir / PRERESTORE_FILE).exists()
-
-
-def test_a_one_node_job_without_its_coordinator_fails_and_says_why(node: Node) -> None:
-    metrics = Events()
-
-    async def body() -> None:
-        incarnation = node.incarnation(ONE_NODE, metrics, coordinators=False)
-        incarnation.start()
-        try:
-            await until(metrics.failed)
-        finally:
-            await incarnation.stop()
-
-    asyncio.run(body())
-    assert "hosts no coordinators" in (node.dir / FAILED_FILE).read_text()
 
 
 def test_what_the_config_assumed_is_told_to_the_workload(node: Node) -> None:

@@ -15,7 +15,6 @@ from mtc_replicator.core.contract import render_config
 from mtc_replicator.core.foreign import UploadRefused
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local.store import LocalStore
-from mtc_replicator.node.agent import AgentContext
 from mtc_replicator.node.kept_upload import KeptUploads
 from mtc_replicator.node.reclaim import ForeignItems
 from mtc_replicator.storage.backup import BackupStore
@@ -45,11 +44,14 @@ def uploads(
     executor: ThreadPoolExecutor,
     running: str | None = None,
 ) -> KeptUploads:
-    ctx = AgentContext(store.checkpoint_dir, store, backups, executor)
     return KeptUploads(
-        ctx,
+        store,
+        backups,
+        executor,
         ForeignItems(store, backups),
         current=lambda: frozenset() if running is None else {running},
+        env={},
+        cancelled=lambda: False,
     )
 
 

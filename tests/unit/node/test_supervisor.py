@@ -38,6 +38,7 @@ from mtc_replicator.node.saved_incarnation import (
 )
 from mtc_replicator.node.supervisor import HANDED, Supervisor
 from mtc_replicator.obs.metrics import ErrorKind, Metrics
+from mtc_replicator.transport.peer_client import PeerClient
 
 ONE_NODE = "job-name: job\nframework: orbax\nnode-rank: 0\nnodes: 1\nbackup-interval-steps: 10\n"
 INVALID = ONE_NODE.replace("nodes: 1", "nodes: many")
@@ -102,8 +103,10 @@ class Node:
             store=self.store,
             backups=None,
             executor=executor,
+            peers=PeerClient(executor=executor),  # no job here has peers: never dialled
+            coordinator_calls=Coordinators(self.host, lambda job: {}),
+            advertise="127.0.0.1:7070",
             rescan_seconds=0.05,
-            coordinators=Coordinators(self.host, lambda job: {}),
             metrics=self.metrics,
             foreign=self.foreign,
         )
@@ -124,7 +127,7 @@ class Node:
             self.ctx,
             foreign=self.foreign,
             buckets=BucketProbes(None, None),
-            coordinators=self.host,
+            host=self.host,
             registry=None,
             advertise=lambda: None,
             stop=asyncio.Event(),
