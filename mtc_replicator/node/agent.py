@@ -70,6 +70,7 @@ from mtc_replicator.node.saved_incarnation import (
 )
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import NO_METRICS, ErrorKind, Metrics, TransferKind
+from mtc_replicator.obs.stopwatch import Stopwatch
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.transport.obtaining import Obtaining
 from mtc_replicator.transport.peer_client import PeerClient
@@ -442,7 +443,7 @@ class Incarnation:
 
     async def _ingest(self, member: ClusterMember, handoff: Handoff) -> None:
         for item, name in handoff.names.items():
-            t0 = time.monotonic()
+            watch = Stopwatch()
             if name and await self.repeats.refused(item, name, self._thread):
                 continue
             try:
@@ -470,14 +471,12 @@ class Incarnation:
                 )
                 continue
             self.repeats.took(item, self.phase is IncarnationPhase.STEADY)
-            dt = max(time.monotonic() - t0, 1e-9)
+            dt = watch.seconds()
             self.log.info(
-                "ingested %s: %d files, %d bytes in %.3fs (%.1f MB/s)",
+                "ingested %s: %d files, %s",
                 item,
                 len(manifest.files),
-                manifest.total_bytes,
-                dt,
-                manifest.total_bytes / dt / 1e6,
+                watch.summary(manifest.total_bytes, dt),
                 step=item.step,
             )
             self.ctx.metrics.transfer(TransferKind.INGEST, manifest.total_bytes, dt)

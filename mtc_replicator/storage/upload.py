@@ -7,7 +7,6 @@ backup of N items costs N manifest reads, not one round of checks per uploader.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 
 from mtc_replicator.core.contract import JobConfig
@@ -16,6 +15,7 @@ from mtc_replicator.core.policy import rank_items
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.obs.logs import JobLog
 from mtc_replicator.obs.metrics import Metrics, TransferKind
+from mtc_replicator.obs.stopwatch import Stopwatch
 from mtc_replicator.storage.backup import BackupStore
 
 
@@ -43,7 +43,7 @@ async def upload_step(
     Raises ``ItemNotHeld`` before uploading anything of an item no longer in the store, and
     the backup's own errors (``PreconditionFailed``: the step is committed already).
     """
-    t0 = time.monotonic()
+    watch = Stopwatch()
     total = 0
     items = rank_items(config, step)
     await run_thread(backups.abort_leftover_uploads, config.job_name, {i.key for i in items})
@@ -53,13 +53,6 @@ async def upload_step(
             raise ItemNotHeld(item)
         await run_thread(backups.upload_item, manifest, store.data_path(item), cancelled)
         total += manifest.total_bytes
-    dt = max(time.monotonic() - t0, 1e-9)
-    log.info(
-        "backup of step %d uploaded: %d bytes in %.2fs (%.1f MB/s)",
-        step,
-        total,
-        dt,
-        total / dt / 1e6,
-        step=step,
-    )
+    dt = watch.seconds()
+    log.info("backup of step %d uploaded: %s", step, watch.summary(total, dt), step=step)
     metrics.transfer(TransferKind.BACKUP_UPLOAD, total, dt)
