@@ -235,20 +235,26 @@ class BackupOrders:
         if self.uploading == step:
             self.uploading = None
 
+    async def _upload(
+        self, backups: BackupStore, step: int, cancelled: CancelCheck = lambda: False
+    ) -> Upload:
+        return await upload_items(
+            backups,
+            self.store,
+            self.config,
+            step,
+            run_thread=self.run_thread,
+            log=self._log,
+            metrics=self.metrics,
+            cancelled=cancelled,
+        )
+
     async def _ordered(self, step: int) -> None:
         backups = self.backups
         assert backups is not None
         self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
         try:
-            upload = await upload_items(
-                backups,
-                self.store,
-                self.config,
-                step,
-                run_thread=self.run_thread,
-                log=self._log,
-                metrics=self.metrics,
-            )
+            upload = await self._upload(backups, step)
         finally:
             self.uploading = None
         if upload.result is Uploaded.FAILED:
@@ -300,16 +306,7 @@ class BackupOrders:
         assert backups is not None
         t0 = time.monotonic()
         if not await self.settle(step):
-            upload = await upload_items(
-                backups,
-                self.store,
-                self.config,
-                step,
-                run_thread=self.run_thread,
-                log=self._log,
-                metrics=self.metrics,
-                cancelled=cancelled,
-            )
+            upload = await self._upload(backups, step, cancelled)
             if upload.result not in (Uploaded.DONE, Uploaded.COMMITTED):
                 why = upload.why or upload.result.value
                 self._log.warning("drain: backup of step %d failed: %s", step, why, step=step)
