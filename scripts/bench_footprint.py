@@ -204,6 +204,12 @@ class Profile:
     cycle_range: tuple[float, float] | None
     stages_apart: float | None
     """The cycle's stages measured one by one, added up."""
+    between_steps: float | None = None
+    """CPU s/GiB the daemons would spend over the saves' seconds at their idle rate (the
+    median daemon's): what the cycle costs for the time it takes, beside its bytes."""
+    restore_round: tuple[float, float] | None = None
+    """CPU seconds of a restore round with 4 KiB to pull: the restoring node's, the
+    serving node's (left out of the restore rows)."""
 
     @classmethod
     def of(
@@ -211,29 +217,63 @@ class Profile:
     ) -> Profile:
         backup = result.get("backup") != "none"
         rows = floors.stage_rows(stages, measured) if stages else []
+        restore_round = None
+        if "restore_round_restoring" in stages:
+            restore_round = (stages["restore_round_restoring"], stages["restore_round_serving"])
         per_gib = result.get("replicator_cpu_seconds_per_gib")
         if not isinstance(per_gib, list) or not per_gib:
-            return cls(rows, None, None, None)
+            return cls(rows, None, None, None, None, restore_round)
         cycle = floors.cycle_row(statistics.median(per_gib), measured, backup=backup)
         apart = floors.stages_sum(stages, backup=backup) if stages else None
-        return cls(rows, cycle, (min(per_gib), max(per_gib)), apart)
+        span = (min(per_gib), max(per_gib))
+        return cls(rows, cycle, span, apart, _between_steps(result), restore_round)
 
     def json(self) -> dict[str, object]:
         out: dict[str, object] = {"stages": [_row_json(r) for r in self.rows]}
+        if self.restore_round is not None:
+            restoring, serving = self.restore_round
+            out["restore_round_cpu_seconds"] = {
+                "restoring": round(restoring, 2),
+                "serving": round(serving, 2),
+            }
         if self.cycle is not None:
             out["cycle"] = {
                 **_row_json(self.cycle),
                 "range": self.cycle_range,
                 "stages_measured_apart": _round(self.stages_apart),
+                "between_steps_at_idle_rate": _round(self.between_steps),
             }
         return out
 
     def text(self) -> str:
         lines = [floors.table(self.rows, self.cycle, self.stages_apart)]
+        if self.restore_round is not None:
+            lines.append(
+                "a restore round with 4 KiB to pull (left out of the restore rows): "
+                f"{self.restore_round[0]:.2f} CPU s restoring, {self.restore_round[1]:.2f} serving"
+            )
         if self.cycle_range is not None:
             low, high = self.cycle_range
             lines.append(f"the node's cycle, per daemon: {low:.2f}-{high:.2f} CPU s/GiB")
+        if self.between_steps is not None:
+            lines.append(
+                f"  of which {self.between_steps:.2f} CPU s/GiB at the daemons' idle rate over "
+                "the saves' seconds"
+            )
         return "\n".join(lines)
+
+
+def _between_steps(result: dict[str, object]) -> float | None:
+    """The median daemon's idle CPU rate over the measured saves' seconds, per GiB."""
+    idle = result.get("replicator_idle_cpu_percent")
+    seconds = result.get("seconds_for_the_saves")
+    saves, mib = result.get("saves"), result.get("step_mib_per_rank")
+    if not isinstance(idle, list) or not idle or not isinstance(seconds, int | float):
+        return None
+    if not isinstance(saves, int) or not isinstance(mib, int) or saves * mib <= 0:
+        return None
+    rate: float = statistics.median(float(v) for v in idle) / 100
+    return rate * seconds / (saves * mib / 1024)
 
 
 def _row_json(row: floors.Row) -> dict[str, object]:

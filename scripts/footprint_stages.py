@@ -12,8 +12,9 @@ its RAM disk on tmpfs; a scenario isolates each stage:
   send, rank 1's CPU is its receive of rank 0's copies (its own tiny steps' ingest and push
   ride along, a few milliseconds each);
 - restore receive and serve: then rank 0's RAM disk is wiped and its daemon restarted,
-  and the job restarts: rank 0's CPU from the handshake to its marker (the restore round
-  included), per GiB it pulled from rank 1, and rank 1's for serving it.
+  and the job restarts: rank 0's CPU from the handshake to its marker, per GiB it pulled
+  from rank 1, and rank 1's for serving it; less the same for a step of 4 KiB (the round's
+  own cost, reported apart).
 
 Each scenario saves ``warmup`` steps before the ``saves`` it measures, and prunes its
 ``file://`` bucket to the newest committed step as it goes (``prune_backups``): the steps
@@ -216,25 +217,38 @@ class Stages:
 
     def pair(self) -> dict[str, float]:
         """CPU s/GiB of the two-node job's daemons: rank 0's (ingest and push send), rank
-        1's (push receive), then the restore of rank 0's RAM disk from rank 1."""
+        1's (push receive); then rank 0's RAM disk restored from rank 1 twice, its step of
+        ``step_mib`` and then one of 4 KiB: the first less the second, per GiB, is the
+        restore's receive (rank 0) and serve (rank 1); the second alone is the restore
+        round's own cost (CPU seconds, whatever the bytes)."""
         job = "stage-peer"
         with self.running("peer", 2, job, backup=False) as (a, b):
 
-            def one_step(step: int) -> None:
-                save(a.ckpt, step, self.step_mib * MiB)
+            def one_step(step: int, nbytes: int = self.step_mib * MiB) -> None:
+                save(a.ckpt, step, nbytes)
                 save(b.ckpt, step, TINY)
                 for node in (a, b):
                     pushed = rf"pushed {job}/s{step}/n{node.rank}-w0 to "
                     wait_logged([node.log], pushed, 1, f"rank {node.rank}'s push of {step}")
 
             sent, received = self.saves_measured([a, b], one_step)
-            out = {"ingest_and_push_send": sent / self.gib, "push_receive": received / self.gib}
-            out.update(self._restore(a, b, job, self.last_step))
-            return out
+            restoring, serving = self._restore(a, b, job, self.last_step)
+            tiny = self.last_step + 10
+            one_step(tiny, TINY)
+            round_restoring, round_serving = self._restore(a, b, job, tiny)
+            gib = self.step_mib / 1024
+            return {
+                "ingest_and_push_send": sent / self.gib,
+                "push_receive": received / self.gib,
+                "restore_receive": (restoring - round_restoring) / gib,
+                "restore_serve": (serving - round_serving) / gib,
+                "restore_round_restoring": round_restoring,
+                "restore_round_serving": round_serving,
+            }
 
-    def _restore(self, a: Node, b: Node, job: str, step: int) -> dict[str, float]:
-        """Rank 0's RAM disk lost, its daemon restarted, the job restarted: what rank 0
-        spends from the handshake to its marker, and rank 1 meanwhile, per GiB pulled."""
+    def _restore(self, a: Node, b: Node, job: str, step: int) -> tuple[float, float]:
+        """Rank 0's RAM disk lost, its daemon restarted, the job restarted: the CPU seconds
+        rank 0 spends from the handshake to its marker of ``step``, and rank 1 meanwhile."""
         a.stop()
         a.wipe()
         a.start()
@@ -248,11 +262,7 @@ class Stages:
         pulled = rf"pulled {job}/s{step}/n0-w0 from "
         wait_logged([a.log], pulled, 1, f"rank 0's pull of step {step} from its peer")
         time.sleep(SETTLE)
-        gib = self.step_mib / 1024
-        return {
-            "restore_receive": (a.cpu_seconds() - cpu0[0]) / gib,
-            "restore_serve": (b.cpu_seconds() - cpu0[1]) / gib,
-        }
+        return a.cpu_seconds() - cpu0[0], b.cpu_seconds() - cpu0[1]
 
     def measure(self) -> dict[str, float]:
         """Every stage's CPU s/GiB (``footprint_floors.STAGE_FLOORS``'s names)."""
@@ -266,4 +276,7 @@ class Stages:
             "upload": with_upload - ingest,
             "restore_receive": peer["restore_receive"],
             "restore_serve": peer["restore_serve"],
+            # Not stages: CPU seconds of a restore round whatever its bytes.
+            "restore_round_restoring": peer["restore_round_restoring"],
+            "restore_round_serving": peer["restore_round_serving"],
         }

@@ -104,3 +104,28 @@ def test_the_profile_of_a_run_without_a_backup_leaves_the_upload_out_of_the_cycl
     alone = Profile.of({"backup": "file://, every step"}, stages, MEASURED)
     assert alone.cycle is None
     assert "cycle" not in alone.json()
+
+
+def test_what_the_cycle_costs_for_its_time_is_the_idle_rate_over_the_saves_seconds() -> None:
+    result: dict[str, object] = {
+        "backup": "file://, every step",
+        "saves": 4,
+        "step_mib_per_rank": 256,  # 1 GiB per daemon
+        "seconds_for_the_saves": 40.0,
+        "replicator_idle_cpu_percent": [1.0, 2.0, 3.0, 2.0],
+        "replicator_cpu_seconds_per_gib": [6.0, 6.5, 7.0, 6.0],
+    }
+    profile = Profile.of(result, {}, MEASURED)
+    assert profile.between_steps == pytest.approx(0.02 * 40.0)  # the median daemon's 2%
+    assert profile.json()["cycle"]["between_steps_at_idle_rate"] == 0.8  # type: ignore[index]
+    assert "of which 0.80 CPU s/GiB at the daemons' idle rate" in profile.text()
+    del result["replicator_idle_cpu_percent"]
+    assert Profile.of(result, {}, MEASURED).between_steps is None
+
+
+def test_the_restore_round_s_own_cost_is_reported_apart_from_the_stages() -> None:
+    stages = {"restore_receive": 1.5, "restore_round_restoring": 0.4, "restore_round_serving": 0.1}
+    profile = Profile.of({"backup": "none"}, stages, MEASURED)
+    assert [r.stage for r in profile.rows] == list(STAGE_FLOORS)  # no row of its own
+    assert profile.json()["restore_round_cpu_seconds"] == {"restoring": 0.4, "serving": 0.1}
+    assert "0.40 CPU s restoring, 0.10 serving" in profile.text()
