@@ -48,7 +48,7 @@ TINY = 4096
 """Bytes of the steps of a rank whose own stages are not the ones measured."""
 SETTLE = 1.0
 """Seconds given to a step's trailing work (retention, progress reports) before the CPU is
-read, and to a daemon's start before its idle CPU is."""
+read, and to a daemon just started before its CPU is first read."""
 
 
 def yaml_text(job: str, rank: int, nodes: int) -> str:
@@ -179,7 +179,8 @@ class Stages:
 
     def saves_measured(self, nodes: list[Node], one_step: Callable[[int], None]) -> list[float]:
         """``one_step(step)`` for ``warmup`` steps, then for ``saves`` more: each of
-        ``nodes``' CPU seconds over the latter (and their trailing work), and the last step.
+        ``nodes``' CPU seconds over the latter and their trailing work (``last_step`` is
+        the last).
         The warm-up steps take what a run's first steps take once (connections, threads,
         the RAM disks' and the bucket's memory), so the measured ones cost what every
         step of a long run does."""
