@@ -173,13 +173,7 @@ def unbound(opts: DaemonOptions, metrics: Metrics) -> Unbound:
         tenancy=tenancy,
         foreign=foreign,
         reclaim=reclaim,
-        receiving=Receiving(
-            store,
-            executor,
-            max_item_files=opts.max_item_files,
-            make_room=reclaim.room_for_push,
-            metrics=metrics,
-        ),
+        receiving=Receiving(store, executor, make_room=reclaim.room_for_push, metrics=metrics),
         kept_uploads=kept_uploads,
         buckets=BucketProbes(backups, registry),
         pin_refusals=PinRefusals(metrics, tenancy.incarnation_of),
@@ -312,7 +306,10 @@ def _peer_servicer(
         parts.receiving,
         served.served,
         rules=ServiceRules(
-            opts.max_step_lead, opts.idle_timeout_seconds, min_rate=opts.min_transfer_rate
+            opts.max_step_lead,
+            opts.idle_timeout_seconds,
+            max_item_files=opts.max_item_files,
+            min_rate=opts.min_transfer_rate,
         ),
         metrics=parts.metrics,
         channel=channel,

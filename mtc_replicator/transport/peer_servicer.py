@@ -37,7 +37,14 @@ from mtc_replicator.core.admission import (
 )
 from mtc_replicator.core.attestation import OPEN_MANIFESTS, ManifestTrust, Unattested
 from mtc_replicator.core.jobname import is_job_name
-from mtc_replicator.core.manifest import Cancelled, CorruptItem, ItemId, Manifest, ManifestError
+from mtc_replicator.core.manifest import (
+    DEFAULT_MAX_ITEM_FILES,
+    Cancelled,
+    CorruptItem,
+    ItemId,
+    Manifest,
+    ManifestError,
+)
 from mtc_replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import StoreError
@@ -192,6 +199,9 @@ class ServiceRules:
     """Every wait on the other side: a header, the next chunk, room to send one, the data
     connection, a stall on it."""
     max_transfers_per_peer: int = MAX_TRANSFERS_PER_PEER
+    max_item_files: int = DEFAULT_MAX_ITEM_FILES
+    """The most files and directories one pushed item may list (refused before any is
+    checked or staged); every push must also leave inodes free (``receiving``)."""
     min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE
     """A push or a pull served must move its bytes at this average rate after a grace of
     ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is dropped, its reservation
@@ -295,7 +305,11 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 trust.check(manifest, by, producers)
 
         manifest = await self.receiving.check(
-            header.manifest, header.manifest_digest, item, attested
+            header.manifest,
+            header.manifest_digest,
+            item,
+            attested,
+            max_files=self.rules.max_item_files,
         )
         held = self.store.get(item)
         admission = admit_copy(item, manifest.digest, held.digest if held is not None else None)

@@ -4,7 +4,7 @@
 An incoming item is checked here, in this order, before a byte is staged:
 
 1. ``check``: its manifest parsed and proved against its digest off the event loop (a
-   header may carry 16 MiB of JSON), with the node's bound on files per item, then the
+   header may carry 16 MiB of JSON), within a bound on files per item, then the
    caller's trust check (``vet``: a push's attestation, a pull's checks by the restore
    round), raising before anything else is looked at;
 2. ``reserved``: room for it, one rule for pushes and pulls: its bytes within the store's
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 
 from mtc_replicator.core.admission import inode_room
-from mtc_replicator.core.manifest import DEFAULT_MAX_ITEM_FILES, ItemId, Manifest
+from mtc_replicator.core.manifest import MAX_FILES, ItemId, Manifest
 from mtc_replicator.core.pacing import earned_seconds, transfer_deadline
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
@@ -66,7 +66,6 @@ class Receiving:
         *,
         reserve_bytes: int = RESERVE_BYTES,
         max_item_bytes: int | None = None,
-        max_item_files: int = DEFAULT_MAX_ITEM_FILES,
         make_room: Callable[[int], Awaitable[None]] | None = None,
         metrics: Metrics = NO_METRICS,
     ) -> None:
@@ -78,7 +77,6 @@ class Receiving:
         self.executor = executor
         self.reserve_bytes = reserve_bytes
         self.max_item_bytes = max_item_bytes
-        self.max_item_files = max_item_files
         self.make_room = make_room
         self.metrics = metrics
         self._bytes: dict[ItemId, int] = {}
@@ -90,12 +88,16 @@ class Receiving:
         digest: str,
         item: ItemId,
         vet: Callable[[Manifest], object] | None = None,
+        *,
+        max_files: int = MAX_FILES,
     ) -> Manifest:
         """The manifest a transfer's header carries, proved to be ``item``'s with
-        ``digest``, then judged by ``vet`` (it raises to refuse). ``ManifestError`` or
+        ``digest`` and at most ``max_files`` files and directories (a push's admission
+        bound, ``--max-item-files``; a pull of this node's own step is held to the
+        protocol's), then judged by ``vet`` (it raises to refuse). ``ManifestError`` or
         ``TransferError`` for a malformed or unsafe one."""
         manifest = await asyncio.get_running_loop().run_in_executor(
-            self.executor, check_manifest, raw, digest, item, self.max_item_files
+            self.executor, check_manifest, raw, digest, item, max_files
         )
         if vet is not None:
             vet(manifest)

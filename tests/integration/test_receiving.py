@@ -25,8 +25,8 @@ from mtc_replicator.core.admission import Served, inode_room
 from mtc_replicator.core.contract import Framework, JobConfig
 from mtc_replicator.core.manifest import ItemId, Manifest
 from mtc_replicator.local.store import LocalStore
-from mtc_replicator.transport.peer_client import PeerClient, PeerUnavailable
-from mtc_replicator.transport.peer_servicer import PeerServicer
+from mtc_replicator.transport.peer_client import PeerClient, PeerError, PeerUnavailable
+from mtc_replicator.transport.peer_servicer import DEFAULT_RULES, PeerServicer, ServiceRules
 from mtc_replicator.transport.peerwire import SERVER_OPTIONS
 from mtc_replicator.transport.receiving import Receiving, TooLarge
 from tests.integration.helpers import ram_disk, write_big_step_tmp
@@ -47,11 +47,13 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def serving(store: LocalStore, executor: ThreadPoolExecutor) -> AsyncIterator[Node]:
+async def serving(
+    store: LocalStore, executor: ThreadPoolExecutor, rules: ServiceRules = DEFAULT_RULES
+) -> AsyncIterator[Node]:
     """A node over ``store``: its ``Receiving`` and ``PeerServicer`` on a loopback port; it
     serves rank 1 of ``JOB``."""
     receiving = Receiving(store, executor, reserve_bytes=1 << 20)
-    servicer = PeerServicer(receiving, lambda job: RANK1 if job == JOB else None)
+    servicer = PeerServicer(receiving, lambda job: RANK1 if job == JOB else None, rules=rules)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer.register(server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -150,3 +152,32 @@ def test_inodes_in_flight_count_against_a_pull(tmp_path: Path) -> None:
 
     with ram_disk(tmp_path / "n", "8m") as ckpt:
         asyncio.run(scenario(ckpt))
+
+
+def test_the_file_bound_holds_pushes_not_this_nodes_own_pulls(tmp_path: Path) -> None:
+    """``--max-item-files`` bounds what a peer may push here, not what this node pulls back
+    of its own (docs/daemon.md: this node's own steps are never refused): with a bound of 2,
+    a push of a 3-entry item is refused INVALID_ARGUMENT before staging, and the node's own
+    pull of the same item from its peer is taken whole."""
+
+    async def scenario(a_ckpt: Path, b_ckpt: Path) -> None:
+        a_store, manifest = holding(a_ckpt, 1)
+        assert manifest.entries > 2
+        with ThreadPoolExecutor(max_workers=2) as executor:
+            rules = ServiceRules(max_item_files=2)
+            async with (
+                serving(opened(b_ckpt), executor, rules) as b,
+                serving(a_store, executor) as a,
+                PeerClient(timeout=10.0) as a_client,
+                PeerClient(timeout=10.0, receiving=b.receiving) as b_client,
+            ):
+                data = a_store.data_path(ITEM)
+                with pytest.raises(PeerError) as pushed:
+                    await a_client.push_item(b.address, manifest, data, a_store.root)
+                assert pushed.value.code is grpc.StatusCode.INVALID_ARGUMENT
+                assert b.store.get(ITEM) is None
+                got = await b_client.pull_item(a.address, ITEM, b.store)
+                assert got.digest == manifest.digest
+
+    with ram_disk(tmp_path / "a", "16m") as a_ckpt, ram_disk(tmp_path / "b", "16m") as b_ckpt:
+        asyncio.run(scenario(a_ckpt, b_ckpt))
