@@ -17,10 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
 from mtc_replicator.csi._pb.csi.v1 import csi_pb2_grpc
 from mtc_replicator.csi.errors import MountError
-from mtc_replicator.csi.mounter import SystemMounter
+from mtc_replicator.csi.mounter import MemoryMounter, SystemMounter
 from mtc_replicator.csi.mountinfo import mounts_below
+from mtc_replicator.csi.ramdisk import ensure_ram_disk
+from mtc_replicator.csi.validation import EPHEMERAL_KEY
 from tests.csi.plugin_process import PluginProcess
 
 requires_root = pytest.mark.skipif(
@@ -133,3 +136,46 @@ def start_plugin(sandbox: Path) -> Iterator[StartPlugin]:
     if started:
         log = started[0].log_path.read_text(errors="replace")
         print(f"--- plugin log {started[0].log_path} ---\n{log[-20000:]}")
+
+
+# --- what kubelet sends, and the RAM disk the plugin keeps ---------------------------------------
+
+RAM_DISK_BYTES = 64 * 2**20
+Mode = pb.VolumeCapability.AccessMode
+
+
+def publish_request(target: Path, *, readonly: bool = False) -> pb.NodePublishVolumeRequest:
+    """What kubelet sends for an inline ephemeral volume with podInfoOnMount."""
+    return pb.NodePublishVolumeRequest(
+        volume_id="csi-0123abcd",
+        target_path=str(target),
+        volume_capability=pb.VolumeCapability(
+            mount=pb.VolumeCapability.MountVolume(),
+            access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
+        ),
+        readonly=readonly,
+        volume_context={
+            EPHEMERAL_KEY: "true",
+            "csi.storage.k8s.io/pod.name": "trainer-0",
+            "csi.storage.k8s.io/pod.namespace": "default",
+            "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
+            "csi.storage.k8s.io/serviceAccount.name": "default",
+        },
+    )
+
+
+def unpublish_request(target: Path) -> pb.NodeUnpublishVolumeRequest:
+    return pb.NodeUnpublishVolumeRequest(volume_id="csi-0123abcd", target_path=str(target))
+
+
+@pytest.fixture
+def mounter() -> MemoryMounter:
+    return MemoryMounter()
+
+
+@pytest.fixture
+def ram(tmp_path: Path, mounter: MemoryMounter) -> Path:
+    """A RAM disk of ``RAM_DISK_BYTES`` on ``mounter`` (nothing really mounted)."""
+    path = tmp_path / "ram"
+    ensure_ram_disk(mounter, path, RAM_DISK_BYTES)
+    return path

@@ -24,7 +24,7 @@ from mtc_replicator.csi.plugin_server import (
 from mtc_replicator.csi.ramdisk import ensure_ram_disk
 from mtc_replicator.csi.validation import EPHEMERAL_KEY
 from mtc_replicator.csi.volumes import NodeVolumes
-from tests.csi.conftest import CsiClient
+from tests.csi.conftest import CsiClient, publish_request, unpublish_request
 
 Mode = pb.VolumeCapability.AccessMode
 TIMEOUT = 10.0
@@ -55,30 +55,6 @@ def served(tmp_path: Path, connect: Callable[[Path], CsiClient]) -> Iterator[Ser
         yield Served(connect(server.socket_path), mounter, ram, pods, server.socket_path)
     finally:
         server.stop(grace=1)
-
-
-def publish_request(target: Path, *, readonly: bool = False) -> pb.NodePublishVolumeRequest:
-    """What kubelet sends for an inline ephemeral volume with podInfoOnMount."""
-    return pb.NodePublishVolumeRequest(
-        volume_id="csi-0123abcd",
-        target_path=str(target),
-        volume_capability=pb.VolumeCapability(
-            mount=pb.VolumeCapability.MountVolume(),
-            access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
-        ),
-        readonly=readonly,
-        volume_context={
-            EPHEMERAL_KEY: "true",
-            "csi.storage.k8s.io/pod.name": "trainer-0",
-            "csi.storage.k8s.io/pod.namespace": "default",
-            "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
-            "csi.storage.k8s.io/serviceAccount.name": "default",
-        },
-    )
-
-
-def unpublish_request(target: Path) -> pb.NodeUnpublishVolumeRequest:
-    return pb.NodeUnpublishVolumeRequest(volume_id="csi-0123abcd", target_path=str(target))
 
 
 def status_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:

@@ -12,21 +12,9 @@ from mtc_replicator.csi.errors import RamDiskError
 from mtc_replicator.csi.mounter import MemoryMounter
 from mtc_replicator.csi.mountinfo import MountInfo, mount_at, tmpfs_size
 from mtc_replicator.csi.ramdisk import Action, ensure_ram_disk, plan_ram_disk
-from tests.csi.conftest import Failing
+from tests.csi.conftest import RAM_DISK_BYTES, Failing
 
-SIZE = 64 * 2**20
-
-
-@pytest.fixture
-def mounter() -> MemoryMounter:
-    return MemoryMounter()
-
-
-@pytest.fixture
-def ram(tmp_path: Path, mounter: MemoryMounter) -> Path:
-    path = tmp_path / "ram"
-    ensure_ram_disk(mounter, path, SIZE)
-    return path
+SIZE = RAM_DISK_BYTES
 
 
 def visible(mounter: MemoryMounter, path: Path) -> MountInfo | None:

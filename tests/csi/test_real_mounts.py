@@ -14,17 +14,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
 from mtc_replicator.csi.mounter import RAM_DISK_SOURCE, SystemMounter
 from mtc_replicator.csi.mountinfo import MountInfo, mount_at, tmpfs_size
 from mtc_replicator.csi.plugin import EXIT_STARTUP_FAILED
-from mtc_replicator.csi.validation import EPHEMERAL_KEY
-from tests.csi.conftest import CsiClient, StartPlugin, requires_root
+from tests.csi.conftest import (
+    CsiClient,
+    StartPlugin,
+    publish_request,
+    requires_root,
+    unpublish_request,
+)
 
 pytestmark = requires_root
 
 TIMEOUT = 10.0
-Mode = pb.VolumeCapability.AccessMode
 
 
 def mounted(path: Path) -> MountInfo | None:
@@ -32,32 +35,11 @@ def mounted(path: Path) -> MountInfo | None:
 
 
 def publish(client: CsiClient, target: Path, *, readonly: bool = False) -> None:
-    client.node.NodePublishVolume(
-        pb.NodePublishVolumeRequest(
-            volume_id="csi-0123abcd",
-            target_path=str(target),
-            volume_capability=pb.VolumeCapability(
-                mount=pb.VolumeCapability.MountVolume(),
-                access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
-            ),
-            readonly=readonly,
-            volume_context={
-                EPHEMERAL_KEY: "true",
-                "csi.storage.k8s.io/pod.name": "trainer-0",
-                "csi.storage.k8s.io/pod.namespace": "default",
-                "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
-                "csi.storage.k8s.io/serviceAccount.name": "default",
-            },
-        ),
-        timeout=TIMEOUT,
-    )
+    client.node.NodePublishVolume(publish_request(target, readonly=readonly), timeout=TIMEOUT)
 
 
 def unpublish(client: CsiClient, target: Path) -> None:
-    client.node.NodeUnpublishVolume(
-        pb.NodeUnpublishVolumeRequest(volume_id="csi-0123abcd", target_path=str(target)),
-        timeout=TIMEOUT,
-    )
+    client.node.NodeUnpublishVolume(unpublish_request(target), timeout=TIMEOUT)
 
 
 def pod_dir(sandbox: Path, name: str) -> Path:

@@ -18,7 +18,6 @@ from mtc_replicator.csi.errors import (
 from mtc_replicator.csi.mounter import MemoryMounter
 from mtc_replicator.csi.mountinfo import MountInfo, mount_at
 from mtc_replicator.csi.owner import PodInfo
-from mtc_replicator.csi.ramdisk import ensure_ram_disk
 from mtc_replicator.csi.validation import Publish, Unpublish
 from mtc_replicator.csi.volumes import (
     Decision,
@@ -27,22 +26,10 @@ from mtc_replicator.csi.volumes import (
     decide_publish,
     published_targets,
 )
-from tests.csi.conftest import Failing
+from tests.csi.conftest import RAM_DISK_BYTES, Failing
 
-SIZE = 64 * 2**20
+SIZE = RAM_DISK_BYTES
 POD = PodInfo("team-a", "trainer-0", "uid-a0", "default")
-
-
-@pytest.fixture
-def mounter() -> MemoryMounter:
-    return MemoryMounter()
-
-
-@pytest.fixture
-def ram(tmp_path: Path, mounter: MemoryMounter) -> Path:
-    path = tmp_path / "ram"
-    ensure_ram_disk(mounter, path, SIZE)
-    return path
 
 
 @pytest.fixture
