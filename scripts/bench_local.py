@@ -95,7 +95,7 @@ def receive_socket(m: Manifest, data: Path, ram: Path) -> None:
 
     sender = threading.Thread(target=send)
     sender.start()
-    writer = ItemWriter(m, staged, hash_aside=True)  # as datachannel.receive_staged does
+    writer = ItemWriter(m, staged)  # as datachannel.receive_staged does
     try:
         datachannel.receive_into(writer, b, idle_timeout=30)
         writer.finish()

@@ -358,14 +358,6 @@ def set_idle_timeout(conn: Conn, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def _recv(sock: socket.socket, n: int, idle: float) -> bytes:
-    try:
-        # A fresh ``bytes`` per receive, filled in one copy: google_crc32c only takes bytes.
-        return sock.recv(n, socket.MSG_WAITALL)
-    except OSError as exc:
-        raise _receive_failed(exc, idle) from None
-
-
 def _receive_failed(exc: OSError, idle: float) -> ChannelBroken:
     # A receive timeout is EAGAIN on a plain socket, "want read" through OpenSSL.
     if isinstance(exc, ssl.SSLWantReadError | ssl.SSLWantWriteError) or exc.errno in (
@@ -376,28 +368,37 @@ def _receive_failed(exc: OSError, idle: float) -> ChannelBroken:
     return ChannelBroken(f"data connection failed: {exc}")
 
 
-class _TlsReader:
-    """Whole slices off a TLS stream (no ``MSG_WAITALL`` there: OpenSSL hands over one
-    16 KiB record per read), into one reused buffer, then one copy into the ``bytes`` that
-    google_crc32c insists on."""
+class _Slices:
+    """Whole slices off the data connection, each read into the next of a ring of reused
+    buffers: the slice handed out stays intact until ``count - 1`` more were read (the
+    writer's digest lane may still hash it, ``ItemWriter.slices_held``). No ``bytes`` per
+    slice: BLAKE3 and ``os.write`` take the view; only a format-1 entry's crc32c needs a
+    copy (``ItemWriter.write_raw``)."""
 
-    def __init__(self, stream: TlsStream, idle: float) -> None:
-        self.stream = stream
+    def __init__(self, sock: Conn, idle: float, count: int) -> None:
+        self.sock = sock
         self.idle = idle
-        self.buffer = bytearray(min(RECV_BYTES, MAX_CHUNK))
-        self.view = memoryview(self.buffer)
+        size = min(RECV_BYTES, MAX_CHUNK)
+        self.ring = [memoryview(bytearray(size)) for _ in range(max(1, count))]
+        self.turn = 0
 
-    def __call__(self, n: int) -> bytes:
+    def __call__(self, n: int) -> memoryview:
+        view = self.ring[self.turn]
+        self.turn = (self.turn + 1) % len(self.ring)
         got = 0
         try:
-            while got < n:
-                more = self.stream.recv_into(self.view[got:n])
-                if not more:
-                    break
-                got += more
+            if isinstance(self.sock, TlsStream):
+                # No ``MSG_WAITALL`` through OpenSSL: it hands over one 16 KiB record a read.
+                while got < n:
+                    more = self.sock.recv_into(view[got:n])
+                    if not more:
+                        break
+                    got += more
+            else:
+                got = self.sock.recv_into(view[:n], n, socket.MSG_WAITALL)
         except OSError as exc:
             raise _receive_failed(exc, self.idle) from None
-        return bytes(self.view[:got])
+        return view[:got]
 
 
 def receive_into(
@@ -416,11 +417,7 @@ def receive_into(
     """
     manifest = writer.manifest
     set_idle_timeout(sock, idle_timeout)
-    recv: Callable[[int], bytes]
-    if isinstance(sock, TlsStream):
-        recv = _TlsReader(sock, idle_timeout)
-    else:
-        recv = functools.partial(_recv, sock, idle=idle_timeout)
+    recv = _Slices(sock, idle_timeout, writer.slices_held)
     for index, entry in enumerate(manifest.files):
         offset = 0
         while offset < entry.size:
@@ -527,8 +524,10 @@ async def receive_staged(
 
     def open_writers() -> None:
         # In turn: the first part's writer makes the directories the others write into.
+        # Digests inline: a hop to a hashing thread per slice cost more CPU than it saved;
+        # a transfer that is to use more cores uses more connections.
         for n, part in enumerate(stripes.parts(manifest, len(socks))):
-            writers.append(ItemWriter(part, staged, hash_aside=True, made=n > 0))
+            writers.append(ItemWriter(part, staged, made=n > 0))
 
     def receive(writer: ItemWriter, sock: Conn) -> int:
         nbytes = receive_into(writer, sock, idle_timeout=idle_timeout, cancelled=abort)

@@ -224,9 +224,12 @@ class ItemWriter:
         self, manifest: Manifest, staged: Path, *, hash_aside: bool = False, made: bool = False
     ) -> None:
         """``hash_aside``: digests on a thread of their own (``HashLane``), for a caller
-        that receives in small pieces on one thread (the data channel). ``made``: a part
-        of an item (``core.stripes``) whose first part's writer already made ``data`` and
-        the directories: this one writes its own files into them."""
+        whose own thread is the bottleneck (gRPC's event loop). Without it each piece is
+        hashed as it is written, on one thread: the data channel's way, which costs less
+        CPU than handing every slice to another thread (docs/performance.md, "Where a
+        GiB's CPU goes"). ``made``: a part of an item (``core.stripes``) whose first
+        part's writer already made ``data`` and the directories: this one writes its own
+        files into them."""
         self.manifest = manifest
         self._lane = HashLane() if hash_aside else None
         self.bytes_written = 0
@@ -306,7 +309,7 @@ class ItemWriter:
             )
         return self._place(file_index, offset, data, crc32c)
 
-    def _place(self, file_index: int, offset: int, data: bytes, crc32c: int) -> int:
+    def _place(self, file_index: int, offset: int, data: bytes | memoryview, crc32c: int) -> int:
         """Check a verified slice's place in the stream and extend its file's crc and
         digest."""
         size = len(data)
@@ -325,10 +328,10 @@ class ItemWriter:
         if self._fd is None:
             self._fd = self._create(entry)
         if self._content is None:
-            # The lane's thread already overlaps the hash with the receive; the hasher's own
-            # threads on 1 MiB pieces there cost 0.3-0.4 s more CPU per GiB (they spin),
-            # for no faster a receive (docs/performance.md, "Content digests").
-            self._content = FileCheck(entry, threads=self._lane is None)
+            # One thread: the hasher's own threads on 1 MiB pieces cost 0.3-0.4 s more CPU
+            # per GiB (they spin), for no faster a receive (docs/performance.md, "Content
+            # digests").
+            self._content = FileCheck(entry)
             self._crc_checked = crc_checked(entry)
         if self._lane is None:
             self._content.update(data)
@@ -364,16 +367,25 @@ class ItemWriter:
         write_all(self.accept(file_index, offset, data, crc32c), data)
         self.release()
 
-    def write_raw(self, file_index: int, offset: int, data: bytes) -> None:
+    @property
+    def slices_held(self) -> int:
+        """How many slices, the one just written included, the writer may still read after
+        ``write_raw`` returns (its digest lane hashes them later): a caller that reuses its
+        buffers needs this many in turn."""
+        return 1 if self._lane is None else self._lane.depth + 1
+
+    def write_raw(self, file_index: int, offset: int, data: bytes | memoryview) -> None:
         """Write a slice that came without a checksum of its own (the data channel's): its
         file's size and digest (whole-file crc32c for a format-1 entry), checked when the
-        file completes, still cover it."""
+        file completes, still cover it. ``data`` may be a view of a buffer the caller
+        reuses (``slices_held``)."""
         if not 0 < len(data) <= MAX_CHUNK:
             raise TransferError(f"{self.manifest.item}: slice of {len(data)} bytes")
         if file_index >= len(self._files) or file_index < self._index:
             raise TransferError(f"{self.manifest.item}: slice for file {file_index} out of order")
         # A file with a digest needs no crc32c of its own: one hash per byte, not two.
-        crc = google_crc32c.value(data) if crc_checked(self._files[file_index]) else 0
+        # google_crc32c takes only ``bytes``: the copy is for format-1 entries alone.
+        crc = google_crc32c.value(bytes(data)) if crc_checked(self._files[file_index]) else 0
         fd = self._place(file_index, offset, data, crc)
         write_all(fd, data)
         self.release()
@@ -428,7 +440,7 @@ class ItemWriter:
                 os.close(fd)
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """``os.write`` until every byte is written (a short write is legal)."""
     view = memoryview(data)
     while view:

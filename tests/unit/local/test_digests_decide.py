@@ -76,7 +76,7 @@ def data_channel(m: Manifest, data: Path, tmp: Path) -> None:
     """As ``datachannel.receive_into`` does: raw slices with no checksum of their own."""
     staged = tmp / "staged-raw"
     staged.mkdir()
-    writer = ItemWriter(m, staged, hash_aside=True)
+    writer = ItemWriter(m, staged)  # hashed inline, as ``datachannel.receive_staged`` does
     try:
         for index, entry in enumerate(m.files):
             raw = (data / entry.path).read_bytes()

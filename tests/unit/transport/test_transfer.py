@@ -305,6 +305,43 @@ def test_bytes_of_the_same_size_and_crc32c_are_refused_by_their_digest(
     writer.close()
 
 
+@pytest.mark.parametrize("aside", [False, True], ids=["inline", "hash aside"])
+@pytest.mark.parametrize("version", ["format 2", "format 1"])
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "a flipped byte"])
+def test_raw_slices_may_be_views_of_buffers_the_caller_reuses(
+    tmp_path: Path, aside: bool, version: str, flip: bool
+) -> None:
+    """The data channel hands ``write_raw`` views of ``slices_held`` buffers it refills in
+    turn (no ``bytes`` per slice): every check still sees each slice as it came, the
+    digest (format 2) or the whole-file crc32c (format 1, whose crc needs the copy)."""
+    src = tmp_path / "f"
+    data = os.urandom(40 * 1024 + 123)
+    src.write_bytes(data)
+    manifest = build_manifest(ITEM, src)
+    if version == "format 1":
+        files = tuple(dataclasses.replace(f, blake3=None) for f in manifest.files)
+        manifest = dataclasses.replace(manifest, files=files, version=LEGACY_VERSION)
+    wire = bytearray(data)
+    if flip:
+        wire[5000] ^= 0x01
+    writer = ItemWriter(manifest, staging(tmp_path), hash_aside=aside)
+    ring = [memoryview(bytearray(1024)) for _ in range(writer.slices_held)]
+    try:
+        for turn, off in enumerate(range(0, len(wire), 1024)):
+            view = ring[turn % len(ring)]
+            piece = wire[off : off + 1024]
+            view[: len(piece)] = piece
+            writer.write_raw(0, off, view[: len(piece)])
+        if flip:
+            with pytest.raises(CorruptItem, match="blake3" if version == "format 2" else "crc32c"):
+                writer.finish()
+            return
+        writer.finish()
+    finally:
+        writer.close()
+    assert (tmp_path / "staged" / "data").read_bytes() == data
+
+
 def test_the_digest_is_fed_every_chunk_in_order(tmp_path: Path) -> None:
     src = tmp_path / "f"
     data = os.urandom(10_000)
