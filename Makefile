@@ -49,7 +49,7 @@ testbed:
 	scripts/k8s_testbed.sh || echo "make: scripts/k8s_testbed.sh failed: tests/controller will skip"
 
 test: $(STAMP) lint typecheck testbed
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadgroup tests
 
 bench: $(STAMP)
 	$(PY) scripts/bench_local.py --size-mib 1024
