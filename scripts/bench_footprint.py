@@ -210,6 +210,8 @@ class Profile:
     restore_round: tuple[float, float] | None = None
     """CPU seconds of a restore round with 4 KiB to pull: the restoring node's, the
     serving node's (left out of the restore rows)."""
+    per_step: dict[str, float] | None = None
+    """CPU seconds of a step of 4 KiB, by scenario (left out of the stage rows)."""
 
     @classmethod
     def of(
@@ -220,13 +222,15 @@ class Profile:
         restore_round = None
         if "restore_round_restoring" in stages:
             restore_round = (stages["restore_round_restoring"], stages["restore_round_serving"])
+        per_step = {k.removeprefix("step_"): v for k, v in stages.items() if k.startswith("step_")}
         per_gib = result.get("replicator_cpu_seconds_per_gib")
         if not isinstance(per_gib, list) or not per_gib:
-            return cls(rows, None, None, None, None, restore_round)
+            return cls(rows, None, None, None, None, restore_round, per_step or None)
         cycle = floors.cycle_row(statistics.median(per_gib), measured, backup=backup)
         apart = floors.stages_sum(stages, backup=backup) if stages else None
         span = (min(per_gib), max(per_gib))
-        return cls(rows, cycle, span, apart, _between_steps(result), restore_round)
+        between = _between_steps(result)
+        return cls(rows, cycle, span, apart, between, restore_round, per_step or None)
 
     def json(self) -> dict[str, object]:
         out: dict[str, object] = {"stages": [_row_json(r) for r in self.rows]}
@@ -236,6 +240,8 @@ class Profile:
                 "restoring": round(restoring, 2),
                 "serving": round(serving, 2),
             }
+        if self.per_step is not None:
+            out["step_of_4_kib_cpu_seconds"] = {k: round(v, 3) for k, v in self.per_step.items()}
         if self.cycle is not None:
             out["cycle"] = {
                 **_row_json(self.cycle),
@@ -251,6 +257,11 @@ class Profile:
             lines.append(
                 "a restore round with 4 KiB to pull (left out of the restore rows): "
                 f"{self.restore_round[0]:.2f} CPU s restoring, {self.restore_round[1]:.2f} serving"
+            )
+        if self.per_step is not None:
+            lines.append(
+                "a step of 4 KiB (taken off the stage rows), CPU s per daemon: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in self.per_step.items())
             )
         if self.cycle_range is not None:
             low, high = self.cycle_range

@@ -16,6 +16,11 @@ its RAM disk on tmpfs; a scenario isolates each stage:
   from rank 1, and rank 1's for serving it; less the same for a step of 4 KiB (the round's
   own cost, reported apart).
 
+Every stage is what its bytes cost: each scenario saves as many steps of 4 KiB as it
+measures of ``step_mib`` and takes their CPU off (``saves_measured``); what a step costs
+whatever its bytes is reported apart, per scenario. The node's whole cycle
+(``bench_footprint``) keeps both.
+
 Each scenario saves ``warmup`` steps before the ``saves`` it measures, and prunes its
 ``file://`` bucket to the newest committed step as it goes (``prune_backups``): the steps
 measured cost what every step of a long run does, with the RAM disks' and the bucket's
@@ -177,34 +182,53 @@ class Stages:
             shutil.rmtree(self.ram / name, ignore_errors=True)
             shutil.rmtree(self.buckets / name, ignore_errors=True)
 
-    def saves_measured(self, nodes: list[Node], one_step: Callable[[int], None]) -> list[float]:
-        """``one_step(step)`` for ``warmup`` steps, then for ``saves`` more: each of
-        ``nodes``' CPU seconds over the latter and their trailing work (``last_step`` is
-        the last).
+    def saves_measured(
+        self, nodes: list[Node], one_step: Callable[[int, int], None]
+    ) -> tuple[list[float], list[float]]:
+        """``one_step(step, nbytes)`` for ``warmup`` steps of ``step_mib``, then ``saves``
+        steps of 4 KiB, then ``saves`` of ``step_mib`` (``last_step`` is the last): each of
+        ``nodes``' CPU seconds over the big ones and over the tiny ones, each with their
+        trailing work. The big ones' less the tiny ones' is what the bytes cost (the
+        stage's CPU per GiB); the tiny ones' is what a step costs whatever its bytes (its
+        handshake with the job, manifests, signatures, logs, the daemon's idle ticks over
+        the step's seconds), reported apart as a restore round's is.
         The warm-up steps take what a run's first steps take once (connections, threads,
         the RAM disks' and the bucket's memory), so the measured ones cost what every
         step of a long run does."""
-        for i in range(self.warmup):
-            one_step((i + 1) * 10)
-        time.sleep(SETTLE)
-        cpu0 = [n.cpu_seconds() for n in nodes]
-        for i in range(self.warmup, self.warmup + self.saves):
-            one_step((i + 1) * 10)
-        time.sleep(SETTLE)
-        return [n.cpu_seconds() - c for n, c in zip(nodes, cpu0, strict=True)]
+        step = 0
+        big = self.step_mib * MiB
+        for _ in range(self.warmup):
+            step += 10
+            one_step(step, big)
+        spent: list[list[float]] = []
+        for nbytes in (TINY, big):
+            time.sleep(SETTLE)
+            cpu0 = [n.cpu_seconds() for n in nodes]
+            for _ in range(self.saves):
+                step += 10
+                one_step(step, nbytes)
+            time.sleep(SETTLE)
+            spent.append([n.cpu_seconds() - c for n, c in zip(nodes, cpu0, strict=True)])
+        tiny, whole = spent
+        return whole, tiny
 
     @property
     def last_step(self) -> int:
-        return (self.warmup + self.saves) * 10
+        return (self.warmup + 2 * self.saves) * 10
 
-    def one_node(self, *, backup: bool) -> float:
-        """CPU s/GiB of a one-node job's daemon: ingest, and the upload with ``backup``."""
+    def per_gib(self, whole: float, tiny: float) -> float:
+        """CPU s/GiB of the bytes alone: the big steps' CPU less the tiny steps'."""
+        return (whole - tiny) / self.gib
+
+    def one_node(self, *, backup: bool) -> tuple[float, float]:
+        """CPU s/GiB of a one-node job's daemon (ingest, and the upload with ``backup``),
+        and its CPU seconds per step whatever the step's bytes."""
         name = "upload" if backup else "ingest"
         job = f"stage-{name}"
         with self.running(name, 1, job, backup=backup) as (node,):
 
-            def one_step(step: int) -> None:
-                save(node.ckpt, step, self.step_mib * MiB)
+            def one_step(step: int, nbytes: int) -> None:
+                save(node.ckpt, step, nbytes)
                 if backup:
                     committed = rf"backup committed job={job} step={step} "
                     wait_logged([node.log], committed, 1, f"{job}'s backup of {step}")
@@ -213,8 +237,8 @@ class Stages:
                     ingested = rf"ingested {job}/s{step}/n0-w0: "
                     wait_logged([node.log], ingested, 1, f"{job}'s step {step}")
 
-            (cpu,) = self.saves_measured([node], one_step)
-            return cpu / self.gib
+            (whole,), (tiny,) = self.saves_measured([node], one_step)
+            return self.per_gib(whole, tiny), tiny / self.saves
 
     def pair(self) -> dict[str, float]:
         """CPU s/GiB of the two-node job's daemons: rank 0's (ingest and push send), rank
@@ -225,22 +249,24 @@ class Stages:
         job = "stage-peer"
         with self.running("peer", 2, job, backup=False) as (a, b):
 
-            def one_step(step: int, nbytes: int = self.step_mib * MiB) -> None:
+            def one_step(step: int, nbytes: int) -> None:
                 save(a.ckpt, step, nbytes)
                 save(b.ckpt, step, TINY)
                 for node in (a, b):
                     pushed = rf"pushed {job}/s{step}/n{node.rank}-w0 to "
                     wait_logged([node.log], pushed, 1, f"rank {node.rank}'s push of {step}")
 
-            sent, received = self.saves_measured([a, b], one_step)
+            (sent, received), (sent_tiny, received_tiny) = self.saves_measured([a, b], one_step)
             restoring, serving = self._restore(a, b, job, self.last_step)
             tiny = self.last_step + 10
             one_step(tiny, TINY)
             round_restoring, round_serving = self._restore(a, b, job, tiny)
             gib = self.step_mib / 1024
             return {
-                "ingest_and_push_send": sent / self.gib,
-                "push_receive": received / self.gib,
+                "ingest_and_push_send": self.per_gib(sent, sent_tiny),
+                "push_receive": self.per_gib(received, received_tiny),
+                "step_pushing": sent_tiny / self.saves,
+                "step_receiving": received_tiny / self.saves,
                 "restore_receive": (restoring - round_restoring) / gib,
                 "restore_serve": (serving - round_serving) / gib,
                 "restore_round_restoring": round_restoring,
@@ -267,8 +293,8 @@ class Stages:
 
     def measure(self) -> dict[str, float]:
         """Every stage's CPU s/GiB (``footprint_floors.STAGE_FLOORS``'s names)."""
-        ingest = self.one_node(backup=False)
-        with_upload = self.one_node(backup=True)
+        ingest, step_ingesting = self.one_node(backup=False)
+        with_upload, step_uploading = self.one_node(backup=True)
         peer = self.pair()
         return {
             "ingest": ingest,
@@ -277,7 +303,12 @@ class Stages:
             "upload": with_upload - ingest,
             "restore_receive": peer["restore_receive"],
             "restore_serve": peer["restore_serve"],
-            # Not stages: CPU seconds of a restore round whatever its bytes.
+            # Not stages: CPU seconds of a restore round whatever its bytes,
             "restore_round_restoring": peer["restore_round_restoring"],
             "restore_round_serving": peer["restore_round_serving"],
+            # and of a step of 4 KiB, by scenario (per daemon).
+            "step_ingesting": step_ingesting,
+            "step_uploading": step_uploading,
+            "step_pushing": peer["step_pushing"],
+            "step_receiving": peer["step_receiving"],
         }

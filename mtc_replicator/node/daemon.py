@@ -316,7 +316,7 @@ class Daemon:
         """The line that says the daemon serves, and with what."""
         log.info(
             "%s: checkpoint-dir=%s store-dir=%s listen=%s advertise=%s backup=%s version=%s "
-            "tls=%s node=%s health=%s metrics=%s data-port=%s owner-file=%s",
+            "tls=%s node=%s health=%s metrics=%s data-port=%s data-streams=%d owner-file=%s",
             STARTED_LINE,
             self.opts.checkpoint_dir,
             self.parts.store.root,
@@ -329,6 +329,7 @@ class Daemon:
             self.health_address,
             self._metrics_server.address if self._metrics_server else None,
             channel.port if channel is not None else "off",
+            self.opts.data_streams,
             self.opts.owner_file or "off",
         )
 

@@ -30,6 +30,7 @@ from mtc_replicator.core.pacing import (
 )
 from mtc_replicator.core.policy import DEFAULT_KEEP_STEPS
 from mtc_replicator.core.retry import DEFAULT_STORAGE_TIMEOUT
+from mtc_replicator.core.stripes import MAX_STREAMS
 from mtc_replicator.obs.logs import add_log_arguments
 from mtc_replicator.transport.peer_servicer import IDLE_SECONDS
 from mtc_replicator.transport.tls import DEFAULT_SERVER_NAME
@@ -73,6 +74,9 @@ class DaemonOptions:
     data_port: int | None = 0
     """TCP port of the data channel on the ``listen`` host (0: any free one, told to peers
     over gRPC); None: no data channel, item bytes travel in gRPC chunks."""
+    data_streams: int = 1
+    """The most data connections one transfer of an item uses at once, each on a thread
+    with its part of the item's files (``core.stripes``); the other side may allow fewer."""
     tls_cert: str | None = None
     """This node's certificate (PEM); with ``tls_key`` and ``tls_ca``, mutual TLS on every
     port and every call; None: plaintext, unauthenticated (a warning at start)."""
@@ -142,6 +146,20 @@ def _data_port(value: str) -> int | None:
     return int(value)
 
 
+def auto_streams() -> int:
+    """Half the cores this process may run on, 1 to ``MAX_STREAMS``: a node sends its own
+    item and receives its peer's at once, each on as many cores."""
+    return max(1, min(MAX_STREAMS, len(os.sched_getaffinity(0)) // 2))
+
+
+def _data_streams(value: str) -> int:
+    if value == "auto":
+        return auto_streams()
+    if not ascii_digits(value) or not 1 <= int(value) <= MAX_STREAMS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {MAX_STREAMS} or 'auto', got {value!r}")
+    return int(value)
+
+
 def _flag(value: str) -> bool:
     """An environment variable that turns something on: 1, true, yes, on (any case)."""
     return value.strip().lower() in ("1", "true", "yes", "on")
@@ -162,6 +180,7 @@ def make_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser
     add_log_arguments(p, env)
     _add_timing(p, env)
     _add_ports_and_tls(p, env)
+    _add_data_streams(p, env)
     _add_workload_rules(p, env)
     _add_transfer_limits(p, env)
     p.add_argument(
@@ -246,6 +265,20 @@ def _add_timing(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
         default=env.get("MTC_REPORT_AFTER_SECONDS", "60"),
         help="a waiting restore round says what it waits for in replicator.errors after this "
         "(default: %(default)s) [MTC_REPORT_AFTER_SECONDS]",
+    )
+
+
+def _add_data_streams(p: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """How many connections, and so cores, one transfer's bytes may use."""
+    p.add_argument(
+        "--data-streams",
+        type=_data_streams,
+        default=env.get("MTC_DATA_STREAMS", "auto"),
+        metavar="COUNT",
+        help="most data connections one transfer of an item uses at once, each sending or "
+        f"receiving its part of the item's files on a core of its own: 1 to {MAX_STREAMS}, "
+        "or 'auto' (half the cores this daemon may run on) (default: auto) "
+        "[MTC_DATA_STREAMS]",
     )
 
 
@@ -508,6 +541,7 @@ def parse_args(
         report_after_seconds=a.report_after_seconds,
         metrics=a.metrics,
         data_port=a.data_port,
+        data_streams=a.data_streams,
         tls_cert=_text(a.tls_cert),
         tls_key=_text(a.tls_key),
         tls_ca=_text(a.tls_ca),

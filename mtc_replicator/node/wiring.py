@@ -229,6 +229,7 @@ def assemble(
         tls=parts.tls,
         pacer=parts.pacer,
         receiving=parts.receiving,
+        data_streams=opts.data_streams,
     )
     calls = _coordinator_calls(parts, loop)
     ctx = AgentContext(
@@ -309,6 +310,7 @@ def _peer_servicer(
             opts.max_step_lead,
             opts.idle_timeout_seconds,
             max_item_files=opts.max_item_files,
+            data_streams=opts.data_streams,
             min_rate=opts.min_transfer_rate,
         ),
         metrics=parts.metrics,

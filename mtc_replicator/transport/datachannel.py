@@ -31,7 +31,6 @@ read nor alter them undetected; crc32c stays the check against bit rot.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -42,18 +41,24 @@ import secrets
 import socket
 import ssl
 import struct
-import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from mtc_replicator.core import stripes
 from mtc_replicator.core.identity import NotANode
 from mtc_replicator.core.manifest import Cancelled, Manifest
 from mtc_replicator.core.retry import Backoff
-from mtc_replicator.local.pacer import Meter
+from mtc_replicator.local.pacer import Meter, SharedMeter
 from mtc_replicator.local.store import LocalStore, StoreError
+from mtc_replicator.transport.datapool import (
+    Abort,
+    Conn,
+    TransferPool,
+    raw_socket,
+)
 from mtc_replicator.transport.identity import peer_node
 from mtc_replicator.transport.streams import ChannelBroken, ChannelProtocolError, ChannelUnreachable
 from mtc_replicator.transport.tls import TlsMaterial, TlsStream
@@ -79,10 +84,6 @@ MAX_HANDSHAKES = 64
 """Connections allowed to be presenting a token at once; more are closed at once."""
 MAX_HANDSHAKES_PER_PEER = 8
 """Of those, from one peer address: idle connections from one host cannot take every slot."""
-MAX_TRANSFERS = 16
-"""Transfers on the data channel at once on one side (each holds a thread while it moves
-bytes); past it, or past ``MAX_TRANSFERS_PER_PEER`` for one peer, bytes go in gRPC chunks."""
-MAX_TRANSFERS_PER_PEER = 4
 RECV_BYTES = 1 << 20
 """Bytes per receive: a whole number of pages, like the raw copy it is measured against."""
 SEND_SLICE = 64 << 20
@@ -91,60 +92,12 @@ TLS_SEND_BYTES = 1 << 20
 """Bytes read and handed to OpenSSL per send on a TLS connection."""
 
 
-Conn = socket.socket | TlsStream
-"""A data connection: a plain socket, or TLS over one."""
-
-
-def raw_socket(conn: Conn) -> socket.socket:
-    return conn.sock if isinstance(conn, TlsStream) else conn
-
-
 def _never() -> bool:
     return False
 
 
 def _unbracket(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-class TransferPool:
-    """The threads that move data-channel bytes: at most ``size`` at once, at most
-    ``per_peer`` for one peer address. A transfer ``claim``s a slot before it offers or
-    asks for the channel, and goes in gRPC chunks when none is free, so no transfer ever
-    waits here for a thread. Used from one event loop."""
-
-    def __init__(self, size: int = MAX_TRANSFERS, per_peer: int = MAX_TRANSFERS_PER_PEER) -> None:
-        self.size = size
-        self.per_peer = per_peer
-        self._executor = ThreadPoolExecutor(max_workers=size, thread_name_prefix="mtc-data")
-        self._busy: Counter[str] = Counter()
-
-    def claim(self, peer: str) -> bool:
-        """Take a slot for a transfer with ``peer``; False when none is free."""
-        if self._busy.total() >= self.size or self._busy[peer] >= self.per_peer:
-            return False
-        self._busy[peer] += 1
-        return True
-
-    def release(self, peer: str) -> None:
-        self._busy[peer] -= 1
-        if self._busy[peer] <= 0:
-            del self._busy[peer]
-
-    async def run(self, fn: Callable[[], T], abort: Abort) -> T:
-        """Run a blocking transfer on a pool thread (a GiB must not hold a worker of the
-        daemon's I/O pool); when the awaiting task is cancelled, abort the transfer and wait
-        for the thread to let go of what it uses before the caller cleans up."""
-        cf = self._executor.submit(fn)
-        try:
-            return await asyncio.wrap_future(cf)
-        except asyncio.CancelledError:
-            abort.set()
-            concurrent.futures.wait([cf])
-            raise
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 # --- the listener (the serving daemon) ---------------------------------------------------------
@@ -552,80 +505,77 @@ def _send_through_tls(sock: TlsStream, fd: int, offset: int, left: int, buffer: 
     return n
 
 
-class Abort:
-    """Stops a blocking transfer from another thread: a flag, and the socket shut down so a
-    blocked receive or ``sendfile`` returns at once."""
-
-    def __init__(self) -> None:
-        self.sock: Conn | None = None
-        self.event = threading.Event()
-        """Set once aborted: a wait on the pacer ends with it."""
-
-    def __call__(self) -> bool:
-        return self.event.is_set()
-
-    def set(self) -> None:
-        self.event.set()
-        if self.sock is not None:
-            with contextlib.suppress(OSError):
-                raw_socket(self.sock).shutdown(socket.SHUT_RDWR)
-
-
 async def receive_staged(
     store: LocalStore,
     manifest: Manifest,
-    sock: Conn,
+    socks: Sequence[Conn],
     *,
     idle_timeout: float,
     pool: TransferPool,
     progress: Progress | None = None,
 ) -> int:
-    """Stage, verify and commit an item arriving on ``sock``; the bytes written.
+    """Stage, verify and commit an item arriving on ``socks``; the bytes written. With
+    several connections, each carries its part of the item's files (``core.stripes``) and
+    is received on a thread of its own, with its own writer and digests.
 
     As with ``transfer.receive_item``, nothing outside the staging directory is written
     before the commit's rename, and on any error the staging directory is removed.
     """
     staged = store.new_staging()
-    abort = Abort()
-    abort.sock = sock
+    abort = Abort(socks)
+    writers: list[ItemWriter] = []
 
-    def work() -> int:
-        writer = ItemWriter(manifest, staged, hash_aside=True)
-        if progress is not None:
-            progress.writer = writer
-        try:
-            nbytes = receive_into(writer, sock, idle_timeout=idle_timeout, cancelled=abort)
-            writer.finish()
-        finally:
-            writer.close()
-        store.commit_staged(staged, manifest)
+    def open_writers() -> None:
+        # In turn: the first part's writer makes the directories the others write into.
+        for n, part in enumerate(stripes.parts(manifest, len(socks))):
+            writers.append(ItemWriter(part, staged, hash_aside=True, made=n > 0))
+
+    def receive(writer: ItemWriter, sock: Conn) -> int:
+        nbytes = receive_into(writer, sock, idle_timeout=idle_timeout, cancelled=abort)
+        writer.finish()
         return nbytes
 
     try:
-        return await pool.run(work, abort)
+        try:
+            await pool.run(open_writers, abort)
+            if progress is not None:
+                progress.writers = tuple(writers)
+            parts = [
+                functools.partial(receive, w, sock) for w, sock in zip(writers, socks, strict=True)
+            ]
+            nbytes = sum(await pool.run_all(parts, abort))
+        finally:
+            for writer in writers:  # no thread uses them any more (``run_all``)
+                writer.close()
+        await pool.run(functools.partial(store.commit_staged, staged, manifest), abort)
     except OSError as exc:
         raise StoreError(f"{manifest.item}: cannot stage the incoming copy: {exc}") from exc
     finally:
         await discard_staging(staged)
+    return nbytes
 
 
 async def send_staged(
     manifest: Manifest,
     data: Path,
-    sock: Conn,
+    socks: Sequence[Conn],
     *,
     idle_timeout: float,
     pool: TransferPool,
     root: Path | None = None,
     meter: Meter | None = None,
 ) -> int:
-    """``send_item`` on a thread of ``pool``, paced by ``meter`` when given; cancelling the
-    awaiting task stops it, also while it waits for the pacer."""
-    abort = Abort()
-    abort.sock = sock
-    return await pool.run(
-        lambda: send_item(
-            sock, manifest, data, idle_timeout=idle_timeout, abort=abort, root=root, meter=meter
-        ),
-        abort,
+    """``send_item`` on a thread of ``pool`` per connection, each with its part of the
+    item's files (``core.stripes``), paced by ``meter`` when given (one account for all of
+    them); cancelling the awaiting task stops them, also while they wait for the pacer."""
+    abort = Abort(socks)
+    if meter is not None and len(socks) > 1:
+        meter = SharedMeter(meter)
+    send = functools.partial(
+        send_item, data=data, idle_timeout=idle_timeout, abort=abort, root=root, meter=meter
     )
+    parts = [
+        functools.partial(send, sock, part)
+        for part, sock in zip(stripes.parts(manifest, len(socks)), socks, strict=True)
+    ]
+    return sum(await pool.run_all(parts, abort))

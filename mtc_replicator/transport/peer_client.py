@@ -46,6 +46,7 @@ from mtc_replicator.transport.peerwire import (
     CHANNEL_OPTIONS,
     GO_AHEAD,
     channel_offer,
+    check_streams,
     chunks_of,
     fill_chunk,
     item_id,
@@ -196,7 +197,7 @@ class PeerClient:
     A pull's checks and disk writes run in ``executor`` (the daemon passes its own pool;
     without one the client makes a small pool and shuts it down in ``close``). With
     ``data_channel``, transfers ask for the other daemon's data channel and use it when it
-    is offered.
+    is offered, with up to ``data_streams`` connections at once (``core.stripes``).
     """
 
     def __init__(
@@ -208,6 +209,7 @@ class PeerClient:
         executor: Executor | None = None,
         metrics: Metrics = NO_METRICS,
         data_channel: bool = True,
+        data_streams: int = 1,
         tls: TlsMaterial | None = None,
         pacer: Pacer | None = None,
         receiving: Receiving | None = None,
@@ -221,6 +223,7 @@ class PeerClient:
         self.tls = tls
         """Mutual TLS for every call and data connection; None: plaintext."""
         self.data_channel = data_channel
+        self.data_streams = data_streams
         self.metrics = metrics
         self.min_rate = min_rate
         self.max_transfer_seconds = max_transfer_seconds
@@ -421,6 +424,7 @@ class PeerClient:
             manifest=manifest.to_json(),
             manifest_digest=manifest.digest,
             data_channel=channel,
+            data_streams=self.data_streams if channel else 0,
             pool_copy=send.pool_copy,
         )
         watch = Stopwatch()
@@ -436,6 +440,8 @@ class PeerClient:
                 if GO_AHEAD in metadata:
                     try:
                         offer = push_offer(metadata)
+                        if offer is not None:
+                            check_streams(offer, manifest, self.data_streams)
                     except TransferError as exc:
                         raise PeerError(address, f"{what}: {exc}") from None
                     sink: sending.Sink = self._chunk_writer(call, what)
@@ -534,7 +540,10 @@ class PeerClient:
 
         async def attempt(channel: bool) -> Manifest:
             request = pb.PullItemRequest(
-                item=item_ref(item), manifest_digest=expected_digest or "", data_channel=channel
+                item=item_ref(item),
+                manifest_digest=expected_digest or "",
+                data_channel=channel,
+                data_streams=self.data_streams if channel else 0,
             )
             stream = self._stub(address).PullItem(request, timeout=self._deadline(total_bytes))
             try:
@@ -568,7 +577,9 @@ class PeerClient:
                 raise PeerError(address, f"{what}: another digest came")
             try:
                 manifest = await receiving.check(header.manifest, header.manifest_digest, item, vet)
-                offer = channel_offer(header.data_port, header.data_token)
+                offer = channel_offer(header.data_port, header.data_token, header.more_tokens)
+                if offer is not None:
+                    check_streams(offer, manifest, self.data_streams)
             except (ManifestError, TransferError) as exc:
                 raise PeerError(address, f"{what}: {exc}") from None
             source: Source = chunks_of(responses)

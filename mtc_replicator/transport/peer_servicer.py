@@ -46,6 +46,7 @@ from mtc_replicator.core.manifest import (
     ManifestError,
 )
 from mtc_replicator.core.pacing import DEFAULT_MIN_TRANSFER_RATE, Traffic
+from mtc_replicator.core.stripes import stream_count
 from mtc_replicator.local.pacer import Pacer
 from mtc_replicator.local.store import StoreError
 from mtc_replicator.obs.logs import JobLog
@@ -62,6 +63,7 @@ from mtc_replicator.transport.peerwire import (
     fill_chunk,
     item_id,
     item_ref,
+    offer_text,
 )
 from mtc_replicator.transport.pool_holding import NO_POOL, PoolHolding
 from mtc_replicator.transport.receiving import ItemInFlight, Receiving, Source, TooLarge
@@ -175,6 +177,15 @@ async def _drain(requests: AsyncIterator[pb.PushItemRequest], budget: int) -> No
                 return
 
 
+def _way(connections: int) -> str:
+    """How a transfer's bytes moved, for its log line."""
+    if connections == 0:
+        return "in gRPC chunks"
+    if connections == 1:
+        return "over the data channel"
+    return f"over the data channel ({connections} connections)"
+
+
 def _refuse_unless(admission: Admission) -> None:
     """Raise the exception ``status_for`` turns into the verdict's status code."""
     if admission.accepted:
@@ -202,6 +213,9 @@ class ServiceRules:
     max_item_files: int = DEFAULT_MAX_ITEM_FILES
     """The most files and directories one pushed item may list (refused before any is
     checked or staged); every push must also leave inodes free (``receiving``)."""
+    data_streams: int = 1
+    """The most data connections one transfer may use here (``core.stripes``): the other
+    side asks for as many as it can use, and gets the lesser."""
     min_rate: float | None = DEFAULT_MIN_TRANSFER_RATE
     """A push or a pull served must move its bytes at this average rate after a grace of
     ``idle_timeout`` (``core.pacing.transfer_deadline``) or it is dropped, its reservation
@@ -270,18 +284,30 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
                 del self._per_peer[host]
 
     @contextlib.contextmanager
-    def _channel_slot(self, host: str, wanted: bool, nbytes: int) -> Iterator[Ticket | None]:
-        """A data-channel ticket for this transfer, when the other side asked for the
-        channel and it has a free slot for ``host``; slot and ticket released after."""
+    def _channel_slot(
+        self, host: str, wanted: bool, streams: int, manifest: Manifest
+    ) -> Iterator[tuple[Ticket, ...]]:
+        """Data-channel tickets for this transfer, one per connection (as many as the
+        other side asked for, this node allows and the item's files can fill,
+        ``core.stripes``), when it asked for the channel and there is a free slot for
+        ``host``; none otherwise. Slot and tickets released after."""
         channel = self.channel
-        if channel is None or not wanted or nbytes <= 0 or not channel.pool.claim(host):
-            yield None
+        if (
+            channel is None
+            or not wanted
+            or manifest.total_bytes <= 0
+            or not channel.pool.claim(host)
+        ):
+            yield ()
             return
-        ticket = channel.issue()
+        sizes = [entry.size for entry in manifest.files]
+        count = stream_count(sizes, min(max(streams, 1), self.rules.data_streams))
+        tickets = tuple(channel.issue() for _ in range(count))
         try:
-            yield ticket
+            yield tickets
         finally:
-            channel.withdraw(ticket)  # closes its connection
+            for ticket in tickets:
+                channel.withdraw(ticket)  # closes its connection
             channel.pool.release(host)
 
     async def _check_push(self, header: pb.PushHeader) -> tuple[Manifest, bool]:
@@ -352,10 +378,13 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             # Released before any draining: a stalled or hostile sender holds nothing.
             async with self.receiving.reserved(manifest):
                 with self._channel_slot(
-                    peer_host(peer), first.header.data_channel, manifest.total_bytes
-                ) as ticket:
-                    offered = ticket is not None
-                    source = await self._go_ahead(requests, context, item, ticket)
+                    peer_host(peer),
+                    first.header.data_channel,
+                    first.header.data_streams,
+                    manifest,
+                ) as tickets:
+                    offered = bool(tickets)
+                    source = await self._go_ahead(requests, context, item, tickets)
                     nbytes = await self.receiving.take(
                         manifest,
                         source,
@@ -380,7 +409,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             "received %s from %s %s: %s",
             item,
             peer,
-            "over the data channel" if offered else "in gRPC chunks",
+            _way(len(tickets)),
             watch.summary(nbytes),
             step=item.step,
         )
@@ -394,18 +423,18 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
         requests: AsyncIterator[pb.PushItemRequest],
         context: grpc.aio.ServicerContext[pb.PushItemRequest, pb.PushItemResponse],
         item: ItemId,
-        ticket: Ticket | None,
+        tickets: tuple[Ticket, ...],
     ) -> Source:
-        """Tell the pusher to send (on the data channel, with its ``ticket``); where the
-        bytes come from."""
+        """Tell the pusher to send (on the data channel, a connection per ticket, when
+        there are ``tickets``); where the bytes come from."""
         idle = self.rules.idle_timeout
-        if ticket is None:
+        if not tickets:
             await context.send_initial_metadata((GO_AHEAD,))
             return chunks_of(idle_bounded(requests, idle, f"push of {item}"))
         assert self.channel is not None
-        offer = f"{self.channel.port} {ticket.token_hex}"
+        offer = offer_text(self.channel.port, [ticket.token for ticket in tickets])
         await context.send_initial_metadata((GO_AHEAD, (DATA_CHANNEL_KEY, offer)))
-        return accepted(self.channel, ticket, idle)
+        return accepted(self.channel, tickets, idle)
 
     async def PullItem(  # type: ignore[override]  # writes with context.write, below
         self,
@@ -454,14 +483,15 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
 
         try:
             with self._channel_slot(
-                peer_host(context.peer()), request.data_channel, manifest.total_bytes
-            ) as ticket:
+                peer_host(context.peer()), request.data_channel, request.data_streams, manifest
+            ) as tickets:
                 sink = write
-                if ticket is not None:
+                if tickets:
                     assert self.channel is not None
                     header.data_port = self.channel.port
-                    header.data_token = ticket.token
-                    sink = accepted(self.channel, ticket, idle)
+                    header.data_token = tickets[0].token
+                    header.more_tokens.extend(ticket.token for ticket in tickets[1:])
+                    sink = accepted(self.channel, tickets, idle)
                 await within(context.write(pb.PullItemResponse(header=header)), idle, what)
                 # A restore: never throttled, and while it is served this node's pushes and
                 # backup uploads trickle (the puller's job waits on these bytes).
@@ -485,7 +515,7 @@ class PeerServicer(peer_pb2_grpc.PeerServicer):
             "sent %s to %s %s: %s",
             item,
             context.peer(),
-            "in gRPC chunks" if ticket is None else "over the data channel",
+            _way(len(tickets)),
             watch.summary(manifest.total_bytes),
             step=item.step,
         )

@@ -7,14 +7,16 @@ options, ``ItemRef`` <-> ``ItemId`` (a hostile job name refused), chunks in and 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from mtc_replicator._pb.mtc.v1 import peer_pb2 as pb
 from mtc_replicator.core.jobname import is_job_name
-from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.manifest import ItemId, Manifest
+from mtc_replicator.core.stripes import stream_count
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.transport.datachannel import TOKEN_BYTES
+from mtc_replicator.transport.dataconn import Offer
 from mtc_replicator.transport.streams import TransferError
 from mtc_replicator.transport.transfer import SEND_CHUNK, Chunk
 
@@ -25,7 +27,7 @@ sender stream chunks. Otherwise the receiver's answer (already held, or a refusa
 the sender's writes, and grpc.aio can then report "Internal error from Core" instead."""
 DATA_CHANNEL_KEY = "mtc-data-channel"
 """Initial metadata beside ``GO_AHEAD`` offering the receiver's data channel for a push's
-bytes: ``"<port> <token as hex>"``."""
+bytes: ``"<port> <token as hex>"``, with one more token per further connection."""
 MAX_MESSAGE_BYTES = 16 << 20
 """Largest gRPC message either side accepts: a 4 MiB chunk, or a header whose manifest
 lists ~100k files. Explicit, since the default receive limit (4 MiB) is below a chunk."""
@@ -84,23 +86,45 @@ async def chunks_of(
         yield c.file_index, c.offset, c.data, c.crc32c  # each access of a bytes field copies
 
 
-def channel_offer(port: int, token: bytes) -> tuple[int, bytes] | None:
-    """A data channel offered by the other daemon, checked: ``(port, token)``, or None
-    when none was offered; ``TransferError`` when the offer is malformed."""
-    if port == 0 and not token:
+def channel_offer(port: int, token: bytes, more: Sequence[bytes] = ()) -> Offer | None:
+    """A data channel offered by the other daemon, checked: ``(port, tokens)``, one token
+    per connection, or None when none was offered; ``TransferError`` when the offer is
+    malformed."""
+    if port == 0 and not token and not more:
         return None
-    if not 0 < port < 65536 or len(token) != TOKEN_BYTES:
-        raise TransferError(f"malformed data channel offer: port {port}, {len(token)}-byte token")
-    return port, token
+    tokens = (token, *more)
+    if not 0 < port < 65536 or any(len(t) != TOKEN_BYTES for t in tokens):
+        sizes = "/".join(str(len(t)) for t in tokens)
+        raise TransferError(f"malformed data channel offer: port {port}, {sizes}-byte token")
+    return port, tokens
 
 
-def push_offer(metadata: tuple[tuple[str, str | bytes], ...]) -> tuple[int, bytes] | None:
-    """The data channel offered in a push's go-ahead metadata, if any (see ``channel_offer``)."""
+def check_streams(offer: Offer, manifest: Manifest, asked: int) -> None:
+    """``TransferError`` unless ``offer`` has no more connections than this side asked for
+    and the item's files can fill (``core.stripes.stream_count``): a split both ends agree
+    on, with no connection left empty."""
+    most = stream_count([entry.size for entry in manifest.files], asked)
+    if len(offer[1]) > most:
+        raise TransferError(
+            f"{manifest.item}: {len(offer[1])} data connections offered, at most {most} "
+            f"for {len(manifest.files)} files when {asked} were asked for"
+        )
+
+
+def offer_text(port: int, tokens: Sequence[bytes]) -> str:
+    """A push's data channel offer as its go-ahead metadata carries it."""
+    return " ".join([str(port), *(token.hex() for token in tokens)])
+
+
+def push_offer(metadata: tuple[tuple[str, str | bytes], ...]) -> Offer | None:
+    """The data channel offered in a push's go-ahead metadata, if any (see ``channel_offer``):
+    ``"<port> <token> [<token>...]"``, tokens in hex."""
     for key, value in metadata:
         if key == DATA_CHANNEL_KEY:
-            port, _, token = str(value).partition(" ")
+            port, *tokens = str(value).split(" ")
             try:
-                return channel_offer(int(port), bytes.fromhex(token))
+                first, *more = (bytes.fromhex(token) for token in tokens) if tokens else [b""]
+                return channel_offer(int(port), first, more)
             except ValueError:
                 raise TransferError(f"malformed data channel offer {str(value)!r:.80}") from None
     return None

@@ -30,7 +30,7 @@ from mtc_replicator.core.pacing import earned_seconds, transfer_deadline
 from mtc_replicator.local.store import LocalStore, StoreError
 from mtc_replicator.obs.metrics import NO_METRICS, Metrics, TransferKind
 from mtc_replicator.transport import datachannel
-from mtc_replicator.transport.dataconn import DataConn
+from mtc_replicator.transport.dataconn import DataConn, connections
 from mtc_replicator.transport.streams import TooSlow
 from mtc_replicator.transport.transfer import (
     RESERVE_BYTES,
@@ -163,11 +163,11 @@ class Receiving:
         try:
             async with deadline(limit, what, earned):
                 if isinstance(source, DataConn):
-                    with await source.open() as sock:
+                    async with connections(source) as socks:
                         return await datachannel.receive_staged(
                             self.store,
                             manifest,
-                            sock,
+                            socks,
                             idle_timeout=source.idle,
                             pool=source.pool,
                             progress=progress,

@@ -4,8 +4,9 @@
 A committed item's files are read from the store down through no symlink
 (``transfer.iter_chunks``), in pieces no larger than the pacer's meter lets go at once,
 each booked with the meter before it leaves: as gRPC chunk messages, written by the RPC
-module through ``ChunkWrite``, or on a data-channel connection (``dataconn``,
-``datachannel.send_staged``), within the minimum rate's deadline when one is given.
+module through ``ChunkWrite``, or on the data channel (``dataconn``,
+``datachannel.send_staged``: one or more connections, each with its part of the files),
+within the minimum rate's deadline when one is given.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mtc_replicator.core.manifest import Manifest
 from mtc_replicator.core.pacing import transfer_deadline
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.transport import datachannel
-from mtc_replicator.transport.dataconn import DataConn
+from mtc_replicator.transport.dataconn import DataConn, connections
 from mtc_replicator.transport.peerwire import paced_chunk
 from mtc_replicator.transport.transfer import deadline, iter_chunks
 
@@ -46,11 +47,11 @@ async def send(
     limit = transfer_deadline(manifest.total_bytes, floor, grace, manifest.entries)
     async with deadline(limit, what):
         if isinstance(sink, DataConn):
-            with await sink.open() as sock:
+            async with connections(sink) as socks:
                 await datachannel.send_staged(
                     manifest,
                     data,
-                    sock,
+                    socks,
                     idle_timeout=sink.idle,
                     pool=sink.pool,
                     root=root,

@@ -220,9 +220,13 @@ class ItemWriter:
     leaves only files inside ``staged``, for the caller to remove.
     """
 
-    def __init__(self, manifest: Manifest, staged: Path, *, hash_aside: bool = False) -> None:
+    def __init__(
+        self, manifest: Manifest, staged: Path, *, hash_aside: bool = False, made: bool = False
+    ) -> None:
         """``hash_aside``: digests on a thread of their own (``HashLane``), for a caller
-        that receives in small pieces on one thread (the data channel)."""
+        that receives in small pieces on one thread (the data channel). ``made``: a part
+        of an item (``core.stripes``) whose first part's writer already made ``data`` and
+        the directories: this one writes its own files into them."""
         self.manifest = manifest
         self._lane = HashLane() if hash_aside else None
         self.bytes_written = 0
@@ -241,7 +245,8 @@ class ItemWriter:
         self._data: int | None = None
         try:
             if manifest.kind is ItemKind.DIR:
-                os.mkdir(DATA, 0o755, dir_fd=self._root)
+                if not made:
+                    os.mkdir(DATA, 0o755, dir_fd=self._root)
                 self._data = os.open(DATA, _DIR_FLAGS, dir_fd=self._root)
                 # The manifest lists every parent, and shallower paths first makes them exist.
                 for d in sorted(manifest.dirs, key=lambda p: p.count("/")):
@@ -435,14 +440,13 @@ def write_all(fd: int, data: bytes) -> None:
 
 class Progress:
     """How far an incoming transfer has got (``ItemWriter.moved``), for its deadline: the
-    receiving code hands its writer over once it is made."""
+    receiving code hands its writers over (one per connection) once they are made."""
 
     def __init__(self) -> None:
-        self.writer: ItemWriter | None = None
+        self.writers: tuple[ItemWriter, ...] = ()
 
     def moved(self) -> int:
-        writer = self.writer
-        return 0 if writer is None else writer.moved
+        return sum(writer.moved for writer in self.writers)
 
 
 PROGRESS_TICK = 1.0
@@ -550,7 +554,7 @@ async def receive_item(
                 functools.partial(ItemWriter, hash_aside=True), manifest, staged
             )
             if progress is not None:
-                progress.writer = writer
+                progress.writers = (writer,)
             pending: asyncio.Future[None] | None = None
             async for file_index, offset, data, crc32c in chunks:
                 if file_index - writer.next_file > SKIP_ON_LOOP:

@@ -34,7 +34,7 @@ from mtc_replicator._pb.mtc.v1 import peer_pb2_grpc
 from mtc_replicator.core.manifest import ItemId, Manifest
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.store import LocalStore
-from mtc_replicator.transport import datachannel
+from mtc_replicator.transport import datapool
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.transfer import room_on
 from tests.daemon_process import DaemonProcess
@@ -334,8 +334,8 @@ def test_many_stalled_pulls_hold_a_bounded_number_of_threads(node: Node, tmp_pat
                 conns.append(s)
         time.sleep(1.0)  # the senders fill the socket buffers and block
         grown = task_count(node.daemon.pid) - before
-        assert grown <= datachannel.MAX_TRANSFERS, f"{grown} more threads"
-        assert 0 < len(conns) <= datachannel.MAX_TRANSFERS_PER_PEER
+        assert grown <= datapool.MAX_TRANSFERS, f"{grown} more threads"
+        assert 0 < len(conns) <= datapool.MAX_TRANSFERS_PER_PEER
         assert set(refused) <= {Code.RESOURCE_EXHAUSTED}
     finally:
         for s in conns:

@@ -155,6 +155,7 @@ def header(
     digest: str | None = None,
     ref: dict[str, Any] | None = None,
     data_channel: bool = False,
+    data_streams: int = 0,
 ) -> pb.PushItemRequest:
     raw = canonical(body or content(job)) if raw is None else raw
     item = ref or {"job": job, "step": STEP, "rank": 0, "worker": 0}
@@ -164,6 +165,7 @@ def header(
             manifest=raw,
             manifest_digest=hashlib.sha256(raw).hexdigest() if digest is None else digest,
             data_channel=data_channel,
+            data_streams=data_streams,
         )
     )
 
@@ -581,6 +583,31 @@ def test_a_wrong_or_reused_token_is_shut_out(victim: Victim) -> None:
         s.settimeout(10)
         with contextlib.suppress(ConnectionResetError):
             assert s.recv(1) == b"", "a used token was answered"
+
+
+def test_a_pusher_gets_no_more_connections_than_the_receiver_allows(victim: Victim) -> None:
+    """A push asking for a thousand data connections is offered the receiver's own bound
+    (its ``--data-streams``), and never more than the item's files could fill (two here):
+    a pusher cannot make a node hold more connections or threads than it allows."""
+    before = snapshot(victim.ckpt)
+    allowed = int(victim.daemon.log().rsplit("data-streams=", 1)[1].split()[0])
+    gate = threading.Event()
+    ref = {"job": victim.job, "step": DC_STEP, "rank": 0, "worker": 0}
+
+    def requests() -> Iterator[pb.PushItemRequest]:
+        body = content(victim.job, step=DC_STEP)
+        yield header(body, job=victim.job, ref=ref, data_channel=True, data_streams=1000)
+        gate.wait(20)
+
+    call = victim.stub.PushItem.future(requests(), timeout=20)
+    try:
+        offer = dict(call.initial_metadata())["mtc-data-channel"]
+    finally:
+        gate.set()
+        call.cancel()
+    assert isinstance(offer, str)
+    assert len(offer.split()) - 1 == min(allowed, 2), offer
+    assert_unharmed(victim, before)
 
 
 def test_a_data_channel_push_cancelled_midway_leaves_nothing(victim: Victim) -> None:

@@ -106,6 +106,15 @@ def test_the_profile_of_a_run_without_a_backup_leaves_the_upload_out_of_the_cycl
     assert "cycle" not in alone.json()
 
 
+def test_what_a_step_costs_whatever_its_bytes_is_reported_beside_the_stage_rows() -> None:
+    stages = {"ingest": 0.7, "step_ingesting": 0.031, "step_receiving": 0.052}
+    profile = Profile.of({"backup": "none"}, stages, MEASURED)
+    assert profile.per_step == {"ingesting": 0.031, "receiving": 0.052}
+    assert "ingesting 0.031, receiving 0.052" in profile.text()
+    assert profile.json()["step_of_4_kib_cpu_seconds"] == {"ingesting": 0.031, "receiving": 0.052}
+    assert [r.stage for r in profile.rows] == list(STAGE_FLOORS)  # no row for them
+
+
 def test_what_the_cycle_costs_for_its_time_is_the_idle_rate_over_the_saves_seconds() -> None:
     result: dict[str, object] = {
         "backup": "file://, every step",

@@ -23,7 +23,7 @@ import pytest
 from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
 from mtc_replicator.local.hashing import build_manifest, verify_item
 from mtc_replicator.tools import certs
-from mtc_replicator.transport import datachannel
+from mtc_replicator.transport import datachannel, datapool
 from mtc_replicator.transport.datachannel import (
     TOKEN_BYTES,
     Abort,
@@ -204,7 +204,7 @@ def test_one_host_cannot_take_every_handshake_slot(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_transfer_pool_bounds_threads_in_all_and_per_peer() -> None:
-    pool = datachannel.TransferPool(size=3, per_peer=2)
+    pool = datapool.TransferPool(size=3, per_peer=2)
     assert [pool.claim("a"), pool.claim("a"), pool.claim("a")] == [True, True, False]
     assert [pool.claim("b"), pool.claim("c")] == [True, False]
     pool.release("a")
@@ -331,8 +331,7 @@ def test_abort_unblocks_a_waiting_receive(
     tree: tuple[Manifest, Path], pair: tuple[socket.socket, socket.socket], tmp_path: Path
 ) -> None:
     manifest, _ = tree
-    abort = Abort()
-    abort.sock = pair[1]
+    abort = Abort([pair[1]])
     (tmp_path / "staged").mkdir()
     writer = ItemWriter(manifest, tmp_path / "staged")
     errors: list[BaseException] = []

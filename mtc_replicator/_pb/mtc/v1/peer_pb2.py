@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11mtc/v1/peer.proto\x12\x06mtc.v1\"B\n\x07ItemRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06worker\x18\x04 \x01(\r\"I\n\x05\x43hunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\x07\"\x7f\n\nPushHeader\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61ta_channel\x18\x04 \x01(\x08\x12\x11\n\tpool_copy\x18\x05 \x01(\x08\"_\n\x0fPushItemRequest\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.mtc.v1.PushHeaderH\x00\x12\x1e\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\r.mtc.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"?\n\x10PushItemResponse\x12\x13\n\x0b\x61lready_had\x18\x01 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"_\n\x0fPullItemRequest\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_channel\x18\x03 \x01(\x08\"^\n\nPullHeader\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x11\n\tdata_port\x18\x03 \x01(\r\x12\x12\n\ndata_token\x18\x04 \x01(\x0c\"`\n\x10PullItemResponse\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.mtc.v1.PullHeaderH\x00\x12\x1e\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\r.mtc.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"\x1f\n\x10ListItemsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"W\n\x08ItemInfo\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"4\n\x11ListItemsResponse\x12\x1f\n\x05items\x18\x01 \x03(\x0b\x32\x10.mtc.v1.ItemInfo2\xca\x01\n\x04Peer\x12?\n\x08PushItem\x12\x17.mtc.v1.PushItemRequest\x1a\x18.mtc.v1.PushItemResponse(\x01\x12?\n\x08PullItem\x12\x17.mtc.v1.PullItemRequest\x1a\x18.mtc.v1.PullItemResponse0\x01\x12@\n\tListItems\x12\x18.mtc.v1.ListItemsRequest\x1a\x19.mtc.v1.ListItemsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11mtc/v1/peer.proto\x12\x06mtc.v1\"B\n\x07ItemRef\x12\x0b\n\x03job\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0e\n\x06worker\x18\x04 \x01(\r\"I\n\x05\x43hunk\x12\x12\n\nfile_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x04 \x01(\x07\"\x95\x01\n\nPushHeader\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x10\n\x08manifest\x18\x02 \x01(\x0c\x12\x17\n\x0fmanifest_digest\x18\x03 \x01(\t\x12\x14\n\x0c\x64\x61ta_channel\x18\x04 \x01(\x08\x12\x11\n\tpool_copy\x18\x05 \x01(\x08\x12\x14\n\x0c\x64\x61ta_streams\x18\x06 \x01(\r\"_\n\x0fPushItemRequest\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.mtc.v1.PushHeaderH\x00\x12\x1e\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\r.mtc.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"?\n\x10PushItemResponse\x12\x13\n\x0b\x61lready_had\x18\x01 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"u\n\x0fPullItemRequest\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x61ta_channel\x18\x03 \x01(\x08\x12\x14\n\x0c\x64\x61ta_streams\x18\x04 \x01(\r\"s\n\nPullHeader\x12\x10\n\x08manifest\x18\x01 \x01(\x0c\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x11\n\tdata_port\x18\x03 \x01(\r\x12\x12\n\ndata_token\x18\x04 \x01(\x0c\x12\x13\n\x0bmore_tokens\x18\x05 \x03(\x0c\"`\n\x10PullItemResponse\x12$\n\x06header\x18\x01 \x01(\x0b\x32\x12.mtc.v1.PullHeaderH\x00\x12\x1e\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\r.mtc.v1.ChunkH\x00\x42\x06\n\x04\x62ody\"\x1f\n\x10ListItemsRequest\x12\x0b\n\x03job\x18\x01 \x01(\t\"W\n\x08ItemInfo\x12\x1d\n\x04item\x18\x01 \x01(\x0b\x32\x0f.mtc.v1.ItemRef\x12\x17\n\x0fmanifest_digest\x18\x02 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\"4\n\x11ListItemsResponse\x12\x1f\n\x05items\x18\x01 \x03(\x0b\x32\x10.mtc.v1.ItemInfo2\xca\x01\n\x04Peer\x12?\n\x08PushItem\x12\x17.mtc.v1.PushItemRequest\x1a\x18.mtc.v1.PushItemResponse(\x01\x12?\n\x08PullItem\x12\x17.mtc.v1.PullItemRequest\x1a\x18.mtc.v1.PullItemResponse0\x01\x12@\n\tListItems\x12\x18.mtc.v1.ListItemsRequest\x1a\x19.mtc.v1.ListItemsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +36,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ITEMREF']._serialized_end=95
   _globals['_CHUNK']._serialized_start=97
   _globals['_CHUNK']._serialized_end=170
-  _globals['_PUSHHEADER']._serialized_start=172
-  _globals['_PUSHHEADER']._serialized_end=299
-  _globals['_PUSHITEMREQUEST']._serialized_start=301
-  _globals['_PUSHITEMREQUEST']._serialized_end=396
-  _globals['_PUSHITEMRESPONSE']._serialized_start=398
-  _globals['_PUSHITEMRESPONSE']._serialized_end=461
-  _globals['_PULLITEMREQUEST']._serialized_start=463
-  _globals['_PULLITEMREQUEST']._serialized_end=558
-  _globals['_PULLHEADER']._serialized_start=560
-  _globals['_PULLHEADER']._serialized_end=654
-  _globals['_PULLITEMRESPONSE']._serialized_start=656
-  _globals['_PULLITEMRESPONSE']._serialized_end=752
-  _globals['_LISTITEMSREQUEST']._serialized_start=754
-  _globals['_LISTITEMSREQUEST']._serialized_end=785
-  _globals['_ITEMINFO']._serialized_start=787
-  _globals['_ITEMINFO']._serialized_end=874
-  _globals['_LISTITEMSRESPONSE']._serialized_start=876
-  _globals['_LISTITEMSRESPONSE']._serialized_end=928
-  _globals['_PEER']._serialized_start=931
-  _globals['_PEER']._serialized_end=1133
+  _globals['_PUSHHEADER']._serialized_start=173
+  _globals['_PUSHHEADER']._serialized_end=322
+  _globals['_PUSHITEMREQUEST']._serialized_start=324
+  _globals['_PUSHITEMREQUEST']._serialized_end=419
+  _globals['_PUSHITEMRESPONSE']._serialized_start=421
+  _globals['_PUSHITEMRESPONSE']._serialized_end=484
+  _globals['_PULLITEMREQUEST']._serialized_start=486
+  _globals['_PULLITEMREQUEST']._serialized_end=603
+  _globals['_PULLHEADER']._serialized_start=605
+  _globals['_PULLHEADER']._serialized_end=720
+  _globals['_PULLITEMRESPONSE']._serialized_start=722
+  _globals['_PULLITEMRESPONSE']._serialized_end=818
+  _globals['_LISTITEMSREQUEST']._serialized_start=820
+  _globals['_LISTITEMSREQUEST']._serialized_end=851
+  _globals['_ITEMINFO']._serialized_start=853
+  _globals['_ITEMINFO']._serialized_end=940
+  _globals['_LISTITEMSRESPONSE']._serialized_start=942
+  _globals['_LISTITEMSRESPONSE']._serialized_end=994
+  _globals['_PEER']._serialized_start=997
+  _globals['_PEER']._serialized_end=1199
 # @@protoc_insertion_point(module_scope)

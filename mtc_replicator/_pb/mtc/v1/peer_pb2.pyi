@@ -105,6 +105,7 @@ class PushHeader(_message.Message):
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     DATA_CHANNEL_FIELD_NUMBER: _builtins.int
     POOL_COPY_FIELD_NUMBER: _builtins.int
+    DATA_STREAMS_FIELD_NUMBER: _builtins.int
     manifest: _builtins.bytes
     """Canonical manifest JSON; its sha256 must equal `manifest_digest`."""
     manifest_digest: _builtins.str
@@ -118,6 +119,11 @@ class PushHeader(_message.Message):
     there so that the job, restarted on any node, finds its newest step on a RAM disk
     (the receiver keeps the job's newest two steps; docs/architecture.md, "Pool copies").
     """
+    data_streams: _builtins.int
+    """With `data_channel`: the most data connections the sender opens at once for this
+    item (0 means 1). The receiver offers as many tokens as it will take (at most this);
+    the item's files are then split between them (docs/protocol.md, "Data streams").
+    """
     @_builtins.property
     def item(self) -> Global___ItemRef: ...
     def __init__(
@@ -128,10 +134,11 @@ class PushHeader(_message.Message):
         manifest_digest: _builtins.str = ...,
         data_channel: _builtins.bool = ...,
         pool_copy: _builtins.bool = ...,
+        data_streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "item", b"item", "manifest", b"manifest", "manifest_digest", b"manifest_digest", "pool_copy", b"pool_copy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "data_streams", b"data_streams", "item", b"item", "manifest", b"manifest", "manifest_digest", b"manifest_digest", "pool_copy", b"pool_copy"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -198,10 +205,15 @@ class PullItemRequest(_message.Message):
     ITEM_FIELD_NUMBER: _builtins.int
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     DATA_CHANNEL_FIELD_NUMBER: _builtins.int
+    DATA_STREAMS_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
     """If set, the sender refuses (FAILED_PRECONDITION) unless it holds exactly this digest."""
     data_channel: _builtins.bool
     """The caller can take the bytes over the sender's data channel instead of chunks."""
+    data_streams: _builtins.int
+    """With `data_channel`: the most data connections the caller opens at once for this
+    item (0 means 1).
+    """
     @_builtins.property
     def item(self) -> Global___ItemRef: ...
     def __init__(
@@ -210,10 +222,11 @@ class PullItemRequest(_message.Message):
         item: Global___ItemRef | None = ...,
         manifest_digest: _builtins.str = ...,
         data_channel: _builtins.bool = ...,
+        data_streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "item", b"item", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_channel", b"data_channel", "data_streams", b"data_streams", "item", b"item", "manifest_digest", b"manifest_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -229,6 +242,7 @@ class PullHeader(_message.Message):
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     DATA_PORT_FIELD_NUMBER: _builtins.int
     DATA_TOKEN_FIELD_NUMBER: _builtins.int
+    MORE_TOKENS_FIELD_NUMBER: _builtins.int
     manifest: _builtins.bytes
     manifest_digest: _builtins.str
     data_port: _builtins.int
@@ -239,6 +253,13 @@ class PullHeader(_message.Message):
     """
     data_token: _builtins.bytes
     """16 random bytes, valid for this one connection."""
+    @_builtins.property
+    def more_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One more token per further connection the caller is to open, each as `data_token`
+        (at most `data_streams` - 1 of them). The item's files are split between the
+        connections, `data_token`'s first (docs/protocol.md, "Data streams").
+        """
+
     def __init__(
         self,
         *,
@@ -246,10 +267,11 @@ class PullHeader(_message.Message):
         manifest_digest: _builtins.str = ...,
         data_port: _builtins.int = ...,
         data_token: _builtins.bytes = ...,
+        more_tokens: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_port", b"data_port", "data_token", b"data_token", "manifest", b"manifest", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_port", b"data_port", "data_token", b"data_token", "manifest", b"manifest", "manifest_digest", b"manifest_digest", "more_tokens", b"more_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
