@@ -192,8 +192,8 @@ class Meter:
 
 class SharedMeter(Meter):
     """A ``Meter`` that several threads send through at once (an upload's parallel parts,
-    a transfer's data connections):
-    still one transfer, booking one slice at a time, so it gets no more than its share."""
+    a transfer's data connections): still one transfer, booking one slice at a time, so it
+    gets no more than its share."""
 
     def __init__(self, meter: Meter) -> None:
         super().__init__(meter.pacer, meter.traffic, meter.cancelled, meter.job)
