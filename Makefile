@@ -48,11 +48,12 @@ unit: $(STAMP)
 testbed:
 	scripts/k8s_testbed.sh || echo "make: scripts/k8s_testbed.sh failed: tests/controller will skip"
 
-# Two pytest-xdist workers for all but the Ray tests (tests/conftest.py), then the Ray
-# tests alone: Ray's scheduling waits on CPU, and beside another worker they took 2.5x as
-# long (docs/testing.md).
+# Two pytest-xdist workers, each taking whole test files (a file's tests share fixed
+# addresses and module fixtures), for all but the Ray tests; then the Ray tests alone:
+# Ray's scheduling waits on CPU, and beside another worker they took 2.5x as long
+# (docs/testing.md).
 test: $(STAMP) lint typecheck testbed
-	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadgroup --ignore=tests/ray tests
+	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadfile --ignore=tests/ray tests
 	$(PY) -m pytest -q -ra --durations=5 tests/ray
 
 bench: $(STAMP)

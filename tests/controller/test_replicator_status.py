@@ -50,8 +50,8 @@ from tests.integration.helpers import (
 NAME = "reports"
 JOB = "rep-job"
 ADDRESSES = ("127.0.0.42", "127.0.0.43")
-"""Not 127.0.0.2 and .3: the Ray tests' nodes, which may run on the other pytest-xdist
-worker meanwhile, have those, and Ray's own metrics exporter may hold port 9464 there."""
+"""Addresses no other test uses: another test file may run beside this one (pytest-xdist);
+the Ray tests' nodes have 127.0.0.2 and .3."""
 METRICS_PORT = 9464
 
 
