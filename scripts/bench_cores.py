@@ -23,9 +23,11 @@ clock runs from the rename (this process's clock) to its end as the daemons' log
 stamp it (milliseconds). Per scenario and count of cores, over the rounds: GiB of a node's
 checkpoint per wall second (median and range), CPU seconds per GiB, the cores the daemon
 kept busy while saving (its CPU over the saves' wall seconds) and its busiest thread's
-share of them (near 1.0: one thread is what the step waits for), and the figure: N cores'
-throughput over 1 core's. ``--before PATH``: another checkout's daemons (the code before a
-change) run beside this one's in every round, and each row says whose.
+share of them (near 1.0: one thread is what the step waits for), the cores the rest of the
+machine kept busy meanwhile (``/proc/stat``: the box's noise, near 0 in a clean run), and
+the figure: N cores' throughput over 1 core's. ``--before PATH``: another checkout's
+daemons (the code before a change) run beside this one's in every round, and each row says
+whose.
 
     .venv/bin/python scripts/bench_cores.py                      # 1 and 2 cores: ~6 min
     .venv/bin/python scripts/bench_cores.py --cores 1,2,8,16 --json
@@ -61,7 +63,7 @@ from scripts.footprint_stages import (  # noqa: E402
     wait_logged,
     write_step,
 )
-from tests.proc import thread_cpu_seconds  # noqa: E402
+from tests.proc import system_busy_seconds, thread_cpu_seconds  # noqa: E402
 
 SCENARIOS = ("local", "ingest", "pair")
 DAEMONS = {"local": 1, "ingest": 1, "pair": 2}
@@ -111,9 +113,10 @@ def own_cores(counts: list[int], daemons: int, available: list[int]) -> bool:
 
 def launch_argv(cores: tuple[int, ...], code: Path | None) -> tuple[str, ...]:
     """What a daemon runs under: ``taskset`` on ``cores`` and, for another checkout's
-    daemon, ``env PYTHONPATH`` on it (both exec in place: the pid is the daemon's)."""
+    daemon, ``env`` in it (``python -m`` imports from its working directory first, then
+    ``PYTHONPATH``). Both exec in place: the pid is the daemon's."""
     pinned = ("taskset", "-c", ",".join(map(str, cores)))
-    return pinned if code is None else (*pinned, "env", f"PYTHONPATH={code}")
+    return pinned if code is None else (*pinned, "env", "-C", str(code), f"PYTHONPATH={code}")
 
 
 def shared(pins: tuple[tuple[int, ...], ...]) -> bool:
@@ -122,17 +125,34 @@ def shared(pins: tuple[tuple[int, ...], ...]) -> bool:
 
 
 @dataclass(frozen=True)
+class Saved:
+    """One save of every node at once, as the daemons spent it."""
+
+    wall: float
+    """Seconds from the first rename to the last node's end of it."""
+    cpu: list[float]
+    """Each daemon's CPU seconds from the rename to the end seen."""
+    threads: list[dict[int, float]]
+    """The same per thread still there at the end, by thread id (a thread that ended
+    meanwhile is in ``cpu`` only)."""
+    others: float
+    """CPU seconds the rest of the machine spent meanwhile (this process's polling too)."""
+
+
+@dataclass(frozen=True)
 class Run:
     """One scenario at one count of cores, in one round."""
 
-    walls: list[float]
-    """Each measured save's seconds, its rename to its end."""
+    saves: list[Saved]
+    """The measured saves."""
     cpu: list[float]
-    """Each daemon's CPU seconds over the measured saves."""
-    busiest: list[float]
-    """Each daemon's busiest thread's CPU seconds over them."""
+    """Each daemon's CPU seconds over the measured saves and their trailing work."""
     gib: float
     """GiB of one node's checkpoint over the measured saves."""
+
+    @property
+    def walls(self) -> list[float]:
+        return [s.wall for s in self.saves]
 
     @property
     def throughput(self) -> float:
@@ -141,17 +161,33 @@ class Run:
 
     @property
     def cpu_per_gib(self) -> float:
+        """The median daemon's CPU seconds per GiB of its node's checkpoint."""
         return statistics.median(self.cpu) / self.gib
 
     @property
     def busy(self) -> float:
-        """Cores the (median) daemon kept busy while saving."""
-        return statistics.median(self.cpu) / sum(self.walls)
+        """Cores the median daemon kept busy while saving: its CPU over the saves' wall."""
+        per_daemon = [sum(s.cpu[d] for s in self.saves) for d in range(len(self.cpu))]
+        return statistics.median(per_daemon) / sum(self.walls)
+
+    @property
+    def others_busy(self) -> float:
+        """Cores the rest of the machine kept busy while saving: the box's noise (near 0:
+        the daemons had the cores to themselves)."""
+        return sum(s.others for s in self.saves) / sum(self.walls)
 
     @property
     def busiest_share(self) -> float:
-        """The busiest thread's CPU over the saves' wall seconds (the median daemon's)."""
-        return statistics.median(self.busiest) / sum(self.walls)
+        """The median daemon's busiest thread while saving: its CPU over the saves' wall
+        (near 1.0: that thread is what the saves wait for)."""
+        busiest = []
+        for d in range(len(self.cpu)):
+            per_thread: dict[int, float] = {}
+            for saved in self.saves:
+                for tid, seconds in saved.threads[d].items():
+                    per_thread[tid] = per_thread.get(tid, 0.0) + seconds
+            busiest.append(max(per_thread.values(), default=0.0))
+        return statistics.median(busiest) / sum(self.walls)
 
 
 def done_at(log: Path, pattern: str) -> float:
@@ -186,26 +222,22 @@ class Scenario:
             for i in range(a.warmup):
                 self.save(scenario, nodes, job, (i + 1) * 10, bucket)
             time.sleep(SETTLE)
-            pids = [n.proc.pid for n in nodes if n.proc is not None]
             cpu0 = [n.cpu_seconds() for n in nodes]
-            threads0 = [thread_cpu_seconds(p) for p in pids]
-            walls = [
+            saves = [
                 self.save(scenario, nodes, job, (i + 1) * 10, bucket)
                 for i in range(a.warmup, a.warmup + a.saves)
             ]
             time.sleep(SETTLE)
             cpu = [n.cpu_seconds() - c for n, c in zip(nodes, cpu0, strict=True)]
-            busiest = [
-                max((t - before.get(tid, 0.0) for tid, t in thread_cpu_seconds(p).items()))
-                for p, before in zip(pids, threads0, strict=True)
-            ]
-        return Run(walls, cpu, busiest, stages.gib)
+        return Run(saves, cpu, stages.gib)
 
-    def save(self, scenario: str, nodes: list[Node], job: str, step: int, bucket: Path) -> float:
-        """Every node saves ``step`` at once; seconds from the first rename to the last
-        node's end of it."""
+    def save(self, scenario: str, nodes: list[Node], job: str, step: int, bucket: Path) -> Saved:
+        """Every node saves ``step`` at once, its bytes written before the clock starts."""
         a = self.args
         tmps = [write_step(n.ckpt, step, a.step_mib << 20, a.files) for n in nodes]
+        cpu0 = [n.cpu_seconds() for n in nodes]
+        before = [_threads(n) for n in nodes]
+        machine0 = system_busy_seconds()
         started = min(publish(tmp, step) for tmp in tmps)
         if scenario == "local":
             patterns = [rf"backup committed job={job} step={step} "]
@@ -215,10 +247,23 @@ class Scenario:
             patterns = [rf"pushed {job}/s{step}/n{n.rank}-w0 to " for n in nodes]
         for node, pattern in zip(nodes, patterns, strict=True):
             wait_logged([node.log], pattern, 1, f"{job}'s step {step} on rank {node.rank}")
+        machine = system_busy_seconds() - machine0
+        after = [_threads(n) for n in nodes]
+        cpu = [n.cpu_seconds() - c for n, c in zip(nodes, cpu0, strict=True)]
         ended = max(done_at(n.log, p) for n, p in zip(nodes, patterns, strict=True))
         if scenario == "local":
             prune_backups(bucket, job)
-        return max(ended - started, 0.001)
+        spent = [
+            {tid: t - was.get(tid, 0.0) for tid, t in now.items()}
+            for now, was in zip(after, before, strict=True)
+        ]
+        others = max(machine - sum(cpu), 0.0)
+        return Saved(max(ended - started, 0.001), cpu, spent, others)
+
+
+def _threads(node: Node) -> dict[int, float]:
+    assert node.proc is not None
+    return thread_cpu_seconds(node.proc.pid)
 
 
 @dataclass(frozen=True)
@@ -246,6 +291,7 @@ class Row:
             "cpu_seconds_per_gib": round(self.median("cpu_per_gib"), 2),
             "cores_busy": round(self.median("busy"), 2),
             "busiest_thread": round(self.median("busiest_share"), 2),
+            "others_busy": round(self.median("others_busy"), 2),
             "save_seconds": [[round(w, 3) for w in r.walls] for r in self.runs],
         }
         if base is not None:
@@ -256,8 +302,8 @@ class Row:
 def table(rows: list[Row]) -> str:
     lines = [
         "| scenario | cores | GiB/s per node (median; rounds) | x 1 core | CPU s/GiB "
-        "| cores busy | busiest thread |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| cores busy | busiest thread | others busy |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         figures = row.json(_base(rows, row))
@@ -268,7 +314,8 @@ def table(rows: list[Row]) -> str:
         lines.append(
             f"| {name} | {cores} | {figures['gib_per_second']:.2f} ({spread}) "
             f"| {figures.get('x_one_core', 1.0):.2f}x | {figures['cpu_seconds_per_gib']:.2f} "
-            f"| {figures['cores_busy']:.2f} | {figures['busiest_thread']:.2f} |"
+            f"| {figures['cores_busy']:.2f} | {figures['busiest_thread']:.2f} "
+            f"| {figures['others_busy']:.2f} |"
         )
     return "\n".join(lines)
 

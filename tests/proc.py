@@ -36,3 +36,11 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return found
+
+
+def system_busy_seconds() -> float:
+    """CPU seconds every core of the machine spent busy since boot (``/proc/stat``: all but
+    idle and iowait): beside a process's own, what everything else spent meanwhile."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")

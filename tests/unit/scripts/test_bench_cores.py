@@ -11,6 +11,7 @@ import pytest
 from scripts.bench_cores import (
     Row,
     Run,
+    Saved,
     core_sets,
     done_at,
     launch_argv,
@@ -67,21 +68,30 @@ def test_a_pair_shares_its_cores_unless_the_machine_has_them_for_each_at_every_c
 def test_a_daemon_is_pinned_and_of_the_checkout_asked_for() -> None:
     assert launch_argv((0, 1), None) == ("taskset", "-c", "0,1")
     before = launch_argv((0,), Path("/old"))
-    assert before == ("taskset", "-c", "0", "env", "PYTHONPATH=/old")
+    # Run in it: ``python -m`` would import this checkout's package from its directory.
+    assert before == ("taskset", "-c", "0", "env", "-C", "/old", "PYTHONPATH=/old")
 
 
 def test_a_run_s_figures_are_per_node_gib_over_its_saves_wall_seconds() -> None:
-    run = Run(walls=[1.0, 2.0, 1.0], cpu=[6.0, 8.0], busiest=[3.0, 4.0], gib=2.0)
+    # Two daemons, two saves; thread 7 of daemon 0 is busiest over both saves together.
+    saves = [
+        Saved(1.0, [1.5, 1.0], [{7: 0.75, 8: 0.5}, {9: 1.0}], 0.5),
+        Saved(3.0, [4.5, 3.0], [{7: 2.25, 8: 1.5}, {9: 1.0, 10: 1.5}], 0.0),
+    ]
+    run = Run(saves, cpu=[7.0, 5.0], gib=2.0)
     assert run.throughput == pytest.approx(0.5)  # 2 GiB in 4 s
-    assert run.cpu_per_gib == pytest.approx(3.5)  # the median daemon's 7 CPU s
-    assert run.busy == pytest.approx(1.75)
-    assert run.busiest_share == pytest.approx(0.875)
+    assert run.cpu_per_gib == pytest.approx(3.0)  # the median daemon's 6 CPU s, trailing work in
+    assert run.busy == pytest.approx(5.0 / 4)  # while saving: 6 and 4 CPU s over 4 s
+    assert run.busiest_share == pytest.approx(((0.75 + 2.25) + 2.0) / 2 / 4)
+    assert run.others_busy == pytest.approx(0.5 / 4)  # the rest of the box, while saving
 
 
 def test_each_row_is_set_beside_one_core_of_its_own_scenario_and_code() -> None:
     def row(scenario: str, cores: int, wall: float, code: str = "") -> Row:
         pins = tuple((tuple(range(cores)),))
-        return Row(scenario, cores, pins, [Run([wall], [wall], [wall], 1.0)], code)
+        return Row(
+            scenario, cores, pins, [Run([Saved(wall, [wall], [{1: wall}], 0.0)], [wall], 1.0)], code
+        )
 
     rows = [
         row("local", 1, 4.0, "before"),
