@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_ray.py --state-mib 256
 	$(PY) scripts/bench_tune.py --state-mib 128 --checkpoints 20
 	$(PY) scripts/bench_footprint.py --step-mib 256 --saves 4 --idle-seconds 30
+	$(PY) scripts/bench_cores.py
 
 # Seeded chaos trials against real daemons (root: a tmpfs and a network namespace per node).
 # A failing trial prints its seed and the command that replays it alone. Not in `make test`,
