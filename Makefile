@@ -48,8 +48,13 @@ unit: $(STAMP)
 testbed:
 	scripts/k8s_testbed.sh || echo "make: scripts/k8s_testbed.sh failed: tests/controller will skip"
 
+# Two pytest-xdist workers, each taking whole test files (a file's tests share fixed
+# addresses and module fixtures), for all but the Ray tests; then the Ray tests alone:
+# Ray's scheduling waits on CPU, and beside another worker they took 2.5x as long
+# (docs/testing.md).
 test: $(STAMP) lint typecheck testbed
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -n 2 --dist loadfile --ignore=tests/ray tests
+	$(PY) -m pytest -q -ra --durations=5 tests/ray
 
 bench: $(STAMP)
 	$(PY) scripts/bench_local.py --size-mib 1024
@@ -64,6 +69,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_ray.py --state-mib 256
 	$(PY) scripts/bench_tune.py --state-mib 128 --checkpoints 20
 	$(PY) scripts/bench_footprint.py --step-mib 256 --saves 4 --idle-seconds 30
+	$(PY) scripts/bench_cores.py
 
 # Seeded chaos trials against real daemons (root: a tmpfs and a network namespace per node).
 # A failing trial prints its seed and the command that replays it alone. Not in `make test`,

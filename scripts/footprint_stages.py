@@ -72,15 +72,32 @@ def handshake(node: Node, job: str, nodes: int) -> None:
     os.rename(tmp, node.ckpt / "replicator.yaml")
 
 
-def save(ckpt: Path, step: int, nbytes: int) -> None:
-    """A step of one ``state`` file of ``nbytes``, published as Orbax does (one rename)."""
+def save(ckpt: Path, step: int, nbytes: int, files: int = 1) -> float:
+    """A step of ``nbytes``, published as Orbax does (one rename): ``write_step`` and
+    ``publish``; the wall-clock time of the rename."""
+    return publish(write_step(ckpt, step, nbytes, files), step)
+
+
+def write_step(ckpt: Path, step: int, nbytes: int, files: int = 1) -> Path:
+    """A step's directory, not yet published: one ``state`` file of ``nbytes``, or
+    ``files`` files ``state.<i>`` sharing them."""
     tmp = ckpt / f"{step}.orbax-checkpoint-tmp-footprint"
     tmp.mkdir()
-    with (tmp / "state").open("wb") as f:
-        for _ in range(nbytes // MiB):
-            f.write(BLOCK)
-        f.write(BLOCK[: nbytes % MiB])
-    os.rename(tmp, ckpt / str(step))
+    names = ["state"] if files == 1 else [f"state.{i}" for i in range(files)]
+    for i, name in enumerate(names):
+        size = nbytes // files + (nbytes % files if i == files - 1 else 0)
+        with (tmp / name).open("wb") as f:
+            for _ in range(size // MiB):
+                f.write(BLOCK)
+            f.write(BLOCK[: size % MiB])
+    return tmp
+
+
+def publish(tmp: Path, step: int) -> float:
+    """``write_step``'s directory renamed to its step; the wall-clock time it was."""
+    published = time.time()
+    os.rename(tmp, tmp.parent / str(step))
+    return published
 
 
 def daemon_argv(ckpt: Path, tls: TlsFiles, bucket: Path, *, backup: bool) -> list[str]:
@@ -143,6 +160,9 @@ class Stages:
     saves: int
     """Steps measured, after ``warmup`` steps that are not."""
     warmup: int
+    launch: tuple[tuple[str, ...], ...] = ()
+    """What each rank's daemon runs under, by rank, put before its argv (``taskset -c 0``:
+    pinned before it starts, every thread it makes inherits the cores); empty: nothing."""
 
     @property
     def gib(self) -> float:
@@ -159,6 +179,8 @@ class Stages:
             ckpt.mkdir(parents=True)
             tls = make_tls(base, self.ca, f"node{rank}")
             argv = daemon_argv(ckpt, tls, bucket, backup=backup)
+            if self.launch:
+                argv = [*self.launch[rank], *argv]
             made.append(Node(rank, ckpt, argv, base / f"node{rank}.log"))
         return made
 

@@ -190,6 +190,7 @@ class BackupOrders:
         error: ErrorSink,
         metrics: Metrics = NO_METRICS,
         clock: Callable[[], float] = time.monotonic,
+        on_news: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
         self.store = store
@@ -198,6 +199,9 @@ class BackupOrders:
         self.error = error
         self.metrics = metrics
         self.clock = clock
+        self.on_news = on_news
+        """Called once an ordered upload is done with its step: the report that says so
+        lets the coordinator write the ``COMMIT``, so it should not wait for a rescan."""
         self.uploading: int | None = None
         """The ordered step being uploaded now (retention keeps it)."""
         self.uploaded: int | None = None
@@ -274,6 +278,7 @@ class BackupOrders:
             self.uploaded = step
             if upload.result is Uploaded.DONE:
                 self._retry.reset()
+            self.on_news()
 
     async def settle(self, step: int) -> bool:
         """Let an ordered upload of ``step`` end (True once it did), or cancel an upload of

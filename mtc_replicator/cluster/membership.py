@@ -7,18 +7,19 @@ round (``cluster.rounds``). In steady state each committed
 step is pushed to this rank's replication targets (``replication``), and progress reports
 to the coordinator return the cluster's restorable step (which retention must keep) and
 backup orders (one step at a time, uploaded by one replica per data-parallel class:
-``backup_orders``). A report goes after each new step and when there is news (a step
-replicated, an upload done), else at the interval the coordinator asks for (longer in
-larger jobs); a failed one is retried with jittered backoff, so a restarted coordinator
-hears from every rank soon. A drain (``drain``) takes the newest step to the peers and the
-backup. ``ClusterMember`` is the façade: the node asks it, never its parts.
+``backup_orders``). A report goes after each new step and as soon as there is news (a step
+replicated, an upload done: ``MemberContext.news`` wakes the loop), else at the interval
+the coordinator asks for (longer in larger jobs); a failed one is retried with jittered
+backoff, so a restarted coordinator hears from every rank soon. A drain (``drain``) takes
+the newest step to the peers and the backup. ``ClusterMember`` is the façade: the node asks
+it, never its parts.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +73,10 @@ class MemberContext:
     run_thread: RunThread
     error: ReportError
     metrics: Metrics = NO_METRICS
+    news: Callable[[], None] = lambda: None
+    """Wakes the incarnation's loop: a push or an upload ended, so its report goes now
+    rather than at the next rescan (the next step's backup is ordered, or this one's
+    ``COMMIT`` written, that much sooner)."""
 
 
 class ClusterMember:
@@ -85,6 +90,7 @@ class ClusterMember:
             ctx.rank.store,
             ctx.peers,
             lambda m, s: ctx.error(m, s, ErrorKind.REPLICATION),
+            on_news=ctx.news,
         )
         self._orders = BackupOrders(
             self.config,
@@ -94,6 +100,7 @@ class ClusterMember:
             error=lambda m, s: ctx.error(m, s, ErrorKind.BACKUP),
             metrics=ctx.metrics,
             clock=time.monotonic,
+            on_news=ctx.news,
         )
         """This rank's uploads: the coordinator's orders and the drain's."""
         self.restorable: int | None = None

@@ -34,12 +34,20 @@ class Replication:
     """Which of this rank's steps its replication targets hold, and the pushes to get there."""
 
     def __init__(
-        self, config: JobConfig, store: LocalStore, peers: PeerClient | None, on_error: ErrorSink
+        self,
+        config: JobConfig,
+        store: LocalStore,
+        peers: PeerClient | None,
+        on_error: ErrorSink,
+        *,
+        on_news: Callable[[], None] = lambda: None,
     ) -> None:
         self.config = config
         self.store = store
         self.peers = peers
         self.on_error = on_error
+        self.on_news = on_news
+        """Called once a push made a newer step replicated: worth a report now."""
         self.targets = replication_targets(config)
         self.addresses: dict[int, str] = {}
         self.newest_replicated: int | None = None
@@ -141,6 +149,7 @@ class Replication:
         if all(results):
             if self.newest_replicated is None or step > self.newest_replicated:
                 self.newest_replicated = step
+                self.on_news()
             return True
         return False
 

@@ -191,8 +191,9 @@ class Meter:
 
 
 class SharedMeter(Meter):
-    """A ``Meter`` that several threads send through at once (an upload's parallel parts):
-    still one transfer, booking one slice at a time, so it gets no more than its share."""
+    """A ``Meter`` that several threads send through at once (an upload's parallel parts,
+    a transfer's data connections): still one transfer, booking one slice at a time, so it
+    gets no more than its share."""
 
     def __init__(self, meter: Meter) -> None:
         super().__init__(meter.pacer, meter.traffic, meter.cancelled, meter.job)
@@ -201,6 +202,10 @@ class SharedMeter(Meter):
     def take(self, nbytes: int, *args: Any, **kwargs: Any) -> None:
         with self._taking:
             super().take(nbytes, *args, **kwargs)
+
+    def refund(self, nbytes: int) -> None:
+        with self._taking:
+            super().refund(nbytes)
 
 
 class PacedReader:

@@ -337,6 +337,7 @@ class Incarnation:
                 run_thread=self._thread,
                 error=self.error,
                 metrics=ctx.metrics,
+                news=self.wake,
             )
         )
 

@@ -17,8 +17,11 @@ ObjectStore; no vendor code here.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
@@ -47,13 +50,14 @@ from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
 from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
 from mtc_replicator.local.hashing import data_file
-from mtc_replicator.local.pacer import Pacer
+from mtc_replicator.local.pacer import Meter, Pacer, SharedMeter
 from mtc_replicator.storage.objectstore import (
     ChecksumMismatch,
     LeftoverUploads,
     ObjectNotFound,
     ObjectStore,
     ObjectStoreError,
+    ParallelPuts,
     PreconditionFailed,
 )
 
@@ -66,6 +70,57 @@ leftover only if it began this long before this process started."""
 
 def _never() -> bool:
     return False
+
+
+@dataclass(frozen=True)
+class _Put:
+    """One file of an item to upload: its key, its source and the crc32c it must have."""
+
+    key: str
+    src: Path
+    crc32c: int
+
+
+def _put_files(
+    objects: ObjectStore,
+    puts: list[_Put],
+    meter: Meter,
+    cancelled: CancelCheck,
+    *,
+    what: str,
+    workers: int,
+) -> None:
+    """Every file of ``puts`` into ``objects``, ``workers`` at a time, through ``meter``.
+
+    A failure (or ``cancelled``) stops the files not yet begun; those in flight end (each
+    object is left whole or as it was), and then the failure of the first file in
+    ``puts``' order is raised.
+    """
+    workers = min(workers, len(puts))
+    if workers <= 1:
+        for put in puts:
+            if cancelled():
+                raise Cancelled(what)
+            objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=meter)
+        return
+    shared = SharedMeter(meter)  # still one transfer: its threads book slice by slice
+    failed = threading.Event()
+
+    def run(put: _Put) -> None:
+        if failed.is_set():
+            return  # another file failed: its error is raised below
+        try:
+            if cancelled():
+                raise Cancelled(what)
+            objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=shared)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="mtc-put") as pool:
+        futures = [pool.submit(run, put) for put in puts]
+    for future in futures:
+        future.result()
 
 
 class BackupStore:
@@ -94,22 +149,25 @@ class BackupStore:
         return self.objects.url
 
     def upload_item(self, manifest: Manifest, data: Path, cancelled: CancelCheck = _never) -> None:
-        """Upload an item's files, then its manifest. Safe to repeat before the COMMIT."""
+        """Upload an item's files, then its manifest. Safe to repeat before the COMMIT.
+
+        A store that puts files side by side (``ParallelPuts``: a filesystem) takes up to
+        its ``put_workers()`` of them at once; the manifest is written only once every file
+        is there, whatever the order they finished in.
+        """
         if self.objects.head(commit_key(manifest.item.job, manifest.item.step)) is not None:
             raise PreconditionFailed(f"{manifest.item}: step is already committed")
+        # The manifest's crc32c: a file changed since it was taken is never uploaded.
+        puts = [
+            _Put(data_key(manifest.item, e.path, LAYOUT), data_file(data, e), e.crc32c)
+            for e in manifest.files
+        ]
+        objects = self.objects
+        workers = objects.put_workers() if isinstance(objects, ParallelPuts) else 1
         # One transfer for the whole item: it shares the link with the job and the peer
         # plane, behind restores and replication (``core.pacing``).
         with self.pacer.transfer(Traffic.BACKUP, cancelled, manifest.item.job) as meter:
-            for entry in manifest.files:
-                if cancelled():
-                    raise Cancelled(str(manifest.item))
-                # The manifest's crc32c: a file changed since it was taken is never uploaded.
-                self.objects.put_file(
-                    data_key(manifest.item, entry.path, LAYOUT),
-                    data_file(data, entry),
-                    crc32c=entry.crc32c,
-                    meter=meter,
-                )
+            _put_files(objects, puts, meter, cancelled, what=str(manifest.item), workers=workers)
         self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
 
     def abort_leftover_uploads(self, job: str, item_keys: Collection[str]) -> int:

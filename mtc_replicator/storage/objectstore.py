@@ -175,6 +175,22 @@ class LeftoverUploads(Protocol):
     def abort_upload(self, upload: IncompleteUpload) -> None: ...
 
 
+@runtime_checkable
+class ParallelPuts(Protocol):
+    """A store whose ``put_file`` is one thread's copy of the file (a filesystem): an
+    item's files are put side by side, ``put_workers()`` at once, so a step's upload uses
+    the node's cores. The cloud backends send each file's parts on threads of their own
+    already (``storage.parts``), and take an item's files one at a time."""
+
+    def put_workers(self) -> int:
+        """How many of an item's files to put at once (at least 1)."""
+        ...
+
+
+MAX_PUT_WORKERS = 16
+"""Memory bandwidth, not cores, bounds a filesystem's copies long before this."""
+
+
 def prefixes_of(prefix: str, keys: Iterator[str]) -> Iterator[str]:
     """``list_prefixes`` computed from keys in key order (for stores that list anyway)."""
     last = None
@@ -206,6 +222,11 @@ class FileObjectStore:
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
+
+    def put_workers(self) -> int:
+        """One file per core this process may run on: each put reads, crc32cs and writes
+        (all three release the GIL) as fast as one core copies (``ParallelPuts``)."""
+        return max(1, min(len(os.sched_getaffinity(0)), MAX_PUT_WORKERS))
 
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None

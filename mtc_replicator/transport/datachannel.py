@@ -110,10 +110,6 @@ class Ticket:
         self.token = token
         self.connected: asyncio.Future[Conn] = loop.create_future()
 
-    @property
-    def token_hex(self) -> str:
-        return self.token.hex()
-
 
 class DataListener:
     """A TCP listener whose connections are matched to tickets by their first 16 bytes."""

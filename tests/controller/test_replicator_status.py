@@ -1,7 +1,7 @@
 """Status as the replicators report it, on a real API server with real daemons.
 
-Two real daemons serve /readyz and /metrics at two loopback addresses (127.0.0.2 and
-127.0.0.3, port 9464 as in the DaemonSet), standing for two nodes' pods: their pods get
+Two real daemons serve /readyz and /metrics at two loopback addresses (127.0.0.42 and
+127.0.0.43, port 9464 as in the DaemonSet), standing for two nodes' pods: their pods get
 those IPs the way kubelet would report them. The controller (its own process, as its
 ServiceAccount) asks each replicator every second here (30 s by default) and writes what
 they say into the configuration's status: a node's own reason for not being ready (its
@@ -49,7 +49,9 @@ from tests.integration.helpers import (
 
 NAME = "reports"
 JOB = "rep-job"
-ADDRESSES = ("127.0.0.2", "127.0.0.3")
+ADDRESSES = ("127.0.0.42", "127.0.0.43")
+"""Addresses no other test uses: another test file may run beside this one (pytest-xdist);
+the Ray tests' nodes have 127.0.0.2 and .3."""
 METRICS_PORT = 9464
 
 

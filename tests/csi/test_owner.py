@@ -91,11 +91,6 @@ def test_the_subdir_is_one_plain_name(name: str) -> None:
 
 
 @pytest.fixture
-def mounter() -> MemoryMounter:
-    return MemoryMounter()
-
-
-@pytest.fixture
 def ram(tmp_path: Path, mounter: MemoryMounter) -> Path:
     path = tmp_path / "ram"
     ensure_ram_disk(mounter, path, 2**20)

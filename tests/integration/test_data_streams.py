@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 
 from tests.integration.cluster import Cluster, assert_restored, running
+from tests.integration.helpers import wait_until
 
 pytestmark = pytest.mark.integration
 
 
-def log(cluster: Cluster, rank: int) -> str:
-    return (cluster.root / f"node{rank}.log").read_text()
+def took(cluster: Cluster, rank: int, transfer: str, connections: int) -> None:
+    """Wait for ``rank``'s log line of ``transfer`` (a regex) over the data channel on
+    ``connections`` connections: the line follows the commit the test waited for."""
+    line = re.compile(rf"{transfer} over the data channel \({connections} connections\)")
+    wait_until(
+        lambda: line.search((cluster.root / f"node{rank}.log").read_text()) is not None,
+        f"node {rank}'s line {line.pattern!r}",
+        daemon=cluster.daemon(rank),
+    )
 
 
 def test_a_push_and_a_restore_pull_use_three_connections(tmp_path: Path) -> None:
@@ -29,20 +37,13 @@ def test_a_push_and_a_restore_pull_use_three_connections(tmp_path: Path) -> None
         files = cluster.write_step(5, sizes={0: 3 << 20, 1: 2 << 20})
         cluster.wait_saved(5)
         for rank, other in ((0, 1), (1, 0)):
-            assert re.search(
-                rf"received streams/s5/n{other}-w0 from \S+ over the data channel "
-                r"\(3 connections\)",
-                log(cluster, rank),
-            ), f"node {rank} took its peer's step on 3 connections"
+            took(cluster, rank, rf"received streams/s5/n{other}-w0 from \S+", 3)
         cluster.wipe(1)
         cluster.handshake([1, 0])
         cluster.wait_markers(5)
         assert_restored(cluster, 5, files)
         assert cluster.source(1) == "peer"
-        assert re.search(
-            r"sent streams/s5/n1-w0 to \S+ over the data channel \(3 connections\)",
-            log(cluster, 0),
-        ), "node 0 served the restore on 3 connections"
+        took(cluster, 0, r"sent streams/s5/n1-w0 to \S+", 3)
 
 
 def test_the_side_that_allows_fewer_connections_decides(tmp_path: Path) -> None:
@@ -58,8 +59,4 @@ def test_the_side_that_allows_fewer_connections_decides(tmp_path: Path) -> None:
         cluster.write_step(5, sizes={0: 1 << 20, 1: 1 << 20})
         cluster.wait_saved(5)
         for rank, other in ((0, 1), (1, 0)):
-            assert re.search(
-                rf"received fewer/s5/n{other}-w0 from \S+ over the data channel "
-                r"\(2 connections\)",
-                log(cluster, rank),
-            ), f"node {rank} took its peer's step on 2 connections"
+            took(cluster, rank, rf"received fewer/s5/n{other}-w0 from \S+", 2)

@@ -192,7 +192,13 @@ class World:
         self.store.commit_staged(staged, manifest)
         return item
 
-    def member(self, config: JobConfig = ONE, *, backups: bool = True) -> ClusterMember:
+    def member(
+        self,
+        config: JobConfig = ONE,
+        *,
+        backups: bool = True,
+        news: Callable[[], None] = lambda: None,
+    ) -> ClusterMember:
         rank = JobRank(config, INCARNATION, self.store, self.finder, ADVERTISE)  # type: ignore[arg-type]
         return ClusterMember(
             MemberContext(
@@ -203,6 +209,7 @@ class World:
                 run_thread=self.run_thread,
                 error=self.error,
                 metrics=self.metrics,
+                news=news,
             )
         )
 
@@ -563,6 +570,35 @@ def test_an_ordered_backup_is_uploaded_and_reported(world: World) -> None:
     asyncio.run(body())
     assert world.backups.try_commit("job", 10, ["0-0"]) is not None  # every item is there
     assert world.errors == []
+
+
+def test_the_end_of_an_upload_wakes_the_incarnation_to_report_it_at_once(world: World) -> None:
+    """The coordinator writes the COMMIT when a report says the upload is done: left to
+    the next rescan (2 s by default), every backup would commit up to that much later."""
+    woken: list[int | None] = []
+    world.commit(10)
+    world.commit(20)
+    m = world.member(news=lambda: woken.append(m.uploaded))
+    released(m, 10)
+    world.finder.answer_with(answer(10, backup=10, every=1))
+
+    async def body() -> None:
+        await m.tick(10, force=True)
+        assert m.uploading == 10
+        assert woken == []
+        assert await m._orders.settle(10)
+        assert woken == [10]  # once it is done, with the step done
+        # A failed upload is no news: the report would say what the last one said.
+        world.bucket.down = True
+        world.finder.answer_with(answer(10, backup=20, every=1))
+        world.clock.now += 1
+        await m.tick(20, force=True)
+        assert m.uploading == 20
+        assert not await m._orders.settle(20)
+
+    asyncio.run(body())
+    assert woken == [10]
+    assert len(world.errors) == 1
 
 
 def test_one_upload_at_a_time_while_the_order_repeats(world: World) -> None:

@@ -90,12 +90,19 @@ class World:
         self.store.commit_staged(staged, manifest)
         return item
 
-    def replication(self, config: JobConfig = CONFIG, *, peers: bool = True) -> Replication:
+    def replication(
+        self,
+        config: JobConfig = CONFIG,
+        *,
+        peers: bool = True,
+        news: Callable[[], None] = lambda: None,
+    ) -> Replication:
         r = Replication(
             config,
             self.store,
             self.peers if peers else None,  # type: ignore[arg-type]
             lambda message, step: self.errors.append((message, step)),
+            on_news=news,
         )
         r.set_addresses(ADDRESSES)
         return r
@@ -118,6 +125,29 @@ async def finish(r: Replication) -> None:
 
 
 # --- which steps go where -----------------------------------------------------------------
+
+
+def test_a_step_replicated_wakes_the_incarnation_and_a_failed_push_does_not(
+    world: World,
+) -> None:
+    """The coordinator orders a step's backup (and makes it restorable) when a report says
+    it is replicated: left to the next rescan, every step would wait up to that long."""
+    woken: list[int | None] = []
+    world.commit(10)
+    world.commit(20)
+    r = world.replication(news=lambda: woken.append(r.newest_replicated))
+
+    async def body() -> None:
+        r.committed(10)
+        await finish(r)
+        assert woken == [10]
+        world.peers.fail[ADDRESSES[2]] = PeerUnavailable(ADDRESSES[2], "connection refused")
+        r.committed(20)
+        await finish(r)
+
+    run(body)
+    assert woken == [10]
+    assert r.newest_replicated == 10
 
 
 def test_the_targets_are_the_layouts() -> None:
