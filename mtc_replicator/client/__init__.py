@@ -3,7 +3,7 @@ and loading steps in the layout it expects (docs/protocol.md).
 
 Importing it needs only the standard library and PyYAML; the torch helpers import torch
 when they are called, and the Ray checkpointer (``RayCheckpointer``, docs/ray.md) imports Ray
-and torch only when it runs. It never imports gRPC, watchdog or cloud SDKs.
+and torch only when it runs. It never imports gRPC, inotify or cloud SDKs.
 """
 
 from mtc_replicator.client.async_save import (

@@ -2,5 +2,5 @@
 
 Atomic publishing (``fsutil``), hashing and verifying an item's files (``hashing``), the
 local tier's store with its ingest, staging, views and retention deletes (``store``), and
-file events from watchdog (``watcher``). Imports ``core`` only.
+file events from inotify (``watcher``). Imports ``core`` only.
 """

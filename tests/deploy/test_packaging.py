@@ -34,7 +34,7 @@ HEAVY = (
     "grpc_health",
     "google",
     "google_crc32c",
-    "watchdog",
+    "inotify_simple",
     "uvloop",
     "prometheus_client",
     "cryptography",

@@ -482,7 +482,7 @@ def test_importing_the_client_pulls_in_nothing_heavy() -> None:
         "sys.modules['torch'] = None\n"  # As if torch were not installed.
         "import mtc_replicator.client\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in"
-        " ('grpc', 'watchdog', 'google', 'boto3', 'botocore', 'numpy')]\n"
+        " ('grpc', 'inotify_simple', 'google', 'boto3', 'botocore', 'numpy')]\n"
         "assert not heavy, heavy\n"
     )
     root = Path(__file__).resolve().parents[3]
