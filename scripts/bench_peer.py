@@ -145,6 +145,7 @@ def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
     """Send every file below ``src``: ``sendfile`` in plaintext; with ``tls_dir``, a MiB
     read at a time through ``TlsStream`` (what the data channel does with TLS on)."""
     files = sorted(p for p in src.rglob("*") if p.is_file())
+    cpu0 = os.times()
     with socket.create_connection(("127.0.0.1", port)) as conn:
         tls = _tls_stream(conn, tls_dir, server=False) if tls_dir is not None else None
         out = tls or conn
@@ -163,21 +164,27 @@ def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
             tls.recv_into(memoryview(bytearray(1)))
         else:
             conn.recv(1)
+    cpu1 = os.times()
+    print(json.dumps({"cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}))
 
 
 def raw_copy(src: Path, dest: Path, tls_dir: Path | None = None) -> dict[str, float]:
     """Copy ``src`` to ``dest`` between two processes over loopback TCP; with ``tls_dir``
-    (a node's certificate files), over TLS."""
+    (a node's certificate files), over TLS. The receiver's seconds and CPU seconds
+    (``cpu``) and the sender's (``sender_cpu``), each from its connection to its end."""
     me = [sys.executable, __file__]
     tls = [str(tls_dir)] if tls_dir is not None else []
     recv = subprocess.Popen([*me, "_raw-recv", str(dest), *tls], stdout=subprocess.PIPE, text=True)
     assert recv.stdout is not None
     port = recv.stdout.readline().strip()
-    subprocess.run([*me, "_raw-send", port, str(src), *tls], check=True)
+    sent = subprocess.run(
+        [*me, "_raw-send", port, str(src), *tls], check=True, stdout=subprocess.PIPE, text=True
+    )
     out, _ = recv.communicate(timeout=600)
     if recv.returncode:
         raise RuntimeError(f"raw receiver failed: {recv.returncode}")
     result: dict[str, float] = json.loads(out)
+    result["sender_cpu"] = json.loads(sent.stdout)["cpu"]
     return result
 
 

@@ -55,6 +55,7 @@ from tests.integration.helpers import (  # noqa: E402
     write_big_step_tmp,
     write_yaml_atomic,
 )
+from tests.proc import cpu_seconds as proc_cpu  # noqa: E402
 from tests.tls import node_tls  # noqa: E402
 
 _PHASES = (
@@ -145,6 +146,10 @@ class Job:
         d.kill()
         self.clear(rank)
         self.start(rank)
+
+    def cpu(self) -> float:
+        """CPU seconds of every node's daemon so far, added."""
+        return sum(proc_cpu(d.pid) for d in self.daemons if d is not None)
 
     def markers(self, rank: int) -> list[Path]:
         return [p for p in self.dirs[rank].iterdir() if p.name.endswith(".restore")]
@@ -240,8 +245,9 @@ def bench_peer_and_local(
     *,
     tls: bool = True,
     extra: tuple[str, ...] = (),
-) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
-    """The peer and local cases, interleaved with the raw copies they are compared with.
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]], dict[str, list[float]]]:
+    """The peer and local cases, interleaved with the raw copies they are compared with;
+    their seconds, the restores' timelines and each case's CPU seconds by round.
 
     With ``tls`` (the daemons' mutual TLS): the plaintext raw copy, the same copy over the
     data channel's TLS (``TlsStream``, the daemons' certificates), the peer restore and the
@@ -252,6 +258,9 @@ def bench_peer_and_local(
     keys = ["raw", "raw_tls", "peer", "local"] if tls else ["raw", "peer"]
     out: dict[str, list[float]] = {f"{k}{sfx}": [] for k in keys}
     phases: dict[str, list[dict[str, float]]] = {f"peer{sfx}": [], **({"local": []} if tls else {})}
+    cpu: dict[str, list[float]] = {f"{k}{sfx}": [] for k in keys}
+    """CPU seconds of both ends of each case, by round (the two daemons from the handshake
+    to the markers; the raw copy's two processes from the connection to its end)."""
     try:
         for r in range(job.nodes):
             job.start(r)
@@ -263,21 +272,26 @@ def bench_peer_and_local(
         def raw(tls_dir: Path | None = None) -> float:
             warm_pages(root, size)
             dest = root / "raw"
-            seconds = raw_copy(raw_src, dest, tls_dir)["seconds"]
+            copied = raw_copy(raw_src, dest, tls_dir)
+            cpu[f"raw{'_tls' if tls_dir else ''}{sfx}"].append(copied["cpu"] + copied["sender_cpu"])
             shutil.rmtree(dest)
-            return seconds
+            return copied["seconds"]
 
         def peer() -> float:
             job.wipe(1)
             warm_pages(root, size)
+            cpu0 = job.cpu()
             seconds = job.restore(STEP)
+            cpu[f"peer{sfx}"].append(job.cpu() - cpu0)
             phases[f"peer{sfx}"].append(job.timeline())
             if job.source(1) != "peer":
                 raise RuntimeError(f"rank 1 restored from {job.source(1)}, not its peer")
             return seconds
 
         def local() -> float:
+            cpu0 = job.cpu()
             seconds = job.restore(STEP)
+            cpu["local"].append(job.cpu() - cpu0)
             phases["local"].append(job.timeline())
             if {job.source(r) for r in range(job.nodes)} != {"local"}:
                 raise RuntimeError("a rank did not restore its local copy")
@@ -297,7 +311,7 @@ def bench_peer_and_local(
             )
     finally:
         job.stop_all()
-    return out, phases
+    return out, phases, cpu
 
 
 def bench_backup(
@@ -354,6 +368,7 @@ def report(
     peer: dict[str, list[float]],
     backup: dict[str, list[float]],
     phases: dict[str, list[dict[str, float]]],
+    cpu: dict[str, list[float]],
 ) -> dict[str, object]:
     med = {k: statistics.median(v) for k, v in (peer | backup).items() if v}
     best = {k: min(v) for k, v in (peer | backup).items() if v}
@@ -394,6 +409,16 @@ def report(
         holds["peer (plaintext) >= 0.8x raw (plaintext)"] = plain >= PEER_TARGET
     for what, ok in holds.items():
         print(f"target {what}: {'holds' if ok else 'MISSED'}")
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items() if v}
+    print(
+        f"\nCPU seconds of both ends (median) and the least seconds they need on this box's"
+        f" {os.cpu_count()} cores: what a case must do beside its baseline shows here"
+    )
+    for key, spent in cpu_med.items():
+        print(
+            f"  {key:12} {spent:6.2f} CPU s over {med[key]:6.3f} s ({spent / med[key]:.2f} cores"
+            f" busy); at least {spent / (os.cpu_count() or 1):.3f} s"
+        )
     timelines = {case: median_timeline(runs) for case, runs in phases.items()}
     for case, timeline in timelines.items():
         print(f"\nrestore {case}: seconds after the handshake (median; from the daemons' logs)")
@@ -404,6 +429,7 @@ def report(
         "rounds": {k: v for k, v in (peer | backup).items()},
         "median": med,
         "best": best,
+        "cpu_seconds": cpu,
         **ratios,
         "targets": holds,
         "timelines": timelines,
@@ -436,19 +462,22 @@ def main() -> None:
     disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
     try:
         extra = () if a.data_streams is None else ("--data-streams", a.data_streams)
-        peer, phases = bench_peer_and_local(root, a.size_mib, a.rounds, a.log_level, extra=extra)
+        peer, phases, cpu = bench_peer_and_local(
+            root, a.size_mib, a.rounds, a.log_level, extra=extra
+        )
         if a.plaintext:
-            plain, plain_phases = bench_peer_and_local(
+            plain, plain_phases, plain_cpu = bench_peer_and_local(
                 root, a.size_mib, a.rounds, a.log_level, tls=False, extra=extra
             )
             peer |= plain
             phases |= plain_phases
+            cpu |= plain_cpu
         backup = (
             bench_backup(root, disk, a.size_mib, a.backup_rounds, a.log_level)
             if a.backup_rounds
             else {}
         )
-        result = report(a.size_mib, peer, backup, phases)
+        result = report(a.size_mib, peer, backup, phases, cpu)
         if a.json:
             print(json.dumps(result))
     finally:

@@ -45,6 +45,7 @@ from pathlib import Path
 from mtc_replicator.core.contract import PRERESTORE_FILE, marker_name
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.tls import TlsFiles
+from scripts.bench_peer import warm_pages
 from scripts.bench_scale import Node, make_tls
 
 MiB = 1 << 20
@@ -302,6 +303,10 @@ class Stages:
         a.wipe()
         a.start()
         time.sleep(SETTLE)
+        # The pull writes into pages the kernel just freed, as bench_restore's do and as
+        # the floors' writes do: memory this VM's host took back meanwhile would cost the
+        # pull up to 10x to fill (docs/performance.md, "Fresh memory on this VM").
+        warm_pages(self.ram, self.step_mib * MiB)
         cpu0 = (a.cpu_seconds(), b.cpu_seconds())
         for node in (a, b):
             handshake(node, job, 2)
