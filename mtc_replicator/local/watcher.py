@@ -17,6 +17,7 @@ here needs the pairing: a name renamed into place is complete, whatever it was c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import threading
@@ -104,7 +105,8 @@ class DirectoryWatcher:
     def stop(self) -> None:
         if self._thread is None:
             return
-        os.write(self._stop_w, b"x")
+        with contextlib.suppress(OSError):  # the thread already left (its loop closed)
+            os.write(self._stop_w, b"x")
         self._thread.join(timeout=5)
         os.close(self._stop_w)
         self._thread = self._inotify = None

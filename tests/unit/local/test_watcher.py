@@ -176,3 +176,19 @@ def test_meaning_of_each_event() -> None:
     assert meaning(flags.CREATE, "a.save") == (None, False, False)
     assert meaning(flags.MOVED_FROM, "replicator.yaml") == (None, False, False)
     assert meaning(flags.Q_OVERFLOW, "") == (None, False, False)
+
+
+def test_stop_after_the_loop_closed(tmp_path: Path) -> None:
+    # The daemon's loop may close before the watch is stopped: the thread leaves on its
+    # own at the next event, and stop still returns.
+    loop = asyncio.new_event_loop()
+    recorder = Recorder()
+    watcher = DirectoryWatcher(tmp_path, recorder)
+    watcher.start(loop)
+    loop.close()
+    (tmp_path / "x").write_bytes(b"1")
+    time.sleep(0.2)
+    started = time.monotonic()
+    watcher.stop()
+    assert time.monotonic() - started < 1.0
+    assert recorder.seen() == []
