@@ -15,9 +15,13 @@ each against a baseline of the same bytes measured in the same run:
 - backup: a 4-node job, ``--size-mib`` in all, every RAM disk wiped, restored from a
   ``file://`` backup on disk; baseline: ``cp -r`` of the backup's step to tmpfs.
 
-After the table, each case's timeline (seconds after the handshake until the yaml was
-accepted, the plan made, each rank's item ready, each round done), read from the daemons'
-INFO log lines.
+After the table, each case's CPU seconds, both ends added (the daemons from the handshake
+to the markers, the raw copy's two processes from their connection on), and the least
+wall time that CPU needs on this machine's cores: a case that must do more than its
+baseline on cores the baseline already fills cannot match it (docs/performance.md,
+"Against the raw copy's CPU"). Then each case's timeline (seconds after the handshake
+until the yaml was accepted, the plan made, each rank's item ready, each round done), read
+from the daemons' INFO log lines.
 
     .venv/bin/python scripts/bench_restore.py --size-mib 1024 [--rounds 7] [--json]
     .venv/bin/python scripts/bench_restore.py --data-streams 2   # the daemons' --data-streams
