@@ -65,7 +65,6 @@ class DirectoryWatcher:
     def __init__(self, root: Path, on_event: OnEvent) -> None:
         self._root = root
         self._on_event = on_event
-        self._inotify: INotify | None = None
         self._stop_w = -1
         self._thread: threading.Thread | None = None
 
@@ -78,7 +77,6 @@ class DirectoryWatcher:
             inotify.close()
             raise
         stop_r, self._stop_w = os.pipe()
-        self._inotify = inotify
         self._thread = threading.Thread(
             target=self._run, args=(inotify, stop_r, loop), name="mtc-watch", daemon=True
         )
@@ -109,4 +107,4 @@ class DirectoryWatcher:
             os.write(self._stop_w, b"x")
         self._thread.join(timeout=5)
         os.close(self._stop_w)
-        self._thread = self._inotify = None
+        self._thread = None
