@@ -356,8 +356,7 @@ class Daemon:
         for job_dir in self.parts.tenancy.scan(
             wired.job_dir, lambda d: wired.events.of(d.supervisor)
         ):
-            assert job_dir.watcher is not None
-            job_dir.watcher.start(loop)
+            job_dir.watch(loop)
             job_dir.supervisor.handshake.trust_existing()
             resumed = restore_saved(job_dir.supervisor.ctx)
             if resumed is not None:

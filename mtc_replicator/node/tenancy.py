@@ -12,12 +12,15 @@ node at a time.
 A pod may replace ``jobs/<job>`` by a symlink at any moment, and the daemon runs as root: it
 reaches a job directory only through a descriptor opened without following links, by its
 ``/proc/self/fd/N`` path, kept while the directory is served, so nothing it writes, moves or
-removes there lands anywhere else. File events come from a watch on the directory's name
-(hints only: every supervisor rescans on its own timer).
+removes there lands anywhere else. File events come from a watch made through that
+descriptor too, so a link swapped in later redirects nothing; they are hints only (every
+supervisor rescans on its own timer), so a watch that cannot be made (the kernel's limit of
+inotify instances, 128 a user by default) leaves the directory served at each rescan.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import stat
@@ -55,6 +58,22 @@ class JobDir:
     @property
     def path(self) -> Path:
         return Path(f"/proc/self/fd/{self.fd}")
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Start the directory's file events; False (said) when no watch can be made."""
+        assert self.watcher is not None
+        try:
+            self.watcher.start(loop)
+        except OSError as exc:
+            log.warning(
+                "no file events from %s/%s (%s): its files are seen at each rescan",
+                JOB_DIRS,
+                self.name,
+                exc,
+                extra={"job": self.name},
+            )
+            return False
+        return True
 
 
 class _Beside:
@@ -169,9 +188,7 @@ class Tenancy:
             if fd is None:
                 continue
             job_dir = JobDir(name, fd, make(name, Path(f"/proc/self/fd/{fd}"), self.beside(name)))
-            job_dir.watcher = DirectoryWatcher(
-                self.checkpoint_dir / JOB_DIRS / name, on_event(job_dir)
-            )
+            job_dir.watcher = DirectoryWatcher(job_dir.path, on_event(job_dir))
             self.dirs[name] = job_dir
             new.append(job_dir)
             log.info("serving the job directory %s/%s", JOB_DIRS, name, extra={"job": name})

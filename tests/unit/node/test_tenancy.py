@@ -3,12 +3,14 @@ directories, descriptors), and the rules one directory's handshake meets beside 
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mtc_replicator.core.contract import JOB_DIRS, JobConfig, parse_config
+from mtc_replicator.local.watcher import DirectoryWatcher
 from mtc_replicator.node import tenancy
 from mtc_replicator.node.tenancy import Tenancy
 
@@ -137,3 +139,59 @@ def test_at_most_so_many_directories_are_served(tmp_path: Path, monkeypatch: Any
     t, _ = _tenancy(root)
     assert _scan(t) == ["a", "b"]
     assert _scan(t) == []
+
+
+def _watched(t: Tenancy, seen: list[str | None]) -> list[tenancy.JobDir]:
+    def on_event(job_dir: tenancy.JobDir) -> Any:
+        return lambda name, *_: seen.append(name)
+
+    return t.scan(t.__dict__["_make"], on_event)
+
+
+def test_the_watch_goes_through_the_descriptor(tmp_path: Path) -> None:
+    # A pod swaps its job directory for a link to elsewhere between the scan and the
+    # watch: the watch is on the directory the daemon serves, and what happens at the
+    # link's target wakes nothing.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "ckpt"
+    (root / JOB_DIRS / "trial-1").mkdir(parents=True)
+    t, _ = _tenancy(root)
+    seen: list[str | None] = []
+    loop = asyncio.new_event_loop()
+    try:
+        (job_dir,) = _watched(t, seen)
+        os.rename(root / JOB_DIRS / "trial-1", tmp_path / "moved")
+        (root / JOB_DIRS / "trial-1").symlink_to(outside)
+        assert job_dir.watch(loop)
+        (outside / "replicator.yaml").write_text("job-name: x\n")
+        (tmp_path / "moved" / "a.save").write_bytes(b"1")
+        loop.run_until_complete(asyncio.sleep(0.3))
+        assert "a.save" in seen
+        assert "replicator.yaml" not in seen
+    finally:
+        t.close()
+        loop.close()
+
+
+def test_a_watch_that_cannot_be_made_leaves_the_directory_served(
+    tmp_path: Path, monkeypatch: Any, caplog: Any
+) -> None:
+    # The kernel's inotify instances run out (128 a user by default; up to 256 job
+    # directories are served): rescans serve the directory, the daemon goes on.
+    def refused(self: Any, loop: Any) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(DirectoryWatcher, "start", refused)
+    root = tmp_path / "ckpt"
+    (root / JOB_DIRS / "trial-1").mkdir(parents=True)
+    t, _ = _tenancy(root)
+    loop = asyncio.new_event_loop()
+    try:
+        (job_dir,) = _watched(t, [])
+        assert not job_dir.watch(loop)
+        assert "no file events from jobs/trial-1" in caplog.text
+        assert sorted(t.dirs) == ["trial-1"]
+    finally:
+        t.close()
+        loop.close()
