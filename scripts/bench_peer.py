@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
-import mmap
 import os
 import re
 import shutil
@@ -45,14 +43,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
 
+from mtc_replicator.core.grant import Grant, grant_json
 from mtc_replicator.core.manifest import ItemId, Manifest
 from mtc_replicator.core.storedir import default_store_dir
+from mtc_replicator.local.grants_file import DIR_NAME as GRANTS_DIR
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node.startup import tune_malloc
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.attesting import manifest_trust
+from mtc_replicator.transport.datachannel import RECV_BYTES
 from mtc_replicator.transport.peer_client import PeerClient
 from mtc_replicator.transport.tls import TlsFiles, TlsMaterial, TlsStream
 
@@ -74,17 +74,23 @@ _READY = re.compile(rb"daemon started:.* listen=(\S+) advertise=")
 # --- the raw-socket baseline (run as child processes) -----------------------------------------
 
 
-class _TlsReader(io.RawIOBase):
-    """A ``TlsStream`` as a file, so the receiver below reads TLS and plaintext alike."""
+def _fill(conn: socket.socket | TlsStream, view: memoryview) -> int:
+    """Read until ``view`` is full or the stream ends; the bytes read. Whole slices, as the
+    data channel's receiver reads them: writing whatever one read returned (a TLS record,
+    a partial segment) costs tmpfs more per byte and made this baseline erratic."""
+    if isinstance(conn, socket.socket):
+        return conn.recv_into(view, len(view), socket.MSG_WAITALL)
+    got = 0
+    while got < len(view) and (n := conn.recv_into(view[got:])):
+        got += n
+    return got
 
-    def __init__(self, stream: TlsStream) -> None:
-        self.stream = stream
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b: Any) -> int:
-        return self.stream.recv_into(memoryview(b).cast("B"))
+def _read_exactly(conn: socket.socket | TlsStream, n: int) -> bytes:
+    buf = bytearray(n)
+    if _fill(conn, memoryview(buf)) != n:
+        raise EOFError("sender stopped early")
+    return bytes(buf)
 
 
 def _tls_stream(conn: socket.socket, tls_dir: Path, *, server: bool) -> TlsStream:
@@ -101,34 +107,33 @@ def _tls_stream(conn: socket.socket, tls_dir: Path, *, server: bool) -> TlsStrea
     return stream
 
 
-def raw_receive(dest: Path, tls_dir: Path | None = None) -> None:
+def raw_receive(dest: Path, warm: int, tls_dir: Path | None = None) -> None:
     """Accept one connection; write each ``(name, size, bytes)`` record below ``dest``
-    (``tls_dir``: the connection is TLS, with the certificates there)."""
+    (``tls_dir``: the connection is TLS, with the certificates there). Once connected,
+    ``warm_pages(warm)`` and a go-ahead byte: the sender starts only then, and the clock."""
     dest.mkdir(parents=True)
     with socket.create_server(("127.0.0.1", 0)) as srv:
         print(srv.getsockname()[1], flush=True)
         conn, _ = srv.accept()
+    tls = _tls_stream(conn, tls_dir, server=True) if tls_dir is not None else None
+    stream = tls or conn
+    warm_pages(dest.parent, warm)
     t0 = time.perf_counter()
     cpu0 = os.times()
-    buf = mmap.mmap(-1, 1 << 20)
-    view = memoryview(buf)
+    stream.sendall(b"g")
+    view = memoryview(bytearray(RECV_BYTES))
     total = 0
-    tls = _tls_stream(conn, tls_dir, server=True) if tls_dir is not None else None
     with conn:
-        stream = (
-            io.BufferedReader(_TlsReader(tls), 1 << 20) if tls is not None else conn.makefile("rb")
-        )
         while True:
-            name_len, size = _HEADER.unpack(stream.read(_HEADER.size))
+            name_len, size = _HEADER.unpack(_read_exactly(stream, _HEADER.size))
             if name_len == 0:
                 break
-            path = dest / stream.read(name_len).decode()
+            path = dest / _read_exactly(stream, name_len).decode()
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             left = size
             while left:
-                # Drain what makefile() buffered first, then read the socket directly.
-                n = stream.readinto(view[: min(left, len(view))])
+                n = _fill(stream, view[: min(left, len(view))])
                 if not n:
                     raise EOFError("sender stopped early")
                 os.write(fd, view[:n])
@@ -149,6 +154,7 @@ def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
     with socket.create_connection(("127.0.0.1", port)) as conn:
         tls = _tls_stream(conn, tls_dir, server=False) if tls_dir is not None else None
         out = tls or conn
+        _read_exactly(out, 1)  # the receiver's go-ahead: its pages are warm
         buf = bytearray(1 << 20)
         for path in files:
             name = str(path.relative_to(src)).encode()
@@ -168,13 +174,22 @@ def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
     print(json.dumps({"cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}))
 
 
-def raw_copy(src: Path, dest: Path, tls_dir: Path | None = None) -> dict[str, float]:
+def raw_copy(
+    src: Path, dest: Path, tls_dir: Path | None = None, *, warm: int = 0
+) -> dict[str, float]:
     """Copy ``src`` to ``dest`` between two processes over loopback TCP; with ``tls_dir``
     (a node's certificate files), over TLS. The receiver's seconds and CPU seconds
-    (``cpu``) and the sender's (``sender_cpu``), each from its connection to its end."""
+    (``cpu``) and the sender's (``sender_cpu``), each from its connection to its end.
+
+    ``warm``: bytes ``warm_pages`` writes and frees on ``dest``'s filesystem once both
+    processes are up and connected, right before the first byte moves (not before the
+    processes start, a second of imports earlier). Rounds still meet memory the host took
+    back (docs/performance.md, "Fresh memory on this VM"): compare bests too."""
     me = [sys.executable, __file__]
     tls = [str(tls_dir)] if tls_dir is not None else []
-    recv = subprocess.Popen([*me, "_raw-recv", str(dest), *tls], stdout=subprocess.PIPE, text=True)
+    recv = subprocess.Popen(
+        [*me, "_raw-recv", str(dest), str(warm), *tls], stdout=subprocess.PIPE, text=True
+    )
     assert recv.stdout is not None
     port = recv.stdout.readline().strip()
     sent = subprocess.run(
@@ -248,6 +263,15 @@ def take_job(ckpt: Path) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{ckpt}: replicator.yaml was not accepted")
         time.sleep(0.05)
+
+
+def grant_ranks(ckpt: Path, holders: tuple[str, ...]) -> None:
+    """Leave B a rank grant (what the controller's ``AssignRank`` keeps in the store): with
+    TLS, a node takes a rank's pushes only from the node known to hold it, and B's
+    coordinator never answers; the grant names the bench's certificate as rank 0's node."""
+    grants = Path(default_store_dir(PurePosixPath(ckpt))) / GRANTS_DIR
+    grants.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (grants / f"{JOB}.json").write_bytes(grant_json(Grant(JOB, "bench", holders)))
 
 
 def make_item(ckpt: Path, size: int, files: int) -> Manifest:
@@ -369,9 +393,8 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
             return seconds
 
         def raw(r: int) -> dict[str, float]:
-            warm_pages(root, size)
             dest = root / f"raw-{r}"
-            result = raw_copy(data, dest)
+            result = raw_copy(data, dest, warm=size)
             shutil.rmtree(dest)
             return result
 
@@ -475,7 +498,8 @@ def report(size: int, files: int, results: list[Round]) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_raw-recv":
-        raw_receive(Path(sys.argv[2]), Path(sys.argv[3]) if len(sys.argv) > 3 else None)
+        tls_dir = Path(sys.argv[4]) if len(sys.argv) > 4 else None
+        raw_receive(Path(sys.argv[2]), int(sys.argv[3]), tls_dir)
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_raw-send":
         tls_dir = Path(sys.argv[4]) if len(sys.argv) > 4 else None
@@ -508,6 +532,7 @@ def main() -> None:
         )
         b = start_daemon(root / "b", receiver_flags(root / "b"))
         take_job(root / "b")  # kept in B's store: every restart resumes the job
+        grant_ranks(root / "b", ("client", "b"))
         b.stop()
         run = uvloop.run if uvloop is not None else asyncio.run
         results = run(run_rounds(root, *daemons, mine, b_tls, manifest, a.rounds))

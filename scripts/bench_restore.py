@@ -25,6 +25,7 @@ from the daemons' INFO log lines.
 
     .venv/bin/python scripts/bench_restore.py --size-mib 1024 [--rounds 7] [--json]
     .venv/bin/python scripts/bench_restore.py --data-streams 2   # the daemons' --data-streams
+    .venv/bin/python scripts/bench_restore.py --no-tls --backup-rounds 0   # plaintext only
 
 Numbers are only comparable within one run: this machine's two cores are shared.
 """
@@ -274,9 +275,8 @@ def bench_peer_and_local(
         raw_src = job.item_data(0, STEP)
 
         def raw(tls_dir: Path | None = None) -> float:
-            warm_pages(root, size)
             dest = root / "raw"
-            copied = raw_copy(raw_src, dest, tls_dir)
+            copied = raw_copy(raw_src, dest, tls_dir, warm=size)
             cpu[f"raw{'_tls' if tls_dir else ''}{sfx}"].append(copied["cpu"] + copied["sender_cpu"])
             shutil.rmtree(dest)
             return copied["seconds"]
@@ -388,29 +388,41 @@ def report(
         ("restore from file://, 4 nodes, every RAM disk wiped", "backup", "cp", "reported"),
     ]
     print(f"\n{size_mib} MiB per rank (peer, local), {size_mib} MiB in all (backup), tmpfs")
-    print("handshake to the last rank's marker; median (best) of the interleaved rounds")
-    print(f"{'case':52} {'seconds':>16} {'vs baseline':>11}  target")
+    print(
+        "handshake to the last rank's marker; median (best) of the interleaved rounds, and the"
+        " ratio of medians (of bests): a round that met pages the host had taken back is slow"
+        ' (docs/performance.md, "Fresh memory on this VM"), so medians swing where bests do not'
+    )
+    print(f"{'case':52} {'seconds':>16} {'vs baseline':>19}  target")
     for name, key, base, target in rows:
         if key not in med or (base and base not in med):
-            continue  # --backup-rounds 0, --no-plaintext
-        ratio = f"{med[base] / med[key]:.2f}x" if base else "-"
-        print(f"{name:52} {med[key]:7.3f} ({best[key]:6.3f}) {ratio:>11}  {target}")
+            continue  # --backup-rounds 0, --no-plaintext, --no-tls
+        ratio = f"{med[base] / med[key]:.2f}x ({best[base] / best[key]:.2f}x)" if base else "-"
+        print(f"{name:52} {med[key]:7.3f} ({best[key]:6.3f}) {ratio:>19}  {target}")
+    tls = "peer" in med
     ratios = {
-        "peer_vs_raw": med["raw"] / med["peer"],
-        "peer_vs_raw_tls": med["raw_tls"] / med["peer"],
+        "peer_vs_raw": med["raw"] / med["peer"] if tls else None,
+        "peer_vs_raw_tls": med["raw_tls"] / med["peer"] if tls else None,
         "peer_plain_vs_raw_plain": (
             med["raw_plain"] / med["peer_plain"] if "peer_plain" in med else None
         ),
         "backup_vs_cp": med["cp"] / med["backup"] if "backup" in med else None,
     }
-    holds = {
-        "peer (TLS) >= 0.8x raw (plaintext)": ratios["peer_vs_raw"] >= PEER_TARGET,
-        f"peer (TLS) >= {PEER_TLS_TARGET}x raw over TLS": ratios["peer_vs_raw_tls"]
-        >= PEER_TLS_TARGET,
-        "local < 0.2 s": med["local"] < LOCAL_TARGET,
-    }
-    if (plain := ratios["peer_plain_vs_raw_plain"]) is not None:
-        holds["peer (plaintext) >= 0.8x raw (plaintext)"] = plain >= PEER_TARGET
+    # Verdicts on bests: the baselines' slow rounds are the host's (fresh memory), not the
+    # copy's, and they swing the medians of a baseline far more than of a restore.
+    holds: dict[str, bool] = {}
+    if tls:
+        holds["peer (TLS) >= 0.8x raw (plaintext), bests"] = (
+            best["raw"] / best["peer"] >= PEER_TARGET
+        )
+        holds[f"peer (TLS) >= {PEER_TLS_TARGET}x raw over TLS, bests"] = (
+            best["raw_tls"] / best["peer"] >= PEER_TLS_TARGET
+        )
+        holds["local < 0.2 s, median"] = med["local"] < LOCAL_TARGET
+    if "peer_plain" in best:
+        holds["peer (plaintext) >= 0.8x raw (plaintext), bests"] = (
+            best["raw_plain"] / best["peer_plain"] >= PEER_TARGET
+        )
     for what, ok in holds.items():
         print(f"target {what}: {'holds' if ok else 'MISSED'}")
     cpu_med = {k: statistics.median(v) for k, v in cpu.items() if v}
@@ -461,14 +473,24 @@ def main() -> None:
         action="store_false",
         help="skip the plaintext run (daemons without TLS against the same raw copy)",
     )
+    p.add_argument(
+        "--no-tls",
+        dest="tls",
+        action="store_false",
+        help="skip the TLS run (its raw copies, peer and local restores)",
+    )
     a = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
     try:
         extra = () if a.data_streams is None else ("--data-streams", a.data_streams)
-        peer, phases, cpu = bench_peer_and_local(
-            root, a.size_mib, a.rounds, a.log_level, extra=extra
-        )
+        peer: dict[str, list[float]] = {}
+        phases: dict[str, list[dict[str, float]]] = {}
+        cpu: dict[str, list[float]] = {}
+        if a.tls:
+            peer, phases, cpu = bench_peer_and_local(
+                root, a.size_mib, a.rounds, a.log_level, extra=extra
+            )
         if a.plaintext:
             plain, plain_phases, plain_cpu = bench_peer_and_local(
                 root, a.size_mib, a.rounds, a.log_level, tls=False, extra=extra

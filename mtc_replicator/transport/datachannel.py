@@ -84,8 +84,11 @@ MAX_HANDSHAKES = 64
 """Connections allowed to be presenting a token at once; more are closed at once."""
 MAX_HANDSHAKES_PER_PEER = 8
 """Of those, from one peer address: idle connections from one host cannot take every slot."""
-RECV_BYTES = 1 << 20
-"""Bytes per receive: a whole number of pages, like the raw copy it is measured against."""
+RECV_BYTES = 2 << 20
+"""Bytes per receive (and per write into the store): tmpfs takes 2 MiB writes for less CPU
+a byte than 1 MiB ones (0.72-0.79 against 0.80-0.94 CPU s/GiB received, hashed and
+written), and larger slices made the loopback sender pay more than the receiver saved
+(docs/performance.md, "Receive slices"). The raw copy it is measured against uses it too."""
 SEND_SLICE = 64 << 20
 """Bytes per ``sendfile`` call: between two, a cancelled transfer stops."""
 TLS_SEND_BYTES = 1 << 20
