@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mtc_replicator.local.watcher import DirectoryWatcher, meaning
+from mtc_replicator.local.watcher import DirectoryWatcher, _Watches, meaning
 
 Seen = tuple[str | None, bool, bool]
 
@@ -192,3 +192,111 @@ def test_stop_after_the_loop_closed(tmp_path: Path) -> None:
     watcher.stop()
     assert time.monotonic() - started < 1.0
     assert recorder.seen() == []
+
+
+def _inotify_fds() -> int:
+    """inotify instances this process holds open."""
+    fds = Path("/proc/self/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == "anon_inode:inotify"
+    return count
+
+
+def test_every_directory_shares_one_inotify_instance(tmp_path: Path) -> None:
+    # The kernel allows 128 instances a user by default; a daemon watches CHECKPOINT_DIR
+    # and up to 256 job directories. One instance per directory ran out before that.
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dirs = [tmp_path / f"job-{i}" for i in range(200)]
+        recorders = [Recorder() for _ in dirs]
+        watchers = [DirectoryWatcher(d, r) for d, r in zip(dirs, recorders, strict=True)]
+        for d, watcher in zip(dirs, watchers, strict=True):
+            d.mkdir()
+            watcher.start(loop)
+        try:
+            assert _inotify_fds() == 1
+            for i, d in enumerate(dirs):
+                (d / f"{i}.save").write_bytes(b"x")
+            for i, recorder in enumerate(recorders):
+                await recorder.first((f"{i}.save", True, False))
+                assert {name for name, _, _ in recorder.seen()} <= {f"{i}.save", None}  # its own
+        finally:
+            for watcher in watchers:
+                watcher.stop()
+        assert _inotify_fds() == 0  # the last watch closed the instance
+
+    asyncio.run(main())
+
+
+def test_two_watches_of_one_directory_and_one_stopped(tmp_path: Path) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        first, second = Recorder(), Recorder()
+        a, b = DirectoryWatcher(tmp_path, first), DirectoryWatcher(tmp_path, second)
+        a.start(loop)
+        b.start(loop)
+        try:
+            (tmp_path / "one").write_bytes(b"1")
+            await first.first(("one", True, False))
+            await second.first(("one", True, False))
+            a.stop()
+            (tmp_path / "two").write_bytes(b"2")
+            await second.first(("two", True, False))  # the kernel's watch is still there
+            await asyncio.sleep(0.1)
+            assert ("two", True, False) not in first.seen()
+        finally:
+            a.stop()
+            b.stop()
+
+    asyncio.run(main())
+
+
+def test_a_directory_removed_while_watched_leaves_the_others_watched(tmp_path: Path) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        (tmp_path / "gone").mkdir()
+        (tmp_path / "kept").mkdir()
+        gone, kept = Recorder(), Recorder()
+        watch_gone = DirectoryWatcher(tmp_path / "gone", gone)
+        watch_kept = DirectoryWatcher(tmp_path / "kept", kept)
+        watch_gone.start(loop)
+        watch_kept.start(loop)
+        try:
+            (tmp_path / "gone").rmdir()
+            await gone.first((None, False, False))  # woken: a scan finds it gone
+            await asyncio.sleep(0.1)
+            watch_gone.stop()  # its kernel watch went with the directory: harmless
+            (tmp_path / "kept" / "a.save").write_bytes(b"x")
+            await kept.first(("a.save", True, False))
+        finally:
+            watch_gone.stop()
+            watch_kept.stop()
+        assert _inotify_fds() == 0
+
+    asyncio.run(main())
+
+
+def test_a_queue_overflow_wakes_every_watch(tmp_path: Path) -> None:
+    # Lost events may have been anyone's: every directory is scanned again.
+    from inotify_simple import flags
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        watches = _Watches()
+        recorders = [Recorder(), Recorder()]
+        for i, recorder in enumerate(recorders):
+            (tmp_path / str(i)).mkdir()
+            watches.add(tmp_path / str(i), loop, recorder)
+        handles = [w for ws in watches._by_wd.values() for w in ws]
+        try:
+            with watches._lock:
+                watches._dispatch(-1, flags.Q_OVERFLOW, "")
+            for recorder in recorders:
+                await recorder.first((None, False, False))
+        finally:
+            for handle in handles:
+                watches.remove(handle)
+
+    asyncio.run(main())
