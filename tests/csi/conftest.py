@@ -144,23 +144,35 @@ RAM_DISK_BYTES = 64 * 2**20
 Mode = pb.VolumeCapability.AccessMode
 
 
-def publish_request(target: Path, *, readonly: bool = False) -> pb.NodePublishVolumeRequest:
-    """What kubelet sends for an inline ephemeral volume with podInfoOnMount."""
+def publish_request(
+    target: Path,
+    *,
+    readonly: bool = False,
+    volume_id: str = "csi-0123abcd",
+    pod: str = "trainer-0",
+    namespace: str | None = "default",
+    uid: str = "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
+    service_account: str = "default",
+) -> pb.NodePublishVolumeRequest:
+    """What kubelet sends for an inline ephemeral volume with podInfoOnMount;
+    ``namespace=None``: what it sends with podInfoOnMount off (no pod keys at all)."""
+    context = {EPHEMERAL_KEY: "true"}
+    if namespace is not None:
+        context |= {
+            "csi.storage.k8s.io/pod.name": pod,
+            "csi.storage.k8s.io/pod.namespace": namespace,
+            "csi.storage.k8s.io/pod.uid": uid,
+            "csi.storage.k8s.io/serviceAccount.name": service_account,
+        }
     return pb.NodePublishVolumeRequest(
-        volume_id="csi-0123abcd",
+        volume_id=volume_id,
         target_path=str(target),
         volume_capability=pb.VolumeCapability(
             mount=pb.VolumeCapability.MountVolume(),
             access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
         ),
         readonly=readonly,
-        volume_context={
-            EPHEMERAL_KEY: "true",
-            "csi.storage.k8s.io/pod.name": "trainer-0",
-            "csi.storage.k8s.io/pod.namespace": "default",
-            "csi.storage.k8s.io/pod.uid": "6f1c2a9e-0b1d-4c8e-9a55-2d3c4b5a6e7f",
-            "csi.storage.k8s.io/serviceAccount.name": "default",
-        },
+        volume_context=context,
     )
 
 

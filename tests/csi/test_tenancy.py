@@ -24,8 +24,7 @@ from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
 from mtc_replicator.csi.mounter import SystemMounter
 from mtc_replicator.csi.mountinfo import MountInfo, mount_at
 from mtc_replicator.csi.plugin import EXIT_STARTUP_FAILED
-from mtc_replicator.csi.validation import EPHEMERAL_KEY
-from tests.csi.conftest import CsiClient, StartPlugin, requires_root
+from tests.csi.conftest import CsiClient, StartPlugin, publish_request, requires_root
 
 pytestmark = requires_root
 
@@ -41,20 +40,13 @@ def mounted(path: Path) -> MountInfo | None:
 def publish(client: CsiClient, target: Path, namespace: str, pod: str = "trainer-0") -> None:
     """What kubelet sends for an inline ephemeral volume with podInfoOnMount: true."""
     client.node.NodePublishVolume(
-        pb.NodePublishVolumeRequest(
+        publish_request(
+            target,
             volume_id=f"csi-{pod}",
-            target_path=str(target),
-            volume_capability=pb.VolumeCapability(
-                mount=pb.VolumeCapability.MountVolume(),
-                access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
-            ),
-            volume_context={
-                EPHEMERAL_KEY: "true",
-                "csi.storage.k8s.io/pod.name": pod,
-                "csi.storage.k8s.io/pod.namespace": namespace,
-                "csi.storage.k8s.io/pod.uid": f"uid-{namespace}-{pod}",
-                "csi.storage.k8s.io/serviceAccount.name": f"{namespace}-sa",
-            },
+            pod=pod,
+            namespace=namespace,
+            uid=f"uid-{namespace}-{pod}",
+            service_account=f"{namespace}-sa",
         ),
         timeout=TIMEOUT,
     )

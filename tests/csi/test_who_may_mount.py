@@ -21,8 +21,7 @@ import pytest
 from mtc_replicator.csi._pb.csi.v1 import csi_pb2 as pb
 from mtc_replicator.csi.mounter import SystemMounter
 from mtc_replicator.csi.mountinfo import MountInfo, mount_at
-from mtc_replicator.csi.validation import EPHEMERAL_KEY
-from tests.csi.conftest import CsiClient, StartPlugin, requires_root
+from tests.csi.conftest import CsiClient, StartPlugin, publish_request, requires_root
 
 pytestmark = requires_root
 
@@ -51,22 +50,12 @@ def request(
 ) -> pb.NodePublishVolumeRequest:
     """What kubelet sends for an inline ephemeral volume; ``namespace=None``: what it sends
     with podInfoOnMount off (no pod keys at all)."""
-    context = {EPHEMERAL_KEY: "true"}
-    if namespace is not None:
-        context |= {
-            "csi.storage.k8s.io/pod.name": "trainer-0",
-            "csi.storage.k8s.io/pod.namespace": namespace,
-            "csi.storage.k8s.io/pod.uid": f"uid-{namespace}",
-            "csi.storage.k8s.io/serviceAccount.name": service_account,
-        }
-    return pb.NodePublishVolumeRequest(
+    return publish_request(
+        target,
         volume_id="csi-v",
-        target_path=str(target),
-        volume_capability=pb.VolumeCapability(
-            mount=pb.VolumeCapability.MountVolume(),
-            access_mode=Mode(mode=Mode.SINGLE_NODE_WRITER),
-        ),
-        volume_context=context,
+        namespace=namespace,
+        uid=f"uid-{namespace}",
+        service_account=service_account,
     )
 
 
