@@ -77,7 +77,7 @@ _READY = re.compile(rb"daemon started:.* listen=(\S+) advertise=")
 def _fill(conn: socket.socket | TlsStream, view: memoryview) -> int:
     """Read until ``view`` is full or the stream ends; the bytes read. Whole slices, as the
     data channel's receiver reads them: writing whatever one read returned (a TLS record,
-    a partial segment) costs tmpfs more per byte and made this baseline erratic."""
+    a partial segment) costs tmpfs more CPU a byte (docs/performance.md, "Receive slices")."""
     if isinstance(conn, socket.socket):
         return conn.recv_into(view, len(view), socket.MSG_WAITALL)
     got = 0
