@@ -203,12 +203,9 @@ def loop_latency(n: Node) -> Iterator[list[float]]:
         thread.join(40)
 
 
-@pytest.mark.parametrize("good", [True, False], ids=["committed", "refused-at-its-last-byte"])
-def test_the_loop_answers_while_an_item_of_many_files_arrives(node: Node, good: bool) -> None:
-    """``FILES`` entries, all empty but the last (one byte): the one chunk skips 99,998 files,
-    and a bad last byte leaves them all to remove. The health check never waits more than
-    ``LOOP_BOUND``."""
-    step = 30 + good
+def _many_files_push(node: Node, step: int, good: bool) -> float:
+    """Push an item of ``FILES`` entries, all empty but the last (one byte, bad unless
+    ``good``), while probing the loop; the longest a health check waited."""
     files = [[f"{i:06d}", 0, "00000000"] for i in range(FILES - 1)]
     files.append(["last", 1, f"{crc(b'x' if good else b'y'):08x}"])
     body = {"kind": "dir", "dirs": [], "files": files}
@@ -221,7 +218,29 @@ def test_the_loop_answers_while_an_item_of_many_files_arrives(node: Node, good: 
             with pytest.raises(grpc.RpcError) as refused:
                 node.stub.PushItem(iter(requests), timeout=120)
             assert refused.value.code() == Code.DATA_LOSS, refused.value.details()
-    assert max(seen) < LOOP_BOUND, f"the health check waited {max(seen):.2f}s"
+    return max(seen)
+
+
+@pytest.mark.parametrize("good", [True, False], ids=["committed", "refused-at-its-last-byte"])
+def test_the_loop_answers_while_an_item_of_many_files_arrives(node: Node, good: bool) -> None:
+    """``FILES`` entries, all empty but the last (one byte): the one chunk skips 99,998 files,
+    and a bad last byte leaves them all to remove. The health check never waits more than
+    ``LOOP_BOUND``. A stall the daemon causes comes back at every push (0.8-1.5 s each
+    before); the suite's other worker can delay one probe too, so a refused push over the
+    bound is tried again, up to three times, with another step (a committed one keeps its
+    inodes: the node's tmpfs holds one such item, and no second)."""
+    waits: list[float] = []
+    for attempt in range(1 if good else 3):
+        step = 30 + good + 10 * attempt
+        waits.append(_many_files_push(node, step, good))
+        if waits[-1] < LOOP_BOUND:
+            break
+        wait_until(
+            lambda: not list((store_root(node.ckpt) / "staging").iterdir()),
+            "staging emptied",
+            daemon=node.daemon,
+        )
+    assert waits[-1] < LOOP_BOUND, f"the health check waited {waits} s"
     data = item_dir(node.ckpt, node.job, step) / "data"
     assert len(os.listdir(data)) == FILES if good else not data.exists()
     wait_until(
