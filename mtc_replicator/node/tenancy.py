@@ -14,8 +14,9 @@ reaches a job directory only through a descriptor opened without following links
 ``/proc/self/fd/N`` path, kept while the directory is served, so nothing it writes, moves or
 removes there lands anywhere else. File events come from a watch made through that
 descriptor too, so a link swapped in later redirects nothing; they are hints only (every
-supervisor rescans on its own timer), so a watch that cannot be made (the kernel's limit of
-inotify instances, 128 a user by default) leaves the directory served at each rescan.
+supervisor rescans on its own timer), so a watch that cannot be made (the daemon's one
+inotify instance out of watches, ``local.watcher``) leaves the directory served at each
+rescan.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ Rules = Callable[[JobConfig], tuple[str, str] | None]
 """The node's own rules for any handshake (a rank grant required): the refusal and remedy."""
 
 
+def _fd_path(fd: int) -> Path:
+    """The path that reaches what descriptor ``fd`` holds, whatever its name is now."""
+    return Path(f"/proc/self/fd/{fd}")
+
+
 @dataclass
 class JobDir:
     """One ``jobs/<job>/`` served: its descriptor, supervisor and watch."""
@@ -57,7 +63,7 @@ class JobDir:
 
     @property
     def path(self) -> Path:
-        return Path(f"/proc/self/fd/{self.fd}")
+        return _fd_path(self.fd)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Start the directory's file events; False (said) when no watch can be made."""
@@ -187,7 +193,7 @@ class Tenancy:
             fd = _open_job_dir(self.checkpoint_dir, name)
             if fd is None:
                 continue
-            job_dir = JobDir(name, fd, make(name, Path(f"/proc/self/fd/{fd}"), self.beside(name)))
+            job_dir = JobDir(name, fd, make(name, _fd_path(fd), self.beside(name)))
             job_dir.watcher = DirectoryWatcher(job_dir.path, on_event(job_dir))
             self.dirs[name] = job_dir
             new.append(job_dir)

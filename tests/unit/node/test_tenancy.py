@@ -177,8 +177,8 @@ def test_the_watch_goes_through_the_descriptor(tmp_path: Path) -> None:
 def test_a_watch_that_cannot_be_made_leaves_the_directory_served(
     tmp_path: Path, monkeypatch: Any, caplog: Any
 ) -> None:
-    # The kernel's inotify instances run out (128 a user by default; up to 256 job
-    # directories are served): rescans serve the directory, the daemon goes on.
+    # The kernel refuses the watch (inotify instances or watches run out): rescans serve
+    # the directory, the daemon goes on.
     def refused(self: Any, loop: Any) -> None:
         raise OSError(24, "Too many open files")
 
