@@ -16,7 +16,7 @@ from mtc_replicator.storage.backup_audit import ProblemKind, scan_job
 from mtc_replicator.storage.backup_prune import apply_prune, delete_step, prune_facts
 from mtc_replicator.storage.objectstore import MemoryObjectStore
 from mtc_replicator.storage.restore_pins import RestorePin, write_restore_pin
-from tests.unit.storage.test_backup import upload_v1
+from tests.unit.storage.test_backup import flip_object_byte, upload_v1
 from tests.unit.storage.test_backup_audit import JOB, upload_step, verify
 from tests.unit.storage.test_restore_pins import DIGEST
 
@@ -123,7 +123,7 @@ def test_a_v1_backup_lists_verifies_and_prunes(tmp_path: Path) -> None:
     assert verdict.unexpected == ()
     assert (verdict.items, verdict.objects_checked) == (2, 4)
     key = data_key(ItemId(JOB, 50, 1, 0), "", LAYOUT_V1)
-    objects.put_bytes(key, b"x" + objects.get_bytes(key)[1:])
+    flip_object_byte(objects, key, 0)
     assert [(p.kind, p.key) for p in verify(objects, 50).problems] == [
         (ProblemKind.CHECKSUM_MISMATCH, key)
     ]
