@@ -53,6 +53,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtc_replicator.tools import certs  # noqa: E402
+from scripts.bench_peer import taskset  # noqa: E402
 from scripts.bench_restore import _stamp  # noqa: E402
 from scripts.bench_scale import Node  # noqa: E402
 from scripts.footprint_stages import (  # noqa: E402
@@ -115,7 +116,7 @@ def launch_argv(cores: tuple[int, ...], code: Path | None) -> tuple[str, ...]:
     """What a daemon runs under: ``taskset`` on ``cores`` and, for another checkout's
     daemon, ``env`` in it (``python -m`` imports from its working directory first, then
     ``PYTHONPATH``). Both exec in place: the pid is the daemon's."""
-    pinned = ("taskset", "-c", ",".join(map(str, cores)))
+    pinned = taskset(cores)
     return pinned if code is None else (*pinned, "env", "-C", str(code), f"PYTHONPATH={code}")
 
 

@@ -43,6 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from mtc_replicator.core.grant import Grant, grant_json
 from mtc_replicator.core.manifest import ItemId, Manifest
@@ -143,7 +144,12 @@ def raw_receive(dest: Path, warm: int, tls_dir: Path | None = None) -> None:
         (tls or conn).sendall(b"k")
     cpu1 = os.times()
     cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
-    print(json.dumps({"seconds": time.perf_counter() - t0, "bytes": total, "cpu": cpu}))
+    cores = sorted(os.sched_getaffinity(0))
+    print(
+        json.dumps(
+            {"seconds": time.perf_counter() - t0, "bytes": total, "cpu": cpu, "cores": cores}
+        )
+    )
 
 
 def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
@@ -171,36 +177,58 @@ def raw_send(port: int, src: Path, tls_dir: Path | None = None) -> None:
         else:
             conn.recv(1)
     cpu1 = os.times()
-    print(json.dumps({"cpu": (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)}))
+    cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    print(json.dumps({"cpu": cpu, "cores": sorted(os.sched_getaffinity(0))}))
 
 
 def raw_copy(
-    src: Path, dest: Path, tls_dir: Path | None = None, *, warm: int = 0
-) -> dict[str, float]:
+    src: Path,
+    dest: Path,
+    tls_dir: Path | None = None,
+    *,
+    warm: int = 0,
+    pins: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> dict[str, Any]:
     """Copy ``src`` to ``dest`` between two processes over loopback TCP; with ``tls_dir``
-    (a node's certificate files), over TLS. The receiver's seconds and CPU seconds
-    (``cpu``) and the sender's (``sender_cpu``), each from its connection to its end.
+    (a node's certificate files), over TLS. The receiver's seconds, CPU seconds (``cpu``)
+    and cores it may run on (``cores``), and the sender's (``sender_cpu``,
+    ``sender_cores``), each CPU figure from its connection to its end.
 
     ``warm``: bytes ``warm_pages`` writes and frees on ``dest``'s filesystem once both
     processes are up and connected, right before the first byte moves (not before the
     processes start, a second of imports earlier). Rounds still meet memory the host took
-    back (docs/performance.md, "Fresh memory on this VM"): compare bests too."""
+    back (docs/performance.md, "Fresh memory on this VM"): compare bests too.
+
+    ``pins``: the cores of the sender and of the receiver (``taskset``), two nodes' cores
+    played on one machine."""
     me = [sys.executable, __file__]
     tls = [str(tls_dir)] if tls_dir is not None else []
+    send_on, recv_on = (taskset(pins[0]), taskset(pins[1])) if pins else ((), ())
     recv = subprocess.Popen(
-        [*me, "_raw-recv", str(dest), str(warm), *tls], stdout=subprocess.PIPE, text=True
+        [*recv_on, *me, "_raw-recv", str(dest), str(warm), *tls],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert recv.stdout is not None
     port = recv.stdout.readline().strip()
     sent = subprocess.run(
-        [*me, "_raw-send", port, str(src), *tls], check=True, stdout=subprocess.PIPE, text=True
+        [*send_on, *me, "_raw-send", port, str(src), *tls],
+        check=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     out, _ = recv.communicate(timeout=600)
     if recv.returncode:
         raise RuntimeError(f"raw receiver failed: {recv.returncode}")
-    result: dict[str, float] = json.loads(out)
-    result["sender_cpu"] = json.loads(sent.stdout)["cpu"]
+    result: dict[str, Any] = json.loads(out)
+    sender = json.loads(sent.stdout)
+    result["sender_cpu"], result["sender_cores"] = sender["cpu"], sender["cores"]
     return result
+
+
+def taskset(cores: tuple[int, ...]) -> tuple[str, ...]:
+    """The command prefix that runs a process (and every thread it makes) on ``cores``."""
+    return ("taskset", "-c", ",".join(map(str, cores)))
 
 
 # --- daemons --------------------------------------------------------------------------------------
@@ -392,7 +420,7 @@ async def run_rounds(  # noqa: PLR0917 (one call site, every argument named by i
             local.delete(manifest.item)
             return seconds
 
-        def raw(r: int) -> dict[str, float]:
+        def raw(r: int) -> dict[str, Any]:
             dest = root / f"raw-{r}"
             result = raw_copy(data, dest, warm=size)
             shutil.rmtree(dest)

@@ -19,13 +19,17 @@ After the table, each case's CPU seconds, both ends added (the daemons from the 
 to the markers, the raw copy's two processes from their connection on), and the least
 wall time that CPU needs on this machine's cores: a case that must do more than its
 baseline on cores the baseline already fills cannot match it (docs/performance.md,
-"Against the raw copy's CPU"). Then each case's timeline (seconds after the handshake
-until the yaml was accepted, the plan made, each rank's item ready, each round done), read
-from the daemons' INFO log lines.
+"Against the raw copy's CPU"). ``--node-cores N`` plays two nodes with cores of their own
+on one machine (``taskset``: node 0's daemon and the raw copy's sender on N cores, node 1's
+and the raw receiver on N others), where by default every process shares every core: on
+this 2-core box N=1, on a machine of 16 cores up to 8. Then each case's timeline (seconds
+after the handshake until the yaml was accepted, the plan made, each rank's item ready, each
+round done), read from the daemons' INFO log lines.
 
     .venv/bin/python scripts/bench_restore.py --size-mib 1024 [--rounds 7] [--json]
     .venv/bin/python scripts/bench_restore.py --data-streams 2   # the daemons' --data-streams
     .venv/bin/python scripts/bench_restore.py --no-tls --backup-rounds 0   # plaintext only
+    .venv/bin/python scripts/bench_restore.py --node-cores 8 --backup-rounds 0   # 16 cores
 
 Numbers are only comparable within one run: this machine's two cores are shared.
 """
@@ -51,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mtc_replicator.tools import certs  # noqa: E402
-from scripts.bench_peer import raw_copy, warm_pages  # noqa: E402
+from scripts.bench_peer import raw_copy, taskset, warm_pages  # noqa: E402
 from tests.daemon_process import DaemonProcess  # noqa: E402
 from tests.integration.helpers import (  # noqa: E402
     config_text,
@@ -101,10 +105,13 @@ class Job:
         log_level: str = "info",
         tls: bool = True,
         extra: tuple[str, ...] = (),
+        pins: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.root, self.nodes, self.log_level = root, nodes, log_level
         self.extra = extra
         """More daemon flags."""
+        self.pins = pins
+        """Each node's cores (``taskset``), or () for all of the machine's."""
         self.name = f"bench-{uuid.uuid4().hex[:6]}"
         self.dirs = [root / f"node{r}" for r in range(nodes)]
         for d in self.dirs:
@@ -131,6 +138,7 @@ class Job:
                 *self.extra,
             ),
             log_path=self.root / f"node{rank}.log",
+            prefix=taskset(self.pins[rank]) if self.pins else (),
         )
         self.daemons[rank] = daemon.start()
 
@@ -250,6 +258,7 @@ def bench_peer_and_local(
     *,
     tls: bool = True,
     extra: tuple[str, ...] = (),
+    pins: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]], dict[str, list[float]]]:
     """The peer and local cases, interleaved with the raw copies they are compared with;
     their seconds, the restores' timelines and each case's CPU seconds by round.
@@ -257,9 +266,11 @@ def bench_peer_and_local(
     With ``tls`` (the daemons' mutual TLS): the plaintext raw copy, the same copy over the
     data channel's TLS (``TlsStream``, the daemons' certificates), the peer restore and the
     local restore. Without: the plaintext raw copy and the peer restore, keyed ``*_plain``.
+    With ``pins``, node 0's daemon and the raw copy's sender run on ``pins[0]``, node 1's
+    daemon and the raw receiver on ``pins[1]``.
     """
     sfx = "" if tls else "_plain"
-    job = Job(root / f"peer{sfx}", 2, log_level=log_level, tls=tls, extra=extra)
+    job = Job(root / f"peer{sfx}", 2, log_level=log_level, tls=tls, extra=extra, pins=pins)
     keys = ["raw", "raw_tls", "peer", "local"] if tls else ["raw", "peer"]
     out: dict[str, list[float]] = {f"{k}{sfx}": [] for k in keys}
     phases: dict[str, list[dict[str, float]]] = {f"peer{sfx}": [], **({"local": []} if tls else {})}
@@ -276,7 +287,9 @@ def bench_peer_and_local(
 
         def raw(tls_dir: Path | None = None) -> float:
             dest = root / "raw"
-            copied = raw_copy(raw_src, dest, tls_dir, warm=size)
+            copied = raw_copy(
+                raw_src, dest, tls_dir, warm=size, pins=(pins[0], pins[1]) if pins else None
+            )
             cpu[f"raw{'_tls' if tls_dir else ''}{sfx}"].append(copied["cpu"] + copied["sender_cpu"])
             shutil.rmtree(dest)
             return copied["seconds"]
@@ -373,6 +386,8 @@ def report(
     backup: dict[str, list[float]],
     phases: dict[str, list[dict[str, float]]],
     cpu: dict[str, list[float]],
+    *,
+    node_cores: int | None = None,
 ) -> dict[str, object]:
     med = {k: statistics.median(v) for k, v in (peer | backup).items() if v}
     best = {k: min(v) for k, v in (peer | backup).items() if v}
@@ -388,6 +403,12 @@ def report(
         ("restore from file://, 4 nodes, every RAM disk wiped", "backup", "cp", "reported"),
     ]
     print(f"\n{size_mib} MiB per rank (peer, local), {size_mib} MiB in all (backup), tmpfs")
+    if node_cores is not None:
+        print(
+            f"peer and local cases: each node's daemon on {node_cores} core(s) of its own, the"
+            " raw copy's sender on node 0's and its receiver on node 1's (the backup case"
+            " unpinned)"
+        )
     print(
         "handshake to the last rank's marker; median (best) of the interleaved rounds, and the"
         " ratio of medians (of bests): a round that met pages the host had taken back is slow"
@@ -426,14 +447,15 @@ def report(
     for what, ok in holds.items():
         print(f"target {what}: {'holds' if ok else 'MISSED'}")
     cpu_med = {k: statistics.median(v) for k, v in cpu.items() if v}
+    cores = 2 * node_cores if node_cores is not None else os.cpu_count() or 1
     print(
-        f"\nCPU seconds of both ends (median) and the least seconds they need on this box's"
-        f" {os.cpu_count()} cores: what a case must do beside its baseline shows here"
+        f"\nCPU seconds of both ends (median) and the least seconds they need on the {cores}"
+        " cores they run on: what a case must do beside its baseline shows here"
     )
     for key, spent in cpu_med.items():
         print(
             f"  {key:12} {spent:6.2f} CPU s over {med[key]:6.3f} s ({spent / med[key]:.2f} cores"
-            f" busy); at least {spent / (os.cpu_count() or 1):.3f} s"
+            f" busy); at least {spent / cores:.3f} s"
         )
     timelines = {case: median_timeline(runs) for case, runs in phases.items()}
     for case, timeline in timelines.items():
@@ -442,6 +464,7 @@ def report(
             print(f"  {phase:40} {at:6.3f}")
     return {
         "size_mib": size_mib,
+        "node_cores": node_cores,
         "rounds": {k: v for k, v in (peer | backup).items()},
         "median": med,
         "best": best,
@@ -450,6 +473,15 @@ def report(
         "targets": holds,
         "timelines": timelines,
     }
+
+
+def node_pins(n: int) -> tuple[tuple[int, ...], ...]:
+    """Two nodes' cores, ``n`` each and none shared, from those this process may use; ()
+    when there are fewer than ``2n`` (or ``n`` < 1)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if n < 1 or len(cores) < 2 * n:
+        return ()
+    return (tuple(cores[:n]), tuple(cores[n : 2 * n]))
 
 
 def main() -> None:
@@ -479,7 +511,22 @@ def main() -> None:
         action="store_false",
         help="skip the TLS run (its raw copies, peer and local restores)",
     )
+    p.add_argument(
+        "--node-cores",
+        type=int,
+        default=None,
+        metavar="N",
+        help="play nodes with cores of their own: node 0's daemon and the raw copy's sender on"
+        " N cores, node 1's daemon and the raw receiver on N others (needs 2N cores; default:"
+        " every process on every core)",
+    )
     a = p.parse_args()
+    pins = node_pins(a.node_cores) if a.node_cores is not None else ()
+    if a.node_cores is not None and not pins:
+        p.error(
+            f"--node-cores {a.node_cores} needs {2 * a.node_cores} cores; this process has"
+            f" {len(os.sched_getaffinity(0))}"
+        )
     root = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-", dir=SHM))
     disk = Path(tempfile.mkdtemp(prefix="mtc-bench-restore-"))
     try:
@@ -489,11 +536,11 @@ def main() -> None:
         cpu: dict[str, list[float]] = {}
         if a.tls:
             peer, phases, cpu = bench_peer_and_local(
-                root, a.size_mib, a.rounds, a.log_level, extra=extra
+                root, a.size_mib, a.rounds, a.log_level, extra=extra, pins=pins
             )
         if a.plaintext:
             plain, plain_phases, plain_cpu = bench_peer_and_local(
-                root, a.size_mib, a.rounds, a.log_level, tls=False, extra=extra
+                root, a.size_mib, a.rounds, a.log_level, tls=False, extra=extra, pins=pins
             )
             peer |= plain
             phases |= plain_phases
@@ -503,7 +550,7 @@ def main() -> None:
             if a.backup_rounds
             else {}
         )
-        result = report(a.size_mib, peer, backup, phases, cpu)
+        result = report(a.size_mib, peer, backup, phases, cpu, node_cores=a.node_cores)
         if a.json:
             print(json.dumps(result))
     finally:

@@ -73,3 +73,41 @@ def test_the_restore_bench_measures_every_case() -> None:
     assert all(seconds > 0 for seconds in result["median"].values())
     assert set(result["cpu_seconds"]) == cases
     assert "n1 pull itself (s)" in result["timelines"]["peer"]
+
+
+def test_a_pinned_raw_copy_runs_each_end_on_its_own_cores(tmp_path: Path) -> None:
+    """``pins`` plays two nodes on one machine: the sender on the first set, the receiver
+    on the second, each process held there (what ``bench_restore --node-cores`` relies on)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores to give each end one of its own")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(3 << 20))
+
+    copied = raw_copy(src, tmp_path / "dest", pins=((cores[0],), (cores[1],)))
+
+    assert _tree(tmp_path / "dest") == _tree(src)
+    assert (copied["sender_cores"], copied["cores"]) == ([cores[0]], [cores[1]])
+
+
+def test_the_restore_bench_plays_nodes_on_cores_of_their_own() -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--node-cores 1 needs 2 cores")
+    command = [sys.executable, str(SCRIPTS / "bench_restore.py"), "--size-mib", "8"]
+    command += ["--rounds", "1", "--backup-rounds", "0", "--no-tls", "--node-cores", "1"]
+    done = subprocess.run([*command, "--json"], check=False, capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["node_cores"] == 1
+    assert set(result["median"]) == {"raw_plain", "peer_plain"}
+    assert "on 1 core(s) of its own" in done.stdout
+    too_many = subprocess.run(
+        [*command[:-1], str(len(os.sched_getaffinity(0)))],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert too_many.returncode == 2
+    assert "needs" in too_many.stderr

@@ -21,6 +21,7 @@ from scripts.bench_cores import (
     shared,
     table,
 )
+from scripts.bench_restore import node_pins
 
 
 def test_counts_of_cores_include_one_core_the_ratios_are_over() -> None:
@@ -118,3 +119,13 @@ def test_a_save_ends_at_its_log_line_s_stamp(tmp_path: Path) -> None:
     assert done_at(log, r"backup committed job=j step=10 ") - start == pytest.approx(1.15)
     with pytest.raises(LookupError, match="step=20"):
         done_at(log, r"backup committed job=j step=20 ")
+
+
+def test_two_nodes_get_cores_of_their_own_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench_restore --node-cores N``: the first 2N cores this process may use, N each;
+    nothing when there are fewer (the caller refuses the run)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {5, 0, 2, 1})
+    assert node_pins(1) == ((0,), (1,))
+    assert node_pins(2) == ((0, 1), (2, 5))
+    assert node_pins(3) == ()
+    assert node_pins(0) == ()
