@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import json
 import math
@@ -178,12 +177,17 @@ class Manifest:
             data["attestation"] = _attestation_json(self.attestation)
         return _canonical(data)
 
-    @functools.cached_property
+    @property
     def digest(self) -> str:
         """The SHA-256 of the canonical content, every file's BLAKE3 digest in it; the
         attestation is left out, so it is what versions before attestations computed.
-        Computed once per manifest (the fields are frozen): 0.3 CPU s at 100,000 files."""
-        return hashlib.sha256(_canonical(self._content())).hexdigest()
+        Kept once computed (the fields are frozen; 0.3 CPU s at 100,000 files), without
+        ``functools.cached_property``, whose lock (Python 3.11) is one for every instance."""
+        known: str | None = self.__dict__.get("_digest")
+        if known is None:
+            known = hashlib.sha256(_canonical(self._content())).hexdigest()
+            object.__setattr__(self, "_digest", known)
+        return known
 
     @property
     def entries(self) -> int:
