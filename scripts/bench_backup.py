@@ -24,6 +24,14 @@ real link's bandwidth rather than the emulator's. Unshaped, GCS uploads are also
     .venv/bin/python scripts/bench_backup.py --size-mib 1024 [--rounds 5] [--cluster]
     sudo .venv/bin/python scripts/bench_backup.py --size-mib 1024 --shaped 1gbit
 
+With ``--small-files N``, an item of N files of 64 KiB goes up and comes back down through a
+proxy that holds each request ``--rtt-ms`` before forwarding it (a cloud's round trip, which
+loopback lacks), timed interleaved: the SDK's call file by file (the baseline), ours one
+file at a time (as before small files went side by side), and ours as shipped
+(``SmallFilesSideBySide``).
+
+    .venv/bin/python scripts/bench_backup.py --small-files 256 --rtt-ms 20 --rounds 3
+
 Numbers are only comparable within one run; unshaped, the local servers bound them.
 """
 
@@ -58,6 +66,8 @@ JOB = "bench"
 FILES = 8
 SHM = Path("/dev/shm")  # noqa: S108 (tmpfs, where a RAM-disk item lives)
 TARGET = 0.8
+SMALL_FILE = 64 * 1024
+"""Each file of ``--small-files``: one request, where the round trip is the cost."""
 """Our upload's speed against the SDK's call, as issue 14 asks."""
 CHUNKED_PART = 8 << 20
 """Chunk size of the forced chunked GCS upload: 4 chunks per 32 MiB file of a 256 MiB item."""
@@ -193,10 +203,10 @@ def verdicts(rows: list[tuple[str, float, float]]) -> list[str]:
 
 
 def bench_uploads(
-    name: str, variants: dict[str, Callable[[int], None]], rounds: int
+    name: str, variants: dict[str, Callable[[int], None]], rounds: int, verb: str = "upload"
 ) -> list[tuple[str, float, float]]:
-    """Upload time of each variant, interleaved, median of ``rounds``; the first is the
-    baseline."""
+    """Upload (``verb``) time of each variant, interleaved, median of ``rounds``; the first
+    is the baseline."""
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(1, rounds + 1):
         for k, fn in variants.items():
@@ -207,7 +217,7 @@ def bench_uploads(
         )
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med[next(iter(variants))]
-    return [(f"{name} upload, {k}", m, base / m) for k, m in med.items()]
+    return [(f"{name} {verb}, {k}", m, base / m) for k, m in med.items()]
 
 
 def sh(*argv: str, quiet: bool = False) -> None:
@@ -308,6 +318,70 @@ def bench_shaped(
     return rows
 
 
+def write_small_files(root: Path, count: int) -> tuple[Manifest, Path]:
+    data = root / "small-item"
+    data.mkdir()
+    for i in range(count):
+        (data / f"param_{i:05}").write_bytes(os.urandom(SMALL_FILE))
+    return build_manifest(ItemId(JOB, 1, 0, 0), data), data
+
+
+def one_at_a_time(objects: ObjectStore) -> ObjectStore:
+    """``objects`` taking an item's small files one at a time, as before they went side
+    by side (``small_file_workers`` answers 1)."""
+    objects.small_file_workers = lambda: 1  # type: ignore[attr-defined]
+    return objects
+
+
+def bench_small_files(
+    count: int, rtt_ms: float, scratch: Path, *, logs: Path, rounds: int
+) -> list[tuple[str, float, float]]:
+    """Uploads of ``count`` small files through a proxy adding ``rtt_ms`` to each request."""
+    from tests.storage_servers import FaultProxy, Request
+
+    manifest, data = write_small_files(scratch, count)
+
+    def delay(_req: Request, _proxy: FaultProxy) -> None:
+        time.sleep(rtt_ms / 1000)
+
+    rows: list[tuple[str, float, float]] = []
+    moto = servers.start_moto(logs)
+    gcs = servers.start_gcs_emulator(logs)
+    proxies = [FaultProxy(moto.url, [delay]).start(), FaultProxy(gcs.url, [delay]).start()]
+    try:
+        s3_bucket = servers.unique_bucket_name()
+        servers.create_s3_bucket(moto.url, s3_bucket)
+        os.environ.update(servers.s3_env(proxies[0].url))
+        sdk = S3Sdk(s3_bucket, data, scratch)
+        serial = Ours("", manifest, data, scratch, one_at_a_time(s3(s3_bucket, "serial")))
+        ours = Ours(f"s3://{s3_bucket}/ours", manifest, data, scratch)
+        variants = {sdk.up: sdk.upload, "ours, one at a time": serial.upload, "ours": ours.upload}
+        rows += bench_uploads("S3", variants, rounds)
+        variants = {sdk.down: sdk.download, "ours, one at a time": serial.download}
+        rows += bench_uploads("S3", {**variants, "ours": ours.download}, rounds, "download")
+        gcs_bucket = servers.unique_bucket_name()
+        servers.create_gcs_bucket(gcs.url, gcs_bucket)
+        os.environ.update(servers.gcs_env(proxies[1].url))
+        gsdk = GcsSdk(gcs_bucket, data, scratch)
+        url = f"gs://{gcs_bucket}/serial"
+        serial = Ours(url, manifest, data, scratch, one_at_a_time(GcsObjectStore.from_url(url)))
+        ours = Ours(f"gs://{gcs_bucket}/ours", manifest, data, scratch)
+        variants = {gsdk.up: gsdk.upload, "ours, one at a time": serial.upload, "ours": ours.upload}
+        rows += bench_uploads("GCS", variants, rounds)
+        variants = {gsdk.down: gsdk.download, "ours, one at a time": serial.download}
+        rows += bench_uploads("GCS", {**variants, "ours": ours.download}, rounds, "download")
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+        moto.stop()
+        gcs.stop()
+    return rows
+
+
+def s3(bucket: str, prefix: str) -> ObjectStore:
+    return open_object_store(f"s3://{bucket}/{prefix}")
+
+
 def bench_cluster(moto: servers.ServerProcess, scratch: Path, size_mib: int) -> float:
     """Seconds from a 4-node job's restart (all RAM disks wiped) to every rank's marker."""
     from tests.integration.cluster import NODES, Cluster
@@ -344,12 +418,26 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cluster", action="store_true", help="also time a 4-node restore")
     p.add_argument("--shaped", metavar="RATE", help="uploads only, over a link of tc RATE")
+    p.add_argument("--small-files", type=int, metavar="N", help="uploads of N files of 64 KiB")
+    p.add_argument("--rtt-ms", type=float, default=20.0, help="with --small-files (default 20)")
     a = p.parse_args()
     tune_malloc()
     shm = SHM if SHM.is_dir() else None
     size = a.size_mib << 20
     with tempfile.TemporaryDirectory(dir=shm) as tmp, tempfile.TemporaryDirectory() as logs:
         scratch = Path(tmp)
+        if a.small_files:
+            rows = bench_small_files(
+                a.small_files, a.rtt_ms, scratch, logs=Path(logs), rounds=a.rounds
+            )
+            print(
+                f"\nitem: {a.small_files} files of {SMALL_FILE >> 10} KiB on tmpfs; each "
+                f"request held {a.rtt_ms:g} ms; median of {a.rounds} rounds"
+            )
+            print(f"{'transfer':<52} {'seconds':>8} {'files/s':>7} {'vs SDK':>7}")
+            for label, seconds, ratio in rows:
+                print(f"{label:<52} {seconds:8.2f} {a.small_files / seconds:7.0f} {ratio:6.2f}x")
+            return 0
         manifest, data = write_item(scratch, a.size_mib)
         if a.shaped:
             rows = bench_shaped(a.shaped, manifest, data, scratch, logs=Path(logs), rounds=a.rounds)

@@ -89,6 +89,11 @@ def _open_regular(root: Path | int, rel: str) -> int:
         raise
 
 
+def open_regular(path: Path) -> int:
+    """A read descriptor of the regular file ``path``, its last component not followed."""
+    return _open_regular(path.parent, path.name)
+
+
 def read_chunks(
     path: Path,
     cancelled: CancelCheck = _never,

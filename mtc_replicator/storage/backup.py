@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import google_crc32c
 
@@ -36,6 +37,7 @@ from mtc_replicator.core.backup_layout import (
     manifest_key,
 )
 from mtc_replicator.core.contract import ascii_digits
+from mtc_replicator.core.crc import split_ranges
 from mtc_replicator.core.manifest import (
     CancelCheck,
     Cancelled,
@@ -49,7 +51,7 @@ from mtc_replicator.core.manifest import (
 from mtc_replicator.core.pacing import Traffic
 from mtc_replicator.core.signed import COMMIT_KIND, OPEN, RecordRefused, RecordTrust, Seal
 from mtc_replicator.local.digests import FileCheck, HashLane, crc_checked
-from mtc_replicator.local.hashing import data_file
+from mtc_replicator.local.hashing import PIECE, data_file
 from mtc_replicator.local.pacer import Meter, Pacer, SharedMeter
 from mtc_replicator.storage.objectstore import (
     ChecksumMismatch,
@@ -59,9 +61,12 @@ from mtc_replicator.storage.objectstore import (
     ObjectStoreError,
     ParallelPuts,
     PreconditionFailed,
+    SmallFilesSideBySide,
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 LEFTOVER_SKEW = 60.0
 """Seconds by which the store's clock may run ahead of ours: an incomplete upload is a
@@ -78,6 +83,7 @@ class _Put:
 
     key: str
     src: Path
+    size: int
     crc32c: int
 
 
@@ -88,37 +94,140 @@ def _put_files(
     cancelled: CancelCheck,
     *,
     what: str,
-    workers: int,
 ) -> None:
-    """Every file of ``puts`` into ``objects``, ``workers`` at a time, through ``meter``.
+    """Every file of ``puts`` into ``objects`` through ``meter``: in ranges side by side
+    on a ``ParallelPuts`` store (``_put_ranges``); on a ``SmallFilesSideBySide`` one, the
+    small files side by side first, then the others one at a time; else one at a time.
 
     A failure (or ``cancelled``) stops the files not yet begun; those in flight end (each
-    object is left whole or as it was), and then the failure of the first file in
-    ``puts``' order is raised.
+    object is left whole or as it was), and then the failure of the first file, in the
+    order they were taken, is raised.
     """
-    workers = min(workers, len(puts))
-    if workers <= 1:
-        for put in puts:
-            if cancelled():
-                raise Cancelled(what)
-            objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=meter)
+    if isinstance(objects, ParallelPuts) and objects.put_workers() > 1:
+        workers = objects.put_workers()
+        _put_ranges(objects, puts, SharedMeter(meter), cancelled, what=what, workers=workers)
         return
-    shared = SharedMeter(meter)  # still one transfer: its threads book slice by slice
+    small, puts, workers = _small_first(objects, puts, lambda put: put.size)
+    if small:
+        shared = SharedMeter(meter)  # still one transfer: its threads book slice by slice
+
+        def put_one(put: _Put) -> None:
+            objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=shared)
+
+        _side_by_side(put_one, small, workers, cancelled, what=what)
+    for put in puts:
+        if cancelled():
+            raise Cancelled(what)
+        objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=meter)
+
+
+def _small_first(
+    objects: ObjectStore, files: list[T], size: Callable[[T], int]
+) -> tuple[list[T], list[T], int]:
+    """(the files to move side by side, the rest, how many at once): on a
+    ``SmallFilesSideBySide`` store with more than one worker, those of at most its limit,
+    when there are two or more."""
+    if not isinstance(objects, SmallFilesSideBySide) or objects.small_file_workers() < 2:
+        return [], files, 1
+    limit = objects.side_by_side_limit()
+    small = [f for f in files if size(f) <= limit]
+    if len(small) < 2:
+        return [], files, 1
+    return small, [f for f in files if size(f) > limit], objects.small_file_workers()
+
+
+def _side_by_side(
+    move: Callable[[T], object],
+    files: list[T],
+    workers: int,
+    cancelled: CancelCheck,
+    *,
+    what: str,
+) -> None:
+    """``move`` every one of ``files``, ``workers`` at a time.
+
+    A failure (or ``cancelled``) stops the files not yet begun; those in flight end, and
+    then the failure of the first file in ``files``' order is raised.
+    """
     failed = threading.Event()
 
-    def run(put: _Put) -> None:
+    def run(file: T) -> None:
         if failed.is_set():
             return  # another file failed: its error is raised below
         try:
             if cancelled():
                 raise Cancelled(what)
-            objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=shared)
+            move(file)
         except BaseException:
             failed.set()
             raise
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="mtc-put") as pool:
-        futures = [pool.submit(run, put) for put in puts]
+    with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="mtc-small") as pool:
+        futures = [pool.submit(run, file) for file in files]
+    for future in futures:
+        future.result()
+
+
+def _entry_size(entry: FileEntry) -> int:
+    return entry.size
+
+
+def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """``progress`` made safe to hear from several threads."""
+    if progress is None:
+        return None
+    lock = threading.Lock()
+    told = progress
+
+    def heard(nbytes: int) -> None:
+        with lock:
+            told(nbytes)
+
+    return heard
+
+
+def _put_ranges(
+    objects: ParallelPuts,
+    puts: list[_Put],
+    meter: Meter,
+    cancelled: CancelCheck,
+    *,
+    what: str,
+    workers: int,
+) -> None:
+    """``_put_files`` on ``workers`` threads, each taking the next ``PIECE`` of the item in
+    file order: small files go side by side, and so do a large file's pieces (an item of
+    one 35 GB file uses every core). A file is published by whichever thread copies its
+    last piece; one that has not been, when the pool ends, is aborted (left as it was)."""
+    ranges = [split_ranges(put.size, PIECE) for put in puts]
+    opened = [objects.open_put(p.key, p.src, size=p.size, crc32c=p.crc32c) for p in puts]
+    left = [len(r) for r in ranges]
+    lock = threading.Lock()
+    failed = threading.Event()
+
+    def run(i: int, offset: int, length: int) -> None:
+        if failed.is_set():
+            return  # another piece failed: its error is raised below
+        try:
+            if cancelled():
+                raise Cancelled(what)
+            opened[i].copy(offset, length, meter)
+            with lock:
+                left[i] -= 1
+                last = not left[i]
+            if last:
+                opened[i].finish()
+        except BaseException:
+            failed.set()
+            raise
+
+    pieces = [(i, off, n) for i, rs in enumerate(ranges) for off, n in rs]
+    try:
+        with ThreadPoolExecutor(min(workers, len(pieces)), thread_name_prefix="mtc-put") as pool:
+            futures = [pool.submit(run, *piece) for piece in pieces]
+    finally:
+        for put in opened:
+            put.abort()  # a no-op for every file finished
     for future in futures:
         future.result()
 
@@ -151,23 +260,21 @@ class BackupStore:
     def upload_item(self, manifest: Manifest, data: Path, cancelled: CancelCheck = _never) -> None:
         """Upload an item's files, then its manifest. Safe to repeat before the COMMIT.
 
-        A store that puts files side by side (``ParallelPuts``: a filesystem) takes up to
-        its ``put_workers()`` of them at once; the manifest is written only once every file
-        is there, whatever the order they finished in.
+        A store that copies in ranges side by side (``ParallelPuts``: a filesystem) takes
+        up to its ``put_workers()`` of them at once; the manifest is written only once
+        every file is there, whatever the order they finished in.
         """
         if self.objects.head(commit_key(manifest.item.job, manifest.item.step)) is not None:
             raise PreconditionFailed(f"{manifest.item}: step is already committed")
         # The manifest's crc32c: a file changed since it was taken is never uploaded.
         puts = [
-            _Put(data_key(manifest.item, e.path, LAYOUT), data_file(data, e), e.crc32c)
+            _Put(data_key(manifest.item, e.path, LAYOUT), data_file(data, e), e.size, e.crc32c)
             for e in manifest.files
         ]
-        objects = self.objects
-        workers = objects.put_workers() if isinstance(objects, ParallelPuts) else 1
         # One transfer for the whole item: it shares the link with the job and the peer
         # plane, behind restores and replication (``core.pacing``).
         with self.pacer.transfer(Traffic.BACKUP, cancelled, manifest.item.job) as meter:
-            _put_files(objects, puts, meter, cancelled, what=str(manifest.item), workers=workers)
+            _put_files(self.objects, puts, meter, cancelled, what=str(manifest.item))
         self.objects.put_bytes(manifest_key(manifest.item, LAYOUT), manifest.to_json())
 
     def abort_leftover_uploads(self, job: str, item_keys: Collection[str]) -> int:
@@ -376,7 +483,19 @@ class BackupStore:
         lane = HashLane()
         try:
             with self.pacer.transfer(Traffic.RESTORE):
-                for entry in manifest.files:
+                small, files, workers = _small_first(
+                    self.objects, list(manifest.files), _entry_size
+                )
+                if small:
+                    # Each small file hashed on the thread that fetched it: no lane hop.
+                    heard = _locked(progress)
+
+                    def fetch_one(entry: FileEntry) -> None:
+                        dest = data_file(data, entry)
+                        self._fetch_file(item, entry, dest, layout, cancelled, progress=heard)
+
+                    _side_by_side(fetch_one, small, workers, cancelled, what=str(item))
+                for entry in files:
                     self._fetch_file(
                         item,
                         entry,
@@ -398,13 +517,14 @@ class BackupStore:
         layout: int,
         cancelled: CancelCheck,
         *,
-        lane: HashLane,
+        lane: HashLane | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """One file of ``item`` into ``dest``, checked against its manifest entry: size and
-        BLAKE3 digest, hashed (on ``lane``) as the bytes arrive; the whole-file crc32c only
-        for a format-1 entry, which has no digest (``digests.crc_checked``). A cloud
-        store's own checksum of what it returns is checked by its ``read_chunks`` either way."""
+        BLAKE3 digest, hashed (on ``lane``, or inline without one) as the bytes arrive;
+        the whole-file crc32c only for a format-1 entry, which has no digest
+        (``digests.crc_checked``). A cloud store's own checksum of what it returns is
+        checked by its ``read_chunks`` either way."""
         crc, size = 0, 0
         content = FileCheck(entry)
         with_crc = crc_checked(entry)
@@ -419,7 +539,10 @@ class BackupStore:
                         break
                     if with_crc:
                         crc = google_crc32c.extend(crc, chunk)
-                    lane.update(content, chunk)
+                    if lane is None:
+                        content.update(chunk)
+                    else:
+                        lane.update(content, chunk)
                     out.write(chunk)
                     if progress is not None:
                         progress(len(chunk))
@@ -429,7 +552,8 @@ class BackupStore:
             raise CorruptItem(f"{what}: {exc}") from None
         if size != entry.size or (with_crc and crc != entry.crc32c):
             raise CorruptItem(f"{what} does not match its manifest (size {size} vs {entry.size})")
-        lane.drain()
+        if lane is not None:
+            lane.drain()
         content.check(f"{what} does not match its manifest")
 
     def _pinned_manifest(

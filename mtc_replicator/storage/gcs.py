@@ -70,6 +70,7 @@ from mtc_replicator.local.fsutil import TMP_PREFIX
 from mtc_replicator.local.hashing import CHUNK
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.storage.objectstore import (
+    SIDE_BY_SIDE_MAX,
     BucketNotFound,
     ChecksumMismatch,
     DamagedInTransit,
@@ -104,6 +105,8 @@ RESUMABLE_ALIGN = 256 * 1024
 SDK_MULTIPART_MAX = 8 * 1024 * 1024
 """The SDK sends a stream up to this size as a multipart request, which cannot declare
 our crc32c: such files go up from memory, checked before they are sent."""
+SMALL_PUT_WORKERS = 4
+"""Small files of an item moved at once: four round trips overlap, four in memory."""
 DEFAULT_RANGE = 16 * 1024 * 1024
 """Bytes per ranged GET of a download: what one stream holds in memory."""
 _CORRUPT_UPLOAD = "doesn't match calculated"  # GCS's words when it refuses damaged bytes
@@ -399,6 +402,13 @@ class GcsObjectStore:
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
         name = self._name(key)
         self._upload(self._get_bucket().blob(name), data, if_absent=if_absent)
+
+    def small_file_workers(self) -> int:
+        """Small files of an item move this many at once (``SmallFilesSideBySide``)."""
+        return SMALL_PUT_WORKERS
+
+    def side_by_side_limit(self) -> int:
+        return min(max(self.part_size, SDK_MULTIPART_MAX), SIDE_BY_SIDE_MAX)  # one request
 
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None

@@ -25,8 +25,9 @@ from urllib.parse import urlparse
 
 import google_crc32c
 
+from mtc_replicator.core.crc import crc32c_concat
 from mtc_replicator.local import fsutil
-from mtc_replicator.local.hashing import CHUNK, read_chunks
+from mtc_replicator.local.hashing import CHUNK, open_regular, read_chunks
 from mtc_replicator.local.pacer import Meter
 
 
@@ -175,16 +176,62 @@ class LeftoverUploads(Protocol):
     def abort_upload(self, upload: IncompleteUpload) -> None: ...
 
 
+class RangedPut(Protocol):
+    """One file being put in ranges (``ParallelPuts.open_put``): ``copy`` every range of
+    its ``size`` bytes once, in any order and on any threads, then ``finish``; ``abort``
+    leaves the key as it was, whenever it is called (a no-op once finished)."""
+
+    def copy(self, offset: int, length: int, meter: Meter | None) -> None:
+        """Copy the source's bytes ``[offset, offset + length)``; ``ChecksumMismatch`` if
+        the source ends before them."""
+        ...
+
+    def finish(self) -> None:
+        """Check the whole file's crc32c (and that nothing follows its ``size`` bytes),
+        make it durable and publish it under its key."""
+        ...
+
+    def abort(self) -> None: ...
+
+
 @runtime_checkable
 class ParallelPuts(Protocol):
     """A store whose ``put_file`` is one thread's copy of the file (a filesystem): an
-    item's files are put side by side, ``put_workers()`` at once, so a step's upload uses
-    the node's cores. The cloud backends send each file's parts on threads of their own
+    item's files are copied in ranges, ``put_workers()`` ranges at once (several files, or
+    the pieces of one large file), so a step's upload uses the node's cores whatever the
+    sizes of its files. The cloud backends send each file's parts on threads of their own
     already (``storage.parts``), and take an item's files one at a time."""
 
     def put_workers(self) -> int:
-        """How many of an item's files to put at once (at least 1)."""
+        """How many ranges to copy at once (at least 1)."""
         ...
+
+    def open_put(self, key: str, src: Path, *, size: int, crc32c: int | None) -> RangedPut:
+        """A put of ``src``, which must hold exactly ``size`` bytes with crc32c ``crc32c``
+        (None: not checked), as ``key``; nothing is opened before its first ``copy``."""
+        ...
+
+
+@runtime_checkable
+class SmallFilesSideBySide(Protocol):
+    """A cloud store that sends or fetches a small file in one request: an item's files of
+    at most ``side_by_side_limit()`` bytes go ``small_file_workers()`` at once, up and
+    down, since what an item of many small files waits on is each request's round trip,
+    not its bytes; memory stays at that many small files. Larger files go one at a time,
+    each in parts, chunks or ranges of its own (``storage.parts``)."""
+
+    def small_file_workers(self) -> int:
+        """How many small files to move at once (at least 1)."""
+        ...
+
+    def side_by_side_limit(self) -> int:
+        """The largest file moved beside others: one request, in memory."""
+        ...
+
+
+SIDE_BY_SIDE_MAX = 8 * 1024 * 1024
+"""The largest file a cloud store puts beside others: at 100 MB/s its bytes take 80 ms,
+as long as a few round trips; above it the bytes, not the wait, are the cost."""
 
 
 MAX_PUT_WORKERS = 16
@@ -227,6 +274,9 @@ class FileObjectStore:
         """One file per core this process may run on: each put reads, crc32cs and writes
         (all three release the GIL) as fast as one core copies (``ParallelPuts``)."""
         return max(1, min(len(os.sched_getaffinity(0)), MAX_PUT_WORKERS))
+
+    def open_put(self, key: str, src: Path, *, size: int, crc32c: int | None) -> RangedPut:
+        return _FilePut(self._path(key), key, src, size, crc32c)
 
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
@@ -361,6 +411,103 @@ class FileObjectStore:
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self._path(key).unlink()
+
+
+class _FilePut:
+    """``FileObjectStore``'s ``RangedPut``: ranges ``pwrite`` into one temporary file
+    beside the key, each range's crc32c kept apart and combined at ``finish``
+    (``core.crc``); renamed into place only when the whole checks."""
+
+    def __init__(self, dest: Path, key: str, src: Path, size: int, crc32c: int | None) -> None:
+        self.key = key
+        self.size = size
+        self._dest = dest
+        self._src = src
+        self._crc32c = crc32c
+        self._lock = threading.Lock()
+        self._fds: tuple[int, int] | None = None
+        self._tmp: Path | None = None
+        self._crcs: dict[int, tuple[int, int]] = {}
+        """Per range copied, by its offset: its crc32c and length."""
+        self._ended = False
+
+    def _open(self) -> tuple[int, int]:
+        """The source's and the temporary file's descriptors, opened by the first range."""
+        with self._lock:
+            if self._ended:
+                raise ObjectStoreError(f"{self.key}: this put has ended")
+            if self._fds is None:
+                self._dest.parent.mkdir(parents=True, exist_ok=True)
+                src = open_regular(self._src)
+                tmp = fsutil.tmp_name(self._dest)
+                try:
+                    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                except BaseException:
+                    os.close(src)
+                    raise
+                self._fds, self._tmp = (src, out), tmp
+            return self._fds
+
+    def copy(self, offset: int, length: int, meter: Meter | None) -> None:
+        try:
+            src, out = self._open()
+            crc, pos, end = 0, offset, offset + length
+            while pos < end:
+                # bytes, not a reused buffer: google-crc32c takes read-only buffers only.
+                chunk = os.pread(src, min(CHUNK, end - pos), pos)
+                if not chunk:
+                    raise ChecksumMismatch(
+                        f"{self.key}: source ends at {pos} bytes, expected {self.size} "
+                        "(it changed since its checksum was taken); not uploaded"
+                    )
+                crc = google_crc32c.extend(crc, chunk)
+                _pwrite_all(out, chunk, pos, meter)
+                pos += len(chunk)
+        except OSError as exc:
+            raise _translate(exc, self.key) from exc
+        with self._lock:
+            self._crcs[offset] = (crc, length)
+
+    def finish(self) -> None:
+        src, out = self._open()
+        try:
+            if os.pread(src, 1, self.size):
+                raise ChecksumMismatch(
+                    f"{self.key}: source is longer than {self.size} bytes (it changed since "
+                    "its checksum was taken); not uploaded"
+                )
+            offsets = sorted(self._crcs)
+            ends = [o + self._crcs[o][1] for o in offsets]
+            if offsets[:1] != [0] or ends[-1:] != [self.size] or offsets[1:] != ends[:-1]:
+                raise ValueError(f"{self.key}: its ranges do not cover {self.size} bytes once")
+            check_crc32c(self.key, crc32c_concat(self._crcs[o] for o in offsets), self._crc32c)
+            os.fsync(out)
+            assert self._tmp is not None
+            os.replace(self._tmp, self._dest)
+            self._tmp = None
+        except OSError as exc:
+            raise _translate(exc, self.key) from exc
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._ended = True
+            fds, self._fds = self._fds, None
+            tmp, self._tmp = self._tmp, None
+        for fd in fds or ():
+            os.close(fd)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int, meter: Meter | None) -> None:
+    """``data`` written at ``offset`` of ``fd``, a slice at a time as ``meter`` allows."""
+    for piece in [memoryview(data)] if meter is None else meter.paced(data):
+        left = piece
+        while left:
+            written = os.pwrite(fd, left, offset)
+            left, offset = left[written:], offset + written
 
 
 def paced_write(out: BinaryIO, data: bytes, meter: Meter | None) -> None:

@@ -68,6 +68,7 @@ from mtc_replicator.local.fsutil import TMP_PREFIX
 from mtc_replicator.local.hashing import CHUNK, file_crc32c
 from mtc_replicator.local.pacer import Meter, PacedReader, SharedMeter
 from mtc_replicator.storage.objectstore import (
+    SIDE_BY_SIDE_MAX,
     BucketNotFound,
     ChecksumMismatch,
     DamagedInTransit,
@@ -235,6 +236,14 @@ class S3ObjectStore:
             _check_response(what, response, md5, crc)
 
         self._call(what, put)
+
+    def small_file_workers(self) -> int:
+        """Small files of an item move as many at once as a large file's parts
+        (``SmallFilesSideBySide``)."""
+        return self.workers
+
+    def side_by_side_limit(self) -> int:
+        return min(self.part_size, SIDE_BY_SIDE_MAX)  # one PUT of at most one part
 
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None

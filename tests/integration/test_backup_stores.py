@@ -9,9 +9,12 @@ damaged, replaced or missing object makes ``fetch_item`` raise ``CorruptItem``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,7 @@ from mtc_replicator.storage.objectstore import (
     FileObjectStore,
     ObjectStore,
     PreconditionFailed,
+    SmallFilesSideBySide,
 )
 from tests.integration.test_objectstore_contract import (
     GCS_PART,
@@ -176,6 +180,59 @@ def test_round_trip_of_multipart_items(uploaded: Uploaded, tmp_path: Path) -> No
         "job/100/a3/1-0.manifest.json",
         "job/100/a3/1-0/data",
     ]
+
+
+def test_an_item_of_many_files_round_trips_with_its_small_files_side_by_side(
+    backup: BackupStore, backend: str, tmp_path: Path
+) -> None:
+    data = tmp_path / "many"
+    data.mkdir()
+    for i in range(24):
+        (data / f"shard_{i:02}").write_bytes(os.urandom(1000 + i))
+    (data / "big").write_bytes(os.urandom(BIG[backend]))
+    manifest = build_manifest(DIR_ITEM, data)
+    objects = backup.objects
+    lock = threading.Lock()
+    flight = {"now": 0, "most": 0}
+
+    @contextlib.contextmanager
+    def in_flight() -> Iterator[None]:
+        with lock:
+            flight["now"] += 1
+            flight["most"] = max(flight["most"], flight["now"])
+        try:
+            yield
+        finally:
+            with lock:
+                flight["now"] -= 1
+
+    cloud = backend != "file"  # a filesystem copies ranges instead (test_backup_parallel.py)
+    if cloud:
+        assert isinstance(objects, SmallFilesSideBySide)
+        real_put, real_read = objects.put_file, objects.read_chunks
+
+        def put_file(key: str, src: Path, **kwargs: Any) -> None:
+            with in_flight():
+                real_put(key, src, **kwargs)
+
+        def read_chunks(key: str) -> Iterator[bytes]:
+            with in_flight():
+                yield from real_read(key)
+
+        objects.put_file = put_file  # type: ignore[method-assign]
+        objects.read_chunks = read_chunks  # type: ignore[method-assign]
+    backup.upload_item(manifest, data)
+    if cloud:
+        assert 2 <= flight["most"] <= objects.small_file_workers()
+        flight["most"] = 0
+    record = backup.try_commit(JOB, STEP, ["0-0"])
+    assert record is not None
+    staged = tmp_path / "restored"
+    staged.mkdir()
+    assert backup.fetch_item(record, DIR_ITEM, staged) == manifest
+    verify_item(manifest, staged / "data")
+    if cloud:
+        assert 2 <= flight["most"] <= objects.small_file_workers()
 
 
 # --- commits ---------------------------------------------------------------------------------
