@@ -16,11 +16,13 @@ ObjectStore; no vendor code here.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -112,6 +114,13 @@ def _put_files(
         shared = SharedMeter(meter)  # still one transfer: its threads book slice by slice
 
         def put_one(put: _Put) -> None:
+            # Taken as small: one that grew since would go in parts on each of the
+            # workers at once, past the memory side by side is allowed.
+            if os.lstat(put.src).st_size != put.size:
+                raise ChecksumMismatch(
+                    f"{put.key}: source is not the {put.size} bytes taken (it changed since "
+                    "its checksum was taken); not uploaded"
+                )
             objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=shared)
 
         _side_by_side(put_one, small, workers, cancelled, what=what)
@@ -162,10 +171,37 @@ def _side_by_side(
             failed.set()
             raise
 
-    with ThreadPoolExecutor(min(workers, len(files)), thread_name_prefix="mtc-small") as pool:
-        futures = [pool.submit(run, file) for file in files]
+    calls = [functools.partial(run, file) for file in files]
+    futures = _run_all(calls, workers, failed, name="mtc-small")
     for future in futures:
         future.result()
+
+
+def _run_all(
+    calls: Sequence[Callable[[], None]], workers: int, failed: threading.Event, *, name: str
+) -> list[Future[None]]:
+    """Every one of ``calls`` on ``workers`` threads; their futures, once all have ended.
+
+    An interrupt of the calling thread (a ``mtc`` command's Ctrl-C) stops the calls not
+    begun and waits for those running before it goes on: nothing is cleaned up under a
+    thread still writing. It waits on the futures, not on the threads: a ``Thread.join``
+    interrupted by a signal can take a running thread for ended (CPython 3.11).
+    """
+    pool = ThreadPoolExecutor(max(1, min(workers, len(calls))), thread_name_prefix=name)
+    futures: list[Future[None]] = []
+    try:
+        for call in calls:
+            futures.append(pool.submit(call))
+        wait(futures)
+    except BaseException:
+        failed.set()
+        for future in futures:
+            future.cancel()
+        wait(futures)
+        raise
+    finally:
+        pool.shutdown(wait=False)
+    return futures
 
 
 def _entry_size(entry: FileEntry) -> int:
@@ -223,8 +259,8 @@ def _put_ranges(
 
     pieces = [(i, off, n) for i, rs in enumerate(ranges) for off, n in rs]
     try:
-        with ThreadPoolExecutor(min(workers, len(pieces)), thread_name_prefix="mtc-put") as pool:
-            futures = [pool.submit(run, *piece) for piece in pieces]
+        calls = [functools.partial(run, *piece) for piece in pieces]
+        futures = _run_all(calls, workers, failed, name="mtc-put")
     finally:
         for put in opened:
             put.abort()  # a no-op for every file finished

@@ -67,7 +67,7 @@ from mtc_replicator.core.retry import (
 )
 from mtc_replicator.core.uploads import plan_upload
 from mtc_replicator.local.fsutil import TMP_PREFIX
-from mtc_replicator.local.hashing import CHUNK
+from mtc_replicator.local.hashing import CHUNK, open_regular
 from mtc_replicator.local.pacer import Meter
 from mtc_replicator.storage.objectstore import (
     SIDE_BY_SIDE_MAX,
@@ -459,7 +459,7 @@ class GcsObjectStore:
         stored object's crc32c is compared with it again. The object exists only once the
         last chunk is in: there is nothing to clean up after a failure."""
         what = f"put {self.bucket_name}/{name}"
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(src)  # a FIFO swapped in by a pod is refused, never waited on
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             chunk = -(-max(min(chunk, size), 1) // RESUMABLE_ALIGN) * RESUMABLE_ALIGN

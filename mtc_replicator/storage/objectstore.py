@@ -496,9 +496,11 @@ class _FilePut:
             fds, self._fds = self._fds, None
             tmp, self._tmp = self._tmp, None
         for fd in fds or ():
-            os.close(fd)
+            with contextlib.suppress(OSError):  # each descriptor closed whatever the others do
+                os.close(fd)
         if tmp is not None:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int, meter: Meter | None) -> None:

@@ -20,6 +20,7 @@ from typing import TypeVar
 import google_crc32c
 
 from mtc_replicator.core.retry import RetryState
+from mtc_replicator.local.hashing import open_regular
 from mtc_replicator.storage.objectstore import ChecksumMismatch, ObjectStoreError
 
 R = TypeVar("R")
@@ -60,7 +61,7 @@ def read_part(fd: int, size: int) -> bytes:
 
 def read_small_file(src: Path, limit: int) -> bytes:
     """A whole file of at most ``limit`` bytes; a file that grew past it is an error."""
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = open_regular(src)  # a FIFO swapped in by a pod is refused, never waited on
     try:
         data = read_part(fd, limit + 1)
     finally:
@@ -102,7 +103,7 @@ def upload_parts(
             slots.release()
 
     crc = size = 0
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = open_regular(src)  # a FIFO swapped in by a pod is refused, never waited on
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"mtc-{name}") as pool:
             while not failed.is_set():

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mtc_replicator.core.backup_layout import CommitRecord, commit_key, data_key, manifest_key
-from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest
+from mtc_replicator.core.manifest import CorruptItem, ItemId, Manifest, ManifestError
 from mtc_replicator.local.hashing import build_manifest, verify_item
 from mtc_replicator.storage.backup import BackupStore
 from mtc_replicator.storage.objectstore import (
@@ -269,6 +269,34 @@ def test_a_source_changed_after_its_manifest_is_not_uploaded(
     with pytest.raises(ChecksumMismatch, match="changed"):
         backup.upload_item(manifest, dir_data)
     assert backup.objects.head(data_key(DIR_ITEM, "state/shards/big")) is None
+    assert backup.objects.head(manifest_key(DIR_ITEM)) is None
+
+
+@pytest.mark.parametrize("swapped", ["state/shards/big", "_CHECKPOINT_METADATA"])
+def test_a_source_swapped_for_a_fifo_is_refused_not_waited_on(
+    backup: BackupStore, backend: str, tmp_path: Path, swapped: str
+) -> None:
+    # A pod that still holds a directory of the data it handed over can put a FIFO where a
+    # file was: an upload must refuse it at once (an open of a FIFO waits for a writer).
+    dir_data, _ = make_items(tmp_path, BIG[backend])
+    manifest = build_manifest(DIR_ITEM, dir_data)
+    (dir_data / swapped).unlink()
+    os.mkfifo(dir_data / swapped)
+    raised: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            backup.upload_item(manifest, dir_data)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=upload, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the upload waits on the FIFO"
+    assert len(raised) == 1
+    assert isinstance(raised[0], ManifestError | ChecksumMismatch), raised[0]
+    assert backup.objects.head(data_key(DIR_ITEM, swapped)) is None
     assert backup.objects.head(manifest_key(DIR_ITEM)) is None
 
 

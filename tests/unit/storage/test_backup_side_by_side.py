@@ -57,10 +57,10 @@ class Cloudy(MemoryObjectStore):
             self.most = max(self.most, self.in_flight)
             self.order.append(key)
             first = len(self.order) == 1
+            if len(self.order) == 2:
+                self.second.set()
             if self.backup is not None:
                 self.transfers.append(self.backup.pacer.active(Traffic.BACKUP))
-        if len(self.order) == 2:
-            self.second.set()
         try:
             # One at a time, the first would wait here in vain.
             if first and self.workers > 1 and not self.second.wait(10):
@@ -110,6 +110,19 @@ def test_a_small_file_changed_since_it_was_taken_stops_the_item(tmp_path: Path) 
     assert objects.head(data_key(ITEM, "small_0", LAYOUT)) is None
     # Nothing large begun: the small files' failure ends the item first.
     assert not any(key.endswith("large") for key in objects.order)
+
+
+def test_a_small_file_grown_since_it_was_taken_is_refused_before_it_is_sent(
+    tmp_path: Path,
+) -> None:
+    # Sent as small, it would go in parts on every worker at once: past the memory bound.
+    manifest, data = an_item(tmp_path)
+    (data / "small_3").write_bytes(os.urandom(2 * LIMIT))
+    objects = Cloudy(workers=2)
+    with pytest.raises(ChecksumMismatch, match="is not the 103 bytes taken"):
+        BackupStore(objects).upload_item(manifest, data)
+    assert data_key(ITEM, "small_3", LAYOUT) not in objects.order  # never handed to the store
+    assert objects.head(manifest_key(ITEM, LAYOUT)) is None
 
 
 def test_one_worker_or_a_cancel_keeps_the_old_ways(tmp_path: Path) -> None:
