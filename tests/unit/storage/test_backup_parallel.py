@@ -302,7 +302,7 @@ def test_an_interrupted_upload_waits_for_its_copies_then_leaves_nothing(tmp_path
     ended: list[int] = []
 
     def slow_copy(self: WatchedPut, offset: int, length: int, meter: Meter | None) -> None:
-        time.sleep(0.3)
+        time.sleep(0.5)  # 8 pieces on 2 threads: 2 s at least, the interrupt at 0.25
         real_copy(self, offset, length, meter)
         ended.append(offset)
 
@@ -311,7 +311,7 @@ def test_an_interrupted_upload_waits_for_its_copies_then_leaves_nothing(tmp_path
 
     previous = signal.signal(signal.SIGUSR1, interrupt)
     timer = threading.Timer(
-        0.4, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)
+        0.25, signal.pthread_kill, (threading.main_thread().ident, signal.SIGUSR1)
     )
     try:
         with pytest.MonkeyPatch.context() as mp:
