@@ -9,6 +9,7 @@
 #   device run, carry [".whl"]:  OUT=$OUT bash scripts/device_cores.sh
 #
 # Locally, smaller: CORES=1,2 NODE_CORES=1 STEP_MIB=256 RESTORE_MIB=256 scripts/device_cores.sh
+# (FILES, 16 by default, sets the files of each step bench_cores.py saves.)
 # Results: $OUT/cores.json, $OUT/restore.txt, $OUT/log (everything printed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +18,7 @@ PY=${PYTHON:-python3}
 CORES=${CORES:-1,2,8,16}
 NODE_CORES=${NODE_CORES:-8}
 STEP_MIB=${STEP_MIB:-512}
+FILES=${FILES:-16}  # FILES=1: an item of one file (a PyTorch rank), whose upload goes in ranges
 RESTORE_MIB=${RESTORE_MIB:-1024}
 exec > >(tee "$OUT/log") 2>&1
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -39,7 +41,7 @@ wall, c1 = time.perf_counter() - t0, os.times()
 busy = (c1.children_user - c0.children_user + c1.children_system - c0.children_system) / wall
 print(f"taskset -c 0, four hashing threads: {busy:.2f} cores busy ({'enforced' if busy < 1.3 else 'NOT enforced: the per-core figures below do not isolate'})")
 PY
-timeout 330 "$PY" scripts/bench_cores.py --cores "$CORES" --step-mib "$STEP_MIB" --files 16 \
+timeout 330 "$PY" scripts/bench_cores.py --cores "$CORES" --step-mib "$STEP_MIB" --files "$FILES" \
   --saves 2 --warmup 1 --rounds 2 --json > "$OUT/cores.json"
 echo "bench_cores: exit $?"; cat "$OUT/cores.json"
 timeout 180 "$PY" scripts/bench_restore.py --node-cores "$NODE_CORES" --size-mib "$RESTORE_MIB" \
