@@ -412,6 +412,16 @@ def bench_cluster(moto: servers.ServerProcess, scratch: Path, size_mib: int) -> 
         cluster.stop_all()
 
 
+def report(
+    title: str, rows: list[tuple[str, float, float]], unit: str, rate: Callable[[float], float]
+) -> None:
+    """The table of ``rows``: each transfer's seconds, its ``rate`` in ``unit``, its ratio."""
+    print(f"\n{title}")
+    print(f"{'transfer':<52} {'seconds':>8} {unit:>7} {'vs SDK':>7}")
+    for label, seconds, ratio in rows:
+        print(f"{label:<52} {seconds:8.2f} {rate(seconds):7.0f} {ratio:6.2f}x")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size-mib", type=int, default=1024)
@@ -430,24 +440,20 @@ def main() -> int:
             rows = bench_small_files(
                 a.small_files, a.rtt_ms, scratch, logs=Path(logs), rounds=a.rounds
             )
-            print(
-                f"\nitem: {a.small_files} files of {SMALL_FILE >> 10} KiB on tmpfs; each "
+            title = (
+                f"item: {a.small_files} files of {SMALL_FILE >> 10} KiB on tmpfs; each "
                 f"request held {a.rtt_ms:g} ms; median of {a.rounds} rounds"
             )
-            print(f"{'transfer':<52} {'seconds':>8} {'files/s':>7} {'vs SDK':>7}")
-            for label, seconds, ratio in rows:
-                print(f"{label:<52} {seconds:8.2f} {a.small_files / seconds:7.0f} {ratio:6.2f}x")
+            report(title, rows, "files/s", lambda seconds: a.small_files / seconds)
             return 0
         manifest, data = write_item(scratch, a.size_mib)
         if a.shaped:
             rows = bench_shaped(a.shaped, manifest, data, scratch, logs=Path(logs), rounds=a.rounds)
-            print(
-                f"\nitem: {a.size_mib} MiB in {FILES} files on tmpfs; link shaped to "
+            title = (
+                f"item: {a.size_mib} MiB in {FILES} files on tmpfs; link shaped to "
                 f"{a.shaped} each way; median of {a.rounds} rounds"
             )
-            print(f"{'transfer':<52} {'seconds':>8} {'MB/s':>7} {'vs SDK':>7}")
-            for label, seconds, ratio in rows:
-                print(f"{label:<52} {seconds:8.2f} {size / seconds / 1e6:7.0f} {ratio:6.2f}x")
+            report(title, rows, "MB/s", lambda seconds: size / seconds / 1e6)
             return 0
         moto = servers.start_moto(Path(logs))
         gcs = servers.start_gcs_emulator(Path(logs))
@@ -486,10 +492,8 @@ def main() -> int:
         finally:
             moto.stop()
             gcs.stop()
-    print(f"\nitem: {a.size_mib} MiB in {FILES} files on tmpfs; median of {a.rounds} rounds")
-    print(f"{'transfer':<52} {'seconds':>8} {'MB/s':>7} {'vs SDK':>7}")
-    for label, seconds, ratio in rows:
-        print(f"{label:<52} {seconds:8.2f} {size / seconds / 1e6:7.0f} {ratio:6.2f}x")
+    title = f"item: {a.size_mib} MiB in {FILES} files on tmpfs; median of {a.rounds} rounds"
+    report(title, rows, "MB/s", lambda seconds: size / seconds / 1e6)
     for line in verdicts(rows):
         print(line)
     if a.cluster:

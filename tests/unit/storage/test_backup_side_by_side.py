@@ -5,6 +5,7 @@ byte fetched checked against its digest."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -29,19 +30,50 @@ LIMIT = 4096
 SMALL = 9
 
 
+class Flight:
+    """Calls of one kind in flight together: the most at once, their keys in the order
+    they began; the first waits until a second has begun (one at a time, in vain)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.order: list[str] = []
+        self.second = threading.Event()
+
+    @contextlib.contextmanager
+    def call(self, key: str) -> Iterator[None]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.order.append(key)
+            first = len(self.order) == 1
+            if len(self.order) == 2:
+                self.second.set()
+        try:
+            if first and self.workers > 1 and not self.second.wait(10):
+                raise AssertionError(f"no second call began while {key} was in flight")
+            yield
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
 class Cloudy(MemoryObjectStore):
-    """An in-memory store that says it puts small files side by side, and what it saw."""
+    """An in-memory store that says it moves small files side by side, and what it saw."""
 
     def __init__(self, workers: int) -> None:
         super().__init__()
         self.workers = workers
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.most = 0
-        self.order: list[str] = []
-        self.second = threading.Event()
+        self.puts = Flight(workers)
+        self.gets = Flight(workers)
         self.transfers: list[int] = []
         self.backup: BackupStore | None = None
+
+    @property
+    def order(self) -> list[str]:
+        return self.puts.order
 
     def small_file_workers(self) -> int:
         return self.workers
@@ -52,23 +84,14 @@ class Cloudy(MemoryObjectStore):
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
     ) -> None:
-        with self.lock:
-            self.in_flight += 1
-            self.most = max(self.most, self.in_flight)
-            self.order.append(key)
-            first = len(self.order) == 1
-            if len(self.order) == 2:
-                self.second.set()
-            if self.backup is not None:
-                self.transfers.append(self.backup.pacer.active(Traffic.BACKUP))
-        try:
-            # One at a time, the first would wait here in vain.
-            if first and self.workers > 1 and not self.second.wait(10):
-                raise AssertionError("no second put began while the first was in flight")
+        if self.backup is not None:
+            self.transfers.append(self.backup.pacer.active(Traffic.BACKUP))
+        with self.puts.call(key):
             super().put_file(key, src, crc32c=crc32c, meter=meter)
-        finally:
-            with self.lock:
-                self.in_flight -= 1
+
+    def read_chunks(self, key: str) -> Iterator[bytes]:
+        with self.gets.call(key):
+            yield from super().read_chunks(key)
 
 
 def an_item(tmp_path: Path) -> tuple[Manifest, Path]:
@@ -88,7 +111,7 @@ def test_small_files_go_side_by_side_then_the_large_one_at_a_time(tmp_path: Path
     backup = BackupStore(objects)
     objects.backup = backup
     backup.upload_item(manifest, data)
-    assert 2 <= objects.most <= 3  # side by side, never more than the store's workers
+    assert 2 <= objects.puts.most <= 3  # side by side, never more than the store's workers
     larges = [data_key(ITEM, name, LAYOUT) for name in ("a_large", "z_large")]
     assert objects.order[-2:] == larges  # after every small file, in the item's order
     assert set(objects.transfers) == {1}  # one transfer at the pacer, whatever its threads
@@ -102,7 +125,9 @@ def test_small_files_go_side_by_side_then_the_large_one_at_a_time(tmp_path: Path
 
 def test_a_small_file_changed_since_it_was_taken_stops_the_item(tmp_path: Path) -> None:
     manifest, data = an_item(tmp_path)
-    (data / "small_0").write_bytes(b"changed after it was hashed")
+    body = bytearray((data / "small_0").read_bytes())
+    body[7] ^= 0x04  # the same size: the store's crc32c check is what refuses it
+    (data / "small_0").write_bytes(bytes(body))
     objects = Cloudy(workers=2)
     with pytest.raises(ChecksumMismatch, match="changed since its checksum was taken"):
         BackupStore(objects).upload_item(manifest, data)
@@ -129,7 +154,7 @@ def test_one_worker_or_a_cancel_keeps_the_old_ways(tmp_path: Path) -> None:
     manifest, data = an_item(tmp_path)
     serial = Cloudy(workers=1)
     BackupStore(serial).upload_item(manifest, data)
-    assert serial.most == 1
+    assert serial.puts.most == 1
     assert serial.order == [data_key(ITEM, e.path, LAYOUT) for e in manifest.files]
     cancelled = Cloudy(workers=3)
     with pytest.raises(Cancelled):
@@ -137,34 +162,7 @@ def test_one_worker_or_a_cancel_keeps_the_old_ways(tmp_path: Path) -> None:
     assert cancelled.order == []
 
 
-class CloudyReads(Cloudy):
-    """``Cloudy`` that also says how many reads were in flight, and what was read when."""
-
-    def __init__(self, workers: int) -> None:
-        super().__init__(workers)
-        self.reading = 0
-        self.most_reading = 0
-        self.reads: list[str] = []
-        self.second_read = threading.Event()
-
-    def read_chunks(self, key: str) -> Iterator[bytes]:
-        with self.lock:
-            self.reading += 1
-            self.most_reading = max(self.most_reading, self.reading)
-            self.reads.append(key)
-            first = len(self.reads) == 1
-            if len(self.reads) == 2:
-                self.second_read.set()
-        try:
-            if first and self.workers > 1 and not self.second_read.wait(10):
-                raise AssertionError("no second read began while the first was in flight")
-            yield from super().read_chunks(key)
-        finally:
-            with self.lock:
-                self.reading -= 1
-
-
-def committed(tmp_path: Path, objects: CloudyReads) -> tuple[BackupStore, Manifest, Path]:
+def committed(tmp_path: Path, objects: Cloudy) -> tuple[BackupStore, Manifest, Path]:
     manifest, data = an_item(tmp_path)
     backup = BackupStore(objects)
     backup.upload_item(manifest, data)
@@ -173,7 +171,7 @@ def committed(tmp_path: Path, objects: CloudyReads) -> tuple[BackupStore, Manife
 
 
 def test_a_restore_fetches_small_files_side_by_side_every_byte_checked(tmp_path: Path) -> None:
-    objects = CloudyReads(workers=3)
+    objects = Cloudy(workers=3)
     backup, manifest, data = committed(tmp_path, objects)
     record = backup.read_commit(ITEM.job, ITEM.step)
     assert record is not None
@@ -181,16 +179,16 @@ def test_a_restore_fetches_small_files_side_by_side_every_byte_checked(tmp_path:
     staged.mkdir()
     heard: list[int] = []
     assert backup.fetch_item(record, ITEM, staged, progress=heard.append) == manifest
-    assert 2 <= objects.most_reading <= 3
+    assert 2 <= objects.gets.most <= 3
     larges = [data_key(ITEM, name, LAYOUT) for name in ("a_large", "z_large")]
-    assert objects.reads[-2:] == larges
+    assert objects.gets.order[-2:] == larges
     assert sum(heard) == sum(e.size for e in manifest.files)
     for entry in manifest.files:
         assert (staged / "data" / entry.path).read_bytes() == (data / entry.path).read_bytes()
 
 
 def test_a_small_file_damaged_in_the_bucket_fails_the_restore(tmp_path: Path) -> None:
-    objects = CloudyReads(workers=3)
+    objects = Cloudy(workers=3)
     backup, _, _ = committed(tmp_path, objects)
     key = data_key(ITEM, "small_4", LAYOUT)
     body = bytearray(objects.get_bytes(key))
@@ -202,4 +200,4 @@ def test_a_small_file_damaged_in_the_bucket_fails_the_restore(tmp_path: Path) ->
     staged.mkdir()
     with pytest.raises(CorruptItem, match="small_4 does not match its manifest"):
         backup.fetch_item(record, ITEM, staged)
-    assert not any(key.endswith("large") for key in objects.reads)  # nothing large begun
+    assert not any(key.endswith("large") for key in objects.gets.order)  # nothing large begun
