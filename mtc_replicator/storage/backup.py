@@ -68,7 +68,9 @@ from mtc_replicator.storage.objectstore import (
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+T = TypeVar("T", bound="_Put | FileEntry")
+"""A file to move: one of an upload's puts, or a download's manifest entry."""
+
 
 LEFTOVER_SKEW = 60.0
 """Seconds by which the store's clock may run ahead of ours: an incomplete upload is a
@@ -105,11 +107,11 @@ def _put_files(
     object is left whole or as it was), and then the failure of the first file, in the
     order they were taken, is raised.
     """
-    if isinstance(objects, ParallelPuts) and objects.put_workers() > 1:
-        workers = objects.put_workers()
+    workers = objects.put_workers() if isinstance(objects, ParallelPuts) else 1
+    if isinstance(objects, ParallelPuts) and workers > 1:
         _put_ranges(objects, puts, SharedMeter(meter), cancelled, what=what, workers=workers)
         return
-    small, puts, workers = _small_first(objects, puts, lambda put: put.size)
+    small, puts, workers = _small_first(objects, puts)
     if small:
         shared = SharedMeter(meter)  # still one transfer: its threads book slice by slice
 
@@ -123,75 +125,62 @@ def _put_files(
                 )
             objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=shared)
 
-        _side_by_side(put_one, small, workers, cancelled, what=what)
+        calls = [functools.partial(put_one, put) for put in small]
+        _run_all(calls, workers, cancelled, what=what, name="mtc-small")
     for put in puts:
         if cancelled():
             raise Cancelled(what)
         objects.put_file(put.key, put.src, crc32c=put.crc32c, meter=meter)
 
 
-def _small_first(
-    objects: ObjectStore, files: list[T], size: Callable[[T], int]
-) -> tuple[list[T], list[T], int]:
+def _small_first(objects: ObjectStore, files: Sequence[T]) -> tuple[list[T], list[T], int]:
     """(the files to move side by side, the rest, how many at once): on a
     ``SmallFilesSideBySide`` store with more than one worker, those of at most its limit,
     when there are two or more."""
     if not isinstance(objects, SmallFilesSideBySide) or objects.small_file_workers() < 2:
-        return [], files, 1
+        return [], list(files), 1
     limit = objects.side_by_side_limit()
-    small = [f for f in files if size(f) <= limit]
+    small = [f for f in files if f.size <= limit]
     if len(small) < 2:
-        return [], files, 1
-    return small, [f for f in files if size(f) > limit], objects.small_file_workers()
+        return [], list(files), 1
+    return small, [f for f in files if f.size > limit], objects.small_file_workers()
 
 
-def _side_by_side(
-    move: Callable[[T], object],
-    files: list[T],
+def _run_all(
+    calls: Sequence[Callable[[], object]],
     workers: int,
     cancelled: CancelCheck,
     *,
     what: str,
+    name: str,
 ) -> None:
-    """``move`` every one of ``files``, ``workers`` at a time.
+    """Every one of ``calls``, ``workers`` at a time, in order.
 
-    A failure (or ``cancelled``) stops the files not yet begun; those in flight end, and
-    then the failure of the first file in ``files``' order is raised.
+    A failure (or ``cancelled``) stops the calls not yet begun; those running end, and
+    then the failure of the first call in ``calls``' order is raised. An interrupt of the
+    calling thread (a ``mtc`` command's Ctrl-C) does the same: nothing is cleaned up
+    under a thread still writing. It waits on the futures, not on the threads: a
+    ``Thread.join`` interrupted by a signal can take a running thread for ended
+    (CPython 3.11).
     """
     failed = threading.Event()
 
-    def run(file: T) -> None:
+    def run(call: Callable[[], object]) -> None:
         if failed.is_set():
-            return  # another file failed: its error is raised below
+            return  # another call failed: its error is raised below
         try:
             if cancelled():
                 raise Cancelled(what)
-            move(file)
+            call()
         except BaseException:
             failed.set()
             raise
 
-    calls = [functools.partial(run, file) for file in files]
-    futures = _run_all(calls, workers, failed, name="mtc-small")
-    for future in futures:
-        future.result()
-
-
-def _run_all(
-    calls: Sequence[Callable[[], None]], workers: int, failed: threading.Event, *, name: str
-) -> list[Future[None]]:
-    """Every one of ``calls`` on ``workers`` threads; their futures, once all have ended.
-
-    An interrupt of the calling thread (a ``mtc`` command's Ctrl-C) stops the calls not
-    begun and waits for those running before it goes on: nothing is cleaned up under a
-    thread still writing. It waits on the futures, not on the threads: a ``Thread.join``
-    interrupted by a signal can take a running thread for ended (CPython 3.11).
-    """
     pool = ThreadPoolExecutor(max(1, min(workers, len(calls))), thread_name_prefix=name)
     futures: list[Future[None]] = []
     try:
         for call in calls:
-            futures.append(pool.submit(call))
+            futures.append(pool.submit(run, call))
         wait(futures)
     except BaseException:
         failed.set()
@@ -201,11 +190,8 @@ def _run_all(
         raise
     finally:
         pool.shutdown(wait=False)
-    return futures
-
-
-def _entry_size(entry: FileEntry) -> int:
-    return entry.size
+    for future in futures:
+        future.result()
 
 
 def _locked(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
@@ -239,33 +225,21 @@ def _put_ranges(
     opened = [objects.open_put(p.key, p.src, size=p.size, crc32c=p.crc32c) for p in puts]
     left = [len(r) for r in ranges]
     lock = threading.Lock()
-    failed = threading.Event()
 
-    def run(i: int, offset: int, length: int) -> None:
-        if failed.is_set():
-            return  # another piece failed: its error is raised below
-        try:
-            if cancelled():
-                raise Cancelled(what)
-            opened[i].copy(offset, length, meter)
-            with lock:
-                left[i] -= 1
-                last = not left[i]
-            if last:
-                opened[i].finish()
-        except BaseException:
-            failed.set()
-            raise
+    def copy(i: int, offset: int, length: int) -> None:
+        opened[i].copy(offset, length, meter)
+        with lock:
+            left[i] -= 1
+            last = not left[i]
+        if last:
+            opened[i].finish()
 
-    pieces = [(i, off, n) for i, rs in enumerate(ranges) for off, n in rs]
+    calls = [functools.partial(copy, i, off, n) for i, rs in enumerate(ranges) for off, n in rs]
     try:
-        calls = [functools.partial(run, *piece) for piece in pieces]
-        futures = _run_all(calls, workers, failed, name="mtc-put")
+        _run_all(calls, workers, cancelled, what=what, name="mtc-put")
     finally:
         for put in opened:
             put.abort()  # a no-op for every file finished
-    for future in futures:
-        future.result()
 
 
 class BackupStore:
@@ -519,18 +493,23 @@ class BackupStore:
         lane = HashLane()
         try:
             with self.pacer.transfer(Traffic.RESTORE):
-                small, files, workers = _small_first(
-                    self.objects, list(manifest.files), _entry_size
-                )
+                small, files, workers = _small_first(self.objects, manifest.files)
                 if small:
                     # Each small file hashed on the thread that fetched it: no lane hop.
                     heard = _locked(progress)
-
-                    def fetch_one(entry: FileEntry) -> None:
-                        dest = data_file(data, entry)
-                        self._fetch_file(item, entry, dest, layout, cancelled, progress=heard)
-
-                    _side_by_side(fetch_one, small, workers, cancelled, what=str(item))
+                    calls = [
+                        functools.partial(
+                            self._fetch_file,
+                            item,
+                            entry,
+                            data_file(data, entry),
+                            layout,
+                            cancelled,
+                            progress=heard,
+                        )
+                        for entry in small
+                    ]
+                    _run_all(calls, workers, cancelled, what=str(item), name="mtc-small")
                 for entry in files:
                     self._fetch_file(
                         item,
