@@ -36,8 +36,14 @@ def test_rank_0_killed_between_the_release_and_its_markers_gets_them(tmp_path: P
         cluster.wait_markers(10)
         assert_restored(cluster, 10, files)
 
-        cluster.daemon(0).kill()
+        # The markers go before the saved incarnation reads steady: wait for both.
         state = store_root(cluster.dirs[0]) / STATE_FILE
+        wait_until(
+            lambda: json.loads(state.read_text())["phase"] == "steady",
+            "rank 0's saved incarnation to read steady",
+            daemon=cluster.daemon(0),
+        )
+        cluster.daemon(0).kill()
         body = json.loads(state.read_text())
         assert body["phase"] == "steady"
         state.write_text(json.dumps(body | {"phase": "restoring"}))
