@@ -20,14 +20,14 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlparse
 
 import google_crc32c
 
 from mtc_replicator.core.crc import crc32c_concat
 from mtc_replicator.local import fsutil
-from mtc_replicator.local.hashing import CHUNK, open_regular, read_chunks
+from mtc_replicator.local.hashing import CHUNK, open_regular
 from mtc_replicator.local.pacer import Meter
 
 
@@ -281,25 +281,19 @@ class FileObjectStore:
     def put_file(
         self, key: str, src: Path, *, crc32c: int | None = None, meter: Meter | None = None
     ) -> None:
-        dest = self._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = fsutil.tmp_name(dest)
+        """One range of ``open_put``'s, on this thread: the same checks (the crc32c, no
+        byte past the size the source had when the put began) and the same rename."""
         try:
-            crc = 0
-            with open(tmp, "wb") as out:
-                for chunk in read_chunks(src):
-                    crc = google_crc32c.extend(crc, chunk)
-                    paced_write(out, chunk, meter)
-                check_crc32c(key, crc, crc32c)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, dest)
+            size = os.lstat(src).st_size  # a symlink is refused when the range opens it
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise _translate(exc, key) from exc
+        put = self.open_put(key, src, size=size, crc32c=crc32c)
+        try:
+            put.copy(0, size, meter)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            put.abort()
             raise
+        put.finish()
 
     def read_chunks(self, key: str) -> Iterator[bytes]:
         try:
@@ -510,15 +504,6 @@ def _pwrite_all(fd: int, data: bytes, offset: int, meter: Meter | None) -> None:
         while left:
             written = os.pwrite(fd, left, offset)
             left, offset = left[written:], offset + written
-
-
-def paced_write(out: BinaryIO, data: bytes, meter: Meter | None) -> None:
-    """Write ``data`` to ``out`` a slice at a time, each after ``meter`` allows it."""
-    if meter is None:
-        out.write(data)
-        return
-    for piece in meter.paced(data):
-        out.write(piece)
 
 
 def check_crc32c(key: str, actual: int, expected: int | None) -> None:

@@ -274,6 +274,29 @@ def test_file_store_reads_in_chunks_of_the_real_size(
     assert b"".join(chunks) == data
 
 
+def test_file_store_refuses_a_source_that_grew_while_it_was_put(tmp_path: Path) -> None:
+    """Without a crc32c too: the put takes the source's size as it begins, and a byte past
+    it at the end fails the put, the key left as it was and no temporary file behind."""
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(3 * 1024))
+    store = FileObjectStore(tmp_path / "bucket")
+    store.put_bytes("k", b"old")
+
+    class GrowsWhileSent:
+        """A meter whose first slice is let through after the source grew."""
+
+        def paced(self, data: bytes) -> Iterator[memoryview]:
+            with open(src, "ab") as out:
+                out.write(b"late")
+            yield memoryview(data)
+
+    with pytest.raises(ChecksumMismatch, match="longer than 3072 bytes"):
+        store.put_file("k", src, meter=GrowsWhileSent())  # type: ignore[arg-type]
+    assert store.get_bytes("k") == b"old"
+    assert [o.key for o in store.list("")] == ["k"]
+    assert not [p for p in (tmp_path / "bucket").iterdir() if p.name.startswith(TMP_PREFIX)]
+
+
 # --- open_object_store -------------------------------------------------------------------------
 
 
