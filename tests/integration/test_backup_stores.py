@@ -9,7 +9,6 @@ damaged, replaced or missing object makes ``fetch_item`` raise ``CorruptItem``.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from mtc_replicator.storage.objectstore import (
     PreconditionFailed,
     SmallFilesSideBySide,
 )
+from tests.flight import Flight
 from tests.integration.test_objectstore_contract import (
     GCS_PART,
     S3_PART,
@@ -192,39 +192,30 @@ def test_an_item_of_many_files_round_trips_with_its_small_files_side_by_side(
     (data / "big").write_bytes(os.urandom(BIG[backend]))
     manifest = build_manifest(DIR_ITEM, data)
     objects = backup.objects
-    lock = threading.Lock()
-    flight = {"now": 0, "most": 0}
-
-    @contextlib.contextmanager
-    def in_flight() -> Iterator[None]:
-        with lock:
-            flight["now"] += 1
-            flight["most"] = max(flight["most"], flight["now"])
-        try:
-            yield
-        finally:
-            with lock:
-                flight["now"] -= 1
-
     cloud = backend != "file"  # a filesystem copies ranges instead (test_backup_parallel.py)
+    puts, gets = Flight(2), Flight(2)  # each first call waits for a second to begin
     if cloud:
         assert isinstance(objects, SmallFilesSideBySide)
         real_put, real_read = objects.put_file, objects.read_chunks
 
         def put_file(key: str, src: Path, **kwargs: Any) -> None:
-            with in_flight():
+            with puts.call(key):
                 real_put(key, src, **kwargs)
 
+        files = {data_key(DIR_ITEM, entry.path) for entry in manifest.files}
+
         def read_chunks(key: str) -> Iterator[bytes]:
-            with in_flight():
+            if key not in files:  # the COMMIT and the manifest, read before any file
+                yield from real_read(key)
+                return
+            with gets.call(key):
                 yield from real_read(key)
 
         objects.put_file = put_file  # type: ignore[method-assign]
         objects.read_chunks = read_chunks  # type: ignore[method-assign]
     backup.upload_item(manifest, data)
     if cloud:
-        assert 2 <= flight["most"] <= objects.small_file_workers()
-        flight["most"] = 0
+        assert 2 <= puts.most <= objects.small_file_workers()
     record = backup.try_commit(JOB, STEP, ["0-0"])
     assert record is not None
     staged = tmp_path / "restored"
@@ -232,7 +223,7 @@ def test_an_item_of_many_files_round_trips_with_its_small_files_side_by_side(
     assert backup.fetch_item(record, DIR_ITEM, staged) == manifest
     verify_item(manifest, staged / "data")
     if cloud:
-        assert 2 <= flight["most"] <= objects.small_file_workers()
+        assert 2 <= gets.most <= objects.small_file_workers()
 
 
 # --- commits ---------------------------------------------------------------------------------

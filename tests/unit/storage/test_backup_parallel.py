@@ -31,6 +31,7 @@ from mtc_replicator.storage.objectstore import (
     ParallelPuts,
     RangedPut,
 )
+from tests.flight import Flight
 
 ITEM = ItemId("job", 100, 0, 0)
 FILES = 6
@@ -46,8 +47,7 @@ class Watched(FileObjectStore):
         self.meet = threading.Barrier(meet, timeout=10) if meet else None
         """Copies wait here until ``meet`` of them are in flight: serial copies never pass."""
         self.lock = threading.Lock()
-        self.in_flight = 0
-        self.most = 0
+        self.flight = Flight()
         self.events: list[str] = []
         self.copied: list[tuple[str, int, int]] = []
         self.transfers: list[int] = []
@@ -72,18 +72,13 @@ class WatchedPut:
     def copy(self, offset: int, length: int, meter: Meter | None) -> None:
         store = self.store
         with store.lock:
-            store.in_flight += 1
-            store.most = max(store.most, store.in_flight)
             store.copied.append((self.key, offset, length))
             if store.pacer_of is not None:
                 store.transfers.append(store.pacer_of.pacer.active(Traffic.BACKUP))
-        try:
+        with store.flight.call(self.key):
             if store.meet is not None:
                 store.meet.wait()
             self.put.copy(offset, length, meter)
-        finally:
-            with store.lock:
-                store.in_flight -= 1
 
     def finish(self) -> None:
         self.put.finish()
@@ -110,7 +105,7 @@ def test_an_item_s_files_are_put_side_by_side_then_its_manifest(tmp_path: Path) 
     backup = BackupStore(objects)
     objects.pacer_of = backup
     backup.upload_item(manifest, data)
-    assert objects.most == 2  # never more than the store's workers
+    assert objects.flight.most == 2  # never more than the store's workers
     # Still one transfer of the item at the pacer, whatever its threads.
     assert set(objects.transfers) == {1}
     assert backup.pacer.active(Traffic.BACKUP) == 0
@@ -193,7 +188,7 @@ def test_one_large_file_is_copied_in_ranges_side_by_side(tmp_path: Path) -> None
     key = data_key(ITEM, "", LAYOUT)
     assert sorted(o for _, o, _ in objects.copied) == [i * PIECE for i in range(6)]
     assert {k for k, _, _ in objects.copied} == {key}
-    assert objects.most == 2
+    assert objects.flight.most == 2
     assert set(objects.transfers) == {1}  # one paced transfer, whatever its threads
     assert objects.events == [key, manifest_key(ITEM, LAYOUT)]
     assert objects.get_bytes(key) == data.read_bytes()
@@ -320,7 +315,7 @@ def test_an_interrupted_upload_waits_for_its_copies_then_leaves_nothing(tmp_path
             with pytest.raises(Interrupted):
                 BackupStore(objects).upload_item(manifest, data)
             # Every copy begun has ended before the interrupt went on, and no more began.
-            assert objects.in_flight == 0
+            assert objects.flight.now == 0
             assert len(ended) == len(objects.copied) < 8
     finally:
         timer.cancel()

@@ -5,9 +5,7 @@ byte fetched checked against its digest."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,40 +22,11 @@ from mtc_replicator.storage.objectstore import (
     MemoryObjectStore,
     SmallFilesSideBySide,
 )
+from tests.flight import Flight
 
 ITEM = ItemId("job", 7, 0, 0)
 LIMIT = 4096
 SMALL = 9
-
-
-class Flight:
-    """Calls of one kind in flight together: the most at once, their keys in the order
-    they began; the first waits until a second has begun (one at a time, in vain)."""
-
-    def __init__(self, workers: int) -> None:
-        self.workers = workers
-        self.lock = threading.Lock()
-        self.now = 0
-        self.most = 0
-        self.order: list[str] = []
-        self.second = threading.Event()
-
-    @contextlib.contextmanager
-    def call(self, key: str) -> Iterator[None]:
-        with self.lock:
-            self.now += 1
-            self.most = max(self.most, self.now)
-            self.order.append(key)
-            first = len(self.order) == 1
-            if len(self.order) == 2:
-                self.second.set()
-        try:
-            if first and self.workers > 1 and not self.second.wait(10):
-                raise AssertionError(f"no second call began while {key} was in flight")
-            yield
-        finally:
-            with self.lock:
-                self.now -= 1
 
 
 class Cloudy(MemoryObjectStore):
