@@ -23,7 +23,7 @@ import os
 import select
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from inotify_simple import INotify, flags
@@ -56,9 +56,11 @@ def meaning(mask: int, name: str) -> tuple[str | None, bool, bool]:
         return name, True, True
     if mask & flags.CLOSE_WRITE:
         return name, True, False
-    if mask & flags.MODIFY:
+    if mask & (flags.MODIFY | flags.CREATE | flags.DELETE | flags.MOVED_FROM):
+        # Created (a writer's first byte may be far off), removed or renamed away: no
+        # finished file of that name now, whatever an earlier close said of another one.
         return name, False, False
-    return None, False, False  # created, deleted, renamed away: a scan tells what is there
+    return None, False, False
 
 
 @dataclass(eq=False)
@@ -68,6 +70,14 @@ class _Watch:
     wd: int
     loop: asyncio.AbstractEventLoop
     on_event: OnEvent
+    pending: dict[str | None, tuple[bool, bool]] = field(default_factory=dict)
+    """What the loop has not heard yet (under ``_Watches._lock``): each name's latest
+    ``(finished, renamed)``, the one thing the consumer keeps of it, and None for a bare
+    wake. One hand-over at a time: a pod that does the same to a name over and over costs
+    one entry, however long the loop is busy, and delays no other directory's events."""
+    scheduled: bool = False
+    """A hand-over of ``pending`` is on the loop's queue."""
+    removed: bool = False
 
 
 class _Watches:
@@ -108,6 +118,8 @@ class _Watches:
         """No event reaches ``watch`` once this returns; the last watch closes the instance."""
         with self._lock:
             sharing = self._by_wd.get(watch.wd, [])
+            watch.removed = True
+            watch.pending.clear()
             if watch in sharing:
                 sharing.remove(watch)
                 if not sharing:
@@ -161,13 +173,35 @@ class _Watches:
             if mask & flags.Q_OVERFLOW
             else self._by_wd.get(wd, [])
         )
-        seen = meaning(mask, name)
+        seen, finished, renamed = meaning(mask, name)
         for watch in watches:
+            watch.pending.pop(seen, None)  # the latest last
+            watch.pending[seen] = (finished, renamed)
+            if watch.scheduled:
+                continue
             # On this thread: hand over to the loop, never touch its state here.
-            with contextlib.suppress(RuntimeError):  # its loop closed: the daemon is going
-                watch.loop.call_soon_threadsafe(watch.on_event, *seen)
+            try:
+                watch.loop.call_soon_threadsafe(self._deliver, watch)
+            except RuntimeError:  # its loop closed: the daemon is going
+                watch.pending.clear()
+            else:
+                watch.scheduled = True
         if mask & flags.IGNORED:
             self._by_wd.pop(wd, None)  # the directory went away and its watch with it
+
+    def _deliver(self, watch: _Watch) -> None:
+        """On ``watch``'s loop: what it has not heard yet."""
+        with self._lock:
+            pending, watch.pending, watch.scheduled = watch.pending, {}, False
+        for name, (finished, renamed) in pending.items():
+            if watch.removed:
+                return
+            try:
+                watch.on_event(name, finished, renamed)
+            except Exception as exc:  # as the loop would say of a callback of its own
+                watch.loop.call_exception_handler(
+                    {"message": "file event callback failed", "exception": exc}
+                )
 
 
 def _stop(reader: tuple[threading.Thread, int] | None) -> None:

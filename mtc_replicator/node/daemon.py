@@ -25,6 +25,7 @@ try:
     import uvloop
 except ImportError:  # uvloop has no Windows build; asyncio's loop works, just slower
     uvloop = None  # type: ignore[assignment]
+from mtc_replicator.core.contract import JOB_DIRS
 from mtc_replicator.core.identity import LEGACY
 from mtc_replicator.core.ownership import BadOwner
 from mtc_replicator.core.pacing import format_rate
@@ -350,8 +351,11 @@ class Daemon:
             await self.parts.reclaim.now_and_then()
 
     async def _serve_job_dirs(self, wired: Wired) -> None:
-        """New job directories: watched, their handshake trusted, a saved incarnation
-        resumed (``node.tenancy``)."""
+        """A job whose directory was removed ends as at a job's end (its newest step
+        drained first); new job directories: watched, their handshake trusted, a saved
+        incarnation resumed (``node.tenancy``)."""
+        for name, supervisor in self.parts.tenancy.orphans():
+            await supervisor.end_incarnation(drain=f"its directory {JOB_DIRS}/{name} was removed")
         loop = asyncio.get_running_loop()
         for job_dir in self.parts.tenancy.scan(
             wired.job_dir, lambda d: wired.events.of(d.supervisor)

@@ -174,11 +174,11 @@ class Tenancy:
         """Serve every job directory found that is not served yet (each a real directory,
         named as a job may be); forget those gone that run nothing. Returns the new ones."""
         found = _job_dir_names(self.checkpoint_dir)
-        for name in [n for n, d in self.dirs.items() if n not in found]:
+        for name in self._gone(found):
             if self.dirs[name].supervisor.incarnation is None:
                 self._forget(name)
         new = []
-        for name in sorted(found - self.dirs.keys()):
+        for name in sorted(found.keys() - self.dirs.keys()):
             if len(self.dirs) >= MAX_JOB_DIRS:
                 if not self._too_many_said:
                     log.warning(
@@ -200,6 +200,23 @@ class Tenancy:
             log.info("serving the job directory %s/%s", JOB_DIRS, name, extra={"job": name})
         return new
 
+    def orphans(self) -> list[tuple[str, Supervisor]]:
+        """The served directories removed (or renamed away, or made again under their name)
+        while their job runs: nobody can hand that job a step or a handshake there any
+        more, and until it ends the name is not served again."""
+        gone = self._gone(_job_dir_names(self.checkpoint_dir))
+        return [
+            (name, self.dirs[name].supervisor)
+            for name in gone
+            if self.dirs[name].supervisor.incarnation is not None
+        ]
+
+    def _gone(self, found: dict[str, tuple[int, int]]) -> list[str]:
+        """The served names whose directory is no longer the one ``found`` under them: a
+        directory removed and made again between two scans is another one, and the
+        descriptor kept of the first reaches nothing a pod can write."""
+        return [n for n, d in self.dirs.items() if found.get(n) != _identity(d.fd)]
+
     def _forget(self, name: str) -> None:
         self._close(self.dirs.pop(name))
         self._too_many_said = False
@@ -217,14 +234,24 @@ class Tenancy:
         os.close(job_dir.fd)
 
 
-def _job_dir_names(checkpoint_dir: Path) -> set[str]:
-    """The names under ``jobs/`` that are real directories named as a job may be."""
+def _identity(fd: int) -> tuple[int, int] | None:
+    """Which directory descriptor ``fd`` holds (device, inode)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _job_dir_names(checkpoint_dir: Path) -> dict[str, tuple[int, int]]:
+    """The names under ``jobs/`` that are real directories named as a job may be, with
+    the directory each names (device, inode)."""
     try:
         parent = os.open(checkpoint_dir / JOB_DIRS, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        return set()  # none (or ``jobs`` is not a real directory: nothing served from it)
+        return {}  # none (or ``jobs`` is not a real directory: nothing served from it)
     try:
-        names = set()
+        names = {}
         for name in os.listdir(parent):
             if not is_job_name(name):
                 continue
@@ -233,7 +260,7 @@ def _job_dir_names(checkpoint_dir: Path) -> set[str]:
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(st.st_mode):
-                names.add(name)
+                names[name] = (st.st_dev, st.st_ino)
         return names
     finally:
         os.close(parent)

@@ -16,6 +16,7 @@ backup).
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import grpc
@@ -133,6 +134,31 @@ def test_two_jobs_side_by_side_save_replicate_and_restore(tmp_path: Path) -> Non
                 assert prerestore["restore-step"] == 5
                 assert prerestore["restore-source"] == ("peer" if r == 1 else "local")
         assert _running_jobs(cluster, 1) == {ROOT_JOB, TRIAL}
+
+
+def test_a_job_directory_removed_and_made_again_serves_its_job_anew(tmp_path: Path) -> None:
+    # A trial's directory removed while its job runs and made again for the same job: the
+    # job in the removed directory ends as at a job's end (its newest step drained), and
+    # the new directory is served; its handshake restores that step from each node's store.
+    # Before, the daemon kept serving the removed directory, and the new one never.
+    with running(Cluster(tmp_path, ROOT_JOB, nodes=NODES)) as cluster:
+        _handshake(cluster, TRIAL)
+        _wait_markers(cluster, TRIAL, 0)
+        saved = _save(cluster, TRIAL, 5)
+        for r in range(NODES):
+            shutil.rmtree(_dir(cluster, r, TRIAL))
+            _dir(cluster, r, TRIAL).mkdir()
+        for r in range(NODES):
+            wait_until(
+                lambda r=r: f"its directory jobs/{TRIAL} was removed" in cluster.daemon(r).log(),
+                f"node {r} to end the job of the removed directory",
+                daemon=cluster.daemon(r),
+            )
+        _handshake(cluster, TRIAL)
+        _wait_markers(cluster, TRIAL, 5)
+        for r in range(NODES):
+            assert read_tree(_marker(cluster, r, TRIAL, 5)) == saved[r]
+            assert read_prerestore(_dir(cluster, r, TRIAL))["restore-source"] == "local"
 
 
 def test_a_job_directory_serves_only_the_job_it_is_named_after(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def test_directories_and_removals_only_wake(tmp_path: Path) -> None:
         (root / "x").write_bytes(b"1")
         recorder.events.clear()
         (root / "x").unlink()
-        await recorder.first((None, False, False))
+        await recorder.first(("x", False, False))  # no finished file of that name now
         assert all(name != "replicator.yaml" for name, _, _ in recorder.seen())
 
 
@@ -173,8 +173,10 @@ def test_meaning_of_each_event() -> None:
     assert meaning(flags.CLOSE_WRITE, "a.save") == ("a.save", True, False)
     assert meaning(flags.MODIFY, "a.save") == ("a.save", False, False)
     assert meaning(flags.MOVED_TO | flags.ISDIR, "10") == (None, False, False)
-    assert meaning(flags.CREATE, "a.save") == (None, False, False)
-    assert meaning(flags.MOVED_FROM, "replicator.yaml") == (None, False, False)
+    assert meaning(flags.CREATE, "a.save") == ("a.save", False, False)
+    assert meaning(flags.MOVED_FROM, "replicator.yaml") == ("replicator.yaml", False, False)
+    assert meaning(flags.DELETE, "a.save") == ("a.save", False, False)
+    assert meaning(flags.DELETE | flags.ISDIR, "10") == (None, False, False)
     assert meaning(flags.Q_OVERFLOW, "") == (None, False, False)
 
 
@@ -304,3 +306,38 @@ def test_a_queue_overflow_wakes_every_watch(tmp_path: Path) -> None:
                 watches.remove(handle)
 
     asyncio.run(main())
+
+
+def test_a_flood_on_one_name_takes_constant_memory_and_starves_no_one(tmp_path: Path) -> None:
+    # A pod renames one name back and forth while the daemon's loop is busy elsewhere:
+    # the loop hears each name's latest state once, and the other directory's event is
+    # not queued behind the flood.
+    noisy, quiet = tmp_path / "noisy", tmp_path / "quiet"
+    noisy.mkdir()
+    quiet.mkdir()
+    loop = asyncio.new_event_loop()  # not running: the daemon's loop busy elsewhere
+    seen_noisy: list[str | None] = []
+    seen_quiet: list[tuple[int, str | None]] = []
+    a = DirectoryWatcher(noisy, lambda name, *_: seen_noisy.append(name))
+    b = DirectoryWatcher(quiet, lambda name, *_: seen_quiet.append((len(seen_noisy), name)))
+    a.start(loop)
+    b.start(loop)
+    try:
+        (noisy / "a").write_bytes(b"x")
+        for _ in range(20_000):
+            os.rename(noisy / "a", noisy / "b")
+            os.rename(noisy / "b", noisy / "a")
+        (quiet / "q-s1-n0-w0.save").write_bytes(b"x")
+        time.sleep(0.5)  # the reader drains the kernel's queue meanwhile
+        queued = len(loop._ready)  # type: ignore[attr-defined]
+        assert queued <= 16, f"{queued} callbacks queued for two directories"
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert ("q-s1-n0-w0.save") in [n for _, n in seen_quiet]
+        # What the pod did last to each name is what the loop hears (a wake, had the
+        # kernel's queue overflowed meanwhile).
+        assert set(seen_noisy) <= {"a", "b", None}
+        assert len(seen_noisy) <= 8
+    finally:
+        a.stop()
+        b.stop()
+        loop.close()

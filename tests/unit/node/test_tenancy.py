@@ -195,3 +195,56 @@ def test_a_watch_that_cannot_be_made_leaves_the_directory_served(
     finally:
         t.close()
         loop.close()
+
+
+def test_a_directory_removed_and_made_again_is_served_anew(tmp_path: Path) -> None:
+    # rm -rf jobs/a && mkdir jobs/a between two scans: the name is there at both, but the
+    # descriptor kept of the first directory reaches nothing the pod writes, so the scan
+    # serves (and watches) the new one.
+    root = tmp_path / "ckpt"
+    jobs = root / JOB_DIRS
+    (jobs / "a").mkdir(parents=True)
+    t, made = _tenancy(root)
+    seen: list[str | None] = []
+    loop = asyncio.new_event_loop()
+    try:
+        (first,) = _watched(t, seen)
+        assert first.watch(loop)
+        os.rmdir(jobs / "a")
+        (jobs / "a").mkdir()
+        (again,) = _watched(t, seen)
+        assert again is not first
+        assert again.watch(loop)
+        (jobs / "a" / "replicator.yaml").write_text("job-name: a\n")
+        assert (t.dirs["a"].path / "replicator.yaml").exists()
+        assert made["a"].path == again.path
+        (jobs / "a" / "a-s1-n0-w0.save").write_bytes(b"x")
+        loop.run_until_complete(asyncio.sleep(0.3))
+        assert "a-s1-n0-w0.save" in seen
+    finally:
+        t.close()
+        loop.close()
+
+
+def test_a_directory_removed_while_its_job_runs_is_an_orphan_until_the_job_ends(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "ckpt"
+    jobs = root / JOB_DIRS
+    (jobs / "a").mkdir(parents=True)
+    (jobs / "b").mkdir()
+    t, made = _tenancy(root)
+    assert _scan(t) == ["a", "b"]
+    for name in ("a", "b"):
+        made[name].incarnation = FakeIncarnation(_config(name), f"inc-{name}")
+    assert t.orphans() == []
+    os.rmdir(jobs / "a")
+    (jobs / "a").mkdir()
+    assert [name for name, _ in t.orphans()] == ["a"]
+    assert _scan(t) == []  # the new one waits while the job runs in the removed one
+    made["a"].incarnation = None  # the daemon ended it (a drain, as at a job's end)
+    first = made["a"]
+    assert _scan(t) == ["a"]
+    assert made["a"] is not first
+    assert t.orphans() == []
+    assert t.running_jobs() == {"b"}
