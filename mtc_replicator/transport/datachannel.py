@@ -572,8 +572,10 @@ async def send_staged(
     send = functools.partial(
         send_item, data=data, idle_timeout=idle_timeout, abort=abort, root=root, meter=meter
     )
-    parts = [
-        functools.partial(send, sock, part)
-        for part, sock in zip(stripes.parts(manifest, len(socks)), socks, strict=True)
-    ]
+    # On a pool thread, as the receiving side does: O(files x connections), 0.6 s for
+    # 100,000 files on 8, must not stall the event loop.
+    split = [manifest]
+    if len(socks) > 1:
+        split = await pool.run(functools.partial(stripes.parts, manifest, len(socks)), abort)
+    parts = [functools.partial(send, sock, part) for part, sock in zip(split, socks, strict=True)]
     return sum(await pool.run_all(parts, abort))

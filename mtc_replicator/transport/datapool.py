@@ -66,7 +66,9 @@ def _cause(first: list[BaseException], rest: list[BaseException]) -> BaseExcepti
     for exc in (*first, *rest):
         if not isinstance(exc, ChannelBroken | Cancelled):
             return exc
-    for exc in (*first, *rest):
+    # Only what came first: a ``Cancelled`` there (the pacer halted) must not turn into
+    # the ``ChannelBroken`` its abort caused in the others.
+    for exc in first or rest:
         if isinstance(exc, ChannelBroken):
             return exc
     return (first or rest)[0]
