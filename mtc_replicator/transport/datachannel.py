@@ -264,15 +264,25 @@ async def _within_handshake(
 ) -> tuple[TlsStream, bytes]:
     """``accepting`` (``_tls_accept`` in a thread) within ``HANDSHAKE_SECONDS`` in all;
     else the socket is shut down, which ends the thread's blocked read, and ``TimeoutError``.
-    The thread is awaited either way: the caller closes the socket it reads."""
-    done, _ = await asyncio.wait({accepting}, timeout=HANDSHAKE_SECONDS)
+    The thread is awaited either way, also when the listener closes (the task cancelled):
+    the caller closes the socket it reads, and its failure is nobody's to report then."""
+    try:
+        done, _ = await asyncio.wait({accepting}, timeout=HANDSHAKE_SECONDS)
+    except asyncio.CancelledError:
+        await _ended(accepting, conn)
+        raise
     if done:
         return accepting.result()
+    await _ended(accepting, conn)
+    raise TimeoutError(f"no TLS handshake and token within {HANDSHAKE_SECONDS:g}s")
+
+
+async def _ended(accepting: asyncio.Future[tuple[TlsStream, bytes]], conn: socket.socket) -> None:
+    """The accepting thread ended: the socket shut down under its blocked read."""
     with contextlib.suppress(OSError):
         conn.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(Exception):
         await accepting
-    raise TimeoutError(f"no TLS handshake and token within {HANDSHAKE_SECONDS:g}s")
 
 
 def _tls_accept(conn: socket.socket, tls: TlsMaterial) -> tuple[TlsStream, bytes]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import socket
 import ssl
@@ -468,3 +469,41 @@ def test_a_client_refuses_a_server_of_another_ca(tmp_path: Path, ca: certs.Pair)
             )  # fmt: skip
 
     run(scenario, server_tls)
+
+
+def test_closing_the_listener_ends_a_tls_handshake_in_flight_and_hears_its_failure(
+    tmp_path: Path, ca: certs.Pair
+) -> None:
+    # A connection that sends nothing holds an accepting thread in its TLS handshake when
+    # the listener closes: the close shuts the socket down under the thread and waits for
+    # it (the socket is closed only after; before, the thread read on for up to
+    # HANDSHAKE_SECONDS, a descriptor number the process may have reused meanwhile), and
+    # the thread's failure is heard, not left on a future nobody reads.
+    tls = node_tls(tmp_path / "server", ca).material()
+    unheard: list[dict[str, object]] = []
+    silent: list[socket.socket] = []
+
+    async def main() -> float:
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unheard.append(ctx))
+        listener = DataListener("127.0.0.1", tls=tls)
+        listener.start()
+        silent.append(socket.create_connection(("127.0.0.1", listener.port), timeout=5))
+        await asyncio.sleep(0.2)  # accepted: its thread waits for a ClientHello
+        started = time.monotonic()
+        await listener.close()
+        took = time.monotonic() - started
+        gc.collect()
+        await asyncio.sleep(0)
+        return took
+
+    try:
+        took = asyncio.run(main())
+        assert took < datachannel.HANDSHAKE_SECONDS / 2
+        assert not unheard, unheard
+        deadline = time.monotonic() + 1.0  # an idle pool thread leaves at its next look
+        while any(t.name.startswith("mtc-tls-accept") for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "an accepting thread outlived the listener"
+            time.sleep(0.01)
+    finally:
+        for sock in silent:  # open until here: its close would end the thread's read
+            sock.close()
