@@ -204,6 +204,8 @@ class Tenancy:
         """The served directories removed (or renamed away, or made again under their name)
         while their job runs: nobody can hand that job a step or a handshake there any
         more, and until it ends the name is not served again."""
+        if all(d.supervisor.incarnation is None for d in self.dirs.values()):
+            return []  # no listing: the daemon's loop asks at every wake
         gone = self._gone(_job_dir_names(self.checkpoint_dir))
         return [
             (name, self.dirs[name].supervisor)
