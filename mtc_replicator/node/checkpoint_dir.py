@@ -132,9 +132,14 @@ def cleanup_workload_files(
             )
             if not stale and e.is_symlink():
                 # `<N>` / `step=<N>` links that clients made of our markers.
-                stale = store.owns_link_target(_rooted(os.readlink(path), up))
+                stale = store.owns_link_target(_rooted(_readlink(e.path), up))
             if stale and not e.is_dir(follow_symlinks=False):
                 path.unlink(missing_ok=True)
+                removed.append(e.name)
+            elif is_dir and e.name.endswith(".restore"):
+                # A marker's name is the daemon's alone (contract step 7): a directory a
+                # pod left there would be a second marker, or block this one's creation.
+                fsutil.discard_tree(path, store.trash)
                 removed.append(e.name)
     # No link into a view is left, so the previous incarnations' views are garbage.
     store.drop_views(keep=keep_views)
@@ -160,17 +165,25 @@ def publish_markers(
     up = _up(checkpoint_dir, store)
     body = "{}\n" if step is None else f"restore-step: {step}\nrestore-source: {source}\n"
     fsutil.atomic_write_bytes(d / PRERESTORE_FILE, body.encode())
+    # One view per item: the workers of a step directory share it, and rebuilding it for
+    # the next worker would pull it from under a process already loading through its marker.
+    targets: dict[ItemId, str] = {}
     for w in range(config.workers_per_node):
         name = d / marker_name(config.job_name, step or 0, config.node_rank, w)
-        name.unlink(missing_ok=True)
+        try:
+            name.unlink(missing_ok=True)
+        except IsADirectoryError:
+            fsutil.discard_tree(name, store.trash)  # a pod's directory under our name
         if step is None:
             # An empty regular file is complete the moment it exists.
             os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         else:
             wanted = marker_item(config, step, w)
             held = outcome.stored_as.get(wanted, wanted)
-            view = _intact_view(store, held, incarnation_id) if again else None
-            target = view or store.expose(held, incarnation_id)
+            target = targets.get(held)
+            if target is None:
+                view = _intact_view(store, held, incarnation_id) if again else None
+                target = targets[held] = view or store.expose(held, incarnation_id)
             os.symlink(f"{up}/{target}" if up else target, name)
 
 
@@ -213,5 +226,14 @@ def unlink_links_to(checkpoint_dir: Path, store: LocalStore, items: Collection[I
     they would dangle."""
     up = _up(checkpoint_dir, store)
     for e in os.scandir(checkpoint_dir):
-        if e.is_symlink() and store.item_of_link(_rooted(os.readlink(e.path), up)) in items:
+        if e.is_symlink() and store.item_of_link(_rooted(_readlink(e.path), up)) in items:
             Path(e.path).unlink(missing_ok=True)
+
+
+def _readlink(path: str) -> str:
+    """A listed link's target; "" when the pod removed or replaced it since the listing
+    (Orbax deletes its old ``<N>`` links as the daemon's retention runs): never ours."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
