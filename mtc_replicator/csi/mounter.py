@@ -3,12 +3,15 @@
 ``SystemMounter`` does I/O: it runs util-linux ``mount``/``umount`` with argument lists
 (never a shell) and reads ``/proc/self/mountinfo``. ``MemoryMounter`` keeps the same mount
 table in memory with the kernel's semantics that matter to us (bind mounts share the device,
-stacked mounts, read-only remounts), so the plugin's logic is tested without root.
+stacked mounts, read-only binds), so the plugin's logic is tested without root.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Sequence
@@ -40,8 +43,9 @@ class Mounter(Protocol):
 
     def bind(self, source: Path, target: Path) -> None: ...
 
-    def remount_readonly(self, target: Path) -> None:
-        """Make the bind mount at ``target`` read-only (the source stays writable)."""
+    def bind_readonly(self, source: Path, target: Path) -> None:
+        """A bind mount that is read-only from the moment it appears at ``target``, so the
+        copies mount propagation makes (kubelet's, with Bidirectional) are read-only too."""
         ...
 
     def unmount(self, target: Path) -> None:
@@ -75,9 +79,12 @@ class SystemMounter:
     def bind(self, source: Path, target: Path) -> None:
         self._run(["mount", "--bind", _arg(source), _arg(target)])
 
-    def remount_readonly(self, target: Path) -> None:
-        # util-linux would fold `bind,ro` into these two steps; we keep them explicit.
-        self._run(["mount", "-o", "remount,bind,ro", _arg(target)])
+    def bind_readonly(self, source: Path, target: Path) -> None:
+        # Not bind + remount,ro: a remount changes one mount's flags and never propagates,
+        # so the copy in kubelet's namespace (the one the pod gets) would stay writable.
+        # The new mount API clones the tree detached, makes it read-only, then attaches it.
+        _bind_readonly_detached(_arg(source), _arg(target))
+        log.debug("bound %s read-only at %s", source, target)
 
     def unmount(self, target: Path) -> None:
         self._run(["umount", _arg(target)])
@@ -93,6 +100,72 @@ class SystemMounter:
             detail = (proc.stderr or proc.stdout).strip() or f"exit code {proc.returncode}"
             raise MountError(f"{' '.join(args)}: {detail}")
         log.debug("ran %s", " ".join(args))
+
+
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+"""The same numbers on every architecture but alpha (the new mount API, Linux 5.12+)."""
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_OPEN_TREE_CLONE = 1
+_MOUNT_ATTR_RDONLY = 0x1
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def _bind_readonly_detached(source: str, target: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+
+    def check(result: int, what: str) -> int:
+        if result < 0:
+            code = ctypes.get_errno()
+            hint = " (needs Linux 5.12 or later)" if code == errno.ENOSYS else ""
+            raise MountError(f"{what}: {os.strerror(code)}{hint}")
+        return result
+
+    fd = check(
+        libc.syscall(
+            _SYS_OPEN_TREE,
+            ctypes.c_int(_AT_FDCWD),
+            os.fsencode(source),
+            ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
+        ),
+        f"open_tree {source}",
+    )
+    try:
+        attr = _MountAttr(attr_set=_MOUNT_ATTR_RDONLY)
+        check(
+            libc.syscall(
+                _SYS_MOUNT_SETATTR,
+                ctypes.c_int(fd),
+                b"",
+                ctypes.c_uint(_AT_EMPTY_PATH),
+                ctypes.byref(attr),
+                ctypes.c_size_t(ctypes.sizeof(attr)),
+            ),
+            f"mount_setattr {source} read-only",
+        )
+        check(
+            libc.syscall(
+                _SYS_MOVE_MOUNT,
+                ctypes.c_int(fd),
+                b"",
+                ctypes.c_int(_AT_FDCWD),
+                os.fsencode(target),
+                ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+            ),
+            f"move_mount {source} onto {target}",
+        )
+    finally:
+        os.close(fd)  # a tree never attached is freed here
 
 
 def _arg(path: Path) -> str:
@@ -166,12 +239,21 @@ class MemoryMounter:
                 super_options=holder.super_options,
             )
 
-    def remount_readonly(self, target: Path) -> None:
-        self._enter("remount_readonly", target)
+    def bind_readonly(self, source: Path, target: Path) -> None:
+        self._enter("bind_readonly", target)
         with self._lock:
-            top = self._top(target)
-            options = (top.options - {"rw"}) | {"ro"}
-            self._table = [replace(m, options=options) if m is top else m for m in self._table]
+            holder = self._holder(source)
+            rel = source.relative_to(holder.mount_point).as_posix()
+            root = holder.root if rel == "." else str(Path(holder.root) / rel)
+            self._add(
+                target,
+                device=holder.device,
+                root=root,
+                fs_type=holder.fs_type,
+                source=holder.source,
+                super_options=holder.super_options,
+                options=frozenset({"ro"}),
+            )
 
     def unmount(self, target: Path) -> None:
         self._enter("unmount", target)
@@ -214,6 +296,7 @@ class MemoryMounter:
         fs_type: str,
         source: str,
         super_options: tuple[str, ...],
+        options: frozenset[str] = frozenset({"rw"}),
     ) -> None:
         parent = self._holder(target)
         entry = MountInfo(
@@ -222,7 +305,7 @@ class MemoryMounter:
             device=device,
             root=root,
             mount_point=str(target),
-            options=frozenset({"rw"}),
+            options=options,
             fs_type=fs_type,
             source=source,
             super_options=super_options,

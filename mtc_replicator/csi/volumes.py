@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +53,12 @@ class Decision(enum.Enum):
 
 def _mode(readonly: bool) -> str:
     return "read-only" if readonly else "read-write"
+
+
+def resolved_target(target: Path) -> Path:
+    """``target`` with symlinks in its parents resolved: the path the kernel lists a mount at
+    it under, and the one ``check_target`` must judge. The last component stays as sent."""
+    return Path(os.path.realpath(target.parent)) / target.name
 
 
 def check_target(target: Path, ram_dir: Path) -> None:
@@ -173,7 +180,7 @@ class NodeVolumes:
                 pod.service_account,
             )
             raise
-        target = request.target
+        target = resolved_target(request.target)
         check_target(target, self.ram_dir)
         with self.locks.hold(target), self._owner_decision():
             mounts = self.mounter.mounts()
@@ -184,17 +191,15 @@ class NodeVolumes:
                 return False
             self._take(request, len(published_targets(mounts, self.ram_dir)))
             created = _make_target(target)
-            bound = False
             try:
-                self.mounter.bind(self.checkpoint.path, target)
-                bound = True
+                # Read-only from the start, in one step: never a writable bind first (a
+                # crash would leave it), and never a remount, which does not propagate to
+                # kubelet's copy of the mount (the one the pod gets).
                 if request.readonly:
-                    self.mounter.remount_readonly(target)
+                    self.mounter.bind_readonly(self.checkpoint.path, target)
+                else:
+                    self.mounter.bind(self.checkpoint.path, target)
             except MountError:
-                # Never leave a half-done publish behind: a writable bind where a read-only
-                # one was asked for would be worse than none.
-                if bound:
-                    self._unmount_quietly(target)
                 if created:
                     with contextlib.suppress(OSError):
                         target.rmdir()
@@ -245,7 +250,7 @@ class NodeVolumes:
 
     def unpublish(self, request: Unpublish) -> bool:
         """Unmount the target and remove its directory; False when there was nothing to undo."""
-        target = request.target
+        target = resolved_target(request.target)
         check_target(target, self.ram_dir)
         with self.locks.hold(target):
             unmounted = 0
@@ -261,12 +266,6 @@ class NodeVolumes:
             except OSError as exc:
                 raise TargetCleanupError(f"cannot remove {target}: {exc}") from None
             return True
-
-    def _unmount_quietly(self, target: Path) -> None:
-        try:
-            self.mounter.unmount(target)
-        except MountError as exc:
-            log.error("could not undo the bind mount at %s: %s", target, exc)
 
 
 def _make_target(target: Path) -> bool:

@@ -71,12 +71,12 @@ def test_publish_again_is_a_no_op(volumes: NodeVolumes, mounter: MemoryMounter, 
     assert len(mounter.calls) == calls
 
 
-def test_read_only_publish_is_a_bind_then_a_read_only_remount(
+def test_read_only_publish_is_one_read_only_bind(
     volumes: NodeVolumes, mounter: MemoryMounter, pods: Path
 ) -> None:
     target = pods / "mount"
     volumes.publish(Publish("v1", target, readonly=True, pod=POD))
-    assert [op for op, path in mounter.calls if path == str(target)] == ["bind", "remount_readonly"]
+    assert [op for op, path in mounter.calls if path == str(target)] == ["bind_readonly"]
     bind = visible(mounter, target)
     assert bind is not None
     assert bind.readonly
@@ -132,10 +132,10 @@ def test_a_failed_bind_leaves_nothing_behind(
     assert not (pods / "mount").exists()
 
 
-def test_a_failed_read_only_remount_undoes_the_writable_bind(
+def test_a_failed_read_only_bind_leaves_nothing_behind(
     volumes: NodeVolumes, mounter: MemoryMounter, pods: Path
 ) -> None:
-    mounter.before = Failing("remount_readonly")
+    mounter.before = Failing("bind_readonly")
     target = pods / "mount"
     with pytest.raises(MountError, match="injected"):
         volumes.publish(Publish("v1", target, readonly=True, pod=POD))
