@@ -113,6 +113,36 @@ _CORRUPT_UPLOAD = "doesn't match calculated"  # GCS's words when it refuses dama
 
 _SENDING: ContextVar[Meter | None] = ContextVar("mtc_gcs_sending", default=None)
 """The meter that pays for the request bodies this thread sends now (None: unpaced)."""
+_RESUMING: ContextVar[_ResumableSource | None] = ContextVar("mtc_gcs_resuming", default=None)
+"""The file this thread streams into a resumable upload now (None: none)."""
+_PERSISTED_RE = re.compile(r"bytes=0-([0-9]+)")
+
+
+class _ResumableSource:
+    """The file a resumable upload reads its chunks from, moved back to where GCS says it
+    stopped when a chunk was persisted only in part (a 308 whose ``Range`` ends before the
+    chunk did): the SDK takes the new offset from that answer but reads its next chunk
+    where the file is, and refuses the mismatch (ValueError) instead of sending on."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self._resume_at: int | None = None
+
+    def persisted(self, upto: int) -> None:
+        self._resume_at = upto
+
+    def tell(self) -> int:
+        at, self._resume_at = self._resume_at, None
+        if at is not None and at < self._f.tell():
+            self._f.seek(at)
+        return self._f.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        return self._f.read(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._resume_at = None
+        return self._f.seek(offset, whence)
 
 
 class _PacedAdapter(requests.adapters.BaseAdapter):
@@ -131,7 +161,13 @@ class _PacedAdapter(requests.adapters.BaseAdapter):
             # A copy: the SDK may send the same prepared request again (its own retry).
             request = request.copy()
             request.body = _PacedBody(body, meter)  # type: ignore[assignment]  # any iterable
-        return self.inner.send(request, *args, **kwargs)
+        response = self.inner.send(request, *args, **kwargs)
+        source = _RESUMING.get()
+        if source is not None and request.method == "PUT" and response.status_code == 308:
+            m = _PERSISTED_RE.fullmatch(response.headers.get("Range", ""))
+            if m is not None:
+                source.persisted(int(m.group(1)) + 1)
+        return response
 
     def close(self) -> None:
         self.inner.close()
@@ -470,9 +506,11 @@ class GcsObjectStore:
                 check_crc32c(key, crc, crc32c)
                 f.seek(0)
                 sending = _SENDING.set(meter)
+                source = _ResumableSource(f)
+                resuming = _RESUMING.set(source)
                 try:
                     blob.upload_from_file(
-                        f,
+                        source,  # read, seek and tell are all the SDK uses
                         size=size,
                         content_type="application/octet-stream",
                         checksum="crc32c",
@@ -481,6 +519,7 @@ class GcsObjectStore:
                         timeout=self.timeout,
                     )
                 finally:
+                    _RESUMING.reset(resuming)
                     _SENDING.reset(sending)
                 if b64_crc32c(blob.crc32c) != crc:
                     raise DamagedInTransit(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import botocore.exceptions as bexc
 import urllib3.exceptions
 
+from mtc_replicator.core.manifest import Cancelled
 from mtc_replicator.storage.objectstore import (
     BucketNotFound,
     DamagedInTransit,
@@ -166,6 +167,12 @@ class RetryWatch:
         operation: Any,
         **_: Any,
     ) -> None:
+        if isinstance(caught_exception, bexc.HTTPClientError):
+            inner = caught_exception.kwargs.get("error")
+            if isinstance(inner, Cancelled):
+                # Our body's read stopped the send (the transfer was cancelled): botocore
+                # wrapped it as a broken connection, which its modes would retry.
+                raise inner
         reason = _retryable_reason(response, caught_exception)
         if reason is None:
             return  # a success, or an error no mode retries: botocore answers it
