@@ -191,6 +191,17 @@ class Kube:
         )
         return [self.api.sanitize_for_serialization(p) for p in items]
 
+    def job_pods(self, namespace: str) -> list[Manifest]:
+        """The pods of ``namespace`` that opt in to sticky ranks, as they are now."""
+        from mtc_replicator.controller.jobpods import NODES_LABEL
+
+        items = (
+            client.CoreV1Api(self.api)
+            .list_namespaced_pod(namespace, label_selector=NODES_LABEL)
+            .items
+        )
+        return [self.api.sanitize_for_serialization(p) for p in items]
+
     def annotate_pod(self, namespace: str, name: str, annotations: Mapping[str, str]) -> None:
         client.CoreV1Api(self.api).patch_namespaced_pod(
             name, namespace, {"metadata": {"annotations": dict(annotations)}}

@@ -118,18 +118,43 @@ class LeaseElector:
                     return True
             except ApiException as exc:
                 log.warning("leader election: %s %s", exc.status, exc.reason)
+            except Exception as exc:
+                log.warning("leader election: %s", exc)
             stop.wait(self.timing.retry)
         return False
+
+    def _renew(self, timeout: float) -> bool | None:
+        """One renewal, given at most ``timeout`` seconds whatever the client does (a
+        connection that is never answered blocks it for good); None: it did not end."""
+        result: list[bool] = []
+
+        def attempt() -> None:
+            try:
+                result.append(self.try_acquire())
+            except ApiException as exc:
+                log.warning("renewing the Lease: %s %s", exc.status, exc.reason)
+                result.append(False)
+            except Exception as exc:
+                log.warning("renewing the Lease: %s", exc)
+                result.append(False)
+
+        t = threading.Thread(target=attempt, name="lease-renew", daemon=True)
+        t.start()
+        t.join(max(0.0, timeout))
+        return result[0] if result else None
 
     def keep(self, stop: threading.Event, lost: threading.Event) -> None:
         """Renew until ``stop``; set ``lost`` when renewing failed for ``renew_deadline``."""
         last_ok = time.monotonic()
         while not stop.wait(self.timing.retry):
-            try:
-                ok = self.try_acquire()
-            except ApiException as exc:
-                log.warning("renewing the Lease: %s %s", exc.status, exc.reason)
-                ok = False
+            left = last_ok + self.timing.renew_deadline - time.monotonic()
+            done = self._renew(left)
+            ok = bool(done)
+            if done is None:  # still hanging at the deadline: stop leading now
+                log.error("renewing the Lease %s/%s hung: stopping", self.namespace, self.name)
+                self.leading.clear()
+                lost.set()
+                return
             if ok:
                 last_ok = time.monotonic()
             elif not self._held_by_me() or time.monotonic() - last_ok > self.timing.renew_deadline:

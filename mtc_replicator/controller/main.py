@@ -100,7 +100,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("MTC_LOG_LEVEL", "INFO").upper(),
         help="DEBUG, INFO (default, or $MTC_LOG_LEVEL), WARNING or ERROR",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 < args.retry_period < args.renew_deadline < args.lease_duration:
+        # As client-go: a leader that may renew as late as its Lease expires overlaps the
+        # follower that takes it (two leaders at once).
+        p.error(
+            "need 0 < --retry-period < --renew-deadline < --lease-duration "
+            f"(got {args.retry_period:g}, {args.renew_deadline:g}, {args.lease_duration:g})"
+        )
+    return args
 
 
 class _State:

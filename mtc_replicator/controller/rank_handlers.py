@@ -76,6 +76,14 @@ def settle(member: JobPod, indexed: list[JobPod]) -> None:
                 "%s/%s: %s", member.namespace, member.job, g.why, extra={"job": member.mtc_job}
             )
             return
+        if not g.assigned:
+            # The index lags the annotations this controller wrote: a plan made from it
+            # could differ from the one whose events are still queued, under the same id.
+            # Plan only from the job's pods as the API server has them now.
+            live = [_member(b) for b in kube().job_pods(member.namespace)]
+            g = jobpods.group([m for m in live if m is not None and m.key == member.key])
+            if not g.ready:
+                return
         addresses = sticky.replicator_addresses(kube().node_stack_pods())
         if not g.assigned:
             p = sticky.plan(g, member.mtc_job, addresses, _replicators)

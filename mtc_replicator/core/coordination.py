@@ -218,26 +218,37 @@ class JobCoordinator:
         self.progress.reset(released.step)
 
     def _rejoined(self, join: Join) -> bool:
-        """Rank 0's agent back for the part of a resumed released round it never took: a
-        plan of its own items of the step, held here (all of them, or no plan)."""
+        """A rank's agent back for the part of a resumed released round it never took (rank
+        0's, or another rank's whose answer died with the daemon): a plan of its own items
+        of the step (or, with data parallelism, equivalents), held there (all, or no plan)."""
         resumed = self.resumed
-        if resumed is None or join.rank != 0 or resumed.incarnations.get(0) != join.incarnation_id:
+        if resumed is None or resumed.incarnations.get(join.rank) != join.incarnation_id:
             return False
         sources: dict[ItemId, tuple[Fetch, ...]] = {}
         if resumed.step is not None:
             for worker in worker_slots(self.config):
-                item = ItemId(self.config.job_name, resumed.step, 0, worker)
-                digest = join.inventory.items.get(item)
-                if digest is None:
-                    # Released as ready, so held; gone since: nothing to serve again. The
-                    # join is judged as any of a released incarnation's (refused: only a
-                    # restart of the job, rank 0's new incarnation, opens a round).
-                    self.resumed = None
+                item = ItemId(self.config.job_name, resumed.step, join.rank, worker)
+                fetch = self._held_copy(join, item)
+                if fetch is None:
+                    # Released as ready, so held; gone since: nothing to serve again, and the
+                    # join is refused as a released incarnation's (a job restart opens a round).
+                    if join.rank == 0:
+                        self.resumed = None
                     return False
-                sources[item] = (Fetch(Source.LOCAL, item, 0, digest),)
-            self.plan = RoundPlan(resumed.step, sources, (resumed.step,))
-        self.members[0] = join
+                sources[item] = (fetch,)
+            kept = {} if self.plan is None else self.plan.sources
+            self.plan = RoundPlan(resumed.step, {**kept, **sources}, (resumed.step,))
+        self.members[join.rank] = join
         return True
+
+    def _held_copy(self, join: Join, target: ItemId) -> Fetch | None:
+        """``target`` or a data-parallel equivalent, as the joining rank's store holds it."""
+        for rank in (target.rank, *self.config.equivalent_ranks(target.rank)):
+            item = replace(target, rank=rank)
+            digest = join.inventory.items.get(item)
+            if digest is not None:
+                return Fetch(Source.LOCAL, item, join.rank, digest, rank != target.rank)
+        return None
 
     def resume_steady(self) -> None:
         """Rank 0's daemon restarted while the job ran: take the running ranks back.

@@ -65,6 +65,11 @@ class ProgressBook:
             self._replicated_count[replicated] = self.nodes
         self.held, self._promise_count = {}, Counter()
         self.replicating, self._replicating_count = {}, Counter()
+        # Uploads reported by the previous run's incarnations speak for them only: kept, a
+        # rank whose dead incarnation uploaded a newer step would never be ordered to upload
+        # the restored (older) one, and its COMMIT would fail until training passed it.
+        self.uploaded = {}
+        self._tracked_upload, self._tracked_ranks, self._done = None, frozenset(), set()
 
     # --- one report -------------------------------------------------------------------------
 
