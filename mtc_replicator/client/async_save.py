@@ -391,10 +391,12 @@ class AsyncSaver:
             self._hook(name)
 
     def _write(self, path: Path, snap: Snapshot, needed: int) -> None:
-        snap.ready()
         hook = self._hook
 
         def save(f: BinaryIO) -> None:
+            # Waited for with the temp file already there: a preStop wait (``wait_saves``)
+            # sees the save in flight while the device copies land.
+            snap.ready()
             torch_io._torch_save(
                 snap.tree, f if hook is None else _Watched(f, hook), self.zip_crc32
             )
@@ -433,8 +435,11 @@ class AsyncSaver:
                 job.finished.set()
 
         job.thread = threading.Thread(target=run, name=f"mtc-save-{step}")
-        self._job = job
+        # Started before it is recorded as in flight: a SIGTERM handler that ran in between
+        # (this thread) would otherwise wait forever for a thread that cannot start until
+        # the handler returns.
         job.thread.start()
+        self._job = job
         return PendingSave(job)
 
     def _stager(self) -> Any:

@@ -257,7 +257,20 @@ class RayCheckpointer:
         self, session: _Session, step: int, state: Mapping[str, Any]
     ) -> PendingSave | None:
         if self._saver is None:
-            self._saver = AsyncSaver(session.directory, when_busy=self.when_busy)
+            when_busy = self.when_busy
+            if when_busy == "skip" and session.layout.world_size > 1:
+                # Each worker would decide alone: a step saved by some workers only (an
+                # incomplete step on the node) and Ray checkpoints mixing steps. A skip
+                # would have to be decided alike on every worker; waiting is.
+                log.warning(
+                    "job %s: when_busy='skip' is not applied with %d workers: a busy save "
+                    "waits, so that every worker saves the same steps",
+                    session.job,
+                    session.layout.world_size,
+                    extra={"job": session.job},
+                )
+                when_busy = "wait"
+            self._saver = AsyncSaver(session.directory, when_busy=when_busy)
         if self.mode == "files":
             return self._saver.save_file(
                 step,

@@ -201,17 +201,20 @@ class TuneCheckpointer:
             return
         if self._saver is None:
             self._saver = AsyncSaver(self.directory)
-        previous = self._pending
-        # The saver waits for the save in flight first (raising its failure): published.
-        self._pending = self._saver.save_file(step, state, job=self.job, rank=0, worker=0)
-        if previous is not None and previous.done():
+        previous, self._pending = self._pending, None
+        if previous is not None:
+            # The saver would wait for it too; its failure is raised here (once), and a
+            # failed step is never counted as published.
+            previous.wait()
             self._newest = previous.step
+        self._pending = self._saver.save_file(step, state, job=self.job, rank=0, worker=0)
 
     def _published(self) -> int | None:
         """The newest step on the RAM disk (a background save counts once written)."""
         if self._pending is not None and self._pending.done():
-            self._pending.wait(0)  # raises the background save's failure
-            self._newest, self._pending = self._pending.step, None
+            pending, self._pending = self._pending, None
+            pending.wait(0)  # raises the background save's failure (once: then forgotten)
+            self._newest = pending.step
         return self._newest
 
     def report(self, metrics: Mapping[str, Any], *, checkpoint: bool = True) -> None:

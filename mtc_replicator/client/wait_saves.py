@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mtc_replicator.core.contract import is_client_temp_name
+from mtc_replicator.core.contract import JOB_DIRS, is_client_temp_name
 
 CHECKPOINT_DIR_VARIABLES = ("MTC_CHECKPOINT_DIR", "CHECKPOINT_DIR")
 """Where the directory comes from when ``--dir`` is not given (our examples set the first)."""
@@ -35,16 +35,31 @@ DEFAULT_TIMEOUT = 20.0
 
 
 def saves_in_flight(directory: Path) -> list[str]:
-    """The names of our client's temporaries in ``directory``, sorted."""
+    """The names of our client's temporaries in ``directory`` and in its job directories
+    (``jobs/<job>/``, as ``jobs/<job>/<name>``; links are not followed), sorted."""
+    found = _temporaries(directory, "")
+    jobs = directory / JOB_DIRS
+    if jobs.is_dir() and not jobs.is_symlink():
+        try:
+            with os.scandir(jobs) as entries:
+                job_dirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            job_dirs = []
+        for job in job_dirs:
+            found += _temporaries(jobs / job, f"{JOB_DIRS}/{job}/")
+    return sorted(found)
+
+
+def _temporaries(directory: Path, prefix: str) -> list[str]:
     try:
-        entries = list(os.scandir(directory))
-    except FileNotFoundError:
+        with os.scandir(directory) as entries:
+            return [
+                prefix + e.name
+                for e in entries
+                if is_client_temp_name(e.name, is_dir=e.is_dir(follow_symlinks=False))
+            ]
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(
-        e.name
-        for e in entries
-        if is_client_temp_name(e.name, is_dir=e.is_dir(follow_symlinks=False))
-    )
 
 
 def wait_for_saves(
