@@ -226,21 +226,13 @@ class MemoryMounter:
 
     def bind(self, source: Path, target: Path) -> None:
         self._enter("bind", target)
-        with self._lock:
-            holder = self._holder(source)
-            rel = source.relative_to(holder.mount_point).as_posix()
-            root = holder.root if rel == "." else str(Path(holder.root) / rel)
-            self._add(
-                target,
-                device=holder.device,
-                root=root,
-                fs_type=holder.fs_type,
-                source=holder.source,
-                super_options=holder.super_options,
-            )
+        self._bind(source, target, frozenset({"rw"}))
 
     def bind_readonly(self, source: Path, target: Path) -> None:
         self._enter("bind_readonly", target)
+        self._bind(source, target, frozenset({"ro"}))
+
+    def _bind(self, source: Path, target: Path, options: frozenset[str]) -> None:
         with self._lock:
             holder = self._holder(source)
             rel = source.relative_to(holder.mount_point).as_posix()
@@ -252,7 +244,7 @@ class MemoryMounter:
                 fs_type=holder.fs_type,
                 source=holder.source,
                 super_options=holder.super_options,
-                options=frozenset({"ro"}),
+                options=options,
             )
 
     def unmount(self, target: Path) -> None:

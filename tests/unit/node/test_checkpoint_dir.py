@@ -37,15 +37,19 @@ CONFIG = JobConfig(
 ITEM = ItemId("job", 20, 1, 0)
 
 
-def store_with_item(tmp_path: Path) -> tuple[Path, LocalStore]:
+def store_with_item(
+    tmp_path: Path, item: ItemId = ITEM, files: tuple[str, ...] = ("shard",)
+) -> tuple[Path, LocalStore]:
+    """CHECKPOINT_DIR and its store, holding ``item`` of ``files`` (100 bytes each)."""
     ckpt = tmp_path / "checkpoint"
     ckpt.mkdir()
     store = LocalStore(ckpt)
     store.open()
     data = tmp_path / "data"
-    data.mkdir()
-    (data / "shard").write_bytes(b"x" * 100)
-    manifest = build_manifest(ITEM, data)
+    for name in files:
+        (data / name).parent.mkdir(parents=True, exist_ok=True)
+        (data / name).write_bytes(b"x" * 100)
+    manifest = build_manifest(item, data)
     staged = store.new_staging()
     os.rename(data, staged / "data")
     store.commit_staged(staged, manifest)

@@ -15,10 +15,10 @@ from mtc_replicator.cluster.rounds import RoundOutcome
 from mtc_replicator.core.contract import BackupInterval, Framework, JobConfig, marker_name
 from mtc_replicator.core.manifest import ItemId
 from mtc_replicator.local import store as store_mod
-from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.node import checkpoint_dir
 from mtc_replicator.node.checkpoint_dir import cleanup_workload_files, publish_markers
+from tests.unit.node.test_checkpoint_dir import store_with_item as with_item
 
 CONFIG = JobConfig(
     job_name="job",
@@ -33,19 +33,7 @@ ITEM = ItemId("job", 20, 0, 0)
 
 
 def store_with_item(tmp_path: Path) -> tuple[Path, LocalStore]:
-    ckpt = tmp_path / "checkpoint"
-    ckpt.mkdir()
-    store = LocalStore(ckpt)
-    store.open()
-    data = tmp_path / "data"
-    (data / "state").mkdir(parents=True)
-    for i in range(5):
-        (data / "state" / f"shard{i}").write_bytes(b"x" * 100)
-    manifest = build_manifest(ITEM, data)
-    staged = store.new_staging()
-    os.rename(data, staged / "data")
-    store.commit_staged(staged, manifest)
-    return ckpt, store
+    return with_item(tmp_path, ITEM, tuple(f"state/shard{i}" for i in range(5)))
 
 
 def outcome(step: int | None) -> RoundOutcome:
