@@ -321,6 +321,45 @@ def remove_tree(path: Path) -> None:
         pass
 
 
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap the names ``a`` and ``b`` in one step (renameat2 RENAME_EXCHANGE): whoever looks
+    sees one or the other at each name, never neither. OSError (ENOSYS, EINVAL) where the
+    kernel or filesystem cannot."""
+    if _LIBC is None or not hasattr(_LIBC, "renameat2"):
+        raise OSError(errno.ENOSYS, "renameat2 is not available here")
+    at_fdcwd = -100
+    if _LIBC.renameat2(
+        ctypes.c_int(at_fdcwd),
+        ctypes.c_char_p(os.fsencode(a)),
+        ctypes.c_int(at_fdcwd),
+        ctypes.c_char_p(os.fsencode(b)),
+        ctypes.c_uint(_RENAME_EXCHANGE),
+    ):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a))
+
+
+def replace_tree(src: Path, final: Path, trash: Path, *, swap: bool) -> None:
+    """``src`` put at ``final``, where a tree may be. With ``swap`` the two are exchanged in
+    one step and the old one discarded from ``src``, so a kill leaves one or the other;
+    without (or where the kernel cannot), the old one goes first, then the rename."""
+    if swap and final.exists():
+        try:
+            exchange(src, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSYS, errno.EINVAL):
+                raise
+        else:
+            discard_tree(src, trash)
+            return
+    if final.exists():
+        discard_tree(final, trash)
+    os.rename(src, final)
+
+
 def discard_tree(path: Path, trash: Path) -> None:
     """Make ``path`` vanish in one rename, then delete it at leisure.
 

@@ -111,12 +111,34 @@ def read_chunks(
         root, rel = path.parent, path.name
     fd = _open_regular(root, rel)
     try:
+        before = _fingerprint(os.fstat(fd))
+        read = 0
         while chunk := os.read(fd, size):
             if cancelled():
                 raise Cancelled(str(path))
+            read += len(chunk)
             yield chunk
+        after = os.fstat(fd)
+        # A pod that kept a descriptor may write while we read: the bytes yielded would
+        # then be no version of the file. A write moves mtime (fine-grained once queried,
+        # on kernels with multigrain timestamps); a link or chmod, which changes no byte,
+        # moves only ctime, so ctime is not compared.
+        if _fingerprint(after) != before or read != after.st_size:
+            raise ChangedWhileRead(str(path))
     finally:
         os.close(fd)
+
+
+class ChangedWhileRead(OSError):
+    """A file changed while it was read: what was read is no version of it. Taken data
+    stays where it is, to be hashed again (an ``OSError``: the ingest retries)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.EAGAIN, "changed while it was read", path)
+
+
+def _fingerprint(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def file_crc32c(
@@ -239,6 +261,10 @@ def build_manifest(
     try:
         dirs, files = walk_tree(top)
         entries = _hash_files(top, data, files, cancelled)
+        # A name added or removed meanwhile (by a pod that kept a descriptor of a directory)
+        # would leave a manifest the tree does not match.
+        if walk_tree(top) != (dirs, files):
+            raise ChangedWhileRead(str(data))
     finally:
         os.close(top)
     return Manifest(item, ItemKind.DIR, tuple(entries), tuple(dirs))

@@ -518,9 +518,16 @@ class LocalStore:
             fsutil.atomic_write_bytes(src / MANIFEST_FILE, manifest.to_json())
             final = self.item_dir(manifest.item)
             final.parent.mkdir(parents=True, exist_ok=True)
-            if final.exists():
-                fsutil.discard_tree(final, self.trash)
-            os.rename(src, final)
+            try:
+                # Staged copies are wiped at start: swapped, a kill leaves the old copy or
+                # the new; taken data survives under ingest/, so there the old may go first.
+                swap = not src.is_relative_to(self.ingest_root)
+                fsutil.replace_tree(src, final, self.trash, swap=swap)
+            except OSError:
+                if not final.exists():
+                    with self._lock:
+                        self._manifests.pop(manifest.item, None)  # its copy is gone
+                raise
             for parent in (src.parent, src.parent.parent):
                 if parent in (self.ingest_root, self.staging_root):
                     break
