@@ -57,6 +57,12 @@ class PoolHeld:
         """Whether ``job``'s items here came as pool copies."""
         return self._note(job).exists()
 
+    def of_several_nodes(self, job: str) -> bool:
+        """Whether this node holds items of ``job`` as a job of several nodes (a rank other
+        than 0: pool copies are rank 0 only): a pool copy must never be taken beside them,
+        or keeping the newest pool copies would delete the job's real rank-0 items."""
+        return any(i.rank != 0 for i in self.store.manifests(job))
+
     def settle(self, job: str, nodes: int) -> list[ItemId]:
         """``job`` starts here with ``nodes`` nodes: its pool copies become its own (one
         node), or are dropped (several); the items dropped."""

@@ -48,17 +48,23 @@ class PoolHolding:
         loop = asyncio.get_running_loop()
         producers = None if pusher in (None, LEGACY) else (pusher,)
         try:
-            newest, owner = await loop.run_in_executor(self.executor, self._read, item.job)
+            newest, owner, others = await loop.run_in_executor(self.executor, self._read, item.job)
         except BadOwner as exc:
             why = f"{item}: cannot tell whose this node is now, so it keeps no pool copy: {exc}"
             return Admission(Verdict.NOT_SERVED, why), UNOWNED, producers
+        if others:
+            why = (
+                f"{item}: this node holds items of job {item.job} of several nodes (it ran "
+                "here); a pool copy never goes beside them"
+            )
+            return Admission(Verdict.NOT_SERVED, why), owner, producers
         admission = admit_pool_copy(
             item, runs_here=runs_here, newest_held=newest, max_lead=self.max_lead
         )
         return admission, owner, producers
 
-    def _read(self, job: str) -> tuple[int | None, str]:
-        return self.held.newest(job), self.node_owner()
+    def _read(self, job: str) -> tuple[int | None, str, bool]:
+        return self.held.newest(job), self.node_owner(), self.held.of_several_nodes(job)
 
     async def committed(self, item: ItemId) -> None:
         loop = asyncio.get_running_loop()

@@ -234,7 +234,7 @@ class TlsMaterial:
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=pem.ca.decode("ascii", "replace"))
-        context.load_cert_chain(self.files.cert, self.files.key)
+        _load_chain(context, pem)  # the vetted bytes, never the files as they are now
         if server:
             # No TLS 1.3 session tickets: a pushing client never reads, and closing a socket
             # with unread tickets sends a reset that can cut the bytes still in flight.
@@ -244,6 +244,25 @@ class TlsMaterial:
         with self._lock:
             self._contexts[server] = (generation, context)
         return context
+
+
+def _load_chain(context: ssl.SSLContext, pem: _Pem) -> None:
+    """Load ``pem``'s certificate and key into ``context``: the material in use (vetted,
+    whole), not the files on disk, which may hold a rotation ``vet`` kept out or half of
+    one. ``ssl`` loads only from files: anonymous memory files (``memfd``), so the key
+    never touches a filesystem."""
+    fds: list[int] = []
+    try:
+        for data in (pem.cert, pem.key):
+            fd = os.memfd_create("mtc-tls", os.MFD_CLOEXEC)
+            fds.append(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        context.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def open_channel(
