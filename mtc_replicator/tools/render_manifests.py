@@ -399,8 +399,17 @@ def _tcp(*ports: int) -> list[Manifest]:
 def network_policy(c: NodeConfig) -> Manifest:
     """Ingress to the node stack's pods: peers on gRPC and data, one namespace and the
     controller's pods on metrics, kubelet's probes from anywhere (their source differs by
-    CNI; they say only healthy or not), nothing else. Egress stays open (peers,
-    coordinator, object store)."""
+    CNI; they say only healthy or not), the controller's pods on gRPC (sticky ranks),
+    nothing else. Egress stays open (peers, coordinator, object store)."""
+
+    def controller() -> Manifest:  # a new dict each time: YAML output would alias one
+        return {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": c.controller_namespace}
+            },
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": CONTROLLER}},
+        }
+
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -420,18 +429,13 @@ def network_policy(c: NodeConfig) -> Manifest:
                                 "matchLabels": {"kubernetes.io/metadata.name": c.metrics_namespace}
                             }
                         },
-                        {
-                            "namespaceSelector": {
-                                "matchLabels": {
-                                    "kubernetes.io/metadata.name": c.controller_namespace
-                                }
-                            },
-                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": CONTROLLER}},
-                        },
+                        controller(),
                     ],
                     "ports": _tcp(METRICS_PORT),
                 },
                 {"ports": _tcp(*PROBE_PORTS)},
+                # The controller on gRPC only: sticky ranks (Node/Status, Node/AssignRank).
+                {"from": [controller()], "ports": _tcp(GRPC_PORT)},
             ],
         },
     }

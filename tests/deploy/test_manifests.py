@@ -372,6 +372,11 @@ def _expected_ingress(
             "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
             render_manifests.METRICS_PORT,
         ),
+        # And on gRPC: sticky ranks (Node/Status, Node/AssignRank).
+        (
+            "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
+            render_manifests.GRPC_PORT,
+        ),
         ("*", render_manifests.HEALTH_PORT),
         ("*", render_manifests.PLUGIN_HEALTH_PORT),
         ("*", render_manifests.REGISTRAR_HEALTH_PORT),

@@ -204,6 +204,10 @@ def test_network_policy_follows_the_configuration() -> None:
             "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
             9464,
         ),
+        (
+            "namespace:kubernetes.io/metadata.name=mtc-system&pods:app.kubernetes.io/name=mtc-controller",
+            7070,
+        ),
         ("*", 7072),
         ("*", 9808),
         ("*", 9809),
