@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -207,6 +208,9 @@ class BackupOrders:
         self.uploaded: int | None = None
         """The newest ordered step done: uploaded, committed already, or no longer held."""
         self._task: asyncio.Task[None] | None = None
+        self._halt_ordered = threading.Event()
+        """Set to stop the ordered upload's thread: cancelling its task leaves the thread
+        uploading (the drain's upload would share the link with it)."""
         self._retry = Backoff(first=2.0, cap=UPLOAD_RETRY_MAX)
         self._retry_at = 0.0
         """After a failed upload, the order (repeated at every report) waits until then."""
@@ -231,6 +235,7 @@ class BackupOrders:
         ):
             return
         self.uploading = step
+        self._halt_ordered = threading.Event()
         self._task = asyncio.create_task(self._ordered(step), name=f"backup-{step}")
         # A task cancelled before its first step never runs ``_ordered``'s ``finally``.
         self._task.add_done_callback(lambda _: self._ended(step))
@@ -258,7 +263,7 @@ class BackupOrders:
         assert backups is not None
         self._log.info("backup of step %d ordered: uploading to %s", step, backups.url, step=step)
         try:
-            upload = await self._upload(backups, step)
+            upload = await self._upload(backups, step, self._halt_ordered.is_set)
         finally:
             self.uploading = None
         if upload.result is Uploaded.FAILED:
@@ -287,6 +292,8 @@ class BackupOrders:
         if task is None or task.done():
             return self.uploaded is not None and self.uploaded >= step
         if self.uploading != step:
+            # Its thread too: it stops at its next check (files in flight end).
+            self._halt_ordered.set()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             return False
@@ -340,5 +347,6 @@ class BackupOrders:
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():
+            self._halt_ordered.set()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

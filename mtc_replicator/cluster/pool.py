@@ -245,7 +245,6 @@ class PoolCopies:
         item = manifest.item
         if self.store.get(item) is None:
             return  # dropped by retention meanwhile
-        t0 = time.monotonic()
 
         async def push(holder: PoolMember) -> bool:
             if holder.node != self._holder:
@@ -259,9 +258,8 @@ class PoolCopies:
         if await self.view.dial(self.owner, name, push) is None:
             self._failed(f"node {name}'s pool entry is gone, stale or not signed by it")
             return
-        self.metrics.transfer(
-            TransferKind.REPLICATE_OUT, manifest.total_bytes, time.monotonic() - t0
-        )
+        # Counted (replicate_out) by the PeerClient's push, and only when the holder did not
+        # have the item already: counting it here too would count every pool copy twice.
         self._failing = None
 
     def _failed(self, why: str) -> None:

@@ -449,12 +449,14 @@ def find_newest_verified(
     job: str,
     steps: Iterable[int],
     progress: Callable[[VerifyPlan], Progress] = lambda _: _no_progress,
+    *,
     trust: RecordTrust = OPEN,
+    attested: ManifestTrust = OPEN_MANIFESTS,
 ) -> tuple[int | None, list[StepVerdict]]:
     """Verify ``steps`` from the highest down until one is OK: (that step, the verdicts)."""
     verdicts: list[StepVerdict] = []
     for step in sorted(steps, reverse=True):
-        plan = plan_verify(objects, job, step, trust)
+        plan = plan_verify(objects, job, step, trust, attested)
         if not plan.committed:
             continue
         verdict = run_verify(objects, plan, progress(plan))

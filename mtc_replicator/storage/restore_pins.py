@@ -316,14 +316,17 @@ def read_used_record(
 def write_used_record(objects: ObjectStore, used: UsedPin, trust: RecordTrust = OPEN) -> None:
     """Record in the bucket that a pin was honoured: create-only, signed when ``trust`` can
     sign. A record already there that ``trust`` believes stays (a retry, or another
-    coordinator of the job); one it does not believe (a bucket writer's) is replaced."""
+    coordinator of the job); one it does not believe (a bucket writer's), or one of another pin
+    moved here, is replaced."""
     key = used_key(used.job, used.pin_digest)
     sealed = trust.seal(USED_PIN_KIND, used.to_dict())
     try:
         objects.put_bytes(key, sealed, if_absent=True)
     except PreconditionFailed:
-        if read_used_record(objects, used.job, used.pin_digest, trust) is not None:
+        there = read_used_record(objects, used.job, used.pin_digest, trust)
+        if there is not None and (there.job, there.pin_digest) == (used.job, used.pin_digest):
             return
+        # Not believed, or another pin's record moved here: it says nothing of this pin.
         objects.put_bytes(key, sealed)
     log.info(
         "restore pin of job %s (step %d) recorded as used at %s",

@@ -312,9 +312,10 @@ def _verify_steps(
 
 def _verify_job(
     args: argparse.Namespace, objects: ObjectStore, job: str, *, required: bool
-) -> tuple[bool, dict[str, Any]]:
+) -> tuple[bool, dict[str, Any] | None]:
     """Verify one job's committed steps (or ``--step``); whether all are good, and the JSON.
-    A job with nothing committed fails when it was asked for by name (``required``)."""
+    A job with nothing committed fails when it was asked for by name (``required``): then,
+    as for a ``--step`` not committed, no JSON (not found: nothing on stdout)."""
     if args.step is not None:
         steps = [args.step]
     else:
@@ -323,13 +324,14 @@ def _verify_job(
     verdicts = _verify_steps(args, objects, job, steps)
     if verdicts is None:
         fail(f"step {args.step} of job {job} is not committed in {objects.url}")
-        return False, {"job": job, "ok": False, "steps": []}
+        return False, None
     ok = all(v.ok for v in verdicts) and (bool(verdicts) or not required)
     if not verdicts:
         message = f"job {job} has no committed backups in {objects.url}"
         if required:
             fail(message)
-        elif not args.json:
+            return False, None
+        if not args.json:
             print(message)
     elif not args.json:
         for v in verdicts:
@@ -342,7 +344,7 @@ def _verify_job(
 def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     if not args.all_jobs:
         ok, body = _verify_job(args, objects, args.job, required=True)
-        if args.json:
+        if args.json and body is not None:
             print_json({"url": objects.url, **body})
         return 0 if ok else 1
     if args.step is not None:
@@ -350,7 +352,8 @@ def _verify(args: argparse.Namespace, objects: ObjectStore, now: float) -> int:
     jobs = audit.list_jobs(objects)
     if not jobs:
         return fail(f"no backups in {objects.url}")
-    bodies = [_verify_job(args, objects, job, required=False)[1] for job in jobs]
+    results = [_verify_job(args, objects, job, required=False)[1] for job in jobs]
+    bodies = [b for b in results if b is not None]
     ok = all(b["ok"] for b in bodies)
     if args.json:
         print_json({"url": objects.url, "ok": ok, "jobs": bodies})

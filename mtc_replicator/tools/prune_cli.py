@@ -14,6 +14,7 @@ from typing import Any
 
 from mtc_replicator.core import argtypes
 from mtc_replicator.core import prune as retention
+from mtc_replicator.core.attestation import OPEN_MANIFESTS
 from mtc_replicator.core.humanize import count, human_age, human_bytes
 from mtc_replicator.storage import backup_audit as audit
 from mtc_replicator.storage import backup_prune
@@ -163,7 +164,11 @@ def _verify_newest(
         return bars[-1]
 
     try:
-        return audit.find_newest_verified(objects, job, committed, bar_for, args.trust)
+        # Attestations too, as a restore checks them (args.attested: --tls-ca).
+        attested = getattr(args, "attested", OPEN_MANIFESTS)
+        return audit.find_newest_verified(
+            objects, job, committed, bar_for, trust=args.trust, attested=attested
+        )
     finally:
         for b in bars:
             b.close()
