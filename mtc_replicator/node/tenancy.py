@@ -22,6 +22,7 @@ rescan.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import stat
@@ -174,6 +175,8 @@ class Tenancy:
         """Serve every job directory found that is not served yet (each a real directory,
         named as a job may be); forget those gone that run nothing. Returns the new ones."""
         found = _job_dir_names(self.checkpoint_dir)
+        if found is None:
+            return []  # not listed this time: the next scan sees
         for name in self._gone(found):
             if self.dirs[name].supervisor.incarnation is None:
                 self._forget(name)
@@ -206,7 +209,10 @@ class Tenancy:
         more, and until it ends the name is not served again."""
         if all(d.supervisor.incarnation is None for d in self.dirs.values()):
             return []  # no listing: the daemon's loop asks at every wake
-        gone = self._gone(_job_dir_names(self.checkpoint_dir))
+        found = _job_dir_names(self.checkpoint_dir)
+        if found is None:
+            return []
+        gone = self._gone(found)
         return [
             (name, self.dirs[name].supervisor)
             for name in gone
@@ -245,13 +251,17 @@ def _identity(fd: int) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _job_dir_names(checkpoint_dir: Path) -> dict[str, tuple[int, int]]:
+def _job_dir_names(checkpoint_dir: Path) -> dict[str, tuple[int, int]] | None:
     """The names under ``jobs/`` that are real directories named as a job may be, with
-    the directory each names (device, inode)."""
+    the directory each names (device, inode); None when ``jobs/`` could not be listed for
+    another reason than its absence (descriptors or memory ran out): nothing is known, and
+    no served directory may pass for gone (its job would be ended)."""
     try:
         parent = os.open(checkpoint_dir / JOB_DIRS, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
-        return {}  # none (or ``jobs`` is not a real directory: nothing served from it)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return {}  # none (or ``jobs`` is not a real directory: nothing served from it)
+        return None
     try:
         names = {}
         for name in os.listdir(parent):
@@ -263,9 +273,11 @@ def _job_dir_names(checkpoint_dir: Path) -> dict[str, tuple[int, int]]:
                 continue
             if stat.S_ISDIR(st.st_mode):
                 names[name] = (st.st_dev, st.st_ino)
-        return names
+    except OSError:
+        return None
     finally:
         os.close(parent)
+    return names
 
 
 def _open_job_dir(checkpoint_dir: Path, name: str) -> int | None:

@@ -248,3 +248,31 @@ def test_a_directory_removed_while_its_job_runs_is_an_orphan_until_the_job_ends(
     assert made["a"] is not first
     assert t.orphans() == []
     assert t.running_jobs() == {"b"}
+
+
+def test_a_listing_of_jobs_that_fails_ends_no_job_and_forgets_no_directory(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # Descriptors run out for a moment: jobs/ cannot be listed, which says nothing of the
+    # directories served, so none passes for gone (its job would be ended) or is forgotten.
+    root = tmp_path / "ckpt"
+    (root / JOB_DIRS / "a").mkdir(parents=True)
+    (root / JOB_DIRS / "b").mkdir()
+    t, made = _tenancy(root)
+    assert _scan(t) == ["a", "b"]
+    made["a"].incarnation = FakeIncarnation(_config("a"), "inc-a")
+    real_open = os.open
+
+    def no_descriptors(path: Any, *args: Any, **kwargs: Any) -> int:
+        if str(path).endswith(JOB_DIRS):
+            raise OSError(24, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(tenancy.os, "open", no_descriptors)
+        assert t.orphans() == []
+        assert _scan(t) == []
+        assert sorted(t.dirs) == ["a", "b"]
+    os.rmdir(root / JOB_DIRS / "b")
+    assert _scan(t) == []
+    assert sorted(t.dirs) == ["a"]  # listed again: b is gone and ran nothing
