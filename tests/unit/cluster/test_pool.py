@@ -143,7 +143,7 @@ def store(tmp_path: Path) -> LocalStore:
 
 
 def _commit(store: LocalStore, item: ItemId, tmp_path: Path) -> None:
-    src = tmp_path / f"src-{item.step}-{item.worker}"
+    src = tmp_path / f"src-{item.step}-{item.rank}-{item.worker}"
     src.mkdir()
     (src / "state").write_bytes(f"{item}".encode())
     manifest = build_manifest(item, src)

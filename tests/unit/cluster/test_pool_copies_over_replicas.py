@@ -19,24 +19,13 @@ from pathlib import Path
 
 from mtc_replicator.core.admission import Verdict
 from mtc_replicator.core.manifest import ItemId
-from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.local.pool_held import PoolHeld
 from mtc_replicator.local.store import LocalStore
 from mtc_replicator.transport.pool_holding import PoolHolding
+from tests.unit.cluster.test_pool import _commit
 
 JOB = "trainer"
 OWNER = "team-a"
-
-
-def _commit(store: LocalStore, item: ItemId, tmp_path: Path) -> None:
-    src = tmp_path / f"src-{item.step}-{item.rank}-{item.worker}"
-    src.mkdir()
-    (src / "state").write_bytes(f"{item}".encode())
-    manifest = build_manifest(item, src)
-    staged = store.new_staging()
-    (staged / "data").mkdir()
-    (staged / "data" / "state").write_bytes(f"{item}".encode())
-    store.commit_staged(staged, manifest)
 
 
 def test_a_pool_copy_never_deletes_a_jobs_replicas_held_here(tmp_path: Path) -> None:

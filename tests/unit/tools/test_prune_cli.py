@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from mtc_replicator.core.manifest import ItemId
+from mtc_replicator.core.attestation import Attested, ManifestTrust, Unattested
+from mtc_replicator.core.manifest import ItemId, Manifest
 from mtc_replicator.core.signed import OPEN
 from mtc_replicator.local.hashing import build_manifest
 from mtc_replicator.storage.backup import BackupStore
@@ -96,3 +97,24 @@ def test_a_job_with_nothing_stored_fails(
 ) -> None:
     assert prune_cli.run(args(job="other"), objects, NOW) == 1
     assert "no backups of job other" in capsys.readouterr().err
+
+
+class _RefusesStep300(ManifestTrust):
+    """Stands in for ``--tls-ca``: step 300's manifest lost its attestation (a bucket
+    writer stripped it: it is outside the digest the COMMIT pins), so a restore refuses it."""
+
+    def check(self, manifest: Manifest, owner: str, producers: Any = None) -> Attested:
+        if manifest.item.step == 300:
+            raise Unattested(f"{manifest.item}: its manifest is not signed by its producer")
+        return Attested.VERIFIED
+
+
+def test_verify_newest_checks_attestations_and_keeps_the_newest_restorable_step(
+    objects: MemoryObjectStore,
+) -> None:
+    # ``--verify-newest`` under ``--tls-ca`` judges a step as a restore does, attestations
+    # included: step 300 does not restore, so 200 is the newest verified, and kept.
+    prune_cli.run(
+        args(verify_newest=True, apply=True, json=True, attested=_RefusesStep300()), objects, NOW
+    )
+    assert 200 in BackupStore(objects).committed_steps("j")
