@@ -177,8 +177,9 @@ def check_identity(tls: TlsMaterial, now: dt.datetime | None = None) -> None:
         raise TlsError(f"{where}: a TLS handshake with itself fails: {exc}; {remedy}") from None
 
 
-def _handshake_with_self(tls: TlsMaterial) -> None:
-    """One TLS handshake between this node's server and client contexts, in memory."""
+def _handshake_with_self(tls: TlsMaterial) -> ssl.SSLObject:
+    """One TLS handshake between this node's server and client contexts, in memory; the
+    client's end (its peer certificate is the one the server context presents)."""
     server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
     server = tls.server_context().wrap_bio(server_in, server_out, server_side=True)
     client = tls.client_context().wrap_bio(
@@ -197,7 +198,7 @@ def _handshake_with_self(tls: TlsMaterial) -> None:
         server_in.write(client_out.read())
         client_in.write(server_out.read())
         if all(done.values()):
-            return  # the server checked the client's certificate in its last step
+            return client  # the server checked the client's certificate in its last step
     raise ssl.SSLError("the handshake did not finish")
 
 

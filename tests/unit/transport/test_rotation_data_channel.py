@@ -9,7 +9,6 @@ first data connection after such a rotation presented the refused certificate.
 
 from __future__ import annotations
 
-import ssl
 import time
 from pathlib import Path
 
@@ -18,30 +17,13 @@ from cryptography import x509
 from mtc_replicator.core.identity import NotANode
 from mtc_replicator.tools import certs
 from mtc_replicator.transport.identity import keeps_node, node_of, own_node
+from mtc_replicator.transport.signing import _handshake_with_self
 from mtc_replicator.transport.tls import TlsMaterial
 
 
 def _presented(tls: TlsMaterial) -> str:
     """The node the data channel's server context presents, seen from its own client."""
-    server_in, server_out, client_in, client_out = (ssl.MemoryBIO() for _ in range(4))
-    server = tls.server_context().wrap_bio(server_in, server_out, server_side=True)
-    client = tls.client_context().wrap_bio(
-        client_in, client_out, server_side=False, server_hostname=tls.server_name
-    )
-    done = {id(server): False, id(client): False}
-    for _ in range(10):
-        for end in (client, server):
-            if not done[id(end)]:
-                try:
-                    end.do_handshake()
-                    done[id(end)] = True
-                except ssl.SSLWantReadError:
-                    pass
-        server_in.write(client_out.read())
-        client_in.write(server_out.read())
-        if all(done.values()):
-            break
-    der = client.getpeercert(binary_form=True)
+    der = _handshake_with_self(tls).getpeercert(binary_form=True)
     assert der is not None
     try:
         return node_of(x509.load_der_x509_certificate(der), tls.rule)
